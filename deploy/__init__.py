@@ -1,0 +1,1 @@
+"""Launchers and deployment files: the `hybridpd` CLI, the Ray launcher, Helm chart, Prometheus/Grafana config."""

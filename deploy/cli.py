@@ -1,0 +1,123 @@
+"""The `hybridpd` command line: serve, worker, proxy, generate, init-model, bench.
+
+Bad input ends with a one-line message on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from engine.errors import HybridPDError
+
+FAMILIES = ("nemotron_h", "qwen3_5")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-format checkpoint dir (default: the built-in tiny model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--checkpoint-interval", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--zero-fresh-blocks", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    return EngineConfig(
+        model=ModelConfig(path=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          seed=args.seed),
+        cache=CacheConfig(
+            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+            checkpoint_interval=args.checkpoint_interval, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization, zero_fresh_blocks=args.zero_fresh_blocks,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from engine.models.checkpoint import write_random_checkpoint
+
+    overrides = json.loads(args.overrides) if args.overrides else {}
+    path = write_random_checkpoint(args.out, args.family, seed=args.seed, **overrides)
+    print(f"wrote random-weight {args.family} checkpoint to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(
+        model=cfg.model.path, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop or ()))
+    prompts = args.prompt or ["Hello, hybrid world"]
+    for out in llm.generate(prompts, params):
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "num_cached_tokens": out.num_cached_tokens}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridpd", description="Disaggregated prefill/decode for hybrid LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-model", help="write a small random-weight HF-format hybrid checkpoint")
+    p.add_argument("--family", required=True, choices=FAMILIES)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overrides", default=None, help="JSON dict of config overrides (e.g. hidden_size)")
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("generate", help="offline generation with the colocated engine")
+    _engine_args(p)
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.set_defaults(func=cmd_generate)
+
+    from deploy import commands
+
+    commands.add_serving_commands(sub, _engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except HybridPDError as e:
+        print(f"hybridpd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""One pool of fixed-size pages (attention blocks or recurrent-state slots) for one cache group.
+
+Ownership: the group's manager allocates and frees; the pool owns ref counts, the free queue and the
+hash -> block map, and nothing else. Block 0 is the null block: never handed out, never freed.
+
+    free queue (eviction order, front first):  [b7 (no hash)] [b3 (hash h3)] [b9 (hash h9)] ...
+    allocate(n)  pops from the front, dropping a popped block's hash (eviction);
+    free(ids)    appends to the back (callers pass a request's blocks tail first, so tails go first);
+    touch(ids)   takes cached blocks out of the queue (ref 0 -> 1) or adds a reference.
+
+Blocks in the queue with a hash are *cached* (reusable on a hit, evictable); without one they are *free*.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from engine.cache.specs import NULL_BLOCK_ID
+
+
+class PoolExhaustedError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, name: str = "pool") -> None:
+        if num_blocks < 2:
+            raise ValueError(f"{name}: a pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        self.name = name
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.ref_cnt[NULL_BLOCK_ID] = 1  # pinned forever
+        self.num_evictions = 0
+
+    # -- queries -----------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (free + cached-evictable)."""
+        return len(self._queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.capacity
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def free_block_ids(self) -> list[int]:
+        """Blocks nobody references (free or cached), in eviction order. For poisoning tests and zeroing."""
+        return list(self._queue)
+
+    # -- mutation ----------------------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._queue):
+            raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {len(self._queue)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._queue.popitem(last=False)
+            self._evict_hash(block_id)
+            self.ref_cnt[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if b == NULL_BLOCK_ID:
+                continue
+            if self.ref_cnt[b] == 0:
+                del self._queue[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if b == NULL_BLOCK_ID:
+                continue
+            if self.ref_cnt[b] <= 0:
+                raise RuntimeError(f"{self.name}: double free of block {b}")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self._queue[b] = None
+
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)
+        when another block already holds that content or this block is already named."""
+        if block_id == NULL_BLOCK_ID or block_hash in self.cached or self.block_hash[block_id] is not None:
+            return False
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+        return True
+
+    def uncache(self, block_id: int) -> None:
+        self._evict_hash(block_id, count=False)
+
+    def _evict_hash(self, block_id: int, count: bool = True) -> None:
+        h = self.block_hash[block_id]
+        if h is not None:
+            self.block_hash[block_id] = None
+            if self.cached.get(h) == block_id:
+                del self.cached[h]
+            if count:
+                self.num_evictions += 1
+
+    # -- integrity ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        cached = sum(1 for b in self._queue if self.block_hash[b] is not None)
+        in_use = sum(1 for b in range(1, self.num_blocks) if self.ref_cnt[b] > 0)
+        return {"total": self.capacity, "free": len(self._queue) - cached, "cached": cached, "in_use": in_use}
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total; queue holds exactly the unreferenced blocks; hash map consistent."""
+        s = self.stats()
+        assert s["free"] + s["cached"] + s["in_use"] == s["total"], (self.name, s)
+        assert self.ref_cnt[NULL_BLOCK_ID] >= 1 and NULL_BLOCK_ID not in self._queue, self.name
+        for b in range(1, self.num_blocks):
+            assert self.ref_cnt[b] >= 0, (self.name, b)
+            assert (self.ref_cnt[b] == 0) == (b in self._queue), (self.name, b, self.ref_cnt[b])
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, (self.name, b)
+        assert sum(h is not None for h in self.block_hash) == len(self.cached), self.name

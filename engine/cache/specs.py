@@ -1,0 +1,105 @@
+"""Cache specs: what one layer needs cached, described without tensors.
+
+Layers with equal specs form a *group*; a group shares one pool and one block table (attention) or one state
+slot per request (recurrent). Dtypes are strings ("float32", "bfloat16", "float16") so the control plane stays
+tensor-free; the runner maps them to torch dtypes when it allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+PAD_SLOT_ID = -1
+"""Index used for padded rows in every kernel index tensor (slot mapping, state indices). Kernels skip it;
+block/slot 0 (the null block) is never read or written on behalf of a padded row."""
+
+NULL_BLOCK_ID = 0
+"""Block 0 of every pool is the null block: never handed out, never holds data anyone reads."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported cache dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Paged K/V for one attention layer. One page = one block = K and V of `block_size` tokens.
+
+    Tensor layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (block-major, so a run of
+    consecutive block ids is one contiguous byte range: one NIXL descriptor, one zeroing segment)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    kind = "attention"
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.page_bytes // self.block_size
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """Fixed-size recurrent state of one Mamba-2 or Gated-DeltaNet layer: a conv state and an SSM state.
+
+    Tensor layout per layer: conv [num_slots, *conv_shape], ssm [num_slots, *ssm_shape]. A request holds one
+    running slot; checkpoints (state after k * checkpoint_interval tokens) live in other slots of the same pool."""
+
+    kind: str  # "mamba2" | "gated_deltanet"
+    conv_shape: tuple[int, ...]
+    conv_dtype: str
+    ssm_shape: tuple[int, ...]
+    ssm_dtype: str
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.conv_shape) * dtype_bytes(self.conv_dtype) + math.prod(self.ssm_shape) * dtype_bytes(
+            self.ssm_dtype
+        )
+
+
+CacheSpec = Union[FullAttentionSpec, RecurrentStateSpec]
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers sharing one spec (and so one pool / one block table)."""
+
+    group_id: int
+    spec: CacheSpec
+    layer_ids: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def is_attention(self) -> bool:
+        return isinstance(self.spec, FullAttentionSpec)
+
+    @property
+    def page_bytes_all_layers(self) -> int:
+        """Bytes one block (attention) or one state slot (recurrent) costs across all layers of the group."""
+        return self.spec.page_bytes * len(self.layer_ids)
+
+
+def group_layers(layer_specs: dict[int, CacheSpec]) -> list[CacheGroup]:
+    """Group layers by equal spec, attention groups first, in layer order within a group."""
+    by_spec: dict[CacheSpec, list[int]] = {}
+    for layer_id in sorted(layer_specs):
+        by_spec.setdefault(layer_specs[layer_id], []).append(layer_id)
+    ordered = sorted(by_spec.items(), key=lambda kv: (not isinstance(kv[0], FullAttentionSpec), kv[1][0]))
+    return [CacheGroup(i, spec, tuple(layers)) for i, (spec, layers) in enumerate(ordered)]

@@ -1,0 +1,198 @@
+"""EngineCore: the step loop both roles share (scheduler + cache manager + runner + stop checks).
+
+    add_request -> [waiting] --schedule--> [running] --execute--> sampled tokens --check_stop--> outputs
+
+Ownership: one thread calls add_request/step/abort (workers serialise calls onto their step thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.coordinator import HybridCacheManager
+from engine.cache.planner import CapacityPlan, plan_capacity
+from engine.cache.specs import group_layers
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.request import Request, RequestOutput
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("hybridpd.engine")
+
+DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_zeroed_blocks: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.models.registry import load_model, read_model_config
+
+        config.validate()
+        self.config = config
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        self.device = torch.device(mc.device)
+        hf_config = read_model_config(mc.path)
+        self.model = load_model(mc.path, mc.dtype, mc.device)
+        model_max = int(hf_config.get("max_position_embeddings") or 4096)
+        self.max_model_len = mc.max_model_len or model_max
+        specs = self.model.cache_specs(cc.block_size)
+        self.groups = group_layers(specs)
+        self.has_recurrent = any(not g.is_attention for g in self.groups)
+        self.plan = self._plan(specs)
+        log.info(self.plan.log_line())
+        if self.plan.attention_blocks and self.plan.token_capacity < self.max_model_len:
+            raise InvalidRequestError(
+                f"the KV cache holds {self.plan.token_capacity} tokens, fewer than max_model_len="
+                f"{self.max_model_len}: raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        self.cache = HybridCacheManager(self.groups, self.plan.layout(), cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, self.cache)
+        zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
+        num_layers = int(getattr(self.model, "num_layers", max(specs) + 1))
+        self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
+        self.eos_token_ids = tuple(self.model.eos_token_ids)
+        self.vocab_size = int(self.model.vocab_size)
+        self.tokenizer = self._load_tokenizer(mc.path)
+        self.stats = StepStats()
+        self._next_arrival = 0
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _plan(self, specs: dict) -> CapacityPlan:
+        cc, sc = self.config.cache, self.config.scheduler
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
+        ckpt = cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else 2 * sc.max_num_seqs
+        return plan_capacity(
+            self.groups, budget, sc.max_num_seqs, ckpt, self.max_model_len, cc.resolved_checkpoint_interval()
+        )
+
+    def _cuda_budget(self) -> int:
+        """gpu_memory_utilization * total - (weights + activation peak of one max-size step, measured)."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        tokens = self.config.scheduler.max_num_batched_tokens
+        hidden = int(getattr(self.model, "hidden_size", 4096))
+        activation = 16 * tokens * hidden * 4 + self.vocab_estimate() * 4 * min(tokens, 1024)
+        budget = int(self.config.cache.gpu_memory_utilization * total) - used_by_others - weights - activation
+        if budget <= 0:
+            raise InvalidRequestError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+        return budget
+
+    def vocab_estimate(self) -> int:
+        return int(getattr(self.model, "vocab_size", 32000))
+
+    @staticmethod
+    def _load_tokenizer(path: str):  # type: ignore[no-untyped-def]
+        try:
+            from engine.tokenizer import Tokenizer
+
+            return Tokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer still serves token ids
+            log.warning("no tokenizer loaded from %s (%s): text output disabled", path, e)
+            return None
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len} (prompt plus at least one generated "
+                f"token must fit)"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        compute_target: int | None = None,
+    ) -> Request:
+        self.validate_prompt(prompt_token_ids)
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
+        )
+        self._next_arrival += 1
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self.runner.sampler.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
+        out: SchedulerOutput = self.scheduler.schedule()
+        params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
+        sampled = self.runner.execute(out, params)
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += out.num_tokens
+        advanced = self.scheduler.update_from_output(out, sampled)
+        for req in advanced:
+            if req.compute_target is not None and req.num_computed_tokens >= req.compute_target:
+                self.scheduler.finish(req, "prefilled", free_caches=False)
+            elif req.request_id in sampled:
+                reason = self.check_stop(req)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    self.runner.sampler.forget(req.request_id)
+        return advanced
+
+    def check_stop(self, req: Request) -> str | None:
+        p = req.sampling_params
+        tok = req.output_token_ids[-1]
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            req.stop_reason = tok
+            return "stop"
+        if tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids)
+            for s in p.stop:
+                if s in text:
+                    req.stop_reason = s
+                    return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def output_text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids)
+        if isinstance(req.stop_reason, str):
+            text = text[: text.find(req.stop_reason)] if req.stop_reason in text else text
+        return text
+
+    def make_output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            text=self.output_text(req), logprobs=list(req.output_logprobs),
+            num_cached_tokens=max(req.num_cached_tokens, 0), finish_reason=req.finish_reason,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def kv_cache_info(self) -> dict[str, int]:
+        return self.plan.as_dict()

@@ -1,0 +1,1 @@
+"""Device kernels the runner launches outside the model's forward (cache maintenance)."""

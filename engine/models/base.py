@@ -1,0 +1,52 @@
+"""The contract between the runner and a model family.
+
+Ownership: the runner allocates every cache tensor (from `cache_specs`) once at start-up and passes them to
+`forward` each step; the model reads and writes them in place and never allocates cache memory itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Union
+
+import torch
+
+from engine.cache.specs import CacheSpec
+from engine.models.batch import ForwardBatch
+
+
+@dataclass
+class AttentionCache:
+    kv: torch.Tensor
+    """[num_blocks, 2, block_size, num_kv_heads, head_dim]; [:, 0] is K, [:, 1] is V. Block 0 = null block."""
+
+
+@dataclass
+class StateCache:
+    conv: torch.Tensor
+    """[num_slots, *conv_shape]. Slot 0 = null slot, never read or written."""
+    ssm: torch.Tensor
+    """[num_slots, *ssm_shape]."""
+
+
+LayerCache = Optional[Union[AttentionCache, StateCache]]
+"""Per layer: AttentionCache for attention layers, StateCache for recurrent layers, None for MLP/MoE layers."""
+
+
+class CausalLM(Protocol):
+    """What every model family provides (see engine.models.registry.load_model)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def cache_specs(self, block_size: int) -> dict[int, CacheSpec]:
+        """Cache spec for every layer that needs a cache, keyed by layer index."""
+        ...
+
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every flat token of the batch."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, [n, vocab]."""
+        ...

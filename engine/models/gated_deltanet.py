@@ -1,0 +1,221 @@
+"""Gated-DeltaNet linear-attention mixer (Qwen3.5 `linear_attn`).
+
+    in_proj_qkv -> causal depthwise conv1d + silu -> q, k (L2-normalised, q scaled by 1/sqrt(dk)), v
+    in_proj_b -> beta = sigmoid(b);  in_proj_a -> g = -exp(A_log) * softplus(a + dt_bias)   (log decay <= 0)
+    per value head:  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
+    o -> RMSNorm(o) * silu(z) (per head) -> out_proj
+
+State contract (per layer, per slot of the runner's StateCache):
+
+    conv [conv_dim, conv_kernel - 1]         the last K-1 conv inputs, oldest first   (dtype: model dtype)
+    ssm  [num_v_heads, head_k_dim, head_v_dim]                                        (dtype: float32)
+
+Same rules as the Mamba-2 mixer: `has_initial_state` or zeros (the slot is then never read), final state in the
+running slot, checkpoint states in their dest slots. Prefill chunks use the chunked (UT-transform) form in pieces
+that end at every checkpoint; single-token sequences are batched through the recurrent form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.specs import RecurrentStateSpec
+from engine.models.base import StateCache
+from engine.models.layers import (
+    RecurrentDecode,
+    RecurrentSeq,
+    StepMetadata,
+    causal_conv_chunk,
+    causal_conv_step,
+    get_activation,
+    piece_bounds,
+    rms_normalize,
+    segsum,
+)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Shapes and options of one Gated-DeltaNet mixer (Qwen3.5 config names in comments)."""
+
+    hidden_size: int
+    num_k_heads: int  # linear_num_key_heads
+    num_v_heads: int  # linear_num_value_heads
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
+    activation: str  # hidden_act
+    norm_eps: float  # rms_norm_eps
+    chunk_size: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_spec(self, conv_dtype: str) -> RecurrentStateSpec:
+        return RecurrentStateSpec(
+            kind="gated_deltanet",
+            conv_shape=(self.conv_dim, self.conv_kernel - 1),
+            conv_dtype=conv_dtype,
+            ssm_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            ssm_dtype="float32",
+        )
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * rmsnorm(x), then times silu(gate) (norm before gate), in x's dtype (Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out = self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gdn_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact gated delta rule over one short piece (fp32), starting from state [H, K, V].
+
+    q, k [l, H, K]; v [l, H, V]; g, beta [l, H]. With gamma_t = sum_{k<=t} g_k and the per-token update
+    u_t = beta_t (v_t - S_{t-1}'^T k_t) (S' = decayed state), the u solve a unit lower-triangular system
+        (I + tril_{-1}(beta_t e^{gamma_t - gamma_s} k_t.k_s)) u = beta v - beta e^{gamma} (k S_0)
+    and o_t = e^{gamma_t} S_0^T q_t + sum_{s<=t} e^{gamma_t - gamma_s} (q_t.k_s) u_s.
+    Returns (o [l, H, V], final state [H, K, V])."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, l, *]
+    g, beta = g.t(), beta.t()  # [H, l]
+    seg = segsum(g)
+    decay = torch.exp(seg)  # [H, t, s], zero above the diagonal
+    gamma = torch.cumsum(g, dim=-1)
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    rhs = torch.cat((v * beta[..., None], k_beta * torch.exp(gamma)[..., None]), dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_v, w = sol.split([v.shape[-1], k.shape[-1]], dim=-1)
+    u = u_v - w @ state
+    out = (q * torch.exp(gamma)[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ u
+    to_end = torch.exp(seg[:, -1, :])[..., None]  # [H, s, 1]
+    new_state = torch.exp(gamma[:, -1])[:, None, None] * state + (k * to_end).transpose(-1, -2) @ u
+    return out.transpose(0, 1), new_state
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameter names match the HF checkpoint (`...linear_attn.in_proj_qkv.weight`, `in_proj_z`, `in_proj_b`,
+    `in_proj_a`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`)."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, cfg.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False, padding=cfg.conv_kernel - 1
+        )
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_v_heads))
+        self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
+        self.act = get_activation(cfg.activation)
+
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
+        cfg = self.cfg
+        n = hidden.shape[0]
+        qkv = self.in_proj_qkv(hidden)
+        z = self.in_proj_z(hidden).view(n, cfg.num_v_heads, cfg.head_v_dim)
+        beta = self.in_proj_b(hidden).sigmoid().float()
+        g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
+        core = torch.zeros(n, cfg.num_v_heads, cfg.head_v_dim, dtype=torch.float32, device=hidden.device)
+        for s in meta.rec_seqs:
+            rows = slice(s.start, s.start + s.length)
+            core[rows] = self._chunk(qkv[rows], g[rows], beta[rows], s, cache)
+        d = meta.rec_decode
+        if d is not None:
+            core[d.tokens] = self._decode(qkv[d.tokens], g[d.tokens], beta[d.tokens], d, cache)
+        out = self.norm(core.to(hidden.dtype), z)
+        return self.out_proj(out.reshape(n, cfg.value_dim))
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0, :]
+
+    def _split(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output [n, conv_dim] -> q, k [n, Hv, K] (normalised, GQA-expanded), v [n, Hv, V]; fp32."""
+        cfg = self.cfg
+        n = xc.shape[0]
+        q, k, v = xc.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        rep = cfg.num_v_heads // cfg.num_k_heads
+        q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)).repeat_interleave(rep, dim=1)
+        k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim)).repeat_interleave(rep, dim=1)
+        return q * cfg.head_k_dim**-0.5, k, v.reshape(n, cfg.num_v_heads, cfg.head_v_dim)
+
+    def _chunk(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s: RecurrentSeq, cache: StateCache
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        init_conv = cache.conv[s.slot] if s.has_initial_state else None
+        xc, conv_states = causal_conv_chunk(qkv, init_conv, self._conv_weight(), self.conv1d.bias, s.cuts)
+        q, k, v = self._split(self.act(xc))
+        if s.has_initial_state:
+            state = cache.ssm[s.slot].float()
+        else:
+            state = torch.zeros(cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(v)
+        states: dict[int, torch.Tensor] = {}
+        for a, b in piece_bounds(s.cuts, cfg.chunk_size):
+            out[a:b], state = gdn_piece(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
+            if b in s.dests:
+                states[b] = state
+        for cut, conv_state in zip(s.cuts, conv_states):
+            for dest in s.dests[cut]:
+                cache.conv[dest] = conv_state.to(cache.conv.dtype)
+                cache.ssm[dest] = states[cut].to(cache.ssm.dtype)
+        return out
+
+    def _decode(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, d: RecurrentDecode, cache: StateCache
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        n = qkv.shape[0]
+        conv_prev = torch.zeros(n, *cache.conv.shape[1:], dtype=cache.conv.dtype, device=qkv.device)
+        state = torch.zeros(
+            n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=torch.float32, device=qkv.device
+        )
+        if d.state_rows.numel() > 0:
+            conv_prev[d.state_rows] = cache.conv[d.state_slots]
+            state[d.state_rows] = cache.ssm[d.state_slots].float()
+        xc, conv_new = causal_conv_step(qkv, conv_prev, self._conv_weight(), self.conv1d.bias)
+        q, k, v = self._split(self.act(xc))
+        state = state * torch.exp(g)[:, :, None, None]
+        delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[:, :, None]
+        state = state + k[..., None] * delta[:, :, None, :]
+        out = torch.einsum("bhkv,bhk->bhv", state, q)
+        cache.conv[d.slots] = conv_new.to(cache.conv.dtype)
+        cache.ssm[d.slots] = state.to(cache.ssm.dtype)
+        if d.copy_src.numel() > 0:
+            cache.conv[d.copy_dst] = cache.conv[d.copy_src]
+            cache.ssm[d.copy_dst] = cache.ssm[d.copy_src]
+        return out
+
+
+__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "GatedRMSNorm", "gdn_piece", "l2norm"]

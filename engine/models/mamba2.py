@@ -1,0 +1,204 @@
+"""Mamba-2 mixer (as in NemotronH): in_proj -> causal depthwise conv1d -> selective SSM -> gated RMSNorm -> out_proj.
+
+State contract (per layer, per slot of the runner's StateCache):
+
+    conv [conv_dim, conv_kernel - 1]   the last K-1 conv inputs, oldest first        (dtype: model dtype)
+    ssm  [num_heads, head_dim, state_size]                                            (dtype: mamba_ssm_cache_dtype)
+
+A sequence with `has_initial_state` reads its slot; otherwise it starts from zeros and never reads the slot. After
+the step the final state is in the running slot and every checkpoint (num_tokens, dest) holds the state after
+that many tokens. Prefill chunks use the chunked (segment) form of the SSD recurrence, split into pieces that end at
+every checkpoint, so intermediate states come out exactly; single-token sequences are batched into one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.specs import RecurrentStateSpec
+from engine.models.base import StateCache
+from engine.models.layers import (
+    RecurrentDecode,
+    RecurrentSeq,
+    StepMetadata,
+    causal_conv_chunk,
+    causal_conv_step,
+    get_activation,
+    piece_bounds,
+    segsum,
+)
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Shapes and options of one Mamba-2 mixer (NemotronH config names in comments)."""
+
+    hidden_size: int
+    num_heads: int  # mamba_num_heads
+    head_dim: int  # mamba_head_dim
+    n_groups: int
+    state_size: int  # ssm_state_size
+    conv_kernel: int
+    chunk_size: int
+    use_bias: bool  # in_proj / out_proj bias
+    use_conv_bias: bool
+    activation: str  # mamba_hidden_act
+    norm_eps: float  # layer_norm_epsilon (gated norm)
+    time_step_min: float  # dt is clamped to [time_step_min, inf) as transformers does
+    ssm_dtype: str  # mamba_ssm_cache_dtype
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def state_spec(self, conv_dtype: str) -> RecurrentStateSpec:
+        return RecurrentStateSpec(
+            kind="mamba2",
+            conv_shape=(self.conv_dim, self.conv_kernel - 1),
+            conv_dtype=conv_dtype,
+            ssm_shape=(self.num_heads, self.head_dim, self.state_size),
+            ssm_dtype=self.ssm_dtype,
+        )
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """y * silu(z), then RMS-normalised per group of `group_size` channels, times weight; fp32 in and out."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x = y.float() * F.silu(gate.float())
+        groups = x.view(*x.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * groups.view(x.shape)
+
+
+def ssd_piece(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, h0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact SSD over one short piece (all fp32), starting from state h0 [H, P, N].
+
+    x [l, H, P], dt [l, H], A [H], B/C [l, H, N].  With a_t = dt_t A and gamma_t = sum_{k<=t} a_k:
+        h_t = exp(gamma_t) h0 + sum_{s<=t} exp(gamma_t - gamma_s) dt_s x_s B_s^T,     y_t = C_t . h_t
+    Returns (y [l, H, P] without the D skip, h_end [H, P, N])."""
+    a = (dt * A).t()  # [H, l]
+    seg = segsum(a)  # [H, t, s]
+    weights = torch.einsum("thn,shn->hts", C, B) * torch.exp(seg) * dt.t()[:, None, :]
+    y = torch.einsum("hts,shp->thp", weights, x)
+    gamma = torch.cumsum(a, dim=-1)  # [H, l]
+    y = y + torch.exp(gamma).t()[:, :, None] * torch.einsum("thn,hpn->thp", C, h0)
+    to_end = torch.exp(seg[:, -1, :]) * dt.t()  # [H, s]
+    h_end = torch.exp(gamma[:, -1])[:, None, None] * h0 + torch.einsum("hs,shp,shn->hpn", to_end, x, B)
+    return y, h_end
+
+
+class Mamba2Mixer(nn.Module):
+    """Parameter names match the HF checkpoint (`...mixer.in_proj.weight`, `conv1d`, `A_log`, `D`, `dt_bias`,
+    `norm.weight`, `out_proj.weight`)."""
+
+    def __init__(self, cfg: Mamba2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inter, conv_dim = cfg.intermediate_size, cfg.conv_dim
+        self.in_proj = nn.Linear(cfg.hidden_size, inter + conv_dim + cfg.num_heads, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, cfg.conv_kernel, groups=conv_dim, bias=cfg.use_conv_bias, padding=cfg.conv_kernel - 1
+        )
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_heads))
+        self.D = nn.Parameter(torch.ones(cfg.num_heads))
+        self.norm = GroupGatedRMSNorm(inter, inter // cfg.n_groups, cfg.norm_eps)
+        self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.use_bias)
+        self.act = get_activation(cfg.activation)
+
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
+        cfg = self.cfg
+        gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        y = torch.zeros(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=hidden.device)
+        for s in meta.rec_seqs:
+            rows = slice(s.start, s.start + s.length)
+            y[rows] = self._chunk(xbc[rows], dt[rows], s, cache)
+        d = meta.rec_decode
+        if d is not None:
+            y[d.tokens] = self._decode(xbc[d.tokens], dt[d.tokens], d, cache)
+        out = self.norm(y.view(hidden.shape[0], -1), gate)
+        return self.out_proj(out.to(hidden.dtype))
+
+    # -- pieces ----------------------------------------------------------------------------------------------
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0, :]
+
+    def _split(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output [..., conv_dim] -> x [..., H, P], B and C [..., H, N] (groups expanded), fp32."""
+        cfg = self.cfg
+        gn = cfg.n_groups * cfg.state_size
+        x, B, C = xc.float().split([cfg.intermediate_size, gn, gn], dim=-1)
+        lead = x.shape[:-1]
+        rep = cfg.num_heads // cfg.n_groups
+        B = B.reshape(*lead, cfg.n_groups, cfg.state_size).repeat_interleave(rep, dim=-2)
+        C = C.reshape(*lead, cfg.n_groups, cfg.state_size).repeat_interleave(rep, dim=-2)
+        return x.reshape(*lead, cfg.num_heads, cfg.head_dim), B, C
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        return F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.cfg.time_step_min)
+
+    def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, s: RecurrentSeq, cache: StateCache) -> torch.Tensor:
+        cfg = self.cfg
+        init_conv = cache.conv[s.slot] if s.has_initial_state else None
+        xc, conv_states = causal_conv_chunk(xbc, init_conv, self._conv_weight(), self.conv1d.bias, s.cuts)
+        x, B, C = self._split(self.act(xc))
+        dt = self._dt(dt)
+        A = -torch.exp(self.A_log.float())
+        if s.has_initial_state:
+            h = cache.ssm[s.slot].float()
+        else:
+            h = torch.zeros(cfg.num_heads, cfg.head_dim, cfg.state_size, dtype=torch.float32, device=x.device)
+        y = torch.empty_like(x)
+        states: dict[int, torch.Tensor] = {}
+        for a, b in piece_bounds(s.cuts, cfg.chunk_size):
+            y[a:b], h = ssd_piece(x[a:b], dt[a:b], A, B[a:b], C[a:b], h)
+            if b in s.dests:
+                states[b] = h
+        for cut, conv_state in zip(s.cuts, conv_states):
+            for dest in s.dests[cut]:
+                cache.conv[dest] = conv_state.to(cache.conv.dtype)
+                cache.ssm[dest] = states[cut].to(cache.ssm.dtype)
+        return y + self.D.float()[:, None] * x
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, d: RecurrentDecode, cache: StateCache) -> torch.Tensor:
+        cfg = self.cfg
+        n = xbc.shape[0]
+        conv_prev = torch.zeros(n, *cache.conv.shape[1:], dtype=cache.conv.dtype, device=xbc.device)
+        h0 = torch.zeros(n, cfg.num_heads, cfg.head_dim, cfg.state_size, dtype=torch.float32, device=xbc.device)
+        if d.state_rows.numel() > 0:
+            conv_prev[d.state_rows] = cache.conv[d.state_slots]
+            h0[d.state_rows] = cache.ssm[d.state_slots].float()
+        xc, conv_new = causal_conv_step(xbc, conv_prev, self._conv_weight(), self.conv1d.bias)
+        x, B, C = self._split(self.act(xc))
+        dt = self._dt(dt)  # [n, H]
+        A = -torch.exp(self.A_log.float())
+        h = h0 * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", h, C) + self.D.float()[:, None] * x
+        cache.conv[d.slots] = conv_new.to(cache.conv.dtype)
+        cache.ssm[d.slots] = h.to(cache.ssm.dtype)
+        if d.copy_src.numel() > 0:
+            cache.conv[d.copy_dst] = cache.conv[d.copy_src]
+            cache.ssm[d.copy_dst] = cache.ssm[d.copy_src]
+        return y
+
+
+__all__ = ["GroupGatedRMSNorm", "Mamba2Config", "Mamba2Mixer", "ssd_piece"]

@@ -1,0 +1,88 @@
+"""A request as the scheduler and cache managers see it: ids and counts, no tensors.
+
+Prefill vs decode is derived, not a code path: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (how many of those are in the caches). Each step computes some of the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_index: int = 0
+    cache_salt: str | None = None
+    compute_target: int | None = None
+    """Prefill-only (producer) requests stop once this many tokens are computed, without sampling."""
+    external_computed_tokens: int = 0
+    """Tokens whose KV/state arrive by transfer (consumer side); set by the decode worker before scheduling."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prefix-cache hit (tokens) found when first scheduled; -1 until then."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hash of every *full* block of all_token_ids (see engine.cache.hashing)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens to have computed before the next sample (or before a prefill-only request is done)."""
+        return self.compute_target if self.compute_target is not None else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt (DESIGN.md contract)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    num_cached_tokens: int
+    finish_reason: str | None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

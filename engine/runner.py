@@ -1,0 +1,116 @@
+"""The model runner: owns the model, every cache tensor and the sampler. The only place tensors are built.
+
+Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks, build the
+flat `ForwardBatch`, run the model, compute logits only for rows that sample, sample.
+Ownership: single thread (the engine's step loop). Caches are allocated once here and never reallocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.planner import CapacityPlan
+from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
+from engine.models.batch import ForwardBatch, SeqInfo
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, groups: list[CacheGroup], plan: CapacityPlan, num_layers: int, device: torch.device,
+        seed: int = 0, zero_fresh_blocks: bool = True,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = plan.block_size
+        self.caches: list[LayerCache] = [None] * num_layers
+        self.attention_tensors: list[torch.Tensor] = []
+        self.state_tensors: list[torch.Tensor] = []
+        for g in groups:
+            for layer in g.layer_ids:
+                self.caches[layer] = self._allocate(g, plan)
+        self.sampler = Sampler(device, seed)
+        self.zero_fresh_blocks = zero_fresh_blocks
+        self.zeroer = None
+        if self.attention_tensors:
+            from engine.kernels.zero_blocks import BlockZeroer
+
+            self.zeroer = BlockZeroer(self.attention_tensors)
+        self.num_zeroed_blocks = 0
+
+    def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> LayerCache:
+        spec = g.spec
+        if isinstance(spec, FullAttentionSpec):
+            kv = torch.zeros(
+                plan.attention_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                dtype=TORCH_DTYPES[spec.dtype], device=self.device,
+            )
+            self.attention_tensors.append(kv)
+            return AttentionCache(kv)
+        assert isinstance(spec, RecurrentStateSpec)
+        slots = plan.state_slots
+        conv = torch.zeros(slots, *spec.conv_shape, dtype=TORCH_DTYPES[spec.conv_dtype], device=self.device)
+        ssm = torch.zeros(slots, *spec.ssm_shape, dtype=TORCH_DTYPES[spec.ssm_dtype], device=self.device)
+        self.state_tensors += [conv, ssm]
+        return StateCache(conv, ssm)
+
+    # -- per step ------------------------------------------------------------------------------------------------
+    def copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for t in self.state_tensors:
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def zero_blocks(self, block_ids: tuple[int, ...]) -> int:
+        if not block_ids or not self.zero_fresh_blocks or self.zeroer is None:
+            return 0
+        n = self.zeroer.zero(list(block_ids))
+        self.num_zeroed_blocks += n
+        return n
+
+    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqInfo] = []
+        for s in out.seqs:
+            start = s.num_computed_tokens
+            seqs.append(
+                SeqInfo(
+                    query_start=len(ids), num_new_tokens=s.num_new_tokens, num_computed_tokens=start,
+                    block_table=torch.tensor(s.block_ids, dtype=torch.int64, device=self.device),
+                    state_slot=s.state_slot if s.state_slot > 0 else PAD_SLOT_ID,
+                    has_initial_state=s.has_initial_state, checkpoints=list(s.checkpoints),
+                )
+            )
+            ids.extend(s.token_ids)
+            for p in range(start, start + s.num_new_tokens):
+                pos.append(p)
+                slots.append(s.block_ids[p // bs] * bs + p % bs if s.block_ids else PAD_SLOT_ID)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return ForwardBatch(input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), seqs=seqs, block_size=bs)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
+        """Run one step; returns {request_id: (token, logprob)} for the sequences that sample."""
+        self.copy_states(out.state_copies)
+        self.zero_blocks(out.fresh_blocks)
+        if out.is_empty:
+            return {}
+        batch = self.build_batch(out)
+        hidden = self.model.forward(batch, self.caches)
+        rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs) if o.sample]
+        if not rows:
+            return {}
+        rids = [o.request_id for o in out.seqs if o.sample]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
+        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs)}

@@ -1,0 +1,80 @@
+"""Proxy-side Prometheus metrics (names from DESIGN.md's contract, plus `hybridpd_proxy_*` extras).
+
+Each app owns a private `CollectorRegistry`, so several apps can live in one process (tests); `GET /metrics`
+renders it. Latencies are seen from the proxy: request arrival -> first token (TTFT), between tokens (ITL; a
+chunk carrying k tokens after dt seconds records dt/k k times), arrival -> last token (E2E).
+
+`hybridpd_requests_total{status}`: status is one of
+    success  finished normally (any finish_reason)
+    invalid  rejected with a 4xx before reaching a worker, or a worker's INVALID_ARGUMENT
+    error    worker failure (5xx)
+    aborted  the client disconnected before the end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.routing import Router
+
+REQUEST_STATUSES = ("success", "invalid", "error", "aborted")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0)
+
+
+class _InFlightCollector(Collector):
+    """`hybridpd_proxy_in_flight_requests{role, worker}`, read from the routers at scrape time."""
+
+    def __init__(self, routers: Mapping[str, Router]) -> None:
+        self._routers = routers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily("hybridpd_proxy_in_flight_requests",
+                                "Requests the proxy has in flight per worker", labels=["role", "worker"])
+        for role, router in self._routers.items():
+            for addr, n in router.snapshot().items():
+                fam.add_metric([role, addr], n)
+        yield fam
+
+
+class ProxyMetrics:
+    """All proxy metrics, registered in one private registry."""
+
+    def __init__(self, routers: Mapping[str, Router]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("hybridpd_time_to_first_token_seconds", "Time to first token, seen by the proxy",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("hybridpd_inter_token_latency_seconds", "Time between output tokens, seen by the proxy",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("hybridpd_e2e_request_latency_seconds", "Request arrival to last token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prefill_rpc = Histogram("hybridpd_proxy_prefill_seconds", "Duration of the P.Prefill call",
+                                     buckets=_TTFT_BUCKETS, registry=r)
+        self.requests = Counter("hybridpd_requests_total", "Finished requests by outcome", ["status"], registry=r)
+        for status in REQUEST_STATUSES:
+            self.requests.labels(status=status)
+        self.prompt_tokens = Counter("hybridpd_proxy_prompt_tokens_total", "Prompt tokens of served requests",
+                                     registry=r)
+        self.generation_tokens = Counter("hybridpd_proxy_generation_tokens_total", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("hybridpd_proxy_cached_prompt_tokens_total",
+                                     "Prompt tokens the decode worker did not compute (local hit + transferred)",
+                                     registry=r)
+        self.prefill_cached_tokens = Counter("hybridpd_proxy_prefill_cached_tokens_total",
+                                             "Prompt tokens the prefill worker found in its prefix cache", registry=r)
+        r.register(_InFlightCollector(routers))
+
+    def count(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
