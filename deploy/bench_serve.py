@@ -296,7 +296,7 @@ def print_report(summary: dict[str, Any], workers: dict[str, Any]) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         print(f"{key[:-3].upper():<12}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}{s['p99']:>10.2f}")
-    print(f"{'cached prompt tokens (decode)':<34}{100 * summary['usage_cached_token_rate']:.1f}%")
+    print(f"{'cached prompt (decode, incl. pulled)':<34}{100 * summary['usage_cached_token_rate']:.1f}%")
     print(f"{'prefix hit (prefill, usage)':<34}{100 * summary['usage_prefill_cached_token_rate']:.1f}%")
     for role, c in workers.items():
         rate = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"

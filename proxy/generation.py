@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -103,7 +103,8 @@ class _State:
     got_chunk: bool = False
     finished: bool = False
     status: str | None = None  # metrics status, set once
-    released_routes: set[str] = field(default_factory=set)
+    prefill_released: bool = False  # P.Release sent (at most once)
+    decode_slot_released: bool = False  # the decode router's in-flight count given back (exactly once)
 
 
 class Generation:
@@ -199,8 +200,6 @@ class Generation:
             if self._t.first_token is None:
                 self._t.first_token = now
                 m.ttft.observe(now - self._t.arrival)
-                for _ in range(n - 1):
-                    m.itl.observe(0.0)
             else:
                 assert self._t.last_token is not None
                 for _ in range(n):
@@ -239,8 +238,8 @@ class Generation:
 
     def _release_prefill(self) -> None:
         s = self._s
-        if s.prefilled and s.prefill_addr is not None and "prefill" not in s.released_routes:
-            s.released_routes.add("prefill")
+        if s.prefilled and s.prefill_addr is not None and not s.prefill_released:
+            s.prefill_released = True
             self.cluster.clients.release_later(s.prefill_addr, self.req.request_id, s.prefill_epoch)
 
     def close(self) -> None:
@@ -257,6 +256,6 @@ class Generation:
                 self.cluster.clients.abort_later(s.decode_addr, self.req.request_id)
         if s.call is not None and not s.call.done():
             s.call.cancel()
-        if s.decode_addr is not None and "decode" not in s.released_routes:
-            s.released_routes.add("decode")
+        if s.decode_addr is not None and not s.decode_slot_released:
+            s.decode_slot_released = True
             self.cluster.decode.release(s.decode_addr)

@@ -2,7 +2,8 @@
 
 Each app owns a private `CollectorRegistry`, so several apps can live in one process (tests); `GET /metrics`
 renders it. Latencies are seen from the proxy: request arrival -> first token (TTFT), between tokens (ITL; a
-chunk carrying k tokens after dt seconds records dt/k k times), arrival -> last token (E2E).
+chunk carrying k tokens dt seconds after the previous one records dt/k, k times; the first chunk records only
+TTFT), arrival -> last token (E2E).
 
 `hybridpd_requests_total{status}`: status is one of
     success  finished normally (any finish_reason)

@@ -1,0 +1,230 @@
+"""FAKE prefill and decode gRPC workers, for testing the proxy (and `bench serve`) without an engine.
+
+Nothing here is a model. The fakes follow the wire contract in hybridpd.proto with a trivial deterministic rule:
+
+    FakePrefillWorker: returns TransferParams for N-1 computed tokens; its "prefix hit" is the longest prefix,
+                       in whole 4-token blocks, shared with any earlier prompt of the same cache_salt.
+    FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk,
+                       `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1); finishes "length" at
+                       max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string).
+
+Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
+`proxy.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from proto import hybridpd_pb2 as pb
+from proto import hybridpd_pb2_grpc as pb_grpc
+
+FAKE_BLOCK = 4
+
+
+@dataclasses.dataclass
+class Failure:
+    """Make a fake fail: `code` with `message`, after `after_tokens` tokens (decode only; 0 = before any)."""
+
+    code: grpc.StatusCode
+    message: str = "injected failure"
+    after_tokens: int = 0
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _stats(role: str, worker_id: str, metrics_port: int, running: int) -> pb.StatsResponse:
+    pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
+             pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
+    return pb.StatsResponse(role=role, worker_id=worker_id, epoch="fake-epoch", num_running=running,
+                            pools=pools, metrics_port=metrics_port)
+
+
+class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
+    """FAKE prefill worker (see module doc)."""
+
+    def __init__(self, worker_id: str = "fake-prefill-0", delay_s: float = 0.0, metrics_port: int = 0) -> None:
+        self.worker_id = worker_id
+        self.address = ""
+        self.delay_s = delay_s
+        self.metrics_port = metrics_port
+        self.failure: Failure | None = None
+        self.prefills: list[pb.PrefillRequest] = []
+        self.releases: list[str] = []
+        self._seen: list[tuple[str, tuple[int, ...]]] = []
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        self.prefills.append(request)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.failure is not None:
+            await context.abort(self.failure.code, self.failure.message)
+        ids = tuple(request.prompt_token_ids)
+        n = len(ids)
+        hit = max((_common_prefix(ids, p) for s, p in self._seen if s == request.cache_salt), default=0)
+        hit = min(hit // FAKE_BLOCK * FAKE_BLOCK, max(0, n - 1))
+        self._seen.append((request.cache_salt, ids))
+        blocks = pb.GroupBlocks(group_id=0, block_ids=range(1, 1 + (n + FAKE_BLOCK - 1) // FAKE_BLOCK))
+        params = pb.TransferParams(worker_id=self.worker_id, epoch="fake-epoch", prefill_address=self.address,
+                                   groups=[blocks], state_slot=1, num_computed_tokens=n - 1, num_prompt_tokens=n,
+                                   lease_expiry_unix=time.time() + 30.0)
+        return pb.PrefillResponse(request_id=request.request_id, params=params, num_cached_tokens=hit)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        self.releases.append(request.request_id)
+        return pb.ReleaseResponse(released=True)
+
+    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
+        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
+                                   compat_hash="fake")
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True,
+                                 worker_id=self.worker_id)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return _stats("prefill", self.worker_id, self.metrics_port, 0)
+
+
+class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
+    """FAKE decode worker (see module doc). `token_text` renders one token id as text."""
+
+    def __init__(self, worker_id: str = "fake-decode-0", token_delay_s: float = 0.0, metrics_port: int = 0,
+                 token_text: Callable[[int], str] | None = None) -> None:
+        self.worker_id = worker_id
+        self.address = ""
+        self.token_delay_s = token_delay_s
+        self.metrics_port = metrics_port
+        self.token_text = token_text or (lambda t: f" {t}")
+        self.failure: Failure | None = None
+        self.generates: list[pb.GenerateRequest] = []
+        self.aborts: list[str] = []
+        self.cancelled: list[str] = []
+        self.running: set[str] = set()
+        self._abort_requested: set[str] = set()
+
+    def _outputs(self, request: pb.GenerateRequest) -> list[int]:
+        rev = list(reversed(request.prompt_token_ids))
+        sp = request.sampling_params
+        if sp.ignore_eos:
+            return [rev[i % len(rev)] for i in range(sp.max_tokens)]
+        return rev[: sp.max_tokens]
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        rid = request.request_id
+        self.generates.append(request)
+        self.running.add(rid)
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.running.discard(rid)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        sp = request.sampling_params
+        external = request.params.num_computed_tokens if request.HasField("params") else 0
+
+        def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
+            return pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
+                                    logprobs=[-0.1 * (step % 5 + 1)] if sp.logprobs and tokens else [],
+                                    num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=external,
+                                    num_external_cached_tokens=external)
+
+        text_so_far = ""
+        outputs = self._outputs(request)
+        for i, tok in enumerate(outputs):
+            if self.failure is not None and i >= self.failure.after_tokens:
+                await context.abort(self.failure.code, self.failure.message)
+            if request.request_id in self._abort_requested:
+                yield chunk(i, [], "", "abort")
+                return
+            if tok in sp.stop_token_ids:
+                yield chunk(i, [], "", "stop")
+                return
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            text = self.token_text(tok)
+            hit = next((s for s in sp.stop if s in text_so_far + text), None)
+            if hit is not None:
+                cut = (text_so_far + text).index(hit)
+                yield chunk(i, [tok], text[: max(0, cut - len(text_so_far))], "stop")
+                return
+            text_so_far += text
+            last = i == len(outputs) - 1
+            finish = ("length" if len(outputs) == sp.max_tokens else "stop") if last else ""
+            yield chunk(i, [tok], text, finish)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self.aborts.append(request.request_id)
+        self._abort_requested.add(request.request_id)
+        return pb.AbortResponse(aborted=request.request_id in self.running)
+
+    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
+        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
+                                   compat_hash="fake")
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True,
+                                 worker_id=self.worker_id)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return _stats("decode", self.worker_id, self.metrics_port, len(self.running))
+
+
+async def serve_fake(worker: FakePrefillWorker | FakeDecodeWorker) -> grpc.aio.Server:
+    """Start a grpc.aio server for `worker` on a free localhost port; sets `worker.address`."""
+    server = grpc.aio.server()
+    if isinstance(worker, FakePrefillWorker):
+        pb_grpc.add_PrefillServiceServicer_to_server(worker, server)
+    else:
+        pb_grpc.add_DecodeServiceServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    worker.address = f"127.0.0.1:{port}"
+    return server
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in keep else next(extra)) for b in range(256)}
+
+
+def write_fake_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Path:
+    """Write a FAKE byte-level `tokenizer.json` (token id == byte value; 256 = `<|endoftext|>`) and, with
+    `chat_template`, a `tokenizer_config.json` holding it. Returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(root / "tokenizer.json"))
+    if chat_template is not None:
+        cfg = {"chat_template": chat_template, "bos_token": "", "eos_token": "<|endoftext|>"}
+        (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return root

@@ -1,0 +1,174 @@
+"""Bad input gets the right 4xx with an OpenAI-style error body, never reaches a worker, and leaves the cluster
+serving. Runs against FAKE workers (proxy.fake_workers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.fake_workers import write_fake_tokenizer
+from proxy.live_stack import LiveStack
+from proxy.tokenization import PromptTokenizer
+
+MODEL = "tiny"
+MAX_LEN = 32
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    tok = PromptTokenizer.from_dir(write_fake_tokenizer(tmp_path_factory.mktemp("tok")))
+    with LiveStack(tokenizer=tok, model_name=MODEL, max_model_len=MAX_LEN, max_body_bytes=4096) as s:
+        yield s
+
+
+def cmpl(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "hello", **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MSGS, **kw}
+
+
+# (path, body, status, param, code) -- param/code None: not checked
+CASES: list[tuple[str, Any, int, str | None, str | None]] = [
+    (CMPL, cmpl(model="gpt-4"), 404, "model", "model_not_found"),
+    (CHAT, chat(model="gpt-4"), 404, "model", "model_not_found"),
+    (CMPL, cmpl(max_tokens=0), 400, "max_tokens", None),
+    (CMPL, cmpl(max_tokens=-3), 400, "max_tokens", None),
+    (CMPL, cmpl(max_tokens="5"), 400, "max_tokens", None),
+    (CMPL, cmpl(max_tokens=2.5), 400, "max_tokens", None),
+    (CMPL, cmpl(max_tokens=True), 400, "max_tokens", None),
+    (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
+    (CMPL, cmpl(temperature="hot"), 400, "temperature", None),
+    (CMPL, cmpl(temperature=-0.1), 400, "temperature", None),
+    (CMPL, cmpl(top_p=0), 400, "top_p", None),
+    (CMPL, cmpl(top_p=1.5), 400, "top_p", None),
+    (CHAT, chat(top_p=-1), 400, "top_p", None),
+    (CMPL, cmpl(top_k=-5), 400, "top_k", None),
+    (CMPL, cmpl(seed="x"), 400, "seed", None),
+    (CMPL, cmpl(stream="yes"), 400, "stream", None),
+    (CMPL, cmpl(stream_options={"include_usage": True}), 400, "stream_options", None),
+    (CMPL, cmpl(stream=True, stream_options={"include_usage": 1}), 400, "stream_options.include_usage", None),
+    (CMPL, cmpl(stop=5), 400, "stop", None),
+    (CMPL, cmpl(stop=[""]), 400, "stop", None),
+    (CMPL, cmpl(stop_token_ids=["a"]), 400, "stop_token_ids", None),
+    (CMPL, cmpl(ignore_eos="true"), 400, "ignore_eos", None),
+    (CMPL, cmpl(logprobs=True), 400, "logprobs", None),
+    (CMPL, cmpl(logprobs=-1), 400, "logprobs", None),
+    (CHAT, chat(logprobs=1), 400, "logprobs", None),
+    (CMPL, cmpl(n=2), 400, "n", "unsupported_parameter"),
+    (CHAT, chat(n=3), 400, "n", "unsupported_parameter"),
+    (CMPL, cmpl(n=0), 400, "n", None),
+    (CMPL, cmpl(best_of=2), 400, "best_of", "unsupported_parameter"),
+    (CMPL, cmpl(logit_bias={"50": 10}), 400, "logit_bias", "unsupported_parameter"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400,
+     "response_format", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    (CMPL, cmpl(echo=True), 400, "echo", None),
+    (CMPL, cmpl(presence_penalty=0.5), 400, "presence_penalty", None),
+    (CHAT, chat(top_logprobs=3, logprobs=True), 400, "top_logprobs", None),
+    (CMPL, {"model": MODEL}, 400, "prompt", None),
+    (CMPL, cmpl(prompt=""), 400, "prompt", None),
+    (CMPL, cmpl(prompt=[]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=[[]]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=["a", "b"]), 400, "prompt", "unsupported_parameter"),
+    (CMPL, cmpl(prompt=[1, "a"]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=[-1]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=[100000]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=7), 400, "prompt", None),
+    (CMPL, cmpl(prompt="x" * MAX_LEN), 400, "prompt", "context_length_exceeded"),
+    (CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN - 19), 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, chat(messages=[]), 400, "messages", None),
+    (CHAT, {"model": MODEL}, 400, "messages", None),
+    (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content[0]", None),
+    (CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400, "messages[0].role", None),
+    (CHAT, chat(messages=["hi"]), 400, "messages[0]", None),
+    (CHAT, chat(messages=[{"role": "user", "content": "x" * 40}]), 400, "prompt", "context_length_exceeded"),
+    (CMPL, [1, 2], 400, None, "invalid_json"),
+    (CMPL, "hello", 400, None, "invalid_json"),
+]
+
+
+def post(stack: LiveStack, path: str, body: Any) -> httpx.Response:
+    return stack.http.post(path, json=body)
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), CASES,
+                         ids=[f"{i}-{c[3] or c[4]}" for i, c in enumerate(CASES)])
+def test_bad_request(stack: LiveStack, path: str, body: Any, status: int, param: str | None,
+                     code: str | None) -> None:
+    before = len(stack.decode[0].generates), len(stack.prefill[0].prefills)
+    r = post(stack, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+        assert param.split(".")[0].split("[")[0] in err["message"] or status == 404
+    if code is not None:
+        assert err["code"] == code
+    assert (len(stack.decode[0].generates), len(stack.prefill[0].prefills)) == before
+
+
+def test_unsupported_params_are_all_named(stack: LiveStack) -> None:
+    r = post(stack, CMPL, cmpl(best_of=3, logit_bias={"1": 1}))
+    assert r.status_code == 400 and "'best_of'" in r.json()["error"]["message"]
+    assert "'logit_bias'" in r.json()["error"]["message"]
+
+
+def test_no_op_defaults_accepted(stack: LiveStack) -> None:
+    body = cmpl(best_of=1, n=1, logit_bias={}, presence_penalty=0, frequency_penalty=0.0, echo=False, tools=None,
+                response_format={"type": "text"}, user="u", some_future_field=1, max_tokens=2)
+    assert post(stack, CMPL, body).status_code == 200
+
+
+def test_malformed_json(stack: LiveStack) -> None:
+    for raw in (b"{not json", b"", b'{"model": "tiny", "prompt": "a", "temperature": NaN}', b"\xff\xfe"):
+        r = stack.http.post(CMPL, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, raw
+        assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_oversized_body(stack: LiveStack) -> None:
+    r = post(stack, CMPL, cmpl(prompt="x" * 5000))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # chunked upload: no content-length to reject early
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = stack.http.post(CMPL, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_workers_keep_serving_after_errors(stack: LiveStack) -> None:
+    for path, body, *_ in CASES[::7]:
+        post(stack, path, body)
+    r = post(stack, CMPL, cmpl(max_tokens=3))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "oll"
+    r = post(stack, CHAT, chat(max_tokens=1, stream=True))
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    metrics = stack.http.get("/metrics").text
+    invalid = next(line for line in metrics.splitlines() if line.startswith('hybridpd_requests_total{status="invalid"'))
+    assert float(invalid.split()[-1]) >= 8
+    cluster = stack.http.get("/v1/cluster").json()
+    assert all(w["in_flight"] == 0 for w in cluster["workers"])
+
+
+def test_unknown_route_and_method_are_openai_errors(stack: LiveStack) -> None:
+    r = stack.http.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = stack.http.get(CMPL)
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -1,0 +1,160 @@
+"""Worker failures and client disconnects, against FAKE workers (proxy.fake_workers): status codes and bodies,
+no hangs, and the cleanup RPCs (D.Abort, P.Release) the proxy owes the workers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import httpx
+import pytest
+
+from proxy.fake_workers import Failure
+from proxy.live_stack import LiveStack
+
+MODEL = "tiny"
+LONG = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 500, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[LiveStack]:
+    with LiveStack(model_name=MODEL) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def reset(stack: LiveStack) -> Iterator[None]:
+    yield
+    stack.prefill[0].failure = None
+    stack.prefill[0].delay_s = 0.0
+    stack.decode[0].failure = None
+    stack.decode[0].token_delay_s = 0.0
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def in_flight(stack: LiveStack) -> list[int]:
+    return [w["in_flight"] for w in stack.http.get("/v1/cluster").json()["workers"]]
+
+
+def counter(stack: LiveStack, status: str) -> float:
+    text = stack.http.get("/metrics").text
+    line = next(ln for ln in text.splitlines() if ln.startswith(f'hybridpd_requests_total{{status="{status}"}}'))
+    return float(line.split()[-1])
+
+
+def test_disconnect_mid_stream_aborts_on_decode(stack: LiveStack) -> None:
+    d = stack.decode[0]
+    d.token_delay_s = 0.02
+    aborted_before = counter(stack, "aborted")
+    with stack.http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert sum(line.startswith("data: ") for line in got) >= 3
+    rid = d.generates[-1].request_id
+    wait_for(lambda: rid in d.aborts)
+    wait_for(lambda: rid not in d.running)
+    assert rid not in stack.prefill[0].releases  # D owns P's lease once it has the request
+    wait_for(lambda: in_flight(stack) == [0, 0])
+    assert counter(stack, "aborted") == aborted_before + 1
+
+
+def test_disconnect_non_stream_aborts_on_decode(stack: LiveStack) -> None:
+    d = stack.decode[0]
+    d.token_delay_s = 0.02
+    with pytest.raises(httpx.ReadTimeout):
+        stack.http.post("/v1/completions", json=LONG, timeout=0.3)
+    rid = d.generates[-1].request_id
+    wait_for(lambda: rid in d.aborts)
+    wait_for(lambda: in_flight(stack) == [0, 0])
+
+
+def test_disconnect_during_prefill_releases_on_prefill(stack: LiveStack) -> None:
+    p, d = stack.prefill[0], stack.decode[0]
+    p.delay_s = 0.5
+    n_generates = len(d.generates)
+    with pytest.raises(httpx.ReadTimeout):
+        stack.http.post("/v1/completions", json={**LONG, "stream": True}, timeout=0.2)
+    rid = p.prefills[-1].request_id
+    wait_for(lambda: rid in p.releases)
+    assert len(d.generates) == n_generates  # Generate never sent
+    wait_for(lambda: in_flight(stack) == [0, 0])
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    (grpc.StatusCode.INTERNAL, 500),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, status: int, stream: bool) -> None:
+    stack.prefill[0].failure = Failure(code, "prefill exploded")
+    n_generates = len(stack.decode[0].generates)
+    t0 = time.monotonic()
+    r = stack.http.post("/v1/completions", json={**LONG, "stream": stream}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == status and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert "prefill exploded" in err["message"] and stack.prefill[0].address in err["message"]
+    assert err["type"] == ("service_unavailable" if status == 503 else "internal_error")
+    assert len(stack.decode[0].generates) == n_generates
+
+
+def test_worker_invalid_argument_is_400_with_its_message(stack: LiveStack) -> None:
+    stack.prefill[0].failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, "prompt uses reserved token 3")
+    r = stack.http.post("/v1/completions", json=LONG)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt uses reserved token 3"
+    stack.prefill[0].failure = None
+    stack.decode[0].failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, "stale epoch")
+    r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 1})
+    assert r.status_code == 400  # proxy-side validation first
+    r = stack.http.post("/v1/completions", json={**LONG, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "stale epoch"
+
+
+def test_decode_failure_before_first_token_releases_prefill(stack: LiveStack) -> None:
+    stack.decode[0].failure = Failure(grpc.StatusCode.UNAVAILABLE, "decode overloaded")
+    r = stack.http.post("/v1/completions", json=LONG)
+    assert r.status_code == 503 and "decode overloaded" in r.json()["error"]["message"]
+    rid = stack.prefill[0].prefills[-1].request_id
+    wait_for(lambda: rid in stack.prefill[0].releases)
+    wait_for(lambda: in_flight(stack) == [0, 0])
+
+
+def test_decode_failure_mid_stream(stack: LiveStack) -> None:
+    stack.decode[0].failure = Failure(grpc.StatusCode.INTERNAL, "kernel fault", after_tokens=2)
+    r = stack.http.post("/v1/completions", json={**LONG, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2] and "kernel fault" in events[-2]
+    assert len(events) == 4  # two tokens, the error, [DONE]
+    r = stack.http.post("/v1/completions", json=LONG)
+    assert r.status_code == 500 and "kernel fault" in r.json()["error"]["message"]
+    rid = stack.decode[0].generates[-1].request_id
+    assert rid not in stack.prefill[0].releases  # D had taken over the lease
+
+
+def test_serving_resumes_after_failures(stack: LiveStack) -> None:
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [7, 8], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " 8 7"
+    assert in_flight(stack) == [0, 0]
+
+
+def test_unreachable_prefill_is_503_not_a_hang() -> None:
+    with LiveStack(n_prefill=0, model_name=MODEL, prefill_addrs_extra=["127.0.0.1:1"]) as s:
+        t0 = time.monotonic()
+        r = s.http.post("/v1/completions", json={**LONG, "stream": True}, timeout=20)
+        assert time.monotonic() - t0 < 10
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+        h = s.http.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "unavailable"
+        cluster = s.http.get("/v1/cluster").json()
+        dead = next(w for w in cluster["workers"] if w["role"] == "prefill")
+        assert dead["reachable"] is False and "UNAVAILABLE" in dead["error"]

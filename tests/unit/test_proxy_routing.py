@@ -1,0 +1,87 @@
+"""Worker selection: `proxy.routing.Router` on its own, then through the proxy with two FAKE decode workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.live_stack import LiveStack
+from proxy.routing import Router
+
+MODEL = "tiny"
+
+
+def test_round_robin_ignores_load() -> None:
+    r = Router(["a", "b", "c"], "round_robin")
+    picks = [r.acquire() for _ in range(7)]
+    assert picks == ["a", "b", "c", "a", "b", "c", "a"]
+    assert r.snapshot() == {"a": 3, "b": 2, "c": 2}
+
+
+def test_least_loaded_picks_fewest_in_flight() -> None:
+    r = Router(["a", "b", "c"], "least_loaded")
+    assert [r.acquire() for _ in range(3)] == ["a", "b", "c"]  # idle: ties rotate
+    r.release("b")
+    assert r.acquire() == "b"  # the only one with 0 in flight
+    r.release("a")
+    r.release("c")
+    assert r.snapshot() == {"a": 0, "b": 1, "c": 0}
+    assert r.choose() in ("a", "c")
+    assert r.acquire() == "a"  # cursor is past "b": "c" then "a" are tied at 0, "c" was just chosen
+    assert r.acquire() == "c"
+    assert r.snapshot() == {"a": 1, "b": 1, "c": 1}
+
+
+def test_least_loaded_ties_rotate_when_idle() -> None:
+    r = Router(["a", "b"], "least_loaded")
+    seq = []
+    for _ in range(4):
+        addr = r.acquire()
+        seq.append(addr)
+        r.release(addr)
+    assert seq == ["a", "b", "a", "b"]
+
+
+def test_router_misuse() -> None:
+    with pytest.raises(ValueError):
+        Router([], "round_robin")
+    with pytest.raises(ValueError):
+        Router(["a", "a"], "round_robin")
+    r = Router(["a"], "least_loaded")
+    with pytest.raises(RuntimeError):
+        r.release("a")
+
+
+def _ids(stack: LiveStack, i: int) -> list[str]:
+    return [g.request_id for g in stack.decode[i].generates]
+
+
+def test_round_robin_through_proxy() -> None:
+    with LiveStack(n_prefill=2, n_decode=2, model_name=MODEL, routing="round_robin") as s:
+        for _ in range(4):
+            r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
+            assert r.status_code == 200
+        assert [len(_ids(s, 0)), len(_ids(s, 1))] == [2, 2]
+        assert [len(p.prefills) for p in s.prefill] == [2, 2]
+        order = [s.decode[0].generates[0].request_id, s.decode[1].generates[0].request_id,
+                 s.decode[0].generates[1].request_id, s.decode[1].generates[1].request_id]
+        assert order == [p.request_id for p in sorted(s.prefill[0].prefills + s.prefill[1].prefills,
+                                                      key=lambda p: order.index(p.request_id))]
+        # each request's Generate carried the params of the prefill worker that served it
+        for d in s.decode:
+            for g in d.generates:
+                owner = next(p for p in s.prefill if g.request_id in [q.request_id for q in p.prefills])
+                assert g.params.prefill_address == owner.address
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("least_loaded", [1, 2]), ("round_robin", [2, 1])])
+def test_least_loaded_avoids_busy_decode(policy: str, expected: list[int]) -> None:
+    with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing=policy) as s:
+        s.decode[0].token_delay_s = 0.05
+        long = {"model": MODEL, "prompt": [1, 2], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with s.http.stream("POST", "/v1/completions", json=long) as busy:
+            lines = busy.iter_lines()  # keep a reference: a collected iterator closes the connection
+            next(lines)  # decode-0 now has one request in flight
+            for _ in range(2):
+                r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 1})
+                assert r.status_code == 200
+            assert [len(_ids(s, 0)), len(_ids(s, 1))] == expected
