@@ -34,7 +34,7 @@ stride and page size allows), so the cache dtype does not matter; with 16-byte a
 16-byte stores. The grid is (len(ids), num_segments, chunks_per_page): one launch covers every layer.
 
 Backends: "triton" (the kernel; on CPU tensors only under TRITON_INTERPRET=1, for CI) and "torch" (CPU path:
-one `index_fill_` per segment over a byte view of its pages). "auto" picks triton on CUDA, torch on CPU.
+one `index_fill_` per segment over an integer-word view of its pages). "auto" picks triton on CUDA, torch on CPU.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ DEFAULT_CHUNK_BYTES = 16 * 1024
 """Bytes one program zeroes (at most): enough stores in flight per thread to run at memset bandwidth."""
 DEFAULT_NUM_WARPS = 4
 _MAX_GRID_YZ = 65535
+_TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,14 @@ def block_major_segment(kv: torch.Tensor) -> PageSegment:
     return PageSegment(base=kv.data_ptr(), page_stride=page_stride, page_bytes=page_bytes)
 
 
-def _byte_pages(kv: torch.Tensor, seg: PageSegment, num_blocks: int) -> torch.Tensor:
-    """[num_blocks, page_bytes] uint8 view of a segment's pages (shares kv's storage)."""
+def _word_pages(kv: torch.Tensor, seg: PageSegment, num_blocks: int, word_bytes: int) -> torch.Tensor:
+    """[num_blocks, page_words] integer view of a segment's pages (shares kv's storage; word_bytes divides the
+    segment's base, stride and page size)."""
     storage = kv.untyped_storage()
-    raw = torch.empty(0, dtype=torch.uint8, device=kv.device)
-    raw.set_(storage, 0, (storage.nbytes(),), (1,))
-    offset = seg.base - storage.data_ptr()
-    return raw.as_strided((num_blocks, seg.page_bytes), (seg.page_stride, 1), offset)
+    raw = torch.empty(0, dtype=_TORCH_WORDS[word_bytes], device=kv.device)
+    raw.set_(storage, 0, (storage.nbytes() // word_bytes,), (1,))
+    offset = (seg.base - storage.data_ptr()) // word_bytes
+    return raw.as_strided((num_blocks, seg.page_bytes // word_bytes), (seg.page_stride // word_bytes, 1), offset)
 
 
 def _alignment(segments: Sequence[PageSegment]) -> int:
@@ -113,11 +115,12 @@ def _zero_pages(ids_ptr, seg_ptr, WORD: tl.constexpr, ALIGN: tl.constexpr, VEC: 
     base = tl.load(seg_ptr + seg * 3)
     stride = tl.load(seg_ptr + seg * 3 + 1)
     page_words = tl.load(seg_ptr + seg * 3 + 2)
-    page = tl.multiple_of(base + blk * stride, ALIGN)
+    # int -> pointer drops what the compiler knows about alignment: restate it on the pointer (in bytes), or the
+    # stores are not vectorized (checked in PTX: st.global.v2.b64 / v4.b32 only with this hint).
+    page = tl.multiple_of((base + blk * stride).to(tl.pointer_type(WORD), bitcast=True), ALIGN)
     left = tl.multiple_of(page_words - start, VEC)
     offs = tl.arange(0, CHUNK)
-    ptrs = page.to(tl.pointer_type(WORD), bitcast=True) + start + offs
-    tl.store(ptrs, 0, mask=offs < left)
+    tl.store(page + start + offs, 0, mask=offs < left)
 
 
 @functools.cache
@@ -132,7 +135,11 @@ def _triton_word(word_bytes: int) -> Any:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether triton.jit builds interpreted kernels (Triton reads TRITON_INTERPRET when it decorates)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 class BlockZeroer:
@@ -170,7 +177,10 @@ class BlockZeroer:
             raise ValueError("too many segments or chunks per page for one launch; raise chunk_bytes")
 
         if self.backend == "torch":
-            self._pages = [_byte_pages(kv, s, self.num_blocks) for kv, s in zip(kv_caches, self.segments, strict=True)]
+            self._pages = [
+                _word_pages(kv, s, self.num_blocks, self._word_bytes)
+                for kv, s in zip(kv_caches, self.segments, strict=True)
+            ]
         else:
             table = [(s.base, s.page_stride, s.page_bytes // self._word_bytes) for s in self.segments]
             self._seg_table = torch.tensor(table, dtype=torch.int64, device=self.device)

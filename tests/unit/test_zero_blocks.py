@@ -157,7 +157,13 @@ def test_triton_kernel_under_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("layout", "chunk"), CASES)
 def test_triton_compiled_on_cuda(layout: str, chunk: int | None) -> None:
-    run_scenario(layout, chunk, "auto", torch.device("cuda"))
+    run_scenario(layout, chunk, "auto", torch.device("cuda"))  # auto = the compiled Triton kernel on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_path_on_cuda() -> None:
+    run_scenario("mixed_pages", None, "torch", torch.device("cuda"))
 
 
 def test_out_of_range_id_raises_and_touches_nothing() -> None:
