@@ -59,7 +59,7 @@ class EngineCore:
         self.cache = HybridCacheManager(self.groups, self.plan.layout(), cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.cache)
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
-        num_layers = int(getattr(self.model, "num_layers", max(specs) + 1))
+        num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
@@ -196,3 +196,14 @@ class EngineCore:
 
     def kv_cache_info(self) -> dict[str, int]:
         return self.plan.as_dict()
+
+
+def _num_layers(model: object, specs: dict) -> int:
+    """Layers the model iterates over (caches are indexed by layer; MLP/MoE layers get None)."""
+    n = getattr(model, "num_layers", None)
+    if n is None:
+        import torch.nn as nn
+
+        lists = [m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)]  # type: ignore[attr-defined]
+        n = len(lists[0]) if lists else max(specs) + 1
+    return int(n)

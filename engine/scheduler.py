@@ -75,6 +75,12 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_transferred(self, req: Request) -> None:
+        """Admit a request whose first `num_computed_tokens` tokens arrived by transfer (caches already held).
+        It queues ahead of new requests; it is scheduled like any request that holds caches."""
+        self.requests[req.request_id] = req
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
         """End a request. free_caches=False keeps its blocks/slot (a prefill worker pins them under a lease and
         calls `release` later)."""
@@ -129,12 +135,16 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.cache.find_prefix_hit(req, count=False)
-            start = hit.num_tokens
+            if req.num_computed_tokens > 0:  # already holds its caches (KV received by transfer)
+                hit, start = None, req.num_computed_tokens
+            else:
+                hit = self.cache.find_prefix_hit(req, count=False)
+                start = hit.num_tokens
             num_new = min(req.target_tokens - start, budget)
             if num_new <= 0 or not self.cache.allocate(req, start + num_new, hit):
                 break
-            self.cache.count_hit(req, hit)
+            if hit is not None:
+                self.cache.count_hit(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = start

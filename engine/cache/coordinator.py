@@ -28,6 +28,16 @@ class PrefixHit:
 
 
 @dataclass
+class TransferAllocation:
+    local_hit_tokens: int
+    first_block_index: int
+    """Index (in the request's block table) of the first block the transfer fills."""
+    block_ids: list[int]
+    """Destination blocks, in order, for block indices first_block_index ..."""
+    state_slot: int
+
+
+@dataclass
 class GroupCounters:
     queries: int = 0
     hits: int = 0
@@ -157,6 +167,65 @@ class HybridCacheManager:
             self.attention.free(req.request_id)
         if self.recurrent is not None:
             self.recurrent.free(req.request_id)
+
+    # -- disaggregation (consumer side) ---------------------------------------------------------------------------
+    def allocate_for_transfer(self, req: Request, num_external_tokens: int) -> TransferAllocation | None:
+        """Hold caches for a request whose first `num_external_tokens` tokens arrive from a producer.
+
+        The local prefix hit (attention blocks only: the running state comes from the producer, so no checkpoint
+        copy is queued) is kept; blocks for the rest are allocated and are *not* zeroed (the transfer overwrites
+        them; the caller zeroes the unfilled tail of the last one). Returns None when the pools cannot hold it."""
+        hit = self.find_prefix_hit(req, max_tokens=num_external_tokens, count=False)
+        hit.checkpoint_slot = None
+        if not self.allocate(req, num_external_tokens, hit):
+            return None
+        self.count_hit(req, hit)
+        bs = self.block_size
+        first = hit.num_tokens // bs
+        blocks = self.block_ids(req.request_id)
+        pulled = blocks[first:]
+        if self.attention is not None and pulled:
+            keep = set(pulled)
+            self.attention.fresh_blocks = [b for b in self.attention.fresh_blocks if b not in keep]
+        return TransferAllocation(
+            local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
+            state_slot=self.state_slot(req.request_id),
+        )
+
+    def count_external(self, req: Request, num_external_tokens: int) -> None:
+        for c in self.external_counters.values():
+            c.queries += req.num_tokens
+            c.hits += num_external_tokens
+
+    def publish_transferred(self, req: Request, num_tokens: int) -> None:
+        """After a completed pull: hash and cache the now-valid full blocks so later requests hit them."""
+        if self.enable_prefix_caching and self.attention is not None:
+            self.update_hashes(req)
+            self.attention.cache_full_blocks(req.request_id, req.block_hashes, num_tokens)
+
+    def reserve_checkpoint(self, req: Request, num_tokens: int) -> tuple[int, bytes] | None:
+        """Reserve a state slot for the checkpoint after `num_tokens` tokens (to be pulled from the producer).
+        None if checkpoints are off, the boundary is not aligned, it is cached already, or no slot is free.
+        The caller publishes it with `publish_checkpoint` once the data has arrived, or `drop_checkpoint`."""
+        rec = self.recurrent
+        if rec is None or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % rec.interval:
+            return None
+        self.update_hashes(req)
+        if num_tokens // self.block_size > len(req.block_hashes):
+            return None
+        h = req.block_hashes[num_tokens // self.block_size - 1]
+        if rec.pool.lookup(h) is not None or rec.pool.num_free == 0:
+            return None
+        return rec.pool.allocate(1)[0], h
+
+    def publish_checkpoint(self, slot: int, block_hash: bytes) -> None:
+        assert self.recurrent is not None
+        self.recurrent.pool.cache(slot, block_hash)
+        self.recurrent.pool.free([slot])
+
+    def drop_checkpoint(self, slot: int) -> None:
+        assert self.recurrent is not None
+        self.recurrent.pool.free([slot])
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[int]:

@@ -403,17 +403,17 @@ def causal_conv_chunk(
     """Depthwise causal conv1d over one sequence's chunk, continuing from a conv state.
 
     x [n, C] (conv inputs); init_state [C, K-1] (the previous K-1 inputs, oldest first) or None for zeros;
-    weight [C, K]. Returns the pre-activation outputs [n, C] and, for every c in `cuts`, the conv state after c
+    weight [C, K]. Accumulates in fp32. Returns the pre-activation outputs [n, C] in x's dtype and, for every c in `cuts`, the conv state after c
     tokens (the last K-1 inputs up to token c), each [C, K-1]:
 
         full = | state (K-1) | x_0 ... x_{n-1} |     state after c tokens = full[:, c : c + K-1]
     """
     width = weight.shape[1]
-    xt = x.t().to(weight.dtype)
     if init_state is None:
-        init_state = torch.zeros(x.shape[1], width - 1, dtype=weight.dtype, device=x.device)
-    full = torch.cat((init_state.to(weight.dtype), xt), dim=1)
-    out = F.conv1d(full[None], weight[:, None, :], bias, groups=x.shape[1])[0]
+        init_state = torch.zeros(x.shape[1], width - 1, dtype=x.dtype, device=x.device)
+    full = torch.cat((init_state.to(x.dtype), x.t()), dim=1)
+    bias32 = None if bias is None else bias.float()
+    out = F.conv1d(full.float()[None], weight.float()[:, None, :], bias32, groups=x.shape[1])[0]
     return out.t().to(x.dtype), [full[:, c : c + width - 1] for c in cuts]
 
 
@@ -421,10 +421,10 @@ def causal_conv_step(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per sequence: x [B, C], state [B, C, K-1] -> (pre-activation output [B, C], new state)."""
-    window = torch.cat((state.to(weight.dtype), x.to(weight.dtype)[:, :, None]), dim=2)
-    out = (window * weight[None]).sum(-1)
+    window = torch.cat((state.to(x.dtype), x[:, :, None]), dim=2)
+    out = (window.float() * weight.float()[None]).sum(-1)
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
     return out.to(x.dtype), window[:, :, 1:]
 
 

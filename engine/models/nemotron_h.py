@@ -287,16 +287,22 @@ class NemotronHForCausalLM(nn.Module):
     # -- loading --------------------------------------------------------------------------------------------
 
     tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
-    """Used only when the checkpoint lacks lm_head.weight and tie_word_embeddings is set."""
+    always_tie = False
+    """transformers' NemotronH never ties lm_head; the embeddings stand in only when the checkpoint lacks
+    lm_head.weight and tie_word_embeddings is set."""
 
     @staticmethod
-    def map_checkpoint_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """Checkpoint tensor -> (module name, tensor) pairs: `model.` prefix -> `backbone.`, merged 3-D expert
-        tensors (transformers' in-memory layout) -> one per expert, `mtp*` (multi-token prediction) dropped."""
+    def checkpoint_name(name: str) -> str | None:
+        """Checkpoint tensor name -> module name (`model.` prefix -> `backbone.`); None drops it (`mtp*`)."""
         if name.startswith("mtp"):
-            return []
+            return None
         if name.startswith("model."):
-            name = "backbone." + name[len("model.") :]
+            return "backbone." + name[len("model.") :]
+        return name
+
+    @staticmethod
+    def split_checkpoint_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Merged 3-D expert tensors (transformers' in-memory layout) -> one tensor per expert."""
         merged = re.fullmatch(r"(.*\.mixer\.experts)\.(up_proj|down_proj)", name)
         if merged and tensor.dim() == 3:
             return [(f"{merged[1]}.{e}.{merged[2]}.weight", tensor[e]) for e in range(tensor.shape[0])]

@@ -1,0 +1,121 @@
+"""Runs an EngineCore on a background step thread and hands results to asyncio callers (the gRPC servers).
+
+Ownership: only the step thread touches the EngineCore. Other threads submit work with `call(fn)` (runs fn(core)
+on the step thread between steps) and receive per-request outputs through asyncio queues fed with
+`loop.call_soon_threadsafe`. `hooks` run on the step thread before every step (transfer polling, lease reaping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.core import EngineCore
+from engine.request import Request
+
+log = logging.getLogger("hybridpd.async_engine")
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._calls: queue.Queue[tuple[Callable[[EngineCore], Any], Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._emitted: dict[str, int] = {}
+        self.hooks: list[Callable[[EngineCore], None]] = []
+        self.on_finished: list[Callable[[Request], None]] = []
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    # -- cross-thread API ------------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future:
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def acall(self, fn: Callable[[EngineCore], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Register an output queue for a request (call from the event loop before the request is added)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- step thread -----------------------------------------------------------------------------------------------
+    def publish(self, req: Request) -> None:
+        """Push the request's new tokens (and its end) to its stream, if any. Step thread only."""
+        entry = self._streams.get(req.request_id)
+        if entry is None:
+            return
+        start = self._emitted.get(req.request_id, 0)
+        n = len(req.output_token_ids)
+        if n == start and not req.is_finished:
+            return
+        self._emitted[req.request_id] = n
+        delta = {
+            "token_ids": req.output_token_ids[start:n],
+            "logprobs": req.output_logprobs[start:n],
+            "finish_reason": req.finish_reason if req.is_finished else None,
+            "text": self.core.output_text(req) if req.is_finished or req.sampling_params.stop else None,
+            "request": req,
+        }
+        loop, q = entry
+        loop.call_soon_threadsafe(q.put_nowait, delta)
+        if req.is_finished:
+            self._emitted.pop(req.request_id, None)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_calls()
+            for hook in self.hooks:
+                try:
+                    hook(self.core)
+                except Exception:  # noqa: BLE001 - a hook must not kill the step loop
+                    log.exception("step hook failed")
+            if not self.core.has_unfinished():
+                self._wake.wait(timeout=0.005 if self.hooks else 0.05)
+                self._wake.clear()
+                continue
+            try:
+                advanced = self.core.step()
+            except Exception:
+                log.exception("engine step failed; aborting its requests")
+                for rid in list(self.core.scheduler.requests):
+                    req = self.core.scheduler.requests[rid]
+                    self.core.scheduler.finish(req, "error")
+                    self.publish(req)
+                continue
+            for req in advanced:
+                self.publish(req)
+                if req.is_finished:
+                    for cb in self.on_finished:
+                        cb(req)
+
+    def _drain_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.core))
+                except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                    fut.set_exception(e)

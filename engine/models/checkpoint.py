@@ -1,0 +1,193 @@
+"""Random-weight HF-format checkpoints of the supported families (for `hybridpd init-model`, tests, benchmarks).
+
+`write_random_checkpoint` builds the transformers config (tiny defaults, every field overridable), instantiates
+transformers' own model in fp32, re-initialises every weight from a seeded generator with scales chosen so the
+model is not degenerate (activations O(1), logits with std ~2.5, Mamba/GDN decays in a useful range), saves it
+with `save_pretrained(safe_serialization=True)` and writes the byte-level tokenizer. The same arguments write
+byte-identical weight files.
+
+Derived defaults scale with `hidden_size` (<= 128: tiny test model; larger: benchmark-sized heads), e.g.
+`write_random_checkpoint(d, "nemotron_h", hidden_size=1024, num_hidden_layers=24)` is a ~0.3B-parameter model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.tokenizer import write_tokenizer_files
+
+FAMILIES = ("nemotron_h", "qwen3_5")
+EOS_ID = 256  # <|endoftext|> of the byte-level tokenizer
+DEFAULT_NEMOTRON_H_PATTERN = "M*-M-"
+DEFAULT_QWEN3_5_LAYERS = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+
+
+def nemotron_h_config(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for transformers' NemotronHConfig. Extra keys: `pattern` (alias of
+    hybrid_override_pattern) and `num_hidden_layers` (repeats the pattern to that many layers)."""
+    o = dict(overrides)
+    hidden = int(o.pop("hidden_size", 64))
+    tiny = hidden <= 128
+    pattern = o.pop("pattern", None)
+    pattern = pattern or o.pop("hybrid_override_pattern", None) or DEFAULT_NEMOTRON_H_PATTERN
+    layers = o.pop("num_hidden_layers", None)
+    if layers is not None:
+        pattern = (pattern * layers)[:layers]
+    head_dim = 32 if tiny else 64
+    heads = max(2, hidden // head_dim)
+    mamba_head_dim = 16 if tiny else 64
+    cfg: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": head_dim,
+        "intermediate_size": 4 * hidden,
+        "mamba_num_heads": 2 * hidden // mamba_head_dim,
+        "mamba_head_dim": mamba_head_dim,
+        "n_groups": 2 if tiny else 4,
+        "ssm_state_size": 16 if tiny else 64,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden,
+        "moe_shared_expert_intermediate_size": hidden,
+        "max_position_embeddings": 4096,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": None,
+        "pad_token_id": EOS_ID,
+        "tie_word_embeddings": False,
+    }
+    if "layers_block_type" not in o:
+        cfg["hybrid_override_pattern"] = pattern
+    cfg.update(o)
+    return cfg
+
+
+def qwen3_5_config(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for transformers' Qwen3_5TextConfig. `num_hidden_layers` without `layer_types` repeats
+    the default [linear, linear, full, linear] cycle."""
+    o = dict(overrides)
+    hidden = int(o.pop("hidden_size", 64))
+    tiny = hidden <= 128
+    layer_types = o.pop("layer_types", None)
+    layers = o.pop("num_hidden_layers", None)
+    if layer_types is None:
+        n = layers or len(DEFAULT_QWEN3_5_LAYERS)
+        layer_types = [DEFAULT_QWEN3_5_LAYERS[i % len(DEFAULT_QWEN3_5_LAYERS)] for i in range(n)]
+    key_heads = 2 if tiny else max(2, hidden // 128)
+    heads = 2 if tiny else hidden // 64
+    cfg: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden if tiny else 3 * hidden,
+        "num_hidden_layers": len(layer_types),
+        "layer_types": list(layer_types),
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 32 if tiny else 128,
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": 2 * key_heads,
+        "linear_key_head_dim": 16 if tiny else 128,
+        "linear_value_head_dim": 16 if tiny else 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 4096,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(o)
+    return cfg
+
+
+QK_CORRELATION = 0.9
+"""GDN keys are initialised as 0.9 * the query weights + noise (in in_proj_qkv and conv1d), so a token's query
+finds its own key, as in a trained model. With independent q/k the GDN outputs are tiny cancellations that its
+per-head RMSNorm amplifies, and fp32 rounding alone then moves logprobs by ~1e-4 (in transformers too)."""
+
+
+def _init_value(name: str, t: torch.Tensor, family: str, config: Any, g: torch.Generator) -> torch.Tensor:
+    """The re-initialised value of one parameter/buffer, by checkpoint name."""
+    hidden = config.hidden_size
+
+    def randn(std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(t.shape, generator=g, dtype=torch.float32) * std + mean
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return torch.rand(t.shape, generator=g, dtype=torch.float32) * (hi - lo) + lo
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith(("embeddings.weight", "embed_tokens.weight")):
+        return randn()
+    if name == "lm_head.weight":
+        return randn(2.5 / math.sqrt(hidden))
+    if leaf == "A_log":
+        return torch.log(uniform(1.0, 8.0) if family == "nemotron_h" else uniform(0.05, 1.0))
+    if leaf == "dt_bias":
+        if family == "qwen3_5":
+            return randn(0.2, 1.0)
+        dt = torch.exp(uniform(math.log(0.02), math.log(0.2)))
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if leaf == "D":
+        return uniform(0.5, 1.5)
+    if leaf == "e_score_correction_bias":
+        return randn(0.1)
+    if "conv1d" in name and leaf == "bias":
+        return randn(0.1)
+    if "conv1d" in name or name.endswith("in_proj_qkv.weight"):
+        value = randn(1.0 / math.sqrt(t.shape[-1]))
+        if family == "qwen3_5":
+            kd = config.linear_num_key_heads * config.linear_key_head_dim
+            mix = QK_CORRELATION
+            value[kd : 2 * kd] = mix * value[:kd] + math.sqrt(1 - mix * mix) * value[kd : 2 * kd]
+        return value
+    if "norm" in name and leaf == "weight":
+        zero_centred = family == "qwen3_5" and "linear_attn.norm" not in name
+        return randn(0.1, 0.0 if zero_centred else 1.0)
+    if leaf == "bias":
+        return randn(0.02)
+    if t.dim() in (2, 3):  # linear layers, router, merged experts [E, out, in]
+        return randn(1.0 / math.sqrt(t.shape[-1]))
+    raise ValueError(f"no init rule for {name} {tuple(t.shape)}")
+
+
+@torch.no_grad()
+def _reinit(model: torch.nn.Module, family: str, config: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name in sorted(tensors):
+        tensors[name].copy_(_init_value(name, tensors[name], family, config, g))
+
+
+def write_random_checkpoint(out_dir: str | Path, family: str, seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight HF checkpoint of `family` ("nemotron_h" | "qwen3_5") plus a byte-level tokenizer
+    into `out_dir` (created if needed); returns the path. `overrides` are config fields (see nemotron_h_config /
+    qwen3_5_config). Deterministic in (family, seed, overrides)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if family == "nemotron_h":
+        cfg_kwargs = nemotron_h_config(**overrides)
+        config: Any = NemotronHConfig(**cfg_kwargs)
+        model_cls: Any = NemotronHForCausalLM
+    elif family == "qwen3_5":
+        cfg_kwargs = qwen3_5_config(**overrides)
+        config = Qwen3_5TextConfig(**cfg_kwargs)
+        model_cls = Qwen3_5ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _reinit(model, family, config, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    write_tokenizer_files(out, config.vocab_size, config.max_position_embeddings)
+    return str(out)
+
+
+__all__ = ["FAMILIES", "nemotron_h_config", "qwen3_5_config", "write_random_checkpoint"]

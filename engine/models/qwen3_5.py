@@ -1,0 +1,261 @@
+"""Qwen3.5 text model (`Qwen3_5ForCausalLM`, config `Qwen3_5TextConfig`, model_type `qwen3_5_text`).
+
+    h = embed_tokens(ids)
+    per layer: h = h + mixer(norm1(h));  h = h + GatedMLP(norm2(h))
+        mixer = Gated-DeltaNet (`linear_attention`) or gated full attention (`full_attention`):
+        q (+ output gate) / k / v projections, per-head zero-centred RMSNorm on q and k, partial rotary embedding,
+        GQA causal attention, output * sigmoid(gate), o_proj
+    hidden = norm(h);  logits = lm_head(hidden)   (lm_head tied to embed_tokens when tie_word_embeddings)
+
+Also loads the text part of a multimodal `Qwen3_5ForConditionalGeneration` checkpoint (config `text_config`,
+weights `model.language_model.*`; the vision tower and MTP weights are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.cache.specs import CacheSpec, FullAttentionSpec
+from engine.models.base import AttentionCache, LayerCache, StateCache
+from engine.models.batch import ForwardBatch
+from engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from engine.models.layers import (
+    GatedMLP,
+    RotaryEmbedding,
+    StepMetadata,
+    ZeroCenteredRMSNorm,
+    apply_rotary,
+    paged_attention,
+)
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text config: `text_config` of a multimodal config (top-level tie/eos fill in), else cfg itself."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    merged = dict(text)
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if merged.get(key) is None and cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) with transformers' precedence: rope_scaling, rope_parameters, then
+    top-level keys, then defaults (10000, 0.25). Only the default rope type is supported."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return float(theta), float(factor)
+
+
+@dataclass(frozen=True)
+class Qwen3_5Args:
+    """The config fields the engine uses, resolved with transformers 5.23's names and defaults."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_act: str
+    norm_eps: float
+    attention_bias: bool
+    rope_theta: float
+    rotary_dim: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    gdn: GatedDeltaNetConfig
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Args:
+        cfg = _text_config(config)
+        hidden = int(cfg.get("hidden_size", 4096))
+        layer_types = cfg.get("layer_types")
+        num_layers = int(cfg.get("num_hidden_layers") or (len(layer_types) if layer_types else 32))
+        if layer_types is None:
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+        if len(layer_types) < num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {num_layers}")
+        layer_types = layer_types[:num_layers]
+        bad = sorted(set(layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer_types has unknown types {bad}; expected {list(LAYER_TYPES)}")
+        heads = int(cfg.get("num_attention_heads", 16))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        theta, factor = _rope(cfg)
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        act = str(cfg.get("hidden_act", "silu"))
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=int(cfg.get("vocab_size", 248320)),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 12288)),
+            layer_types=tuple(layer_types),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", 4)),
+            head_dim=head_dim,
+            hidden_act=act,
+            norm_eps=eps,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope_theta=theta,
+            rotary_dim=int(head_dim * factor),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            gdn=GatedDeltaNetConfig(
+                hidden_size=hidden,
+                num_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+                num_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+                head_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+                head_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+                conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+                activation=act,
+                norm_eps=eps,
+            ),
+        )
+
+
+class Qwen3_5Attention(nn.Module):
+    """Gated GQA attention: q_proj yields per head [query | gate]; q/k get a per-head zero-centred RMSNorm and
+    partial RoPE; the attention output is multiplied by sigmoid(gate) before o_proj."""
+
+    def __init__(self, a: Qwen3_5Args) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        bias = a.attention_bias
+        self.q_proj = nn.Linear(a.hidden_size, self.heads * a.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(a.hidden_size, self.kv_heads * a.head_dim, bias=bias)
+        self.v_proj = nn.Linear(a.hidden_size, self.kv_heads * a.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * a.head_dim, a.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(a.head_dim, a.norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(a.head_dim, a.norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: StepMetadata
+    ) -> torch.Tensor:
+        n = h.shape[0]
+        q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
+        v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, a: Qwen3_5Args, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(a.gdn)
+        else:
+            self.self_attn = Qwen3_5Attention(a)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act)
+        self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache, meta: StepMetadata
+    ) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.layer_type == "linear_attention":
+            assert isinstance(cache, StateCache), "linear-attention layer needs a StateCache"
+            x = self.linear_attn(x, cache, meta)
+        else:
+            assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
+            x = self.self_attn(x, rope, cache, meta)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5TextModel(nn.Module):
+    def __init__(self, a: Qwen3_5Args) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(a, t) for t in a.layer_types)
+        self.norm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The engine's Qwen3.5 text model. Built by `engine.models.registry.load_model` (meta device, then weights
+    are assigned); implements the `CausalLM` protocol of engine.models.base."""
+
+    architecture = "Qwen3_5ForCausalLM"
+
+    def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
+        super().__init__()
+        self.args = Qwen3_5Args.from_dict(config)
+        self.dtype_name = dtype
+        self.vocab_size = self.args.vocab_size
+        self.eos_token_ids: tuple[int, ...] = self.args.eos_token_ids
+        self.model = Qwen3_5TextModel(self.args)
+        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(self.args.rotary_dim, self.args.rope_theta)
+
+    # -- CausalLM -------------------------------------------------------------------------------------------
+
+    def cache_specs(self, block_size: int) -> dict[int, CacheSpec]:
+        a = self.args
+        specs: dict[int, CacheSpec] = {}
+        for i, t in enumerate(a.layer_types):
+            if t == "full_attention":
+                specs[i] = FullAttentionSpec(block_size, a.num_key_value_heads, a.head_dim, self.dtype_name)
+            else:
+                specs[i] = a.gdn.state_spec(self.dtype_name)
+        return specs
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        device = self.lm_head.weight.device
+        meta = StepMetadata.build(batch, device)
+        h = self.model.embed_tokens(batch.input_ids.to(device))
+        rope = self.rotary.cos_sin(meta.positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, caches[i], meta)
+        return self.model.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -- loading --------------------------------------------------------------------------------------------
+
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    always_tie = True
+    """As in transformers: with tie_word_embeddings, lm_head is the embedding matrix."""
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Checkpoint tensor name -> module name (`model.language_model.` -> `model.`); None drops it (vision
+        tower, `mtp*`)."""
+        if name.startswith(("mtp", "model.visual.", "visual.")):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model.") :]
+        return name
+
+    @staticmethod
+    def split_checkpoint_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor)]
+
+    @staticmethod
+    def keep_fp32(name: str) -> bool:
+        return False
+
+
+__all__ = ["Qwen3_5Args", "Qwen3_5ForCausalLM"]

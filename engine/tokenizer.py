@@ -1,0 +1,193 @@
+"""Tokenizer: a thin wrapper over `tokenizers.Tokenizer` that also knows the model's eos ids and chat template.
+
+Chat template: the `chat_template` of tokenizer_config.json (or a `chat_template.jinja` file) rendered with Jinja
+in a sandbox, as transformers does. Without one, `DEFAULT_CHAT_TEMPLATE` (ChatML) is used:
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n ... [<|im_start|>assistant\\n]
+
+`build_byte_level_tokenizer` / `write_tokenizer_files` make the byte-level tokenizer of the built-in random
+checkpoints: ids 0..255 are the bytes, then `<|endoftext|>` (eos, 256), `<|im_start|>`, `<|im_end|>`, then
+`<|reserved_N|>` fillers so that every model id decodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+from engine.errors import ModelLoadError
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _chatml(messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _token_content(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+class Tokenizer:
+    """Encode/decode text, eos ids, chat template. Immutable after construction; safe to share across threads."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        bos_token_id: int | None = None,
+    ) -> None:
+        self.backend = backend
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json (required) plus tokenizer_config.json / chat_template.jinja / config.json /
+        generation_config.json (optional) from a model directory."""
+        root = Path(path)
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(f"model directory {str(path)!r} has no tokenizer.json")
+        try:
+            backend = _Backend.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise ModelLoadError(f"cannot load {tok_file}: {e}") from None
+        tcfg = _read_json(root / "tokenizer_config.json")
+        model_cfg = _read_json(root / "config.json")
+        text_cfg = model_cfg.get("text_config") if isinstance(model_cfg.get("text_config"), dict) else {}
+        eos: list[int] = []
+        eos_name = _token_content(tcfg.get("eos_token"))
+        if eos_name is not None and backend.token_to_id(eos_name) is not None:
+            eos.append(backend.token_to_id(eos_name))
+        for src in (model_cfg, text_cfg, _read_json(root / "generation_config.json")):
+            eos += [i for i in _ids(src.get("eos_token_id")) if i not in eos]
+        bos_name = _token_content(tcfg.get("bos_token"))
+        bos = backend.token_to_id(bos_name) if bos_name is not None else None
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = root / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return cls(backend, eos, template if isinstance(template, str) else None, bos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages ([{"role", "content"}]) to the prompt text."""
+        if self.chat_template is None:
+            return _chatml(messages, add_generation_prompt)
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:  # pragma: no cover - jinja2 ships with transformers
+            return _chatml(messages, add_generation_prompt)
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return env.from_string(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the built-in byte-level tokenizer
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (what the ByteLevel pre-tokenizer emits)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def build_byte_level_tokenizer(vocab_size: int) -> _Backend:
+    """Byte-level BPE without merges: token id b is byte b; special tokens and fillers up to `vocab_size`."""
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for the byte-level tokenizer")
+    byte_map = bytes_to_unicode()
+    backend = _Backend(models.BPE(vocab={byte_map[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    fillers = [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - len(SPECIAL_TOKENS))]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *fillers)])
+    return backend
+
+
+def write_tokenizer_files(out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
+    """Write tokenizer.json + tokenizer_config.json (eos `<|endoftext|>`, ChatML chat template)."""
+    root = Path(out_dir)
+    build_byte_level_tokenizer(vocab_size).save(str(root / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "Tokenizer", "build_byte_level_tokenizer", "write_tokenizer_files"]

@@ -1,0 +1,61 @@
+"""The correctness reference: `transformers`' own implementation on the same checkpoint, greedy.
+
+`hf_greedy` is greedy decoding by full recomputation (no cache: transformers' plainest path). Computed fast and
+exactly: transformers' own cached `generate` proposes the tokens, then ONE uncached forward over prompt + proposal
+gives the logits at every position (a causal model's logits at t depend only on tokens <= t); each proposed token
+must be that forward's argmax, and its log-softmax is the reference logprob. Where the proposal is not the argmax
+(transformers' cached path drifts from its uncached one by ~1e-4 after a few dozen steps: seen here), decoding
+continues by uncached recomputation from that step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str, dtype: str = "float32", device: str = "cpu"):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def _uncached_logprobs(model, ids: list[int], device: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    x = torch.tensor([ids], device=device)
+    return torch.log_softmax(model(x, use_cache=False).logits[0].float(), dim=-1)
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, dtype: str = "float32", device: str = "cpu"):
+    """Greedy continuation under transformers' uncached forward: (tokens, chosen-token logprobs)."""
+    model = hf_model(path, dtype, device)
+    ids = torch.tensor([prompt], device=device)
+    proposal = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=None, pad_token_id=0,
+    )[0, len(prompt):].tolist()
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while len(tokens) < max_new_tokens:
+        rest = proposal[len(tokens):max_new_tokens]
+        lp = _uncached_logprobs(model, prompt + tokens + rest[:-1], device)
+        for step in range(len(tokens), max_new_tokens):
+            pos = len(prompt) + step - 1
+            if pos >= lp.shape[0]:
+                break
+            best = int(torch.argmax(lp[pos]))
+            tokens.append(best)
+            logprobs.append(float(lp[pos, best]))
+            if step >= len(proposal) or best != proposal[step]:
+                proposal = tokens[:]  # diverged (or no proposal left): recompute step by step from here
+                break
+    return tokens, logprobs
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
