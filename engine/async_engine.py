@@ -73,7 +73,7 @@ class AsyncEngine:
             "token_ids": req.output_token_ids[start:n],
             "logprobs": req.output_logprobs[start:n],
             "finish_reason": req.finish_reason if req.is_finished else None,
-            "text": self.core.output_text(req) if req.is_finished or req.sampling_params.stop else None,
+            "text": self.core.output_text(req),
             "request": req,
         }
         loop, q = entry

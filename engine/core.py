@@ -119,16 +119,24 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
 
-    def add_request(
+    def new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
         compute_target: int | None = None,
     ) -> Request:
+        """A validated request, not yet scheduled."""
         self.validate_prompt(prompt_token_ids)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
         )
         self._next_arrival += 1
+        return req
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        compute_target: int | None = None,
+    ) -> Request:
+        req = self.new_request(request_id, prompt_token_ids, params, cache_salt, compute_target)
         self.scheduler.add_request(req)
         return req
 

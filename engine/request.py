@@ -58,7 +58,9 @@ class Request:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return self.all_token_ids[start:end]
+        if start >= n:  # decode: slice the outputs, do not copy the whole sequence
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def target_tokens(self) -> int:

@@ -75,6 +75,12 @@ class ModelRunner:
         self.num_zeroed_blocks += n
         return n
 
+    def zero_block_tail(self, block_id: int, start: int) -> None:
+        """Zero token positions [start, block_size) of one attention block in every layer (the unfilled tail of
+        the last block a transfer wrote: its bytes came from the producer and are not trusted)."""
+        for kv in self.attention_tensors:
+            kv[block_id, :, start:].zero_()
+
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []

@@ -38,7 +38,7 @@ class GroupBlocks(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "block_hashes_hex")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "block_hashes_hex", "checkpoint_slot", "checkpoint_num_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class TransferParams(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_HEX_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     prefill_address: str
@@ -57,7 +59,9 @@ class TransferParams(_message.Message):
     num_prompt_tokens: int
     lease_expiry_unix: float
     block_hashes_hex: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., block_hashes_hex: _Optional[_Iterable[str]] = ...) -> None: ...
+    checkpoint_slot: int
+    checkpoint_num_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., block_hashes_hex: _Optional[_Iterable[str]] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

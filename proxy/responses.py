@@ -91,7 +91,8 @@ class CompletionFormatter(_Formatter):
         return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": None}
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": d.text, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
+        choice = {"index": 0, "text": d.text, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason,
+                  "token_ids": list(d.token_ids)}
         body = self._envelope(self.object_chunk, [choice])
         if include_usage:
             body["usage"] = None
@@ -99,7 +100,8 @@ class CompletionFormatter(_Formatter):
 
     def full(self, deltas: Sequence[Delta], usage: Usage) -> dict[str, Any]:
         choice = {"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(deltas),
-                  "finish_reason": deltas[-1].finish_reason}
+                  "finish_reason": deltas[-1].finish_reason,
+                  "token_ids": [t for d in deltas for t in d.token_ids]}  # vLLM-style extra: generated token ids
         body = self._envelope(self.object_full, [choice])
         body["usage"] = usage_dict(usage)
         return body

@@ -5,7 +5,9 @@ hash -> block map, and nothing else. Block 0 is the null block: never handed out
 
     free queue (eviction order, front first):  [b7 (no hash)] [b3 (hash h3)] [b9 (hash h9)] ...
     allocate(n)  pops from the front, dropping a popped block's hash (eviction);
-    free(ids)    appends to the back (callers pass a request's blocks tail first, so tails go first);
+    free(ids)    appends cached blocks to the back (callers pass a request's blocks tail first, so tails go
+                 first) and puts blocks without a hash at the front: they hold nothing reusable, so they are
+                 handed out before any cached block is evicted;
     touch(ids)   takes cached blocks out of the queue (ref 0 -> 1) or adds a reference.
 
 Blocks in the queue with a hash are *cached* (reusable on a hit, evictable); without one they are *free*.
@@ -86,6 +88,8 @@ class BlockPool:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self._queue[b] = None
+                if self.block_hash[b] is None:  # nothing to keep: reuse before evicting cached content
+                    self._queue.move_to_end(b, last=False)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)

@@ -79,6 +79,8 @@ class HybridCacheManager:
 
     # -- hashing -------------------------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
+        if req.num_tokens // self.block_size <= len(req.block_hashes):
+            return  # no newly full block: skip building all_token_ids (a copy of every token, each call)
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, extra_keys(req.cache_salt))
 
     # -- hit search ----------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
 
 PAD_SLOT_ID = -1
 """Index used for padded rows in every kernel index tensor (slot mapping, state indices). Kernels skip it;
@@ -71,7 +70,7 @@ class RecurrentStateSpec:
         )
 
 
-CacheSpec = Union[FullAttentionSpec, RecurrentStateSpec]
+CacheSpec = FullAttentionSpec | RecurrentStateSpec
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,7 @@ class NemotronHForCausalLM(nn.Module):
         self.args = NemotronHArgs.from_dict(config)
         self.dtype_name = dtype
         self.vocab_size = self.args.vocab_size
+        self.hidden_size = self.args.hidden_size
         self.eos_token_ids: tuple[int, ...] = self.args.eos_token_ids
         self.backbone = NemotronHBackbone(self.args)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)

@@ -202,6 +202,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.args = Qwen3_5Args.from_dict(config)
         self.dtype_name = dtype
         self.vocab_size = self.args.vocab_size
+        self.hidden_size = self.args.hidden_size
         self.eos_token_ids: tuple[int, ...] = self.args.eos_token_ids
         self.model = Qwen3_5TextModel(self.args)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)

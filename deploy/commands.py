@@ -1,0 +1,121 @@
+"""Serving subcommands of the CLI: serve (Ray), worker and proxy (plain processes), bench serve."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+ENGINE_FLAGS = ("dtype", "device", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "kv_cache_memory_bytes", "gpu_memory_utilization", "checkpoint_interval", "zero_fresh_blocks", "seed")
+
+
+def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
+    """The engine flags of `args` as a `hybridpd worker` command line."""
+    argv = ["--model", model]
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+def _model_max_len(model: str, override: int | None) -> int:
+    if override:
+        return override
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        return int(json.load(f).get("max_position_embeddings") or 4096)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from deploy.cli import engine_config_from_args
+    from worker.bootstrap import WorkerOptions, run_worker
+
+    cfg = engine_config_from_args(args)
+    opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
+                         advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
+                         transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
+                         model_name=args.model_name)
+    return run_worker(cfg, opts)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from proxy.config import ProxyConfig
+    from proxy.server import run
+
+    model_name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
+    max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
+    cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
+                      model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=args.api_key,
+                      max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port)
+    run(cfg)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.ray_launcher import serve
+    from engine.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        from engine.errors import ModelLoadError
+
+        raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
+    return serve(args, engine_argv(args, model), model, _model_max_len(model, args.max_model_len))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from deploy.bench_serve import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[[argparse.ArgumentParser], None]
+                         ) -> None:
+    p = sub.add_parser("serve", help="start Ray, prefill + decode workers and the OpenAI proxy")
+    engine_args(p)
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--address", default=None, help="join an existing Ray cluster (default: start one locally)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
+    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
+    p.add_argument("--api-key", default=None)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="run one prefill or decode worker as a plain process")
+    engine_args(p)
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port, -1: off)")
+    p.add_argument("--advertise-host", default=None, help="host other workers use to reach this one")
+    p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--transfer-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument("--pull-timeout", type=float, default=10.0)
+    p.add_argument("--model-name", default=None)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR")
+    p.add_argument("--decode", nargs="+", required=True, metavar="ADDR")
+    p.add_argument("--model", default=None, help="checkpoint dir (tokenizer, max length)")
+    p.add_argument("--model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--colocated", action="store_true")
+    p.set_defaults(func=cmd_proxy)
+
+    p = sub.add_parser("bench", help="benchmarks: `hybridpd bench serve --help`")
+    p.add_argument("bench_kind", choices=["serve"])
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,160 @@
+"""`hybridpd serve`: start (or join) Ray, run each worker as a Ray actor that supervises a `hybridpd worker`
+process (restarting it on the same port if it dies: new epoch, so stale transfer params are refused), then serve
+the proxy in this process. Ctrl-C stops the proxy, the workers and Ray.
+
+    driver (hybridpd serve) --ray--> WorkerActor(prefill) --spawns--> hybridpd worker --role prefill
+                            --ray--> WorkerActor(decode)  --spawns--> hybridpd worker --role decode
+                            uvicorn proxy --gRPC--> workers
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("hybridpd.serve")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerProcess:
+    """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
+    tests/launchers without Ray."""
+
+    def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 restart: bool = True, ready_timeout_s: float = 300.0) -> None:
+        self.host = host
+        self.grpc_port = free_port(host)
+        self.metrics_port = free_port(host)
+        self.argv = argv + ["--host", host, "--port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
+        self.env = {**os.environ, **(env or {})}
+        self.restart = restart
+        self.ready_timeout_s = ready_timeout_s
+        self.info: dict[str, Any] = {}
+        self.restarts = 0
+        self._stopping = False
+        self.proc: subprocess.Popen | None = None
+        self._start()
+        self._watch = threading.Thread(target=self._supervise, daemon=True)
+        self._watch.start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", *self.argv],
+                                     stdout=subprocess.PIPE, stderr=None, text=True, env=self.env)
+        deadline = time.time() + self.ready_timeout_s
+        assert self.proc.stdout is not None
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited before it was ready (exit code {self.proc.wait()})")
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if msg.get("event") == "ready":
+                self.info = msg
+                threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+                return
+        raise RuntimeError("worker did not become ready in time")
+
+    @staticmethod
+    def _drain(proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for _ in proc.stdout:
+            pass
+
+    def _supervise(self) -> None:
+        while not self._stopping:
+            time.sleep(0.5)
+            if self.proc is not None and self.proc.poll() is not None and not self._stopping and self.restart:
+                log.warning("worker %s died (exit %s): restarting", self.info.get("role"), self.proc.returncode)
+                self.restarts += 1
+                try:
+                    self._start()
+                except Exception:  # noqa: BLE001
+                    log.exception("worker restart failed")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _make_actor_class(ray: Any) -> Any:
+    @ray.remote(max_restarts=-1, max_concurrency=4)
+    class WorkerActor:
+        def __init__(self, argv: list[str], host: str) -> None:
+            self.worker = WorkerProcess(argv, host=host)
+
+        def info(self) -> dict[str, Any]:
+            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive()}
+
+        def pid(self) -> int:
+            return self.worker.proc.pid if self.worker.proc else -1
+
+        def stop(self) -> None:
+            self.worker.stop()
+
+    return WorkerActor
+
+
+def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
+    import ray
+
+    from deploy.prometheus.targets import targets_from_cluster, write_targets  # noqa: F401
+    from proxy.config import ProxyConfig
+    from proxy.server import run as run_proxy
+
+    host = "127.0.0.1" if args.address is None else socket.gethostbyname(socket.gethostname())
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}} if args.address is None else None)
+    actor_cls = _make_actor_class(ray)
+    roles = ["decode"] * args.num_decode if args.colocated else \
+        ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+    actors = []
+    for role in roles:
+        argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
+        opts = {"num_cpus": 1, "num_gpus": args.gpus_per_worker}
+        actors.append((role, actor_cls.options(**opts).remote(argv, host)))
+    try:
+        infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
+        prefill = tuple(i["address"] for r, i in infos if r == "prefill")
+        decode = tuple(i["address"] for r, i in infos if r == "decode")
+        for role, info in infos:
+            print(f"worker {role:8s} grpc={info['address']} metrics=http://{host}:{info['metrics_port']}/metrics "
+                  f"epoch={info['epoch'][:8]}", flush=True)
+        cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
+                          model_name=os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
+                          routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
+                          colocated=args.colocated, host=args.host, port=args.port)
+        print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
+              f"http://{args.host}:{args.port}/v1/cluster", flush=True)
+        run_proxy(cfg)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for _, a in actors:
+            try:
+                ray.get(a.stop.remote(), timeout=15)
+            except Exception:  # noqa: BLE001
+                pass
+        ray.shutdown()
+    return 0

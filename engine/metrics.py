@@ -1,0 +1,52 @@
+"""Worker-side Prometheus metrics (DESIGN.md names), updated from the engine's counters on the step thread.
+
+Counters are exported as deltas of the engine's monotonic counters, so the engine itself stays free of
+prometheus_client. Labels: role = prefill | decode, group = the cache group kind."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from engine.core import EngineCore
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        from prometheus_client import REGISTRY
+
+        reg = registry if registry is not None else REGISTRY
+        self.role = role
+        g = ["role", "group"]
+        self.queries = Counter("hybridpd_prefix_cache_queries", "Prefix-cache queries (tokens)", g, registry=reg)
+        self.hits = Counter("hybridpd_prefix_cache_hits", "Prefix-cache hits (tokens)", g, registry=reg)
+        self.ext_queries = Counter("hybridpd_external_prefix_cache_queries",
+                                   "Tokens queried for external (transferred) hits", g, registry=reg)
+        self.ext_hits = Counter("hybridpd_external_prefix_cache_hits", "Tokens received by KV transfer", g,
+                                registry=reg)
+        self.usage = Gauge("hybridpd_kv_cache_usage_ratio", "Fraction of a cache pool in use", g, registry=reg)
+        self.zeroed = Counter("hybridpd_zeroed_blocks", "Fresh attention blocks zeroed", ["role"], registry=reg)
+        self.running = Gauge("hybridpd_num_requests_running", "Requests running", ["role"], registry=reg)
+        self.waiting = Gauge("hybridpd_num_requests_waiting", "Requests waiting", ["role"], registry=reg)
+        self._last: dict[tuple[str, str], int] = {}
+
+    def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
+        last = self._last.get((key, group), 0)
+        if value > last:
+            counter.labels(self.role, group).inc(value - last) if group else counter.labels(self.role).inc(
+                value - last)
+        self._last[(key, group)] = value
+
+    def update(self, core: EngineCore, extra_waiting: int = 0) -> None:
+        """Step thread only."""
+        cache = core.cache
+        for kind, c in cache.counters.items():
+            self._inc(self.queries, "q", kind, c.queries)
+            self._inc(self.hits, "h", kind, c.hits)
+        for kind, c in cache.external_counters.items():
+            self._inc(self.ext_queries, "eq", kind, c.queries)
+            self._inc(self.ext_hits, "eh", kind, c.hits)
+        for kind, u in cache.usage().items():
+            self.usage.labels(self.role, kind).set(u)
+        self._inc(self.zeroed, "z", "", core.runner.num_zeroed_blocks)
+        self.running.labels(self.role).set(len(core.scheduler.running))
+        self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)

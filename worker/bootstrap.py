@@ -1,0 +1,108 @@
+"""Start one worker process: engine + step thread, NIXL agent over its caches, metrics server, gRPC server.
+
+Prints one JSON line `{"event": "ready", ...}` on stdout once serving (launchers wait for it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from engine.config import EngineConfig
+
+log = logging.getLogger("hybridpd.worker")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # prefill | decode | colocated (= decode without transfers)
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    advertise_host: str | None = None
+    lease_seconds: float = 30.0
+    transfer_policy: str = "recompute"
+    pull_timeout_s: float = 10.0
+    model_name: str | None = None
+    enable_transfer: bool = True
+
+
+def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
+    from kvtransfer.layout import CacheLayout, GroupTensors
+
+    groups = []
+    for g in core.groups:
+        caches = [core.runner.caches[lid] for lid in g.layer_ids]
+        tensors = [c.kv if g.is_attention else (c.conv, c.ssm) for c in caches]
+        groups.append(GroupTensors(g.group_id, "attention" if g.is_attention else g.kind, tensors, g.layer_ids))
+    extra = {f"spec.{g.group_id}": repr(g.spec) for g in core.groups}
+    extra["checkpoint_interval"] = str(core.plan.checkpoint_interval)
+    return CacheLayout.from_tensors(groups, model_id=model_id, extra=extra)
+
+
+async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
+    from prometheus_client import start_http_server
+
+    from engine.async_engine import AsyncEngine
+    from engine.core import EngineCore
+    from engine.metrics import WorkerMetrics
+    from proto import hybridpd_pb2_grpc as pb_grpc
+    from worker.context import WorkerContext
+
+    core = EngineCore(config)
+    aengine = AsyncEngine(core)
+    model_name = opts.model_name or os.path.basename(os.path.normpath(config.model.path))
+    role = "decode" if opts.role == "colocated" else opts.role
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    metrics_port = opts.metrics_port
+    if metrics_port >= 0:
+        srv, _ = start_http_server(metrics_port, addr=opts.host)
+        metrics_port = srv.server_port
+    ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
+                        address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
+                        metrics=WorkerMetrics(role))
+    if opts.enable_transfer and opts.role != "colocated":
+        from kvtransfer.agent import TransferAgent
+        from kvtransfer.metrics import TransferMetrics
+
+        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", build_layout(core, model_name), ctx.epoch,
+                                  metrics=TransferMetrics(role))
+    if role == "prefill":
+        from prefill.service import PrefillServicer
+
+        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx, opts.lease_seconds), server)
+    else:
+        from decode.service import DecodeServicer
+
+        pb_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(ctx, opts.transfer_policy, opts.pull_timeout_s), server)
+    await server.start()
+    print(json.dumps({"event": "ready", "role": role, "address": ctx.address, "grpc_port": port,
+                      "metrics_port": ctx.metrics_port, "worker_id": ctx.worker_id, "epoch": ctx.epoch,
+                      "pid": os.getpid(), "kv_cache": core.kv_cache_info()}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down %s worker", role)
+    await server.stop(grace=2.0)
+    aengine.shutdown()
+    if ctx.agent is not None:
+        ctx.agent.close()
+
+
+def run_worker(config: EngineConfig, opts: WorkerOptions) -> int:
+    try:
+        asyncio.run(serve_worker(config, opts))
+    except KeyboardInterrupt:
+        pass
+    sys.stdout.flush()
+    return 0

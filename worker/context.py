@@ -1,0 +1,57 @@
+"""What a worker process holds: the engine on its step thread, its identity, its transfer agent and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
+from engine.metrics import WorkerMetrics
+from proto import hybridpd_pb2 as pb
+
+
+@dataclass
+class WorkerContext:
+    role: str
+    aengine: AsyncEngine
+    model_name: str
+    address: str
+    metrics_port: int = 0
+    agent: Any = None
+    """kvtransfer.agent.TransferAgent, or None when transfers are off (colocated)."""
+    metrics: WorkerMetrics | None = None
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def core(self):  # type: ignore[no-untyped-def]
+        return self.aengine.core
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, (InvalidRequestError, ValueError)) else \
+        grpc.StatusCode.INTERNAL
+    await context.abort(code, str(e))
+
+
+async def run_engine_call(ctx: WorkerContext, context: grpc.aio.ServicerContext, fn):  # type: ignore[no-untyped-def]
+    """Run fn(core) on the step thread; map bad input to INVALID_ARGUMENT."""
+    try:
+        return await ctx.aengine.acall(fn)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        await abort_invalid(context, e)
+
+
+def transfer_metadata(ctx: WorkerContext) -> pb.TransferMetadata:
+    agent = ctx.agent
+    return pb.TransferMetadata(
+        agent_metadata=agent.local_metadata() if agent is not None else b"", worker_id=ctx.worker_id,
+        epoch=ctx.epoch, compat_hash=agent.layout.compat_hash if agent is not None else "",
+    )

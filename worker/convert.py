@@ -1,0 +1,44 @@
+"""proto <-> engine conversions (one place)."""
+
+from __future__ import annotations
+
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from proto import hybridpd_pb2 as pb
+
+
+def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError (-> INVALID_ARGUMENT) on bad values."""
+    return SamplingParams(
+        max_tokens=int(p.max_tokens),
+        temperature=float(p.temperature) if p.HasField("temperature") else 1.0,
+        top_p=float(p.top_p) if p.HasField("top_p") else 1.0,
+        top_k=max(0, int(p.top_k)) if p.HasField("top_k") else 0,
+        seed=int(p.seed) if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+    )
+
+
+def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metrics_port: int,
+                   pinned: dict[int, int] | None = None, leases: int = 0, extra_waiting: int = 0) -> pb.StatsResponse:
+    """Step thread only (reads the pools)."""
+    pools = []
+    for s in core.cache.pool_stats():
+        pool = core.cache.pools[int(s["group_id"])]  # type: ignore[call-overload]
+        try:
+            pool.check_integrity()
+            ok = True
+        except AssertionError:
+            ok = False
+        pools.append(pb.PoolStats(
+            group_id=int(s["group_id"]), kind=str(s["kind"]), total=int(s["total"]), free=int(s["free"]),  # type: ignore[call-overload]
+            cached=int(s["cached"]), in_use=int(s["in_use"]),  # type: ignore[call-overload]
+            pinned=(pinned or {}).get(int(s["group_id"]), 0), integrity_ok=ok,  # type: ignore[call-overload]
+        ))
+    return pb.StatsResponse(
+        role=role, worker_id=worker_id, epoch=epoch, num_running=len(core.scheduler.running),
+        num_waiting=len(core.scheduler.waiting) + extra_waiting, pools=pools, leases_pinned=leases,
+        metrics_port=metrics_port,
+    )
