@@ -1,0 +1,90 @@
+"""Offline generation throughput of the colocated engine (a baseline to beat, not a goal yet).
+
+    python benchmarks/offline_throughput.py --device cpu  --out offline_cpu.json
+    python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --out offline_gpu.json
+
+For each model size: write a random-weight checkpoint, generate `--num-prompts` prompts x `--output-len` tokens
+(greedy, ignore_eos), repeat, report the median generated tokens/s and total (prompt + generated) tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+SIZES = {
+    "tiny": {"hidden_size": 64},
+    "small": {"hidden_size": 512, "num_hidden_layers": 12, "vocab_size": 32000},
+    "medium": {"hidden_size": 1024, "num_hidden_layers": 24, "vocab_size": 32000},
+}
+PATTERN = {"nemotron_h": {"pattern": "M-M*-M-M-"}, "qwen3_5": {}}
+
+
+def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.models.checkpoint import write_random_checkpoint
+
+    overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
+    path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)
+    llm = LLM(model=path, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              kv_cache_memory_bytes=args.kv_bytes)
+    params = sum(p.numel() for p in llm.engine.model.parameters())  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, temperature=0))
+    times = []
+    for _ in range(args.repeats):
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        assert all(len(o.token_ids) == args.output_len for o in outs)
+    t = statistics.median(times)
+    gen = args.num_prompts * args.output_len
+    return {"family": family, "size": size, "params_m": round(params / 1e6, 1), "device": args.device,
+            "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "median_s": round(t, 3), "gen_tok_s": round(gen / t, 1),
+            "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1), "repeats": len(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sizes", default="tiny,small")
+    ap.add_argument("--families", default="nemotron_h,qwen3_5")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-bytes", type=int, default=512 * 2**20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="offline_throughput.json")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families.split(","):
+            for size in args.sizes.split(","):
+                rows.append(run_one(family, size, args, tmp))
+                print(json.dumps(rows[-1]), flush=True)
+    cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "args": vars(args)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Start a real PD cluster of plain processes (prefill workers, decode workers, proxy): used by the integration
+tests and the serving benchmark. No Ray: `hybridpd serve` runs the same processes under Ray actors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+from deploy.ray_launcher import WorkerProcess, free_port
+from proto import hybridpd_pb2 as pb
+from proto import hybridpd_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Cluster:
+    model: str
+    prefill: list[WorkerProcess]
+    decode: list[WorkerProcess]
+    proxy: subprocess.Popen
+    url: str
+    model_name: str
+    extra: dict = field(default_factory=dict)
+
+    def worker_stats(self, w: WorkerProcess) -> pb.StatsResponse:
+        with grpc.insecure_channel(w.info["address"]) as ch:
+            stub = pb_grpc.PrefillServiceStub(ch) if w.info["role"] == "prefill" else pb_grpc.DecodeServiceStub(ch)
+            return stub.Stats(pb.StatsRequest(), timeout=10)
+
+    def metric(self, w: WorkerProcess, name: str, **labels: str) -> float:
+        """Sum of a metric's samples on a worker's /metrics matching the labels."""
+        text = httpx.get(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+            if not m:
+                continue
+            lbl = m.group(1) or ""
+            if all(f'{k}="{v}"' in lbl for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+    def stop(self) -> None:
+        self.proxy.terminate()
+        try:
+            self.proxy.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proxy.kill()
+        for w in self.prefill + self.decode:
+            w.stop()
+
+
+def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
+                  num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
+                  decode_env: dict[str, str] | None = None) -> Cluster:
+    args = ["--model", model, *(worker_args or [])]
+    env = {"PYTHONPATH": os.getcwd()}
+    prefill = [] if colocated else [WorkerProcess(["--role", "prefill", *args], env={**env, **(prefill_env or {})})
+                                    for _ in range(num_prefill)]
+    decode = [WorkerProcess(["--role", "colocated" if colocated else "decode", *args],
+                            env={**env, **(decode_env or {})}) for _ in range(num_decode)]
+    port = free_port()
+    name = os.path.basename(os.path.normpath(model))
+    cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port),
+           "--decode", *[w.info["address"] for w in decode]]
+    if colocated:
+        cmd.append("--colocated")
+    else:
+        cmd += ["--prefill", *[w.info["address"] for w in prefill]]
+    proxy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    else:
+        raise RuntimeError("proxy did not become healthy")
+    return Cluster(model, prefill, decode, proxy, url, name)
+
+
+def complete(c: Cluster, prompt: list[int] | str, max_tokens: int = 16, **extra) -> dict:  # type: ignore[no-untyped-def]
+    body = {"model": c.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, **extra}
+    r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
