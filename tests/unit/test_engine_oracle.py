@@ -85,3 +85,32 @@ def test_prefix_caching_on_matches(name, checkpoint_dir, reference):  # type: ig
     for p, out in zip(prompts, second):
         assert out.num_cached_tokens == ((len(p) - 1) // 32) * 32, (len(p), out.num_cached_tokens)
     llm.engine.cache.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["nemotron_attn_last", "qwen_attn_last"])
+def test_shared_prefix_and_two_turn_chat_hit_exactly(name, checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Prefix caching on, checkpoint interval 32, block 16: a prompt sharing 100 tokens with an earlier one hits
+    96 (the last checkpoint inside the 6 shared full blocks); the second turn of a chat hits the checkpoint its
+    first turn wrote while *decoding* (96 tokens). Outputs identical to transformers and to a cache-off run."""
+    path = checkpoint_dir(name)
+    base, tail_a, tail_b, user2 = random_prompts([100, 20, 35, 15], vocab=256, seed=5)
+    a, b = base + tail_a, base + tail_b
+    turn1 = random_prompts([70], vocab=256, seed=6)[0]
+    llm = LLM(model=path, checkpoint_interval=32, max_num_batched_tokens=64, kv_cache_memory_bytes=32 * 2**20,
+              max_model_len=512)
+    off = LLM(model=path, enable_prefix_caching=False, kv_cache_memory_bytes=32 * 2**20, max_model_len=512)
+
+    def check(prompt: list[int], expect_cached: int) -> list[int]:
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+        ref_tokens, ref_lps = hf_greedy(path, prompt, NEW_TOKENS)
+        assert out.token_ids == ref_tokens
+        assert max(abs(x - y) for x, y in zip(out.logprobs, ref_lps)) < 1e-4
+        assert out.token_ids == off.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+        assert out.num_cached_tokens == expect_cached, (len(prompt), out.num_cached_tokens)
+        return out.token_ids
+
+    check(a, 0)
+    check(b, 96)
+    reply = check(turn1, 0)
+    check(turn1 + reply + user2, 96)  # 70 + 32 + 15 tokens; first turn computed 101 -> checkpoint at 96
+    llm.engine.cache.check_integrity()
