@@ -87,6 +87,10 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
     p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
     p.add_argument("--api-key", default=None)
+    p.add_argument("--prometheus-targets", default=None, metavar="PATH",
+                   help="Prometheus file_sd file listing the proxy and the workers' metrics ports, written once they "
+                        "are up and removed at exit (default: deploy/prometheus/targets/serve-<port>.json, which "
+                        "deploy/prometheus/prometheus.yml reads; 'none': do not write one)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run one prefill or decode worker as a plain process")

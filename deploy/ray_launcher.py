@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("hybridpd.serve")
@@ -102,6 +103,8 @@ def _make_actor_class(ray: Any) -> Any:
     @ray.remote(max_restarts=-1, max_concurrency=4)
     class WorkerActor:
         def __init__(self, argv: list[str], host: str) -> None:
+            if host == "node":  # joined a multi-node cluster: bind on the node this actor landed on
+                host = ray.util.get_node_ip_address()
             self.worker = WorkerProcess(argv, host=host)
 
         def info(self) -> dict[str, Any]:
@@ -116,20 +119,54 @@ def _make_actor_class(ray: Any) -> Any:
     return WorkerActor
 
 
+def _targets_path(args: Any) -> Path | None:
+    """Where to write the Prometheus file_sd targets: `--prometheus-targets`, else `serve-<port>.json` beside
+    deploy/prometheus/prometheus.yml (which reads targets/*.json); None for `--prometheus-targets none`."""
+    from deploy.prometheus.targets import TARGETS_DIR
+
+    chosen = getattr(args, "prometheus_targets", None)
+    if chosen is None:
+        return TARGETS_DIR / f"serve-{args.port}.json"
+    return None if chosen.lower() in ("", "none") else Path(chosen)
+
+
+def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]) -> Path | None:
+    """The proxy and every worker's metrics endpoint as file_sd targets (deploy/prometheus/targets/README.md), in the
+    shape `GET /v1/cluster` would give. Best effort: a failure to write is logged, never fatal."""
+    from deploy.prometheus.targets import targets_from_cluster, write_targets
+
+    path = _targets_path(args)
+    if path is None:
+        return None
+    workers = []
+    for role, info in infos:
+        worker_host, port = info["address"].rsplit(":", 1)[0], info.get("metrics_port")
+        workers.append({"role": role, "metrics_url": f"http://{worker_host}:{port}/metrics" if port else None})
+    proxy_host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    proxy = f"[{proxy_host}]:{args.port}" if ":" in proxy_host else f"{proxy_host}:{args.port}"
+    try:
+        write_targets(targets_from_cluster({"workers": workers}, proxy), path)
+    except OSError as e:
+        log.warning("could not write the Prometheus targets file %s: %s", path, e)
+        return None
+    print(f"prometheus targets: {path}", flush=True)
+    return path
+
+
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
     import ray
 
-    from deploy.prometheus.targets import targets_from_cluster, write_targets  # noqa: F401
     from proxy.config import ProxyConfig
     from proxy.server import run as run_proxy
 
-    host = "127.0.0.1" if args.address is None else socket.gethostbyname(socket.gethostname())
+    host = "127.0.0.1" if args.address is None and not os.environ.get("RAY_ADDRESS") else "node"
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}} if args.address is None else None)
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     actors = []
+    targets: Path | None = None
     for role in roles:
         argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
         opts = {"num_cpus": 1, "num_gpus": args.gpus_per_worker}
@@ -139,8 +176,9 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
         decode = tuple(i["address"] for r, i in infos if r == "decode")
         for role, info in infos:
-            print(f"worker {role:8s} grpc={info['address']} metrics=http://{host}:{info['metrics_port']}/metrics "
+            print(f"worker {role:8s} grpc={info['address']} metrics=http://{info['address'].rsplit(':', 1)[0]}:{info['metrics_port']}/metrics "
                   f"epoch={info['epoch'][:8]}", flush=True)
+        targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
@@ -151,6 +189,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     except KeyboardInterrupt:
         pass
     finally:
+        if targets is not None:
+            targets.unlink(missing_ok=True)
         for _, a in actors:
             try:
                 ray.get(a.stop.remote(), timeout=15)
