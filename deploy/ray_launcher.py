@@ -176,7 +176,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
         decode = tuple(i["address"] for r, i in infos if r == "decode")
         for role, info in infos:
-            print(f"worker {role:8s} grpc={info['address']} metrics=http://{info['address'].rsplit(':', 1)[0]}:{info['metrics_port']}/metrics "
+            node = info["address"].rsplit(":", 1)[0]
+            print(f"worker {role:8s} grpc={info['address']} metrics=http://{node}:{info['metrics_port']}/metrics "
                   f"epoch={info['epoch'][:8]}", flush=True)
         targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,

@@ -88,12 +88,14 @@ class Tokenizer:
             raise ModelLoadError(f"cannot load {tok_file}: {e}") from None
         tcfg = _read_json(root / "tokenizer_config.json")
         model_cfg = _read_json(root / "config.json")
-        text_cfg = model_cfg.get("text_config") if isinstance(model_cfg.get("text_config"), dict) else {}
+        text_cfg = model_cfg.get("text_config")
         eos: list[int] = []
         eos_name = _token_content(tcfg.get("eos_token"))
-        if eos_name is not None and backend.token_to_id(eos_name) is not None:
-            eos.append(backend.token_to_id(eos_name))
-        for src in (model_cfg, text_cfg, _read_json(root / "generation_config.json")):
+        eos_id = backend.token_to_id(eos_name) if eos_name is not None else None
+        if eos_id is not None:
+            eos.append(eos_id)
+        text = text_cfg if isinstance(text_cfg, dict) else {}
+        for src in (model_cfg, text, _read_json(root / "generation_config.json")):
             eos += [i for i in _ids(src.get("eos_token_id")) if i not in eos]
         bos_name = _token_content(tcfg.get("bos_token"))
         bos = backend.token_to_id(bos_name) if bos_name is not None else None
@@ -157,7 +159,7 @@ def bytes_to_unicode() -> dict[int, str]:
             keep.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
 
 
 def build_byte_level_tokenizer(vocab_size: int) -> _Backend:

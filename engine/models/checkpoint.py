@@ -158,7 +158,7 @@ def _init_value(name: str, t: torch.Tensor, family: str, config: Any, g: torch.G
 @torch.no_grad()
 def _reinit(model: torch.nn.Module, family: str, config: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     for name in sorted(tensors):
         tensors[name].copy_(_init_value(name, tensors[name], family, config, g))

@@ -11,7 +11,7 @@ State contract (per layer, per slot of the runner's StateCache):
     ssm  [num_v_heads, head_k_dim, head_v_dim]                                        (dtype: float32)
 
 Same rules as the Mamba-2 mixer: `has_initial_state` or zeros (the slot is then never read), final state in the
-running slot, checkpoint states in their dest slots. Prefill chunks use the chunked (UT-transform) form in pieces
+running slot, checkpoint states in their dest slots. Prefill chunks use the chunked (UT-transform) form in stretches
 that end at every checkpoint; single-token sequences are batched through the recurrent form.
 """
 
@@ -32,9 +32,10 @@ from engine.models.layers import (
     causal_conv_chunk,
     causal_conv_step,
     get_activation,
-    piece_bounds,
     rms_normalize,
+    segment_bounds,
     segsum,
+    to_chunks,
 )
 
 
@@ -91,31 +92,43 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gdn_piece(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+def gdn_segment(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact gated delta rule over one short piece (fp32), starting from state [H, K, V].
+    """Exact gated delta rule over one stretch of a sequence (fp32), starting from state [H, K, V].
 
-    q, k [l, H, K]; v [l, H, V]; g, beta [l, H]. With gamma_t = sum_{k<=t} g_k and the per-token update
-    u_t = beta_t (v_t - S_{t-1}'^T k_t) (S' = decayed state), the u solve a unit lower-triangular system
+    q, k [L, H, K]; v [L, H, V]; g, beta [L, H]. Per chunk, with gamma_t = sum_{k<=t} g_k and the per-token
+    update u_t = beta_t (v_t - S_{t-1}'^T k_t) (S' = decayed state), the u solve a unit lower-triangular system
         (I + tril_{-1}(beta_t e^{gamma_t - gamma_s} k_t.k_s)) u = beta v - beta e^{gamma} (k S_0)
     and o_t = e^{gamma_t} S_0^T q_t + sum_{s<=t} e^{gamma_t - gamma_s} (q_t.k_s) u_s.
-    Returns (o [l, H, V], final state [H, K, V])."""
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, l, *]
-    g, beta = g.t(), beta.t()  # [H, l]
+    The triangular solves of all chunks run at once; the chunk-to-chunk state hand-off is a loop. The tail is
+    padded with g = 0, beta = 0 (no decay, no update). Returns (o [L, H, V], final state [H, K, V])."""
+    length = q.shape[0]
+    q, k, v, g, beta = (to_chunks(t, chunk_size).transpose(1, 2) for t in (q, k, v, g, beta))  # [n, H, c, *]
     seg = segsum(g)
-    decay = torch.exp(seg)  # [H, t, s], zero above the diagonal
+    decay = torch.exp(seg)  # [n, H, t, s], zero above the diagonal
     gamma = torch.cumsum(g, dim=-1)
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay
     rhs = torch.cat((v * beta[..., None], k_beta * torch.exp(gamma)[..., None]), dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_v, w = sol.split([v.shape[-1], k.shape[-1]], dim=-1)
-    u = u_v - w @ state
-    out = (q * torch.exp(gamma)[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ u
-    to_end = torch.exp(seg[:, -1, :])[..., None]  # [H, s, 1]
-    new_state = torch.exp(gamma[:, -1])[:, None, None] * state + (k * to_end).transpose(-1, -2) @ u
-    return out.transpose(0, 1), new_state
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * torch.exp(gamma)[..., None]
+    k_to_end = (k * torch.exp(seg[:, :, -1, :])[..., None]).transpose(-1, -2)  # [n, H, K, c]
+    chunk_decay = torch.exp(gamma[:, :, -1])[..., None, None]  # [n, H, 1, 1]
+    out = torch.empty_like(v)
+    for i in range(q.shape[0]):
+        u = u_v[i] - w[i] @ state
+        out[i] = q_decayed[i] @ state + attn[i] @ u
+        state = chunk_decay[i] * state + k_to_end[i] @ u
+    return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])[:length], state
 
 
 class GatedDeltaNet(nn.Module):
@@ -182,11 +195,10 @@ class GatedDeltaNet(nn.Module):
             state = torch.zeros(cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=torch.float32, device=q.device)
         out = torch.empty_like(v)
         states: dict[int, torch.Tensor] = {}
-        for a, b in piece_bounds(s.cuts, cfg.chunk_size):
-            out[a:b], state = gdn_piece(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
-            if b in s.dests:
-                states[b] = state
-        for cut, conv_state in zip(s.cuts, conv_states):
+        for a, b in segment_bounds(s.cuts):
+            out[a:b], state = gdn_segment(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, cfg.chunk_size)
+            states[b] = state
+        for cut, conv_state in zip(s.cuts, conv_states, strict=True):
             for dest in s.dests[cut]:
                 cache.conv[dest] = conv_state.to(cache.conv.dtype)
                 cache.ssm[dest] = states[cut].to(cache.ssm.dtype)
@@ -198,9 +210,7 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         n = qkv.shape[0]
         conv_prev = torch.zeros(n, *cache.conv.shape[1:], dtype=cache.conv.dtype, device=qkv.device)
-        state = torch.zeros(
-            n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=torch.float32, device=qkv.device
-        )
+        state = torch.zeros(n, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, dtype=torch.float32, device=qkv.device)
         if d.state_rows.numel() > 0:
             conv_prev[d.state_rows] = cache.conv[d.state_slots]
             state[d.state_rows] = cache.ssm[d.state_slots].float()
@@ -218,4 +228,4 @@ class GatedDeltaNet(nn.Module):
         return out
 
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "GatedRMSNorm", "gdn_piece", "l2norm"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "GatedRMSNorm", "gdn_segment", "l2norm"]

@@ -403,8 +403,8 @@ def causal_conv_chunk(
     """Depthwise causal conv1d over one sequence's chunk, continuing from a conv state.
 
     x [n, C] (conv inputs); init_state [C, K-1] (the previous K-1 inputs, oldest first) or None for zeros;
-    weight [C, K]. Accumulates in fp32. Returns the pre-activation outputs [n, C] in x's dtype and, for every c in `cuts`, the conv state after c
-    tokens (the last K-1 inputs up to token c), each [C, K-1]:
+    weight [C, K]. Accumulates in fp32. Returns the pre-activation outputs [n, C] in x's dtype and, for every c
+    in `cuts`, the conv state after c tokens (the last K-1 inputs up to token c), each [C, K-1]:
 
         full = | state (K-1) | x_0 ... x_{n-1} |     state after c tokens = full[:, c : c + K-1]
     """
@@ -440,16 +440,21 @@ def segsum(a: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(~keep, float("-inf"))
 
 
-def piece_bounds(cuts: list[int], chunk_size: int) -> list[tuple[int, int]]:
-    """Split [0, cuts[-1]) into pieces no longer than chunk_size that end at every cut."""
-    bounds: list[tuple[int, int]] = []
-    start = 0
-    for cut in cuts:
-        while start < cut:
-            end = min(cut, start + chunk_size)
-            bounds.append((start, end))
-            start = end
-    return bounds
+def segment_bounds(cuts: list[int]) -> list[tuple[int, int]]:
+    """[0, c1), [c1, c2), ... for sorted cuts: the stretches between two states that must be written."""
+    return list(zip([0, *cuts[:-1]], cuts, strict=True))
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, *rest] -> [num, size, *rest] with num = ceil(L / chunk_size) balanced chunks of size ceil(L / num)
+    <= chunk_size, zero-padded at the end (less than num rows of padding)."""
+    n = x.shape[0]
+    num = -(-n // chunk_size)
+    size = -(-n // num)
+    pad = num * size - n
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, *x.shape[1:])), dim=0)
+    return x.view(num, size, *x.shape[1:])
 
 
 __all__ = [
@@ -467,7 +472,8 @@ __all__ = [
     "causal_conv_step",
     "get_activation",
     "paged_attention",
-    "piece_bounds",
+    "segment_bounds",
     "segsum",
+    "to_chunks",
     "torch_dtype",
 ]

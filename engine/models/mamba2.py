@@ -7,8 +7,9 @@ State contract (per layer, per slot of the runner's StateCache):
 
 A sequence with `has_initial_state` reads its slot; otherwise it starts from zeros and never reads the slot. After
 the step the final state is in the running slot and every checkpoint (num_tokens, dest) holds the state after
-that many tokens. Prefill chunks use the chunked (segment) form of the SSD recurrence, split into pieces that end at
-every checkpoint, so intermediate states come out exactly; single-token sequences are batched into one step.
+that many tokens. Prefill chunks use the chunked (segment) form of the SSD recurrence over stretches that end at
+every checkpoint (the chunks of a stretch batched), so intermediate states come out exactly; single-token sequences
+are batched into one step.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from engine.models.layers import (
     causal_conv_chunk,
     causal_conv_step,
     get_activation,
-    piece_bounds,
+    segment_bounds,
     segsum,
+    to_chunks,
 )
 
 
@@ -85,23 +87,39 @@ class GroupGatedRMSNorm(nn.Module):
         return self.weight.float() * groups.view(x.shape)
 
 
-def ssd_piece(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, h0: torch.Tensor
+def ssd_segment(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    h0: torch.Tensor,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact SSD over one short piece (all fp32), starting from state h0 [H, P, N].
+    """Exact SSD over one stretch of a sequence (all fp32), starting from state h0 [H, P, N].
 
-    x [l, H, P], dt [l, H], A [H], B/C [l, H, N].  With a_t = dt_t A and gamma_t = sum_{k<=t} a_k:
+    x [L, H, P], dt [L, H], A [H], B/C [L, H, N]. With a_t = dt_t A and gamma_t = sum_{k<=t} a_k (per chunk):
         h_t = exp(gamma_t) h0 + sum_{s<=t} exp(gamma_t - gamma_s) dt_s x_s B_s^T,     y_t = C_t . h_t
-    Returns (y [l, H, P] without the D skip, h_end [H, P, N])."""
-    a = (dt * A).t()  # [H, l]
-    seg = segsum(a)  # [H, t, s]
-    weights = torch.einsum("thn,shn->hts", C, B) * torch.exp(seg) * dt.t()[:, None, :]
-    y = torch.einsum("hts,shp->thp", weights, x)
-    gamma = torch.cumsum(a, dim=-1)  # [H, l]
-    y = y + torch.exp(gamma).t()[:, :, None] * torch.einsum("thn,hpn->thp", C, h0)
-    to_end = torch.exp(seg[:, -1, :]) * dt.t()  # [H, s]
-    h_end = torch.exp(gamma[:, -1])[:, None, None] * h0 + torch.einsum("hs,shp,shn->hpn", to_end, x, B)
-    return y, h_end
+    All chunks' intra-chunk terms are computed at once; only the chunk-to-chunk state hand-off is a loop.
+    The tail is padded with dt = 0 (decay 1, no input), which leaves the state unchanged.
+    Returns (y [L, H, P] without the D skip, h_end [H, P, N])."""
+    length = x.shape[0]
+    x, dt, B, C = (to_chunks(t, chunk_size) for t in (x, dt, B, C))  # [n, c, ...]
+    a = (dt * A).transpose(1, 2)  # [n, H, c]
+    seg = segsum(a)  # [n, H, t, s]
+    weights = torch.einsum("nthk,nshk->nhts", C, B) * torch.exp(seg) * dt.transpose(1, 2)[:, :, None, :]
+    y = torch.einsum("nhts,nshp->nthp", weights, x)
+    gamma = torch.cumsum(a, dim=-1)  # [n, H, c]
+    to_end = (torch.exp(seg[:, :, -1, :]) * dt.transpose(1, 2)).transpose(1, 2)  # [n, s, H]
+    chunk_states = torch.einsum("nshp,nshk->nhpk", x * to_end[..., None], B)  # each chunk from a zero state
+    chunk_decay = torch.exp(gamma[:, :, -1])  # [n, H]
+    h = h0
+    starts = []
+    for i in range(x.shape[0]):
+        starts.append(h)
+        h = chunk_decay[i][:, None, None] * h + chunk_states[i]
+    y = y + torch.exp(gamma).transpose(1, 2)[..., None] * torch.einsum("nthk,nhpk->nthp", C, torch.stack(starts))
+    return y.reshape(-1, *y.shape[2:])[:length], h
 
 
 class Mamba2Mixer(nn.Module):
@@ -137,7 +155,7 @@ class Mamba2Mixer(nn.Module):
         out = self.norm(y.view(hidden.shape[0], -1), gate)
         return self.out_proj(out.to(hidden.dtype))
 
-    # -- pieces ----------------------------------------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------------------------
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0, :]
@@ -169,11 +187,10 @@ class Mamba2Mixer(nn.Module):
             h = torch.zeros(cfg.num_heads, cfg.head_dim, cfg.state_size, dtype=torch.float32, device=x.device)
         y = torch.empty_like(x)
         states: dict[int, torch.Tensor] = {}
-        for a, b in piece_bounds(s.cuts, cfg.chunk_size):
-            y[a:b], h = ssd_piece(x[a:b], dt[a:b], A, B[a:b], C[a:b], h)
-            if b in s.dests:
-                states[b] = h
-        for cut, conv_state in zip(s.cuts, conv_states):
+        for a, b in segment_bounds(s.cuts):
+            y[a:b], h = ssd_segment(x[a:b], dt[a:b], A, B[a:b], C[a:b], h, cfg.chunk_size)
+            states[b] = h
+        for cut, conv_state in zip(s.cuts, conv_states, strict=True):
             for dest in s.dests[cut]:
                 cache.conv[dest] = conv_state.to(cache.conv.dtype)
                 cache.ssm[dest] = states[cut].to(cache.ssm.dtype)
@@ -201,4 +218,4 @@ class Mamba2Mixer(nn.Module):
         return y
 
 
-__all__ = ["GroupGatedRMSNorm", "Mamba2Config", "Mamba2Mixer", "ssd_piece"]
+__all__ = ["GroupGatedRMSNorm", "Mamba2Config", "Mamba2Mixer", "ssd_segment"]

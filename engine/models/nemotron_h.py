@@ -20,7 +20,7 @@ from torch import nn
 from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
-from engine.models.layers import MLP, RMSNorm, StepMetadata, get_activation, paged_attention
+from engine.models.layers import MLP, RMSNorm, StepMetadata, paged_attention
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
@@ -158,6 +158,7 @@ class NemotronHRouter(nn.Module):
         super().__init__()
         self.a = a
         self.weight = nn.Parameter(torch.zeros(a.n_routed_experts, a.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(a.n_routed_experts, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

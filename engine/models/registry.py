@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,7 +24,7 @@ from engine.models.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
 
-ModelClass = Union[type[NemotronHForCausalLM], type[Qwen3_5ForCausalLM]]
+ModelClass = type[NemotronHForCausalLM] | type[Qwen3_5ForCausalLM]
 
 ARCHITECTURES: dict[str, ModelClass] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
@@ -83,10 +83,10 @@ def weight_files(path: str | Path) -> list[Path]:
         if missing:
             raise ModelLoadError(f"{index} lists shards that do not exist: {missing}")
         return [root / f for f in files]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
         raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
-    return files
+    return found
 
 
 def _generation_eos(path: Path) -> list[int]:
@@ -102,8 +102,9 @@ def _generation_eos(path: Path) -> list[int]:
 
 def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     if dtype == "auto":
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or "float32"
+        text = cfg.get("text_config")
+        text_dtype = text.get("dtype") if isinstance(text, dict) else None
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or text_dtype or "float32"
     torch_dtype(dtype)  # raises ValueError for unsupported names
     return dtype
 
