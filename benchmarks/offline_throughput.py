@@ -39,6 +39,24 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     prompts = [torch.randint(3, 256, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(max_tokens=4, temperature=0))
+    runner = llm.engine.runner
+    zero_time = [0.0, 0]
+    inner_zero = runner.zero_blocks
+    cuda = args.device.startswith("cuda")
+
+    def timed_zero(ids):  # type: ignore[no-untyped-def]
+        # the share of step time spent zeroing fresh blocks (synchronised, so it is the device time)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        n = inner_zero(ids)
+        if cuda:
+            torch.cuda.synchronize()
+        zero_time[0] += time.perf_counter() - t
+        zero_time[1] += 1 if n else 0
+        return n
+
+    runner.zero_blocks = timed_zero
     times = []
     for _ in range(args.repeats):
         if args.device.startswith("cuda"):
@@ -51,10 +69,13 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
         assert all(len(o.token_ids) == args.output_len for o in outs)
     t = statistics.median(times)
     gen = args.num_prompts * args.output_len
+    steps = llm.engine.stats.num_steps
     return {"family": family, "size": size, "params_m": round(params / 1e6, 1), "device": args.device,
             "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "median_s": round(t, 3), "gen_tok_s": round(gen / t, 1),
-            "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1), "repeats": len(times)}
+            "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1), "repeats": len(times),
+            "zeroing_share": round(zero_time[0] / sum(times), 5), "zeroing_launches": zero_time[1],
+            "steps": steps, "zeroer_launches": getattr(runner.zeroer, "launches", None)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in args.sizes.split(","):
                 rows.append(run_one(family, size, args, tmp))
                 print(json.dumps(rows[-1]), flush=True)
-    cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s"]
+    cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s", "zeroing_share"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
