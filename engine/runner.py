@@ -92,7 +92,7 @@ class ModelRunner:
             seqs.append(
                 SeqInfo(
                     query_start=len(ids), num_new_tokens=s.num_new_tokens, num_computed_tokens=start,
-                    block_table=torch.tensor(s.block_ids, dtype=torch.int64, device=self.device),
+                    block_table=torch.tensor(s.block_ids, dtype=torch.int64),  # CPU: the model batches index tensors
                     state_slot=s.state_slot if s.state_slot > 0 else PAD_SLOT_ID,
                     has_initial_state=s.has_initial_state, checkpoints=list(s.checkpoints),
                 )
