@@ -31,9 +31,10 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
 
     overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
     path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)
+    kv_bytes = args.kv_bytes if args.kv_bytes else (None if args.device.startswith("cuda") else 512 * 2**20)
     llm = LLM(model=path, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              kv_cache_memory_bytes=args.kv_bytes)
+              kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5)
     params = sum(p.numel() for p in llm.engine.model.parameters())  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-bytes", type=int, default=512 * 2**20)
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="cache budget (default: 512 MiB on CPU, 50%% of the GPU on CUDA)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args(argv)
@@ -96,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             for size in args.sizes.split(","):
-                rows.append(run_one(family, size, args, tmp))
+                try:
+                    rows.append(run_one(family, size, args, tmp))
+                except Exception as e:  # noqa: BLE001 - record and go on with the other sizes
+                    rows.append({"family": family, "size": size, "error": repr(e)})
                 print(json.dumps(rows[-1]), flush=True)
     cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s", "zeroing_share"]
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+        print(" | ".join(str(r.get(c, r.get("error", ""))) for c in cols))
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "args": vars(args)}, f, indent=2)
     return 0

@@ -223,14 +223,14 @@ def test_hung_killed_and_restarted_producer(ctx: Any, consumer: Consumer) -> Non
         os.kill(doomed.proc.pid, signal.SIGSTOP)  # hung: a READ cannot complete
         t0 = time.monotonic()
         res = finish(start_pull(peer, replace(one, request_id="hung"), timeout_s=1.0))
-        assert (res.state, res.reason, res.dst_reusable) == (PullState.FAILED, "timeout", True)
+        assert (res.state, res.reason, res.dst_reusable) == (PullState.FAILED, "timeout", True), res
         assert 1.0 <= time.monotonic() - t0 < 5.0
 
         h = start_pull(peer, replace(one, request_id="dies"), timeout_s=30.0)
         os.kill(doomed.proc.pid, signal.SIGKILL)  # dies mid-transfer
         t0 = time.monotonic()
         res = finish(h)
-        assert (res.state, res.reason) == (PullState.FAILED, "nixl_error")
+        assert (res.state, res.reason) == (PullState.FAILED, "nixl_error"), res
         assert time.monotonic() - t0 < 10.0  # detected by UCX, well before the timeout
 
         res = finish(start_pull(peer, replace(one, request_id="dead"), timeout_s=30.0))  # dead before the pull
