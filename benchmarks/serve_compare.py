@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
-from benchmarks.offline_throughput import PATTERN, SIZES
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.offline_throughput import PATTERN, SIZES  # noqa: E402
 
 
 def bench(url: str, model: str, dataset: str, args: argparse.Namespace, out: str) -> dict:

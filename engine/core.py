@@ -79,15 +79,21 @@ class EngineCore:
         )
 
     def _cuda_budget(self) -> int:
-        """gpu_memory_utilization * total - (weights + activation peak of one max-size step, measured)."""
+        """This instance may use gpu_memory_utilization * total (vLLM's meaning: other processes on the GPU are
+        not subtracted, but the share must be free): minus weights and the activation peak of a max-size step."""
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        mine = torch.cuda.memory_reserved(self.device)
+        share = int(self.config.cache.gpu_memory_utilization * total)
+        if share > free + mine:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization} asks for {share / 2**30:.1f} GiB "
+                f"but only {(free + mine) / 2**30:.1f} GiB of the GPU is free: lower it")
         weights = torch.cuda.memory_allocated(self.device)
         tokens = self.config.scheduler.max_num_batched_tokens
         hidden = int(getattr(self.model, "hidden_size", 4096))
         activation = 16 * tokens * hidden * 4 + self.vocab_estimate() * 4 * min(tokens, 1024)
-        budget = int(self.config.cache.gpu_memory_utilization * total) - used_by_others - weights - activation
+        budget = share - weights - activation
         if budget <= 0:
             raise InvalidRequestError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
         return budget
