@@ -123,8 +123,9 @@ def finish(handle: Any, limit_s: float = 30.0) -> Any:
 
 
 def pages(groups: list[Any]) -> dict[int, list[torch.Tensor]]:
-    return {g.group_id: [t for layer in g.tensors for t in ([layer] if torch.is_tensor(layer) else layer)]
-            for g in groups}
+    return {
+        g.group_id: [t for layer in g.tensors for t in ([layer] if torch.is_tensor(layer) else layer)] for g in groups
+    }
 
 
 SRC = [3, 4, 5, 9, 12, 13, 14, 15]  # runs: 3-5 -> 20-22, 9 -> 7, 12-14 -> 30-32, 15 -> 40
@@ -212,6 +213,21 @@ def test_stale_epoch_and_unknown_peer_are_refused(producer: Producer, consumer: 
         start_pull(peer, PullSpec("req-bad", peer.epoch, src_state_slots={STATE_GROUP: [1]}))
 
 
+def freeze(pid: int, limit_s: float = 10.0) -> None:
+    """SIGSTOP and wait until every thread is stopped: the signal lands asynchronously, and P's progress thread
+    serves a READ posted before it does."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + limit_s
+    while not all(_task_state(pid, t) in "tT" for t in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, "producer did not stop"
+        time.sleep(0.001)
+
+
+def _task_state(pid: int, tid: str) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_hung_killed_and_restarted_producer(ctx: Any, consumer: Consumer) -> None:
     doomed, restarted = Producer(ctx, "P-doomed"), Producer(ctx, "P-doomed")  # same worker id, new epoch
     agent = consumer.agent
@@ -220,7 +236,7 @@ def test_hung_killed_and_restarted_producer(ctx: Any, consumer: Consumer) -> Non
         one = PullSpec("warm", peer.epoch, {ATTN_GROUP: [1]}, {ATTN_GROUP: [1]})
         assert finish(start_pull(peer, one)).state is PullState.DONE
 
-        os.kill(doomed.proc.pid, signal.SIGSTOP)  # hung: a READ cannot complete
+        freeze(doomed.proc.pid)  # hung: a READ cannot complete (its completion needs P's UCX worker)
         t0 = time.monotonic()
         res = finish(start_pull(peer, replace(one, request_id="hung"), timeout_s=1.0))
         assert (res.state, res.reason, res.dst_reusable) == (PullState.FAILED, "timeout", True), res

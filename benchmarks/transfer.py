@@ -1,0 +1,331 @@
+"""KV transfer benchmark: a producer process (P) and this process (D) pull synthetic hybrid caches over NIXL.
+
+Scenarios:
+  realistic-contig  4k tokens of KV (4 attention layers, 8 KV heads x 128, block 16, bf16: 64 MiB) + one state slot
+                    of 4 Mamba-2 layers; P's and D's blocks in one run each
+  realistic-frag    the same bytes with P's and D's block ids drawn at random (about one descriptor per block)
+  deep-frag         48 attention layers of 4 KiB pages, 256 random blocks: 12,288 descriptors of 4 KiB (48 MiB)
+  large             16k tokens of KV, 4 layers: 256 MiB, contiguous
+
+For each scenario and descriptor mode ("prepped": page lists prepared once per peer, pulls pass indices;
+"per_transfer": coalesced descriptors built per pull) it reports medians over --repeats of:
+  start     start_pull() call (plan + descriptors + post; with UCX's CMA transport the copy runs inside the post)
+  handover  transfer params in hand -> KV ready on D (start_pull .. poll() == DONE)
+  GB/s      bytes / handover; and a raw torch copy of the same page runs inside one process, for reference.
+Data are verified against P's (seeded) contents after the runs.
+
+    python benchmarks/transfer.py [--device cpu|cuda] [--src-gpu 0 --dst-gpu 1] [--repeats 10] [--json PATH]
+    UCX_TLS=tcp python benchmarks/transfer.py    # UCX settings come from the environment (P inherits it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from math import prod
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kvtransfer import AgentConfig, CacheLayout, PullSpec, PullState, TransferAgent, start_pull  # noqa: E402
+from kvtransfer.descriptors import plan_pull  # noqa: E402
+from kvtransfer.harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer  # noqa: E402
+
+SEED = 11
+REALISTIC = ToyCacheSpec(
+    model_id="bench",
+    attn_layers=4,
+    num_blocks=600,
+    block_size=16,
+    kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    state_layers=4,
+    num_slots=8,
+    conv_shape=(1536, 3),
+    ssm_shape=(24, 64, 128),
+)
+DEEP = ToyCacheSpec(
+    model_id="bench",
+    attn_layers=48,
+    num_blocks=600,
+    block_size=16,
+    kv_heads=1,
+    head_dim=64,
+    dtype="bfloat16",
+    state_layers=0,
+)
+LARGE = ToyCacheSpec(
+    model_id="bench",
+    attn_layers=4,
+    num_blocks=1025,
+    block_size=16,
+    kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    state_layers=0,
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    spec: ToyCacheSpec
+    src: list[int]
+    dst: list[int]
+    slots: tuple[list[int], list[int]] | None
+
+
+def scenarios() -> list[Scenario]:
+    rng = random.Random(SEED)
+    n = 256
+    frag_src = rng.sample(range(1, REALISTIC.num_blocks), n)
+    frag_dst = rng.sample(range(1, REALISTIC.num_blocks), n)
+    return [
+        Scenario("realistic-contig", REALISTIC, list(range(1, n + 1)), list(range(1, n + 1)), ([3], [5])),
+        Scenario("realistic-frag", REALISTIC, frag_src, frag_dst, ([3], [5])),
+        Scenario("deep-frag", DEEP, frag_src, frag_dst, None),
+        Scenario("large", LARGE, list(range(1, 1025)), list(range(1, 1025)), None),
+    ]
+
+
+def pull_spec(sc: Scenario, epoch: str, rid: str) -> PullSpec:
+    slots = {} if sc.slots is None else {STATE_GROUP: sc.slots[0]}
+    dslots = {} if sc.slots is None else {STATE_GROUP: sc.slots[1]}
+    return PullSpec(rid, epoch, {ATTN_GROUP: sc.src}, {ATTN_GROUP: sc.dst}, slots, dslots)
+
+
+def page_pairs(sc: Scenario) -> list[tuple[int, list[int], list[int]]]:
+    out = [(ATTN_GROUP, sc.src, sc.dst)]
+    if sc.slots is not None:
+        out.append((STATE_GROUP, *sc.slots))
+    return out
+
+
+def tensors_by_group(groups: list[Any]) -> dict[int, list[torch.Tensor]]:
+    return {
+        g.group_id: [t for layer in g.tensors for t in ([layer] if torch.is_tensor(layer) else layer)] for g in groups
+    }
+
+
+def verify(sc: Scenario, dst_groups: list[Any]) -> None:
+    ref = tensors_by_group(make_caches(replace(sc.spec, device="cpu"), SEED))
+    got = tensors_by_group(dst_groups)
+    for gid, src, dst in page_pairs(sc):
+        for r, g in zip(ref[gid], got[gid], strict=True):
+            if not torch.equal(r[src], g[dst].cpu()):
+                raise SystemExit(f"{sc.name}: data mismatch in group {gid}")
+
+
+def torch_copy_ms(sc: Scenario, src_dev: str, dst_dev: str, repeats: int) -> float:
+    """Raw copy of the same page runs between two cache sets inside one process."""
+    src = tensors_by_group(make_caches(replace(sc.spec, device=src_dev), SEED))
+    dst = tensors_by_group(make_caches(replace(sc.spec, device=dst_dev), None))
+    runs = {gid: plan_pull_runs(s, d) for gid, s, d in page_pairs(sc)}
+
+    def once() -> float:
+        sync(dst_dev)
+        t0 = time.perf_counter()
+        for gid, rr in runs.items():
+            for s_t, d_t in zip(src[gid], dst[gid], strict=True):
+                for s, d, n in rr:
+                    d_t[d : d + n].copy_(s_t[s : s + n], non_blocking=True)
+        sync(dst_dev)
+        return (time.perf_counter() - t0) * 1e3
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+def plan_pull_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    from kvtransfer.descriptors import coalesce
+
+    return [tuple(r) for r in coalesce(src, dst)]  # type: ignore[misc]
+
+
+def sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize(dev)
+
+
+def bench_mode(
+    sc: Scenario,
+    blob: bytes,
+    mode: str,
+    dst_dev: str,
+    repeats: int,
+    args: argparse.Namespace,
+    samples: dict[str, list[float]],
+) -> int:
+    """One round of one descriptor mode: a fresh D agent, 50 timed descriptor preparations (plan + make the READ,
+    not posted), 2 warm-up pulls, `repeats` timed pulls. Appends to `samples`; returns descriptors."""
+    groups = make_caches(replace(sc.spec, device=dst_dev), None)
+    layout = CacheLayout.from_tensors(groups, model_id=sc.spec.model_id)
+    config = AgentConfig(descriptor_mode=mode, progress_thread=not args.no_d_progress_thread)  # type: ignore[arg-type]
+    with TransferAgent(f"D-{mode}", layout, config=config) as agent:
+        peer = agent.add_peer(blob)
+        for _ in range(50):
+            t0 = time.perf_counter()
+            plan = plan_pull(peer.layout, layout, pull_spec(sc, peer.epoch, "x").pages_by_group(layout))
+            agent.release_xfer(agent.make_read(peer, plan, b""))
+            samples["prep"].append((time.perf_counter() - t0) * 1e3)
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            handle = start_pull(peer, pull_spec(sc, peer.epoch, f"{mode}-{i}"), timeout_s=60)
+            t1 = time.perf_counter()
+            while handle.poll() is PullState.PENDING:
+                pass
+            sync(dst_dev)
+            t2 = time.perf_counter()
+            assert handle.result is not None and handle.result.state is PullState.DONE, handle.result
+            if i >= 2:  # two warm-up pulls
+                samples["start"].append((t1 - t0) * 1e3)
+                samples["handover"].append((t2 - t0) * 1e3)
+        verify(sc, groups)
+    return plan.num_descriptors
+
+
+def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[str, list[float]]) -> dict[str, Any]:
+    ms = statistics.median(samples["handover"])
+    return {
+        "scenario": sc.name,
+        "mode": mode,
+        "bytes": nbytes,
+        "descriptors": descs,
+        "bytes_per_descriptor": nbytes // max(descs, 1),
+        "prep_ms": statistics.median(samples["prep"]),
+        "start_ms": statistics.median(samples["start"]),
+        "handover_ms": ms,
+        "handover_ms_min": min(samples["handover"]),
+        "handover_ms_max": max(samples["handover"]),
+        "gbps": nbytes / ms / 1e6,
+        "samples": len(samples["handover"]),
+    }
+
+
+def run_scenario(sc: Scenario, args: argparse.Namespace, ctx: Any) -> list[dict[str, Any]]:
+    src_dev = "cpu" if args.device == "cpu" else f"cuda:{args.src_gpu}"
+    dst_dev = "cpu" if args.device == "cpu" else f"cuda:{args.dst_gpu}"
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=serve_producer, args=(child, replace(sc.spec, device=src_dev), "P-bench", SEED), daemon=True)
+    p.start()
+    try:
+        _, blob = parent.recv()
+        repeats = max(2, args.repeats // 2) if sc.name == "large" else args.repeats
+        samples = {m: {"prep": [], "start": [], "handover": []} for m in args.modes}  # type: dict[str, Any]
+        descs = 0
+        for _ in range(args.rounds):  # modes alternate round by round, so load drift hits both alike
+            for mode in args.modes:
+                descs = bench_mode(sc, blob, mode, dst_dev, repeats, args, samples[mode])
+        nbytes = plan_bytes(sc)
+        rows = [summarize(sc, mode, nbytes, descs, samples[mode]) for mode in args.modes]
+    finally:
+        parent.send(("stop",))
+        p.join(10)
+    copy_ms = torch_copy_ms(sc, src_dev, dst_dev, repeats)
+    for r in rows:
+        r.update(torch_copy_ms=copy_ms, torch_gbps=r["bytes"] / copy_ms / 1e6)
+    return rows
+
+
+def plan_bytes(sc: Scenario) -> int:
+    spec = sc.spec
+    elem = torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size()
+    total = len(sc.src) * spec.attn_layers * 2 * spec.block_size * spec.kv_heads * spec.head_dim * elem
+    if sc.slots is not None:
+        state_elem = torch.empty(0, dtype=getattr(torch, spec.state_dtype)).element_size()
+        per_slot = (prod(spec.conv_shape) + prod(spec.ssm_shape)) * state_elem * spec.state_layers
+        total += len(sc.slots[0]) * per_slot
+    return total
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (
+        "scenario",
+        "mode",
+        "MiB",
+        "descs",
+        "KiB/desc",
+        "prep ms",
+        "start ms",
+        "handover ms",
+        "GB/s",
+        "torch ms",
+        "torch GB/s",
+    )
+    print(" | ".join(head))
+    print(" | ".join("---" for _ in head))
+    for r in rows:
+        print(
+            " | ".join(
+                [
+                    r["scenario"],
+                    r["mode"],
+                    f"{r['bytes'] / 2**20:.1f}",
+                    str(r["descriptors"]),
+                    f"{r['bytes_per_descriptor'] / 1024:.0f}",
+                    f"{r['prep_ms']:.2f}",
+                    f"{r['start_ms']:.2f}",
+                    f"{r['handover_ms']:.2f}",
+                    f"{r['gbps']:.2f}",
+                    f"{r['torch_copy_ms']:.2f}",
+                    f"{r['torch_gbps']:.2f}",
+                ]
+            )
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--src-gpu", type=int, default=0)
+    ap.add_argument("--dst-gpu", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=10, help="timed pulls per mode and round (large: half)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds; descriptor modes alternate round by round")
+    ap.add_argument("--no-d-progress-thread", action="store_true", help="D polls instead of a NIXL progress thread")
+    ap.add_argument("--modes", default="prepped,per_transfer")
+    ap.add_argument("--scenarios", default="realistic-contig,realistic-frag,deep-frag,large")
+    ap.add_argument("--json", default="out/bench_transfer.json")
+    args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    ctx = mp.get_context("spawn")
+    wanted = set(args.scenarios.split(","))
+    rows = [r for sc in scenarios() if sc.name in wanted for r in run_scenario(sc, args, ctx)]
+    print_table(rows)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
+    report = {
+        "benchmark": "kv_transfer",
+        "device": args.device,
+        "src_gpu": args.src_gpu,
+        "dst_gpu": args.dst_gpu,
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "d_progress_thread": not args.no_d_progress_thread,
+        "env": env,
+        "specs": {"realistic": asdict(REALISTIC), "deep": asdict(DEEP), "large": asdict(LARGE)},
+        "results": rows,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Pure functions from (src page, dst page) pairs to NIXL descriptors. No NIXL, no torch: numpy arrays only.
+
+A pull moves, for each cache group, a list of page pairs (P's block/slot id -> D's block/slot id). Pairs are sorted
+by source id and cut into runs where both ids step by one; one run of one region is one descriptor:
+
+    src ids  3 4 5   9   12 13        runs (src_start, dst_start, n): (3, 20, 3) (9, 7, 1) (12, 30, 2)
+    dst ids 20 21 22  7   30 31       descriptors per region: 3; for an attention group of L layers: 3 * L
+                                      a recurrent group with one slot: 1 run * (conv + ssm) * L layers
+
+Two ways to hand the runs to NIXL (the agent picks one, see `agent.AgentConfig.descriptor_mode`):
+  * "per_transfer" (default, measured cheaper): a pull builds the coalesced byte descriptors (`byte_descs`) and
+    NIXL prepares them.
+  * "prepped": every page of every region is prepared once per peer (`page_dlist`, page granularity); a pull
+    passes page indices (`page_indices`) and NIXL merges adjacent pages of a run back into one descriptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .layout import CacheLayout, Region
+
+
+class Run(NamedTuple):
+    """`n` consecutive pages starting at `src_start` on the source and `dst_start` on the destination."""
+
+    src_start: int
+    dst_start: int
+    n: int
+
+
+def check_pairs(src: Sequence[int], dst: Sequence[int], src_pages: int, dst_pages: int, what: str) -> None:
+    """Refuse pairs that would corrupt a cache: unequal counts, the null page 0, ids out of range, duplicates."""
+    if len(src) != len(dst):
+        raise ValueError(f"{what}: {len(src)} source ids but {len(dst)} destination ids")
+    for ids, pages, side in ((src, src_pages, "source"), (dst, dst_pages, "destination")):
+        a = np.asarray(ids, dtype=np.int64)
+        bad = a[(a <= 0) | (a >= pages)]
+        if bad.size:
+            raise ValueError(f"{what}: {side} ids {bad[:8].tolist()} outside 1..{pages - 1} (0 is the null block)")
+        if np.unique(a).size != a.size:
+            raise ValueError(f"{what}: duplicate {side} ids in {a[:16].tolist()}")
+
+
+def coalesce_array(src: Sequence[int], dst: Sequence[int]) -> np.ndarray:
+    """(k, 3) int64 rows (src_start, dst_start, n): the pairs sorted by source id, cut where either id jumps."""
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    if s.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    order = np.argsort(s, kind="stable")
+    s, d = s[order], d[order]
+    cut = np.ones(s.size, dtype=bool)
+    cut[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
+    starts = np.flatnonzero(cut)
+    return np.stack([s[starts], d[starts], np.diff(np.append(starts, s.size))], axis=1)
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
+    """`coalesce_array` as a list of `Run`s."""
+    return [Run(int(a), int(b), int(n)) for a, b, n in coalesce_array(src, dst)]
+
+
+def _split(runs: np.ndarray) -> np.ndarray:
+    """Runs cut into single pages."""
+    n = runs[:, 2]
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # position inside its run
+    return np.stack([np.repeat(runs[:, 0], n) + k, np.repeat(runs[:, 1], n) + k, np.ones_like(k)], axis=1)
+
+
+def region_runs(src_region: Region, dst_region: Region, runs: np.ndarray) -> np.ndarray:
+    """The runs one descriptor each can carry between these two regions (split to single pages if strided)."""
+    if src_region.page_bytes != dst_region.page_bytes:
+        raise ValueError(f"{src_region.name}: page bytes {src_region.page_bytes} != {dst_region.page_bytes}")
+    if src_region.pages_contiguous and dst_region.pages_contiguous:
+        return runs
+    return _split(runs)
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Everything one pull moves. `pairs[i]` = (src region, dst region, its (k, 3) runs array)."""
+
+    pairs: tuple[tuple[Region, Region, np.ndarray], ...]
+    bytes_by_kind: Mapping[str, int]
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(len(runs) for _, _, runs in self.pairs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+
+def plan_pull(
+    src: CacheLayout, dst: CacheLayout, pages_by_group: Mapping[int, tuple[Sequence[int], Sequence[int]]]
+) -> PullPlan:
+    """Pair P's regions (`src`) with D's (`dst`) by name and cut each group's page pairs into runs."""
+    dst_by_name = {r.name: r for r in dst.regions}
+    pairs: list[tuple[Region, Region, np.ndarray]] = []
+    nbytes: dict[str, int] = {}
+    for gid, (src_ids, dst_ids) in sorted(pages_by_group.items()):
+        check_pairs(src_ids, dst_ids, src.num_pages(gid), dst.num_pages(gid), f"group {gid}")
+        runs = coalesce_array(src_ids, dst_ids)
+        kind = src.kind(gid)
+        for s in src.regions_of(gid):
+            d = dst_by_name[s.name]
+            pairs.append((s, d, region_runs(s, d, runs)))
+            nbytes[kind] = nbytes.get(kind, 0) + len(src_ids) * s.page_bytes
+    return PullPlan(tuple(pairs), nbytes)
+
+
+def byte_descs(plan: PullPlan, side: str) -> np.ndarray:
+    """(N, 3) uint64 rows (addr, len, device id), one per (region, run), for `side` "src" or "dst"."""
+    col = 0 if side == "src" else 1
+    rows: list[np.ndarray] = []
+    for s, d, runs in plan.pairs:
+        region = s if side == "src" else d
+        block = np.empty((len(runs), 3), dtype=np.int64)
+        block[:, 0] = region.base_addr + runs[:, col] * region.page_stride
+        block[:, 1] = runs[:, 2] * region.page_bytes
+        block[:, 2] = region.device_id
+        rows.append(block)
+    return np.concatenate(rows).astype(np.uint64) if rows else np.empty((0, 3), dtype=np.uint64)
+
+
+def region_offsets(layout: CacheLayout) -> dict[str, int]:
+    """Index of each region's page 0 in the layout's page list (`page_dlist`)."""
+    out, off = {}, 0
+    for r in layout.regions:
+        out[r.name] = off
+        off += r.num_pages
+    return out
+
+
+def page_dlist(layout: CacheLayout) -> np.ndarray:
+    """(R, 5) uint64 strided rows (addr, page_bytes, device id, stride, count): every page of every region, in
+    layout order, as NIXL's compressed descriptor list (expanded by NIXL to one descriptor per page)."""
+    return np.asarray(
+        [(r.base_addr, r.page_bytes, r.device_id, r.page_stride, r.num_pages) for r in layout.regions],
+        dtype=np.uint64,
+    ).reshape(-1, 5)
+
+
+def page_indices(plan: PullPlan, offsets: Mapping[str, int], side: str) -> np.ndarray:
+    """int32 indices into `page_dlist` of every page the plan moves, run by run, for `side` "src" or "dst"."""
+    col = 0 if side == "src" else 1
+    parts: list[np.ndarray] = []
+    for s, _, runs in plan.pairs:
+        starts, n = runs[:, col], runs[:, 2]
+        # page k of the concatenated runs = its run's start + (k - pages before that run)
+        parts.append(offsets[s.name] + np.arange(int(n.sum())) + np.repeat(starts - (np.cumsum(n) - n), n))
+    return np.concatenate(parts).astype(np.int32) if parts else np.empty(0, dtype=np.int32)
+
+
+def flatten(groups: Iterable[Mapping[int, Sequence[int]]]) -> dict[int, list[int]]:
+    """Merge several {group id: ids} maps (e.g. attention blocks and state slots) into one; groups must not repeat."""
+    out: dict[int, list[int]] = {}
+    for g in groups:
+        for gid, ids in g.items():
+            if gid in out:
+                raise ValueError(f"group {gid} given twice")
+            out[gid] = list(ids)
+    return out

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the transfer layer (names are a DESIGN.md contract; dashboards rely on them).
+
+    hybridpd_kv_transfer_bytes_total{role, group}      bytes pulled (group = cache group kind)
+    hybridpd_kv_transfer_seconds{role}                 histogram: pull start -> data in place
+    hybridpd_kv_transfer_descriptors{role}             histogram: descriptors per pull (coalesced runs x regions)
+    hybridpd_kv_transfer_failures_total{role, reason}  reason: timeout | nixl_error | stale_epoch | ...
+    hybridpd_kv_lease_expired_total{role}              leases freed by the reaper (consumer never released)
+
+Families are created once per registry (a second `TransferMetrics` on the same registry reuses them), so tests pass
+their own `CollectorRegistry` and workers use the default global one.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+
+
+@dataclass(frozen=True)
+class _Families:
+    bytes_total: Counter
+    seconds: Histogram
+    descriptors: Histogram
+    failures: Counter
+    lease_expired: Counter
+
+
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _families_for(registry: CollectorRegistry) -> _Families:
+    with _lock:
+        fam = _families.get(registry)
+        if fam is None:
+            fam = _Families(
+                Counter(
+                    "hybridpd_kv_transfer_bytes",
+                    "KV/state bytes pulled over NIXL",
+                    ["role", "group"],
+                    registry=registry,
+                ),
+                Histogram(
+                    "hybridpd_kv_transfer_seconds",
+                    "Pull start to data in place",
+                    ["role"],
+                    buckets=SECONDS_BUCKETS,
+                    registry=registry,
+                ),
+                Histogram(
+                    "hybridpd_kv_transfer_descriptors",
+                    "NIXL descriptors per pull",
+                    ["role"],
+                    buckets=DESCRIPTOR_BUCKETS,
+                    registry=registry,
+                ),
+                Counter(
+                    "hybridpd_kv_transfer_failures", "Failed pulls by reason", ["role", "reason"], registry=registry
+                ),
+                Counter("hybridpd_kv_lease_expired", "Leases freed by the reaper", ["role"], registry=registry),
+            )
+            _families[registry] = fam
+        return fam
+
+
+class TransferMetrics:
+    """Metric handles bound to one worker role ("prefill" | "decode"). Thread-safe (prometheus_client is)."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.role = role
+        self._f = _families_for(registry if registry is not None else REGISTRY)
+
+    def transfer_done(self, bytes_by_kind: Mapping[str, int], seconds: float, descriptors: int) -> None:
+        for kind, n in bytes_by_kind.items():
+            self._f.bytes_total.labels(self.role, kind).inc(n)
+        self._f.seconds.labels(self.role).observe(seconds)
+        self._f.descriptors.labels(self.role).observe(descriptors)
+
+    def transfer_failed(self, reason: str) -> None:
+        self._f.failures.labels(self.role, reason).inc()
+
+    def leases_expired(self, n: int) -> None:
+        if n:
+            self._f.lease_expired.labels(self.role).inc(n)

@@ -1,0 +1,229 @@
+"""D side: pull a prefilled request's missing attention blocks and recurrent state slots from P.
+
+Flow (one request):
+
+    D engine thread                                   P (passive: NIXL READ needs no P code, only its agent)
+    peer = agent.peer(params.worker_id, params.epoch)     # StaleEpochError / UnknownPeerError: re-handshake or
+    h = start_pull(peer, PullSpec(...))                   #   apply the failure policy
+    ... every step: h.poll() -> PENDING | DONE | FAILED   # never blocks; FAILED after `timeout_s` at the latest
+    DONE:   the pages are in D's caches; NIXL tells P   -> P: agent.poll_releases() -> LeaseTable.release()
+    FAILED: h.result.policy says recompute or fail; D sends P a best-effort release (ok=0); if
+            h.result.dst_reusable is False the READ could not be cancelled: keep those D pages out of use.
+
+Ownership: the caller (D's cache manager) allocated the destination blocks/slots and keeps them allocated until the
+handle is DONE or FAILED; it decides which blocks to pull (only those D does not already hold). P keeps the source
+pages pinned under its lease until the release arrives or the lease expires. The handle is polled by one thread.
+
+Blocking: `start_pull` plans (pure Python/numpy, ~1 ms for a thousand runs) and posts. Between two processes on one
+host without GPUs, UCX reads over CMA (process_vm_readv) and copies inside the post, so on CPU `start_pull` returns
+with the bytes mostly moved; with GPU transports (cuda_ipc, RDMA) the post returns at once and `poll` sees progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from .agent import PeerHandle
+from .descriptors import PullPlan, plan_pull
+from .errors import StaleEpochError
+from .layout import CacheLayout
+from .notify import encode_release
+
+logger = logging.getLogger(__name__)
+
+TransferPolicy = Literal["recompute", "fail"]
+"""What D does when a pull fails: recompute the prompt locally (default) or fail the request."""
+
+REASON_TIMEOUT = "timeout"
+REASON_NIXL = "nixl_error"
+REASON_STALE_EPOCH = "stale_epoch"
+REASON_CANCELLED = "cancelled"
+
+
+class PullState(str, Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """What to pull for one request. Maps are {group id: ids}; P's ids (`src_*`, from TransferParams) pair up
+    position by position with D's freshly allocated ids (`dst_*`). Attention groups go in `*_blocks`, recurrent
+    groups in `*_state_slots` (the running state, plus a checkpoint slot when D wants to cache it)."""
+
+    request_id: str
+    src_epoch: str
+    src_blocks: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    dst_blocks: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    src_state_slots: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    dst_state_slots: Mapping[int, Sequence[int]] = field(default_factory=dict)
+
+    def pages_by_group(self, layout: CacheLayout) -> dict[int, tuple[Sequence[int], Sequence[int]]]:
+        """{group id: (src ids, dst ids)}; checks each group sits in the right map and both sides name it."""
+        out: dict[int, tuple[Sequence[int], Sequence[int]]] = {}
+        for src, dst, attention, what in (
+            (self.src_blocks, self.dst_blocks, True, "blocks (attention groups)"),
+            (self.src_state_slots, self.dst_state_slots, False, "state slots (recurrent groups)"),
+        ):
+            if set(src) != set(dst):
+                raise ValueError(f"{what}: source groups {sorted(src)} != destination groups {sorted(dst)}")
+            for gid in src:
+                if gid not in layout.group_kinds:
+                    raise ValueError(f"{what}: unknown group {gid}")
+                if layout.is_attention(gid) != attention:
+                    raise ValueError(f"{what}: group {gid} holds {layout.kind(gid)} layers")
+                out[gid] = (src[gid], dst[gid])
+        return out
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """Outcome of one pull. `dst_reusable` is False only when a failed READ could not be cancelled."""
+
+    request_id: str
+    state: PullState
+    policy: TransferPolicy
+    nbytes: int
+    descriptors: int
+    seconds: float
+    reason: str | None = None
+    dst_reusable: bool = True
+    nixl_descriptors: int | None = None  # what NIXL posted after merging pages (AgentConfig.telemetry only)
+
+
+class PullHandle:
+    """One in-flight pull. Made by `start_pull`; `poll()` from one thread (the engine loop) until not PENDING."""
+
+    def __init__(
+        self,
+        peer: PeerHandle,
+        spec: PullSpec,
+        plan: PullPlan,
+        policy: TransferPolicy,
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.peer, self.spec, self.plan, self.policy = peer, spec, plan, policy
+        self._clock = clock
+        self._deadline = clock() + timeout_s
+        self._t0 = time.perf_counter()
+        self._xfer: Any = None
+        self._result: PullResult | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def result(self) -> PullResult | None:
+        return self._result
+
+    def _start(self) -> None:
+        if self.plan.num_descriptors == 0:
+            self.peer.agent.send_notif(self.peer, self._notice(ok=True))
+            self._finish(PullState.DONE, None)
+            return
+        try:
+            self._xfer = self.peer.agent.make_read(self.peer, self.plan, self._notice(ok=True))
+            status = self.peer.agent.post(self._xfer)
+        except Exception:  # noqa: BLE001 - NIXL binding errors (peer unreachable, ...)
+            status = "ERR"
+        self._on_status(status)
+
+    def _notice(self, ok: bool) -> bytes:
+        return encode_release(self.spec.request_id, self.spec.src_epoch, ok)
+
+    def _on_status(self, status: str) -> None:
+        if status == "DONE":
+            self._finish(PullState.DONE, None)
+        elif status != "PROC":
+            self._finish(PullState.FAILED, REASON_NIXL)
+        elif self._clock() >= self._deadline:
+            self._finish(PullState.FAILED, REASON_TIMEOUT)
+
+    def poll(self) -> PullState:
+        """Non-blocking: advance and report. FAILED at the latest once `timeout_s` has passed."""
+        if self._result is None:
+            try:
+                status = self.peer.agent.check(self._xfer)
+            except Exception:  # noqa: BLE001
+                status = "ERR"
+            self._on_status(status)
+        return PullState.PENDING if self._result is None else self._result.state
+
+    def wait(self, interval_s: float = 1e-4) -> PullResult:
+        """Blocking poll loop, for tests, benchmarks and tools; the engine polls instead."""
+        while self.poll() is PullState.PENDING:
+            if interval_s:
+                time.sleep(interval_s)
+        assert self._result is not None
+        return self._result
+
+    def cancel(self) -> None:
+        """Give up (request aborted): cancels the READ and releases P's lease. No-op once finished."""
+        if self._result is None:
+            self._finish(PullState.FAILED, REASON_CANCELLED)
+
+    def _finish(self, state: PullState, reason: str | None) -> None:
+        agent, done = self.peer.agent, state is PullState.DONE
+        seconds = time.perf_counter() - self._t0
+        nixl_descs = agent.nixl_descriptor_count(self._xfer) if done and self._xfer is not None else None
+        reusable = agent.release_xfer(self._xfer) if self._xfer is not None else True
+        self._xfer = None
+        self._result = PullResult(
+            self.spec.request_id,
+            state,
+            self.policy,
+            self.plan.nbytes if done else 0,
+            self.plan.num_descriptors,
+            seconds,
+            reason,
+            reusable,
+            nixl_descs,
+        )
+        if done:
+            agent.metrics.transfer_done(self.plan.bytes_by_kind, seconds, self.plan.num_descriptors)
+        else:
+            agent.metrics.transfer_failed(reason or REASON_NIXL)
+            agent.send_notif(self.peer, self._notice(ok=False))
+            logger.warning(
+                "pull %s from %s failed after %.3f s: %s (policy %s%s)",
+                self.spec.request_id,
+                self.peer.worker,
+                seconds,
+                reason,
+                self.policy,
+                "" if reusable else "; READ not cancelled, destination pages unusable",
+            )
+
+
+def start_pull(
+    peer: PeerHandle,
+    spec: PullSpec,
+    *,
+    timeout_s: float = 10.0,
+    policy: TransferPolicy = "recompute",
+    clock: Callable[[], float] = time.monotonic,
+) -> PullHandle:
+    """Plan and post the READ of `spec` from `peer` into the local agent's caches; returns at once.
+
+    Raises StaleEpochError when `spec.src_epoch` is not the peer's live epoch (or the peer was replaced), and
+    ValueError for inconsistent ids (counts differ, null block, out of range, duplicates, wrong group kind): those
+    are refusals or caller bugs, nothing was sent. Transport failures surface as FAILED through `poll()`."""
+    agent = peer.agent
+    if spec.src_epoch != peer.epoch or not peer.valid:
+        agent.metrics.transfer_failed(REASON_STALE_EPOCH)
+        raise StaleEpochError(
+            f"request {spec.request_id!r} names epoch {spec.src_epoch!r} of worker {peer.worker!r}; "
+            f"live epoch is {peer.epoch!r}" + ("" if peer.valid else " (peer handle replaced)")
+        )
+    plan = plan_pull(peer.layout, agent.layout, spec.pages_by_group(agent.layout))
+    handle = PullHandle(peer, spec, plan, policy, timeout_s, clock)
+    handle._start()
+    return handle
