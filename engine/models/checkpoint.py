@@ -168,13 +168,15 @@ def write_random_checkpoint(out_dir: str | Path, family: str, seed: int = 0, **o
     """Write a random-weight HF checkpoint of `family` ("nemotron_h" | "qwen3_5") plus a byte-level tokenizer
     into `out_dir` (created if needed); returns the path. `overrides` are config fields (see nemotron_h_config /
     qwen3_5_config). Deterministic in (family, seed, overrides)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     if family == "nemotron_h":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
         cfg_kwargs = nemotron_h_config(**overrides)
         config: Any = NemotronHConfig(**cfg_kwargs)
         model_cls: Any = NemotronHForCausalLM
     elif family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
         cfg_kwargs = qwen3_5_config(**overrides)
         config = Qwen3_5TextConfig(**cfg_kwargs)
         model_cls = Qwen3_5ForCausalLM
