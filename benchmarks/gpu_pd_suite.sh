@@ -12,10 +12,9 @@ sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.84.0'/" 
 nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -4
 python3 -c "import nixl, torch; print('nixl ok', torch.cuda.device_count())"
 if [ -z "${SKIP_TRANSFER:-}" ]; then
-python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 0 --json "$OUT/transfer_1gpu.json" 2>&1 | tail -14
-UCX_TLS=cuda_ipc,cuda_copy,tcp if [ -z "${SKIP_TRANSFER:-}" ]; then
-python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 1 \
-  --json "$OUT/transfer_2gpu.json" 2>&1 | tail -14
+  python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 0 --json "$OUT/transfer_1gpu.json" 2>&1 | tail -14
+  UCX_TLS=cuda_ipc,cuda_copy,tcp python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 1 \
+    --json "$OUT/transfer_2gpu.json" 2>&1 | tail -14
 fi
 python3 benchmarks/serve_compare.py --device cuda --dtype bfloat16 --size medium --gpus 0,0 \
   --out "$OUT/serve_1gpu.json" > "$OUT/serve_1gpu.log" 2>&1; grep -E "^(mode|pd|colocated) \|" "$OUT/serve_1gpu.log" \

@@ -360,33 +360,36 @@ def paged_attention(
 
 def _attend_chunk(q: torch.Tensor, kv_cache: torch.Tensor, s: AttnSeq, scale: float) -> torch.Tensor:
     n, heads, dim = q.shape
-    key = kv_cache[s.ctx_blocks, 0, s.ctx_offsets].float()  # [C, KVH, D]
-    val = kv_cache[s.ctx_blocks, 1, s.ctx_offsets].float()
+    key = kv_cache[s.ctx_blocks, 0, s.ctx_offsets].to(q.dtype)  # [C, KVH, D]
+    val = kv_cache[s.ctx_blocks, 1, s.ctx_offsets].to(q.dtype)
     ctx, kvh = key.shape[0], key.shape[1]
-    qg = q.float().view(n, kvh, heads // kvh, dim)
+    qg = q.view(n, kvh, heads // kvh, dim)
     kpos = torch.arange(ctx, device=q.device)
-    out = torch.empty(n, kvh, heads // kvh, dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(n, kvh, heads // kvh, dim, dtype=q.dtype, device=q.device)
     for i0 in range(0, n, QUERY_TILE):
         i1 = min(n, i0 + QUERY_TILE)
         scores = torch.einsum("nkgd,ckd->kgnc", qg[i0:i1], key) * scale
         qpos = s.num_computed + torch.arange(i0, i1, device=q.device)
         scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[i0:i1] = torch.einsum("kgnc,ckd->nkgd", probs, val)
-    return out.view(n, heads, dim).to(q.dtype)
+        out[i0:i1] = torch.einsum("kgnc,ckd->nkgd", _softmax(scores), val)
+    return out.view(n, heads, dim)
 
 
 def _attend_decode(q: torch.Tensor, kv_cache: torch.Tensor, d: AttnDecode, scale: float) -> torch.Tensor:
     b, heads, dim = q.shape
     ok = d.valid[:, :, None, None]
-    key = torch.where(ok, kv_cache[d.blocks, 0, d.offsets].float(), 0.0)  # [B, L, KVH, D]
-    val = torch.where(ok, kv_cache[d.blocks, 1, d.offsets].float(), 0.0)
+    key = torch.where(ok, kv_cache[d.blocks, 0, d.offsets].to(q.dtype), 0.0)  # [B, L, KVH, D]
+    val = torch.where(ok, kv_cache[d.blocks, 1, d.offsets].to(q.dtype), 0.0)
     kvh = key.shape[2]
-    qg = q.float().view(b, kvh, heads // kvh, dim)
+    qg = q.view(b, kvh, heads // kvh, dim)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, key) * scale
     scores = scores.masked_fill(~d.valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bkgl,blkd->bkgd", probs, val).reshape(b, heads, dim).to(q.dtype)
+    return torch.einsum("bkgl,blkd->bkgd", _softmax(scores), val).reshape(b, heads, dim)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax in fp32, rounded back to the scores' dtype (transformers' eager attention)."""
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -172,7 +172,8 @@ class Mamba2Mixer(nn.Module):
         return x.reshape(*lead, cfg.num_heads, cfg.head_dim), B, C
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
-        return F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.cfg.time_step_min)
+        """softplus(dt + dt_bias) in the model dtype, then fp32 (transformers' mamba2_chunk_scan rounds here)."""
+        return F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(min=self.cfg.time_step_min).float()
 
     def _chunk(self, xbc: torch.Tensor, dt: torch.Tensor, s: RecurrentSeq, cache: StateCache) -> torch.Tensor:
         cfg = self.cfg
