@@ -60,7 +60,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
                   decode_env: dict[str, str] | None = None) -> Cluster:
     args = ["--model", model, *(worker_args or [])]
-    env = {"PYTHONPATH": os.getcwd()}
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     prefill = [] if colocated else [WorkerProcess(["--role", "prefill", *args], env={**env, **(prefill_env or {})})
                                     for _ in range(num_prefill)]
     decode = [WorkerProcess(["--role", "colocated" if colocated else "decode", *args],
