@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -61,10 +62,19 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
                   decode_env: dict[str, str] | None = None) -> Cluster:
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    prefill = [] if colocated else [WorkerProcess(["--role", "prefill", *args], env={**env, **(prefill_env or {})})
-                                    for _ in range(num_prefill)]
-    decode = [WorkerProcess(["--role", "colocated" if colocated else "decode", *args],
-                            env={**env, **(decode_env or {})}) for _ in range(num_decode)]
+    started: list[WorkerProcess] = []
+    try:
+        for _ in range(0 if colocated else num_prefill):
+            started.append(WorkerProcess(["--role", "prefill", *args], env={**env, **(prefill_env or {})}))
+        for _ in range(num_decode):
+            started.append(WorkerProcess(["--role", "colocated" if colocated else "decode", *args],
+                                         env={**env, **(decode_env or {})}))
+    except Exception:
+        for w in started:
+            w.stop()
+        raise
+    prefill = started[: 0 if colocated else num_prefill]
+    decode = started[len(prefill):]
     port = free_port()
     name = os.path.basename(os.path.normpath(model))
     cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port),
@@ -73,10 +83,12 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
         cmd.append("--colocated")
     else:
         cmd += ["--prefill", *[w.info["address"] for w in prefill]]
-    proxy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    log_path = os.path.join(tempfile.gettempdir(), f"hybridpd-proxy-{port}.log")
+    log = open(log_path, "w")
+    proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
+    deadline = time.time() + 180
+    while time.time() < deadline and proxy.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 break
@@ -84,7 +96,12 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
             pass
         time.sleep(0.3)
     else:
-        raise RuntimeError("proxy did not become healthy")
+        proxy.kill()
+        for w in prefill + decode:
+            w.stop()
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"proxy did not become healthy; its log ({log_path}):\n{tail}")
     return Cluster(model, prefill, decode, proxy, url, name)
 
 
