@@ -196,12 +196,7 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         states: dict[int, torch.Tensor] = {}
         for a, b in segment_bounds(s.cuts):
-            import os, sys
-            if os.environ.get("GDN_HF"):
-                sys.path.insert(0, "/tmp/bf16"); from gdn_variant import gdn_segment_hf as fn
-            else:
-                fn = gdn_segment
-            out[a:b], state = fn(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, cfg.chunk_size)
+            out[a:b], state = gdn_segment(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, cfg.chunk_size)
             states[b] = state
         for cut, conv_state in zip(s.cuts, conv_states, strict=True):
             for dest in s.dests[cut]:
