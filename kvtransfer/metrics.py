@@ -73,9 +73,15 @@ def _families_for(registry: CollectorRegistry) -> _Families:
 class TransferMetrics:
     """Metric handles bound to one worker role ("prefill" | "decode"). Thread-safe (prometheus_client is)."""
 
+    FAILURE_REASONS = ("timeout", "nixl_error", "stale_epoch", "cancelled")
+
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.role = role
         self._f = _families_for(registry if registry is not None else REGISTRY)
+        # Export event counters at 0 from the start, so dashboards show 0 rather than "no data".
+        for reason in self.FAILURE_REASONS:
+            self._f.failures.labels(role, reason)
+        self._f.lease_expired.labels(role)
 
     def transfer_done(self, bytes_by_kind: Mapping[str, int], seconds: float, descriptors: int) -> None:
         for kind, n in bytes_by_kind.items():

@@ -438,9 +438,6 @@ def test_every_dashboard_expression_evaluates_live(prometheus: Prometheus, clust
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="kvtransfer/metrics.py creates the labelled children of "
-                   "hybridpd_kv_transfer_failures_total / hybridpd_kv_lease_expired_total on first use only; "
-                   "pre-initialise them (role, and the known failure reasons) and drop this mark")
 def test_event_only_metrics_are_exported_at_zero(prometheus: Prometheus) -> None:
     exported = _exported_names(prometheus)
     assert EVENT_ONLY <= exported, sorted(EVENT_ONLY - exported)
