@@ -71,12 +71,19 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     t = statistics.median(times)
     gen = args.num_prompts * args.output_len
     steps = llm.engine.stats.num_steps
+    zeroer_launches = getattr(runner.zeroer, "launches", None)
+    del llm, runner, outs  # free this model's caches before the next size allocates its share of the GPU
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return {"family": family, "size": size, "params_m": round(params / 1e6, 1), "device": args.device,
             "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
             "output_len": args.output_len, "median_s": round(t, 3), "gen_tok_s": round(gen / t, 1),
             "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1), "repeats": len(times),
             "zeroing_share": round(zero_time[0] / sum(times), 5), "zeroing_launches": zero_time[1],
-            "steps": steps, "zeroer_launches": getattr(runner.zeroer, "launches", None)}
+            "steps": steps, "zeroer_launches": zeroer_launches}
 
 
 def main(argv: list[str] | None = None) -> int:
