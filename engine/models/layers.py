@@ -343,8 +343,11 @@ def paged_attention(
     q [T, H, D]; k, v [T, KVH, D] (H a multiple of KVH: GQA); kv_cache [num_blocks, 2, block_size, KVH, D].
     First writes the new K/V rows at their slots (rows with PAD_SLOT_ID are skipped), then, per sequence, gathers
     exactly the first num_computed + num_new context rows from its block table and lets new query i see context
-    positions <= num_computed + i. Softmax in fp32; output [T, H, D] in q's dtype (zeros for rows of no sequence).
-    Only gathered valid rows take part, so garbage (even NaN) in unused cache rows cannot leak."""
+    positions <= num_computed + i. Output [T, H, D] in q's dtype (zeros for rows of no sequence). Only gathered
+    valid rows take part, so garbage (even NaN) in unused cache rows cannot leak.
+
+    Rounding as transformers' eager attention: q.k scores and probs @ V are matmuls in q's dtype (fp32
+    accumulation), the softmax runs in fp32 and its probabilities are rounded back to q's dtype."""
     if meta.write_rows.numel() > 0:
         rows = meta.write_rows
         kv_cache[meta.write_blocks, 0, meta.write_offsets] = k[rows].to(kv_cache.dtype)
