@@ -14,7 +14,7 @@ from decode.consumer import Consumer
 from engine.core import EngineCore
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.context import WorkerContext, run_engine_call, transfer_metadata
+from worker.context import WorkerContext, health_response, run_engine_call, transfer_metadata
 from worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.decode")
@@ -131,8 +131,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return transfer_metadata(self.ctx)
 
     async def Health(self, request, context):  # type: ignore[no-untyped-def]
-        return pb.HealthResponse(role="decode", model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
-                                 worker_id=self.ctx.worker_id)
+        return health_response(self.ctx)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         return await self.ctx.aengine.acall(lambda core: stats_response(

@@ -74,7 +74,8 @@ class LLM:
         for ids in token_lists:  # validate everything before anything runs
             self.engine.validate_prompt(ids)
         reqs = [
-            self.engine.add_request(f"offline-{next(self._ids)}", ids, p) for ids, p in zip(token_lists, params)
+            self.engine.add_request(f"offline-{next(self._ids)}", ids, p)
+            for ids, p in zip(token_lists, params, strict=True)
         ]
         while self.engine.has_unfinished():
             self.engine.step()

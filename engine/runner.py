@@ -113,10 +113,10 @@ class ModelRunner:
             return {}
         batch = self.build_batch(out)
         hidden = self.model.forward(batch, self.caches)
-        rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs) if o.sample]
+        rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs, strict=True) if o.sample]
         if not rows:
             return {}
         rids = [o.request_id for o in out.seqs if o.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
-        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs)}
+        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}

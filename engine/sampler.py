@@ -37,7 +37,7 @@ class Sampler:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
+        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             if p.greedy:
                 continue
             tokens[row] = self._sample_row(logits[row], p, self._generator(rid, p))

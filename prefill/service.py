@@ -16,7 +16,7 @@ from kvtransfer.metrics import TransferMetrics
 from prefill.leases import Lease, LeaseTable
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.context import WorkerContext, run_engine_call, transfer_metadata
+from worker.context import WorkerContext, health_response, run_engine_call, transfer_metadata
 from worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.prefill")
@@ -92,7 +92,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        core: EngineCore = self.ctx.core
         await run_engine_call(self.ctx, context, lambda c: c.validate_prompt(prompt))
         target = len(prompt) - 1
         if target < 1:
@@ -126,8 +125,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         return transfer_metadata(self.ctx)
 
     async def Health(self, request, context):  # type: ignore[no-untyped-def]
-        return pb.HealthResponse(role="prefill", model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
-                                 worker_id=self.ctx.worker_id)
+        return health_response(self.ctx)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         def stats(core: EngineCore) -> pb.StatsResponse:

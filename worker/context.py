@@ -55,3 +55,8 @@ def transfer_metadata(ctx: WorkerContext) -> pb.TransferMetadata:
         agent_metadata=agent.local_metadata() if agent is not None else b"", worker_id=ctx.worker_id,
         epoch=ctx.epoch, compat_hash=agent.layout.compat_hash if agent is not None else "",
     )
+
+
+def health_response(ctx: WorkerContext) -> pb.HealthResponse:
+    return pb.HealthResponse(role=ctx.role, model=ctx.model_name, epoch=ctx.epoch, ready=True,
+                             worker_id=ctx.worker_id)

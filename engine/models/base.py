@@ -7,7 +7,7 @@ Ownership: the runner allocates every cache tensor (from `cache_specs`) once at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Protocol
 
 import torch
 
@@ -29,7 +29,7 @@ class StateCache:
     """[num_slots, *ssm_shape]."""
 
 
-LayerCache = Optional[Union[AttentionCache, StateCache]]
+LayerCache = AttentionCache | StateCache | None
 """Per layer: AttentionCache for attention layers, StateCache for recurrent layers, None for MLP/MoE layers."""
 
 

@@ -22,10 +22,10 @@ def test_cuda_fp32_matches_transformers(name, checkpoint_dir):  # type: ignore[n
               max_model_len=512)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         toks, lps = hf_greedy(path, p, 32, "float32", "cuda")
         assert o.token_ids == toks
-        assert max(abs(a - b) for a, b in zip(o.logprobs, lps)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(o.logprobs, lps, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("name", PATTERNS)
@@ -36,7 +36,7 @@ def test_cuda_bf16_close_to_transformers(name, checkpoint_dir):  # type: ignore[
               kv_cache_memory_bytes=256 * 2**20, max_model_len=512)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         toks, lps = hf_greedy(path, p, 8, "bfloat16", "cuda")
         assert o.token_ids == toks
-        assert max(abs(a - b) for a, b in zip(o.logprobs, lps)) < 2e-2
+        assert max(abs(a - b) for a, b in zip(o.logprobs, lps, strict=True)) < 2e-2

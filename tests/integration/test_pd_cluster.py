@@ -30,13 +30,13 @@ def test_pd_output_identical_to_colocated_and_transformers(cluster):  # type: ig
     llm = LLM(model=cluster.model, checkpoint_interval=32, kv_cache_memory_bytes=32 * 2**20)
     local = llm.generate(prompt_token_ids=prompts,
                          sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
-    for p, lo in zip(prompts, local):
+    for p, lo in zip(prompts, local, strict=True):
         body = complete(cluster, p, NEW)
         choice = body["choices"][0]
         toks, lps = hf_greedy(cluster.model, p, NEW)
         assert choice["token_ids"] == toks == lo.token_ids, f"{len(p)}-token prompt: PD output differs"
         got = choice["logprobs"]["token_logprobs"]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
         assert body["usage"]["hybridpd"]["transferred_tokens"] == (len(p) - 1 if len(p) > 1 else 0)
 
 

@@ -31,9 +31,9 @@ def reference(checkpoint_dir):  # type: ignore[no-untyped-def]
 
 
 def assert_matches(outputs, expected) -> None:  # type: ignore[no-untyped-def]
-    for i, (out, (toks, lps)) in enumerate(zip(outputs, expected)):
+    for i, (out, (toks, lps)) in enumerate(zip(outputs, expected, strict=True)):
         assert out.token_ids == toks, f"prompt {i} ({LENGTHS[i]} tokens): greedy tokens differ"
-        diff = max(abs(a - b) for a, b in zip(out.logprobs, lps))
+        diff = max(abs(a - b) for a, b in zip(out.logprobs, lps, strict=True))
         assert diff < 1e-4, f"prompt {i}: logprob diff {diff}"
 
 
@@ -82,7 +82,7 @@ def test_prefix_caching_on_matches(name, checkpoint_dir, reference):  # type: ig
     assert_matches(first, expected)
     second = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert_matches(second, expected)
-    for p, out in zip(prompts, second):
+    for p, out in zip(prompts, second, strict=True):
         assert out.num_cached_tokens == ((len(p) - 1) // 32) * 32, (len(p), out.num_cached_tokens)
     llm.engine.cache.check_integrity()
 
@@ -104,7 +104,7 @@ def test_shared_prefix_and_two_turn_chat_hit_exactly(name, checkpoint_dir):  # t
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
         ref_tokens, ref_lps = hf_greedy(path, prompt, NEW_TOKENS)
         assert out.token_ids == ref_tokens
-        assert max(abs(x - y) for x, y in zip(out.logprobs, ref_lps)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(out.logprobs, ref_lps, strict=True)) < 1e-4
         assert out.token_ids == off.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
         assert out.num_cached_tokens == expect_cached, (len(prompt), out.num_cached_tokens)
         return out.token_ids
