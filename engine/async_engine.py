@@ -106,7 +106,10 @@ class AsyncEngine:
                 self.publish(req)
                 if req.is_finished:
                     for cb in self.on_finished:
-                        cb(req)
+                        try:
+                            cb(req)
+                        except Exception:  # noqa: BLE001 - a callback must not kill the step loop
+                            log.exception("on_finished callback failed for %s", req.request_id)
 
     def _drain_calls(self) -> None:
         while True:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
 from engine.core import EngineCore
 from engine.request import Request
+from kvtransfer.errors import StaleEpochError
+from kvtransfer.lease import LeaseTable
 from kvtransfer.metrics import TransferMetrics
-from prefill.leases import Lease, LeaseTable
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
 from worker.context import WorkerContext, health_response, run_engine_call, transfer_metadata
@@ -25,28 +27,43 @@ log = logging.getLogger("hybridpd.prefill")
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0) -> None:
         self.ctx = ctx
-        self.leases = LeaseTable(self._free_lease, lease_seconds)
         self.tmetrics = TransferMetrics("prefill")
+        # wall clock: lease expiry travels to D and the proxy as unix time
+        self.leases = LeaseTable(ctx.epoch, lease_seconds, clock=time.time, metrics=self.tmetrics)
+        self.held: dict[str, tuple[Request, int | None]] = {}
+        """request id -> (prefilled request holding its caches, pinned checkpoint slot). Step thread only."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         ctx.aengine.on_finished.append(self._on_finished)
         ctx.aengine.hooks.append(self._hook)
 
     # -- step thread -----------------------------------------------------------------------------------------------
-    def _free_lease(self, lease: Lease) -> None:
+    def _free(self, request_id: str) -> None:
+        """Unpin a prefilled request's caches (its lease was released or expired)."""
+        req, ckpt_slot = self.held.pop(request_id)
         core: EngineCore = self.ctx.core
-        core.scheduler.release(lease.request)
-        if lease.checkpoint_slot is not None and core.cache.recurrent is not None:
-            core.cache.recurrent.pool.free([lease.checkpoint_slot])
+        core.scheduler.release(req)
+        if ckpt_slot is not None and core.cache.recurrent is not None:
+            core.cache.recurrent.pool.free([ckpt_slot])
+
+    def _release(self, request_id: str, epoch: str | None = None) -> bool:
+        """Step thread. Idempotent; a release meant for another epoch of this worker is ignored."""
+        try:
+            lease = self.leases.release(request_id, epoch)
+        except StaleEpochError:
+            return False
+        if lease is not None:
+            self._free(request_id)
+        return lease is not None
 
     def _hook(self, core: EngineCore) -> None:
         expired = self.leases.reap()
         if expired:
             log.warning("lease expired for %d prefilled request(s): freed without a pull", len(expired))
-            self.tmetrics.leases_expired(len(expired))
+        for lease in expired:
+            self._free(lease.request_id)
         if self.ctx.agent is not None:
             for notice in self.ctx.agent.poll_releases():
-                if notice.epoch in ("", self.ctx.epoch):
-                    self.leases.release(notice.request_id)
+                self._release(notice.request_id, notice.epoch)
         if self.ctx.metrics is not None:
             self.ctx.metrics.update(core)
 
@@ -63,9 +80,16 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             ckpt_tokens, ckpt_slot = core.cache.recurrent.find_hit(req.block_hashes, req.num_computed_tokens)
             if ckpt_slot is not None:
                 core.cache.recurrent.pool.touch([ckpt_slot])
-        lease = self.leases.pin(req, ckpt_slot, ckpt_tokens)
+        pages: dict[int, list[int]] = {}
+        if core.cache.attention is not None:
+            pages[core.cache.attention.group.group_id] = core.cache.block_ids(req.request_id)
+        if core.cache.recurrent is not None:
+            slots = [core.cache.state_slot(req.request_id)] + ([ckpt_slot] if ckpt_slot is not None else [])
+            pages[core.cache.recurrent.group.group_id] = slots
+        self.held[req.request_id] = (req, ckpt_slot)
+        lease = self.leases.grant(req.request_id, pages)
         if waiter is None:  # the caller went away: nobody will pull
-            self.leases.release(req.request_id)
+            self._release(req.request_id)
             return
         bs = core.cache.block_size
         n = req.num_computed_tokens
@@ -76,7 +100,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         params = pb.TransferParams(
             worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address, groups=groups,
             state_slot=max(core.cache.state_slot(req.request_id), 0), num_computed_tokens=n,
-            num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expiry,
+            num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expires_at,
             checkpoint_slot=ckpt_slot or 0, checkpoint_num_tokens=ckpt_tokens if ckpt_slot else 0,
         )
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
@@ -93,6 +117,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         await run_engine_call(self.ctx, context, lambda c: c.validate_prompt(prompt))
+        if rid in self.held or rid in self._waiters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
         target = len(prompt) - 1
         if target < 1:
             # nothing to compute: D computes the single prompt token itself
@@ -109,16 +135,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
-            self.ctx.aengine.call(lambda c: (c.abort(rid), self.leases.release(rid)))
+            self.ctx.aengine.call(lambda c: (c.abort(rid), self._release(rid)))
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
             raise
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        if request.epoch and request.epoch != self.ctx.epoch:
-            return pb.ReleaseResponse(released=False)
-        released = await self.ctx.aengine.acall(lambda c: self.leases.release(request.request_id))
+        released = await self.ctx.aengine.acall(lambda c: self._release(request.request_id, request.epoch or None))
         return pb.ReleaseResponse(released=bool(released))
 
     async def GetTransferMetadata(self, request, context):  # type: ignore[no-untyped-def]
@@ -130,10 +154,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         def stats(core: EngineCore) -> pb.StatsResponse:
             pinned: dict[int, int] = {}
-            if core.cache.attention is not None:
-                gid = core.cache.attention.group.group_id
-                pinned[gid] = len({b for lease in self.leases.leases.values()
-                                   for b in core.cache.block_ids(lease.request.request_id)})
+            for rid in self.held:
+                lease = self.leases.get(rid)
+                for gid, ids in (lease.pages_by_group.items() if lease is not None else ()):
+                    pinned[gid] = pinned.get(gid, 0) + len(ids)
             return stats_response(core, "prefill", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
                                   pinned, len(self.leases))
         return await self.ctx.aengine.acall(stats)
