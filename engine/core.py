@@ -183,7 +183,7 @@ class EngineCore:
             req.stop_reason = tok
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self._decoded(req)
             for s in p.stop:
                 if s in text:
                     req.stop_reason = s
@@ -192,10 +192,17 @@ class EngineCore:
             return "length"
         return None
 
+    def _decoded(self, req: Request) -> str:
+        """The decoded output, memoised per token count (stop checks and streaming ask for it every step)."""
+        if req.decoded_upto != len(req.output_token_ids):
+            req.decoded_text = self.tokenizer.decode(req.output_token_ids)
+            req.decoded_upto = len(req.output_token_ids)
+        return req.decoded_text
+
     def output_text(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(req.output_token_ids)
+        text = self._decoded(req)
         if isinstance(req.stop_reason, str):
             text = text[: text.find(req.stop_reason)] if req.stop_reason in text else text
         return text

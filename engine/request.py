@@ -39,6 +39,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    decoded_text: str = ""
+    decoded_upto: int = 0
+    """`decoded_text` is the detokenized output up to this many tokens (memo of EngineCore._decoded)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hash of every *full* block of all_token_ids (see engine.cache.hashing)."""
 

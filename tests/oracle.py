@@ -59,3 +59,11 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, dtype: str = "f
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=16)
+def reference_set(path: str, lengths: tuple[int, ...], new_tokens: int, seed: int = 1):  # type: ignore[no-untyped-def]
+    """(prompts, [(tokens, logprobs)]) for random prompts of `lengths`; cached for the whole test session, so test
+    modules asking for the same reference share one transformers run. Callers must not mutate the lists."""
+    prompts = random_prompts(list(lengths), vocab=256, seed=seed)
+    return prompts, [hf_greedy(path, p, new_tokens) for p in prompts]

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.oracle import hf_greedy, random_prompts
+from tests.oracle import reference_set
 
 LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
 NEW_TOKENS = 16
@@ -51,16 +51,7 @@ def one_torch_thread():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def reference(checkpoint_dir):  # type: ignore[no-untyped-def]
-    cache: dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]] = {}
-
-    def get(name: str):  # type: ignore[no-untyped-def]
-        if name not in cache:
-            path = checkpoint_dir(name)
-            prompts = random_prompts(LENGTHS, vocab=256, seed=1)
-            cache[name] = (prompts, [hf_greedy(path, p, NEW_TOKENS) for p in prompts])
-        return cache[name]
-
-    return get
+    return lambda name: reference_set(checkpoint_dir(name), tuple(LENGTHS), NEW_TOKENS)
 
 
 def holds_poison(t: torch.Tensor, value: float) -> bool:

@@ -26,7 +26,7 @@ import engine.models.nemotron_h as nemotron_h
 import engine.models.qwen3_5 as qwen3_5
 from engine import LLM, SamplingParams
 from engine.models.layers import StepMetadata
-from tests.oracle import hf_greedy, random_prompts
+from tests.oracle import random_prompts, reference_set
 
 LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
 NEW_TOKENS = 16
@@ -109,16 +109,7 @@ def whole_blocks(monkeypatch):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def reference(checkpoint_dir):  # type: ignore[no-untyped-def]
-    cache: dict[str, tuple[list[list[int]], list[tuple[list[int], list[float]]]]] = {}
-
-    def get(name: str):  # type: ignore[no-untyped-def]
-        if name not in cache:
-            path = checkpoint_dir(name)
-            prompts = random_prompts(LENGTHS, vocab=256, seed=1)
-            cache[name] = (prompts, [hf_greedy(path, p, NEW_TOKENS) for p in prompts])
-        return cache[name]
-
-    return get
+    return lambda name: reference_set(checkpoint_dir(name), tuple(LENGTHS), NEW_TOKENS)
 
 
 def poison_free_blocks_every_step(engine) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,26 @@
+"""Stop conditions in the engine: stop strings cut the text before the match; stop token ids end generation with
+the token kept; max_tokens gives "length"."""
+
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+
+
+def test_stop_string_and_stop_token(checkpoint_dir):  # type: ignore[no-untyped-def]
+    llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), kv_cache_memory_bytes=16 * 2**20, max_model_len=256)
+    prompt = [[65, 66, 67]]
+    full = llm.generate(prompt_token_ids=prompt,
+                        sampling_params=SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    stop = full.text[3:5]
+    assert len(stop) == 2
+    cut = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 20
+    tok = full.token_ids[4]
+    by_id = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
