@@ -146,8 +146,9 @@ def run_trace(args: argparse.Namespace, shape: TraceShape, prompts: list[list[in
         CacheGroup(0, FullAttentionSpec(args.block_size, 8, 128, "bfloat16"), (3, 7)),
         CacheGroup(1, RecurrentStateSpec("mamba2", (10240, 3), "bfloat16", (128, 64, 128), "float32"), (0, 1, 2)),
     ]
-    layout = PoolLayout(attention_blocks, 1 + args.max_num_seqs + checkpoint_slots, args.checkpoint_interval,
-                        args.block_size)
+    layout = PoolLayout(
+        attention_blocks, 1 + args.max_num_seqs + checkpoint_slots, args.checkpoint_interval, args.block_size
+    )
     cache = HybridCacheManager(groups, layout)
     sched = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), cache)
     params = SamplingParams(max_tokens=shape.decode)
@@ -206,8 +207,11 @@ def main() -> None:
     args = _parse()
     shape = TraceShape(args.requests, args.prefixes, args.prefix_len, args.suffix_len, args.decode)
     prompts = make_prompts(shape, args.seed)
-    print(f"trace: {shape}, block {args.block_size}, checkpoint interval {args.checkpoint_interval}, "
-          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
+    print(
+        f"trace: {shape}, block {args.block_size}, checkpoint interval {args.checkpoint_interval}, "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     hits = theoretical_hits(prompts, shape.decode, args.checkpoint_interval)
@@ -225,8 +229,10 @@ def main() -> None:
         ("requests / steps", f"{shape.requests} / {run['steps']}"),
         ("scheduled (request, step) pairs", f"{run['scheduled_seqs']}"),
         ("control plane seconds (wall / cpu)", f"{run['seconds']:.2f} / {run['cpu_seconds']:.2f}"),
-        ("us per scheduled request per step (wall / cpu)",
-         f"{run['us_per_seq_step']:.2f} / {run['cpu_us_per_seq_step']:.2f}"),
+        (
+            "us per scheduled request per step (wall / cpu)",
+            f"{run['us_per_seq_step']:.2f} / {run['cpu_us_per_seq_step']:.2f}",
+        ),
         ("ns per hashed token (wall / cpu)", f"{ns_per_token:.1f} / {cpu_ns_per_token:.1f}"),
         ("hit rate", f"{run['hit_rate']:.4f}"),
         ("theoretical hit rate", f"{theoretical:.4f}"),

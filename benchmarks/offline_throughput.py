@@ -32,9 +32,16 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
     path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)
     kv_bytes = args.kv_bytes if args.kv_bytes else (None if args.device.startswith("cuda") else 512 * 2**20)
-    llm = LLM(model=path, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=0.5)
+    llm = LLM(
+        model=path,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=kv_bytes,
+        gpu_memory_utilization=0.5,
+    )
     params = sum(p.numel() for p in llm.engine.model.parameters())  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
@@ -78,12 +85,24 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return {"family": family, "size": size, "params_m": round(params / 1e6, 1), "device": args.device,
-            "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
-            "output_len": args.output_len, "median_s": round(t, 3), "gen_tok_s": round(gen / t, 1),
-            "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1), "repeats": len(times),
-            "zeroing_share": round(zero_time[0] / sum(times), 5), "zeroing_launches": zero_time[1],
-            "steps": steps, "zeroer_launches": zeroer_launches}
+    return {
+        "family": family,
+        "size": size,
+        "params_m": round(params / 1e6, 1),
+        "device": args.device,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "median_s": round(t, 3),
+        "gen_tok_s": round(gen / t, 1),
+        "total_tok_s": round((gen + args.num_prompts * args.input_len) / t, 1),
+        "repeats": len(times),
+        "zeroing_share": round(zero_time[0] / sum(times), 5),
+        "zeroing_launches": zero_time[1],
+        "steps": steps,
+        "zeroer_launches": zeroer_launches,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-bytes", type=int, default=None,
-                    help="cache budget (default: 512 MiB on CPU, 50%% of the GPU on CUDA)")
+    ap.add_argument(
+        "--kv-bytes", type=int, default=None, help="cache budget (default: 512 MiB on CPU, 50%% of the GPU on CUDA)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="offline_throughput.json")
     args = ap.parse_args(argv)

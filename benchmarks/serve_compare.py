@@ -23,13 +23,35 @@ from benchmarks.offline_throughput import PATTERN, SIZES  # noqa: E402
 def bench(url: str, model: str, dataset: str, args: argparse.Namespace, out: str) -> dict:
     from deploy.bench_serve import main as bench_main
 
-    argv = ["--base-url", url, "--model", model, "--dataset", dataset, "--num-prompts", str(args.num_prompts),
-            "--max-concurrency", str(args.concurrency), "--out", out, "--vocab-size", "256"]
+    argv = [
+        "--base-url",
+        url,
+        "--model",
+        model,
+        "--dataset",
+        dataset,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--out",
+        out,
+        "--vocab-size",
+        "256",
+    ]
     if dataset == "random":
         argv += ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     else:
-        argv += ["--prefix-len", str(args.prefix_len), "--suffix-len", str(args.suffix_len),
-                 "--num-prefixes", str(args.num_prefixes), "--output-len", str(args.output_len)]
+        argv += [
+            "--prefix-len",
+            str(args.prefix_len),
+            "--suffix-len",
+            str(args.suffix_len),
+            "--num-prefixes",
+            str(args.num_prefixes),
+            "--output-len",
+            str(args.output_len),
+        ]
     bench_main(argv)
     with open(out) as f:
         return json.load(f)
@@ -74,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             env_p = {"CUDA_VISIBLE_DEVICES": gp} if args.device != "cpu" else {}
             env_d = {"CUDA_VISIBLE_DEVICES": gd if mode == "pd" else gp} if args.device != "cpu" else {}
-            c = start_cluster(model, colocated=(mode == "colocated"), worker_args=wargs, prefill_env=env_p,
-                              decode_env=env_d)
+            c = start_cluster(
+                model, colocated=(mode == "colocated"), worker_args=wargs, prefill_env=env_p, decode_env=env_d
+            )
             try:
                 for ds in args.datasets.split(","):
                     res = bench(c.url, c.model_name, ds, args, os.path.join(tmp, f"{mode}-{ds}.json"))
@@ -85,15 +108,32 @@ def main(argv: list[str] | None = None) -> int:
                 c.stop()
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": rows}, f, indent=2)
-    cols = ["mode", "dataset", "ok", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "out_tok_s", "decode_hit",
-            "decode_ext_hit"]
+    cols = [
+        "mode",
+        "dataset",
+        "ok",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "out_tok_s",
+        "decode_hit",
+        "decode_ext_hit",
+    ]
     print(" | ".join(cols))
     for r in rows:
         s, w = r["summary"], r.get("worker_prefix_cache") or {}
         d = w.get("decode", {})
-        vals = [r["mode"], r["dataset"], f"{s['completed']}/{s['completed'] + s['failed']}",
-                f"{s['ttft_ms']['p50']:.1f}", f"{s['ttft_ms']['p99']:.1f}", f"{s['tpot_ms']['p50']:.2f}",
-                f"{s['output_throughput']:.1f}", _pct(d.get("hit_rate")), _pct(d.get("external_hit_rate"))]
+        vals = [
+            r["mode"],
+            r["dataset"],
+            f"{s['completed']}/{s['completed'] + s['failed']}",
+            f"{s['ttft_ms']['p50']:.1f}",
+            f"{s['ttft_ms']['p99']:.1f}",
+            f"{s['tpot_ms']['p50']:.2f}",
+            f"{s['output_throughput']:.1f}",
+            _pct(d.get("hit_rate")),
+            _pct(d.get("external_hit_rate")),
+        ]
         print(" | ".join(vals))
     return 0
 

@@ -6,15 +6,20 @@ Scenarios:
   realistic-frag    the same bytes with P's and D's block ids drawn at random (about one descriptor per block)
   deep-frag         48 attention layers of 4 KiB pages, 256 random blocks: 12,288 descriptors of 4 KiB (48 MiB)
   large             16k tokens of KV, 4 layers: 256 MiB, contiguous
+  xlarge            64k tokens of KV, 4 layers: 1 GiB, contiguous
 
 For each scenario and descriptor mode ("prepped": page lists prepared once per peer, pulls pass indices;
 "per_transfer": coalesced descriptors built per pull) it reports medians over --repeats of:
   start     start_pull() call (plan + descriptors + post; with UCX's CMA transport the copy runs inside the post)
   handover  transfer params in hand -> KV ready on D (start_pull .. poll() == DONE)
-  GB/s      bytes / handover; and a raw torch copy of the same page runs inside one process, for reference.
+  wire      NIXL's own telemetry: first READ posted -> last READ complete
+  GB/s      bytes / handover
+and two raw copies of the same page runs for reference: "torch" inside one process (device-local, or a peer copy
+between two GPUs), and on CUDA "ipc" from P's tensors opened in D through CUDA IPC (the path cuda_ipc takes).
 Data are verified against P's (seeded) contents after the runs.
 
     python benchmarks/transfer.py [--device cpu|cuda] [--src-gpu 0 --dst-gpu 1] [--repeats 10] [--json PATH]
+    python benchmarks/transfer.py --device cuda --parallel-reads 4     # a pull as 4 READs posted together
     UCX_TLS=tcp python benchmarks/transfer.py    # UCX settings come from the environment (P inherits it)
 """
 
@@ -76,6 +81,7 @@ LARGE = ToyCacheSpec(
     dtype="bfloat16",
     state_layers=0,
 )
+XLARGE = replace(LARGE, num_blocks=4097)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ def scenarios() -> list[Scenario]:
         Scenario("realistic-frag", REALISTIC, frag_src, frag_dst, ([3], [5])),
         Scenario("deep-frag", DEEP, frag_src, frag_dst, None),
         Scenario("large", LARGE, list(range(1, 1025)), list(range(1, 1025)), None),
+        Scenario("xlarge", XLARGE, list(range(1, 4097)), list(range(1, 4097)), None),
     ]
 
 
@@ -148,6 +155,33 @@ def torch_copy_ms(sc: Scenario, src_dev: str, dst_dev: str, repeats: int) -> flo
     return statistics.median(once() for _ in range(repeats))
 
 
+def ipc_copy_ms(sc: Scenario, shared: list[Any], dst_dev: str, repeats: int) -> float:
+    """Raw copy of the same page runs from P's tensors, opened in this process through CUDA IPC, into ours."""
+    src = {gid: [t for layer in ts for t in ([layer] if torch.is_tensor(layer) else layer)] for gid, ts in shared}
+    dst = tensors_by_group(make_caches(replace(sc.spec, device=dst_dev), None))
+    runs = {gid: plan_pull_runs(s, d) for gid, s, d in page_pairs(sc)}
+    stream = torch.cuda.Stream(dst_dev)
+
+    def once() -> float:
+        sync(dst_dev)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for gid, rr in runs.items():
+                for s_t, d_t in zip(src[gid], dst[gid], strict=True):
+                    for s, d, n in rr:
+                        d_t[d : d + n].copy_(s_t[s : s + n], non_blocking=True)
+        stream.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    once()
+    ms = statistics.median(once() for _ in range(repeats))
+    for gid, s, d in page_pairs(sc):  # the copy really read P's pages
+        for s_t, d_t in zip(src[gid], dst[gid], strict=True):
+            if not torch.equal(s_t[s].to(dst_dev), d_t[d]):
+                raise SystemExit(f"{sc.name}: IPC copy mismatch in group {gid}")
+    return ms
+
+
 def plan_pull_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     from kvtransfer.descriptors import coalesce
 
@@ -172,7 +206,13 @@ def bench_mode(
     not posted), 2 warm-up pulls, `repeats` timed pulls. Appends to `samples`; returns descriptors."""
     groups = make_caches(replace(sc.spec, device=dst_dev), None)
     layout = CacheLayout.from_tensors(groups, model_id=sc.spec.model_id)
-    config = AgentConfig(descriptor_mode=mode, progress_thread=not args.no_d_progress_thread)  # type: ignore[arg-type]
+    config = AgentConfig(
+        descriptor_mode=mode,  # type: ignore[arg-type]
+        progress_thread=not args.no_d_progress_thread,
+        telemetry=True,
+        parallel_reads=args.parallel_reads,
+        num_workers=args.num_workers,
+    )
     with TransferAgent(f"D-{mode}", layout, config=config) as agent:
         peer = agent.add_peer(blob)
         for _ in range(50):
@@ -192,6 +232,8 @@ def bench_mode(
             if i >= 2:  # two warm-up pulls
                 samples["start"].append((t1 - t0) * 1e3)
                 samples["handover"].append((t2 - t0) * 1e3)
+                if handle.result.nixl_seconds is not None:
+                    samples["wire"].append(handle.result.nixl_seconds * 1e3)
         verify(sc, groups)
     return plan.num_descriptors
 
@@ -207,6 +249,7 @@ def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[st
         "prep_ms": statistics.median(samples["prep"]),
         "start_ms": statistics.median(samples["start"]),
         "handover_ms": ms,
+        "wire_ms": statistics.median(samples["wire"]) if samples["wire"] else None,
         "handover_ms_min": min(samples["handover"]),
         "handover_ms_max": max(samples["handover"]),
         "gbps": nbytes / ms / 1e6,
@@ -223,19 +266,30 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, ctx: Any) -> list[dict[
     try:
         _, blob = parent.recv()
         repeats = max(2, args.repeats // 2) if sc.name == "large" else args.repeats
-        samples = {m: {"prep": [], "start": [], "handover": []} for m in args.modes}  # type: dict[str, Any]
+        samples = {m: {"prep": [], "start": [], "handover": [], "wire": []} for m in args.modes}  # type: dict[str, Any]
         descs = 0
         for _ in range(args.rounds):  # modes alternate round by round, so load drift hits both alike
             for mode in args.modes:
                 descs = bench_mode(sc, blob, mode, dst_dev, repeats, args, samples[mode])
         nbytes = plan_bytes(sc)
         rows = [summarize(sc, mode, nbytes, descs, samples[mode]) for mode in args.modes]
+        ipc_ms = None
+        if args.device == "cuda":
+            parent.send(("tensors",))
+            _, shared = parent.recv()
+            ipc_ms = ipc_copy_ms(sc, shared, dst_dev, repeats)
+            del shared
+            torch.cuda.empty_cache()
     finally:
         parent.send(("stop",))
         p.join(10)
     copy_ms = torch_copy_ms(sc, src_dev, dst_dev, repeats)
     for r in rows:
-        r.update(torch_copy_ms=copy_ms, torch_gbps=r["bytes"] / copy_ms / 1e6)
+        r.update(torch_copy_ms=copy_ms, torch_gbps=r["bytes"] / copy_ms / 1e6, ipc_copy_ms=ipc_ms)
+        r["ipc_gbps"] = None if ipc_ms is None else r["bytes"] / ipc_ms / 1e6
+        r["ratio_torch"] = r["gbps"] / r["torch_gbps"]
+        r["ratio_ipc"] = None if ipc_ms is None else r["gbps"] / r["ipc_gbps"]
+        r["handover_over_wire"] = None if r["wire_ms"] is None else r["handover_ms"] / r["wire_ms"]
     return rows
 
 
@@ -250,6 +304,10 @@ def plan_bytes(sc: Scenario) -> int:
     return total
 
 
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         "scenario",
@@ -260,9 +318,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "prep ms",
         "start ms",
         "handover ms",
+        "wire ms",
         "GB/s",
-        "torch ms",
         "torch GB/s",
+        "ipc GB/s",
+        "x torch",
+        "x ipc",
     )
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
@@ -277,10 +338,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                     f"{r['bytes_per_descriptor'] / 1024:.0f}",
                     f"{r['prep_ms']:.2f}",
                     f"{r['start_ms']:.2f}",
-                    f"{r['handover_ms']:.2f}",
+                    f"{r['handover_ms']:.3f}",
+                    fmt(r["wire_ms"], ".3f"),
                     f"{r['gbps']:.2f}",
-                    f"{r['torch_copy_ms']:.2f}",
                     f"{r['torch_gbps']:.2f}",
+                    fmt(r["ipc_gbps"], ".2f"),
+                    f"{r['ratio_torch']:.2f}",
+                    fmt(r["ratio_ipc"], ".2f"),
                 ]
             )
         )
@@ -295,6 +359,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds; descriptor modes alternate round by round")
     ap.add_argument("--no-d-progress-thread", action="store_true", help="D polls instead of a NIXL progress thread")
     ap.add_argument("--modes", default="prepped,per_transfer")
+    ap.add_argument("--parallel-reads", type=int, default=1, help="READs per pull, posted together")
+    ap.add_argument("--num-workers", type=int, default=0, help="UCX workers of D's NIXL backend (0: default)")
     ap.add_argument("--scenarios", default="realistic-contig,realistic-frag,deep-frag,large")
     ap.add_argument("--json", default="out/bench_transfer.json")
     args = ap.parse_args()
@@ -317,8 +383,15 @@ def main() -> None:
             "torch": torch.__version__,
         },
         "d_progress_thread": not args.no_d_progress_thread,
+        "parallel_reads": args.parallel_reads,
+        "num_workers": args.num_workers,
         "env": env,
-        "specs": {"realistic": asdict(REALISTIC), "deep": asdict(DEEP), "large": asdict(LARGE)},
+        "specs": {
+            "realistic": asdict(REALISTIC),
+            "deep": asdict(DEEP),
+            "large": asdict(LARGE),
+            "xlarge": asdict(XLARGE),
+        },
         "results": rows,
     }
     out = Path(args.json)

@@ -49,6 +49,9 @@ class AgentConfig:
       advances while the target progresses. Costs one busy-polling core per process.
     ucx_error_handling_mode: None keeps NIXL's default ("peer": a dead peer fails the transfer instead of hanging,
       which also rules out UCX's shared-memory transports). UCX settings such as UCX_TLS come from the environment.
+    parallel_reads: a pull is cut into up to this many READs of about equal bytes, posted together (NIXL's release
+      notice then goes out once all are done). 1 = one READ per pull. See docs/BENCHMARKS.md for measurements.
+    num_workers: UCX workers of NIXL's UCX backend (0 = NIXL's default, one).
     """
 
     backend: str = "UCX"
@@ -57,6 +60,14 @@ class AgentConfig:
     ucx_error_handling_mode: str | None = None
     num_threads: int = 0
     telemetry: bool = False
+    parallel_reads: int = 1
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parallel_reads < 1:
+            raise ValueError(f"parallel_reads must be >= 1 (got {self.parallel_reads})")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (got {self.num_workers})")
 
 
 def _mem_type(layout: CacheLayout) -> str:
@@ -135,6 +146,8 @@ class TransferAgent:
         init = {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {}
         if cfg.ucx_error_handling_mode is not None:
             init["ucx_error_handling_mode"] = cfg.ucx_error_handling_mode
+        if cfg.num_workers:
+            init["num_workers"] = str(cfg.num_workers)
         self._nixl.create_backend(cfg.backend, init)
         self._reg = self._nixl.register_memory(registration_spans(layout.regions), _mem_type(layout))
         self._offsets = region_offsets(layout)
@@ -211,6 +224,10 @@ class TransferAgent:
         self._peers.pop(p.worker, None)
 
     # -- transfers (called by pull.py on the thread that polls) ----------------------------------------------
+    @property
+    def parallel_reads(self) -> int:
+        return self.config.parallel_reads
+
     def make_read(self, peer: PeerHandle, plan: PullPlan, notif: bytes) -> Any:
         """Create (not post) one READ of everything in `plan` from `peer` into our regions; NIXL delivers `notif`
         to the peer once the data is in place. May raise NIXL errors (peer unreachable)."""
@@ -243,13 +260,16 @@ class TransferAgent:
         with self._lock:
             return str(self._nixl.check_xfer_state(handle))
 
-    def nixl_descriptor_count(self, handle: Any) -> int | None:
-        """Descriptors NIXL actually posted for a finished READ (after its own merging); None without telemetry."""
+    def xfer_telemetry(self, handle: Any) -> tuple[int, float, float, float] | None:
+        """(descriptors after NIXL's merging, start s, post s, transfer s) of a finished READ from NIXL's telemetry:
+        the transfer time runs from the start and includes the post; starts are on NIXL's own clock, so compare
+        them with each other only. None without telemetry."""
         if not self.config.telemetry:
             return None
         with self._lock:
             try:
-                return int(self._nixl.get_xfer_telemetry(handle).descCount)
+                t = self._nixl.get_xfer_telemetry(handle)
+                return int(t.descCount), t.startTime / 1e6, t.postDuration / 1e6, t.xferDuration / 1e6
             except Exception:  # noqa: BLE001
                 return None
 

@@ -114,6 +114,40 @@ def plan_pull(
     return PullPlan(tuple(pairs), nbytes)
 
 
+def split_plan(plan: PullPlan, parts: int) -> list[PullPlan]:
+    """Cut `plan` into at most `parts` plans of about equal bytes, in order, for READs posted side by side. Cuts
+    fall on the page boundary nearest to each k/parts of the bytes (a run may be cut in two); every page of `plan`
+    lands in exactly one part. Parts carry their bytes under the kind "part" (callers report the whole plan)."""
+    if parts <= 1 or plan.num_descriptors == 0:
+        return [plan]
+    total = sum(int((runs[:, 2] * s.page_bytes).sum()) for s, _, runs in plan.pairs)
+    cuts = [total * k / parts for k in range(1, parts)] + [float("inf")]
+    out: list[PullPlan] = []
+    cur: list[tuple[Region, Region, np.ndarray]] = []
+    rows: list[list[int]] = []
+    offset = part_start = 0
+
+    for s, d, runs in plan.pairs:
+        pb = s.page_bytes
+        for src_start, dst_start, n in runs.tolist():
+            while n:
+                if offset > part_start and offset >= cuts[0] - pb / 2:  # nearest boundary reached: close the part
+                    if rows:
+                        cur.append((s, d, np.asarray(rows, dtype=np.int64)))
+                    out.append(PullPlan(tuple(cur), {"part": offset - part_start}))
+                    cur, rows, part_start = [], [], offset
+                    cuts.pop(0)
+                take = n if cuts[0] == float("inf") else min(n, max(1, round((cuts[0] - offset) / pb)))
+                rows.append([src_start, dst_start, take])
+                offset += take * pb
+                src_start, dst_start, n = src_start + take, dst_start + take, n - take
+        if rows:
+            cur.append((s, d, np.asarray(rows, dtype=np.int64)))
+            rows = []
+    out.append(PullPlan(tuple(cur), {"part": offset - part_start}))
+    return out
+
+
 def byte_descs(plan: PullPlan, side: str) -> np.ndarray:
     """(N, 3) uint64 rows (addr, len, device id), one per (region, run), for `side` "src" or "dst"."""
     col = 0 if side == "src" else 1

@@ -7,6 +7,8 @@
     start_pull(...) ... DONE                    (NIXL serves the READ; its progress thread runs)
     conn.send(("releases", 2.0))             -> drains poll_releases() until one arrives or 2 s pass
     conn.recv() == ("releases", [...])       <-
+    conn.send(("tensors",))                  -> shares its cache tensors (CUDA IPC handles; benchmarks' raw copy)
+    conn.recv() == ("tensors", groups)       <-
     conn.send(("stop",))                     -> closes the agent, exits
 """
 
@@ -107,6 +109,10 @@ def serve_producer(
                     time.sleep(0.001)
                 conn.send(("releases", [tuple(n) for n in pending]))
                 pending = []
+            if msg[0] == "tensors":
+                import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reducers with the pipe's pickler
+
+                conn.send(("tensors", [(g.group_id, g.tensors) for g in groups]))
     except EOFError:
         pass
     finally:

@@ -29,7 +29,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from .agent import PeerHandle
-from .descriptors import PullPlan, plan_pull
+from .descriptors import PullPlan, plan_pull, split_plan
 from .errors import StaleEpochError
 from .layout import CacheLayout
 from .notify import encode_release
@@ -95,6 +95,7 @@ class PullResult:
     reason: str | None = None
     dst_reusable: bool = True
     nixl_descriptors: int | None = None  # what NIXL posted after merging pages (AgentConfig.telemetry only)
+    nixl_seconds: float | None = None  # NIXL's own first post -> last completion (AgentConfig.telemetry only)
 
 
 class PullHandle:
@@ -113,7 +114,9 @@ class PullHandle:
         self._clock = clock
         self._deadline = clock() + timeout_s
         self._t0 = time.perf_counter()
-        self._xfer: Any = None
+        self._xfers: list[Any] = []  # every READ made for this pull, until _finish releases them
+        self._pending: list[Any] = []  # those not yet DONE (empty before the first status)
+        self._notify_on_done = False
         self._result: PullResult | None = None
 
     @property
@@ -125,25 +128,36 @@ class PullHandle:
         return self._result
 
     def _start(self) -> None:
+        agent = self.peer.agent
         if self.plan.num_descriptors == 0:
-            self.peer.agent.send_notif(self.peer, self._notice(ok=True))
+            agent.send_notif(self.peer, self._notice(ok=True))
             self._finish(PullState.DONE, None)
             return
+        parts = split_plan(self.plan, agent.parallel_reads)
+        # One READ carries the release notice itself (NIXL sends it once the data are in place). Several READs
+        # carry none: the notice goes out from _finish once every one of them is DONE.
+        notif = self._notice(ok=True) if len(parts) == 1 else b""
+        self._notify_on_done = len(parts) > 1
+        statuses = []
         try:
-            self._xfer = self.peer.agent.make_read(self.peer, self.plan, self._notice(ok=True))
-            status = self.peer.agent.post(self._xfer)
+            for part in parts:
+                self._xfers.append(agent.make_read(self.peer, part, notif))
+            statuses = [agent.post(x) for x in self._xfers]
         except Exception:  # noqa: BLE001 - NIXL binding errors (peer unreachable, ...)
-            status = "ERR"
-        self._on_status(status)
+            statuses = ["ERR"]
+        self._on_status(statuses)
 
     def _notice(self, ok: bool) -> bytes:
         return encode_release(self.spec.request_id, self.spec.src_epoch, ok)
 
-    def _on_status(self, status: str) -> None:
-        if status == "DONE":
-            self._finish(PullState.DONE, None)
-        elif status != "PROC":
+    def _on_status(self, statuses: list[str]) -> None:
+        """Statuses of the READs still pending (in `self._pending` order): done ones leave the pending list."""
+        if any(st not in ("DONE", "PROC") for st in statuses):
             self._finish(PullState.FAILED, REASON_NIXL)
+            return
+        self._pending = [x for x, st in zip(self._pending or self._xfers, statuses, strict=True) if st == "PROC"]
+        if not self._pending:
+            self._finish(PullState.DONE, None)
         elif self._clock() >= self._deadline:
             self._finish(PullState.FAILED, REASON_TIMEOUT)
 
@@ -151,10 +165,10 @@ class PullHandle:
         """Non-blocking: advance and report. FAILED at the latest once `timeout_s` has passed."""
         if self._result is None:
             try:
-                status = self.peer.agent.check(self._xfer)
+                statuses = [self.peer.agent.check(x) for x in self._pending]
             except Exception:  # noqa: BLE001
-                status = "ERR"
-            self._on_status(status)
+                statuses = ["ERR"]
+            self._on_status(statuses)
         return PullState.PENDING if self._result is None else self._result.state
 
     def wait(self, interval_s: float = 1e-4) -> PullResult:
@@ -173,9 +187,17 @@ class PullHandle:
     def _finish(self, state: PullState, reason: str | None) -> None:
         agent, done = self.peer.agent, state is PullState.DONE
         seconds = time.perf_counter() - self._t0
-        nixl_descs = agent.nixl_descriptor_count(self._xfer) if done and self._xfer is not None else None
-        reusable = agent.release_xfer(self._xfer) if self._xfer is not None else True
-        self._xfer = None
+        nixl_descs = nixl_seconds = None
+        if done and self._xfers:
+            tel = [agent.xfer_telemetry(x) for x in self._xfers]
+            if None not in tel:  # telemetry on: NIXL's descriptors after merging, first start -> last completion
+                nixl_descs = sum(t[0] for t in tel)  # type: ignore[index]
+                nixl_seconds = max(t[1] + t[3] for t in tel) - min(t[1] for t in tel)  # type: ignore[index]
+        # release every READ (cancels those still in flight); all must succeed for D's pages to be reusable
+        reusable = all([agent.release_xfer(x) for x in self._xfers])
+        self._xfers, self._pending = [], []
+        if done and self._notify_on_done:
+            agent.send_notif(self.peer, self._notice(ok=True))
         self._result = PullResult(
             self.spec.request_id,
             state,
@@ -186,6 +208,7 @@ class PullHandle:
             reason,
             reusable,
             nixl_descs,
+            nixl_seconds,
         )
         if done:
             agent.metrics.transfer_done(self.plan.bytes_by_kind, seconds, self.plan.num_descriptors)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtransfer.descriptors import (
+    PullPlan,
     Run,
     byte_descs,
     check_pairs,
@@ -14,6 +16,7 @@ from kvtransfer.descriptors import (
     page_indices,
     plan_pull,
     region_offsets,
+    split_plan,
 )
 from kvtransfer.layout import CacheLayout, Region
 
@@ -106,3 +109,21 @@ def test_flatten_merges_group_maps() -> None:
     assert flatten([{0: [1, 2]}, {1: [3]}]) == {0: [1, 2], 1: [3]}
     with pytest.raises(ValueError, match="group 0 given twice"):
         flatten([{0: [1]}, {0: [2]}])
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5, 8, 64])
+def test_split_plan_moves_every_byte_once_in_about_equal_parts(parts: int) -> None:
+    a, b = Region("a", 0, 0, 0x1000, 100, 100, 64), Region("b", 0, 1, 0x90000, 100, 100, 64)
+    runs = np.asarray([[1, 2, 10], [20, 30, 3], [40, 50, 1]], dtype=np.int64)
+    plan = PullPlan(((a, a, runs), (b, b, runs)), {"attention": 2 * 14 * 100})
+    out = split_plan(plan, parts)
+    assert 1 <= len(out) <= parts and sum(p.nbytes for p in out) == plan.nbytes
+
+    def byte_set(descs: np.ndarray) -> list[int]:
+        return sorted(x for addr, n, _ in descs.tolist() for x in range(addr, addr + n, 100))
+
+    for side in ("src", "dst"):
+        assert byte_set(np.concatenate([byte_descs(p, side) for p in out])) == byte_set(byte_descs(plan, side))
+    if parts <= 28:  # 28 pages of 100 bytes: cuts on the page boundary nearest each k/parts of the bytes
+        assert len(out) == parts
+        assert all(abs(p.nbytes - plan.nbytes / parts) <= 100 for p in out)

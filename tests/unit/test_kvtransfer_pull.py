@@ -26,12 +26,16 @@ class FakeAgent:
     release_ok: bool = True
     notifs: list[bytes] = field(default_factory=list)
     made: list[bytes] = field(default_factory=list)
+    parallel_reads: int = 1
+    plans: list[Any] = field(default_factory=list)
+    released: int = 0
 
     def __post_init__(self) -> None:
         self.metrics = TransferMetrics("decode", self.registry)
 
     def make_read(self, peer: Any, plan: Any, notif: bytes) -> object:
         self.made.append(notif)
+        self.plans.append(plan)
         return object()
 
     def post(self, handle: object) -> str:
@@ -44,9 +48,10 @@ class FakeAgent:
         return status
 
     def release_xfer(self, handle: object) -> bool:
+        self.released += 1
         return self.release_ok
 
-    def nixl_descriptor_count(self, handle: object) -> None:
+    def xfer_telemetry(self, handle: object) -> None:
         return None
 
     def send_notif(self, peer: Any, msg: bytes) -> bool:
@@ -137,3 +142,25 @@ def test_stale_epoch_and_replaced_peer_are_refused() -> None:
     with pytest.raises(StaleEpochError, match="replaced"):
         start_pull(FakePeer(agent, valid=False), PullSpec("r3", "e1"))  # type: ignore[arg-type]
     assert agent.failures("stale_epoch") == 2 and agent.made == []
+
+
+def test_parallel_reads_split_the_bytes_and_notify_once_all_are_done() -> None:
+    # three posts (PROC, DONE, PROC); each poll checks only the READs still pending: (PROC, DONE), then (DONE)
+    agent = FakeAgent(["PROC", "DONE", "PROC", "PROC", "DONE", "DONE"], parallel_reads=3)
+    h = start_pull(FakePeer(agent), SPEC)  # type: ignore[arg-type]
+    assert len(agent.plans) == 3 and agent.made == [b"", b"", b""]  # no READ carries the notice
+    assert sum(p.nbytes for p in agent.plans) == 3 * 1024 + 64
+    assert h.poll() is PullState.PENDING and agent.notifs == []  # one READ still in flight: P not released yet
+    assert h.poll() is PullState.DONE and agent.statuses == []
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True)]
+    assert agent.released == 3
+    assert h.result is not None and (h.result.nbytes, h.result.descriptors) == (3 * 1024 + 64, 3)
+
+
+def test_one_failed_read_of_several_fails_the_pull_and_releases_all() -> None:
+    agent = FakeAgent(["PROC", "PROC", "PROC", "DONE", "ERR", "PROC"], parallel_reads=3)
+    h = start_pull(FakePeer(agent), SPEC, policy="fail")  # type: ignore[arg-type]
+    assert h.poll() is PullState.FAILED
+    assert h.result is not None and (h.result.reason, h.result.nbytes) == ("nixl_error", 0)
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False)]  # never an ok=1 notice
+    assert agent.released == 3
