@@ -203,12 +203,13 @@ def bench_mode(
     samples: dict[str, list[float]],
 ) -> int:
     """One round of one descriptor mode: a fresh D agent, 50 timed descriptor preparations (plan + make the READ,
-    not posted), 2 warm-up pulls, `repeats` timed pulls. Appends to `samples`; returns descriptors."""
+    not posted; "plan" = the plan alone), 2 warm-up pulls, `repeats` timed pulls. Appends to `samples`; returns
+    descriptors."""
     groups = make_caches(replace(sc.spec, device=dst_dev), None)
     layout = CacheLayout.from_tensors(groups, model_id=sc.spec.model_id)
     config = AgentConfig(
         descriptor_mode=mode,  # type: ignore[arg-type]
-        progress_thread=not args.no_d_progress_thread,
+        progress_thread=d_progress_thread(args),
         telemetry=True,
         parallel_reads=args.parallel_reads,
         num_workers=args.num_workers,
@@ -218,7 +219,9 @@ def bench_mode(
         for _ in range(50):
             t0 = time.perf_counter()
             plan = plan_pull(peer.layout, layout, pull_spec(sc, peer.epoch, "x").pages_by_group(layout))
+            t1 = time.perf_counter()
             agent.release_xfer(agent.make_read(peer, plan, b""))
+            samples["plan"].append((t1 - t0) * 1e3)
             samples["prep"].append((time.perf_counter() - t0) * 1e3)
         for i in range(repeats + 2):
             t0 = time.perf_counter()
@@ -238,6 +241,10 @@ def bench_mode(
     return plan.num_descriptors
 
 
+def d_progress_thread(args: argparse.Namespace) -> bool:
+    return args.d_progress_thread == "on" or (args.d_progress_thread == "auto" and args.device == "cpu")
+
+
 def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[str, list[float]]) -> dict[str, Any]:
     ms = statistics.median(samples["handover"])
     return {
@@ -246,6 +253,7 @@ def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[st
         "bytes": nbytes,
         "descriptors": descs,
         "bytes_per_descriptor": nbytes // max(descs, 1),
+        "plan_ms": statistics.median(samples["plan"]),
         "prep_ms": statistics.median(samples["prep"]),
         "start_ms": statistics.median(samples["start"]),
         "handover_ms": ms,
@@ -266,7 +274,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, ctx: Any) -> list[dict[
     try:
         _, blob = parent.recv()
         repeats = max(2, args.repeats // 2) if sc.name == "large" else args.repeats
-        samples = {m: {"prep": [], "start": [], "handover": [], "wire": []} for m in args.modes}  # type: dict[str, Any]
+        samples = {m: {"plan": [], "prep": [], "start": [], "handover": [], "wire": []} for m in args.modes}  # type: dict[str, Any]
         descs = 0
         for _ in range(args.rounds):  # modes alternate round by round, so load drift hits both alike
             for mode in args.modes:
@@ -357,7 +365,12 @@ def main() -> None:
     ap.add_argument("--dst-gpu", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=10, help="timed pulls per mode and round (large: half)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; descriptor modes alternate round by round")
-    ap.add_argument("--no-d-progress-thread", action="store_true", help="D polls instead of a NIXL progress thread")
+    ap.add_argument(
+        "--d-progress-thread",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="NIXL progress thread in D; auto = as decode workers run: off on CUDA (D polls), on on CPU",
+    )
     ap.add_argument("--modes", default="prepped,per_transfer")
     ap.add_argument("--parallel-reads", type=int, default=1, help="READs per pull, posted together")
     ap.add_argument("--num-workers", type=int, default=0, help="UCX workers of D's NIXL backend (0: default)")
@@ -382,7 +395,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
         },
-        "d_progress_thread": not args.no_d_progress_thread,
+        "d_progress_thread": d_progress_thread(args),
         "parallel_reads": args.parallel_reads,
         "num_workers": args.num_workers,
         "env": env,

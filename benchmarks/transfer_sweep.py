@@ -4,7 +4,8 @@ processes each time, so UCX reads its environment anew) and prints one table; al
     python benchmarks/transfer_sweep.py --pairs 0:0,0:1 --json out/transfer_sweep.json
     python benchmarks/transfer_sweep.py --settings default,pr4 --pairs 0:0    # a subset
 
-A setting is extra environment plus extra transfer.py flags; see SETTINGS. Pairs are src:dst GPU ids.
+A setting is extra environment plus extra transfer.py flags on top of transfer.py's defaults (D without NIXL's
+progress thread on CUDA, as decode workers run); see SETTINGS. Pairs are src:dst GPU ids.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ SETTINGS: dict[str, tuple[dict[str, str], list[str]]] = {
     "pr4w4": ({}, ["--parallel-reads", "4", "--num-workers", "4"]),
     "pr16": ({}, ["--parallel-reads", "16"]),
     "tls_pr4": (NVLINK_TLS, ["--parallel-reads", "4"]),
-    "dpoll": ({}, ["--no-d-progress-thread"]),
-    "dpoll_pr4": ({}, ["--no-d-progress-thread", "--parallel-reads", "4"]),
+    "dthread": ({}, ["--d-progress-thread", "on"]),  # D with NIXL's progress thread (decode workers on GPU: off)
+    "pr2": ({}, ["--parallel-reads", "2"]),
+    "tls_getzcopy": ({**NVLINK_TLS, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}, []),
     "prepped": ({}, ["--modes", "prepped"]),
     "protoinfo": ({"UCX_PROTO_INFO": "y"}, []),  # UCX prints the protocols it picked (see the log)
 }

@@ -27,6 +27,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._peers: dict[tuple[str, str], object] = {}
         self._peer_lock = asyncio.Lock()
         ctx.aengine.hooks.append(self._hook)
+        # while a pull is in flight and nothing else runs, poll it every 100 us rather than every 5 ms: an idle
+        # decode worker then sees the KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer)
+        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.pending else 0.005
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)

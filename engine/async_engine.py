@@ -29,6 +29,8 @@ class AsyncEngine:
         self._emitted: dict[str, int] = {}
         self.hooks: list[Callable[[EngineCore], None]] = []
         self.on_finished: list[Callable[[Request], None]] = []
+        # seconds the idle loop waits between hook runs; a hook owner with work in flight (a KV pull) shortens it
+        self.idle_wait: Callable[[], float] = lambda: 0.005 if self.hooks else 0.05
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
@@ -90,7 +92,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a hook must not kill the step loop
                     log.exception("step hook failed")
             if not self.core.has_unfinished():
-                self._wake.wait(timeout=0.005 if self.hooks else 0.05)
+                self._wake.wait(timeout=self.idle_wait())
                 self._wake.clear()
                 continue
             try:

@@ -33,26 +33,43 @@ class Run(NamedTuple):
     n: int
 
 
-def check_pairs(src: Sequence[int], dst: Sequence[int], src_pages: int, dst_pages: int, what: str) -> None:
+def _ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    return ids if isinstance(ids, np.ndarray) and ids.dtype == np.int64 else np.asarray(ids, dtype=np.int64)
+
+
+def _has_duplicates(a: np.ndarray) -> bool:
+    """Whether `a` repeats a value; O(n) when `a` is strictly increasing (the usual block list)."""
+    if a.size < 2:
+        return False
+    steps = np.diff(a)
+    if (steps > 0).all():
+        return False
+    return bool((np.diff(np.sort(a)) == 0).any())
+
+
+def check_pairs(
+    src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray, src_pages: int, dst_pages: int, what: str
+) -> None:
     """Refuse pairs that would corrupt a cache: unequal counts, the null page 0, ids out of range, duplicates."""
     if len(src) != len(dst):
         raise ValueError(f"{what}: {len(src)} source ids but {len(dst)} destination ids")
     for ids, pages, side in ((src, src_pages, "source"), (dst, dst_pages, "destination")):
-        a = np.asarray(ids, dtype=np.int64)
-        bad = a[(a <= 0) | (a >= pages)]
-        if bad.size:
+        a = _ids(ids)
+        if a.size and (a.min() <= 0 or a.max() >= pages):
+            bad = a[(a <= 0) | (a >= pages)]
             raise ValueError(f"{what}: {side} ids {bad[:8].tolist()} outside 1..{pages - 1} (0 is the null block)")
-        if np.unique(a).size != a.size:
+        if _has_duplicates(a):
             raise ValueError(f"{what}: duplicate {side} ids in {a[:16].tolist()}")
 
 
-def coalesce_array(src: Sequence[int], dst: Sequence[int]) -> np.ndarray:
+def coalesce_array(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> np.ndarray:
     """(k, 3) int64 rows (src_start, dst_start, n): the pairs sorted by source id, cut where either id jumps."""
-    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    s, d = _ids(src), _ids(dst)
     if s.size == 0:
         return np.empty((0, 3), dtype=np.int64)
-    order = np.argsort(s, kind="stable")
-    s, d = s[order], d[order]
+    if not (np.diff(s) > 0).all():
+        order = np.argsort(s, kind="stable")
+        s, d = s[order], d[order]
     cut = np.ones(s.size, dtype=bool)
     cut[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
     starts = np.flatnonzero(cut)
@@ -103,7 +120,8 @@ def plan_pull(
     dst_by_name = {r.name: r for r in dst.regions}
     pairs: list[tuple[Region, Region, np.ndarray]] = []
     nbytes: dict[str, int] = {}
-    for gid, (src_ids, dst_ids) in sorted(pages_by_group.items()):
+    for gid, (src_list, dst_list) in sorted(pages_by_group.items()):
+        src_ids, dst_ids = _ids(src_list), _ids(dst_list)  # converted once, checked and coalesced as arrays
         check_pairs(src_ids, dst_ids, src.num_pages(gid), dst.num_pages(gid), f"group {gid}")
         runs = coalesce_array(src_ids, dst_ids)
         kind = src.kind(gid)

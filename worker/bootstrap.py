@@ -69,10 +69,16 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
                         metrics=WorkerMetrics(role))
     if opts.enable_transfer and opts.role != "colocated":
-        from kvtransfer.agent import TransferAgent
+        from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics
 
-        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", build_layout(core, model_name), ctx.epoch,
+        layout = build_layout(core, model_name)
+        # P keeps NIXL's progress thread (it serves READs and takes release notices whatever its engine does). D on
+        # GPUs runs without one: its READs are moved by the copy engine (cuda_ipc) or the NIC, D's step loop polls
+        # them, and the thread's contention for the UCX worker made each pull 2-3x slower on an H200
+        # (docs/BENCHMARKS.md). D on CPU keeps it (UCX over TCP needs the receiver to progress).
+        config = AgentConfig(progress_thread=role == "prefill" or layout.device_type == "cpu")
+        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=config,
                                   metrics=TransferMetrics(role))
     if role == "prefill":
         from prefill.service import PrefillServicer

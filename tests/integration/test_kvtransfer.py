@@ -175,6 +175,19 @@ def test_prepped_page_lists_move_the_same_pages(producer: Producer) -> None:
         c.agent.close()
 
 
+def test_parallel_reads_without_progress_thread_move_the_same_pages_and_release_once(producer: Producer) -> None:
+    # how decode workers on GPUs run (no NIXL progress thread: D's polls progress the READs), here cut in 3 READs
+    c = make_consumer("D-parallel", AgentConfig(parallel_reads=3, progress_thread=False, telemetry=True))
+    try:
+        res = assert_exact_pages(c, c.agent.add_peer(producer.blob), "req-parallel")
+        assert res.nixl_descriptors is not None and res.nixl_descriptors >= 16  # a run may be cut between READs
+        assert res.nixl_seconds is not None and 0 < res.nixl_seconds <= res.seconds
+        # one release notice, sent after all three READs are done
+        assert producer.releases() == [("req-parallel", md_codec.decode(producer.blob).epoch, True)]
+    finally:
+        c.agent.close()
+
+
 def reencode(blob: bytes, **fingerprint: str) -> bytes:
     md = md_codec.decode(blob)
     fp = {**md.layout.fingerprint, **fingerprint}
