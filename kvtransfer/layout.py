@@ -20,6 +20,7 @@ contiguous byte range: one transfer descriptor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -204,7 +205,14 @@ class CacheLayout:
         return self.regions[0].device_type if self.regions else "cpu"
 
     def regions_of(self, group_id: int) -> tuple[Region, ...]:
-        return tuple(r for r in self.regions if r.group_id == group_id)
+        return self._by_group.get(group_id, ())
+
+    @functools.cached_property
+    def _by_group(self) -> dict[int, tuple[Region, ...]]:
+        out: dict[int, list[Region]] = {}
+        for r in self.regions:
+            out.setdefault(r.group_id, []).append(r)
+        return {g: tuple(rs) for g, rs in out.items()}
 
     def kind(self, group_id: int) -> str:
         return self.group_kinds[group_id]

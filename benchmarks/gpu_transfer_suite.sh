@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One 2-GPU call (nvidia-h200-x2): PD correctness on CUDA (P on GPU 0, D on GPU 1) and the KV transfer benchmark on
+# one GPU (two processes) and across two. Carry .whl (shared/tools/device-wheels.sh all). Results under ${OUT:-out}.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NIXL_LOG_LEVEL=WARN
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+export PYTHONPATH="$PYTHONPATH:$PWD"
+# The device image has grpcio 1.84; the committed stubs were generated with 1.85.1 and refuse older runtimes.
+sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.84.0'/" proto/hybridpd_pb2_grpc.py
+nvidia-smi -L
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pd_cuda.py 2>&1 | tee "$OUT/gpu_pd_tests.log" | tail -8
+python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 0 --repeats 8 \
+  --scenarios realistic-contig,realistic-frag,deep-frag,large,xlarge --json "$OUT/transfer_1gpu.json" 2>&1 | tail -12
+python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --repeats 8 \
+  --scenarios realistic-contig,realistic-frag,deep-frag,large,xlarge --json "$OUT/transfer_2gpu.json" 2>&1 | tail -12
