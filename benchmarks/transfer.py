@@ -213,6 +213,7 @@ def bench_mode(
         telemetry=True,
         parallel_reads=args.parallel_reads,
         num_workers=args.num_workers,
+        release_notice=args.release_notice,
     )
     with TransferAgent(f"D-{mode}", layout, config=config) as agent:
         peer = agent.add_peer(blob)
@@ -374,6 +375,7 @@ def main() -> None:
     ap.add_argument("--modes", default="prepped,per_transfer")
     ap.add_argument("--parallel-reads", type=int, default=1, help="READs per pull, posted together")
     ap.add_argument("--num-workers", type=int, default=0, help="UCX workers of D's NIXL backend (0: default)")
+    ap.add_argument("--release-notice", choices=("with_read", "after_done"), default="with_read")
     ap.add_argument("--scenarios", default="realistic-contig,realistic-frag,deep-frag,large")
     ap.add_argument("--json", default="out/bench_transfer.json")
     args = ap.parse_args()
@@ -398,6 +400,7 @@ def main() -> None:
         "d_progress_thread": d_progress_thread(args),
         "parallel_reads": args.parallel_reads,
         "num_workers": args.num_workers,
+        "release_notice": args.release_notice,
         "env": env,
         "specs": {
             "realistic": asdict(REALISTIC),

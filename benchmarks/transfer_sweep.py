@@ -35,6 +35,8 @@ SETTINGS: dict[str, tuple[dict[str, str], list[str]]] = {
     "pr2": ({}, ["--parallel-reads", "2"]),
     "tls_getzcopy": ({**NVLINK_TLS, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}, []),
     "prepped": ({}, ["--modes", "prepped"]),
+    "notice_after": ({}, ["--release-notice", "after_done"]),
+    "getzcopy_notice_after": ({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}, ["--release-notice", "after_done"]),
     "protoinfo": ({"UCX_PROTO_INFO": "y"}, []),  # UCX prints the protocols it picked (see the log)
 }
 

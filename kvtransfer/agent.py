@@ -52,6 +52,8 @@ class AgentConfig:
     parallel_reads: a pull is cut into up to this many READs of about equal bytes, posted together (NIXL's release
       notice then goes out once all are done). 1 = one READ per pull. See docs/BENCHMARKS.md for measurements.
     num_workers: UCX workers of NIXL's UCX backend (0 = NIXL's default, one).
+    release_notice: "with_read" (default) hands P's release notice to NIXL with the READ (sent once the data are
+      in place); "after_done" sends it from D once poll() has seen the READ done, keeping it off the post.
     """
 
     backend: str = "UCX"
@@ -62,6 +64,7 @@ class AgentConfig:
     telemetry: bool = False
     parallel_reads: int = 1
     num_workers: int = 0
+    release_notice: Literal["with_read", "after_done"] = "with_read"
 
     def __post_init__(self) -> None:
         if self.parallel_reads < 1:
@@ -227,6 +230,10 @@ class TransferAgent:
     @property
     def parallel_reads(self) -> int:
         return self.config.parallel_reads
+
+    @property
+    def notice_after_done(self) -> bool:
+        return self.config.release_notice == "after_done"
 
     def make_read(self, peer: PeerHandle, plan: PullPlan, notif: bytes) -> Any:
         """Create (not post) one READ of everything in `plan` from `peer` into our regions; NIXL delivers `notif`

@@ -134,10 +134,11 @@ class PullHandle:
             self._finish(PullState.DONE, None)
             return
         parts = split_plan(self.plan, agent.parallel_reads)
-        # One READ carries the release notice itself (NIXL sends it once the data are in place). Several READs
-        # carry none: the notice goes out from _finish once every one of them is DONE.
-        notif = self._notice(ok=True) if len(parts) == 1 else b""
-        self._notify_on_done = len(parts) > 1
+        # One READ carries the release notice itself (NIXL sends it once the data are in place), unless the agent
+        # sends notices after the fact. Several READs carry none: the notice goes out from _finish once every one
+        # of them is DONE.
+        self._notify_on_done = len(parts) > 1 or getattr(agent, "notice_after_done", False)
+        notif = b"" if self._notify_on_done else self._notice(ok=True)
         statuses = []
         try:
             for part in parts:

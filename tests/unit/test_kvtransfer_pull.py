@@ -27,6 +27,7 @@ class FakeAgent:
     notifs: list[bytes] = field(default_factory=list)
     made: list[bytes] = field(default_factory=list)
     parallel_reads: int = 1
+    notice_after_done: bool = False
     plans: list[Any] = field(default_factory=list)
     released: int = 0
 
@@ -164,3 +165,11 @@ def test_one_failed_read_of_several_fails_the_pull_and_releases_all() -> None:
     assert h.result is not None and (h.result.reason, h.result.nbytes) == ("nixl_error", 0)
     assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False)]  # never an ok=1 notice
     assert agent.released == 3
+
+
+def test_notice_after_done_keeps_the_notice_off_the_read() -> None:
+    agent = FakeAgent(["PROC", "DONE"], notice_after_done=True)
+    h = start_pull(FakePeer(agent), SPEC)  # type: ignore[arg-type]
+    assert agent.made == [b""] and agent.notifs == []
+    assert h.poll() is PullState.DONE
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True)]
