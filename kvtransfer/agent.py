@@ -46,7 +46,8 @@ class AgentConfig:
       per million pages, at handshake). See kvtransfer/README.md.
     progress_thread: NIXL progress thread. Required on P unless its engine thread polls the agent often: with
       UCX over TCP (what NIXL picks between processes on one host when peer-failure detection is on) a READ only
-      advances while the target progresses. Costs one busy-polling core per process.
+      advances while the target progresses. Costs one busy-polling core per process. Decode workers on GPUs turn
+      it off: it contends with their own post/check calls (pulls 2-3x slower on H200, docs/BENCHMARKS.md).
     ucx_error_handling_mode: None keeps NIXL's default ("peer": a dead peer fails the transfer instead of hanging,
       which also rules out UCX's shared-memory transports). UCX settings such as UCX_TLS come from the environment.
     parallel_reads: a pull is cut into up to this many READs of about equal bytes, posted together (NIXL's release
