@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One 2-GPU call: KV transfer (two processes on one GPU; one GPU each) and PD-vs-colocated serving (one GPU shared;
-# P and D on their own GPUs). Carry .whl (shared/tools/device-wheels.sh all: nixl + the fastapi stack).
+# One 2-GPU call: PD-vs-colocated serving (one GPU shared; P and D on their own GPUs). The KV transfer benchmark
+# and the PD correctness test on CUDA are in gpu_transfer_suite.sh. Carry .whl (shared/tools/device-wheels.sh all:
+# nixl + the fastapi stack).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -11,11 +12,6 @@ export PYTHONPATH="$PYTHONPATH:$PWD"
 sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.84.0'/" proto/hybridpd_pb2_grpc.py
 nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -4
 python3 -c "import nixl, torch; print('nixl ok', torch.cuda.device_count())"
-if [ -z "${SKIP_TRANSFER:-}" ]; then
-  python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 0 --json "$OUT/transfer_1gpu.json" 2>&1 | tail -14
-  UCX_TLS=cuda_ipc,cuda_copy,tcp python3 benchmarks/transfer.py --device cuda --src-gpu 0 --dst-gpu 1 \
-    --json "$OUT/transfer_2gpu.json" 2>&1 | tail -14
-fi
 python3 benchmarks/serve_compare.py --device cuda --dtype bfloat16 --size medium --gpus 0,0 \
   --out "$OUT/serve_1gpu.json" > "$OUT/serve_1gpu.log" 2>&1; grep -E "^(mode|pd|colocated) \|" "$OUT/serve_1gpu.log" \
   || grep -v "NIXL INFO" "$OUT/serve_1gpu.log" | tail -30

@@ -173,3 +173,11 @@ def test_notice_after_done_keeps_the_notice_off_the_read() -> None:
     assert agent.made == [b""] and agent.notifs == []
     assert h.poll() is PullState.DONE
     assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True)]
+
+
+@pytest.mark.parametrize("kwargs", [{"parallel_reads": 0}, {"num_workers": -1}])
+def test_agent_config_refuses_nonsense(kwargs: dict[str, int]) -> None:
+    from kvtransfer import AgentConfig
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        AgentConfig(**kwargs)  # type: ignore[arg-type]
