@@ -137,7 +137,7 @@ class PullHandle:
         # One READ carries the release notice itself (NIXL sends it once the data are in place), unless the agent
         # sends notices after the fact. Several READs carry none: the notice goes out from _finish once every one
         # of them is DONE.
-        self._notify_on_done = len(parts) > 1 or getattr(agent, "notice_after_done", False)
+        self._notify_on_done = len(parts) > 1 or agent.notice_after_done
         notif = b"" if self._notify_on_done else self._notice(ok=True)
         statuses = []
         try:
