@@ -15,13 +15,13 @@ from decode.consumer import Consumer
 from engine.core import EngineCore
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.context import WorkerContext, health_response, run_engine_call, transfer_metadata
+from worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.decode")
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def __init__(self, ctx: WorkerContext, policy: str = "recompute", pull_timeout_s: float = 10.0) -> None:
         self.ctx = ctx
         self.consumer = Consumer(policy, pull_timeout_s)
@@ -133,12 +133,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         aborted = await self.ctx.aengine.acall(lambda core: self._abort(core, request.request_id))
         return pb.AbortResponse(aborted=bool(aborted))
-
-    async def GetTransferMetadata(self, request, context):  # type: ignore[no-untyped-def]
-        return transfer_metadata(self.ctx)
-
-    async def Health(self, request, context):  # type: ignore[no-untyped-def]
-        return health_response(self.ctx)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         return await self.ctx.aengine.acall(lambda core: stats_response(

@@ -18,13 +18,13 @@ from kvtransfer.lease import LeaseTable
 from kvtransfer.metrics import TransferMetrics
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.context import WorkerContext, health_response, run_engine_call, transfer_metadata
+from worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.prefill")
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
+class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0) -> None:
         self.ctx = ctx
         self.tmetrics = TransferMetrics("prefill")
@@ -144,12 +144,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         released = await self.ctx.aengine.acall(lambda c: self._release(request.request_id, request.epoch or None))
         return pb.ReleaseResponse(released=bool(released))
-
-    async def GetTransferMetadata(self, request, context):  # type: ignore[no-untyped-def]
-        return transfer_metadata(self.ctx)
-
-    async def Health(self, request, context):  # type: ignore[no-untyped-def]
-        return health_response(self.ctx)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         def stats(core: EngineCore) -> pb.StatsResponse:

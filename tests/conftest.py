@@ -48,3 +48,16 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():  # type: ignore[no-untyped-def]
+    """For modules of tiny models (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): intra-op threads only
+    add synchronisation there (on a loaded 2-core box, 2 threads ran such a module several times slower than 1).
+    Restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

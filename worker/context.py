@@ -49,14 +49,18 @@ async def run_engine_call(ctx: WorkerContext, context: grpc.aio.ServicerContext,
         await abort_invalid(context, e)
 
 
-def transfer_metadata(ctx: WorkerContext) -> pb.TransferMetadata:
-    agent = ctx.agent
-    return pb.TransferMetadata(
-        agent_metadata=agent.local_metadata() if agent is not None else b"", worker_id=ctx.worker_id,
-        epoch=ctx.epoch, compat_hash=agent.layout.compat_hash if agent is not None else "",
-    )
+class WorkerRpcs:
+    """The RPCs prefill and decode servicers answer alike (mixed in ahead of the generated servicer base)."""
 
+    ctx: WorkerContext
 
-def health_response(ctx: WorkerContext) -> pb.HealthResponse:
-    return pb.HealthResponse(role=ctx.role, model=ctx.model_name, epoch=ctx.epoch, ready=True,
-                             worker_id=ctx.worker_id)
+    async def GetTransferMetadata(self, request, context) -> pb.TransferMetadata:  # type: ignore[no-untyped-def]
+        agent = self.ctx.agent
+        return pb.TransferMetadata(
+            agent_metadata=agent.local_metadata() if agent is not None else b"", worker_id=self.ctx.worker_id,
+            epoch=self.ctx.epoch, compat_hash=agent.layout.compat_hash if agent is not None else "",
+        )
+
+    async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
+        return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
+                                 worker_id=self.ctx.worker_id)

@@ -34,6 +34,7 @@ import yaml
 from deploy.prometheus.targets import targets_from_cluster, write_targets
 from deploy.ray_launcher import free_port
 from tests.integration.cluster import Cluster, complete, start_cluster
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -273,17 +274,6 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             proc.wait()
 
 
-def _wait(what: str, check: Any, timeout: float = 20.0, interval: float = 0.5) -> Any:
-    """Poll `check()` until it returns something truthy; fail with its last value."""
-    deadline = time.time() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}: last {value!r}"
-        time.sleep(interval)
-
-
 def _active_targets(prom: Prometheus) -> list[dict[str, Any]]:
     return [t for t in prom.api("targets", state="active")["activeTargets"] if t["labels"]["job"] in JOBS]
 
@@ -324,7 +314,7 @@ def test_targets_up_with_their_roles(prometheus: Prometheus, cluster: Cluster) -
         targets = _active_targets(prometheus)
         return targets if len(targets) == 3 and all(t["health"] == "up" for t in targets) else None
 
-    targets = _wait("3 targets up", all_up, timeout=30)
+    targets = wait_for("3 targets up", all_up, timeout=30)
     by_job = {t["labels"]["job"]: t for t in targets}
     assert set(by_job) == set(JOBS), targets
     for job, t in by_job.items():
@@ -343,7 +333,7 @@ def test_decode_hit_rate_through_promql(prometheus: Prometheus, cluster: Cluster
     (4 x 4 x 96) / (20 x 116) = 0.662 on D, because D pulled the checkpoint at 96 with each prefix's first request.
     Counters count tokens, so raw counter ratios are exact (tolerance 1e-9); `increase()` extrapolates to the
     window's edges from samples 1 s apart and gets a stated 5 % tolerance."""
-    _wait("targets up", lambda: len(_active_targets(prometheus)) == 3
+    wait_for("targets up", lambda: len(_active_targets(prometheus)) == 3
           and all(t["health"] == "up" for t in _active_targets(prometheus)), timeout=30)
     warm, main = _workload(seed=0)
     sides, local_expected = _expected_counters(warm + main)
@@ -356,7 +346,7 @@ def test_decode_hit_rate_through_promql(prometheus: Prometheus, cluster: Cluster
     local = _run(cluster, warm)
     for role in ("prefill", "decode"):
         for group in ("attention", "mamba2"):
-            _wait(f"warm-up counters of {role}/{group} scraped",
+            wait_for(f"warm-up counters of {role}/{group} scraped",
                   lambda r=role, g=group: _counters_settled(prometheus, cluster, r, g, want(warm_sides, r, g)))
     time.sleep(3.0)  # scrapes of the settled warm-up values only: the windows below start in this gap
     main_start = time.time()
@@ -365,7 +355,7 @@ def test_decode_hit_rate_through_promql(prometheus: Prometheus, cluster: Cluster
 
     for role in ("prefill", "decode"):
         for group in ("attention", "mamba2"):
-            _wait(f"counters of {role}/{group} scraped",
+            wait_for(f"counters of {role}/{group} scraped",
                   lambda r=role, g=group: _counters_settled(prometheus, cluster, r, g, want(sides, r, g)))
     end = time.time()
 

@@ -32,6 +32,7 @@ from openai import OpenAI
 
 from deploy.prometheus.targets import TARGETS_DIR, targets_from_cluster
 from deploy.ray_launcher import free_port
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +122,7 @@ class Serve:
     def assert_nothing_left(self) -> None:
         """After serve exited: no worker at all, and Ray's daemons gone within a few seconds."""
         assert not _workers(self.marker), f"`hybridpd serve` exited but left workers behind: {_workers(self.marker)}"
-        _wait("Ray's processes to exit", lambda: not _processes(self.marker), timeout=15, interval=0.5)
+        wait_for("Ray's processes to exit", lambda: not _processes(self.marker), timeout=15, interval=0.5)
 
     def kill_all(self) -> None:
         """Finalizer: stop serve if it still runs, then kill (by pid) whatever of this test is left."""
@@ -166,16 +167,6 @@ def start_serve(tmp_path: Path) -> Iterator[Callable[[list[str], str], Serve]]:
         serve.kill_all()
     for d in ray_dirs:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float, interval: float = 1.0) -> Any:
-    deadline = time.time() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.time() < deadline, f"timed out after {timeout} s waiting for {what}: last {value!r}"
-        time.sleep(interval)
 
 
 def _complete(client: OpenAI, model: str) -> tuple[str, list[int], int]:
@@ -252,7 +243,7 @@ def test_serve_openai_client_restart_and_sigint(checkpoint_dir: Callable[[str], 
     assert old_epoch
     t_kill = time.time()
     os.kill(old_pid, signal.SIGKILL)
-    new_epoch = _wait("a new decode epoch in /v1/cluster",
+    new_epoch = wait_for("a new decode epoch in /v1/cluster",
                       lambda: (e := _decode_epoch(serve)) not in (None, old_epoch) and e, timeout=RESTART_TIMEOUT_S)
     restart_s = time.time() - t_kill
     (new_pid,) = _workers(serve.marker, "decode")

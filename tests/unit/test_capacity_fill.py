@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.cache.specs import FullAttentionSpec, RecurrentStateSpec
 from tests.oracle import random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCK = 16
 MAX_SEQS = 4
@@ -30,16 +31,6 @@ BLOCKS = 12
 """Usable attention blocks the budget is sized for (block 0, the null block, comes on top)."""
 NEW_TOKENS = 17  # a 32-token prompt + 16 computed generated tokens = 48 tokens = 3 blocks
 FP32 = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():  # type: ignore[no-untyped-def]
-    """These models are tiny: intra-op threads only add synchronisation (on a loaded 2-core box, 2 threads ran this
-    module several times slower than 1). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def analytic_sizes(groups) -> tuple[int, int]:  # type: ignore[no-untyped-def]

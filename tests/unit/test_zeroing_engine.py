@@ -28,21 +28,13 @@ from engine import LLM, SamplingParams
 from engine.models.layers import StepMetadata
 from tests.oracle import random_prompts, reference_set
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
 NEW_TOKENS = 16
 FAMILIES = ["nemotron_attn_mid", "qwen_attn_first"]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 BLOCK = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():  # type: ignore[no-untyped-def]
-    """These models are tiny: intra-op threads only add synchronisation (on a loaded 2-core box, 2 threads ran this
-    module several times slower than 1). Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def cdiv(a: int, b: int) -> int:
