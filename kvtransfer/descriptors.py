@@ -90,48 +90,165 @@ def _split(runs: np.ndarray) -> np.ndarray:
     return np.stack([np.repeat(runs[:, 0], n) + k, np.repeat(runs[:, 1], n) + k, np.ones_like(k)], axis=1)
 
 
-def region_runs(src_region: Region, dst_region: Region, runs: np.ndarray) -> np.ndarray:
-    """The runs one descriptor each can carry between these two regions (split to single pages if strided)."""
-    if src_region.page_bytes != dst_region.page_bytes:
-        raise ValueError(f"{src_region.name}: page bytes {src_region.page_bytes} != {dst_region.page_bytes}")
-    if src_region.pages_contiguous and dst_region.pages_contiguous:
-        return runs
-    return _split(runs)
+def _table(regions: Sequence[Region]) -> np.ndarray:
+    """(R, 4) int64 rows (base address, page stride, page bytes, device id), one per region."""
+    return np.asarray([(r.base_addr, r.page_stride, r.page_bytes, r.device_id) for r in regions], dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """Regions of one group paired by name (P's `src[i]` <-> D's `dst[i]`), with their address tables. When
+    `contiguous` is False a run cannot be one descriptor: runs are cut into single pages."""
+
+    src: tuple[Region, ...]
+    dst: tuple[Region, ...]
+    contiguous: bool
+    src_table: np.ndarray
+    dst_table: np.ndarray
+    page_bytes: int  # bytes of one page summed over the regions
+    src_rows: tuple[tuple[int, int, int, int], ...]  # the tables as Python ints (small pulls skip numpy)
+    dst_rows: tuple[tuple[int, int, int, int], ...]
+
+    @classmethod
+    def of(cls, src: Sequence[Region], dst: Sequence[Region]) -> Route:
+        for s, d in zip(src, dst, strict=True):
+            if s.page_bytes != d.page_bytes:
+                raise ValueError(f"{s.name}: page bytes {s.page_bytes} != {d.page_bytes}")
+        contiguous = all(s.pages_contiguous and d.pages_contiguous for s, d in zip(src, dst, strict=True))
+        st, dt = _table(src), _table(dst)
+        rows = (tuple(map(tuple, st.tolist())), tuple(map(tuple, dt.tolist())))
+        return cls(tuple(src), tuple(dst), contiguous, st, dt, sum(s.page_bytes for s in src), *rows)
+
+
+def routes(src: CacheLayout, dst: CacheLayout, gid: int) -> tuple[Route, ...]:
+    """The group's regions paired by name, split into a contiguous and a strided route where they differ. Computed
+    once per (P layout, D layout, group) and kept on P's layout object (it lives as long as the peer)."""
+    cache = src._routes_cache
+    hit = cache.get((id(dst), gid))
+    if hit is not None and hit[0] is dst:
+        return hit[1]
+    dst_by_name = {r.name: r for r in dst.regions_of(gid)}
+    pairs = []
+    for s in src.regions_of(gid):
+        d = dst_by_name.get(s.name)
+        if d is None:
+            raise ValueError(f"group {gid}: region {s.name} missing on the destination")
+        pairs.append((s, d))
+    out = []
+    for contiguous in (True, False):
+        sel = [(s, d) for s, d in pairs if (s.pages_contiguous and d.pages_contiguous) == contiguous]
+        if sel:
+            out.append(Route.of([s for s, _ in sel], [d for _, d in sel]))
+    cache[(id(dst), gid)] = (dst, tuple(out))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupPlan:
+    """The runs every region of `route` moves: (k, 3) int64 rows (src page, dst page, pages), one descriptor each
+    per region."""
+
+    route: Route
+    runs: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.route.src) * len(self.runs)
 
 
 @dataclass(frozen=True)
 class PullPlan:
-    """Everything one pull moves. `pairs[i]` = (src region, dst region, its (k, 3) runs array)."""
+    """Everything one pull moves: per route, its runs; `bytes_by_kind` per group kind (metrics)."""
 
-    pairs: tuple[tuple[Region, Region, np.ndarray], ...]
+    groups: tuple[GroupPlan, ...]
     bytes_by_kind: Mapping[str, int]
+
+    @classmethod
+    def from_pairs(
+        cls, pairs: Iterable[tuple[Region, Region, np.ndarray]], bytes_by_kind: Mapping[str, int]
+    ) -> PullPlan:
+        """A plan from (src region, dst region, runs) triples; consecutive triples sharing one runs array form
+        one group plan."""
+        groups: list[GroupPlan] = []
+        cur: list[tuple[Region, Region, np.ndarray]] = []
+        for p in [*pairs, None]:
+            if cur and (p is None or p[2] is not cur[0][2]):
+                groups.append(GroupPlan(Route.of([s for s, _, _ in cur], [d for _, d, _ in cur]), cur[0][2]))
+                cur = []
+            if p is not None:
+                cur.append(p)
+        return cls(tuple(groups), bytes_by_kind)
+
+    @property
+    def pairs(self) -> tuple[tuple[Region, Region, np.ndarray], ...]:
+        """(src region, dst region, runs) per region, in descriptor order."""
+        return tuple((s, d, g.runs) for g in self.groups for s, d in zip(g.route.src, g.route.dst, strict=True))
 
     @property
     def num_descriptors(self) -> int:
-        return sum(len(runs) for _, _, runs in self.pairs)
+        return sum(g.num_descriptors for g in self.groups)
 
     @property
     def nbytes(self) -> int:
         return sum(self.bytes_by_kind.values())
 
 
+_SMALL = 16  # at most this many pages: check and coalesce in plain Python (numpy's per-call cost dominates)
+
+
+def group_runs(
+    src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray, src_pages: int, dst_pages: int, what: str
+) -> np.ndarray:
+    """`check_pairs` then `coalesce_array`, with fast paths for the usual shapes: a few pages (state slots) and
+    one run of consecutive ids on both sides (a fresh prompt on fresh pools). Same result and errors."""
+    n = len(src)
+    if n != len(dst) or n == 0:
+        check_pairs(src, dst, src_pages, dst_pages, what)
+        return np.empty((0, 3), dtype=np.int64)
+    if n <= _SMALL and not isinstance(src, np.ndarray) and not isinstance(dst, np.ndarray):
+        s, d = [int(x) for x in src], [int(x) for x in dst]
+        if (
+            min(s) <= 0 or max(s) >= src_pages or min(d) <= 0 or max(d) >= dst_pages
+            or len(set(s)) < n or len(set(d)) < n
+        ):
+            check_pairs(s, d, src_pages, dst_pages, what)
+            raise AssertionError("check_pairs accepted ids the fast path refused")  # pragma: no cover
+        rows: list[list[int]] = []
+        for a, b in sorted(zip(s, d, strict=True)):
+            last = rows[-1] if rows else None
+            if last is not None and a == last[0] + last[2] and b == last[1] + last[2]:
+                last[2] += 1
+            else:
+                rows.append([a, b, 1])
+        return np.asarray(rows, dtype=np.int64)
+    s, d = _ids(src), _ids(dst)
+    s0, d0 = int(s[0]), int(d[0])
+    if (
+        int(s[-1]) - s0 == n - 1 and int(d[-1]) - d0 == n - 1
+        and (s[1:] - s[:-1] == 1).all() and (d[1:] - d[:-1] == 1).all()
+    ):  # one run: ids strictly increasing by one, so no duplicates; only the ends need a range check
+        if s0 <= 0 or s0 + n > src_pages or d0 <= 0 or d0 + n > dst_pages:
+            check_pairs(s, d, src_pages, dst_pages, what)
+            raise AssertionError("check_pairs accepted ids the fast path refused")  # pragma: no cover
+        return np.asarray([[s0, d0, n]], dtype=np.int64)
+    check_pairs(s, d, src_pages, dst_pages, what)
+    return coalesce_array(s, d)
+
+
 def plan_pull(
     src: CacheLayout, dst: CacheLayout, pages_by_group: Mapping[int, tuple[Sequence[int], Sequence[int]]]
 ) -> PullPlan:
     """Pair P's regions (`src`) with D's (`dst`) by name and cut each group's page pairs into runs."""
-    dst_by_name = {r.name: r for r in dst.regions}
-    pairs: list[tuple[Region, Region, np.ndarray]] = []
+    groups: list[GroupPlan] = []
     nbytes: dict[str, int] = {}
-    for gid, (src_list, dst_list) in sorted(pages_by_group.items()):
-        src_ids, dst_ids = _ids(src_list), _ids(dst_list)  # converted once, checked and coalesced as arrays
-        check_pairs(src_ids, dst_ids, src.num_pages(gid), dst.num_pages(gid), f"group {gid}")
-        runs = coalesce_array(src_ids, dst_ids)
+    for gid in sorted(pages_by_group):
+        src_list, dst_list = pages_by_group[gid]
+        runs = group_runs(src_list, dst_list, src.num_pages(gid), dst.num_pages(gid), f"group {gid}")
         kind = src.kind(gid)
-        for s in src.regions_of(gid):
-            d = dst_by_name[s.name]
-            pairs.append((s, d, region_runs(s, d, runs)))
-            nbytes[kind] = nbytes.get(kind, 0) + len(src_ids) * s.page_bytes
-    return PullPlan(tuple(pairs), nbytes)
+        for route in routes(src, dst, gid):
+            groups.append(GroupPlan(route, runs if route.contiguous else _split(runs)))
+            nbytes[kind] = nbytes.get(kind, 0) + len(src_list) * route.page_bytes
+    return PullPlan(tuple(groups), nbytes)
 
 
 def split_plan(plan: PullPlan, parts: int) -> list[PullPlan]:
@@ -154,7 +271,7 @@ def split_plan(plan: PullPlan, parts: int) -> list[PullPlan]:
                 if offset > part_start and offset >= cuts[0] - pb / 2:  # nearest boundary reached: close the part
                     if rows:
                         cur.append((s, d, np.asarray(rows, dtype=np.int64)))
-                    out.append(PullPlan(tuple(cur), {"part": offset - part_start}))
+                    out.append(PullPlan.from_pairs(cur, {"part": offset - part_start}))
                     cur, rows, part_start = [], [], offset
                     cuts.pop(0)
                 take = n if cuts[0] == float("inf") else min(n, max(1, round((cuts[0] - offset) / pb)))
@@ -164,28 +281,34 @@ def split_plan(plan: PullPlan, parts: int) -> list[PullPlan]:
         if rows:
             cur.append((s, d, np.asarray(rows, dtype=np.int64)))
             rows = []
-    out.append(PullPlan(tuple(cur), {"part": offset - part_start}))
+    out.append(PullPlan.from_pairs(cur, {"part": offset - part_start}))
     return out
+
+
+_FEW_DESCRIPTORS = 64  # up to this many descriptors, plain Python builds them faster than numpy's per-call cost
 
 
 def byte_descs(plan: PullPlan, side: str) -> np.ndarray:
     """(N, 3) uint64 rows (addr, len, device id), one per (region, run) in plan order, for `side` "src" or "dst".
-    Pairs sharing one runs array (the layers of a group) are computed together: a few numpy calls per group."""
-    col, which = (0, 0) if side == "src" else (1, 1)
-    pairs, rows, i = plan.pairs, [], 0
-    while i < len(pairs):
-        runs, j = pairs[i][2], i + 1
-        while j < len(pairs) and pairs[j][2] is runs:
-            j += 1
-        regs = [p[which] for p in pairs[i:j]]
-        attrs = np.asarray([(r.base_addr, r.page_stride, r.page_bytes, r.device_id) for r in regs], dtype=np.int64)
-        block = np.empty((j - i, len(runs), 3), dtype=np.int64)
-        block[:, :, 0] = attrs[:, :1] + runs[:, col] * attrs[:, 1:2]
-        block[:, :, 1] = runs[:, 2] * attrs[:, 2:3]
-        block[:, :, 2] = attrs[:, 3:4]
-        rows.append(block.reshape(-1, 3))
-        i = j
-    return np.concatenate(rows).astype(np.uint64) if rows else np.empty((0, 3), dtype=np.uint64)
+    Built from each route's precomputed address table (a few numpy operations per group plan)."""
+    col = 0 if side == "src" else 1
+    if plan.num_descriptors <= _FEW_DESCRIPTORS:
+        rows = [
+            (base + run[col] * stride, run[2] * page_bytes, dev)
+            for g in plan.groups
+            for base, stride, page_bytes, dev in (g.route.src_rows if col == 0 else g.route.dst_rows)
+            for run in g.runs.tolist()
+        ]
+        return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+    blocks = []
+    for g in plan.groups:
+        t, runs = (g.route.src_table if col == 0 else g.route.dst_table), g.runs
+        block = np.empty((len(t), len(runs), 3), dtype=np.int64)
+        block[:, :, 0] = t[:, :1] + runs[:, col] * t[:, 1:2]
+        block[:, :, 1] = runs[:, 2] * t[:, 2:3]
+        block[:, :, 2] = t[:, 3:4]
+        blocks.append(block.reshape(-1, 3))
+    return (blocks[0] if len(blocks) == 1 else np.concatenate(blocks)).view(np.uint64)
 
 
 def region_offsets(layout: CacheLayout) -> dict[str, int]:

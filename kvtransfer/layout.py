@@ -4,11 +4,13 @@ The engine allocates its caches (it owns the tensors and their lifetime); it des
 with `CacheLayout.from_tensors` (or builds `Region`s itself) and hands the layout to `TransferAgent`. Nothing here
 keeps a tensor alive: the engine must keep the tensors alive, and at the same addresses, as long as the agent lives.
 
-One region = the pages of one tensor of one layer. A group's block (attention) or state slot (recurrent) id `i`
-names page `i` of every region of that group:
+One region = the pages of one tensor of one layer, or of every layer of a group when the engine stacks them
+(`GroupTensors.stacked`, what the engine does). A group's block (attention) or state slot (recurrent) id `i` names
+page `i` of every region of that group:
 
     attention layer:  [num_blocks, 2, block_size, kv_heads, head_dim]  -> region "g0.l3.kv"
     recurrent layer:  conv [num_slots, ...], ssm [num_slots, ...]      -> regions "g1.l0.conv", "g1.l0.ssm"
+    stacked group:    [num_blocks, layers, 2, block_size, ...]         -> region "g0.stacked.kv" (page = all layers)
 
     base_addr                      page i                              (page 0 = null block, never transferred)
     |<- page_stride ->|            |<- page_bytes ->|
@@ -86,12 +88,18 @@ class GroupTensors(NamedTuple):
     """Input of `CacheLayout.from_tensors` for one cache group.
 
     `tensors` has one entry per layer: a tensor (attention: [num_blocks, 2, block_size, kv_heads, head_dim]) or a
-    sequence of tensors (recurrent: conv [num_slots, ...], ssm [num_slots, ...]). `layer_ids` default to 0..n-1."""
+    sequence of tensors (recurrent: conv [num_slots, ...], ssm [num_slots, ...]). `layer_ids` default to 0..n-1.
+
+    `stacked=True`: the group's layers share one tensor per kind with the layer as dimension 1 (attention:
+    [num_blocks, layers, 2, block_size, kv_heads, head_dim]; recurrent: conv [num_slots, layers, ...], ssm
+    [num_slots, layers, ...]) and `tensors` has exactly one entry. A page is then a block of every layer, so a run
+    of blocks is one descriptor for the whole group instead of one per layer."""
 
     group_id: int
     kind: str
     tensors: Sequence[Any]
     layer_ids: Sequence[int] | None = None
+    stacked: bool = False
 
 
 def _tensor_names(kind: str, n: int) -> tuple[str, ...]:
@@ -182,16 +190,33 @@ class CacheLayout:
         fp: dict[str, str] = {"protocol": str(PROTOCOL_VERSION), "model_id": model_id}
         for raw in groups:
             g = GroupTensors(*raw)
-            per_layer = [[t] if hasattr(t, "data_ptr") else list(t) for t in g.tensors]
-            if not per_layer:
+            entries = [[t] if hasattr(t, "data_ptr") else list(t) for t in g.tensors]
+            if not entries:
                 raise ValueError(f"group {g.group_id} has no layers")
-            layer_ids = list(g.layer_ids) if g.layer_ids is not None else list(range(len(per_layer)))
-            if len(layer_ids) != len(per_layer):
-                raise ValueError(f"group {g.group_id}: {len(layer_ids)} layer ids for {len(per_layer)} layers")
             kinds[g.group_id] = g.kind
-            for lid, ts in zip(layer_ids, per_layer, strict=True):
-                for tname, t in zip(_tensor_names(g.kind, len(ts)), ts, strict=True):
-                    regions.append(_region_of(f"g{g.group_id}.l{lid}.{tname}", g.group_id, lid, t))
+            if g.stacked:
+                if len(entries) != 1:
+                    raise ValueError(f"group {g.group_id}: a stacked group has one entry, got {len(entries)}")
+                stack = entries[0]
+                n = {int(t.shape[1]) if t.dim() >= 2 else 0 for t in stack}
+                if len(n) != 1 or 0 in n:
+                    raise ValueError(f"group {g.group_id}: stacked tensors need one layer count in dim 1, got {n}")
+                num_layers = n.pop()
+                layer_ids = list(g.layer_ids) if g.layer_ids is not None else list(range(num_layers))
+                if len(layer_ids) != num_layers:
+                    raise ValueError(f"group {g.group_id}: {len(layer_ids)} layer ids for {num_layers} layers")
+                for tname, t in zip(_tensor_names(g.kind, len(stack)), stack, strict=True):
+                    regions.append(_region_of(f"g{g.group_id}.stacked.{tname}", g.group_id, layer_ids[0], t))
+                per_layer = [[t[:, i] for t in stack] for i in range(num_layers)]
+                fp[f"group.{g.group_id}.stacked"] = "layers"
+            else:
+                per_layer = entries
+                layer_ids = list(g.layer_ids) if g.layer_ids is not None else list(range(len(per_layer)))
+                if len(layer_ids) != len(per_layer):
+                    raise ValueError(f"group {g.group_id}: {len(layer_ids)} layer ids for {len(per_layer)} layers")
+                for lid, ts in zip(layer_ids, per_layer, strict=True):
+                    for tname, t in zip(_tensor_names(g.kind, len(ts)), ts, strict=True):
+                        regions.append(_region_of(f"g{g.group_id}.l{lid}.{tname}", g.group_id, lid, t))
             fp.update(_fingerprint_of(g, layer_ids, per_layer))
         fp.update({f"extra.{k}": str(v) for k, v in (extra or {}).items()})
         return cls(regions=tuple(regions), group_kinds=kinds, fingerprint=fp)
@@ -213,6 +238,11 @@ class CacheLayout:
         for r in self.regions:
             out.setdefault(r.group_id, []).append(r)
         return {g: tuple(rs) for g, rs in out.items()}
+
+    @functools.cached_property
+    def _routes_cache(self) -> dict[tuple[int, int], Any]:
+        """`descriptors.routes` memo (this layout as the source side): {(id(dst layout), group): (dst, routes)}."""
+        return {}
 
     def kind(self, group_id: int) -> str:
         return self.group_kinds[group_id]

@@ -96,6 +96,7 @@ class PullResult:
     dst_reusable: bool = True
     nixl_descriptors: int | None = None  # what NIXL posted after merging pages (AgentConfig.telemetry only)
     nixl_seconds: float | None = None  # NIXL's own first post -> last completion (AgentConfig.telemetry only)
+    nixl_post_seconds: float | None = None  # of that, the longest post call (AgentConfig.telemetry only)
 
 
 class PullHandle:
@@ -109,11 +110,15 @@ class PullHandle:
         policy: TransferPolicy,
         timeout_s: float,
         clock: Callable[[], float],
+        t_begin: float | None = None,
     ) -> None:
         self.peer, self.spec, self.plan, self.policy = peer, spec, plan, policy
         self._clock = clock
         self._deadline = clock() + timeout_s
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if t_begin is None else t_begin
+        self.marks: dict[str, float] = {"begin": self._t0, "planned": time.perf_counter()}
+        """perf_counter() at each phase: begin, planned, made, posted, done (first poll that saw all READs done),
+        finished (handles released, metrics and notices sent). benchmarks/transfer.py reports the gaps."""
         self._xfers: list[Any] = []  # every READ made for this pull, until _finish releases them
         self._pending: list[Any] = []  # those not yet DONE (empty before the first status)
         self._notify_on_done = False
@@ -143,7 +148,9 @@ class PullHandle:
         try:
             for part in parts:
                 self._xfers.append(agent.make_read(self.peer, part, notif))
+            self.marks["made"] = time.perf_counter()
             statuses = [agent.post(x) for x in self._xfers]
+            self.marks["posted"] = time.perf_counter()
         except Exception:  # noqa: BLE001 - NIXL binding errors (peer unreachable, ...)
             statuses = ["ERR"]
         self._on_status(statuses)
@@ -158,6 +165,7 @@ class PullHandle:
             return
         self._pending = [x for x, st in zip(self._pending or self._xfers, statuses, strict=True) if st == "PROC"]
         if not self._pending:
+            self.marks["done"] = time.perf_counter()
             self._finish(PullState.DONE, None)
         elif self._clock() >= self._deadline:
             self._finish(PullState.FAILED, REASON_TIMEOUT)
@@ -188,12 +196,13 @@ class PullHandle:
     def _finish(self, state: PullState, reason: str | None) -> None:
         agent, done = self.peer.agent, state is PullState.DONE
         seconds = time.perf_counter() - self._t0
-        nixl_descs = nixl_seconds = None
+        nixl_descs = nixl_seconds = nixl_post = None
         if done and self._xfers:
             tel = [agent.xfer_telemetry(x) for x in self._xfers]
             if None not in tel:  # telemetry on: NIXL's descriptors after merging, first start -> last completion
                 nixl_descs = sum(t[0] for t in tel)  # type: ignore[index]
                 nixl_seconds = max(t[1] + t[3] for t in tel) - min(t[1] for t in tel)  # type: ignore[index]
+                nixl_post = max(t[2] for t in tel)  # type: ignore[index]
         # release every READ (cancels those still in flight); all must succeed for D's pages to be reusable
         reusable = all([agent.release_xfer(x) for x in self._xfers])
         self._xfers, self._pending = [], []
@@ -210,9 +219,11 @@ class PullHandle:
             reusable,
             nixl_descs,
             nixl_seconds,
+            nixl_post,
         )
         if done:
             agent.metrics.transfer_done(self.plan.bytes_by_kind, seconds, self.plan.num_descriptors)
+            self.marks["finished"] = time.perf_counter()
         else:
             agent.metrics.transfer_failed(reason or REASON_NIXL)
             agent.send_notif(self.peer, self._notice(ok=False))
@@ -240,6 +251,7 @@ def start_pull(
     Raises StaleEpochError when `spec.src_epoch` is not the peer's live epoch (or the peer was replaced), and
     ValueError for inconsistent ids (counts differ, null block, out of range, duplicates, wrong group kind): those
     are refusals or caller bugs, nothing was sent. Transport failures surface as FAILED through `poll()`."""
+    t_begin = time.perf_counter()
     agent = peer.agent
     if spec.src_epoch != peer.epoch or not peer.valid:
         agent.metrics.transfer_failed(REASON_STALE_EPOCH)
@@ -248,6 +260,6 @@ def start_pull(
             f"live epoch is {peer.epoch!r}" + ("" if peer.valid else " (peer handle replaced)")
         )
     plan = plan_pull(peer.layout, agent.layout, spec.pages_by_group(agent.layout))
-    handle = PullHandle(peer, spec, plan, policy, timeout_s, clock)
+    handle = PullHandle(peer, spec, plan, policy, timeout_s, clock, t_begin)
     handle._start()
     return handle

@@ -5,13 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvtransfer import descriptors
 from kvtransfer.descriptors import (
     PullPlan,
     Run,
     byte_descs,
     check_pairs,
     coalesce,
+    coalesce_array,
     flatten,
+    group_runs,
     page_dlist,
     page_indices,
     plan_pull,
@@ -115,7 +118,7 @@ def test_flatten_merges_group_maps() -> None:
 def test_split_plan_moves_every_byte_once_in_about_equal_parts(parts: int) -> None:
     a, b = Region("a", 0, 0, 0x1000, 100, 100, 64), Region("b", 0, 1, 0x90000, 100, 100, 64)
     runs = np.asarray([[1, 2, 10], [20, 30, 3], [40, 50, 1]], dtype=np.int64)
-    plan = PullPlan(((a, a, runs), (b, b, runs)), {"attention": 2 * 14 * 100})
+    plan = PullPlan.from_pairs(((a, a, runs), (b, b, runs)), {"attention": 2 * 14 * 100})
     out = split_plan(plan, parts)
     assert 1 <= len(out) <= parts and sum(p.nbytes for p in out) == plan.nbytes
 
@@ -127,3 +130,71 @@ def test_split_plan_moves_every_byte_once_in_about_equal_parts(parts: int) -> No
     if parts <= 28:  # 28 pages of 100 bytes: cuts on the page boundary nearest each k/parts of the bytes
         assert len(out) == parts
         assert all(abs(p.nbytes - plan.nbytes / parts) <= 100 for p in out)
+
+
+def _reference_runs(src: list[int], dst: list[int], pages: int) -> np.ndarray | str:
+    """The general path (check, then coalesce) or its error message."""
+    try:
+        check_pairs(src, dst, pages, pages, "group 0")
+    except ValueError as e:
+        return str(e)
+    return coalesce_array(src, dst)
+
+
+def _id_cases() -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(7)
+    cases: list[tuple[list[int], list[int]]] = [([], []), ([5], [9]), ([1, 2, 3], [7, 8, 9]), ([39], [39])]
+    for n in (2, 5, 16, 17, 64, 300):
+        start = int(rng.integers(1, 10))
+        cases.append((list(range(start, start + n)), list(range(start + 3, start + 3 + n))))  # one run
+        cases.append((list(range(start, start + n)), list(range(start + n, start, -1))))  # dst descending
+        a = [int(x) for x in rng.choice(np.arange(1, 400), n, replace=False)]
+        b = [int(x) for x in rng.choice(np.arange(1, 400), n, replace=False)]
+        cases.append((a, b))  # fragmented
+        cases.append((list(range(1, n + 1)), list(range(2, n + 2))))  # ends at the last page when n = 398
+        cases.append((list(range(0, n)), list(range(1, n + 1))))  # null page
+        cases.append((list(range(400 - n + 1, 401)), list(range(1, n + 1))))  # one past the end
+        cases.append((a[:-1] + [a[0]], b))  # duplicate source
+        cases.append((a, b[:-1] + [b[0]]))  # duplicate destination
+        cases.append((a, b[:-1]))  # counts differ
+    return cases
+
+
+@pytest.mark.parametrize(("src", "dst"), _id_cases())
+def test_group_runs_fast_paths_match_check_then_coalesce(src: list[int], dst: list[int]) -> None:
+    want = _reference_runs(src, dst, 400)
+    for s, d in ((src, dst), (np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))):
+        if isinstance(want, str):
+            with pytest.raises(ValueError) as info:
+                group_runs(s, d, 400, 400, "group 0")
+            assert str(info.value) == want
+        else:
+            got = group_runs(s, d, 400, 400, "group 0")
+            assert got.dtype == np.int64 and got.reshape(-1, 3).tolist() == want.reshape(-1, 3).tolist()
+
+
+@pytest.mark.parametrize("n", [1, 3, 40, 200])
+def test_byte_descs_small_and_large_paths_address_every_page(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of building descriptors (plain Python for few, numpy for many) give the same rows, and those
+    rows cover exactly the pages asked for, region by region."""
+    rng = np.random.default_rng(n)
+    p, d = layout(0x10000000, attn_pages=400, stride_pad=0), layout(0x70000000, attn_pages=450, slots=9)
+    src = [int(x) for x in rng.choice(np.arange(1, 400), n, replace=False)]
+    dst = [int(x) for x in rng.choice(np.arange(1, 450), n, replace=False)]
+    plan = plan_pull(p, d, {0: (src, dst), 1: ([2, 3], [7, 8])})
+    fast = {side: byte_descs(plan, side) for side in ("src", "dst")}
+    monkeypatch.setattr(descriptors, "_FEW_DESCRIPTORS", -1 if plan.num_descriptors <= 64 else 10**9)
+    other = {side: byte_descs(plan, side) for side in ("src", "dst")}
+    for side, lay, ids, slots in (("src", p, src, [2, 3]), ("dst", d, dst, [7, 8])):
+        assert fast[side].dtype == other[side].dtype == np.uint64
+        assert fast[side].tolist() == other[side].tolist()
+        want = sorted(
+            (r.base_addr + i * r.page_stride, r.page_bytes)
+            for r in lay.regions
+            for i in (ids if r.group_id == 0 else slots)
+        )
+        got = []  # each descriptor cut back into pages (these layouts are contiguous: stride = page bytes)
+        for addr, n_bytes, _ in fast[side].tolist():
+            page = next(r.page_bytes for r in lay.regions if r.base_addr <= addr < r.base_addr + r.span_bytes)
+            got += [(addr + k * page, page) for k in range(n_bytes // page)]
+        assert sorted(got) == want
