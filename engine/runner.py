@@ -29,11 +29,11 @@ class ModelRunner:
         self.device = device
         self.block_size = plan.block_size
         self.caches: list[LayerCache] = [None] * num_layers
-        self.attention_tensors: list[torch.Tensor] = []
-        self.state_tensors: list[torch.Tensor] = []
+        self.attention_tensors: list[torch.Tensor] = []  # one per attention group: [blocks, layers, 2, bs, ...]
+        self.state_tensors: list[torch.Tensor] = []  # two per recurrent group: conv, ssm [slots, layers, ...]
+        self.group_tensors: dict[int, tuple[torch.Tensor, ...]] = {}
         for g in groups:
-            for layer in g.layer_ids:
-                self.caches[layer] = self._allocate(g, plan)
+            self._allocate(g, plan)
         self.sampler = Sampler(device, seed)
         self.zero_fresh_blocks = zero_fresh_blocks
         self.zeroer = None
@@ -43,21 +43,29 @@ class ModelRunner:
             self.zeroer = BlockZeroer(self.attention_tensors)
         self.num_zeroed_blocks = 0
 
-    def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> LayerCache:
-        spec = g.spec
+    def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> None:
+        """One tensor per cache kind for the whole group, block-major with the layer as dimension 1: block (slot)
+        `i` of every layer of the group is one contiguous page, so a run of blocks is one transfer descriptor for
+        all layers (kvtransfer.layout, stacked groups). Each layer sees its slice `[:, layer]`."""
+        spec, n = g.spec, len(g.layer_ids)
         if isinstance(spec, FullAttentionSpec):
             kv = torch.zeros(
-                plan.attention_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                plan.attention_blocks, n, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
                 dtype=TORCH_DTYPES[spec.dtype], device=self.device,
             )
             self.attention_tensors.append(kv)
-            return AttentionCache(kv)
+            self.group_tensors[g.group_id] = (kv,)
+            for i, layer in enumerate(g.layer_ids):
+                self.caches[layer] = AttentionCache(kv[:, i])
+            return
         assert isinstance(spec, RecurrentStateSpec)
         slots = plan.state_slots
-        conv = torch.zeros(slots, *spec.conv_shape, dtype=TORCH_DTYPES[spec.conv_dtype], device=self.device)
-        ssm = torch.zeros(slots, *spec.ssm_shape, dtype=TORCH_DTYPES[spec.ssm_dtype], device=self.device)
+        conv = torch.zeros(slots, n, *spec.conv_shape, dtype=TORCH_DTYPES[spec.conv_dtype], device=self.device)
+        ssm = torch.zeros(slots, n, *spec.ssm_shape, dtype=TORCH_DTYPES[spec.ssm_dtype], device=self.device)
         self.state_tensors += [conv, ssm]
-        return StateCache(conv, ssm)
+        self.group_tensors[g.group_id] = (conv, ssm)
+        for i, layer in enumerate(g.layer_ids):
+            self.caches[layer] = StateCache(conv[:, i], ssm[:, i])
 
     # -- per step ------------------------------------------------------------------------------------------------
     def copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
@@ -78,8 +86,8 @@ class ModelRunner:
     def zero_block_tail(self, block_id: int, start: int) -> None:
         """Zero token positions [start, block_size) of one attention block in every layer (the unfilled tail of
         the last block a transfer wrote: its bytes came from the producer and are not trusted)."""
-        for kv in self.attention_tensors:
-            kv[block_id, :, start:].zero_()
+        for kv in self.attention_tensors:  # [blocks, layers, 2, block_size, ...]
+            kv[block_id, :, :, start:].zero_()
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size

@@ -79,13 +79,17 @@ def _mem_type(layout: CacheLayout) -> str:
 
 
 def registration_spans(regions: tuple[Region, ...]) -> list[tuple[int, int, int, str]]:
-    """Union of the regions' byte spans per device, as NIXL registration tuples (addr, len, dev, "")."""
+    """The regions' byte spans per device as NIXL registration tuples (addr, len, dev, ""); overlapping spans (views
+    of one tensor, e.g. per-layer slices of a stacked cache) are merged, merely adjacent ones are not: adjacent
+    spans may be two allocations, and a GPU registration must stay inside one (UCX's cuda_ipc exports memory per
+    allocation). Seen on H200: a registration covering a stacked KV tensor and the conv-state tensor that began
+    where it ended failed every READ (cuMemcpyDtoDAsync "invalid argument"); one registration each works."""
     out: list[tuple[int, int, int, str]] = []
     for dev in sorted({r.device_id for r in regions}):
         spans = sorted((r.base_addr, r.base_addr + r.span_bytes) for r in regions if r.device_id == dev)
         lo, hi = spans[0]
         for a, b in spans[1:]:
-            if a <= hi:
+            if a < hi:
                 hi = max(hi, b)
             else:
                 out.append((lo, hi - lo, dev, ""))

@@ -45,6 +45,7 @@ class ToyCacheSpec:
     ssm_shape: tuple[int, ...] = (2, 8, 8)
     state_dtype: str = "float32"
     device: str = "cpu"
+    stacked: bool = False  # one tensor per cache kind with the layer as dim 1 (what the engine allocates)
 
     @property
     def page_bytes(self) -> int:
@@ -67,6 +68,8 @@ def _fill(shape: tuple[int, ...], dtype: str, seed: int | None, device: str) -> 
 def make_caches(spec: ToyCacheSpec, seed: int | None) -> list[GroupTensors]:
     """Cache tensors of `spec`: random and reproducible from `seed` (a producer), or zeros (`seed=None`)."""
     s = (lambda i: None) if seed is None else (lambda i: seed * 1000 + i)  # noqa: E731
+    if spec.stacked:
+        return _make_stacked(spec, s)
     kv_shape = (spec.num_blocks, 2, spec.block_size, spec.kv_heads, spec.head_dim)
     attn = [_fill(kv_shape, spec.dtype, s(i), spec.device) for i in range(spec.attn_layers)]
     groups = [GroupTensors(ATTN_GROUP, "attention", attn)]
@@ -79,6 +82,17 @@ def make_caches(spec: ToyCacheSpec, seed: int | None) -> list[GroupTensors]:
             for i in range(spec.state_layers)
         ]
         groups.append(GroupTensors(STATE_GROUP, "mamba2", state, list(range(100, 100 + spec.state_layers))))
+    return groups
+
+
+def _make_stacked(spec: ToyCacheSpec, s: Any) -> list[GroupTensors]:
+    kv_shape = (spec.num_blocks, spec.attn_layers, 2, spec.block_size, spec.kv_heads, spec.head_dim)
+    groups = [GroupTensors(ATTN_GROUP, "attention", [_fill(kv_shape, spec.dtype, s(0), spec.device)], stacked=True)]
+    if spec.state_layers:
+        n = spec.state_layers
+        conv = _fill((spec.num_slots, n, *spec.conv_shape), spec.state_dtype, s(100), spec.device)
+        ssm = _fill((spec.num_slots, n, *spec.ssm_shape), spec.state_dtype, s(200), spec.device)
+        groups.append(GroupTensors(STATE_GROUP, "mamba2", [(conv, ssm)], list(range(100, 100 + n)), stacked=True))
     return groups
 
 

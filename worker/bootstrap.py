@@ -38,9 +38,10 @@ def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
 
     groups = []
     for g in core.groups:
-        caches = [core.runner.caches[lid] for lid in g.layer_ids]
-        tensors = [c.kv if g.is_attention else (c.conv, c.ssm) for c in caches]
-        groups.append(GroupTensors(g.group_id, "attention" if g.is_attention else g.kind, tensors, g.layer_ids))
+        tensors = core.runner.group_tensors[g.group_id]  # stacked: [pages, layers, ...] per cache kind
+        entry = tensors[0] if g.is_attention else tensors
+        kind = "attention" if g.is_attention else g.kind
+        groups.append(GroupTensors(g.group_id, kind, [entry], g.layer_ids, stacked=True))
     extra = {f"spec.{g.group_id}": repr(g.spec) for g in core.groups}
     extra["checkpoint_interval"] = str(core.plan.checkpoint_interval)
     return CacheLayout.from_tensors(groups, model_id=model_id, extra=extra)

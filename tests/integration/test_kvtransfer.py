@@ -48,9 +48,9 @@ PAGE, STATE_PAGE = 2048, 192 + 512
 class Producer:
     """A spawned P process serving its caches; metadata arrives through the pipe."""
 
-    def __init__(self, ctx: Any, name: str) -> None:
+    def __init__(self, ctx: Any, name: str, spec: ToyCacheSpec = SPEC) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_producer, args=(child, SPEC, name, P_SEED), daemon=True)
+        self.proc = ctx.Process(target=serve_producer, args=(child, spec, name, P_SEED), daemon=True)
         self.proc.start()
         self._blob: bytes | None = None
 
@@ -88,10 +88,10 @@ class Consumer:
         return self.registry.get_sample_value(name, {"role": "decode", **labels}) or 0.0
 
 
-def make_consumer(name: str, config: AgentConfig | None = None) -> Consumer:
-    groups = make_caches(SPEC, D_SEED)
+def make_consumer(name: str, config: AgentConfig | None = None, spec: ToyCacheSpec = SPEC) -> Consumer:
+    groups = make_caches(spec, D_SEED)
     reg = CollectorRegistry()
-    layout = CacheLayout.from_tensors(groups, model_id=SPEC.model_id)
+    layout = CacheLayout.from_tensors(groups, model_id=spec.model_id)
     return Consumer(TransferAgent(name, layout, config=config, metrics=TransferMetrics("decode", reg)), groups, reg)
 
 
@@ -133,15 +133,19 @@ DST = [20, 21, 22, 7, 30, 31, 32, 40]
 RUNS = 4
 
 
-def assert_exact_pages(c: Consumer, peer: Any, rid: str, skip: frozenset[int] = frozenset()) -> Any:
+def assert_exact_pages(
+    c: Consumer, peer: Any, rid: str, skip: frozenset[int] = frozenset(), cache: ToyCacheSpec = SPEC
+) -> Any:
     """Pull SRC -> DST (+ state slot 2 -> 5) and check every page of D: moved ones equal P's, all others (but
-    `skip`: attention pages earlier pulls of the test wrote) are unchanged."""
+    `skip`: attention pages earlier pulls of the test wrote) are unchanged. Per-layer caches: one descriptor per
+    (run, layer tensor); stacked ones: one per (run, group tensor), every layer inside it."""
     spec = PullSpec(rid, peer.epoch, {ATTN_GROUP: SRC}, {ATTN_GROUP: DST}, {STATE_GROUP: [2]}, {STATE_GROUP: [5]})
     res = finish(start_pull(peer, spec, timeout_s=20))
     assert res.state is PullState.DONE and res.reason is None, res
-    assert res.descriptors == RUNS * SPEC.attn_layers + 1 * 2 * SPEC.state_layers == 16
-    assert res.nbytes == len(SRC) * SPEC.attn_layers * PAGE + SPEC.state_layers * STATE_PAGE == 50560
-    p_ref, d_before, d_now = pages(make_caches(SPEC, P_SEED)), pages(make_caches(SPEC, D_SEED)), pages(c.groups)
+    want_descs = RUNS + 2 if cache.stacked else RUNS * cache.attn_layers + 1 * 2 * cache.state_layers
+    assert res.descriptors == want_descs
+    assert res.nbytes == len(SRC) * cache.attn_layers * PAGE + cache.state_layers * STATE_PAGE == 50560
+    p_ref, d_before, d_now = pages(make_caches(cache, P_SEED)), pages(make_caches(cache, D_SEED)), pages(c.groups)
     moved = {ATTN_GROUP: dict(zip(DST, SRC, strict=True)), STATE_GROUP: {5: 2}}
     for gid, tensors in d_now.items():
         for layer, t in enumerate(tensors):
@@ -186,6 +190,25 @@ def test_parallel_reads_without_progress_thread_move_the_same_pages_and_release_
         assert producer.releases() == [("req-parallel", md_codec.decode(producer.blob).epoch, True)]
     finally:
         c.agent.close()
+
+
+def test_stacked_layout_moves_all_layers_of_a_run_in_one_descriptor(ctx: Any) -> None:
+    """The engine's layout (one tensor per group, layer as dim 1): 16 descriptors become 6, same bytes, exact pages;
+    a worker with per-layer tensors is refused at the handshake, naming the difference."""
+    stacked = replace(SPEC, stacked=True)
+    p = Producer(ctx, "P-stacked", stacked)
+    c = make_consumer("D-stacked", AgentConfig(telemetry=True), stacked)
+    flat = make_consumer("D-flat", AgentConfig())
+    try:
+        res = assert_exact_pages(c, c.agent.add_peer(p.blob), "req-stacked", cache=stacked)
+        assert res.descriptors == res.nixl_descriptors == RUNS + 2 == 6
+        assert p.releases() == [("req-stacked", md_codec.decode(p.blob).epoch, True)]
+        with pytest.raises(CompatibilityError, match="group.0.stacked"):
+            flat.agent.add_peer(p.blob)
+    finally:
+        c.agent.close()
+        flat.agent.close()
+        p.stop()
 
 
 def reencode(blob: bytes, **fingerprint: str) -> bytes:

@@ -42,6 +42,17 @@ def test_strided_view_keeps_its_stride() -> None:
     assert registration_spans(lay.regions) == [(big.data_ptr(), 9 * 3 * 2048 + 2 * 2048 + 2048, 0, "")]
 
 
+def test_registration_merges_overlapping_spans_only() -> None:
+    """Views of one tensor overlap and become one registration; adjacent spans may be two allocations (a GPU
+    registration must not cross one), so they stay apart; devices never merge."""
+    a = Region("a", 0, 0, 0x10000, 100, 300, 10)  # span 0x10000 .. +2800
+    b = Region("b", 0, 1, 0x10000 + 100, 100, 300, 10)  # interleaved with a: overlaps
+    c = Region("c", 0, 2, 0x10000 + 2900, 64, 64, 4)  # starts where b ends: adjacent
+    d = Region("d", 0, 3, 0x10000, 64, 64, 4, device_type="cpu", device_id=1)
+    want = [(0x10000, 2900, 0, ""), (0x10000 + 2900, 256, 0, ""), (0x10000, 256, 1, "")]
+    assert registration_spans((c, b, a, d)) == want
+
+
 def test_non_contiguous_page_is_refused() -> None:
     t = torch.zeros(10, 16, 2, 2, 8).transpose(1, 2)
     with pytest.raises(ValueError, match="one page"):
@@ -111,3 +122,39 @@ def test_release_notice_roundtrip() -> None:
     assert decode_release(b"something else") is None
     with pytest.raises(ValueError):
         encode_release("r", "bad|epoch", True)
+
+
+def test_stacked_group_is_one_region_per_tensor_with_per_layer_fingerprint() -> None:
+    kv = torch.zeros(10, 3, 2, 16, 2, 8)  # [blocks, layers, 2, block_size, heads, dim]
+    conv, ssm = torch.zeros(4, 2, 3, 16), torch.zeros(4, 2, 2, 8, 8)  # [slots, layers, ...]
+    lay = CacheLayout.from_tensors(
+        [GroupTensors(0, "attention", [kv], stacked=True), GroupTensors(1, "mamba2", [(conv, ssm)], [7, 9], True)],
+        model_id="m",
+    )
+    assert [(r.name, r.page_bytes, r.page_stride, r.num_pages) for r in lay.regions] == [
+        ("g0.stacked.kv", 3 * 2048, 3 * 2048, 10),
+        ("g1.stacked.conv", 2 * 192, 2 * 192, 4),
+        ("g1.stacked.ssm", 2 * 512, 2 * 512, 4),
+    ]
+    assert lay.regions[0].pages_contiguous and lay.regions[0].base_addr == kv.data_ptr()
+    flat = CacheLayout.from_tensors(
+        [(0, "attention", [kv[:, i] for i in range(3)]), GroupTensors(1, "mamba2", [(conv[:, 0], ssm[:, 0]),
+                                                                                    (conv[:, 1], ssm[:, 1])], [7, 9])],
+        model_id="m",
+    )
+    # same per-layer entries (dtype, page shape, block size); only the stacking differs, and it is named
+    assert {k: v for k, v in lay.fingerprint.items() if "stacked" not in k} == flat.fingerprint
+    assert lay.diff(flat) == [
+        "group.0.stacked: 'layers' (here) != '<absent>' (peer)",
+        "group.1.stacked: 'layers' (here) != '<absent>' (peer)",
+    ]
+
+
+def test_stacked_group_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="one entry"):
+        CacheLayout.from_tensors([GroupTensors(0, "attention", [torch.zeros(4, 2, 8)] * 2, stacked=True)], model_id="m")
+    with pytest.raises(ValueError, match="2 layer ids for 3 layers"):
+        CacheLayout.from_tensors([GroupTensors(0, "attention", [torch.zeros(4, 3, 8)], [1, 2], True)], model_id="m")
+    with pytest.raises(ValueError, match="one layer count"):
+        CacheLayout.from_tensors([GroupTensors(1, "mamba2", [(torch.zeros(4, 3, 8), torch.zeros(4, 2, 8))], None,
+                                               True)], model_id="m")
