@@ -11,7 +11,8 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 nvidia-smi -L; python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 python3 -m pip list 2>/dev/null | grep -iE "^(grpcio|protobuf|httpx|prometheus.client|numpy) " || true
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_zero_blocks.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_oracle_cuda.py tests/unit/test_zero_blocks.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+python3 benchmarks/diag_engine_memory.py 2>&1 | tail -12
 python3 benchmarks/zeroing.py --out "$OUT/zeroing.json" 2>&1 | tail -15
 python3 benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --sizes tiny,small,medium --out "$OUT/offline_gpu_bf16.json" 2>&1 | grep -v "^{" | tail -8
 python3 benchmarks/offline_throughput.py --device cuda --dtype float32 --sizes tiny,small --out "$OUT/offline_gpu_fp32.json" 2>&1 | grep -v "^{" | tail -6

@@ -105,6 +105,22 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     }
 
 
+def _run_isolated(family: str, size: str, argv: list[str] | None, tmp: str) -> dict:
+    """One (family, size) in a fresh interpreter (same flags), its row read back from a JSON file."""
+    import subprocess
+    import sys
+
+    out = f"{tmp}/{family}-{size}.json"
+    base = list(sys.argv[1:] if argv is None else argv)
+    cmd = [sys.executable, __file__, *base, "--in-process", "--families", family, "--sizes", size, "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        with open(out) as f:
+            return json.load(f)["rows"][0]
+    except (OSError, ValueError, IndexError):
+        return {"family": family, "size": size, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -120,15 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="offline_throughput.json")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every (family, size) in this process (default: a fresh process each, so no engine's GPU memory "
+        "outlives its run)",
+    )
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             for size in args.sizes.split(","):
-                try:
-                    rows.append(run_one(family, size, args, tmp))
-                except Exception as e:  # noqa: BLE001 - record and go on with the other sizes
-                    rows.append({"family": family, "size": size, "error": repr(e)})
+                if args.in_process:
+                    try:
+                        rows.append(run_one(family, size, args, tmp))
+                    except Exception as e:  # noqa: BLE001 - record and go on with the other sizes
+                        rows.append({"family": family, "size": size, "error": repr(e)})
+                else:
+                    rows.append(_run_isolated(family, size, argv, tmp))
                 print(json.dumps(rows[-1]), flush=True)
     cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s", "zeroing_share"]
     print(" | ".join(cols))

@@ -14,7 +14,11 @@ For each scenario and descriptor mode ("prepped": page lists prepared once per p
   handover  transfer params in hand -> KV ready on D (start_pull .. poll() == DONE)
   wire      NIXL's own telemetry: first READ posted -> last READ complete
   GB/s      bytes / handover
-and two raw copies of the same page runs for reference: "torch" inside one process (device-local, or a peer copy
+  phases    the handover cut by PullHandle.marks: plan, make (NIXL descriptors + request), post, wait (posted ->
+            first poll that sees DONE), finish (release, metrics); a second table
+Every scenario runs in both cache layouts (--layouts): "stacked", one tensor per group and kind with the layer as
+dimension 1 (what the engine allocates: a run of blocks is one descriptor for all layers), and "per_layer"; and
+against two raw copies of the same page runs for reference: "torch" inside one process (device-local, or a peer copy
 between two GPUs), and on CUDA "ipc" from P's tensors opened in D through CUDA IPC (the path cuda_ipc takes).
 Data are verified against P's (seeded) contents after the runs.
 
@@ -238,8 +242,23 @@ def bench_mode(
                 samples["handover"].append((t2 - t0) * 1e3)
                 if handle.result.nixl_seconds is not None:
                     samples["wire"].append(handle.result.nixl_seconds * 1e3)
+                if handle.result.nixl_post_seconds is not None:
+                    samples["nixl_post"].append(handle.result.nixl_post_seconds * 1e3)
+                m = handle.marks
+                for phase, (a, b) in PHASES.items():
+                    if a in m and b in m:
+                        samples[phase].append((m[b] - m[a]) * 1e3)
         verify(sc, groups)
     return plan.num_descriptors
+
+
+PHASES = {  # handover broken down by PullHandle.marks: phase -> (from mark, to mark)
+    "ph_plan": ("begin", "planned"),
+    "ph_make": ("planned", "made"),
+    "ph_post": ("made", "posted"),
+    "ph_wait": ("posted", "done"),
+    "ph_finish": ("done", "finished"),
+}
 
 
 def d_progress_thread(args: argparse.Namespace) -> bool:
@@ -263,6 +282,7 @@ def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[st
         "handover_ms_max": max(samples["handover"]),
         "gbps": nbytes / ms / 1e6,
         "samples": len(samples["handover"]),
+        **{f"{k}_ms": statistics.median(samples[k]) if samples[k] else None for k in (*PHASES, "nixl_post")},
     }
 
 
@@ -275,7 +295,8 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, ctx: Any) -> list[dict[
     try:
         _, blob = parent.recv()
         repeats = max(2, args.repeats // 2) if sc.name == "large" else args.repeats
-        samples = {m: {"plan": [], "prep": [], "start": [], "handover": [], "wire": []} for m in args.modes}  # type: dict[str, Any]
+        keys = ("plan", "prep", "start", "handover", "wire", "nixl_post", *PHASES)
+        samples = {m: {k: [] for k in keys} for m in args.modes}  # type: dict[str, Any]
         descs = 0
         for _ in range(args.rounds):  # modes alternate round by round, so load drift hits both alike
             for mode in args.modes:
@@ -340,7 +361,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             " | ".join(
                 [
-                    r["scenario"],
+                    f"{r['scenario']} ({r['layout']})",
                     r["mode"],
                     f"{r['bytes'] / 2**20:.1f}",
                     str(r["descriptors"]),
@@ -357,6 +378,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 ]
             )
         )
+
+
+def print_phases(rows: list[dict[str, Any]]) -> None:
+    """Where the handover goes (medians, ms): plan, make (NIXL descriptors + request), post (our call; NIXL's own
+    post time beside it), wait (posted -> first poll that sees DONE), finish (release, metrics)."""
+    head = ("scenario", "mode", "plan", "make", "post", "nixl post", "wait", "finish", "handover", "wire", "h/w")
+    print(" | ".join(head))
+    print(" | ".join("---" for _ in head))
+    for r in rows:
+        cells = [f"{r['scenario']} ({r['layout']})", r["mode"]]
+        phases = ("ph_plan", "ph_make", "ph_post", "nixl_post", "ph_wait", "ph_finish")
+        cells += [fmt(r[f"{k}_ms"], ".3f") for k in phases]
+        cells += [f"{r['handover_ms']:.3f}", fmt(r["wire_ms"], ".3f"), fmt(r["handover_over_wire"], ".2f")]
+        print(" | ".join(cells))
 
 
 def main() -> None:
@@ -378,13 +413,27 @@ def main() -> None:
     ap.add_argument("--release-notice", choices=("with_read", "after_done"), default="with_read")
     ap.add_argument("--scenarios", default="realistic-contig,realistic-frag,deep-frag,large")
     ap.add_argument("--json", default="out/bench_transfer.json")
+    ap.add_argument(
+        "--layouts",
+        default="stacked,per_layer",
+        help="cache layouts: stacked (one tensor per group, layer as dim 1: what the engine allocates) and/or "
+        "per_layer (one tensor per layer)",
+    )
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     ctx = mp.get_context("spawn")
     wanted = set(args.scenarios.split(","))
-    rows = [r for sc in scenarios() if sc.name in wanted for r in run_scenario(sc, args, ctx)]
+    rows = []
+    for sc in scenarios():
+        for lay in args.layouts.split(","):
+            if sc.name in wanted:
+                stacked = lay == "stacked"
+                for r in run_scenario(replace(sc, spec=replace(sc.spec, stacked=stacked)), args, ctx):
+                    rows.append({**r, "layout": lay})
     print_table(rows)
+    print()
+    print_phases(rows)
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
     report = {
         "benchmark": "kv_transfer",

@@ -48,7 +48,7 @@ def run_one(name: str, src: int, dst: int, args: argparse.Namespace, log: Any) -
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, str(ROOT / "benchmarks/transfer.py"), "--device", args.device, "--src-gpu", str(src)]
         cmd += ["--dst-gpu", str(dst), "--rounds", "1", "--repeats", str(args.repeats), "--modes", "per_transfer"]
-        cmd += ["--scenarios", args.scenarios, "--json", str(out), *flags]
+        cmd += ["--scenarios", args.scenarios, "--layouts", args.layouts, "--json", str(out), *flags]
         t0 = time.time()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         log.write(
@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--scenarios", default="realistic-contig,large,xlarge")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--layouts", default="stacked", help="transfer.py --layouts")
     ap.add_argument("--timeout", type=int, default=150)
     ap.add_argument("--json", default="out/transfer_sweep.json")
     ap.add_argument("--log", default="out/transfer_sweep.log")

@@ -18,9 +18,10 @@ Ownership and threading:
 - Ids <= 0 are ignored (block 0 is the null block; PAD_SLOT_ID = -1 marks padding): they are never touched.
   Ids >= num_blocks raise ValueError. A repeated id is zeroed (harmlessly) twice and counted twice.
 
-Layout: each layer is described as a *segment*: the address of page 0, the byte stride between pages, and the
-bytes of one page. The block-major attention layout [num_blocks, 2, block_size, heads, head_dim] is one
-segment per layer (K and V of a block are one contiguous page); another layout only needs its own segments.
+Layout: each KV tensor is described as a *segment*: the address of page 0, the byte stride between pages, and the
+bytes of one page. The engine's stacked layout [num_blocks, layers, 2, block_size, heads, head_dim] is one segment
+per attention group (block b of every layer is one contiguous page); a per-layer tensor [num_blocks, 2,
+block_size, heads, head_dim] is one segment per layer; another layout only needs its own segments.
 
     segment s:  base_s                                            (addresses in bytes)
                 |<- page_stride_s ->|
@@ -65,7 +66,7 @@ _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 @dataclass(frozen=True)
 class PageSegment:
-    """One run of equally strided pages (one layer in the block-major layout). All numbers are in bytes."""
+    """One run of equally strided pages (one KV tensor: a stacked group or one layer). All numbers are in bytes."""
 
     base: int
     """Address of page 0."""
