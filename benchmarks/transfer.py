@@ -11,7 +11,8 @@ Scenarios:
 For each scenario and descriptor mode ("prepped": page lists prepared once per peer, pulls pass indices;
 "per_transfer": coalesced descriptors built per pull) it reports medians over --repeats of:
   start     start_pull() call (plan + descriptors + post; with UCX's CMA transport the copy runs inside the post)
-  handover  transfer params in hand -> KV ready on D (start_pull .. poll() == DONE)
+  handover  transfer params in hand -> KV ready on D (start_pull .. poll() == DONE; UCX reports DONE once the copy's
+            CUDA event completed). A device sync follows, timed apart ("sync"): the engine does not sync there
   wire      NIXL's own telemetry: first READ posted -> last READ complete
   GB/s      bytes / handover
   phases    the handover cut by PullHandle.marks: plan, make (NIXL descriptors + request), post, wait (posted ->
@@ -234,12 +235,14 @@ def bench_mode(
             t1 = time.perf_counter()
             while handle.poll() is PullState.PENDING:
                 pass
-            sync(dst_dev)
-            t2 = time.perf_counter()
+            t2 = time.perf_counter()  # DONE: UCX saw the copy's completion event; the engine goes on from here
+            sync(dst_dev)  # not part of the handover (the engine does not sync); timed apart as a check
+            t3 = time.perf_counter()
             assert handle.result is not None and handle.result.state is PullState.DONE, handle.result
             if i >= 2:  # two warm-up pulls
                 samples["start"].append((t1 - t0) * 1e3)
                 samples["handover"].append((t2 - t0) * 1e3)
+                samples["sync"].append((t3 - t2) * 1e3)
                 if handle.result.nixl_seconds is not None:
                     samples["wire"].append(handle.result.nixl_seconds * 1e3)
                 if handle.result.nixl_post_seconds is not None:
@@ -282,7 +285,7 @@ def summarize(sc: Scenario, mode: str, nbytes: int, descs: int, samples: dict[st
         "handover_ms_max": max(samples["handover"]),
         "gbps": nbytes / ms / 1e6,
         "samples": len(samples["handover"]),
-        **{f"{k}_ms": statistics.median(samples[k]) if samples[k] else None for k in (*PHASES, "nixl_post")},
+        **{f"{k}_ms": statistics.median(samples[k]) if samples[k] else None for k in (*PHASES, "nixl_post", "sync")},
     }
 
 
@@ -295,7 +298,7 @@ def run_scenario(sc: Scenario, args: argparse.Namespace, ctx: Any) -> list[dict[
     try:
         _, blob = parent.recv()
         repeats = max(2, args.repeats // 2) if sc.name == "large" else args.repeats
-        keys = ("plan", "prep", "start", "handover", "wire", "nixl_post", *PHASES)
+        keys = ("plan", "prep", "start", "handover", "wire", "nixl_post", "sync", *PHASES)
         samples = {m: {k: [] for k in keys} for m in args.modes}  # type: dict[str, Any]
         descs = 0
         for _ in range(args.rounds):  # modes alternate round by round, so load drift hits both alike
@@ -382,8 +385,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def print_phases(rows: list[dict[str, Any]]) -> None:
     """Where the handover goes (medians, ms): plan, make (NIXL descriptors + request), post (our call; NIXL's own
-    post time beside it), wait (posted -> first poll that sees DONE), finish (release, metrics)."""
+    post time beside it), wait (posted -> first poll that sees DONE), finish (release, metrics); then the device
+    sync that follows DONE in the benchmark (not part of the handover)."""
     head = ("scenario", "mode", "plan", "make", "post", "nixl post", "wait", "finish", "handover", "wire", "h/w")
+    head += ("sync",)
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for r in rows:
@@ -391,6 +396,7 @@ def print_phases(rows: list[dict[str, Any]]) -> None:
         phases = ("ph_plan", "ph_make", "ph_post", "nixl_post", "ph_wait", "ph_finish")
         cells += [fmt(r[f"{k}_ms"], ".3f") for k in phases]
         cells += [f"{r['handover_ms']:.3f}", fmt(r["wire_ms"], ".3f"), fmt(r["handover_over_wire"], ".2f")]
+        cells += [fmt(r["sync_ms"], ".3f")]
         print(" | ".join(cells))
 
 
