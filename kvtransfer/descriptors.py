@@ -16,6 +16,7 @@ Two ways to hand the runs to NIXL (the agent picks one, see `agent.AgentConfig.d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -184,11 +185,11 @@ class PullPlan:
         """(src region, dst region, runs) per region, in descriptor order."""
         return tuple((s, d, g.runs) for g in self.groups for s, d in zip(g.route.src, g.route.dst, strict=True))
 
-    @property
+    @functools.cached_property
     def num_descriptors(self) -> int:
         return sum(g.num_descriptors for g in self.groups)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(self.bytes_by_kind.values())
 
