@@ -198,6 +198,12 @@ _SMALL = 16  # at most this many pages: check and coalesce in plain Python (nump
 _LIST_RUN = 1024  # up to this many ids in lists, test for one run by list comparison (faster than numpy below it)
 
 
+def _refuse(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray, sp: int, dp: int, what: str) -> None:
+    """A fast path found bad ids: raise `check_pairs`' error for them (the same message the general path gives)."""
+    check_pairs(src, dst, sp, dp, what)
+    raise AssertionError("check_pairs accepted ids a fast path refused")  # pragma: no cover
+
+
 def group_runs(
     src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray, src_pages: int, dst_pages: int, what: str
 ) -> np.ndarray:
@@ -213,8 +219,7 @@ def group_runs(
             min(s) <= 0 or max(s) >= src_pages or min(d) <= 0 or max(d) >= dst_pages
             or len(set(s)) < n or len(set(d)) < n
         ):
-            check_pairs(s, d, src_pages, dst_pages, what)
-            raise AssertionError("check_pairs accepted ids the fast path refused")  # pragma: no cover
+            _refuse(s, d, src_pages, dst_pages, what)
         rows: list[list[int]] = []
         for a, b in sorted(zip(s, d, strict=True)):
             last = rows[-1] if rows else None
@@ -227,8 +232,7 @@ def group_runs(
         a, b = src[0], dst[0]  # one run, compared in C against a range: cheaper than converting to arrays
         if type(a) is int and type(b) is int and src == list(range(a, a + n)) and dst == list(range(b, b + n)):
             if a <= 0 or a + n > src_pages or b <= 0 or b + n > dst_pages:
-                check_pairs(src, dst, src_pages, dst_pages, what)
-                raise AssertionError("check_pairs accepted ids the fast path refused")  # pragma: no cover
+                _refuse(src, dst, src_pages, dst_pages, what)
             return np.asarray([[a, b, n]], dtype=np.int64)
     s, d = _ids(src), _ids(dst)
     s0, d0 = int(s[0]), int(d[0])
@@ -237,8 +241,7 @@ def group_runs(
         and (s[1:] - s[:-1] == 1).all() and (d[1:] - d[:-1] == 1).all()
     ):  # one run: ids strictly increasing by one, so no duplicates; only the ends need a range check
         if s0 <= 0 or s0 + n > src_pages or d0 <= 0 or d0 + n > dst_pages:
-            check_pairs(s, d, src_pages, dst_pages, what)
-            raise AssertionError("check_pairs accepted ids the fast path refused")  # pragma: no cover
+            _refuse(s, d, src_pages, dst_pages, what)
         return np.asarray([[s0, d0, n]], dtype=np.int64)
     check_pairs(s, d, src_pages, dst_pages, what)
     return coalesce_array(s, d)

@@ -115,8 +115,8 @@ class PullHandle:
         self.peer, self.spec, self.plan, self.policy = peer, spec, plan, policy
         self._clock = clock
         self._deadline = clock() + timeout_s
-        self._t0 = time.perf_counter() if t_begin is None else t_begin
-        self.marks: dict[str, float] = {"begin": self._t0, "planned": time.perf_counter()}
+        now = time.perf_counter()
+        self.marks: dict[str, float] = {"begin": now if t_begin is None else t_begin, "planned": now}
         """perf_counter() at each phase: begin, planned, made, posted, done (first poll that saw all READs done),
         finished (handles released, metrics and notices sent). benchmarks/transfer.py reports the gaps."""
         self._xfers: list[Any] = []  # every READ made for this pull, until _finish releases them
@@ -195,7 +195,7 @@ class PullHandle:
 
     def _finish(self, state: PullState, reason: str | None) -> None:
         agent, done = self.peer.agent, state is PullState.DONE
-        seconds = time.perf_counter() - self._t0
+        seconds = time.perf_counter() - self.marks["begin"]
         nixl_descs = nixl_seconds = nixl_post = None
         if done and self._xfers:
             tel = [agent.xfer_telemetry(x) for x in self._xfers]
