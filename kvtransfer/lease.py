@@ -2,8 +2,10 @@
 
 Ownership: P's engine pins a finished prompt's blocks/slots (its cache manager keeps their ref counts) and records
 them here with `grant`. They are unpinned by exactly one of:
-  * `release(request_id, epoch)`: D's release notice (NIXL, `TransferAgent.poll_releases`) or gRPC `Release`;
-  * `reap(now)`: the lease expired (D died or never came); counted in hybridpd_kv_lease_expired_total.
+  * `commit(request_id, epoch, token, digest)`: D's READ completed; the answer tells D whether the lease was still
+    held (its pages pinned for the whole READ) and granted for the same prompt. D uses the data only then.
+  * `release(request_id, epoch, token)`: D gave up (NIXL notice, token required) or the proxy's gRPC `Release`;
+  * `reap(now)`: the lease expired (D died, froze or never came); counted in hybridpd_kv_lease_expired_total.
 Both return the `Lease`s whose pages the caller must now free; the table never frees anything itself.
 Not thread-safe: call from P's engine thread (the one that owns the cache manager).
 """
@@ -28,6 +30,18 @@ class Lease:
     pages_by_group: Mapping[int, tuple[int, ...]]
     granted_at: float
     expires_at: float
+    token: str = ""
+    """Random per lease (kvtransfer.binding.new_lease_token): Commit and release notices must present it."""
+    prompt_digest: bytes = b""
+    """kvtransfer.binding.prompt_digest of the tokens P computed: Commit must present the same."""
+
+
+class CommitRefused(Exception):
+    """Commit answered "no": `reason` is unknown_lease | stale_epoch | token_mismatch | prompt_mismatch."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class LeaseTable:
@@ -63,7 +77,8 @@ class LeaseTable:
         if epoch and epoch != self.epoch:
             raise StaleEpochError(f"epoch {epoch!r} is not this worker's live epoch {self.epoch!r}")
 
-    def grant(self, request_id: str, pages_by_group: Mapping[int, Sequence[int]], ttl_s: float | None = None) -> Lease:
+    def grant(self, request_id: str, pages_by_group: Mapping[int, Sequence[int]], ttl_s: float | None = None,
+              *, token: str = "", prompt_digest: bytes = b"") -> Lease:
         """Record pinned pages of a finished prompt. A request id may hold one lease at a time."""
         if request_id in self._leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
@@ -73,17 +88,39 @@ class LeaseTable:
             {g: tuple(ids) for g, ids in pages_by_group.items()},
             now,
             now + (self.ttl_s if ttl_s is None else ttl_s),
+            token,
+            prompt_digest,
         )
         self._leases[request_id] = lease
         return lease
 
-    def release(self, request_id: str, epoch: str | None = None) -> Lease | None:
+    def release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> Lease | None:
         """End a lease; returns it (the caller frees its pages) or None if unknown / already released or reaped
-        (idempotent: a late notice after expiry is fine). Raises StaleEpochError for another epoch's release."""
+        (idempotent: a late notice after expiry is fine), or if `token` is given and is not the lease's. Raises
+        StaleEpochError for another epoch's release."""
         self.check_epoch(epoch)
-        lease = self._leases.pop(request_id, None)
-        if lease is not None:
-            self.released_total += 1
+        lease = self._leases.get(request_id)
+        if lease is None or (token is not None and lease.token and token != lease.token):
+            return None
+        del self._leases[request_id]
+        self.released_total += 1
+        return lease
+
+    def commit(self, request_id: str, epoch: str, token: str, prompt_digest: bytes) -> Lease:
+        """D's READ of this lease's pages completed: end the lease and return it (the caller frees its pages) if it
+        is still held, was granted under `epoch` and `token`, for a prompt with `prompt_digest`. Else raise
+        CommitRefused. A lease presented with the right token but another prompt is ended too (that pull is void)."""
+        if epoch != self.epoch:
+            raise CommitRefused("stale_epoch")
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise CommitRefused("unknown_lease")
+        if lease.token and token != lease.token:
+            raise CommitRefused("token_mismatch")  # not ended: the caller does not own this lease
+        del self._leases[request_id]
+        self.released_total += 1
+        if lease.prompt_digest != prompt_digest:
+            raise CommitRefused("prompt_mismatch")
         return lease
 
     def reap(self, now: float | None = None) -> list[Lease]:

@@ -63,6 +63,11 @@ class PullSpec:
     dst_blocks: Mapping[int, Sequence[int]] = field(default_factory=dict)
     src_state_slots: Mapping[int, Sequence[int]] = field(default_factory=dict)
     dst_state_slots: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    lease_token: str = ""
+    """P's lease token (TransferParams.lease_token): release notices carry it, P ignores notices without it."""
+    notify_done: bool = True
+    """Send P a release notice (ok=1) once the data are in place. The engine's decode worker sets False: it ends
+    the lease with P's Commit RPC instead, which also tells it whether the lease was still held (fail closed)."""
 
     def pages_by_group(self, layout: CacheLayout) -> dict[int, tuple[Sequence[int], Sequence[int]]]:
         """{group id: (src ids, dst ids)}; checks each group sits in the right map and both sides name it."""
@@ -135,15 +140,17 @@ class PullHandle:
     def _start(self) -> None:
         agent = self.peer.agent
         if self.plan.num_descriptors == 0:
-            agent.send_notif(self.peer, self._notice(ok=True))
+            if self.spec.notify_done:
+                agent.send_notif(self.peer, self._notice(ok=True))
             self._finish(PullState.DONE, None)
             return
         parts = split_plan(self.plan, agent.parallel_reads)
         # One READ carries the release notice itself (NIXL sends it once the data are in place), unless the agent
         # sends notices after the fact. Several READs carry none: the notice goes out from _finish once every one
         # of them is DONE.
-        self._notify_on_done = len(parts) > 1 or agent.notice_after_done
-        notif = b"" if self._notify_on_done else self._notice(ok=True)
+        notify_done = self.spec.notify_done
+        self._notify_on_done = notify_done and (len(parts) > 1 or agent.notice_after_done)
+        notif = self._notice(ok=True) if notify_done and not self._notify_on_done else b""
         statuses = []
         try:
             for part in parts:
@@ -156,7 +163,7 @@ class PullHandle:
         self._on_status(statuses)
 
     def _notice(self, ok: bool) -> bytes:
-        return encode_release(self.spec.request_id, self.spec.src_epoch, ok)
+        return encode_release(self.spec.request_id, self.spec.src_epoch, ok, self.spec.lease_token)
 
     def _on_status(self, statuses: list[str]) -> None:
         """Statuses of the READs still pending (in `self._pending` order): done ones leave the pending list."""

@@ -38,7 +38,7 @@ class GroupBlocks(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "block_hashes_hex", "checkpoint_slot", "checkpoint_num_tokens")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "block_hashes_hex", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class TransferParams(_message.Message):
     BLOCK_HASHES_HEX_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SLOT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     prefill_address: str
@@ -61,7 +63,9 @@ class TransferParams(_message.Message):
     block_hashes_hex: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_slot: int
     checkpoint_num_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., block_hashes_hex: _Optional[_Iterable[str]] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    prompt_digest: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., block_hashes_hex: _Optional[_Iterable[str]] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -126,20 +130,24 @@ class StatsResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class TransferMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class TransferMetadata(_message.Message):
-    __slots__ = ("agent_metadata", "worker_id", "epoch", "compat_hash")
+    __slots__ = ("agent_metadata", "worker_id", "epoch", "compat_hash", "proof")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     worker_id: str
     epoch: str
     compat_hash: str
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt")
@@ -164,12 +172,34 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "epoch")
+    __slots__ = ("request_id", "epoch", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: str
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("request_id", "epoch", "lease_token", "prompt_digest")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    epoch: str
+    lease_token: str
+    prompt_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed", "reason")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    reason: str
+    def __init__(self, committed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -47,6 +47,11 @@ class PrefillServiceStub:
                 request_serializer=proto_dot_hybridpd__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_hybridpd__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/hybridpd.v1.PrefillService/Commit',
+                request_serializer=proto_dot_hybridpd__pb2.CommitRequest.SerializeToString,
+                response_deserializer=proto_dot_hybridpd__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.GetTransferMetadata = channel.unary_unary(
                 '/hybridpd.v1.PrefillService/GetTransferMetadata',
                 request_serializer=proto_dot_hybridpd__pb2.TransferMetadataRequest.SerializeToString,
@@ -76,6 +81,12 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +122,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_hybridpd__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_hybridpd__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=proto_dot_hybridpd__pb2.CommitRequest.FromString,
+                    response_serializer=proto_dot_hybridpd__pb2.CommitResponse.SerializeToString,
             ),
             'GetTransferMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransferMetadata,
@@ -184,6 +200,33 @@ class PrefillService:
             '/hybridpd.v1.PrefillService/Release',
             proto_dot_hybridpd__pb2.ReleaseRequest.SerializeToString,
             proto_dot_hybridpd__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.v1.PrefillService/Commit',
+            proto_dot_hybridpd__pb2.CommitRequest.SerializeToString,
+            proto_dot_hybridpd__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

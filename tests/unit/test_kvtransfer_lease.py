@@ -80,3 +80,69 @@ def test_metrics_families_are_shared_per_registry() -> None:
     assert reg.get_sample_value("hybridpd_kv_transfer_descriptors_sum", {"role": "decode"}) == 12
     assert reg.get_sample_value("hybridpd_kv_transfer_seconds_count", {"role": "decode"}) == 1
     assert reg.get_sample_value("hybridpd_kv_transfer_failures_total", {"role": "prefill", "reason": "timeout"}) == 1
+
+
+def test_commit_succeeds_only_for_a_held_lease_of_the_same_epoch_token_and_prompt() -> None:
+    from kvtransfer.binding import prompt_digest
+    from kvtransfer.lease import CommitRefused
+
+    t, clock, _ = table(ttl=30.0)
+    digest = prompt_digest([5, 6, 7, 8], 3, "tenant")
+    lease = t.grant("r1", {0: [4, 5]}, token="tok", prompt_digest=digest)
+    for epoch, token, dig, reason in (
+        ("e0", "tok", digest, "stale_epoch"),
+        ("e1", "forged", digest, "token_mismatch"),
+    ):
+        with pytest.raises(CommitRefused) as e:
+            t.commit("r1", epoch, token, dig)
+        assert e.value.reason == reason
+        assert "r1" in t  # a caller without the lease's token cannot end it
+    assert t.commit("r1", "e1", "tok", digest) == lease and "r1" not in t
+    with pytest.raises(CommitRefused, match="unknown_lease"):
+        t.commit("r1", "e1", "tok", digest)  # a second commit of the same lease (a replay) is refused
+
+    # the READ finished, but the lease expired before D committed: P may have reused the pages
+    t.grant("r2", {0: [6]}, token="tok2", prompt_digest=digest)
+    clock.t += 31
+    assert [le.request_id for le in t.reap()] == ["r2"]
+    with pytest.raises(CommitRefused, match="unknown_lease"):
+        t.commit("r2", "e1", "tok2", digest)
+
+    # the right lease, another prompt's digest: refused and the lease ended (that pull is void)
+    t.grant("r3", {0: [7]}, token="tok3", prompt_digest=digest)
+    with pytest.raises(CommitRefused, match="prompt_mismatch"):
+        t.commit("r3", "e1", "tok3", prompt_digest([5, 6, 9, 8], 3, "tenant"))
+    assert "r3" not in t
+    t.check_integrity()
+
+
+def test_release_with_a_wrong_lease_token_is_ignored() -> None:
+    t, _, _ = table()
+    t.grant("r1", {0: [4]}, token="tok")
+    assert t.release("r1", "e1", token="forged") is None and "r1" in t
+    assert t.release("r1", "e1", token="tok") is not None and "r1" not in t
+    t.grant("r2", {0: [4]}, token="tok")
+    assert t.release("r2") is not None  # no token given: the gRPC Release of a caller holding the cluster token
+
+
+def test_prompt_digest_binds_tokens_count_and_salt() -> None:
+    from kvtransfer.binding import prompt_digest
+
+    base = prompt_digest([1, 2, 3, 4], 3)
+    assert base == prompt_digest([1, 2, 3, 99], 3)  # only the first n tokens count
+    assert base != prompt_digest([1, 2, 3, 4], 4)
+    assert base != prompt_digest([1, 2, 4, 4], 3)
+    assert base != prompt_digest([1, 2, 3, 4], 3, "salt")
+    with pytest.raises(ValueError):
+        prompt_digest([1, 2], 3)
+
+
+def test_membership_proof_needs_the_token_and_covers_the_nonce() -> None:
+    from kvtransfer.binding import membership_proof, new_nonce, verify_membership
+
+    nonce = new_nonce()
+    proof = membership_proof("secret", nonce, "w1", "e1", b"meta")
+    assert verify_membership("secret", nonce, "w1", "e1", b"meta", proof)
+    assert not verify_membership("other", nonce, "w1", "e1", b"meta", proof)
+    assert not verify_membership("secret", new_nonce(), "w1", "e1", b"meta", proof)  # a replayed answer
+    assert not verify_membership("secret", nonce, "w1", "e1", b"other-meta", proof)

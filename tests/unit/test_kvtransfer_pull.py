@@ -92,7 +92,7 @@ def test_done_notifies_p_through_the_transfer_and_records_metrics() -> None:
     assert [h.poll(), h.poll()] == [PullState.PENDING, PullState.DONE]
     assert h.poll() is PullState.DONE  # stays done, no more checks
     assert h.result is not None and (h.result.nbytes, h.result.descriptors) == (3 * 1024 + 64, 2 + 1)
-    assert [decode_release(m) for m in agent.made] == [("r1", "e1", True)] and agent.notifs == []
+    assert [decode_release(m) for m in agent.made] == [("r1", "e1", True, "")] and agent.notifs == []
     assert (
         agent.registry.get_sample_value("hybridpd_kv_transfer_bytes_total", {"role": "decode", "group": "attention"})
         == 3 * 1024
@@ -107,7 +107,7 @@ def test_timeout_fails_with_policy_and_releases_p() -> None:
     clock.t = 5.0
     assert h.poll() is PullState.FAILED
     assert h.result is not None and (h.result.reason, h.result.policy, h.result.nbytes) == ("timeout", "fail", 0)
-    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False)]
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False, "")]
     assert agent.failures("timeout") == 1
 
 
@@ -133,7 +133,7 @@ def test_nothing_to_pull_still_releases_p() -> None:
     agent = FakeAgent([])
     h = start_pull(FakePeer(agent), PullSpec("r2", "e1"))  # type: ignore[arg-type]
     assert h.poll() is PullState.DONE and agent.made == []
-    assert [decode_release(m) for m in agent.notifs] == [("r2", "e1", True)]
+    assert [decode_release(m) for m in agent.notifs] == [("r2", "e1", True, "")]
 
 
 def test_stale_epoch_and_replaced_peer_are_refused() -> None:
@@ -153,7 +153,7 @@ def test_parallel_reads_split_the_bytes_and_notify_once_all_are_done() -> None:
     assert sum(p.nbytes for p in agent.plans) == 3 * 1024 + 64
     assert h.poll() is PullState.PENDING and agent.notifs == []  # one READ still in flight: P not released yet
     assert h.poll() is PullState.DONE and agent.statuses == []
-    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True)]
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True, "")]
     assert agent.released == 3
     assert h.result is not None and (h.result.nbytes, h.result.descriptors) == (3 * 1024 + 64, 3)
 
@@ -163,7 +163,7 @@ def test_one_failed_read_of_several_fails_the_pull_and_releases_all() -> None:
     h = start_pull(FakePeer(agent), SPEC, policy="fail")  # type: ignore[arg-type]
     assert h.poll() is PullState.FAILED
     assert h.result is not None and (h.result.reason, h.result.nbytes) == ("nixl_error", 0)
-    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False)]  # never an ok=1 notice
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False, "")]  # never an ok=1 notice
     assert agent.released == 3
 
 
@@ -172,7 +172,7 @@ def test_notice_after_done_keeps_the_notice_off_the_read() -> None:
     h = start_pull(FakePeer(agent), SPEC)  # type: ignore[arg-type]
     assert agent.made == [b""] and agent.notifs == []
     assert h.poll() is PullState.DONE
-    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True)]
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", True, "")]
 
 
 @pytest.mark.parametrize("kwargs", [{"parallel_reads": 0}, {"num_workers": -1}])
@@ -181,3 +181,16 @@ def test_agent_config_refuses_nonsense(kwargs: dict[str, int]) -> None:
 
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         AgentConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_without_notify_done_a_pull_sends_no_ok_notice_and_failure_notices_carry_the_lease_token() -> None:
+    from dataclasses import replace
+
+    agent = FakeAgent(["DONE"])
+    h = start_pull(FakePeer(agent), replace(SPEC, notify_done=False, lease_token="tok"))  # type: ignore[arg-type]
+    assert h.poll() is PullState.DONE
+    assert agent.made == [b""] and agent.notifs == []  # D ends the lease with Commit instead
+    agent = FakeAgent(["PROC", "ERR"])
+    h = start_pull(FakePeer(agent), replace(SPEC, notify_done=False, lease_token="tok"))  # type: ignore[arg-type]
+    assert h.poll() is PullState.FAILED
+    assert [decode_release(m) for m in agent.notifs] == [("r1", "e1", False, "tok")]
