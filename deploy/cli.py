@@ -53,6 +53,13 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     from engine.models.checkpoint import write_random_checkpoint
 
     overrides = json.loads(args.overrides) if args.overrides else {}
+    if args.preset:
+        from engine.models.checkpoint import preset
+
+        args.family, base = preset(args.preset)
+        overrides = {**base, **overrides}
+    if not args.family:
+        raise HybridPDError("init-model needs --family or --preset")
     path = write_random_checkpoint(args.out, args.family, seed=args.seed, **overrides)
     print(f"wrote random-weight {args.family} checkpoint to {path}")
     return 0
@@ -83,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("init-model", help="write a small random-weight HF-format hybrid checkpoint")
-    p.add_argument("--family", required=True, choices=FAMILIES)
+    p.add_argument("--family", default=None, choices=FAMILIES)
+    p.add_argument("--preset", default=None, choices=("nemotron-h-8b", "qwen3.5-9b", "nemotron-3-nano-30b-a3b"),
+                   help="full-size public shape with random weights (fp32 on disk, ~4 bytes per parameter)")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overrides", default=None, help="JSON dict of config overrides (e.g. hidden_size)")

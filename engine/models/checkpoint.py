@@ -21,6 +21,43 @@ import torch
 from engine.tokenizer import write_tokenizer_files
 
 FAMILIES = ("nemotron_h", "qwen3_5")
+
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # nvidia/Nemotron-H-8B-Base-8K (public config): 52 layers, 4 attention, Mamba-2 128 heads x 64, state 128.
+    "nemotron-h-8b": ("nemotron_h", {
+        "vocab_size": 131072, "hidden_size": 4096, "pattern": NEMOTRON_H_8B_PATTERN,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
+        "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
+        "chunk_size": 128, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "max_position_embeddings": 8192,
+    }),
+    # Qwen/Qwen3.5-9B text model: 32 layers (3 Gated-DeltaNet : 1 gated attention), GDN 16 k / 32 v heads x 128,
+    # attention 16 q / 4 kv heads x 256, partial rotary 0.25.
+    "qwen3.5-9b": ("qwen3_5", {
+        "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+        "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(32)],
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                                               "partial_rotary_factor": 0.25},
+    }),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B (public config): 52 layers (23 Mamba-2, 23 MoE, 6 attention), 128 routed
+    # experts top-6 + 1 shared, sigmoid router with scaling 2.5.
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", {
+        "vocab_size": 131072, "hidden_size": 2688, "pattern": NEMOTRON_3_NANO_PATTERN,
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4,
+        "chunk_size": 128, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "max_position_embeddings": 262144,
+        "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True,
+    }),
+}
+"""Full-size public shapes with random weights (`hybridpd init-model --preset NAME`, benchmarks/roofline.py).
+Tokenizer, eos and bos stay the byte-level ones of the tiny models (ids < 257 exist in every vocabulary)."""
 EOS_ID = 256  # <|endoftext|> of the byte-level tokenizer
 DEFAULT_NEMOTRON_H_PATTERN = "M*-M-"
 DEFAULT_QWEN3_5_LAYERS = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
@@ -110,15 +147,24 @@ finds its own key, as in a trained model. With independent q/k the GDN outputs a
 per-head RMSNorm amplifies, and fp32 rounding alone then moves logprobs by ~1e-4 (in transformers too)."""
 
 
+def preset(name: str) -> tuple[str, dict[str, Any]]:
+    """(family, config overrides) of a preset in PRESETS."""
+    try:
+        family, overrides = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+    return family, dict(overrides)
+
+
 def _init_value(name: str, t: torch.Tensor, family: str, config: Any, g: torch.Generator) -> torch.Tensor:
-    """The re-initialised value of one parameter/buffer, by checkpoint name."""
+    """The re-initialised value of one parameter/buffer, by checkpoint name (drawn on `g`'s device, fp32)."""
     hidden = config.hidden_size
 
     def randn(std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(t.shape, generator=g, dtype=torch.float32) * std + mean
+        return torch.randn(t.shape, generator=g, dtype=torch.float32, device=g.device) * std + mean
 
     def uniform(lo: float, hi: float) -> torch.Tensor:
-        return torch.rand(t.shape, generator=g, dtype=torch.float32) * (hi - lo) + lo
+        return torch.rand(t.shape, generator=g, dtype=torch.float32, device=g.device) * (hi - lo) + lo
 
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith(("embeddings.weight", "embed_tokens.weight")):
@@ -192,4 +238,47 @@ def write_random_checkpoint(out_dir: str | Path, family: str, seed: int = 0, **o
     return str(out)
 
 
-__all__ = ["FAMILIES", "nemotron_h_config", "qwen3_5_config", "write_random_checkpoint"]
+def write_preset_checkpoint(out_dir: str | Path, name: str, seed: int = 0) -> str:
+    """write_random_checkpoint at a full-size preset (fp32 weights on disk: ~4 bytes per parameter)."""
+    family, overrides = preset(name)
+    return write_random_checkpoint(out_dir, family, seed=seed, **overrides)
+
+
+def hf_config(family: str, **overrides: Any) -> Any:
+    """transformers' config object of `family` with `overrides` (see nemotron_h_config / qwen3_5_config)."""
+    if family == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(**nemotron_h_config(**overrides))
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**qwen3_5_config(**overrides))
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+@torch.no_grad()
+def random_engine_model(family: str, dtype: str, device: str, seed: int = 0, **overrides: Any) -> Any:
+    """The engine's own model of `family`, built directly on `device` with random weights drawn there by the same
+    rules as write_random_checkpoint (not the same values: a device generator). For benchmarks at full size, where
+    writing and reading a 16-32 GB fp32 checkpoint would dominate; never for correctness against transformers."""
+    from engine.models.layers import torch_dtype
+    from engine.models.registry import ARCHITECTURES
+
+    config = hf_config(family, **overrides)
+    cfg = config.to_dict()
+    cls = ARCHITECTURES["NemotronHForCausalLM" if family == "nemotron_h" else "Qwen3_5ForCausalLM"]
+    with torch.device("meta"):
+        model = cls(cfg, dtype)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    want = torch_dtype(dtype)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        value = _init_value(name, t, family, config, g)
+        t.data = value.to(torch.float32 if cls.keep_fp32(name) else want)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+__all__ = ["FAMILIES", "PRESETS", "hf_config", "nemotron_h_config", "preset", "qwen3_5_config",
+           "random_engine_model", "write_preset_checkpoint", "write_random_checkpoint"]
