@@ -97,16 +97,17 @@ class AsyncEngine:
                 continue
             try:
                 advanced = self.core.step()
-            except Exception:
-                log.exception("engine step failed; aborting its requests")
+            except Exception as e:
+                log.exception("engine step failed; ending its requests with an error")
+                advanced = []
                 for rid in list(self.core.scheduler.requests):
                     req = self.core.scheduler.requests[rid]
+                    req.stop_reason = f"engine step failed: {type(e).__name__}: {e}"
                     self.core.scheduler.finish(req, "error")
-                    self.publish(req)
-                continue
+                    advanced.append(req)
             for req in advanced:
                 self.publish(req)
-                if req.is_finished:
+                if req.is_finished:  # streams and finish callbacks (P's waiting Prefill RPCs) alike, errors included
                     for cb in self.on_finished:
                         try:
                             cb(req)
