@@ -64,6 +64,7 @@ class EngineCore:
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
         self.tokenizer = self._load_tokenizer(mc.path)
+        self.runner.sampler.bind(self.scheduler.requests.get, self.eos_token_ids)
         self.stats = StepStats()
         self._next_arrival = 0
 
@@ -131,6 +132,10 @@ class EngineCore:
     ) -> Request:
         """A validated request, not yet scheduled."""
         self.validate_prompt(prompt_token_ids)
+        bad_bias = [t for t, _ in params.logit_bias or () if t >= self.vocab_size]  # type: ignore[misc]
+        if bad_bias:
+            raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
@@ -163,6 +168,9 @@ class EngineCore:
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.num_tokens
         advanced = self.scheduler.update_from_output(out, sampled)
+        for rid, top in self.runner.sampler.take_top_logprobs().items():
+            if rid in self.scheduler.requests:
+                self.scheduler.requests[rid].output_top_logprobs.append(top)
         for req in advanced:
             if req.compute_target is not None and req.num_computed_tokens >= req.compute_target:
                 self.scheduler.finish(req, "prefilled", free_caches=False)
@@ -176,6 +184,8 @@ class EngineCore:
     def check_stop(self, req: Request) -> str | None:
         p = req.sampling_params
         tok = req.output_token_ids[-1]
+        if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids were masked; stop strings wait too
+            return "length" if req.num_tokens >= self.max_model_len else None
         if not p.ignore_eos and tok in self.eos_token_ids:
             req.stop_reason = tok
             return "stop"
@@ -203,8 +213,9 @@ class EngineCore:
         if self.tokenizer is None:
             return ""
         text = self._decoded(req)
-        if isinstance(req.stop_reason, str):
-            text = text[: text.find(req.stop_reason)] if req.stop_reason in text else text
+        if isinstance(req.stop_reason, str) and req.stop_reason in text:
+            cut = text.find(req.stop_reason)
+            text = text[: cut + len(req.stop_reason)] if req.sampling_params.include_stop_str_in_output else text[:cut]
         return text
 
     def make_output(self, req: Request) -> RequestOutput:
@@ -212,7 +223,7 @@ class EngineCore:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
             text=self.output_text(req), logprobs=list(req.output_logprobs),
             num_cached_tokens=max(req.num_cached_tokens, 0), finish_reason=req.finish_reason,
-            num_preemptions=req.num_preemptions,
+            num_preemptions=req.num_preemptions, top_logprobs=list(req.output_top_logprobs),
         )
 
     def kv_cache_info(self) -> dict[str, int]:

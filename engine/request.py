@@ -32,6 +32,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per generated token, the `top_logprobs` most likely (token id, logprob) when the request asked for them."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prefix-cache hit (tokens) found when first scheduled; -1 until then."""
@@ -87,6 +89,7 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str | None
     num_preemptions: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

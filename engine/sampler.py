@@ -1,22 +1,58 @@
-"""Sampling from float32 logits: greedy, temperature, top-k, top-p, per-request seeds. Returns the chosen token and
-its log-probability under the raw (untempered) distribution, as `transformers` reports it."""
+"""Batched sampling from float32 logits, one call per step for every row that needs a token.
+
+    raw logits --log_softmax--> logprobs returned (chosen token + top-k alternatives), as `transformers` reports
+         |
+         +- repetition / presence / frequency penalties   (rows that ask; token history from the request)
+         +- logit_bias                                    (one scatter over every biased (row, token))
+         +- min_tokens: EOS and stop_token_ids -> -inf     (rows still short of min_tokens)
+         |
+         +- greedy rows: argmax
+         +- other rows:  / temperature -> top-k and top-p (one descending sort) -> exponential race
+                          argmax(probs / q), q ~ Exp(1): one draw per row from the request's own generator when
+                          it has a seed, from the sampler's generator otherwise
+
+Every step is a fixed number of tensor operations whatever the batch holds; Python loops only build index lists
+(penalised rows' token histories, biased tokens) and draw seeded rows' noise. vLLM semantics: presence and
+frequency penalties count output tokens; the repetition penalty applies to prompt and output tokens (logit / p
+when positive, * p when negative).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
+TopLogprobs = list[tuple[int, float]]
+
+
+class _History(Protocol):
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
 
 class Sampler:
-    """Ownership: the runner calls `sample` once per step on the rows that need a token. Per-request generators
-    (seeded requests) live here until `forget(request_id)`."""
+    """Ownership: the runner calls `sample` once per step on the rows that need a token (step thread). Per-request
+    generators (seeded requests) live here until `forget(request_id)`. The engine `bind`s a lookup from request id
+    to the request (for penalties and min_tokens) and its EOS ids; after each `sample`, `take_top_logprobs()` hands
+    over the alternatives computed for rows that asked for them."""
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.global_gen = torch.Generator(device=device)
         self.global_gen.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self._lookup: Callable[[str], _History | None] = lambda rid: None
+        self._eos: tuple[int, ...] = ()
+        self._top: dict[str, TopLogprobs] = {}
+
+    def bind(self, lookup: Callable[[str], _History | None], eos_token_ids: Sequence[int]) -> None:
+        self._lookup = lookup
+        self._eos = tuple(eos_token_ids)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -31,30 +67,137 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    def take_top_logprobs(self) -> dict[str, TopLogprobs]:
+        """{request id: [(token id, logprob), ...] best first} of the last `sample`, for rows with top_logprobs."""
+        top, self._top = self._top, {}
+        return top
+
+    # -- the step ------------------------------------------------------------------------------------------------
     def sample(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> tuple[list[int], list[float]]:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = torch.argmax(logits, dim=-1)
-        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            if p.greedy:
-                continue
-            tokens[row] = self._sample_row(logits[row], p, self._generator(rid, p))
+        x = self._process(logits, request_ids, params)
+        tokens = torch.argmax(x, dim=-1)
+        if not all(p.greedy for p in params):
+            tokens = torch.where(self._greedy_mask(params), tokens, self._sample(x, request_ids, params))
         chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+        self._top_logprobs(logprobs, request_ids, params)
         return tokens.tolist(), chosen.tolist()
 
-    @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-        scaled = logits / p.temperature
-        if p.top_k > 0 and p.top_k < scaled.shape[-1]:
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            drop = (cum - sorted_probs) > p.top_p  # keep the smallest set whose mass reaches top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=gen)[0]
+    def _greedy_mask(self, params: list[SamplingParams]) -> torch.Tensor:
+        return torch.tensor([p.greedy for p in params], device=self.device)
+
+    def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """Penalties, logit bias and min_tokens masking; returns `logits` itself when no row asks for any."""
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        x = logits
+        if rows:
+            x = x.clone()
+            self._penalise(x, rows, rids, params)
+        bias_rows, bias_ids, bias_vals = [], [], []
+        for i, p in enumerate(params):
+            for tid, b in p.logit_bias or ():  # type: ignore[misc]
+                if tid < x.shape[-1]:
+                    bias_rows.append(i)
+                    bias_ids.append(tid)
+                    bias_vals.append(b)
+        if bias_rows:
+            x = x.clone() if x is logits else x
+            x.index_put_((self._t(bias_rows), self._t(bias_ids)),
+                         torch.tensor(bias_vals, dtype=x.dtype, device=self.device), accumulate=True)
+        mask_rows, mask_ids = self._min_tokens_masks(rids, params, x.shape[-1])
+        if mask_rows:
+            x = x.clone() if x is logits else x
+            x[self._t(mask_rows), self._t(mask_ids)] = float("-inf")
+        return x
+
+    def _t(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _penalise(self, x: torch.Tensor, rows: list[int], rids: list[str], params: list[SamplingParams]) -> None:
+        vocab = x.shape[-1]
+        hist = [self._lookup(rids[r]) for r in rows]
+        outputs = [h.output_token_ids if h is not None else [] for h in hist]
+        prompts = [h.prompt_token_ids if h is not None else [] for h in hist]
+        n = len(rows)
+        counts = torch.zeros(n, vocab + 1, dtype=x.dtype, device=self.device)  # column `vocab` absorbs bad ids
+        local = list(chain.from_iterable([j] * len(o) for j, o in enumerate(outputs)))
+        if local:
+            ids = self._t(list(chain.from_iterable(outputs))).clamp_(0, vocab)
+            counts.index_put_((self._t(local), ids), torch.ones(len(local), dtype=x.dtype, device=self.device),
+                              accumulate=True)
+        seen = counts > 0
+        rep = [params[r].repetition_penalty for r in rows]
+        if any(v != 1.0 for v in rep):
+            in_prompt = torch.zeros(n, vocab + 1, dtype=torch.bool, device=self.device)
+            local_p = list(chain.from_iterable([j] * len(p) for j, p in enumerate(prompts)))
+            if local_p:
+                ids = self._t(list(chain.from_iterable(prompts))).clamp_(0, vocab)
+                in_prompt[self._t(local_p), ids] = True
+            hit = (seen | in_prompt)[:, :vocab]
+            r = torch.tensor(rep, dtype=x.dtype, device=self.device).unsqueeze(1)
+            sub = x[rows]
+            sub = torch.where(hit, torch.where(sub > 0, sub / r, sub * r), sub)
+            x[rows] = sub
+        freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=x.dtype, device=self.device)
+        pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=x.dtype, device=self.device)
+        x[rows] -= freq.unsqueeze(1) * counts[:, :vocab] + pres.unsqueeze(1) * seen[:, :vocab].to(x.dtype)
+
+    def _min_tokens_masks(self, rids: list[str], params: list[SamplingParams], vocab: int
+                          ) -> tuple[list[int], list[int]]:
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, p in enumerate(params):
+            if p.min_tokens <= 0:
+                continue
+            h = self._lookup(rids[i])
+            if h is not None and len(h.output_token_ids) >= p.min_tokens:
+                continue
+            banned = {t for t in (*self._eos, *p.stop_token_ids) if t < vocab}
+            rows += [i] * len(banned)
+            ids += sorted(banned)
+        return rows, ids
+
+    def _sample(self, x: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """One token per row by temperature, top-k, top-p and the exponential race (greedy rows get a value too;
+        the caller ignores it)."""
+        vocab = x.shape[-1]
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=x.dtype,
+                            device=self.device)
+        x = x / temp.unsqueeze(1)
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p):
+            x = self._top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.global_gen)
+        for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
+            if p.seed is not None and not p.greedy:
+                q[i].exponential_(generator=self._generator(rid, p))
+        return torch.argmax(probs / q, dim=-1)
+
+    def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """Keep each row's top_k logits and then the smallest set whose probability reaches top_p; -inf the rest."""
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        pos = torch.arange(x.shape[-1], device=self.device).unsqueeze(0)
+        drop = pos >= self._t(top_k).unsqueeze(1)
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        p = torch.tensor(top_p, dtype=x.dtype, device=self.device).unsqueeze(1)
+        probs = torch.softmax(sorted_x, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        sorted_x = sorted_x.masked_fill((cum - probs) > p, float("-inf"))
+        return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
+
+    def _top_logprobs(self, logprobs: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> None:
+        k = max((p.top_logprobs for p in params), default=0)
+        self._top = {}
+        if k <= 0:
+            return
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        values_l, ids_l = values.tolist(), ids.tolist()
+        for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
+            if p.top_logprobs > 0:
+                self._top[rid] = list(zip(ids_l[i][: p.top_logprobs], values_l[i][: p.top_logprobs], strict=True))

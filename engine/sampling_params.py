@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -12,8 +13,15 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     temperature 0 means greedy. top_k 0 (or -1) disables top-k. `stop` strings end generation when they appear in
-    the decoded output (the text is cut before the stop string); `stop_token_ids` end it when sampled (the token is
-    kept). EOS ends generation unless `ignore_eos`."""
+    the decoded output (the text is cut before the stop string, or after it with `include_stop_str_in_output`);
+    `stop_token_ids` end it when sampled (the token is kept). EOS ends generation unless `ignore_eos`.
+
+    vLLM semantics for the rest: `presence_penalty` / `frequency_penalty` (subtracted from the logits of tokens the
+    output already holds, once / per occurrence), `repetition_penalty` (logits of tokens in the prompt or output
+    divided by it when positive, multiplied when negative; 1 = off), `min_tokens` (EOS and stop_token_ids masked,
+    stop strings not checked, until that many tokens), `logit_bias` ({token id: bias} added to the logits),
+    `logprobs` (return the chosen token's logprob; always computed) with `top_logprobs` alternatives per step.
+    Penalties and biases shape sampling; the returned logprobs are those of the raw model distribution."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -23,6 +31,14 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    """Given as a dict (vLLM) or pairs; stored as sorted (token id, bias) pairs (hashable)."""
+    include_stop_str_in_output: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,6 +48,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in pairs)) or None)
         self._validate()
 
     def _validate(self) -> None:
@@ -56,7 +75,28 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {v!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or \
+                not 0 <= self.top_logprobs <= 20:
+            raise bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        for t, b in self.logit_bias or ():  # type: ignore[misc]
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise bad(f"logit_bias keys must be token ids, got {t!r}")
+            if not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                raise bad(f"logit_bias values must be in [-100, 100], got {b!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+

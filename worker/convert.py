@@ -18,6 +18,13 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        repetition_penalty=float(p.repetition_penalty) if p.HasField("repetition_penalty") else 1.0,
+        min_tokens=int(p.min_tokens),
+        logit_bias={int(k): float(v) for k, v in p.logit_bias.items()} or None,
+        include_stop_str_in_output=bool(p.include_stop_str_in_output),
+        top_logprobs=int(p.top_logprobs) if p.logprobs else 0,
     )
 
 
