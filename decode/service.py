@@ -11,10 +11,12 @@ import time
 
 import grpc
 
-from decode.consumer import Consumer
+from decode.consumer import Consumer, PendingPull
 from engine.core import EngineCore
+from kvtransfer.binding import new_nonce, verify_membership
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
+from worker.auth import token_metadata
 from worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from worker.convert import sampling_params_from_proto, stats_response
 
@@ -22,11 +24,22 @@ log = logging.getLogger("hybridpd.decode")
 
 
 class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
-    def __init__(self, ctx: WorkerContext, policy: str = "recompute", pull_timeout_s: float = 10.0) -> None:
+    """Which prefill workers D pulls from: with a cluster token, those that prove they hold it (HMAC over D's nonce
+    in the handshake); with `prefill_peers`, only those addresses; with neither (an open development cluster), any.
+    A peer is bound to the address it was verified at: Commit goes there, never to an address a caller names."""
+
+    def __init__(self, ctx: WorkerContext, policy: str = "recompute", pull_timeout_s: float = 10.0,
+                 prefill_peers: tuple[str, ...] = (), commit_timeout_s: float = 5.0) -> None:
         self.ctx = ctx
-        self.consumer = Consumer(policy, pull_timeout_s)
-        self._peers: dict[tuple[str, str], object] = {}
+        metrics = ctx.agent.metrics if ctx.agent is not None else None
+        self.consumer = Consumer(policy, pull_timeout_s, commit=self._start_commit, metrics=metrics)
+        self.prefill_peers = frozenset(prefill_peers)
+        self.commit_timeout_s = commit_timeout_s
+        self._peers: dict[tuple[str, str], tuple[object, str]] = {}
+        """(P worker id, epoch) -> (NIXL peer handle, the gRPC address it was verified at)."""
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._metrics_at = 0.0
         ctx.aengine.hooks.append(self._hook)
         # while a pull is in flight and nothing else runs, poll it every 100 us rather than every 5 ms: an idle
@@ -42,32 +55,78 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             self._metrics_at = now
             self.ctx.metrics.update(core, extra_waiting=len(self.consumer.pending))
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:
+        return pb_grpc.PrefillServiceStub(self._channel(address))
+
+    def _unknown_peer(self, tp: pb.TransferParams, why: str) -> None:
+        log.warning("not pulling from %s (worker %s): %s", tp.prefill_address, tp.worker_id, why)
+        if self.consumer.metrics is not None:
+            self.consumer.metrics.transfer_failed("unknown_peer")
+
     async def _peer(self, tp: pb.TransferParams):  # type: ignore[no-untyped-def]
-        """Handshake with P (cached per worker id + epoch). None when P is unreachable or restarted (stale epoch)
-        or incompatible: the request is then computed locally (or failed, per policy)."""
+        """Handshake with P (cached per worker id + epoch). None when P is unknown (not listed, or cannot prove
+        it holds the cluster token), unreachable, restarted (stale epoch) or incompatible: the request is then
+        computed locally (or failed, per policy)."""
         key = (tp.worker_id, tp.epoch)
-        if key in self._peers:
-            return self._peers[key]
+        known = self._peers.get(key)
+        if known is not None:
+            if known[1] != tp.prefill_address:
+                self._unknown_peer(tp, f"worker {tp.worker_id} was verified at {known[1]}")
+                return None
+            return known[0]
         agent = self.ctx.agent
         if agent is None:
             return None
+        if self.prefill_peers and tp.prefill_address not in self.prefill_peers:
+            self._unknown_peer(tp, "address not among --prefill-peer")
+            return None
         async with self._peer_lock:
             if key in self._peers:
-                return self._peers[key]
+                return await self._peer(tp)
+            token = self.ctx.cluster_token
+            nonce = new_nonce()
             try:
-                async with grpc.aio.insecure_channel(tp.prefill_address) as ch:
-                    md = await pb_grpc.PrefillServiceStub(ch).GetTransferMetadata(pb.TransferMetadataRequest(),
-                                                                                  timeout=5.0)
-                if md.epoch != tp.epoch:
-                    log.warning("prefill worker %s restarted (epoch %s != %s): recomputing", tp.worker_id,
-                                md.epoch, tp.epoch)
+                md = await self._prefill_stub(tp.prefill_address).GetTransferMetadata(
+                    pb.TransferMetadataRequest(nonce=nonce), timeout=5.0, metadata=token_metadata(token))
+                if md.epoch != tp.epoch or md.worker_id != tp.worker_id:
+                    log.warning("prefill worker at %s is %s/%s, params name %s/%s (restarted?): recomputing",
+                                tp.prefill_address, md.worker_id, md.epoch, tp.worker_id, tp.epoch)
+                    return None
+                if token and not verify_membership(token, nonce, md.worker_id, md.epoch, md.agent_metadata,
+                                                   md.proof):
+                    self._unknown_peer(tp, "it cannot prove it holds the cluster token")
                     return None
                 peer = await asyncio.to_thread(agent.add_peer, md.agent_metadata)
             except Exception as e:  # noqa: BLE001 - unreachable, incompatible, corrupted metadata
                 log.warning("handshake with prefill worker %s failed: %s", tp.prefill_address, e)
                 return None
-            self._peers[key] = peer
+            self._peers[key] = (peer, tp.prefill_address)
             return peer
+
+    # -- commit: step thread -> event loop -> step thread -----------------------------------------------------------
+    def _start_commit(self, p: PendingPull) -> None:
+        """Step thread: a pull's READ is DONE; ask P (on the event loop) whether its lease was still held."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._commit(p.req.request_id, p.params, p.digest), self._loop)
+
+    async def _commit(self, rid: str, tp: pb.TransferParams, digest: bytes) -> None:
+        req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest)
+        address = self._peers.get((tp.worker_id, tp.epoch), (None, tp.prefill_address))[1]
+        try:
+            resp = await self._prefill_stub(address).Commit(
+                req, timeout=self.commit_timeout_s, metadata=token_metadata(self.ctx.cluster_token))
+            committed, reason = resp.committed, resp.reason
+        except grpc.aio.AioRpcError as e:  # P unreachable or frozen: its lease cannot be confirmed
+            committed, reason = False, f"commit failed: {e.code().name}"
+        except Exception as e:  # noqa: BLE001
+            committed, reason = False, f"commit failed: {e}"
+        self.ctx.aengine.call(lambda core: self.consumer.on_commit(core, rid, committed, reason))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
         rid = request.request_id
@@ -79,6 +138,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         want_logprobs = request.sampling_params.logprobs
         salt = request.cache_salt or None
         tp = request.params if request.HasField("params") else None
+        self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         if tp is not None and tp.num_computed_tokens > 0 and peer is None and self.consumer.policy == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill worker is not possible")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -33,13 +34,20 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from deploy.cli import engine_config_from_args
+    from worker.auth import load_cluster_token
     from worker.bootstrap import WorkerOptions, run_worker
 
     cfg = engine_config_from_args(args)
+    try:
+        token = load_cluster_token(args.cluster_token_file)
+    except ValueError as e:
+        print(f"hybridpd worker: {e}", file=sys.stderr)
+        return 2
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
-                         model_name=args.model_name)
+                         model_name=args.model_name, cluster_token=token,
+                         prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction)
     return run_worker(cfg, opts)
 
 
@@ -104,6 +112,15 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--transfer-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--pull-timeout", type=float, default=10.0)
     p.add_argument("--model-name", default=None)
+    p.add_argument("--cluster-token-file", default=None,
+                   help="file holding the cluster's shared token, required on every worker RPC (default: env "
+                        "HYBRIDPD_CLUSTER_TOKEN_FILE, else HYBRIDPD_CLUSTER_TOKEN; none: RPCs are open)")
+    p.add_argument("--prefill-peer", action="append", default=None, metavar="ADDR",
+                   help="decode: pull only from this prefill worker address (repeatable; default: any prefill "
+                        "worker that proves it holds the cluster token)")
+    p.add_argument("--max-pinned-fraction", type=float, default=0.5,
+                   help="prefill: share of each cache pool that leased, not yet pulled pages may pin; beyond it "
+                        "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")

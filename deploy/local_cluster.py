@@ -59,9 +59,13 @@ class Cluster:
 
 def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
-                  decode_env: dict[str, str] | None = None) -> Cluster:
+                  decode_env: dict[str, str] | None = None, cluster_token: str | None = None) -> Cluster:
+    """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
+    workers get it through HYBRIDPD_CLUSTER_TOKEN)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    if cluster_token:
+        env["HYBRIDPD_CLUSTER_TOKEN"] = cluster_token
     started: list[WorkerProcess] = []
     try:
         for _ in range(0 if colocated else num_prefill):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -158,10 +159,15 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
 
     from proxy.config import ProxyConfig
     from proxy.server import run as run_proxy
+    from worker.auth import TOKEN_ENV, load_cluster_token
 
     host = "127.0.0.1" if args.address is None and not os.environ.get("RAY_ADDRESS") else "node"
+    env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    if load_cluster_token() is None and args.address is None:
+        # a cluster of our own: its workers accept only calls that carry this token (the proxy here sends it)
+        os.environ[TOKEN_ENV] = env_vars[TOKEN_ENV] = secrets.token_hex(32)
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}} if args.address is None else None)
+             runtime_env={"env_vars": env_vars} if args.address is None else None)
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode

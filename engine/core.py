@@ -164,7 +164,11 @@ class EngineCore:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
         out: SchedulerOutput = self.scheduler.schedule()
         params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
-        sampled = self.runner.execute(out, params)
+        try:
+            sampled = self.runner.execute(out, params)
+        except Exception:
+            self.cache.on_step_failed()
+            raise
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.num_tokens
         advanced = self.scheduler.update_from_output(out, sampled)

@@ -5,6 +5,7 @@
     hybridpd_kv_transfer_descriptors{role}             histogram: descriptors per pull (coalesced runs x regions)
     hybridpd_kv_transfer_failures_total{role, reason}  reason: timeout | nixl_error | stale_epoch | ...
     hybridpd_kv_lease_expired_total{role}              leases freed by the reaper (consumer never released)
+    hybridpd_kv_admission_refused_total{role}          prefills refused: too many pages pinned for transfers
 
 Families are created once per registry (a second `TransferMetrics` on the same registry reuses them), so tests pass
 their own `CollectorRegistry` and workers use the default global one.
@@ -30,6 +31,7 @@ class _Families:
     descriptors: Histogram
     failures: Counter
     lease_expired: Counter
+    admission_refused: Counter
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -65,6 +67,12 @@ def _families_for(registry: CollectorRegistry) -> _Families:
                     "hybridpd_kv_transfer_failures", "Failed pulls by reason", ["role", "reason"], registry=registry
                 ),
                 Counter("hybridpd_kv_lease_expired", "Leases freed by the reaper", ["role"], registry=registry),
+                Counter(
+                    "hybridpd_kv_admission_refused",
+                    "Prefills refused because too many pages are pinned for transfers (RESOURCE_EXHAUSTED)",
+                    ["role"],
+                    registry=registry,
+                ),
             )
             _families[registry] = fam
         return fam
@@ -74,14 +82,25 @@ class TransferMetrics:
     """Metric handles bound to one worker role ("prefill" | "decode"). Thread-safe (prometheus_client is)."""
 
     FAILURE_REASONS = ("timeout", "nixl_error", "stale_epoch", "cancelled")
+    """Pull failures (D), and D's refusals before pulling. Fail-closed outcomes (issue 12), each counted and each
+    ending in a recompute or an error, never in pulled data being used:
+      D: lease_expired (no time left on the lease to pull), prompt_mismatch (params are not this prompt's),
+         unknown_peer (not a prefill worker of this cluster), lease_lost (P's Commit said no);
+      P: commit_unknown_lease | commit_stale_epoch | commit_token_mismatch | commit_prompt_mismatch."""
+    FAIL_CLOSED_REASONS = {
+        "decode": ("lease_expired", "prompt_mismatch", "unknown_peer", "lease_lost"),
+        "prefill": ("commit_unknown_lease", "commit_stale_epoch", "commit_token_mismatch", "commit_prompt_mismatch"),
+    }
 
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.role = role
         self._f = _families_for(registry if registry is not None else REGISTRY)
         # Export event counters at 0 from the start, so dashboards show 0 rather than "no data".
-        for reason in self.FAILURE_REASONS:
+        for reason in self.FAILURE_REASONS + self.FAIL_CLOSED_REASONS.get(role, ()):
             self._f.failures.labels(role, reason)
         self._f.lease_expired.labels(role)
+        if role == "prefill":
+            self._f.admission_refused.labels(role)
         # children bound once: labels() costs 3-20 us a call, and transfer_done runs on the handover path
         self._seconds = self._f.seconds.labels(role)
         self._descriptors = self._f.descriptors.labels(role)
@@ -98,6 +117,9 @@ class TransferMetrics:
 
     def transfer_failed(self, reason: str) -> None:
         self._f.failures.labels(self.role, reason).inc()
+
+    def admission_refused(self) -> None:
+        self._f.admission_refused.labels(self.role).inc()
 
     def leases_expired(self, n: int) -> None:
         if n:

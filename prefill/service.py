@@ -13,8 +13,9 @@ import grpc
 
 from engine.core import EngineCore
 from engine.request import Request
+from kvtransfer.binding import new_lease_token, prompt_digest
 from kvtransfer.errors import StaleEpochError
-from kvtransfer.lease import LeaseTable
+from kvtransfer.lease import CommitRefused, LeaseTable
 from kvtransfer.metrics import TransferMetrics
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
@@ -25,13 +26,19 @@ log = logging.getLogger("hybridpd.prefill")
 
 
 class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
-    def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0) -> None:
+    def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0, max_pinned_fraction: float = 0.5) -> None:
+        if not 0 < max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in (0, 1], got {max_pinned_fraction}")
         self.ctx = ctx
         self.tmetrics = TransferMetrics("prefill")
         # wall clock: lease expiry travels to D and the proxy as unix time
         self.leases = LeaseTable(ctx.epoch, lease_seconds, clock=time.time, metrics=self.tmetrics)
         self.held: dict[str, tuple[Request, int | None]] = {}
         """request id -> (prefilled request holding its caches, pinned checkpoint slot). Step thread only."""
+        self.max_pinned_fraction = max_pinned_fraction
+        self._reserved: dict[str, dict[int, int]] = {}
+        """request id -> {group id: pages} of prefills admitted but not yet leased (they will be pinned). Step
+        thread only. Admission keeps pinned + reserved pages of each group within max_pinned_fraction of it."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         ctx.aengine.on_finished.append(self._on_finished)
         ctx.aengine.hooks.append(self._hook)
@@ -45,15 +52,56 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         if ckpt_slot is not None and core.cache.recurrent is not None:
             core.cache.recurrent.pool.free([ckpt_slot])
 
-    def _release(self, request_id: str, epoch: str | None = None) -> bool:
-        """Step thread. Idempotent; a release meant for another epoch of this worker is ignored."""
+    def _release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> bool:
+        """Step thread. Idempotent; a release meant for another epoch of this worker, or presenting another
+        lease's token, is ignored."""
         try:
-            lease = self.leases.release(request_id, epoch)
+            lease = self.leases.release(request_id, epoch, token)
         except StaleEpochError:
             return False
         if lease is not None:
             self._free(request_id)
         return lease is not None
+
+    def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        """Step thread. D's READ completed: was the lease still held (pages pinned throughout) for this prompt?"""
+        try:
+            lease = self.leases.commit(request.request_id, request.epoch, request.lease_token,
+                                       request.prompt_digest)
+        except CommitRefused as e:
+            if request.request_id in self.held and request.request_id not in self.leases:
+                self._free(request.request_id)  # ended by a prompt mismatch
+            self.tmetrics.transfer_failed(f"commit_{e.reason}")
+            log.warning("commit of %s refused: %s", request.request_id, e.reason)
+            return pb.CommitResponse(committed=False, reason=e.reason)
+        self._free(lease.request_id)
+        return pb.CommitResponse(committed=True)
+
+    def _pages_needed(self, core: EngineCore, num_tokens: int) -> dict[int, int]:
+        need = {g.group_id: 2 for g in core.groups if not g.is_attention}  # running state + a checkpoint
+        if core.cache.attention is not None:
+            need[core.cache.attention.group.group_id] = -(-num_tokens // core.cache.block_size)
+        return need
+
+    def _admit(self, core: EngineCore, request_id: str, num_tokens: int) -> str | None:
+        """Step thread. Reserve the pages this prefill will pin; None if admitted, else why not."""
+        need = self._pages_needed(core, num_tokens)
+        busy: dict[int, int] = {}
+        for lease in (self.leases.get(rid) for rid in self.held):
+            for gid, ids in (lease.pages_by_group.items() if lease is not None else ()):
+                busy[gid] = busy.get(gid, 0) + len(ids)
+        for pages in self._reserved.values():
+            for gid, n in pages.items():
+                busy[gid] = busy.get(gid, 0) + n
+        if busy:  # one request alone is always admitted, however long: it could never run otherwise
+            for s in core.cache.pool_stats():
+                gid, total = int(s["group_id"]), int(s["total"])  # type: ignore[call-overload]
+                cap = self.max_pinned_fraction * total
+                if busy.get(gid, 0) + need.get(gid, 0) > cap:
+                    return (f"{busy.get(gid, 0)} of {total} {s['kind']} pages are pinned or reserved for "
+                            f"transfers (cap {self.max_pinned_fraction:.0%}); retry later or on another worker")
+        self._reserved[request_id] = need
+        return None
 
     def _hook(self, core: EngineCore) -> None:
         expired = self.leases.reap()
@@ -63,16 +111,19 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             self._free(lease.request_id)
         if self.ctx.agent is not None:
             for notice in self.ctx.agent.poll_releases():
-                self._release(notice.request_id, notice.epoch)
+                # unauthenticated NIXL traffic: only a notice with the lease's token ends it
+                self._release(notice.request_id, notice.epoch, notice.token)
         if self.ctx.metrics is not None:
             self.ctx.metrics.update(core)
 
     def _on_finished(self, req: Request) -> None:
         waiter = self._waiters.pop(req.request_id, None)
+        self._reserved.pop(req.request_id, None)
         if req.finish_reason != "prefilled":
             if waiter is not None:
                 loop, fut = waiter
-                loop.call_soon_threadsafe(_set_exc, fut, RuntimeError(f"prefill ended: {req.finish_reason}"))
+                loop.call_soon_threadsafe(_set_exc, fut, RuntimeError(
+                    f"prefill ended: {req.finish_reason}" + (f" ({req.stop_reason})" if req.stop_reason else "")))
             return
         core: EngineCore = self.ctx.core
         ckpt_tokens, ckpt_slot = 0, None
@@ -86,13 +137,14 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         if core.cache.recurrent is not None:
             slots = [core.cache.state_slot(req.request_id)] + ([ckpt_slot] if ckpt_slot is not None else [])
             pages[core.cache.recurrent.group.group_id] = slots
+        n = req.num_computed_tokens
+        digest = prompt_digest(req.prompt_token_ids, n, req.cache_salt)
         self.held[req.request_id] = (req, ckpt_slot)
-        lease = self.leases.grant(req.request_id, pages)
+        lease = self.leases.grant(req.request_id, pages, token=new_lease_token(), prompt_digest=digest)
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
             return
         bs = core.cache.block_size
-        n = req.num_computed_tokens
         groups = []
         if core.cache.attention is not None:
             blocks = core.cache.block_ids(req.request_id)[: -(-n // bs)]
@@ -102,6 +154,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             state_slot=max(core.cache.state_slot(req.request_id), 0), num_computed_tokens=n,
             num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expires_at,
             checkpoint_slot=ckpt_slot or 0, checkpoint_num_tokens=ckpt_tokens if ckpt_slot else 0,
+            lease_token=lease.token, prompt_digest=digest,
         )
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
                                   num_cached_tokens=max(req.num_cached_tokens, 0))
@@ -129,21 +182,39 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         fut: asyncio.Future = loop.create_future()
         self._waiters[rid] = (loop, fut)
         salt = request.cache_salt or None
+
+        def add(core: EngineCore) -> str | None:
+            refusal = self._admit(core, rid, target)
+            if refusal is None:
+                try:
+                    core.add_request(rid, prompt, params, salt, compute_target=target)
+                except BaseException:
+                    self._reserved.pop(rid, None)
+                    raise
+            return refusal
+
         try:
-            await run_engine_call(
-                self.ctx, context, lambda c: c.add_request(rid, prompt, params, salt, compute_target=target))
+            refusal = await run_engine_call(self.ctx, context, add)
+            if refusal is not None:
+                self._waiters.pop(rid, None)
+                self.tmetrics.admission_refused()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             return await fut
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
-            self.ctx.aengine.call(lambda c: (c.abort(rid), self._release(rid)))
+            self.ctx.aengine.call(lambda c: (c.abort(rid), self._reserved.pop(rid, None), self._release(rid)))
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
             raise
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        released = await self.ctx.aengine.acall(lambda c: self._release(request.request_id, request.epoch or None))
+        released = await self.ctx.aengine.acall(
+            lambda c: self._release(request.request_id, request.epoch or None, request.lease_token or None))
         return pb.ReleaseResponse(released=bool(released))
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        return await self.ctx.aengine.acall(lambda c: self._commit(request))
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         def stats(core: EngineCore) -> pb.StatsResponse:

@@ -31,6 +31,9 @@ class WorkerOptions:
     pull_timeout_s: float = 10.0
     model_name: str | None = None
     enable_transfer: bool = True
+    cluster_token: str | None = None  # worker.auth.load_cluster_token(); None = open development cluster
+    prefill_peers: tuple[str, ...] = ()  # decode: pull only from these P addresses (empty: any that proves the token)
+    max_pinned_fraction: float = 0.5  # prefill: pages pinned for transfers, at most this share of each pool
 
 
 def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
@@ -60,7 +63,13 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     aengine = AsyncEngine(core)
     model_name = opts.model_name or os.path.basename(os.path.normpath(config.model.path))
     role = "decode" if opts.role == "colocated" else opts.role
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)])
+    from worker.auth import TokenInterceptor
+
+    interceptors = [TokenInterceptor(opts.cluster_token)] if opts.cluster_token else []
+    if not opts.cluster_token:
+        log.warning("no cluster token (HYBRIDPD_CLUSTER_TOKEN / --cluster-token-file): this worker's RPCs are open "
+                    "to anyone who can reach %s:%s", opts.host, opts.port)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)], interceptors=interceptors)
     port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     metrics_port = opts.metrics_port
     if metrics_port >= 0:
@@ -68,7 +77,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         metrics_port = srv.server_port
     ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
-                        metrics=WorkerMetrics(role))
+                        metrics=WorkerMetrics(role), cluster_token=opts.cluster_token)
     if opts.enable_transfer and opts.role != "colocated":
         from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics
@@ -84,12 +93,13 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     if role == "prefill":
         from prefill.service import PrefillServicer
 
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(ctx, opts.lease_seconds), server)
+        pb_grpc.add_PrefillServiceServicer_to_server(
+            PrefillServicer(ctx, opts.lease_seconds, opts.max_pinned_fraction), server)
     else:
         from decode.service import DecodeServicer
 
         pb_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(ctx, opts.transfer_policy, opts.pull_timeout_s), server)
+            DecodeServicer(ctx, opts.transfer_policy, opts.pull_timeout_s, opts.prefill_peers), server)
     await server.start()
     print(json.dumps({"event": "ready", "role": role, "address": ctx.address, "grpc_port": port,
                       "metrics_port": ctx.metrics_port, "worker_id": ctx.worker_id, "epoch": ctx.epoch,

@@ -27,6 +27,9 @@ class WorkerContext:
     metrics: WorkerMetrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cluster_token: str | None = None
+    """Shared secret of the cluster (worker.auth): required on this worker's RPCs, sent on its calls to peers,
+    and the key of the membership proof in GetTransferMetadata. None: an open development cluster."""
 
     @property
     def core(self):  # type: ignore[no-untyped-def]
@@ -55,10 +58,15 @@ class WorkerRpcs:
     ctx: WorkerContext
 
     async def GetTransferMetadata(self, request, context) -> pb.TransferMetadata:  # type: ignore[no-untyped-def]
-        agent = self.ctx.agent
+        from kvtransfer.binding import membership_proof
+
+        agent, ctx = self.ctx.agent, self.ctx
+        meta = agent.local_metadata() if agent is not None else b""
+        proof = membership_proof(ctx.cluster_token, request.nonce, ctx.worker_id, ctx.epoch, meta) \
+            if ctx.cluster_token and request.nonce else b""
         return pb.TransferMetadata(
-            agent_metadata=agent.local_metadata() if agent is not None else b"", worker_id=self.ctx.worker_id,
-            epoch=self.ctx.epoch, compat_hash=agent.layout.compat_hash if agent is not None else "",
+            agent_metadata=meta, worker_id=ctx.worker_id, epoch=ctx.epoch,
+            compat_hash=agent.layout.compat_hash if agent is not None else "", proof=proof,
         )
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]

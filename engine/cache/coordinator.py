@@ -164,6 +164,11 @@ class HybridCacheManager:
         if self.recurrent is not None:
             self.recurrent.release_step_refs()
 
+    def on_step_failed(self) -> None:
+        """The step's forward raised: nothing it wrote is published (its requests are ended by the caller)."""
+        if self.recurrent is not None:
+            self.recurrent.drop_step_refs()
+
     def free(self, req: Request) -> None:
         if self.attention is not None:
             self.attention.free(req.request_id)

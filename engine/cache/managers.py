@@ -159,6 +159,12 @@ class RecurrentManager:
         self.pool.free(self.step_refs)
         self.pending, self.step_refs = [], []
 
+    def drop_step_refs(self) -> None:
+        """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores."""
+        self.pool.free(p.slot for p in self.pending)
+        self.pool.free(self.step_refs)
+        self.pending, self.step_refs = [], []
+
     def free(self, req_id: str) -> None:
         slot = self.running_slot.pop(req_id, None)
         if slot is not None:

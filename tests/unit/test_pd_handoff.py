@@ -1,0 +1,313 @@
+"""The P/D handoff fails closed, driven in one process without NIXL: the real PrefillServicer and DecodeServicer over
+two EngineCores of the same tiny model, a fake pull that copies pages between their cache tensors, and D's Commit
+answered by P's servicer directly.
+
+Every scenario's tokens are compared with the colocated engine's (itself checked against transformers in
+test_engine_oracle.py). Faults: P's lease expires and its pages are reused while D reads them (the issue-12 freeze),
+params of another prompt (with its own digest, and with a digest forged to match), a lease already expired by D's
+clock, P unreachable at Commit, and a failing engine step on P. None may yield wrong tokens or poison D's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+import decode.consumer as consumer_mod
+from decode.service import DecodeServicer
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core import EngineCore
+from kvtransfer.binding import prompt_digest
+from kvtransfer.pull import PullResult, PullState
+from prefill.service import PrefillServicer
+from proto import hybridpd_pb2 as pb
+from tests.oracle import random_prompts
+from worker.context import WorkerContext
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+NEW = 6
+MODEL = "nemotron_attn_mid"
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+class FakeContext:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(path=model, dtype="float32", device="cpu"),
+                        cache=CacheConfig(block_size=16, checkpoint_interval=32, kv_cache_memory_bytes=8 * 2**20))
+
+
+@dataclass
+class FakeHandle:
+    """A pull that copies P's pages into D's on its first poll. `during_read` runs just before the copy (a fault
+    injected while the READ is in flight)."""
+
+    p: EngineCore
+    d: EngineCore
+    spec: Any
+    during_read: Callable[[], None] | None = None
+    result: PullResult | None = None
+
+    def poll(self) -> PullState:
+        if self.result is None:
+            if self.during_read is not None:
+                self.during_read()
+            for maps_src, maps_dst in ((self.spec.src_blocks, self.spec.dst_blocks),
+                                       (self.spec.src_state_slots, self.spec.dst_state_slots)):
+                for gid, src in maps_src.items():
+                    src_t = torch.tensor(list(src))
+                    dst_t = torch.tensor(list(maps_dst[gid]))
+                    for ps, ds in zip(self.p.runner.group_tensors[gid], self.d.runner.group_tensors[gid], strict=True):
+                        ds.index_copy_(0, dst_t, ps.index_select(0, src_t))
+            self.result = PullResult(self.spec.request_id, PullState.DONE, "recompute", 0, 0, 0.0)
+        return self.result.state
+
+    def cancel(self) -> None:
+        pass
+
+
+class DirectStub:
+    """D's view of P's gRPC service, answered by P's servicer in process (or failing like an unreachable P)."""
+
+    def __init__(self, servicer: PrefillServicer, down: bool = False) -> None:
+        self.servicer, self.down = servicer, down
+
+    async def Commit(self, req: pb.CommitRequest, timeout: float, metadata: Any) -> pb.CommitResponse:
+        if self.down:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+        return await self.servicer.Commit(req, FakeContext())  # type: ignore[arg-type]
+
+
+@dataclass
+class Pair:
+    p_core: EngineCore
+    d_core: EngineCore
+    p: PrefillServicer
+    d: DecodeServicer
+    during_read: Callable[[], None] | None = None
+    p_down: bool = False
+    pulls: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.p.ctx.aengine.shutdown()
+        self.d.ctx.aengine.shutdown()
+
+
+async def make_pair(model: str, monkeypatch: pytest.MonkeyPatch, lease_seconds: float = 30.0,
+                    max_pinned_fraction: float = 0.5) -> Pair:
+    p_core, d_core = EngineCore(_config(model)), EngineCore(_config(model))
+    p_ctx = WorkerContext(role="prefill", aengine=AsyncEngine(p_core), model_name="m", address="p:1")
+    d_ctx = WorkerContext(role="decode", aengine=AsyncEngine(d_core), model_name="m", address="d:1")
+    p = PrefillServicer(p_ctx, lease_seconds, max_pinned_fraction)
+    d = DecodeServicer(d_ctx)
+    pair = Pair(p_core, d_core, p, d)
+
+    def fake_start_pull(peer: Any, spec: Any, **kw: Any) -> FakeHandle:
+        assert spec.notify_done is False and spec.lease_token  # D ends the lease by Commit, never by a notice
+        pair.pulls.append(spec)
+        return FakeHandle(p_core, d_core, spec, pair.during_read)
+
+    async def fake_peer(tp: pb.TransferParams) -> object:
+        return object()
+
+    monkeypatch.setattr(consumer_mod, "start_pull", fake_start_pull)
+    monkeypatch.setattr(d, "_peer", fake_peer)
+    monkeypatch.setattr(d, "_prefill_stub", lambda address: DirectStub(p, pair.p_down))
+    return pair
+
+
+def _sp() -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+async def prefill(pair: Pair, rid: str, prompt: list[int]) -> pb.TransferParams:
+    resp = await pair.p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp()),
+                                FakeContext())  # type: ignore[arg-type]
+    return resp.params
+
+
+async def generate(pair: Pair, rid: str, prompt: list[int], params: pb.TransferParams | None) -> list[int]:
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp())
+    if params is not None:
+        req.params.CopyFrom(params)
+    toks: list[int] = []
+    async for chunk in pair.d.Generate(req, FakeContext()):  # type: ignore[arg-type]
+        toks += list(chunk.token_ids)
+    return toks
+
+
+async def settle(pair: Pair) -> None:
+    """Both engines idle, every pool consistent, nothing pinned on P."""
+    def check(core: EngineCore) -> None:
+        assert not core.has_unfinished()
+        core.cache.check_integrity()
+
+    await pair.p.ctx.aengine.acall(check)
+    await pair.d.ctx.aengine.acall(check)
+    assert len(pair.p.leases) == 0 and not pair.p.held and not pair.d.consumer.pending
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts([70, 70, 90], vocab=256, seed=5)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint_dir, prompts):  # type: ignore[no-untyped-def]
+    llm = LLM(model=checkpoint_dir(MODEL), checkpoint_interval=32, kv_cache_memory_bytes=8 * 2**20)
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def test_handoff_commits_and_matches_colocated(checkpoint_dir, monkeypatch, prompts, expected):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            tp = await prefill(pair, "a", prompts[0])
+            assert tp.lease_token and tp.prompt_digest == prompt_digest(prompts[0], len(prompts[0]) - 1)
+            assert await generate(pair, "a", prompts[0], tp) == expected[0]
+            assert pair.d.consumer.num_recomputed == 0 and len(pair.pulls) == 1
+            await settle(pair)  # Commit ended P's lease
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_lease_lost_during_the_read_means_recompute_and_no_poisoned_cache(checkpoint_dir, monkeypatch, prompts,
+                                                                          expected):  # type: ignore[no-untyped-def]
+    """The issue-12 reproduction: D is slow past P's lease; P reaps it and reuses the pages for other requests
+    while D's READ is still copying them. D must not use (or cache) what it read."""
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            tp = await prefill(pair, "a", prompts[0])
+
+            def expire_and_reuse() -> None:
+                def on_p(core: EngineCore) -> None:
+                    for lease in pair.p.leases.reap(now=time.time() + 3600):
+                        pair.p._free(lease.request_id)
+                    for t in (t for ts in core.runner.group_tensors.values() for t in ts):
+                        t.fill_(1e30)  # the freed pages now hold other requests' data
+                pair.p.ctx.aengine.call(on_p).result(timeout=30)
+
+            pair.during_read = expire_and_reuse
+            assert await generate(pair, "a", prompts[0], tp) == expected[0]
+            assert pair.d.consumer.num_refused == {"lease_lost": 1} and pair.d.consumer.num_recomputed == 1
+            pair.during_read = None
+            # D's prefix cache holds the recomputed prompt, not the garbage: a colocated repeat hits it
+            assert await generate(pair, "a2", prompts[0], None) == expected[0]
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_foreign_params_are_refused_before_the_pull_and_at_commit(checkpoint_dir, monkeypatch, prompts,
+                                                                   expected):  # type: ignore[no-untyped-def]
+    """Cache poisoning through forged params: Generate(prompt A, params of prompt B)."""
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            a, b = prompts[0], prompts[1]
+            tp_b = await prefill(pair, "b", b)
+            assert await generate(pair, "x1", a, tp_b) == expected[0]  # B's digest: refused before any pull
+            assert pair.d.consumer.num_refused == {"prompt_mismatch": 1} and not pair.pulls
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("b")).result()
+
+            tp_b = await prefill(pair, "b2", b)
+            forged = pb.TransferParams()
+            forged.CopyFrom(tp_b)
+            forged.prompt_digest = prompt_digest(a, len(a) - 1)  # a forger also rewrites the digest
+            assert await generate(pair, "b2", a, forged) == expected[0]
+            assert len(pair.pulls) == 1  # D pulled B's pages, and P's Commit refused them for prompt A
+            assert pair.d.consumer.num_refused == {"prompt_mismatch": 1, "lease_lost": 1}
+            assert await generate(pair, "a-again", a, None) == expected[0]  # nothing of B cached under A
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_expired_lease_and_unreachable_commit(checkpoint_dir, monkeypatch, prompts, expected):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch, lease_seconds=0.5)
+        try:
+            tp = await prefill(pair, "a", prompts[0])
+            await asyncio.sleep(0.6)
+            assert await generate(pair, "a", prompts[0], tp) == expected[0]  # D's clock: no time left to pull
+            assert pair.d.consumer.num_refused == {"lease_expired": 1} and not pair.pulls
+
+            pair.p.leases.ttl_s = 30.0
+            tp = await prefill(pair, "c", prompts[2])
+            pair.p_down = True  # P cannot confirm: D must not trust the bytes it read
+            assert await generate(pair, "c", prompts[2], tp) == expected[2]
+            assert pair.d.consumer.num_refused == {"lease_expired": 1, "lease_lost": 1}
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("c")).result()
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_on_p_fails_the_prefill_at_once_and_leaks_nothing(checkpoint_dir, monkeypatch,
+                                                                         prompts):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            def boom(*a: Any, **kw: Any) -> Any:
+                raise RuntimeError("injected device fault")
+
+            monkeypatch.setattr(pair.p_core.runner, "execute", boom)
+            t0 = time.monotonic()
+            with pytest.raises(Aborted) as e:
+                await asyncio.wait_for(prefill(pair, "a", prompts[0]), timeout=5)
+            assert time.monotonic() - t0 < 1.0 and "injected device fault" in str(e.value)
+            usage = await pair.p.ctx.aengine.acall(lambda c: [s["in_use"] for s in c.cache.pool_stats()])
+            assert usage == [0] * len(usage)
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_pinned_pages_are_capped_and_refused_with_resource_exhausted(checkpoint_dir, monkeypatch,
+                                                                     prompts):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch, max_pinned_fraction=0.02)
+        try:
+            await prefill(pair, "a", prompts[0])  # alone: always admitted
+            with pytest.raises(Aborted) as e:
+                await prefill(pair, "b", prompts[1])
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("a")).result()
+            await prefill(pair, "b", prompts[1])  # room again
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("b")).result()
+            await settle(pair)
+            assert not pair.p._reserved
+        finally:
+            pair.close()
+
+    asyncio.run(run())
