@@ -23,10 +23,13 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class ModelRunner:
     def __init__(
         self, model: CausalLM, groups: list[CacheGroup], plan: CapacityPlan, num_layers: int, device: torch.device,
-        seed: int = 0, zero_fresh_blocks: bool = True,
+        seed: int = 0, zero_fresh_blocks: bool = True, fast_path: bool | None = None,
     ) -> None:
         self.model = model
         self.device = device
+        self.fast_path = device.type == "cuda" if fast_path is None else fast_path
+        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA. The CPU reference otherwise."""
+        self.conv_width = 0
         self.block_size = plan.block_size
         self.caches: list[LayerCache] = [None] * num_layers
         self.attention_tensors: list[torch.Tensor] = []  # one per attention group: [blocks, layers, 2, bs, ...]
@@ -34,6 +37,10 @@ class ModelRunner:
         self.group_tensors: dict[int, tuple[torch.Tensor, ...]] = {}
         for g in groups:
             self._allocate(g, plan)
+            if isinstance(g.spec, RecurrentStateSpec):
+                self.conv_width = g.spec.conv_shape[1] + 1
+        if self.fast_path:
+            getattr(model, "enable_fast_path", lambda: None)()
         self.sampler = Sampler(device, seed)
         self.zero_fresh_blocks = zero_fresh_blocks
         self.zeroer = None
@@ -119,6 +126,8 @@ class ModelRunner:
         self.zero_blocks(out.fresh_blocks)
         if out.is_empty:
             return {}
+        if self.fast_path:
+            return self._execute_fast(out, params)
         batch = self.build_batch(out)
         hidden = self.model.forward(batch, self.caches)
         rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs, strict=True) if o.sample]
@@ -126,5 +135,21 @@ class ModelRunner:
             return {}
         rids = [o.request_id for o in out.seqs if o.sample]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
+        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}
+
+    def _execute_fast(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
+        """The batched path: metadata built vectorised and uploaded once, one forward, logits of sampled rows."""
+        from engine.models.varlen import build_varlen
+
+        sample = [o.sample for o in out.seqs]
+        meta = build_varlen(out.seqs, self.block_size, self.conv_width, self.device, sample=sample)
+        batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
+                             seqs=[], block_size=self.block_size, varlen=meta)
+        hidden = self.model.forward(batch, self.caches)
+        rids = [o.request_id for o in out.seqs if o.sample]
+        if not rids:
+            return {}
+        logits = self.model.compute_logits(hidden[meta.sample_rows])
         tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
         return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}

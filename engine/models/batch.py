@@ -15,6 +15,7 @@ tensor and are never read or written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # int64 [T]; attention cache slot = block_id * block_size + offset; -1 = pad
     seqs: list[SeqInfo]
     block_size: int
+    varlen: Any = None
+    """engine.models.varlen.VarlenMetadata on the batched fast path (then `seqs` is empty), else None."""
 
     @property
     def num_tokens(self) -> int:

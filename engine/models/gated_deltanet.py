@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.cache.specs import RecurrentStateSpec
 from engine.models.base import StateCache
+from engine.models.fast_path import gdn_mixer
 from engine.models.layers import (
     RecurrentDecode,
     RecurrentSeq,
@@ -37,6 +38,7 @@ from engine.models.layers import (
     segsum,
     to_chunks,
 )
+from engine.models.varlen import VarlenMetadata
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
         self.act = get_activation(cfg.activation)
 
-    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
         """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
         cfg = self.cfg
         n = hidden.shape[0]
@@ -159,6 +161,10 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(hidden).view(n, cfg.num_v_heads, cfg.head_v_dim)
         beta = self.in_proj_b(hidden).sigmoid().float()
         g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
+        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
+            core = gdn_mixer(self, qkv, g, beta, cache, meta)
+            out = self.norm(core.to(hidden.dtype), z)
+            return self.out_proj(out.reshape(n, cfg.value_dim))
         core = torch.zeros(n, cfg.num_v_heads, cfg.head_v_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)

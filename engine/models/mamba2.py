@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.cache.specs import RecurrentStateSpec
 from engine.models.base import StateCache
+from engine.models.fast_path import mamba2_mixer
 from engine.models.layers import (
     RecurrentDecode,
     RecurrentSeq,
@@ -33,6 +34,7 @@ from engine.models.layers import (
     segsum,
     to_chunks,
 )
+from engine.models.varlen import VarlenMetadata
 
 
 @dataclass(frozen=True)
@@ -141,10 +143,13 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.use_bias)
         self.act = get_activation(cfg.activation)
 
-    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
         """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
         cfg = self.cfg
         gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
+            y = mamba2_mixer(self, xbc, dt, cache, meta)
+            return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
         y = torch.zeros(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)

@@ -20,7 +20,8 @@ from torch import nn
 from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
-from engine.models.layers import MLP, RMSNorm, StepMetadata, paged_attention
+from engine.models.fast_path import attention, grouped_moe_available, moe_routed, stack_experts
+from engine.models.layers import MLP, RMSNorm, StepMetadata
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
@@ -147,7 +148,7 @@ class NemotronHAttention(nn.Module):
         q = self.q_proj(h).view(n, self.heads, self.head_dim)
         k = self.k_proj(h).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5)
+        out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -191,13 +192,23 @@ class NemotronHMoE(nn.Module):
         )
         self.shared_experts = MLP(a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_hidden_act, a.mlp_bias)
         self.latent = a.moe_latent_size is not None
+        self.grouped = False
+        """True once `use_grouped_gemm` stacked the experts (fast path: bf16 on CUDA)."""
         if self.latent:
             self.fc1_latent_proj = nn.Linear(a.hidden_size, in_dim, bias=a.mlp_bias)
             self.fc2_latent_proj = nn.Linear(in_dim, a.hidden_size, bias=a.mlp_bias)
 
+    def use_grouped_gemm(self) -> None:
+        stack_experts(self)
+        self.grouped = True
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(h)
         x = self.fc1_latent_proj(h) if self.latent else h
+        if self.grouped and grouped_moe_available(x):
+            out = moe_routed(self, x, weights, idx).to(h.dtype)
+            out = self.fc2_latent_proj(out) if self.latent else out
+            return out + self.shared_experts(h)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(idx).tolist():
             tok, pos = torch.where(idx == e)
@@ -276,11 +287,17 @@ class NemotronHForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        meta = StepMetadata.build(batch, device)
+        meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
         h = self.backbone.embeddings(batch.input_ids.to(device))
         for i, layer in enumerate(self.backbone.layers):
             h = layer(h, caches[i], meta)
         return self.backbone.norm_f(h)
+
+    def enable_fast_path(self) -> None:
+        """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs."""
+        for layer in self.backbone.layers:
+            if layer.layer_type == "moe":
+                layer.mixer.use_grouped_gemm()
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

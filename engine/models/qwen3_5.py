@@ -22,6 +22,7 @@ from torch import nn
 from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
+from engine.models.fast_path import attention
 from engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from engine.models.layers import (
     GatedMLP,
@@ -29,7 +30,6 @@ from engine.models.layers import (
     StepMetadata,
     ZeroCenteredRMSNorm,
     apply_rotary,
-    paged_attention,
 )
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -153,7 +153,7 @@ class Qwen3_5Attention(nn.Module):
         v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
+        out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
@@ -223,12 +223,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        meta = StepMetadata.build(batch, device)
+        meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
         h = self.model.embed_tokens(batch.input_ids.to(device))
         rope = self.rotary.cos_sin(meta.positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, caches[i], meta)
         return self.model.norm(h)
+
+    def enable_fast_path(self) -> None:
+        """Nothing to prepare (no MoE layers in the dense Qwen3.5 text model)."""
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Paged attention for a flat varlen batch (prefill chunks with prefix hits and decodes in one launch), and the
+K/V write into the paged cache. Triton; runs under TRITON_INTERPRET=1 on CPU for tests.
+
+One program per (sequence, query tile, KV head). Its rows are (query token, query head of the KV head's group):
+
+    rows r = i * G + g   (i: query token of the tile, g: head in the GQA group, G = heads // kv_heads)
+    query token i of the sequence sits at context position ctx_len - q_len + i and sees positions <= that one
+    context position p lives at block_table[seq, p // block_size], offset p % block_size
+
+Keys are visited in tiles of BLOCK_N positions with an online softmax in fp32; probabilities are rounded to the
+value dtype before the P @ V product (as the reference rounds its probabilities to the query dtype). fp32 inputs use
+IEEE fp32 dot products (no TF32). Sequences with ctx_len 0 (padded rows) output zeros and read nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_vt, stride_blk, stride_kv, stride_tok,
+                     BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr, WIDTH_P2: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        cols = tl.arange(0, WIDTH_P2)
+        m = cols < WIDTH
+        dst = cache_ptr + blk * stride_blk + off * stride_tok + cols
+        tl.store(dst, tl.load(k_ptr + t * stride_kt + cols, mask=m).to(cache_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + stride_kv, tl.load(v_ptr + t * stride_vt + cols, mask=m).to(cache_ptr.dtype.element_ty),
+                 mask=m)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, KVH, D] -> kv_cache [blocks, 2, block_size, KVH, D] at slot_mapping (PAD_SLOT_ID rows skipped)."""
+    T = k.shape[0]
+    if T == 0:
+        return
+    assert kv_cache.stride(3) == kv_cache.shape[4] and kv_cache.stride(4) == 1, "KVH x D must be contiguous"
+    k2, v2 = k.reshape(T, -1), v.reshape(T, -1)
+    width = k2.shape[1]
+    _write_kv_kernel[(T,)](k2, v2, kv_cache, slot_mapping, k2.stride(0), v2.stride(0), kv_cache.stride(0),
+                           kv_cache.stride(1), kv_cache.stride(2), BLOCK_SIZE=kv_cache.shape[2], WIDTH=width,
+                           WIDTH_P2=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _attention_kernel(q_ptr, cache_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr, scale,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_kv, stride_tok, stride_kvh,
+                      stride_table, BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    s = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(q_len_ptr + s)
+    ctx_len = tl.load(ctx_len_ptr + s)
+    if tile * BLOCK_M >= q_len:
+        return
+    q0 = tl.load(q_start_ptr + s)
+    R: tl.constexpr = BLOCK_M * G
+    r = tl.arange(0, R)
+    i = tile * BLOCK_M + r // G
+    head = h * G + r % G
+    row_ok = i < q_len
+    d = tl.arange(0, HEAD_DIM)
+    q_off = (q0 + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    out_off = (q0 + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if ctx_len == 0:
+        tl.store(out_ptr + out_off, tl.zeros([R, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        return
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    q_pos = ctx_len - q_len + i  # context position of each row's query token
+    kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_M)
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, HEAD_DIM], tl.float32)
+    for n0 in range(0, kv_end, BLOCK_N):
+        p = n0 + tl.arange(0, BLOCK_N)
+        p_ok = p < kv_end
+        blk = tl.load(table_ptr + s * stride_table + p // BLOCK_SIZE, mask=p_ok, other=0)
+        base = blk.to(tl.int64) * stride_blk + (p % BLOCK_SIZE) * stride_tok + h * stride_kvh
+        k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        visible = (p[None, :] <= q_pos[:, None]) & p_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        prob = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        v = tl.load(cache_ptr + base[:, None] + stride_kv + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
+        if IEEE:
+            pv = tl.dot(prob.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(prob.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                           ctx_len: torch.Tensor, block_table: torch.Tensor, max_q_len: int, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D]; kv_cache [blocks, 2, block_size, KVH, D] (a layer's slice of the stacked cache, K/V of this
+    step already written); per sequence s: q_start/q_len/ctx_len int32 [S], block_table int32 [S, W].
+    Returns out [T, H, D] in q's dtype (rows of no sequence are left as they are in `out`, zeros if allocated)."""
+    T, H, D = q.shape
+    kvh = kv_cache.shape[3]
+    G = H // kvh
+    assert G * kvh == H and (G & (G - 1)) == 0 and (D & (D - 1)) == 0, "power-of-two group size and head dim"
+    assert kv_cache.stride(4) == 1 and q.stride(2) == 1
+    if out is None:
+        out = torch.zeros_like(q)
+    S = q_start.shape[0]
+    if S == 0 or T == 0:
+        return out
+    rows = 16 if max_q_len == 1 else 64
+    block_m = max(1, rows // G)
+    block_n = 64 if D <= 128 else 32
+    grid = (S, triton.cdiv(max_q_len, block_m), kvh)
+    _attention_kernel[grid](
+        q, kv_cache, out, q_start, q_len, ctx_len, block_table, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        BLOCK_SIZE=kv_cache.shape[2], G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=4 if D <= 128 else 8,
+    )
+    return out
+
+
+__all__ = ["paged_attention_varlen", "write_kv"]

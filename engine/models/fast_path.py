@@ -1,0 +1,257 @@
+"""The batched fast path of the mixers (CUDA): the same computation as the reference code in layers.py, mamba2.py,
+gated_deltanet.py and nemotron_h.py, without per-sequence Python loops. A layer takes this path when its metadata
+is a `VarlenMetadata` (built once per step by the runner); with a `StepMetadata` it runs the reference.
+
+    attention      write_kv + one paged varlen attention launch (engine.kernels.paged_attention)
+    recurrent      decode rows: conv_step + mamba_step / gdn_step kernels, slots updated in place
+                   prefill rows: conv over the extended buffer (K gathers, fp32), then fla-core's chunked kernels
+                   (chunk_simple_gla for Mamba-2's SSD, chunk_gated_delta_rule for GDN), one varlen call per round
+    MoE            routing on the device, tokens sorted by expert, torch._grouped_mm (bf16), no host sync
+
+fla-core is imported here only, lazily, on the first prefill step that needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.base import StateCache
+from engine.models.varlen import RecurrentPrefill, VarlenMetadata
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
+              scale: float) -> torch.Tensor:
+    """Paged attention for either metadata kind (reference per-sequence code for StepMetadata)."""
+    if not isinstance(meta, VarlenMetadata):
+        from engine.models.layers import paged_attention
+
+        return paged_attention(q, k, v, kv_cache, meta, scale)
+    from engine.kernels.paged_attention import paged_attention_varlen, write_kv
+
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    return paged_attention_varlen(q, kv_cache, meta.q_start, meta.q_len, meta.ctx_len, meta.block_table,
+                                  meta.max_q_len, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# recurrent helpers
+
+
+def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 pre: RecurrentPrefill) -> torch.Tensor:
+    """Causal depthwise conv of every prefill token (pre-activation, xbc's dtype, fp32 accumulation), continuing
+    each sequence's conv state; writes the conv state at every cut into its slots. Returns [P, C] in pre.rows
+    order."""
+    C, K = weight.shape
+    ext = xbc.new_zeros(pre.ext_size, C)
+    ext[pre.ext_x] = xbc[pre.rows]
+    if pre.init_index.numel() > 0:
+        init = xbc.new_zeros(pre.num_seqs, C, K - 1)
+        init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
+        ext[pre.ext_state] = init.transpose(1, 2).reshape(-1, C)
+    w = weight.float()
+    out = torch.zeros(pre.rows.shape[0], C, dtype=torch.float32, device=xbc.device)
+    for k in range(K):
+        out += ext[pre.ext_x - (K - 1 - k)].float() * w[:, k]
+    if bias is not None:
+        out += bias.float()
+    conv[pre.cut_slot] = ext[pre.cut_ext].transpose(1, 2).to(conv.dtype)
+    return out.to(xbc.dtype)
+
+
+def _initial_states(ssm: torch.Tensor, pre: RecurrentPrefill) -> torch.Tensor:
+    h0 = torch.zeros(pre.num_seqs, *ssm.shape[1:], dtype=torch.float32, device=ssm.device)
+    if pre.init_index.numel() > 0:
+        h0[pre.init_index] = ssm[pre.init_slot].float()
+    return h0
+
+
+def _run_rounds(pre: RecurrentPrefill, ssm: torch.Tensor, out: torch.Tensor, call) -> None:  # type: ignore[no-untyped-def]
+    """Round by round: `call(round, initial_states) -> (o [n, ...], final_states)`; o goes to out[round.rows];
+    final states go to the round's destination slots and seed the next round."""
+    states = _initial_states(ssm, pre)
+    for r in pre.rounds:
+        init = states if r.init_prev is None else states[r.init_prev]
+        o, states = call(r, init.contiguous())
+        out[r.rows] = o.to(out.dtype)
+        ssm[r.dest_slot] = states[r.dest_index].to(ssm.dtype)
+
+
+def _per_sequence(r, init: torch.Tensor, segment) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """CPU stand-in for one varlen chunked call: `segment(a, b, h0) -> (o, h_end)` per sequence of the round."""
+    cu = r.cu_seqlens_cpu.tolist()
+    outs, finals = [], []
+    for i in range(len(cu) - 1):
+        o, h = segment(cu[i], cu[i + 1], init[i])
+        outs.append(o)
+        finals.append(h)
+    return torch.cat(outs), torch.stack(finals)
+
+
+def copy_checkpoints(cache: StateCache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.numel() > 0:
+        cache.conv[dst] = cache.conv[src]
+        cache.ssm[dst] = cache.ssm[src]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mamba-2
+
+
+def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCache, meta: VarlenMetadata
+                 ) -> torch.Tensor:
+    """y [T, H, P] fp32 (with the D skip) of a Mamba2Mixer for every token; updates the state slots."""
+    from engine.kernels.recurrent_step import conv_step, mamba_step
+
+    cfg = mixer.cfg
+    T = xbc.shape[0]
+    y = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
+    A = -torch.exp(mixer.A_log.float())
+    D = mixer.D.float()
+    weight = mixer._conv_weight()
+    d = meta.rec_decode
+    if d is not None:
+        xc = conv_step(xbc[d.rows], cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init)
+        x, B, C = _mamba_split(cfg, mixer.act(xc))
+        y[d.rows] = mamba_step(x, mixer._dt(dt[d.rows]), A, B, C, D, cache.ssm, d.slots, d.has_init)
+        copy_checkpoints(cache, d.copy_src, d.copy_dst)
+    pre = meta.rec_prefill
+    if pre is not None:
+        xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre)
+        x, B, C = _mamba_split(cfg, mixer.act(xc))
+        dtp = mixer._dt(dt[pre.rows])
+        rep = cfg.num_heads // cfg.n_groups
+        v_all = x * dtp[..., None]
+        g_all = dtp * A
+        yp = torch.empty_like(x)
+
+        def call(r, init):  # type: ignore[no-untyped-def]
+            q = C[r.rows].repeat_interleave(rep, dim=1)
+            k = B[r.rows].repeat_interleave(rep, dim=1)
+            if not x.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
+                from engine.models.mamba2 import ssd_segment
+
+                return _per_sequence(r, init, lambda a, b, h: ssd_segment(
+                    x[r.rows][a:b], dtp[r.rows][a:b], A, k[a:b], q[a:b], h, cfg.chunk_size))
+            from fla.ops.simple_gla import chunk_simple_gla
+
+            o, ht = chunk_simple_gla(q[None], k[None], v_all[r.rows][None], g=g_all[r.rows][None], scale=1.0,
+                                     initial_state=init, output_final_state=True, state_v_first=True,
+                                     cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+            return o[0], ht
+
+        _run_rounds(pre, cache.ssm, yp, call)
+        y[pre.rows] = yp + D[:, None] * x
+    return y
+
+
+def _mamba_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activated conv output [n, conv_dim] -> x [n, H, P], B, C [n, G, N] (groups not expanded), fp32."""
+    gn = cfg.n_groups * cfg.state_size
+    x, B, C = xc.float().split([cfg.intermediate_size, gn, gn], dim=-1)
+    n = xc.shape[0]
+    groups = (cfg.n_groups, cfg.state_size)
+    return (x.reshape(n, cfg.num_heads, cfg.head_dim).contiguous(), B.reshape(n, *groups).contiguous(),
+            C.reshape(n, *groups).contiguous())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet
+
+
+def gdn_mixer(mixer: Any, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: StateCache,
+              meta: VarlenMetadata) -> torch.Tensor:
+    """core output [T, Hv, V] fp32 of a GatedDeltaNet for every token; updates the state slots."""
+    from engine.kernels.recurrent_step import conv_step, gdn_step
+
+    cfg = mixer.cfg
+    T = qkv.shape[0]
+    core = torch.zeros(T, cfg.num_v_heads, cfg.head_v_dim, dtype=torch.float32, device=qkv.device)
+    weight = mixer._conv_weight()
+    d = meta.rec_decode
+    if d is not None:
+        xc = conv_step(qkv[d.rows], cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init)
+        q, k, v = _gdn_split(cfg, mixer.act(xc))
+        gd, bd = g[d.rows].contiguous(), beta[d.rows].contiguous()
+        core[d.rows] = gdn_step(q, k, v, gd, bd, cache.ssm, d.slots, d.has_init)
+        copy_checkpoints(cache, d.copy_src, d.copy_dst)
+    pre = meta.rec_prefill
+    if pre is not None:
+        xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre)
+        q, k, v = _gdn_split(cfg, mixer.act(xc))
+        gp, bp = g[pre.rows], beta[pre.rows]
+        out = torch.empty_like(v)
+
+        def call(r, init):  # type: ignore[no-untyped-def]
+            if not qkv.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
+                from engine.models.gated_deltanet import gdn_segment
+
+                rep = cfg.num_v_heads // cfg.num_k_heads
+                qr, kr = (t[r.rows].repeat_interleave(rep, dim=1) for t in (q, k))
+                return _per_sequence(r, init, lambda a, b, h: gdn_segment(
+                    qr[a:b], kr[a:b], v[r.rows][a:b], gp[r.rows][a:b], bp[r.rows][a:b], h, cfg.chunk_size))
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            o, ht = chunk_gated_delta_rule(q[r.rows][None], k[r.rows][None], v[r.rows][None], gp[r.rows][None],
+                                           bp[r.rows][None], scale=1.0, initial_state=init, output_final_state=True,
+                                           cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+            return o[0], ht
+
+        _run_rounds(pre, cache.ssm, out, call)
+        core[pre.rows] = out
+    return core
+
+
+def _gdn_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activated conv output -> q, k [n, Hk, K] (L2-normalised, q scaled; not expanded to Hv), v [n, Hv, V]."""
+    from engine.models.gated_deltanet import l2norm
+
+    n = xc.shape[0]
+    q, k, v = xc.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+    q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim**-0.5
+    k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim))
+    return q.contiguous(), k.contiguous(), v.reshape(n, cfg.num_v_heads, cfg.head_v_dim).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE
+
+
+def stack_experts(moe: Any) -> None:
+    """Stack the routed experts' weights into [E, out, in] tensors once; each expert's weight becomes a view of
+    its row (no second copy stays in memory)."""
+    for name in ("up_proj", "down_proj"):
+        stacked = torch.stack([getattr(e, name).weight.data for e in moe.experts])
+        for i, e in enumerate(moe.experts):
+            getattr(e, name).weight = torch.nn.Parameter(stacked[i], requires_grad=False)
+        setattr(moe, f"stacked_{name}", stacked)
+
+
+def grouped_moe_available(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, weighted scatter-add.
+    x [T, in] bf16; weights fp32 / idx [T, k]. Returns fp32 [T, in]."""
+    T, top = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=moe.stacked_up_proj.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tok = order // top
+    up = torch._grouped_mm(x[tok], moe.stacked_up_proj.transpose(1, 2), offs=offs)
+    act = moe.experts[0].act(up)
+    down = torch._grouped_mm(act, moe.stacked_down_proj.transpose(1, 2), offs=offs)
+    routed = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    routed.index_add_(0, tok, down.float() * weights.reshape(-1)[order, None])
+    return routed
+
+
+__all__ = ["attention", "conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed",
+           "stack_experts"]

@@ -1,0 +1,90 @@
+"""The batched fast path (engine.models.varlen + fast_path + the Triton kernels) against the CPU reference, on CPU:
+the Triton kernels run under TRITON_INTERPRET=1; the chunked prefill scans use the reference per sequence there
+(fla-core's kernels need a GPU: tests/gpu/test_fast_path_cuda.py). Chunked prefill with prefix states, checkpoint
+rounds, MoE, GQA decode; PAD_SLOT_ID rows neither read nor write a slot."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+if "engine.kernels.paged_attention" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+    pytest.skip("Triton kernels already compiled without the interpreter", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.cache.specs import PAD_SLOT_ID  # noqa: E402
+from tests.oracle import random_prompts  # noqa: E402
+
+pytest.importorskip("triton")
+
+CASES = {
+    "nemotron_moe": ("nemotron_h", {"hybrid_override_pattern": "M*ME"}),
+    "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from engine.models.checkpoint import write_random_checkpoint
+
+    def get(name: str) -> str:
+        family, overrides = CASES[name]
+        return write_random_checkpoint(str(tmp_path_factory.mktemp(name)), family, seed=0, **overrides)
+
+    return get
+
+
+def _run(path: str, fast: bool) -> list:  # type: ignore[type-arg]
+    llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24, kv_cache_memory_bytes=32 * 2**20,
+              max_model_len=256, checkpoint_interval=16)
+    runner = llm.engine.runner
+    runner.fast_path = fast
+    if fast:
+        runner.model.enable_fast_path()
+    prompts = random_prompts([5, 37], vocab=256, seed=3)
+    return llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fast_path_matches_reference_fp32(name, model_path, one_torch_thread):  # type: ignore[no-untyped-def]
+    path = model_path(name)
+    ref, fast = _run(path, False), _run(path, True)
+    for a, b in zip(ref, fast, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_decode_kernels_skip_pad_rows():  # type: ignore[no-untyped-def]
+    from engine.kernels.recurrent_step import conv_step, gdn_step, mamba_step
+
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([2, PAD_SLOT_ID, 1])
+    has_init = torch.tensor([1, 1, 0], dtype=torch.int32)
+    conv = torch.randn(3, 8, 3, generator=g)
+    before = conv.clone()
+    conv_step(torch.randn(3, 8, generator=g), conv, torch.randn(8, 4, generator=g), None, slots, has_init)
+    assert torch.equal(conv[0], before[0])  # slot 0 (null) untouched by the padded row
+    assert not torch.equal(conv[2], before[2]) and not torch.equal(conv[1], before[1])
+    ssm = torch.randn(3, 4, 8, 16, generator=g)
+    before = ssm.clone()
+    x = torch.randn(3, 4, 8, generator=g)
+    B, C = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    dt = torch.rand(3, 4, generator=g)
+    mamba_step(x, dt, -torch.rand(4, generator=g), B, C, torch.ones(4), ssm, slots, has_init)
+    assert torch.equal(ssm[0], before[0])
+    # row 2 starts from zeros (has_init = 0): its new state is dt x B^T alone, whatever slot 1 held
+    expect = (dt[2, :, None] * x[2])[..., None] * B[2].repeat_interleave(2, dim=0)[:, None, :]
+    torch.testing.assert_close(ssm[1], expect)
+    state = torch.randn(3, 4, 16, 8, generator=g)
+    before = state.clone()
+    q, k = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    gdn_step(q, k, torch.randn(3, 4, 8, generator=g), -torch.rand(3, 4, generator=g), torch.rand(3, 4, generator=g),
+             state, slots, has_init)
+    assert torch.equal(state[0], before[0])
+    assert not torch.equal(state[2], before[2])
