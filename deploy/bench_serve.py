@@ -53,6 +53,7 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
     prefill_cached_tokens: int = 0
+    transferred_tokens: int = 0
     ttft: float | None = None
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -116,6 +117,7 @@ def _absorb_usage(res: RequestResult, usage: dict[str, Any] | None) -> None:
     res.output_tokens = int(usage.get("completion_tokens", 0))
     res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
     res.prefill_cached_tokens = int((usage.get("hybridpd") or {}).get("prefill_cached_tokens", 0) or 0)
+    res.transferred_tokens = int((usage.get("hybridpd") or {}).get("transferred_tokens", 0) or 0)
 
 
 def _is_token_chunk(event: dict[str, Any]) -> bool:
@@ -225,6 +227,7 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "e2e_ms": percentiles([r.e2e for r in ok]),
         "usage_cached_token_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "usage_prefill_cached_token_rate": sum(r.prefill_cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "usage_transferred_token_rate": sum(r.transferred_tokens for r in ok) / prompt if prompt else 0.0,
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
 
@@ -296,7 +299,8 @@ def print_report(summary: dict[str, Any], workers: dict[str, Any]) -> None:
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         print(f"{key[:-3].upper():<12}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}{s['p99']:>10.2f}")
-    print(f"{'cached prompt (decode, incl. pulled)':<34}{100 * summary['usage_cached_token_rate']:.1f}%")
+    print(f"{'cached prompt (usage cached_tokens)':<34}{100 * summary['usage_cached_token_rate']:.1f}%")
+    print(f"{'pulled from prefill (usage)':<34}{100 * summary['usage_transferred_token_rate']:.1f}%")
     print(f"{'prefix hit (prefill, usage)':<34}{100 * summary['usage_prefill_cached_token_rate']:.1f}%")
     for role, c in workers.items():
         rate = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"

@@ -4,8 +4,11 @@
     GET  /v1/models, GET /v1/cluster                   (auth applies to every /v1/* route)
     GET  /health, GET /metrics                          (no auth: probes and Prometheus)
 
-Per request: read body (413 past max_body_bytes) -> `openai_schema` -> tokenize -> `Generation` -> `responses`.
-A client that disconnects (while we wait on the workers, or mid-stream) gets its request aborted on the workers.
+Per request: read body (413 past max_body_bytes) -> `openai_schema` -> tokenize (worker thread) -> one
+`Generation` per choice (`choices.Choices`) -> `responses`. A client that disconnects (while we wait on the
+workers, or mid-stream) gets its request aborted on the workers. `/health` answers from the `HealthMonitor`'s
+cache (worker details only with the API key). Every 5xx is counted in `hybridpd_requests_total{status="error"}`
+and sent with `Connection: close`; a stream that fails after its 200 ends with an error event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -27,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from proxy import cluster_view
+from proxy.choices import Choices
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, bad_request
 from proxy.generation import Cluster, Delta, Generation, PreparedRequest
@@ -34,12 +39,13 @@ from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
+    StreamOptions,
     parse_chat,
     parse_completion,
     parse_json_object,
     resolve_max_tokens,
 )
-from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse
+from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
 from proxy.workers import WorkerClients
@@ -109,17 +115,24 @@ class _Proxy:
         prefill = None if config.colocated else Router(config.prefill_addrs, config.routing)
         decode = Router(config.decode_addrs, config.routing)
         routers = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
-        self.cluster = Cluster(config=config, clients=WorkerClients(config.control_timeout_s), prefill=prefill,
-                               decode=decode, metrics=ProxyMetrics(routers))
+        clients = WorkerClients(config.control_timeout_s, config.cluster_token)
+        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode,
+                               metrics=ProxyMetrics(routers))
+        self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
+        # tokenization and chat templating run here, never on the event loop
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
 
     # -- input -------------------------------------------------------------------------------------------------
 
-    def check_auth(self, request: Request) -> None:
+    def authorized(self, request: Request) -> bool:
         key = self.config.api_key
         if key is None:
-            return
+            return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+
+    def check_auth(self, request: Request) -> None:
+        if not self.authorized(request):
             raise ApiError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
@@ -128,89 +141,147 @@ class _Proxy:
             raise bad_request(f"{what} need a tokenizer and this server has none; send token ids", param="prompt")
         return self.tokenizer
 
-    def _check_vocab(self, ids: tuple[int, ...]) -> None:
+    def _check_vocab(self, ids: tuple[int, ...], param: str) -> None:
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
         if vocab is not None and ids and max(ids) >= vocab:
-            raise bad_request(f"'prompt' holds token id {max(ids)}, outside the vocabulary (size {vocab})",
-                              param="prompt")
+            raise bad_request(f"'{param}' holds token id {max(ids)}, outside the vocabulary (size {vocab})",
+                              param=param)
 
-    def prepare(self, req: CompletionRequest | ChatRequest, prefix: str) -> PreparedRequest:
+    def _encode_text(self, text: str) -> tuple[int, ...]:
+        tok = self._require_tokenizer("text prompts")
+        if len(text) > tok.max_chars(self.config.max_model_len):
+            raise bad_request(f"the prompt has {len(text)} characters: more tokens than this model's maximum context "
+                              f"length of {self.config.max_model_len}", param="prompt",
+                              code="context_length_exceeded")
+        return tuple(tok.encode(text))
+
+    def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[tuple[tuple[int, ...], str]]:
+        """(token ids, echo text) per prompt. Worker thread."""
         if isinstance(req, ChatRequest):
-            ids = tuple(self._require_tokenizer("chat messages").encode_chat(req.messages))
-            default: int | None = None
-        elif isinstance(req.prompt, str):
-            ids = tuple(self._require_tokenizer("text prompts").encode(req.prompt))
-            default = self.config.default_completion_max_tokens
-        else:
-            ids = req.prompt
-            self._check_vocab(ids)
-            default = self.config.default_completion_max_tokens
-        max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len)
-        sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens)
-        return PreparedRequest(f"{prefix}-{uuid.uuid4().hex}", ids, sampling, req.cache_salt)
+            tok = self._require_tokenizer("chat messages")
+            text = tok.render_chat(req.messages)
+            if len(text) > tok.max_chars(self.config.max_model_len):
+                raise bad_request("the messages hold more tokens than this model's maximum context length of "
+                                  f"{self.config.max_model_len}", param="messages", code="context_length_exceeded")
+            return [(tuple(tok.encode_chat(req.messages)), "")]
+        out = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                out.append((self._encode_text(p), p if req.echo else ""))
+            else:
+                self._check_vocab(p, "prompt")
+                echo = self.tokenizer.decode(p) if req.echo and self.tokenizer is not None else ""
+                out.append((p, echo))
+        return out
+
+    def prepare(self, req: CompletionRequest | ChatRequest, base_id: str) -> tuple[list[PreparedRequest], list[str]]:
+        """Tokenize and check every prompt; one PreparedRequest (and echo text) per choice. Worker thread."""
+        self._check_vocab(tuple(t for t, _ in req.sampling.logit_bias), "logit_bias")
+        default = None if isinstance(req, ChatRequest) else self.config.default_completion_max_tokens
+        single = len(getattr(req, "prompts", (None,))) * req.n == 1
+        prepared: list[PreparedRequest] = []
+        echoes: list[str] = []
+        for ids, echo in self._prompt_ids(req):
+            max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len)
+            for j in range(req.n):
+                seed = req.sampling.seed
+                sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens,
+                                               seed=None if seed is None else seed + j)
+                rid = base_id if single else f"{base_id}-{len(prepared)}"
+                prepared.append(PreparedRequest(rid, ids, sampling, req.cache_salt, counts_prompt=j == 0))
+                echoes.append(echo)
+        return prepared, echoes
 
     async def parse(self, request: Request, chat: bool) -> CompletionRequest | ChatRequest:
         try:
             self.check_auth(request)
             body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
             return parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
-        except ApiError:
-            self.cluster.metrics.count("invalid")
+        except ApiError as err:
+            self._count(err)
             raise
+
+    def _count(self, err: ApiError) -> None:
+        if not err.counted:
+            err.counted = True
+            self.cluster.metrics.count("invalid" if err.status < 500 else "error")
 
     # -- output ------------------------------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
 
+    def visible_text(self, token_id: int) -> str:
+        return self.tokenizer.visible_text(token_id) if self.tokenizer is not None else ""
+
     async def handle(self, request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         req = await self.parse(request, chat)
+        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            prepared = self.prepare(req, "chatcmpl" if chat else "cmpl")
-        except ApiError:
-            self.cluster.metrics.count("invalid")
+            prepared, echoes = await asyncio.get_running_loop().run_in_executor(self.pool, self.prepare, req,
+                                                                                base_id)
+        except ApiError as err:
+            self._count(err)
             raise
-        fmt_cls = ChatFormatter if chat else CompletionFormatter
-        fmt = fmt_cls(prepared.request_id, int(time.time()), req.model, self.token_text, req.sampling.logprobs)
-        gen = Generation(self.cluster, prepared, arrival)
+        logprobs = req.sampling.logprobs
+        fmt: CompletionFormatter | ChatFormatter
+        if chat:
+            fmt = ChatFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs, self.visible_text)
+        else:
+            fmt = CompletionFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs,
+                                      self.visible_text, echo=echoes if any(echoes) else ())
+        choices = Choices([Generation(self.cluster, p, arrival) for p in prepared])
         if req.stream.stream:
-            return await self._stream(request, gen, fmt, req.stream.include_usage)
+            return await self._stream(request, choices, fmt, req.stream)
         try:
-            deltas = await _until_disconnected(request, gen.collect())
+            deltas = await _until_disconnected(request, choices.collect())
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
-            gen.close()
-        return JSONResponse(fmt.full(deltas, gen.usage))
+            choices.close()
+        return JSONResponse(fmt.full(deltas, choices.usages))
 
-    async def _stream(self, request: Request, gen: Generation, fmt: CompletionFormatter | ChatFormatter,
-                      include_usage: bool) -> Response:
-        """Wait for the first output before answering, so early failures get a real status code."""
+    async def _stream(self, request: Request, choices: Choices, fmt: CompletionFormatter | ChatFormatter,
+                      opts: StreamOptions) -> Response:
+        """Wait for every choice's first output before answering, so early failures get a real status code."""
         try:
-            first = await _until_disconnected(request, gen.start())
+            first = await _until_disconnected(request, choices.start())
         except _ClientGone:
-            gen.close()
+            choices.close()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
-            gen.close()
+            choices.close()
             raise
-        return _SSEResponse(self._events(gen, fmt, first, include_usage), on_close=gen.close)
+        return _SSEResponse(self._events(choices, fmt, first, opts), on_close=choices.close)
 
-    async def _events(self, gen: Generation, fmt: CompletionFormatter | ChatFormatter, first: Delta,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, choices: Choices, fmt: CompletionFormatter | ChatFormatter, first: list[Delta],
+                      opts: StreamOptions) -> AsyncIterator[str]:
+        """SSE events; any failure after the 200 ends the stream with an OpenAI-style error event, then [DONE]."""
+        include = opts.include_usage or opts.continuous_usage_stats
+
+        def usage() -> dict[str, Any] | None:
+            return usage_dict(choices.usages) if opts.continuous_usage_stats else None
+
         try:
             if isinstance(fmt, ChatFormatter):
-                yield sse(fmt.role_chunk(include_usage))
-            yield sse(fmt.chunk(first, include_usage))
-            async for delta in gen.rest():
-                yield sse(fmt.chunk(delta, include_usage))
-            if include_usage:
-                yield sse(fmt.usage_chunk(gen.usage))
-        except ApiError as err:  # a worker failed mid-stream: the status line is long gone
+                for i in range(len(first)):
+                    yield sse(fmt.role_chunk(i, include))
+            for i, d in enumerate(first):
+                yield sse(fmt.chunk(i, d, usage(), include))
+            async for i, d in choices.rest():
+                yield sse(fmt.chunk(i, d, usage(), include))
+            if opts.include_usage:
+                yield sse(fmt.usage_chunk(choices.usages))
+        except ApiError as err:  # a worker failed or the deadline passed mid-stream: the status line is long gone
+            self._count(err)
             yield sse(err.body())
+        except Exception as exc:  # noqa: BLE001 - never a torn stream without an error event
+            log.exception("stream failed")
+            choices.record_error()
+            yield sse(ApiError(500, f"internal proxy error: {type(exc).__name__}", code="internal_error").body())
         finally:
-            gen.close()
+            choices.close()
         yield DONE
 
 
@@ -222,8 +293,13 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await proxy.cluster.clients.close()
+        await proxy.monitor.start(first_wait_s=min(2.0, config.control_timeout_s))
+        try:
+            yield
+        finally:
+            await proxy.monitor.stop()
+            await proxy.cluster.clients.close()
+            proxy.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybridpd proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
@@ -231,6 +307,8 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
+        if exc.status >= 500:
+            proxy._count(exc)  # every 5xx is counted once in hybridpd_requests_total{status="error"}
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -245,7 +323,9 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error in the proxy")
-        return ApiError(500, f"internal proxy error: {type(exc).__name__}", code="internal_error").response()
+        err = ApiError(500, f"internal proxy error: {type(exc).__name__}", code="internal_error")
+        proxy._count(err)
+        return err.response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -270,8 +350,8 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
         return await cluster_view.cluster_info(proxy.cluster)
 
     @app.get("/health")
-    async def health() -> Response:
-        ok, body = await cluster_view.health(proxy.cluster)
+    async def health(request: Request) -> Response:
+        ok, body = proxy.monitor.snapshot(detailed=proxy.authorized(request))
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

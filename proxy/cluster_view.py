@@ -1,16 +1,25 @@
 """What the proxy can see of its workers: `GET /health` (readiness) and `GET /v1/cluster` (addresses, metrics
 ports, pool usage from each worker's `Stats`). Probes run concurrently with the control timeout; an unreachable
-worker is reported, never raised."""
+worker is reported, never raised.
+
+`/health` never waits on a worker: `HealthMonitor` (one background task per app, started and stopped by the app's
+lifespan) probes every worker each `health_interval_s` and `/health` answers from its last result, so a stalled
+worker cannot stall the probe. Worker details (addresses, ids, epochs) are shown only to callers holding the API
+key; everyone else sees the status and per-role ready counts."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Any
 
 import grpc
 
 from proxy.generation import Cluster
 from proxy.workers import Role
+
+log = logging.getLogger(__name__)
 
 
 def _roles(cluster: Cluster) -> list[tuple[Role, str]]:
@@ -36,12 +45,63 @@ async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, An
 
 
 async def health(cluster: Cluster) -> tuple[bool, dict[str, Any]]:
-    """Ready when at least one decode worker (and, unless colocated, one prefill worker) reports ready."""
+    """Probe every worker now. Ready when at least one decode worker (and, unless colocated, one prefill worker)
+    reports ready."""
     probes = await asyncio.gather(*(_probe_health(cluster, r, a) for r, a in _roles(cluster)))
     ready_roles = {p["role"] for p in probes if p["ready"]}
     needed = {"decode"} if cluster.prefill is None else {"prefill", "decode"}
     ok = needed <= ready_roles
     return ok, {"status": "ok" if ok else "unavailable", "workers": probes}
+
+
+class HealthMonitor:
+    """Keeps the last `health()` result, refreshed in the background. Event loop only."""
+
+    def __init__(self, cluster: Cluster, interval_s: float) -> None:
+        self.cluster = cluster
+        self.interval_s = interval_s
+        self._ok = False
+        self._body: dict[str, Any] = {"status": "starting", "workers": []}
+        self._checked_at: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._first = asyncio.Event()
+
+    async def refresh(self) -> None:
+        self._ok, self._body = await health(self.cluster)
+        self._checked_at = time.time()
+        self._first.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the monitor must outlive any probe failure
+                log.exception("health refresh failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def start(self, first_wait_s: float) -> None:
+        """Start refreshing; wait up to `first_wait_s` for the first result so a fresh proxy reports truthfully."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            await asyncio.wait_for(self._first.wait(), first_wait_s)
+        except asyncio.TimeoutError:
+            pass
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def snapshot(self, detailed: bool) -> tuple[bool, dict[str, Any]]:
+        """(ready, body) from the last refresh; `detailed` adds each worker's address, id and epoch."""
+        workers = self._body.get("workers", [])
+        body: dict[str, Any] = {"status": self._body["status"], "checked_at": self._checked_at}
+        roles = ["decode"] if self.cluster.prefill is None else ["prefill", "decode"]
+        body["ready"] = {r: sum(1 for w in workers if w["role"] == r and w["ready"]) for r in roles}
+        body["workers_total"] = {r: sum(1 for w in workers if w["role"] == r) for r in roles}
+        if detailed:
+            body["workers"] = workers
+        return self._ok, body
 
 
 async def _probe_stats(cluster: Cluster, role: Role, addr: str) -> dict[str, Any]:

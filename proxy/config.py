@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal
+
+from proxy.credentials import CLUSTER_TOKEN_ENV
 
 RoutingPolicy = Literal["round_robin", "least_loaded"]
 
@@ -15,7 +18,9 @@ class ProxyConfig:
     `prefill_addrs` / `decode_addrs` are gRPC `host:port` strings. With `colocated=True` the prefill workers are
     not used: every request goes straight to a decode worker, which computes the whole prompt itself.
     `tokenizer_path` is the model directory (holding `tokenizer.json`, optionally `tokenizer_config.json`); without
-    it only token-id prompts are accepted. `api_key` set: every `/v1/*` request needs `Authorization: Bearer KEY`.
+    it only token-id prompts are accepted. `api_key` set: every `/v1/*` request needs `Authorization: Bearer KEY`
+    (and `/health` shows worker details only with it). `cluster_token` is sent with every worker RPC as metadata
+    `x-hybridpd-token` (default: env HYBRIDPD_CLUSTER_TOKEN; `proxy.credentials` resolves files and env).
     """
 
     prefill_addrs: tuple[str, ...] = ()
@@ -23,7 +28,7 @@ class ProxyConfig:
     model_name: str = "hybridpd"
     tokenizer_path: str | None = None
     routing: RoutingPolicy = "round_robin"
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 * 1024 * 1024
     max_model_len: int = 4096
     colocated: bool = False
@@ -32,10 +37,18 @@ class ProxyConfig:
     default_completion_max_tokens: int = 16
     """`max_tokens` of a completion request that names none (OpenAI's default); chat defaults to the rest of the
     context (max_model_len - prompt tokens)."""
+    request_timeout_s: float = 600.0
+    """Deadline of one request, arrival to last token. Every worker call of the request gets what is left of it;
+    past it a non-stream request fails with 504 and a stream ends with an error event and `[DONE]`."""
     prefill_timeout_s: float = 300.0
-    """Deadline of one P.Prefill call (queueing included); past it the request fails with 503."""
+    """Cap on one P.Prefill call (queueing included), within the request's deadline; past it: 504."""
     control_timeout_s: float = 5.0
     """Deadline of Health, Stats, Abort and Release calls."""
+    health_interval_s: float = 2.0
+    """How often the background task refreshes worker health; `/health` answers from that cache."""
+    retry_after_s: int = 1
+    """`Retry-After` (seconds) of a 503 sent when every prefill worker answered RESOURCE_EXHAUSTED."""
+    cluster_token: str | None = field(default_factory=lambda: os.environ.get(CLUSTER_TOKEN_ENV) or None, repr=False)
 
     def __post_init__(self) -> None:
         if self.routing not in ("round_robin", "least_loaded"):
@@ -46,5 +59,7 @@ class ProxyConfig:
             raise ValueError("at least one prefill worker address is required (or colocated=True)")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.request_timeout_s > 0 or not self.prefill_timeout_s > 0 or not self.health_interval_s > 0:
+            raise ValueError("request_timeout_s, prefill_timeout_s and health_interval_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -11,6 +11,11 @@ Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate ended with an error status before any chunk      -> D holds no reads of P's blocks: P.Release;
   - otherwise D owns it; a client disconnect only sends D.Abort (D stops its pulls and releases P).
 Cleanup RPCs run in the background (`WorkerClients.abort_later/release_later`): `close()` never awaits.
+
+Deadlines: the request has `config.request_timeout_s` from arrival; Prefill gets what is left (capped by
+`prefill_timeout_s`), Generate the rest. Expiry is a 504 (`errors.timeout_error`). A prefill worker that answers
+RESOURCE_EXHAUSTED (too many pinned leases) is skipped and the next one tried; when all refuse, the request is
+shed with 503 and `Retry-After`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import grpc
 
 from proto import hybridpd_pb2 as pb
 from proxy.config import ProxyConfig
-from proxy.errors import ApiError, from_rpc_error
+from proxy.errors import ApiError, from_rpc_error, timeout_error
 from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import SamplingOptions
 from proxy.routing import Router
@@ -49,6 +54,8 @@ class PreparedRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
     cache_salt: str = ""
+    counts_prompt: bool = True
+    """False for the 2nd..nth sample of a prompt: usage counts its prompt once."""
 
 
 @dataclass(frozen=True)
@@ -59,31 +66,57 @@ class Delta:
     text: str
     logprobs: tuple[float, ...]
     finish_reason: str | None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    """Per token, the worker's most likely (token id, logprob) alternatives, when asked for and sent."""
 
 
 @dataclass
 class Usage:
     """Token counts of one request. `cached_tokens` is D's `num_cached_tokens`: prompt tokens D did not compute
     (its local prefix hit plus tokens pulled from P); `external_cached_tokens` is the pulled part;
-    `prefill_cached_tokens` is P's own prefix hit (0 when colocated)."""
+    `prefill_cached_tokens` is P's own prefix hit (0 when colocated). `counts_prompt` is False for the 2nd..nth
+    sample of a prompt (its prompt is counted once)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     external_cached_tokens: int = 0
     prefill_cached_tokens: int = 0
+    counts_prompt: bool = True
+
+    @property
+    def local_cached_tokens(self) -> int:
+        """Prompt tokens found in a prefix cache where the prompt was computed (OpenAI's `cached_tokens`): P's hit
+        when D took the KV over the transfer, else D's own hit. Transferred tokens are not a cache hit."""
+        if self.external_cached_tokens > 0:
+            return self.prefill_cached_tokens
+        return self.cached_tokens
 
 
 def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
     if s.max_tokens is None:
         raise ValueError("max_tokens must be resolved before the request reaches a worker")
     msg = pb.SamplingParams(max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                            ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+                            ignore_eos=s.ignore_eos, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                            min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
+                            include_stop_str_in_output=s.include_stop_str_in_output)
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(s, name)
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def _top_logprobs(chunk: pb.GenerateChunk) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """`GenerateChunk.top_logprobs` (one entry per token: token_ids + logprobs) once the decode worker sends it;
+    () from workers whose proto has no such field."""
+    entries = getattr(chunk, "top_logprobs", None)
+    if not entries:
+        return ()
+    return tuple(tuple(zip(e.token_ids, e.logprobs, strict=False)) for e in entries)
 
 
 @dataclass
@@ -118,9 +151,16 @@ class Generation:
     def __init__(self, cluster: Cluster, req: PreparedRequest, arrival: float) -> None:
         self.cluster = cluster
         self.req = req
-        self.usage = Usage(prompt_tokens=len(req.prompt_token_ids))
+        self.usage = Usage(prompt_tokens=len(req.prompt_token_ids), counts_prompt=req.counts_prompt)
         self._t = _Timing(arrival=arrival)
         self._s = _State()
+        self._deadline = arrival + cluster.config.request_timeout_s
+
+    def _remaining(self, what: str) -> float:
+        left = self._deadline - time.perf_counter()
+        if left <= 0:
+            raise self._fail(timeout_error(what))
+        return left
 
     @property
     def finished(self) -> bool:
@@ -144,17 +184,28 @@ class Generation:
     # -- steps -------------------------------------------------------------------------------------------------
 
     async def _prefill(self, router: Router) -> pb.TransferParams:
-        addr = router.acquire()
-        self._s.prefill_addr = addr
         req = pb.PrefillRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
-        t0 = time.perf_counter()
-        try:
-            resp = await self.cluster.clients.prefill(addr).Prefill(req, timeout=self.cluster.config.prefill_timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise self._fail(from_rpc_error(err, "prefill", addr)) from None
-        finally:
-            router.release(addr)
+        cfg = self.cluster.config
+        refused: set[str] = set()
+        while True:
+            timeout = min(cfg.prefill_timeout_s, self._remaining("a prefill worker"))
+            addr = router.acquire(exclude=refused)
+            self._s.prefill_addr = addr
+            t0 = time.perf_counter()
+            try:
+                resp = await self.cluster.clients.prefill_call(addr, req, timeout)
+                break
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise self._fail(from_rpc_error(err, "prefill", addr)) from None
+                refused.add(addr)
+                if len(refused) == len(router.addrs):
+                    raise self._fail(ApiError(
+                        503, f"every prefill worker is at capacity ({err.details()}); retry later",
+                        code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
+            finally:
+                router.release(addr)
         self.cluster.metrics.prefill_rpc.observe(time.perf_counter() - t0)
         self._s.prefilled = True
         self._s.prefill_epoch = resp.params.epoch
@@ -166,13 +217,14 @@ class Generation:
         return params
 
     def _open_generate(self, params: pb.TransferParams | None) -> None:
+        timeout = self._remaining("a decode worker")
         addr = self.cluster.decode.acquire()
         self._s.decode_addr = addr
         req = pb.GenerateRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
                                  sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         if params is not None:
             req.params.CopyFrom(params)
-        self._s.call = self.cluster.clients.decode(addr).Generate(req)
+        self._s.call = self.cluster.clients.generate(addr, req, timeout)
 
     async def _next_delta(self) -> Delta:
         """Read chunks until one carries tokens or a finish reason."""
@@ -188,6 +240,10 @@ class Generation:
                 raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "
                                                "finish reason", code="worker_error"))
             self._s.got_chunk = True
+            if chunk.finish_reason == "abort":  # D aborted it (not our client): an error, not a short answer
+                self._s.finished = True
+                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} aborted the request",
+                                          code="aborted"))
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
@@ -213,7 +269,7 @@ class Generation:
         finish = chunk.finish_reason or None
         if finish is not None:
             self._finish(now)
-        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish)
+        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk))
 
     def _finish(self, now: float) -> None:
         self._s.finished = True
@@ -234,6 +290,7 @@ class Generation:
 
     def _fail(self, err: ApiError) -> ApiError:
         self._record("invalid" if err.status < 500 else "error")
+        err.counted = True
         return err
 
     def _release_prefill(self) -> None:
@@ -241,6 +298,10 @@ class Generation:
         if s.prefilled and s.prefill_addr is not None and not s.prefill_released:
             s.prefill_released = True
             self.cluster.clients.release_later(s.prefill_addr, self.req.request_id, s.prefill_epoch)
+
+    def record_error(self) -> None:
+        """An unexpected failure mid-stream (not a worker's status): count it once as an error."""
+        self._record("error")
 
     def close(self) -> None:
         """Idempotent, never blocks. Unfinished: cancel the stream, abort on D (or release on P), count 'aborted'."""

@@ -2,14 +2,23 @@
 
 Checked here: JSON shape, field types (a wrong type is a 400 naming the field), value ranges, the model name
 (404 `model_not_found`), parameters the engine cannot honour (400 naming them; a parameter set to its no-op
-default, e.g. `best_of: 1` or `presence_penalty: 0`, is accepted). Unknown fields are ignored. Prompt length
-checks need token counts, so they run after tokenization (`resolve_max_tokens`). Body size is checked by the app.
+default, e.g. `best_of: 1` or `tools: []`, is accepted). Unknown fields are ignored. Prompt length and logit_bias
+token ids need the tokenizer, so they are checked after tokenization (`resolve_max_tokens`, the app). Body size is
+checked by the app. Strings holding a lone UTF-16 surrogate (`"\ud800"`, valid JSON, not valid text) and JSON
+nested too deeply are 400s.
+
+Semantics follow vLLM's OpenAI server: `n` samples per prompt, `logprobs` (completions: int 0..20 alternatives;
+chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2], `repetition_penalty` > 0 (1 = off),
+`min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `stop` + `include_stop_str_in_output`, a list of
+prompts, `echo` (completions, without logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`),
+`user` (accepted, unused).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +26,9 @@ from typing import Any
 from proxy.errors import ApiError, bad_request
 
 _INT64_MAX = 2**63 - 1
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -32,23 +44,34 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    """Alternatives per token (0..20) besides the chosen one; only with `logprobs`."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)
 class StreamOptions:
     stream: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """`/v1/completions`: the prompt is text or token ids (a batch of one is unwrapped)."""
+    """`/v1/completions`: one or more prompts, each text or token ids; `n` choices per prompt."""
 
     model: str
-    prompt: str | tuple[int, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
     sampling: SamplingOptions
     stream: StreamOptions
     cache_salt: str = ""
+    n: int = 1
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,7 @@ class ChatRequest:
     sampling: SamplingOptions
     stream: StreamOptions
     cache_salt: str = ""
+    n: int = 1
 
 
 def _is_none(v: Any) -> bool:
@@ -78,11 +102,6 @@ def _falsy(v: Any) -> bool:
 
 # Parameter -> "this value is a no-op default" predicate. Anything else is rejected, naming the parameter.
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _falsy,
-    "presence_penalty": _falsy,
-    "frequency_penalty": _falsy,
-    "repetition_penalty": lambda v: v is None or v == 1,
-    "min_tokens": _falsy,
     "prompt_logprobs": _is_none,
     "tools": _falsy,
     "functions": _falsy,
@@ -100,12 +119,11 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
 }
 _UNSUPPORTED_COMPLETION = {
     "best_of": lambda v: v is None or v == 1,
-    "echo": _falsy,
     "suffix": _falsy,
 }
-_UNSUPPORTED_CHAT = {
-    "top_logprobs": _falsy,
-}
+_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {}
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs")
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
 
@@ -119,9 +137,35 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"could not parse request body as JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise bad_request("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair): "
+                          "not valid text", code="invalid_json")
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(v: Any) -> bool:
+    """Any string (key or value) that cannot be encoded as UTF-8. Iterative: the depth is JSON's own."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
 
 
 class _Fields:
@@ -141,17 +185,27 @@ class _Fields:
         if isinstance(v, bool) or not isinstance(v, int):
             raise self._err(name, f"must be an integer, got {_json_type(v)}")
         if (lo is not None and v < lo) or v > hi:
-            bounds = f">= {lo}" if hi == _INT64_MAX else f"in [{lo}, {hi}]"
-            raise self._err(name, f"must be {bounds}, got {v}")
+            if lo is None:
+                bounds = f"<= {hi}"
+            else:
+                bounds = f">= {lo}" if hi == _INT64_MAX and v < lo else f"in [{lo}, {hi}]"
+            raise self._err(name, f"must be {bounds}, got {_short(v)}")
         return v
 
-    def get_float(self, name: str) -> float | None:
+    def get_float(self, name: str, lo: float | None = None, hi: float | None = None) -> float | None:
         v = self.body.get(name)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, int | float):
             raise self._err(name, f"must be a number, got {_json_type(v)}")
-        return float(v)
+        try:
+            f = float(v)
+        except OverflowError:  # an integer beyond float range
+            f = math.inf
+        if not math.isfinite(f) or (lo is not None and f < lo) or (hi is not None and f > hi):
+            rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else "finite"
+            raise self._err(name, f"must be a number {rng}, got {_short(v)}")
+        return f
 
     def get_bool(self, name: str) -> bool | None:
         v = self.body.get(name)
@@ -172,6 +226,11 @@ class _Fields:
         return v
 
 
+def _short(v: Any) -> str:
+    text = str(v) if not isinstance(v, int) or abs(v) < 10**30 else f"an integer of {len(str(abs(v)))} digits"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _json_type(v: Any) -> str:
     names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
     return "null" if v is None else names.get(type(v), type(v).__name__)
@@ -181,7 +240,10 @@ def _check_unsupported(body: dict[str, Any], table: dict[str, Callable[[Any], bo
     bad = sorted(name for name, is_default in table.items() if name in body and not is_default(body[name]))
     if bad:
         names = ", ".join(f"'{n}'" for n in bad)
-        raise bad_request(f"unsupported parameter(s): {names}", param=bad[0], code="unsupported_parameter")
+        extra = ""
+        if any(n in _STRUCTURED for n in bad):
+            extra = " (structured output - JSON schema, regex, grammar, choice - is not supported by this server)"
+        raise bad_request(f"unsupported parameter(s): {names}{extra}", param=bad[0], code="unsupported_parameter")
 
 
 def _check_model(f: _Fields, served: str) -> str:
@@ -194,10 +256,9 @@ def _check_model(f: _Fields, served: str) -> str:
     return model
 
 
-def _check_n(f: _Fields) -> None:
-    n = f.get_int("n", lo=1)
-    if n is not None and n > 1:
-        raise bad_request("'n' > 1 is not supported", param="n", code="unsupported_parameter")
+def _n(f: _Fields) -> int:
+    n = f.get_int("n", lo=1, hi=MAX_N)
+    return 1 if n is None else n
 
 
 def _token_ids(v: Any, name: str) -> tuple[int, ...]:
@@ -218,13 +279,35 @@ def _stop(f: _Fields) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool) -> SamplingOptions:
+def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
+    v = f.get_object("logit_bias")
+    if not v:
+        return ()
+    out = []
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
+            raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
+                              param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {_short(bias)} for token "
+                              f"{key}", param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingOptions:
     top_p = f.get_float("top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     temperature = f.get_float("temperature")
     if temperature is not None and temperature < 0.0:
         raise bad_request(f"'temperature' must be >= 0, got {temperature}", param="temperature")
+    repetition = f.get_float("repetition_penalty")
+    if repetition is not None and not 0.0 < repetition <= 100.0:
+        raise bad_request(f"'repetition_penalty' must be in (0, 100], got {repetition}", param="repetition_penalty")
+    min_tokens = f.get_int("min_tokens", lo=0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     stop_ids = f.body.get("stop_token_ids")
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -236,6 +319,13 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool) -> SamplingOpt
         stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=bool(f.get_bool("ignore_eos")),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        presence_penalty=f.get_float("presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=f.get_float("frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=1.0 if repetition is None else repetition,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(f),
+        include_stop_str_in_output=bool(f.get_bool("include_stop_str_in_output")),
     )
 
 
@@ -246,8 +336,9 @@ def _stream(f: _Fields) -> StreamOptions:
         return StreamOptions(stream=stream)
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    include = _Fields(opts, "stream_options.").get_bool("include_usage")
-    return StreamOptions(stream=True, include_usage=bool(include))
+    of = _Fields(opts, "stream_options.")
+    include, continuous = of.get_bool("include_usage"), of.get_bool("continuous_usage_stats")
+    return StreamOptions(stream=True, include_usage=bool(include), continuous_usage_stats=bool(continuous))
 
 
 def _cache_salt(f: _Fields) -> str:
@@ -257,23 +348,40 @@ def _cache_salt(f: _Fields) -> str:
     return salt or ""
 
 
-def _prompt(v: Any) -> str | tuple[int, ...]:
-    if v is None:
-        raise bad_request("'prompt' is required", param="prompt")
-    if isinstance(v, list) and v and isinstance(v[0], str | list):
-        if len(v) != 1:
-            raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt",
-                              code="unsupported_parameter")
-        v = v[0]
+def _one_prompt(v: Any, name: str) -> str | tuple[int, ...]:
     if isinstance(v, str):
         if not v:
-            raise bad_request("'prompt' must not be empty", param="prompt")
+            raise bad_request(f"'{name}' must not be empty", param="prompt")
         return v
     if isinstance(v, list):
         if not v:
-            raise bad_request("'prompt' must not be empty", param="prompt")
-        return _token_ids(v, "prompt")
-    raise bad_request(f"'prompt' must be a string or a list of token ids, got {_json_type(v)}", param="prompt")
+            raise bad_request(f"'{name}' must not be empty", param="prompt")
+        return _token_ids(v, name)
+    raise bad_request(f"'{name}' must be a string or a list of token ids, got {_json_type(v)}", param="prompt")
+
+
+def _prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A string, a list of token ids, or a list of either (a batch: one or more choices per prompt)."""
+    if v is None:
+        raise bad_request("'prompt' is required", param="prompt")
+    if isinstance(v, list) and v and isinstance(v[0], str | list):
+        if len(v) > MAX_PROMPTS:
+            raise bad_request(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request", param="prompt")
+        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(v))
+    return (_one_prompt(v, "prompt"),)
+
+
+def _completion_logprobs(f: _Fields) -> tuple[bool, int]:
+    v = f.get_int("logprobs", lo=0, hi=MAX_LOGPROBS)
+    return (v is not None, v or 0)
+
+
+def _chat_logprobs(f: _Fields) -> tuple[bool, int]:
+    want = bool(f.get_bool("logprobs"))
+    top = f.get_int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return want, top or 0
 
 
 def parse_completion(body: dict[str, Any], served_model: str) -> CompletionRequest:
@@ -281,14 +389,24 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     f = _Fields(body)
     model = _check_model(f, served_model)
     _check_unsupported(body, {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_COMPLETION})
-    _check_n(f)
-    logprobs = f.get_int("logprobs", lo=0, hi=20)
+    n = _n(f)
+    logprobs, top = _completion_logprobs(f)
+    echo = bool(f.get_bool("echo"))
+    if echo and logprobs:
+        raise bad_request("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
+                          param="echo", code="unsupported_parameter")
+    f.get_str("user")
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * n > MAX_PROMPTS:
+        raise bad_request(f"{len(prompts)} prompts x n={n} choices exceeds {MAX_PROMPTS} per request", param="n")
     return CompletionRequest(
         model=model,
-        prompt=_prompt(body.get("prompt")),
-        sampling=_sampling(f, f.get_int("max_tokens", lo=1), logprobs is not None),
+        prompts=prompts,
+        sampling=_sampling(f, f.get_int("max_tokens", lo=1), logprobs, top),
         stream=_stream(f),
         cache_salt=_cache_salt(f),
+        n=n,
+        echo=echo,
     )
 
 
@@ -329,15 +447,18 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
     f = _Fields(body)
     model = _check_model(f, served_model)
     _check_unsupported(body, {**_UNSUPPORTED_COMMON, **_UNSUPPORTED_CHAT})
-    _check_n(f)
+    n = _n(f)
     max_completion = f.get_int("max_completion_tokens", lo=1)
     max_tokens = max_completion if max_completion is not None else f.get_int("max_tokens", lo=1)
+    logprobs, top = _chat_logprobs(f)
+    f.get_str("user")
     return ChatRequest(
         model=model,
         messages=_messages(body.get("messages")),
-        sampling=_sampling(f, max_tokens, bool(f.get_bool("logprobs"))),
+        sampling=_sampling(f, max_tokens, logprobs, top),
         stream=_stream(f),
         cache_salt=_cache_salt(f),
+        n=n,
     )
 
 

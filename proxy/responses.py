@@ -1,11 +1,17 @@
 """OpenAI response bodies for completions and chat, whole or as SSE chunks, built from `Delta`s and `Usage`.
 
-Logprobs are the chosen token's only (the workers return no alternatives):
-  completions: `logprobs: {tokens, token_logprobs, text_offset, top_logprobs: null}`; `text_offset` counts
-               characters of the token texts emitted so far (an approximation where D cut a stop string);
-  chat:        `logprobs: {content: [{token, logprob, bytes, top_logprobs: []}]}`.
+One response holds `choices` for every (prompt, sample): choice index = prompt_index * n + sample_index (vLLM's
+order). A formatter keeps per-choice state (text offsets, whether the echo was sent).
+
+Logprobs (when asked for):
+  completions: `{tokens, token_logprobs, text_offset, top_logprobs}`; `top_logprobs` per token is a dict
+               {token text: logprob} of the alternatives the worker returned plus the chosen token. `text_offset`
+               is the character offset in the choice's text (echoed prompt included): special tokens the text
+               skips add nothing, and offsets are exact at every delta boundary.
+  chat:        `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 Usage: OpenAI's fields plus `hybridpd: {prefill_cached_tokens, transferred_tokens, decode_local_cached_tokens}`.
-`prompt_tokens_details.cached_tokens` is the decode worker's num_cached_tokens (local prefix hit + transferred).
+`prompt_tokens_details.cached_tokens` counts prompt tokens that came from a prefix cache where the prompt was
+computed (see `generation.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
 """
 
 from __future__ import annotations
@@ -25,16 +31,22 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage_dict(u: Usage) -> dict[str, Any]:
+def usage_dict(usages: Sequence[Usage]) -> dict[str, Any]:
+    """Usage of a whole response. `usages`: one per prompt (prompt-side counts) then any further choices (only
+    their completion tokens count), as `Choices.usages` orders them."""
+    prompt = [u for u in usages if u.counts_prompt]
+    completion = sum(u.completion_tokens for u in usages)
+    prompt_tokens = sum(u.prompt_tokens for u in prompt)
+    transferred = sum(u.external_cached_tokens for u in prompt)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u.local_cached_tokens for u in prompt)},
         "hybridpd": {
-            "prefill_cached_tokens": u.prefill_cached_tokens,
-            "transferred_tokens": u.external_cached_tokens,
-            "decode_local_cached_tokens": max(0, u.cached_tokens - u.external_cached_tokens),
+            "prefill_cached_tokens": sum(u.prefill_cached_tokens for u in prompt),
+            "transferred_tokens": transferred,
+            "decode_local_cached_tokens": sum(max(0, u.cached_tokens - u.external_cached_tokens) for u in prompt),
         },
     }
 
@@ -44,26 +56,33 @@ def _lp(logprobs: Sequence[float], i: int) -> float | None:
 
 
 class _Formatter:
-    """Shared identity of one response: id, creation time, model, logprob settings."""
+    """Shared identity of one response: id, creation time, model, logprob settings, token rendering."""
 
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, response_id: str, created: int, model: str, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(self, response_id: str, created: int, model: str, token_text: TokenText, logprobs: bool,
+                 visible_text: TokenText | None = None) -> None:
         self.response_id = response_id
         self.created = created
         self.model = model
         self.token_text = token_text
+        self.visible_text = visible_text or token_text  # what a token adds to the output text (specials: "")
         self.logprobs = logprobs
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def _with_usage(self, body: dict[str, Any], usage: dict[str, Any] | None, include: bool) -> dict[str, Any]:
+        if include:
+            body["usage"] = usage
+        return body
+
+    def usage_chunk(self, usages: Sequence[Usage]) -> dict[str, Any]:
         """The extra last chunk of a stream with `stream_options.include_usage`."""
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage_dict(usage)
+        body["usage"] = usage_dict(usages)
         return body
 
 
@@ -71,39 +90,62 @@ class CompletionFormatter(_Formatter):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._offset = 0
+        self._echo = list(echo)  # per choice: the prompt text to put in front (empty: no echo)
+        self._echo_sent: set[int] = set()
+        self._text_len: dict[int, int] = {}
 
-    def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
+    def _echo_text(self, index: int) -> str:
+        if index in self._echo_sent or index >= len(self._echo):
+            return ""
+        self._echo_sent.add(index)
+        return self._echo[index]
+
+    def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         tokens: list[str] = []
         values: list[float | None] = []
         offsets: list[int] = []
+        tops: list[dict[str, float]] = []
+        base = self._text_len.get(index, 0) + len(prefix)
         for d in deltas:
+            end = base + len(d.text)
+            offset = base
             for i, tid in enumerate(d.token_ids):
                 text = self.token_text(tid)
+                lp = _lp(d.logprobs, i)
                 tokens.append(text)
-                values.append(_lp(d.logprobs, i))
-                offsets.append(self._offset)
-                self._offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": None}
+                values.append(lp)
+                offsets.append(min(offset, end))
+                offset += len(self.visible_text(tid))
+                alts = d.top_logprobs[i] if i < len(d.top_logprobs) else ()
+                top = {self.token_text(t): float(v) for t, v in alts}
+                if lp is not None:
+                    top.setdefault(text, lp)
+                tops.append(top)
+            base = end
+        self._text_len[index] = base
+        return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": tops}
 
-    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": d.text, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason,
-                  "token_ids": list(d.token_ids)}
-        body = self._envelope(self.object_chunk, [choice])
-        if include_usage:
-            body["usage"] = None
-        return body
+    def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+        prefix = self._echo_text(index)
+        choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
+                  "finish_reason": d.finish_reason, "token_ids": list(d.token_ids)}
+        if not self.logprobs:
+            self._text_len[index] = self._text_len.get(index, 0) + len(prefix) + len(d.text)
+        return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
 
-    def full(self, deltas: Sequence[Delta], usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "text": "".join(d.text for d in deltas), "logprobs": self._logprobs(deltas),
-                  "finish_reason": deltas[-1].finish_reason,
-                  "token_ids": [t for d in deltas for t in d.token_ids]}  # vLLM-style extra: generated token ids
-        body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage_dict(usage)
+    def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
+        out = []
+        for index, deltas in enumerate(choices):
+            prefix = self._echo_text(index)
+            out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
+                        "logprobs": self._logprobs(index, deltas, prefix), "finish_reason": deltas[-1].finish_reason,
+                        "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
+        body = self._envelope(self.object_full, out)
+        body["usage"] = usage_dict(usages)
         return body
 
 
@@ -111,37 +153,39 @@ class ChatFormatter(_Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def _entry(self, tid: int, lp: float | None) -> dict[str, Any]:
+        text = self.token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
     def _logprobs(self, deltas: Sequence[Delta]) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         content = []
         for d in deltas:
             for i, tid in enumerate(d.token_ids):
-                text = self.token_text(tid)
-                content.append({"token": text, "logprob": _lp(d.logprobs, i), "bytes": list(text.encode("utf-8")),
-                                "top_logprobs": []})
+                entry = self._entry(tid, _lp(d.logprobs, i))
+                alts = d.top_logprobs[i] if i < len(d.top_logprobs) else ()
+                entry["top_logprobs"] = [self._entry(t, float(v)) for t, v in alts]
+                content.append(entry)
         return {"content": content}
 
-    def role_chunk(self, include_usage: bool) -> dict[str, Any]:
-        """First chunk of a stream: the assistant role, empty content."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        body = self._envelope(self.object_chunk, [choice])
-        if include_usage:
-            body["usage"] = None
-        return body
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        """First chunk of a choice's stream: the assistant role, empty content."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self._with_usage(self._envelope(self.object_chunk, [choice]), None, include_usage)
 
-    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         delta = {"content": d.text} if d.text or not d.finish_reason else {}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
-        body = self._envelope(self.object_chunk, [choice])
-        if include_usage:
-            body["usage"] = None
-        return body
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
+        return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
 
-    def full(self, deltas: Sequence[Delta], usage: Usage) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(deltas),
-                  "finish_reason": deltas[-1].finish_reason}
-        body = self._envelope(self.object_full, [choice])
-        body["usage"] = usage_dict(usage)
+    def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
+        out = []
+        for index, deltas in enumerate(choices):
+            message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+            out.append({"index": index, "message": message, "logprobs": self._logprobs(deltas),
+                        "finish_reason": deltas[-1].finish_reason})
+        body = self._envelope(self.object_full, out)
+        body["usage"] = usage_dict(usages)
         return body

@@ -6,7 +6,7 @@ Ownership: `acquire()` counts a request against the chosen worker; the caller mu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from proxy.config import RoutingPolicy
 
@@ -36,21 +36,23 @@ class Router:
         """In-flight requests per worker (a copy)."""
         return dict(self._in_flight)
 
-    def choose(self) -> str:
-        """The next worker under the policy (advances the cursor; does not count the request)."""
+    def choose(self, exclude: Collection[str] = ()) -> str:
+        """The next worker under the policy, skipping `exclude` unless it holds every worker (advances the cursor;
+        does not count the request)."""
         n = len(self.addrs)
         order = [self.addrs[(self._cursor + i) % n] for i in range(n)]
+        order = [a for a in order if a not in exclude] or order
         if self.policy == "least_loaded":
-            fewest = min(self._in_flight.values())
+            fewest = min(self._in_flight[a] for a in order)
             chosen = next(a for a in order if self._in_flight[a] == fewest)
         else:
             chosen = order[0]
         self._cursor = (self.addrs.index(chosen) + 1) % n
         return chosen
 
-    def acquire(self) -> str:
-        """Choose a worker and count one in-flight request on it."""
-        addr = self.choose()
+    def acquire(self, exclude: Collection[str] = ()) -> str:
+        """Choose a worker (not in `exclude` where possible) and count one in-flight request on it."""
+        addr = self.choose(exclude)
         self._in_flight[addr] += 1
         return addr
 

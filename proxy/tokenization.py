@@ -13,6 +13,11 @@ Fallback chat format (documented contract; one block per message, then the gener
 
 Text from a template already carries its special tokens, so it is encoded with `add_special_tokens=False`;
 completion prompts and the fallback format are encoded with the tokenizer's own special-token rules.
+
+Threads: the app calls `encode*` from a worker thread, never on the event loop. `tokenizers`' `encode` holds the
+GIL for the whole call (a 4 MB prompt stalled every other request for seconds), `encode_batch` releases it, so
+encoding goes through `encode_batch([text])`. `max_chars(n)` bounds the text length that can still fit in n
+tokens, so a huge prompt is refused before it is tokenized at all.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
                  special_tokens: dict[str, str] | None = None) -> None:
         self._tok = tokenizer
+        self._longest_token: int | None = None
         self._template: _JinjaTemplate | None = None
         if chat_template is not None:
             try:
@@ -114,9 +120,21 @@ class PromptTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
     def encode(self, text: str) -> list[int]:
         """A completion prompt, with the tokenizer's special-token rules (e.g. a BOS post-processor)."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        return self._encode(text, True)
+
+    def max_chars(self, num_tokens: int) -> int:
+        """An upper bound on the characters `num_tokens` tokens can cover: the longest token (added tokens
+        included) times 4 (for normalizers that fold several characters into one), times num_tokens, plus slack.
+        Text longer than this cannot fit and is refused without tokenizing it."""
+        if self._longest_token is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._longest_token = max((len(t) for t in vocab), default=1)
+        return num_tokens * self._longest_token * 4 + 1024
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The chat prompt text: the model's template, else the fallback format. A template error is a 400."""
@@ -128,9 +146,16 @@ class PromptTokenizer:
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        text = self.render_chat(messages)
-        return list(self._tok.encode(text, add_special_tokens=self._template is None).ids)
+        return self._encode(self.render_chat(messages), self._template is None)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (for logprobs); may be a replacement character for a partial UTF-8 byte."""
         return str(self._tok.decode([token_id], skip_special_tokens=False))
+
+    def visible_text(self, token_id: int) -> str:
+        """What one token adds to the output text (special tokens add nothing): for logprob text offsets."""
+        return str(self._tok.decode([token_id], skip_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids to text as the workers detokenize output (special tokens skipped): for `echo`."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))

@@ -3,6 +3,9 @@
 Ownership: `WorkerClients` owns the channels (created lazily on the event loop, closed by `close()`) and the
 fire-and-forget cleanup tasks (`abort_later`, `release_later`), which must never be awaited from a cancelled
 request (a disconnected client's task is cancelled and keeps being cancelled at every await).
+
+Every call goes through this class: each carries the cluster token as metadata `x-hybridpd-token` (when the
+proxy has one) and a deadline (the request's remaining time, or the control timeout).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import grpc
 
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
+from proxy.credentials import token_metadata
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +37,9 @@ _CHANNEL_OPTIONS = [
 class WorkerClients:
     """Stubs for every worker address; the app holds one instance."""
 
-    def __init__(self, control_timeout_s: float = 5.0) -> None:
+    def __init__(self, control_timeout_s: float = 5.0, cluster_token: str | None = None) -> None:
         self.control_timeout_s = control_timeout_s
+        self.metadata = token_metadata(cluster_token)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -55,10 +60,20 @@ class WorkerClients:
         return self.prefill(addr) if role == "prefill" else self.decode(addr)
 
     async def health(self, role: Role, addr: str) -> pb.HealthResponse:
-        return await self._stub(role, addr).Health(pb.HealthRequest(), timeout=self.control_timeout_s)
+        return await self._stub(role, addr).Health(pb.HealthRequest(), timeout=self.control_timeout_s,
+                                                   metadata=self.metadata)
 
     async def stats(self, role: Role, addr: str) -> pb.StatsResponse:
-        return await self._stub(role, addr).Stats(pb.StatsRequest(), timeout=self.control_timeout_s)
+        return await self._stub(role, addr).Stats(pb.StatsRequest(), timeout=self.control_timeout_s,
+                                                  metadata=self.metadata)
+
+    async def prefill_call(self, addr: str, req: pb.PrefillRequest, timeout: float) -> pb.PrefillResponse:
+        """P.Prefill with a deadline of `timeout` seconds."""
+        return await self.prefill(addr).Prefill(req, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, addr: str, req: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        """D.Generate (a server stream) that the worker ends after `timeout` seconds at the latest."""
+        return self.decode(addr).Generate(req, timeout=timeout, metadata=self.metadata)
 
     # -- cleanup that must outlive a cancelled request -----------------------------------------------------------
 
@@ -73,7 +88,8 @@ class WorkerClients:
 
         async def abort() -> None:
             try:
-                await self.decode(addr).Abort(pb.AbortRequest(request_id=request_id), timeout=self.control_timeout_s)
+                await self.decode(addr).Abort(pb.AbortRequest(request_id=request_id), timeout=self.control_timeout_s,
+                                              metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 log.warning("Abort(%s) on decode %s failed: %s", request_id, addr, err.code().name)
 
@@ -85,7 +101,7 @@ class WorkerClients:
         async def release() -> None:
             try:
                 req = pb.ReleaseRequest(request_id=request_id, epoch=epoch)
-                await self.prefill(addr).Release(req, timeout=self.control_timeout_s)
+                await self.prefill(addr).Release(req, timeout=self.control_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 log.warning("Release(%s) on prefill %s failed: %s", request_id, addr, err.code().name)
 

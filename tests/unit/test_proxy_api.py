@@ -52,9 +52,9 @@ def test_completion_non_stream(stack: LiveStack) -> None:
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert choice["text"] == "olleh" and choice["finish_reason"] == "length" and choice["logprobs"] is None
-    # P computed N-1 = 4 tokens; the fake D reports them as cached (pulled from P).
+    # P computed N-1 = 4 tokens and D pulled them: transferred, not a cache hit (cached_tokens counts hits only).
     assert body["usage"] == {
-        "prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4},
+        "prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0},
         "hybridpd": {"prefill_cached_tokens": 0, "transferred_tokens": 4, "decode_local_cached_tokens": 0}}
     gen = stack.decode[0].generates[-1]
     assert list(gen.prompt_token_ids) == list(b"hello") and gen.HasField("params")
@@ -113,7 +113,8 @@ def test_completion_logprobs_shape(stack: LiveStack) -> None:
     r = stack.http.post("/v1/completions",
                    json={"model": MODEL, "prompt": "xyz", "max_tokens": 3, "logprobs": 1})
     lp = r.json()["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["z", "y", "x"] and lp["text_offset"] == [0, 1, 2] and lp["top_logprobs"] is None
+    assert lp["tokens"] == ["z", "y", "x"] and lp["text_offset"] == [0, 1, 2]
+    assert lp["top_logprobs"] == [{"z": pytest.approx(-0.1)}, {"y": pytest.approx(-0.2)}, {"x": pytest.approx(-0.3)}]
     assert lp["token_logprobs"] == pytest.approx([-0.1, -0.2, -0.3])
     assert stack.decode[0].generates[-1].sampling_params.logprobs
 
@@ -162,7 +163,8 @@ def test_openai_client(stack: LiveStack) -> None:
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}], max_tokens=3)
     assert chat.choices[0].message.content == "\n>|" and chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
-    assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
+    # tokens pulled from P are not a cache hit: cached_tokens is what P found in its prefix cache
+    assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.model_extra["hybridpd"]["prefill_cached_tokens"]
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}], max_tokens=3,
                                             stream=True, stream_options={"include_usage": True}, logprobs=True)
     parts, usage = [], None

@@ -61,23 +61,37 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, cmpl(logprobs=True), 400, "logprobs", None),
     (CMPL, cmpl(logprobs=-1), 400, "logprobs", None),
     (CHAT, chat(logprobs=1), 400, "logprobs", None),
-    (CMPL, cmpl(n=2), 400, "n", "unsupported_parameter"),
-    (CHAT, chat(n=3), 400, "n", "unsupported_parameter"),
+    (CMPL, cmpl(n=129), 400, "n", None),
+    (CHAT, chat(n="3"), 400, "n", None),
     (CMPL, cmpl(n=0), 400, "n", None),
     (CMPL, cmpl(best_of=2), 400, "best_of", "unsupported_parameter"),
-    (CMPL, cmpl(logit_bias={"50": 10}), 400, "logit_bias", "unsupported_parameter"),
+    (CMPL, cmpl(logit_bias={"50": 101}), 400, "logit_bias", None),
+    (CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias", None),
+    (CMPL, cmpl(logit_bias={"100000": 1}), 400, "logit_bias", None),
+    (CMPL, cmpl(logit_bias=[1]), 400, "logit_bias", None),
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400,
      "response_format", "unsupported_parameter"),
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
-    (CMPL, cmpl(echo=True), 400, "echo", None),
-    (CMPL, cmpl(presence_penalty=0.5), 400, "presence_penalty", None),
-    (CHAT, chat(top_logprobs=3, logprobs=True), 400, "top_logprobs", None),
+    (CMPL, cmpl(echo=True, logprobs=1), 400, "echo", "unsupported_parameter"),
+    (CMPL, cmpl(presence_penalty=2.5), 400, "presence_penalty", None),
+    (CMPL, cmpl(frequency_penalty="1"), 400, "frequency_penalty", None),
+    (CMPL, cmpl(repetition_penalty=0), 400, "repetition_penalty", None),
+    (CMPL, cmpl(min_tokens=-1), 400, "min_tokens", None),
+    (CMPL, cmpl(min_tokens=5, max_tokens=2), 400, "min_tokens", None),
+    (CMPL, cmpl(include_stop_str_in_output=1), 400, "include_stop_str_in_output", None),
+    (CMPL, cmpl(logprobs=21), 400, "logprobs", None),
+    (CHAT, chat(top_logprobs=3), 400, "top_logprobs", None),
+    (CHAT, chat(top_logprobs=21, logprobs=True), 400, "top_logprobs", None),
+    (CMPL, cmpl(max_tokens=2**70), 400, "max_tokens", None),
+    (CMPL, cmpl(temperature=10**400), 400, "temperature", None),
     (CMPL, {"model": MODEL}, 400, "prompt", None),
     (CMPL, cmpl(prompt=""), 400, "prompt", None),
     (CMPL, cmpl(prompt=[]), 400, "prompt", None),
     (CMPL, cmpl(prompt=[[]]), 400, "prompt", None),
-    (CMPL, cmpl(prompt=["a", "b"]), 400, "prompt", "unsupported_parameter"),
+    (CMPL, cmpl(prompt=["a", ""]), 400, "prompt", None),
+    (CMPL, cmpl(prompt=["a"] * 257), 400, "prompt", None),
+    (CMPL, cmpl(prompt=["a", 5]), 400, "prompt", None),
     (CMPL, cmpl(prompt=[1, "a"]), 400, "prompt", None),
     (CMPL, cmpl(prompt=[-1]), 400, "prompt", None),
     (CMPL, cmpl(prompt=[100000]), 400, "prompt", None),
@@ -121,9 +135,18 @@ def test_bad_request(stack: LiveStack, path: str, body: Any, status: int, param:
 
 
 def test_unsupported_params_are_all_named(stack: LiveStack) -> None:
-    r = post(stack, CMPL, cmpl(best_of=3, logit_bias={"1": 1}))
+    r = post(stack, CMPL, cmpl(best_of=3, suffix="x"))
     assert r.status_code == 400 and "'best_of'" in r.json()["error"]["message"]
-    assert "'logit_bias'" in r.json()["error"]["message"]
+    assert "'suffix'" in r.json()["error"]["message"]
+    r = post(stack, CHAT, chat(guided_regex="a+"))
+    assert r.status_code == 400 and "structured output" in r.json()["error"]["message"]
+
+
+def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
+    err = post(stack, CMPL, cmpl(max_tokens=2**70)).json()["error"]
+    assert "in [1, 9223372036854775807], got 1180591620717411303424" in err["message"]
+    err = post(stack, CMPL, cmpl(max_tokens=0)).json()["error"]
+    assert "'max_tokens' must be >= 1, got 0" in err["message"]
 
 
 def test_no_op_defaults_accepted(stack: LiveStack) -> None:

@@ -102,7 +102,11 @@ def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, 
     assert time.monotonic() - t0 < 5
     assert r.status_code == status and r.headers["content-type"] == "application/json"
     err = r.json()["error"]
-    assert "prefill exploded" in err["message"] and stack.prefill[0].address in err["message"]
+    assert "prefill exploded" in err["message"]
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # every prefill worker refused: shed, with a retry hint
+        assert r.headers["retry-after"] == "1" and err["code"] == "overloaded"
+    else:
+        assert stack.prefill[0].address in err["message"]
     assert err["type"] == ("service_unavailable" if status == 503 else "internal_error")
     assert len(stack.decode[0].generates) == n_generates
 
