@@ -48,6 +48,10 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
+def _token(context: grpc.aio.ServicerContext) -> str | None:
+    return next((str(v) for k, v in context.invocation_metadata() or () if k == "x-hybridpd-token"), None)
+
+
 def _stats(role: str, worker_id: str, metrics_port: int, running: int) -> pb.StatsResponse:
     pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
              pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
@@ -64,12 +68,15 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         self.delay_s = delay_s
         self.metrics_port = metrics_port
         self.failure: Failure | None = None
+        self.health_delay_s = 0.0
         self.prefills: list[pb.PrefillRequest] = []
         self.releases: list[str] = []
+        self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Prefill call
         self._seen: list[tuple[str, tuple[int, ...]]] = []
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         self.prefills.append(request)
+        self.tokens.append(_token(context))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.failure is not None:
@@ -95,6 +102,8 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
                                    compat_hash="fake")
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True,
                                  worker_id=self.worker_id)
 
@@ -114,6 +123,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
         self.generates: list[pb.GenerateRequest] = []
+        self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
         self.aborts: list[str] = []
         self.cancelled: list[str] = []
         self.running: set[str] = set()
@@ -129,6 +139,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         rid = request.request_id
         self.generates.append(request)
+        self.tokens.append(_token(context))
         self.running.add(rid)
         try:
             async for chunk in self._generate(request, context):

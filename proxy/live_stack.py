@@ -33,7 +33,7 @@ class LiveStack:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, tokenizer: PromptTokenizer | None = None,
                  token_delay_s: float = 0.0, **config_overrides: Any) -> None:
         self.tokenizer = tokenizer
-        text = tokenizer.token_text if tokenizer is not None else None
+        text = tokenizer.visible_text if tokenizer is not None else None  # real D skips special tokens too
         self.prefill = [FakePrefillWorker(f"fake-prefill-{i}", metrics_port=9100 + i) for i in range(n_prefill)]
         self.decode = [FakeDecodeWorker(f"fake-decode-{i}", token_delay_s, metrics_port=9200 + i, token_text=text)
                        for i in range(n_decode)]

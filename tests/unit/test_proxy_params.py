@@ -1,0 +1,88 @@
+"""vLLM/OpenAI parameters through the proxy against FAKE workers (proxy.fake_workers: D answers the prompt's token
+ids reversed; the fake tokenizer is byte-level): n, a list of prompts, echo, stream with several choices, sampling
+params on the wire, continuous usage stats."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from proxy.fake_workers import write_fake_tokenizer
+from proxy.live_stack import LiveStack
+from proxy.tokenization import PromptTokenizer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    tok = PromptTokenizer.from_dir(write_fake_tokenizer(tmp_path_factory.mktemp("tok")))
+    with LiveStack(tokenizer=tok, model_name=MODEL, max_model_len=64) as s:
+        yield s
+
+
+def events(text: str) -> list[dict]:
+    blocks = [b[len("data: "):] for b in text.split("\n\n") if b.strip()]
+    assert blocks[-1] == "[DONE]"
+    return [json.loads(b) for b in blocks[:-1]]
+
+
+def test_n_and_list_of_prompts_in_choice_order(stack: LiveStack) -> None:
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": ["ab", "xyz"], "n": 2, "max_tokens": 8,
+                                                 "seed": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "ba"), (1, "ba"), (2, "zyx"), (3, "zyx")]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 10  # prompts once each
+    seeds = [g.sampling_params.seed for g in stack.decode[0].generates[-4:]]
+    assert sorted(seeds) == [5, 5, 6, 6]  # sample j of a prompt uses seed + j: n samples differ
+    assert len({g.request_id for g in stack.decode[0].generates[-4:]}) == 4
+
+
+def test_echo_prepends_the_prompt(stack: LiveStack) -> None:
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "echo": True, "max_tokens": 3})
+    assert r.json()["choices"][0]["text"] == "abccba"
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [104, 105], "echo": True, "max_tokens": 1,
+                                                 "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events(r.text)) == "hii"
+
+
+def test_chat_stream_with_n_choices(stack: LiveStack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = stack.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    evs = events(r.text)
+    roles = [e["choices"][0]["index"] for e in evs if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert sorted(roles) == [0, 1, 2]
+    finished = sorted(e["choices"][0]["index"] for e in evs if e["choices"] and e["choices"][0]["finish_reason"])
+    assert finished == [0, 1, 2]
+    assert all(e["usage"] is not None for e in evs if e["choices"] and "role" not in e["choices"][0]["delta"])
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_sampling_params_on_the_wire(stack: LiveStack) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": {"104": -100, "7": 2.5}, "logprobs": 5,
+            "stop": ["q"], "include_stop_str_in_output": True, "user": "someone"}
+    r = stack.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    sp = stack.decode[0].generates[-1].sampling_params
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, pytest.approx(1.2))
+    assert sp.min_tokens == 2 and dict(sp.logit_bias) == {104: -100.0, 7: 2.5}
+    assert sp.logprobs and sp.top_logprobs == 5 and sp.include_stop_str_in_output
+    assert stack.prefill[0].prefills[-1].sampling_params.top_logprobs == 5
+    default = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert default.status_code == 200
+    sp = stack.decode[0].generates[-1].sampling_params
+    assert not sp.HasField("repetition_penalty") and not sp.logit_bias and sp.top_logprobs == 0
+
+
+def test_text_offsets_skip_special_tokens(stack: LiveStack) -> None:
+    # fake D reverses the prompt: token 256 (<|endoftext|>, special) first, then "@"
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [64, 256], "max_tokens": 2, "logprobs": 0})
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == ["<|endoftext|>", "@"]
+    assert choice["logprobs"]["text_offset"] == [0, 0]
