@@ -3,6 +3,13 @@
 Ownership: only the step thread touches the EngineCore. Other threads submit work with `call(fn)` (runs fn(core)
 on the step thread between steps) and receive per-request outputs through asyncio queues fed with
 `loop.call_soon_threadsafe`. `hooks` run on the step thread before every step (transfer polling, lease reaping).
+
+Idle (nothing scheduled), the step thread sleeps on an event that `call()` sets, so an idle worker costs no CPU:
+  - `idle_wait()` below 1 ms (a hook owner with a KV pull in flight): hooks run that often (hot polling);
+  - a hook added with `add_hook(fn, needs_poll)`: polled every `idle_wait()` only while `needs_poll()` is true;
+  - a hook appended to `hooks` directly (it never said when it needs polling): polled with back-off, from
+    `idle_wait()` doubling up to `MAX_IDLE_POLL_S` while nothing happens, reset by any call or step;
+  - otherwise (no hook, or every declared hook has nothing in flight): no timeout at all.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ from engine.request import Request
 
 log = logging.getLogger("hybridpd.async_engine")
 
+HOT_POLL_S = 1e-3
+"""An `idle_wait()` below this is a request for hot polling (no back-off)."""
+MAX_IDLE_POLL_S = 0.5
+"""Longest sleep between runs of hooks that never declared when they need polling."""
+
 
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
@@ -30,13 +42,33 @@ class AsyncEngine:
         self.hooks: list[Callable[[EngineCore], None]] = []
         self.on_finished: list[Callable[[Request], None]] = []
         # seconds the idle loop waits between hook runs; a hook owner with work in flight (a KV pull) shortens it
-        self.idle_wait: Callable[[], float] = lambda: 0.005 if self.hooks else 0.05
+        self.idle_wait: Callable[[], float | None] = lambda: 0.005
+        self._needs_poll: dict[int, Callable[[], bool]] = {}  # id(hook) -> "has work that needs polling"
+        self._idle_wakes = 0  # consecutive idle wake-ups with nothing to do (back-off of undeclared hooks)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
     # -- cross-thread API ------------------------------------------------------------------------------------------
+    def add_hook(self, hook: Callable[[EngineCore], None], needs_poll: Callable[[], bool] | None = None) -> None:
+        """Run `hook` before every step; while idle, only when `needs_poll()` is true (None: never while idle).
+        Call before work starts, or from the step thread."""
+        self.hooks.append(hook)
+        self._needs_poll[id(hook)] = needs_poll or (lambda: False)
+
+    def idle_timeout(self) -> float | None:
+        """How long the idle step thread sleeps before running the hooks again (None: until woken)."""
+        wait = self.idle_wait()
+        if wait is not None and wait < HOT_POLL_S:
+            return wait
+        base = wait if wait is not None else 0.005
+        if any(pred() for pred in self._needs_poll.values()):
+            return base
+        if any(id(h) not in self._needs_poll for h in self.hooks):
+            return min(MAX_IDLE_POLL_S, base * 2 ** min(self._idle_wakes, 16))
+        return None
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Future:
         fut: Future = Future()
         self._calls.put((fn, fut))
@@ -85,16 +117,19 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain_calls()
+            if self._drain_calls():
+                self._idle_wakes = 0
             for hook in self.hooks:
                 try:
                     hook(self.core)
                 except Exception:  # noqa: BLE001 - a hook must not kill the step loop
                     log.exception("step hook failed")
             if not self.core.has_unfinished():
-                self._wake.wait(timeout=self.idle_wait())
+                self._wake.wait(timeout=self.idle_timeout())
                 self._wake.clear()
+                self._idle_wakes += 1
                 continue
+            self._idle_wakes = 0
             try:
                 advanced = self.core.step()
             except Exception as e:
@@ -114,12 +149,15 @@ class AsyncEngine:
                         except Exception:  # noqa: BLE001 - a callback must not kill the step loop
                             log.exception("on_finished callback failed for %s", req.request_id)
 
-    def _drain_calls(self) -> None:
+    def _drain_calls(self) -> bool:
+        """Run every pending call; True when there was any."""
+        ran = False
         while True:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self.core))
