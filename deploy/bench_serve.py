@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -182,9 +183,13 @@ async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: s
     sem = asyncio.Semaphore(args.max_concurrency or len(specs) or 1)
     rng = random.Random(args.seed + 1)
 
+    bar = _progress(len(specs), getattr(args, "quiet", False))
+
     async def limited(spec: RequestSpec) -> RequestResult:
         async with sem:
-            return await send_one(client, args, model, spec)
+            result = await send_one(client, args, model, spec)
+        bar.update(1)
+        return result
 
     t0 = time.perf_counter()
     tasks = []
@@ -192,8 +197,18 @@ async def run_load(client: httpx.AsyncClient, args: argparse.Namespace, model: s
         tasks.append(asyncio.create_task(limited(spec)))
         if math.isfinite(args.request_rate) and args.request_rate > 0:
             await asyncio.sleep(rng.expovariate(args.request_rate))
-    results = await asyncio.gather(*tasks)
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        bar.close()
     return list(results), time.perf_counter() - t0
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    """A tqdm progress bar on stderr (disabled with --quiet or when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -312,9 +327,13 @@ def print_report(summary: dict[str, Any], workers: dict[str, Any]) -> None:
 # -- entry point -------------------------------------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridpd bench serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
@@ -340,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--per-request", action="store_true", help="include every request's record in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the summary table is still printed)")
     return p
 
 
@@ -376,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1:
         raise SystemExit("--num-prompts must be >= 1")
+    for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     return asyncio.run(_amain(args))
 
 

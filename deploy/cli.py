@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from engine.errors import HybridPDError
 
@@ -17,18 +18,24 @@ FAMILIES = ("nemotron_h", "qwen3_5")
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF-format checkpoint dir (default: the built-in tiny model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--checkpoint-interval", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--zero-fresh-blocks", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per attention KV block")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once per worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="cache budget in bytes (default: 256 MiB on CPU, from --gpu-memory-utilization on GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU this worker may use (weights, activations and cache)")
+    p.add_argument("--checkpoint-interval", type=int, default=None,
+                   help="tokens between fallback recurrent-state checkpoints (default: chosen from the block size)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--zero-fresh-blocks", default="auto", choices=["auto", "on", "off"],
+                   help="zero newly allocated KV blocks before use (auto: on for models with recurrent layers)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the engine's sampler")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -85,28 +92,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridpd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _with_defaults(sub: argparse._SubParsersAction) -> None:
+    """Every subcommand's --help shows each flag's default."""
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("description", kw.get("help"))
+        return add(name, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridpd", description="Disaggregated prefill/decode for hybrid LLMs")
+    parser.add_argument("--version", action="version", version=f"hybridpd {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _with_defaults(sub)
 
     p = sub.add_parser("init-model", help="write a small random-weight HF-format hybrid checkpoint")
     p.add_argument("--family", default=None, choices=FAMILIES)
     p.add_argument("--preset", default=None, choices=("nemotron-h-8b", "qwen3.5-9b", "nemotron-3-nano-30b-a3b"),
                    help="full-size public shape with random weights (fp32 on disk, ~4 bytes per parameter)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--overrides", default=None, help="JSON dict of config overrides (e.g. hidden_size)")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("generate", help="offline generation with the colocated engine")
     _engine_args(p)
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sample-seed", type=int, default=None)
-    p.add_argument("--stop", action="append")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: one fixed prompt)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
 
     from deploy import commands
@@ -117,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpcore"):  # one INFO line per HTTP request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Callable
+
+from engine.errors import HybridPDError
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "checkpoint_interval", "zero_fresh_blocks", "seed")
@@ -51,20 +54,51 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(cfg, opts)
 
 
+class ConfigError(HybridPDError):
+    """Bad serving configuration found before anything started (busy port, unreadable secret file)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse at once (before Ray or any worker starts) when host:port cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: TIME_WAIT is not "busy"
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port)") from None
+
+
+def resolve_secrets(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(API key, cluster token) from --api-key-file / env / --api-key and --cluster-token-file / env."""
+    from proxy.credentials import resolve_api_key, resolve_cluster_token
+
+    try:
+        return (resolve_api_key(args.api_key_file, args.api_key),
+                resolve_cluster_token(getattr(args, "cluster_token_file", None)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     from proxy.config import ProxyConfig
     from proxy.server import run
 
-    model_name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
+    check_port_free(args.host, args.port)
+    api_key, token = resolve_secrets(args)
+    name = args.served_model_name
+    model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
     cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
-                      model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=args.api_key,
-                      max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port)
+                      model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=api_key,
+                      max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
+                      request_timeout_s=args.request_timeout, cluster_token=token)
     run(cfg)
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_port_free(args.host, args.port)  # before the model, Ray or any worker
     from deploy.ray_launcher import serve
     from engine.default_model import default_model_path
 
@@ -73,6 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.errors import ModelLoadError
 
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
+    args.api_key, token = resolve_secrets(args)
+    if token:  # the proxy (ProxyConfig's default) and the workers read it from the environment
+        os.environ["HYBRIDPD_CLUSTER_TOKEN"] = token
     return serve(args, engine_argv(args, model), model, _model_max_len(model, args.max_model_len))
 
 
@@ -82,19 +119,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def _secret_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="file holding the API key clients must send as 'Authorization: Bearer KEY' (default: env "
+                        "HYBRIDPD_API_KEY_FILE, then HYBRIDPD_API_KEY, then --api-key)")
+    p.add_argument("--api-key", default=None,
+                   help="the API key itself (visible in ps: prefer --api-key-file or HYBRIDPD_API_KEY)")
+
+
 def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[[argparse.ArgumentParser], None]
                          ) -> None:
     p = sub.add_parser("serve", help="start Ray, prefill + decode workers and the OpenAI proxy")
     engine_args(p)
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs Ray reserves per worker")
     p.add_argument("--address", default=None, help="join an existing Ray cluster (default: start one locally)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="interface the proxy listens on")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (checked before anything starts)")
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
-    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
+                   help="how the proxy picks workers")
+    _secret_args(p)
     p.add_argument("--prometheus-targets", default=None, metavar="PATH",
                    help="Prometheus file_sd file listing the proxy and the workers' metrics ports, written once they "
                         "are up and removed at exit (default: deploy/prometheus/targets/serve-<port>.json, which "
@@ -103,15 +149,17 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
 
     p = sub.add_parser("worker", help="run one prefill or decode worker as a plain process")
     engine_args(p)
-    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"], help="what this worker does")
+    p.add_argument("--host", default="127.0.0.1", help="interface the gRPC server listens on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port, -1: off)")
     p.add_argument("--advertise-host", default=None, help="host other workers use to reach this one")
-    p.add_argument("--lease-seconds", type=float, default=30.0)
-    p.add_argument("--transfer-policy", default="recompute", choices=["recompute", "fail"])
-    p.add_argument("--pull-timeout", type=float, default=10.0)
-    p.add_argument("--model-name", default=None)
+    p.add_argument("--lease-seconds", type=float, default=30.0,
+                   help="prefill: how long finished prompts stay pinned for a decode worker's pull")
+    p.add_argument("--transfer-policy", default="recompute", choices=["recompute", "fail"],
+                   help="decode: what to do when a KV pull fails")
+    p.add_argument("--pull-timeout", type=float, default=10.0, help="decode: seconds before a pull is given up")
+    p.add_argument("--model-name", default=None, help="model name reported by Health (default: the directory name)")
     p.add_argument("--cluster-token-file", default=None,
                    help="file holding the cluster's shared token, required on every worker RPC (default: env "
                         "HYBRIDPD_CLUSTER_TOKEN_FILE, else HYBRIDPD_CLUSTER_TOKEN; none: RPCs are open)")
@@ -124,19 +172,26 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")
-    p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR")
-    p.add_argument("--decode", nargs="+", required=True, metavar="ADDR")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR", help="prefill workers' gRPC host:port")
+    p.add_argument("--decode", nargs="+", required=True, metavar="ADDR", help="decode workers' gRPC host:port")
     p.add_argument("--model", default=None, help="checkpoint dir (tokenizer, max length)")
-    p.add_argument("--model-name", default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--colocated", action="store_true")
+    p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
+                   help="model name clients send (default: the --model directory name, else 'hybridpd')")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port (checked before anything starts)")
+    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
+                   help="how to pick workers")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from arrival to the last token; every worker call gets what is left")
+    p.add_argument("--colocated", action="store_true", help="decode workers compute whole prompts (no prefill)")
+    _secret_args(p)
+    p.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help="file holding the token sent to workers as gRPC metadata x-hybridpd-token (default: env "
+                        "HYBRIDPD_CLUSTER_TOKEN_FILE, then HYBRIDPD_CLUSTER_TOKEN)")
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("bench", help="benchmarks: `hybridpd bench serve --help`")
-    p.add_argument("bench_kind", choices=["serve"])
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.add_argument("bench_kind", choices=["serve"], help="which benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=cmd_bench)
