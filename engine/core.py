@@ -75,8 +75,13 @@ class EngineCore:
         if budget is None:
             budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
         ckpt = cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else 2 * sc.max_num_seqs
+        if self.device.type == "cuda" and self.has_recurrent:
+            # the state pool is its own tensor until the runner backs both pools from one arena: keep the device
+            # within its share by leaving room for every checkpoint id (on CPU the ids cost host memory only)
+            budget -= ckpt * sum(g.page_bytes_all_layers for g in self.groups if not g.is_attention)
         return plan_capacity(
-            self.groups, budget, sc.max_num_seqs, ckpt, self.max_model_len, cc.resolved_checkpoint_interval()
+            self.groups, budget, sc.max_num_seqs, ckpt, self.max_model_len, cc.resolved_checkpoint_interval(),
+            policy=cc.cache_policy(),
         )
 
     def _cuda_budget(self) -> int:
@@ -231,7 +236,14 @@ class EngineCore:
         )
 
     def kv_cache_info(self) -> dict[str, int]:
-        return self.plan.as_dict()
+        """The plan, and the split as it is now: bytes held per kind, running vs cached."""
+        info = self.plan.as_dict()
+        for g in self.groups:
+            pool = self.cache.pools[g.group_id]
+            s = pool.stats()
+            info[f"{g.kind}_bytes_in_use"] = s["in_use"] * pool.page_bytes
+            info[f"{g.kind}_bytes_cached"] = s["cached"] * pool.page_bytes
+        return info
 
 
 def _num_layers(model: object, specs: dict) -> int:

@@ -11,12 +11,19 @@ hash -> block map, and nothing else. Block 0 is the null block: never handed out
     touch(ids)   takes cached blocks out of the queue (ref 0 -> 1) or adds a reference.
 
 Blocks in the queue with a hash are *cached* (reusable on a hit, evictable); without one they are *free*.
+
+Two eviction modes:
+- standalone (no `listener`): `allocate` evicts cached blocks from the queue front (LRU, as drawn above);
+- policy-driven (a `PoolListener` attached, see reclaim.py): the listener is told when a cached block becomes
+  unreferenced (`on_release`) or referenced again (`on_acquire`) and chooses victims itself (`evict`); `allocate`
+  then only hands out free (hashless) blocks and never evicts on its own.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Protocol
 
 from engine.cache.specs import NULL_BLOCK_ID
 
@@ -25,8 +32,16 @@ class PoolExhaustedError(RuntimeError):
     pass
 
 
+class PoolListener(Protocol):
+    def on_release(self, pool: BlockPool, block_id: int) -> None:
+        """A cached block's last reference went away: it is now evictable."""
+
+    def on_acquire(self, pool: BlockPool, block_id: int) -> None:
+        """An unreferenced cached block got a reference: it is no longer evictable."""
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, name: str = "pool") -> None:
+    def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"{name}: a pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self.name = name
@@ -37,6 +52,11 @@ class BlockPool:
         self._queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.ref_cnt[NULL_BLOCK_ID] = 1  # pinned forever
         self.num_evictions = 0
+        self.page_bytes = page_bytes
+        """Bytes one block (all layers of the group) holds; used by the shared budget (budget.py)."""
+        self.num_plain = num_blocks - 1
+        """Unreferenced blocks without a hash (free; allocating them evicts nothing)."""
+        self.listener: PoolListener | None = None
 
     # -- queries -----------------------------------------------------------------------------------------------
     @property
@@ -55,17 +75,25 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
+    @property
+    def num_held(self) -> int:
+        """Blocks that hold something (in use or cached): what the shared budget charges for."""
+        return self.capacity - self.num_plain
+
     def free_block_ids(self) -> list[int]:
         """Blocks nobody references (free or cached), in eviction order. For poisoning tests and zeroing."""
         return list(self._queue)
 
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._queue):
-            raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {len(self._queue)} free")
+        avail = self.num_plain if self.listener is not None else len(self._queue)
+        if n > avail:
+            raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {avail} free")
         out = []
         for _ in range(n):
             block_id, _ = self._queue.popitem(last=False)
+            if self.block_hash[block_id] is None:
+                self.num_plain -= 1
             self._evict_hash(block_id)
             self.ref_cnt[block_id] = 1
             out.append(block_id)
@@ -77,6 +105,10 @@ class BlockPool:
                 continue
             if self.ref_cnt[b] == 0:
                 del self._queue[b]
+                if self.block_hash[b] is None:
+                    self.num_plain -= 1
+                elif self.listener is not None:
+                    self.listener.on_acquire(self, b)
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -90,6 +122,9 @@ class BlockPool:
                 self._queue[b] = None
                 if self.block_hash[b] is None:  # nothing to keep: reuse before evicting cached content
                     self._queue.move_to_end(b, last=False)
+                    self.num_plain += 1
+                elif self.listener is not None:
+                    self.listener.on_release(self, b)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)
@@ -100,8 +135,32 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
+    def rename(self, src: int, dst: int) -> None:
+        """Move the name (hash) of unreferenced cached `src` to unnamed `dst`, which holds the same content; `src`
+        becomes free. Used when a request recomputed a cached block: its live copy takes over the name."""
+        h = self.block_hash[src]
+        assert h is not None and self.ref_cnt[src] == 0 and self.block_hash[dst] is None and dst != NULL_BLOCK_ID
+        self.block_hash[src] = None
+        self._queue.move_to_end(src, last=False)
+        self.num_plain += 1
+        self.block_hash[dst] = h
+        self.cached[h] = dst
+
     def uncache(self, block_id: int) -> None:
-        self._evict_hash(block_id, count=False)
+        """Forget the block's content without counting an eviction (an unreferenced block becomes free)."""
+        self._drop(block_id, count=False)
+
+    def evict(self, block_id: int) -> None:
+        """Policy-driven eviction of one unreferenced cached block: its hash goes, it becomes free."""
+        assert self.ref_cnt[block_id] == 0 and self.block_hash[block_id] is not None, (self.name, block_id)
+        self._drop(block_id, count=True)
+
+    def _drop(self, block_id: int, count: bool) -> None:
+        had = self.block_hash[block_id] is not None
+        self._evict_hash(block_id, count=count)
+        if had and self.ref_cnt[block_id] == 0:
+            self._queue.move_to_end(block_id, last=False)
+            self.num_plain += 1
 
     def _evict_hash(self, block_id: int, count: bool = True) -> None:
         h = self.block_hash[block_id]
@@ -129,3 +188,4 @@ class BlockPool:
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, (self.name, b)
         assert sum(h is not None for h in self.block_hash) == len(self.cached), self.name
+        assert s["free"] == self.num_plain, (self.name, s, self.num_plain)

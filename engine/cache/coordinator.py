@@ -4,16 +4,24 @@ Hit search: attention left to right over full blocks; recurrent right to left ov
 the attention hit; the hit is the longest length every group agrees on, capped at N-1 (a request must compute at
 least its last token to sample). Only real blocks count.
 
-Ownership: the scheduler calls this (single thread). Tensor-free.
+Memory: with a `budget_bytes` (the planner always gives one) cached blocks and cached checkpoints share one byte
+budget with the running requests' pages; `Reclaimer` (reclaim.py) frees room by the policy's eviction order, and
+`Admission` (admission.py) decides where checkpoints are saved. A layout with neither budget nor policy runs the
+pre-v2 behaviour (fixed-interval checkpoints, each pool LRU on its own).
+
+Ownership: the scheduler calls this (single thread); the PD adapters call the transfer methods on the step thread.
+Tensor-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.cache.admission import Admission, CachePolicy
 from engine.cache.block_pool import BlockPool
 from engine.cache.hashing import extend_block_hashes, extra_keys
 from engine.cache.managers import AttentionManager, RecurrentManager
+from engine.cache.reclaim import Reclaimer
 from engine.cache.specs import PAD_SLOT_ID, CacheGroup
 from engine.request import Request
 
@@ -51,6 +59,13 @@ class PoolLayout:
     state_slots: int
     checkpoint_interval: int
     block_size: int
+    budget_bytes: int | None = None
+    """Bytes that held pages (in use + cached, both pools) may take together. None: the pools' sizes only."""
+    policy: CachePolicy | None = None
+    """None: CachePolicy.fixed_interval(checkpoint_interval), the pre-v2 behaviour."""
+
+    def resolved_policy(self) -> CachePolicy:
+        return self.policy if self.policy is not None else CachePolicy.fixed_interval(self.checkpoint_interval)
 
 
 class HybridCacheManager:
@@ -62,17 +77,39 @@ class HybridCacheManager:
         self.groups = groups
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.policy = layout.resolved_policy()
+        self.policy.validate(layout.block_size)
+        self.admission = Admission(self.policy, layout.block_size)
         self.attention: AttentionManager | None = None
         self.recurrent: RecurrentManager | None = None
         self.pools: dict[int, BlockPool] = {}
         if attn:
-            pool = BlockPool(layout.attention_blocks, f"group{attn[0].group_id}:attention")
+            name = f"group{attn[0].group_id}:attention"
+            pool = BlockPool(layout.attention_blocks, name, attn[0].page_bytes_all_layers)
             self.pools[attn[0].group_id] = pool
             self.attention = AttentionManager(attn[0], pool, layout.block_size)
         if rec:
-            pool = BlockPool(layout.state_slots, f"group{rec[0].group_id}:{rec[0].kind}")
+            pool = BlockPool(layout.state_slots, f"group{rec[0].group_id}:{rec[0].kind}", rec[0].page_bytes_all_layers)
             self.pools[rec[0].group_id] = pool
-            self.recurrent = RecurrentManager(rec[0], pool, layout.block_size, layout.checkpoint_interval)
+            self.recurrent = RecurrentManager(rec[0], pool, layout.block_size, self.admission.align)
+        self.reclaimer: Reclaimer | None = None
+        if layout.budget_bytes is not None or layout.policy is not None:
+            budget = layout.budget_bytes
+            if budget is None:
+                budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
+            self.reclaimer = Reclaimer(
+                self.attention.pool if self.attention else None, self.recurrent.pool if self.recurrent else None,
+                budget, self.policy.eviction, self.policy.alpha,
+            )
+            for m in (self.attention, self.recurrent):
+                if m is not None:
+                    m.reclaimer = self.reclaimer
+        self._targets: dict[str, list[int]] = {}
+        """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
+        self._noted: dict[str, int] = {}
+        """request -> how many of its block hashes the admission has seen."""
+        self._reserved: dict[int, int] = {}
+        """checkpoint slot reserved for a pull -> its boundary (tokens)."""
         self.counters: dict[str, GroupCounters] = {g.kind: GroupCounters() for g in groups}
         self.external_counters: dict[str, GroupCounters] = {g.kind: GroupCounters() for g in groups}
         self._pending_copies: list[tuple[int, int]] = []
@@ -128,23 +165,87 @@ class HybridCacheManager:
 
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
-        Returns False (changing nothing) when the pools cannot cover it."""
+        Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
         if not self.can_allocate(req, num_tokens, hit):
             return False
         hit = hit or PrefixHit()
-        if self.attention is not None:
-            self.attention.allocate(req.request_id, num_tokens, hit.attention_blocks)
+        rid = req.request_id
+        new = self.attention is None or rid not in self.attention.req_blocks
         if self.recurrent is not None:
-            _, copy = self.recurrent.allocate(req.request_id, hit.checkpoint_slot)
+            new = rid not in self.recurrent.running_slot
+        if self.reclaimer is not None and not self._make_room(req, num_tokens, hit):
+            return False
+        if self.attention is not None:
+            self.attention.allocate(rid, num_tokens, hit.attention_blocks)
+        if self.recurrent is not None:
+            _, copy = self.recurrent.allocate(rid, hit.checkpoint_slot, pinned=self.reclaimer is not None)
             if copy is not None:
                 self._pending_copies.append(copy)
+        if new:
+            self._admit(req, hit.num_tokens)
         return True
 
+    def _make_room(self, req: Request, num_tokens: int, hit: PrefixHit) -> bool:
+        """Pin the hit (so eviction cannot take it), then evict until the new pages fit; undo the pins on failure."""
+        rid = req.request_id
+        adopted = self.attention is not None and self.attention.adopt(rid, hit.attention_blocks)
+        pinned = False
+        needs: list[tuple[BlockPool, int]] = []
+        if self.attention is not None:
+            needs.append((self.attention.pool, self.attention.new_blocks_needed(rid, num_tokens)))
+        if self.recurrent is not None and rid not in self.recurrent.running_slot:
+            if hit.checkpoint_slot is not None:
+                self.recurrent.pin_hit(hit.checkpoint_slot)
+                pinned = True
+            needs.append((self.recurrent.pool, 1))
+        assert self.reclaimer is not None
+        if self.reclaimer.make_room(needs):
+            return True
+        if adopted:
+            self.attention.free(rid)  # type: ignore[union-attr]
+        if pinned:
+            self.recurrent.unpin_hit(hit.checkpoint_slot)  # type: ignore[union-attr, arg-type]
+        return False
+
+    def _admit(self, req: Request, hit_tokens: int) -> None:
+        """A request got its first caches: decide its checkpoint boundaries, then remember its prompt's blocks."""
+        if not self.enable_prefix_caching or self.policy.admission != "reuse":
+            return
+        self.update_hashes(req)
+        if self.recurrent is not None:
+            prompt_end = min(req.num_prompt_tokens, req.target_tokens)
+            targets = self.admission.targets(req.block_hashes, hit_tokens, prompt_end)
+            last = (prompt_end - 1) // self.block_size * self.block_size  # an identical prompt hits here (N-1 cap)
+            if hit_tokens < last and last not in targets:
+                targets = sorted([*targets, last])
+            if targets:
+                self._targets[req.request_id] = targets
+        self._note(req)
+
+    def _note(self, req: Request) -> None:
+        done = self._noted.get(req.request_id, 0)
+        if len(req.block_hashes) > done:
+            self.admission.note(req.block_hashes[done:])
+            self._noted[req.request_id] = len(req.block_hashes)
+
     def plan_checkpoints(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """Checkpoint slots for the chunk (start, end]: [(num_tokens, slot)], written by the runner this step."""
         if self.recurrent is None or not self.enable_prefix_caching:
             return []
         self.update_hashes(req)
-        return self.recurrent.plan_checkpoints(req.request_id, req.block_hashes, start, end)
+        if self.policy.admission == "interval":
+            return self.recurrent.plan_checkpoints(req.request_id, req.block_hashes, start, end)
+        due: list[int] = []
+        targets = self._targets.get(req.request_id)
+        while targets and targets[0] <= end:
+            b = targets.pop(0)
+            if b > start:
+                due.append(b)
+        if self.policy.interval:
+            due = sorted(set(due) | {b for b in self.recurrent.interval_boundaries(start, end)
+                                     if b > req.num_prompt_tokens})
+        rolling = end if self.admission.decode_boundary(end, req.num_prompt_tokens) and end not in due else None
+        return self.recurrent.plan(req.request_id, req.block_hashes, due, rolling)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         out, self._pending_copies = self._pending_copies, []
@@ -215,23 +316,31 @@ class HybridCacheManager:
         None if checkpoints are off, the boundary is not aligned, it is cached already, or no slot is free.
         The caller publishes it with `publish_checkpoint` once the data has arrived, or `drop_checkpoint`."""
         rec = self.recurrent
-        if rec is None or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % rec.interval:
+        if rec is None or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % rec.align:
             return None
         self.update_hashes(req)
         if num_tokens // self.block_size > len(req.block_hashes):
             return None
         h = req.block_hashes[num_tokens // self.block_size - 1]
-        if rec.pool.lookup(h) is not None or rec.pool.num_free == 0:
+        if rec.pool.lookup(h) is not None or not rec._room():
             return None
-        return rec.pool.allocate(1)[0], h
+        slot = rec.pool.allocate(1)[0]
+        self._reserved[slot] = num_tokens
+        return slot, h
 
     def publish_checkpoint(self, slot: int, block_hash: bytes) -> None:
+        """The pulled checkpoint arrived: cache it (D keeps what it pulls) and release the reservation."""
         assert self.recurrent is not None
-        self.recurrent.pool.cache(slot, block_hash)
+        tokens = self._reserved.pop(slot, 0)
+        if self.recurrent.pool.cache(slot, block_hash):
+            self.recurrent.num_admitted += 1
+            if self.reclaimer is not None:
+                self.reclaimer.on_state_cached(block_hash, tokens)
         self.recurrent.pool.free([slot])
 
     def drop_checkpoint(self, slot: int) -> None:
         assert self.recurrent is not None
+        self._reserved.pop(slot, None)
         self.recurrent.pool.free([slot])
 
     # -- views for the runner ------------------------------------------------------------------------------------
@@ -255,6 +364,24 @@ class HybridCacheManager:
             out.append(s)
         return out
 
+    def cache_stats(self) -> dict[str, object]:
+        """Admissions, evictions and bytes held by kind (running vs cached), and the budget."""
+        out: dict[str, object] = {"policy": {"admission": self.policy.admission, "eviction": self.policy.eviction,
+                                             "interval": self.policy.interval}}
+        for g in self.groups:
+            pool = self.pools[g.group_id]
+            s = pool.stats()
+            out[g.kind] = {"bytes_in_use": s["in_use"] * pool.page_bytes, "bytes_cached": s["cached"] * pool.page_bytes,
+                           "evictions": pool.num_evictions}
+        if self.recurrent is not None:
+            out["checkpoints_admitted"] = self.recurrent.num_admitted
+        if self.reclaimer is not None:
+            out["budget_bytes"] = self.reclaimer.budget_bytes
+            out["held_bytes"] = self.reclaimer.held_bytes()
+        return out
+
     def check_integrity(self) -> None:
         for pool in self.pools.values():
             pool.check_integrity()
+        if self.reclaimer is not None:
+            self.reclaimer.check_integrity()

@@ -6,7 +6,11 @@ A shadow model stands in for the device: it records what each attention block an
 on a wrong, evicted or overwritten block, a checkpoint restored into the wrong slot, or a shared block being
 written, fails here even when ref counts look fine.
 
-After every step: every pool's check_integrity(); ref count == number of holders for every block and slot;
+Each trace runs one cache policy: the pre-v2 layout (fixed-interval checkpoints, separate LRU pools), or one byte
+budget shared by blocks and checkpoints with reuse admission (branch points, prompt ends, rolling request ends)
+and value or LRU eviction, at budgets tight enough that blocks and states evict each other.
+
+After every step: every pool's check_integrity() (and the budget's); ref count == holders for every block and slot;
 blocks held by two requests are cached prefix blocks; running slots unique and never 0; the fresh-block list and
 the copy list are drained by schedule(). At the end: no leak (in_use == 0, free + cached == total).
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.cache.admission import CachePolicy
 from engine.cache.coordinator import HybridCacheManager, PoolLayout
 from engine.cache.hashing import extend_block_hashes, extra_keys
 from engine.cache.managers import cdiv
@@ -72,6 +77,17 @@ class Trace:
     spare_blocks: int
     caching: bool
     reqs: tuple[ReqSpec, ...]
+    policy: str = "legacy"
+    """legacy | reuse-value | reuse-lru | interval-value"""
+    spare_bytes: int = 0
+    """One budget: bytes beyond what max_num_seqs running states and the largest request need."""
+
+    def cache_policy(self) -> CachePolicy | None:
+        if self.policy == "legacy":
+            return None
+        admission, eviction = self.policy.split("-")
+        interval = self.interval if admission == "interval" else 0
+        return CachePolicy(admission, eviction, interval)
 
 
 req_specs = st.builds(
@@ -97,6 +113,8 @@ traces = st.builds(
     spare_blocks=st.integers(0, 3) | st.integers(0, 12),
     caching=st.sampled_from([True, True, True, False]),
     reqs=st.lists(req_specs, min_size=2, max_size=12).map(tuple),
+    policy=st.sampled_from(["legacy", "reuse-value", "reuse-value", "reuse-lru", "interval-value"]),
+    spare_bytes=st.integers(0, 2000) | st.integers(0, 200),
 )
 
 
@@ -122,11 +140,18 @@ class Harness:
             "recurrent": [CacheGroup(0, GDN, (0, 1))],
         }[trace.kinds]
         need = max(r.max_blocks() for r in trace.reqs)
+        budget = None
+        if trace.policy != "legacy":
+            per_block = sum(g.page_bytes_all_layers for g in groups if g.is_attention)
+            per_state = sum(g.page_bytes_all_layers for g in groups if not g.is_attention)
+            budget = need * per_block + trace.max_num_seqs * per_state + trace.spare_bytes
         layout = PoolLayout(
             attention_blocks=1 + need + trace.spare_blocks,
             state_slots=1 + trace.max_num_seqs + trace.checkpoint_slots,
             checkpoint_interval=trace.interval,
             block_size=BS,
+            budget_bytes=budget,
+            policy=trace.cache_policy(),
         )
         self.cache = HybridCacheManager(groups, layout, enable_prefix_caching=trace.caching)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
@@ -216,7 +241,7 @@ class Harness:
             if rec is not None:
                 assert s.state_slot not in (NULL_BLOCK_ID, PAD_SLOT_ID)
                 for b, slot in s.checkpoints:
-                    assert start < b <= end and b % self.t.interval == 0
+                    assert start < b <= end and b % self.cache.admission.align == 0
                     assert rec.pool.ref_cnt[slot] == 1 and rec.pool.block_hash[slot] is None
                     ckpt_slots.append(slot)
             else:
@@ -235,7 +260,7 @@ class Harness:
             assert hit == 0
         slot = self.cache.state_slot(req.request_id)
         if rec is not None:
-            assert hit % self.t.interval == 0
+            assert hit % self.cache.admission.align == 0
             if hit:
                 src = copies[slot]
                 assert rec.pool.block_hash[src] == req.block_hashes[hit // BS - 1]
@@ -321,16 +346,16 @@ def test_random_traces_keep_every_invariant(trace: Trace) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 4), st.integers(4, 24), st.sampled_from([4, 8]))
-def test_tight_pools_preempt_and_still_finish(max_num_seqs: int, budget: int, interval: int) -> None:
+@given(st.integers(1, 4), st.integers(4, 24), st.sampled_from([4, 8]), st.sampled_from(["legacy", "reuse-value"]))
+def test_tight_pools_preempt_and_still_finish(max_num_seqs: int, budget: int, interval: int, policy: str) -> None:
     """Many requests sharing a prefix on a pool that fits one at a time: preemption by recompute must happen and
     every request still finishes with every invariant."""
     reqs = tuple(
         ReqSpec(0, 16, (i, i + 1, i + 2), 6, None, arrival=0, abort_at=None, prefill_only=False, lease_steps=0)
         for i in range(6)
     )
-    trace = Trace("hybrid", interval, max_num_seqs, budget, 2, 1, True, reqs)
+    trace = Trace("hybrid", interval, max_num_seqs, budget, 2, 1, True, reqs, policy)
     h = Harness(trace)
     h.run()
-    if max_num_seqs > 1 and budget >= 8:
+    if max_num_seqs > 1 and budget >= 8 and policy == "legacy":  # reuse shares the prefix's blocks: may fit
         assert h.sched.num_preemptions > 0

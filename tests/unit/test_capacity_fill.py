@@ -1,10 +1,12 @@
 """Capacity is exact (DESIGN.md § Caches, Capacity): what `kv_cache_info()` promises can be filled, and no more.
 
 For a NemotronH and a Qwen3.5 checkpoint (the latter with two attention layers) and an explicit budget:
-1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone:
-       state_slots    = 1 (null) + max_num_seqs + num_checkpoint_slots
-       token_capacity = ((budget - state_slots * bytes_per_state) // bytes_per_block - 1) * block_size
-   and the runner's cache tensors are exactly that many blocks/slots of those sizes, inside the budget;
+1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone (one budget:
+   only the running requests' states are reserved; checkpoints share what is left with cached blocks):
+       reserved       = 1 (null) + max_num_seqs
+       token_capacity = ((budget - reserved * bytes_per_state) // bytes_per_block - 1) * block_size
+   and the runner's cache tensors are exactly that many blocks of those sizes, plus 1 + max_num_seqs +
+   num_checkpoint_slots state-slot ids (the checkpoint ids sit outside the budget until one arena backs both);
 2. a batch whose blocks sum to exactly the capacity (4 requests x 3 blocks = 12) is admitted at once, fills the
    attention pool to its last block and completes with no preemption;
 3. the same batch with one more block's worth of tokens (one prompt 16 tokens longer: 13 blocks) PREEMPTS: all four
@@ -78,13 +80,13 @@ def test_capacity_is_exact_and_fillable(name, checkpoint_dir):  # type: ignore[n
     path = checkpoint_dir(name)
     probe = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128)
     per_block, per_state = analytic_sizes(probe.engine.groups)
-    slots = 1 + MAX_SEQS + CKPT_SLOTS
+    reserved, slots = 1 + MAX_SEQS, 1 + MAX_SEQS + CKPT_SLOTS
     # Room for BLOCKS + 1 blocks (null included) plus almost one more: the planner must round down.
-    budget = slots * per_state + (BLOCKS + 1) * per_block + per_block - 1
+    budget = reserved * per_state + (BLOCKS + 1) * per_block + per_block - 1
 
     llm = make_llm(path, budget)
     info = llm.kv_cache_info()
-    capacity = ((budget - slots * per_state) // per_block - 1) * BLOCK
+    capacity = ((budget - reserved * per_state) // per_block - 1) * BLOCK
     assert capacity == BLOCKS * BLOCK
     assert info["token_capacity"] == capacity
     assert (info["bytes_per_block"], info["bytes_per_state"]) == (per_block, per_state)
@@ -94,7 +96,9 @@ def test_capacity_is_exact_and_fillable(name, checkpoint_dir):  # type: ignore[n
     assert sum(t[0].nbytes for t in runner.attention_tensors) == per_block
     assert sum(t[0].nbytes for t in runner.state_tensors) == per_state
     allocated = sum(t.nbytes for t in runner.attention_tensors + runner.state_tensors)
-    assert allocated <= budget < allocated + per_block
+    assert allocated == info["physical_bytes"]
+    assert info["checkpoint_bytes_max"] == CKPT_SLOTS * per_state
+    assert allocated - CKPT_SLOTS * per_state <= budget < allocated - CKPT_SLOTS * per_state + per_block
 
     # Exactly full: 4 x (32-token prompt + 16 computed generated tokens) = 4 x 3 blocks = the capacity.
     long_prompt, *short = random_prompts([32 + BLOCK, 32, 32, 32], vocab=256, seed=3)

@@ -1,0 +1,87 @@
+"""Eviction order: a priority queue per pool over its evictable (unreferenced, cached) pages, and the value model.
+
+    priority = clock + value         (GreedyDual-Size: recency through the clock, value per byte on top)
+    clock    = priority of the last page evicted (it only grows, so what was released recently ranks higher)
+    value    = alpha * flops_saved(tokens) / bytes, normalised so a 4,096-token prefix state scores 1.0
+
+This is Marconi's "recency + alpha * FLOP efficiency" (MLSys 2025) in a heap-friendly form: Marconi normalises
+recency and efficiency over every candidate at each eviction (O(n)); here the clock carries recency, so choosing a
+victim is O(log n). Ties break by release order (oldest first), so with every value equal this is exactly LRU, which
+is how the LRU baseline runs (`value_of` returning 0).
+
+Ownership: `Reclaimer` (reclaim.py) owns one `EvictionQueue` per pool and is the only caller. Tensor-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+ATTENTION_QUADRATIC_TOKENS = 8192
+"""Context length at which a token's attention FLOPs equal its linear (projection/MLP/scan) FLOPs, roughly, for the
+hybrid models we serve; only the shape of flops_saved() depends on it."""
+
+REFERENCE_TOKENS = 4096
+
+
+def flops_saved(tokens: int) -> float:
+    """Relative compute a hit on a `tokens`-long prefix saves: linear per token plus attention's quadratic term."""
+    return tokens + tokens * tokens / (2 * ATTENTION_QUADRATIC_TOKENS)
+
+
+class ValueModel:
+    """value(tokens, bytes) = alpha * (flops_saved(tokens) / bytes) / (flops_saved(4096) / reference_bytes)."""
+
+    def __init__(self, reference_bytes: int, alpha: float = 1.0) -> None:
+        self.alpha = alpha
+        self._scale = alpha * max(reference_bytes, 1) / flops_saved(REFERENCE_TOKENS)
+
+    def value(self, tokens: int, nbytes: int) -> float:
+        return self._scale * flops_saved(tokens) / max(nbytes, 1) if tokens > 0 else 0.0
+
+
+class EvictionQueue:
+    """Min-heap of (priority, release order, page) with lazy deletion: `discard` forgets a page in O(1); stale heap
+    entries are skipped when they reach the top."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int]] = []
+        self._live: dict[int, int] = {}  # page -> release order of its current entry
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._live
+
+    def push(self, page: int, priority: float) -> None:
+        seq = next(self._order)
+        self._live[page] = seq
+        heapq.heappush(self._heap, (priority, seq, page))
+        if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def discard(self, page: int) -> None:
+        self._live.pop(page, None)
+
+    def peek(self) -> tuple[float, int, int] | None:
+        """(priority, release order, page) of the next victim, or None."""
+        heap, live = self._heap, self._live
+        while heap:
+            prio, seq, page = heap[0]
+            if live.get(page) == seq:
+                return prio, seq, page
+            heapq.heappop(heap)
+        return None
+
+    def pop(self) -> int:
+        entry = self.peek()
+        assert entry is not None
+        heapq.heappop(self._heap)
+        del self._live[entry[2]]
+        return entry[2]
+
+    def pages(self) -> set[int]:
+        return set(self._live)

@@ -1,0 +1,197 @@
+"""One memory budget for attention blocks and recurrent states, and the policy that frees room in it.
+
+    budget >= sum over pools of (pages held: in use + cached) * page bytes        (checked by check_integrity)
+
+    attention chain (block hashes)        h0 -- h1 -- h2 -- h3            cached blocks, linked parent -> child
+                                                      \\-- h2' -- h3'
+    checkpoints (state after the block)          [s@h1]       [s@h3]  [s@h3']
+
+Consistency between blocks and states ("value" policy):
+- only *leaf* blocks (no cached child) are evictable, so a cached chain never has a hole;
+- evicting a block also evicts the unreferenced checkpoint named by it (a state whose chain is gone is useless);
+- a leaf block with no checkpoint at its end is a dead end (no hit can stop there) and is valued 0, so it goes
+  first; when a checkpoint is evicted, the block it ended on is re-queued as such.
+Hash-only bookkeeping (parent, children, tokens) lives here; the pools keep their ids, refs and hash maps.
+
+The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
+no leaf rule and no cascade (vLLM's free-queue order).
+
+Ownership: the coordinator owns one Reclaimer and calls `make_room` before every allocation; the pools call
+`on_release` / `on_acquire` (this is their listener). Single-threaded (the step loop). Tensor-free.
+"""
+
+from __future__ import annotations
+
+from engine.cache.block_pool import BlockPool
+from engine.cache.eviction import EvictionQueue, ValueModel
+
+POLICIES = ("value", "lru")
+
+
+class Reclaimer:
+    def __init__(
+        self, attention: BlockPool | None, state: BlockPool | None, budget_bytes: int, policy: str = "value",
+        alpha: float = 1.0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
+        self.attention, self.state = attention, state
+        self.pools = [p for p in (attention, state) if p is not None]
+        self.budget_bytes = budget_bytes
+        self.policy = policy
+        self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue() for p in self.pools}
+        ref_bytes = state.page_bytes if state is not None else attention.page_bytes  # type: ignore[union-attr]
+        self.values = ValueModel(ref_bytes, alpha)
+        self.clock = 0.0
+        self.parent: dict[bytes, bytes] = {}
+        self.children: dict[bytes, int] = {}
+        self.tokens: dict[bytes, int] = {}
+        """Prefix length (tokens) at the end of the block / at the checkpoint named by a hash."""
+        self.evicted_bytes = {"attention": 0, "state": 0}
+        self.num_evicted = {"attention": 0, "state": 0}
+        for p in self.pools:
+            p.listener = self
+
+    # -- budget ------------------------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        return sum(p.num_held * p.page_bytes for p in self.pools)
+
+    def make_room(self, needs: list[tuple[BlockPool, int]]) -> bool:
+        """Evict the lowest-priority pages until every pool has `n` free ids and the budget has room for all of
+        them. False when it cannot (what was evicted stays evicted: it was only cache)."""
+        extra = sum(n * p.page_bytes for p, n in needs)
+        while True:
+            short = [p for p, n in needs if p.num_plain < n]
+            if not short and self.held_bytes() + extra <= self.budget_bytes:
+                return True
+            victim = self._lowest(short or self.pools)
+            if victim is None:
+                return False
+            self.evict(*victim)
+
+    def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
+        best = None
+        for p in pools:
+            top = self.queues[id(p)].peek()
+            if top is not None and (best is None or top[:2] < best[0][:2]):
+                best = (top, p)
+        if best is None:
+            return None
+        (prio, _, page), pool = best
+        return pool, page, prio
+
+    def evictable_bytes(self) -> int:
+        return sum(len(self.queues[id(p)]) * p.page_bytes for p in self.pools)
+
+    # -- eviction ----------------------------------------------------------------------------------------------
+    def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
+        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
+        h = pool.block_hash[page]
+        assert h is not None
+        self.queues[id(pool)].discard(page)
+        if count:
+            pool.evict(page)
+            kind = "attention" if pool is self.attention else "state"
+            self.num_evicted[kind] += 1
+            self.evicted_bytes[kind] += pool.page_bytes
+        else:
+            pool.uncache(page)
+        if self.policy == "lru":
+            return
+        if prio is not None:
+            self.clock = max(self.clock, prio)
+        if pool is self.attention:
+            self._unlink(h)
+            if self.state is not None:
+                slot = self.state.lookup(h)
+                if slot is not None and self.state.ref_cnt[slot] == 0:
+                    self.evict(self.state, slot)  # its chain is gone: the state is useless
+        else:
+            self._requeue_block(h)  # the block it ended on may now be a dead end
+        self._forget(h)
+
+    def _unlink(self, h: bytes) -> None:
+        parent = self.parent.pop(h, None)
+        if parent is None:
+            return
+        left = self.children[parent] - 1
+        if left:
+            self.children[parent] = left
+        else:
+            del self.children[parent]
+            self._requeue_block(parent)  # a new leaf
+
+    def _forget(self, h: bytes) -> None:
+        in_attn = self.attention is not None and self.attention.lookup(h) is not None
+        in_state = self.state is not None and self.state.lookup(h) is not None
+        if not in_attn and not in_state:
+            self.tokens.pop(h, None)
+
+    # -- events from the pools and the managers ---------------------------------------------------------------
+    def on_release(self, pool: BlockPool, page: int) -> None:
+        h = pool.block_hash[page]
+        assert h is not None
+        if pool is self.attention and self.policy == "value" and self.children.get(h):
+            return  # not a leaf: queued when its last child goes
+        self.queues[id(pool)].push(page, self._priority(pool, h))
+
+    def on_acquire(self, pool: BlockPool, page: int) -> None:
+        self.queues[id(pool)].discard(page)
+
+    def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
+        """An attention block was named `h` (its chain parent is `parent`, None for the first block)."""
+        self.tokens[h] = tokens
+        if self.policy == "lru" or parent is None or self.attention is None or h in self.parent:
+            return
+        pb = self.attention.lookup(parent)
+        if pb is None:
+            return  # the parent is gone: this block heads an unreachable chain and stays a leaf
+        self.parent[h] = parent
+        self.children[parent] = self.children.get(parent, 0) + 1
+        self.queues[id(self.attention)].discard(pb)  # no longer a leaf
+
+    def on_state_cached(self, h: bytes, tokens: int) -> None:
+        """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
+        self.tokens[h] = tokens
+        if self.policy == "value":
+            self._requeue_block(h)
+
+    def _requeue_block(self, h: bytes) -> None:
+        if self.attention is None or self.policy == "lru":
+            return
+        b = self.attention.lookup(h)
+        if b is not None and self.attention.ref_cnt[b] == 0 and not self.children.get(h):
+            self.queues[id(self.attention)].push(b, self._priority(self.attention, h))
+
+    def _priority(self, pool: BlockPool, h: bytes) -> float:
+        if self.policy == "lru":
+            return 0.0  # ties: release order
+        tokens = self.tokens.get(h, 0)
+        if pool is self.state:
+            return self.clock + self.values.value(tokens, pool.page_bytes)
+        if self.state is None:  # attention-only model: a block is a usable stopping point by itself
+            return self.clock + self.values.value(tokens, pool.page_bytes)
+        if self.state.lookup(h) is None:
+            return self.clock  # dead end
+        return self.clock + self.values.value(tokens, pool.page_bytes + self.state.page_bytes)
+
+    # -- integrity ---------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Budget respected; each queue holds exactly its pool's evictable pages; chain links consistent."""
+        assert self.held_bytes() <= self.budget_bytes, (self.held_bytes(), self.budget_bytes)
+        for p in self.pools:
+            queued = self.queues[id(p)].pages()
+            for b in queued:
+                assert p.ref_cnt[b] == 0 and p.block_hash[b] is not None, (p.name, b)
+            for b in p.free_block_ids():
+                h = p.block_hash[b]
+                if h is None:
+                    continue
+                leaf = self.policy == "lru" or p is not self.attention or not self.children.get(h)
+                assert (b in queued) == leaf, (p.name, b, leaf)
+        if self.attention is not None:
+            counts: dict[bytes, int] = {}
+            for h, parent in self.parent.items():
+                assert self.attention.lookup(h) is not None and self.attention.lookup(parent) is not None
+                counts[parent] = counts.get(parent, 0) + 1
+            assert counts == self.children, "child counts out of date"
