@@ -223,6 +223,13 @@ class RecurrentManager:
         self.pool.free(self.step_refs)
         self.pending, self.step_refs = [], []
 
+    def drop_step_refs(self) -> None:
+        """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores
+        (`EngineCore.step` -> `HybridCacheManager.on_step_failed`; tests/unit/test_pd_handoff.py)."""
+        self.pool.free(p.slot for p in self.pending)
+        self.pool.free(self.step_refs)
+        self.pending, self.step_refs = [], []
+
     def _replace_rolling(self, req_id: str, h: bytes) -> None:
         prev = self.rolling.get(req_id)
         self.rolling[req_id] = h
