@@ -28,11 +28,19 @@ class Cluster:
     url: str
     model_name: str
     extra: dict = field(default_factory=dict)
+    cluster_token: str | None = None
+
+    @property
+    def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata a direct worker RPC needs (the cluster token, when the cluster has one)."""
+        from worker.auth import token_metadata
+
+        return token_metadata(self.cluster_token)
 
     def worker_stats(self, w: WorkerProcess) -> pb.StatsResponse:
         with grpc.insecure_channel(w.info["address"]) as ch:
             stub = pb_grpc.PrefillServiceStub(ch) if w.info["role"] == "prefill" else pb_grpc.DecodeServiceStub(ch)
-            return stub.Stats(pb.StatsRequest(), timeout=10)
+            return stub.Stats(pb.StatsRequest(), timeout=10, metadata=self.grpc_metadata)
 
     def metric(self, w: WorkerProcess, name: str, **labels: str) -> float:
         """Sum of a metric's samples on a worker's /metrics matching the labels."""
@@ -106,7 +114,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise RuntimeError(f"proxy did not become healthy; its log ({log_path}):\n{tail}")
-    return Cluster(model, prefill, decode, proxy, url, name)
+    return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token)
 
 
 def complete(c: Cluster, prompt: list[int] | str, max_tokens: int = 16, **extra) -> dict:  # type: ignore[no-untyped-def]

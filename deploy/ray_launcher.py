@@ -166,16 +166,23 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     if load_cluster_token() is None and args.address is None:
         # a cluster of our own: its workers accept only calls that carry this token (the proxy here sends it)
         os.environ[TOKEN_ENV] = env_vars[TOKEN_ENV] = secrets.token_hex(32)
+    local = args.address is None
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env_vars} if args.address is None else None)
+             runtime_env={"env_vars": env_vars} if local else None,
+             # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
+             **({"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}))
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     actors = []
     targets: Path | None = None
+    # one CPU per worker where there is one; on a smaller machine a share of it (a whole CPU each would leave the
+    # third worker of a 2-core box waiting forever for a CPU that does not exist)
+    total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
     for role in roles:
         argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
-        opts = {"num_cpus": 1, "num_gpus": args.gpus_per_worker}
+        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]

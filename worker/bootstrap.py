@@ -50,6 +50,15 @@ def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
     return CacheLayout.from_tensors(groups, model_id=model_id, extra=extra)
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     from prometheus_client import start_http_server
 
@@ -82,6 +91,9 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics
 
+        if _is_loopback(opts.host) and "UCX_NET_DEVICES" not in os.environ:
+            # UCX's TCP transport listens on every interface by default: keep it where the worker was told to be
+            os.environ["UCX_NET_DEVICES"] = "lo"
         layout = build_layout(core, model_name)
         # P keeps NIXL's progress thread (it serves READs and takes release notices whatever its engine does). D on
         # GPUs runs without one: its READs are moved by the copy engine (cuda_ipc) or the NIC, D's step loop polls

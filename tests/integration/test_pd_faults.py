@@ -94,7 +94,10 @@ def test_frozen_prefill_worker_mid_pull_recomputes_or_fails(checkpoint_dir):  # 
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "transfer" in e.value.details()
             finally:
                 os.kill(p.proc.pid, signal.SIGCONT)
-            assert c.metric(d, "hybridpd_kv_transfer_failures_total", role="decode", reason="timeout") == 1
+            # on CPU, UCX copies over CMA: D's own process reads the frozen P's memory, so the READ may complete;
+            # then P cannot answer the Commit and D does not trust what it read (lease_lost). Else the READ times out
+            assert sum(c.metric(d, "hybridpd_kv_transfer_failures_total", role="decode", reason=r)
+                       for r in ("timeout", "lease_lost")) == 1
             stats = c.worker_stats(d)
             assert all(pool.integrity_ok and pool.in_use == 0 for pool in stats.pools)
         finally:

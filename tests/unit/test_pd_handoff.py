@@ -296,9 +296,12 @@ def test_a_failing_step_on_p_fails_the_prefill_at_once_and_leaks_nothing(checkpo
 def test_pinned_pages_are_capped_and_refused_with_resource_exhausted(checkpoint_dir, monkeypatch,
                                                                      prompts):  # type: ignore[no-untyped-def]
     async def run() -> None:
-        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch, max_pinned_fraction=0.02)
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
         try:
-            await prefill(pair, "a", prompts[0])  # alone: always admitted
+            total = await pair.p.ctx.aengine.acall(
+                lambda c: next(int(s["total"]) for s in c.cache.pool_stats() if s["kind"] == "attention"))
+            pair.p.max_pinned_fraction = 7 / total  # room for one 70-token prompt's 5 blocks, not for two
+            await prefill(pair, "a", prompts[0])
             with pytest.raises(Aborted) as e:
                 await prefill(pair, "b", prompts[1])
             assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

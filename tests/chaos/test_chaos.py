@@ -1,0 +1,195 @@
+"""Chaos: greedy requests with known outputs through the proxy of a real PD cluster (plain processes, gRPC, NIXL on
+CPU) while a driver injects faults. The bar: **no HTTP 200 with wrong tokens**, no leaked blocks once idle.
+
+Faults: SIGSTOP of the decode worker past P's lease (the issue-12 freeze) and of the prefill worker, SIGKILL of the
+prefill worker (restarted by its supervisor with a new epoch), and hostile calls straight to the workers: forged
+params (another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token.
+
+Prints one JSON line of figures (requests, faults, wrong 200s, errors, leaked pages, recovery) and writes it to
+$HYBRIDPD_CHAOS_REPORT when set. Sized to run in about a minute on 2 cores; HYBRIDPD_CHAOS_SECONDS makes it longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from deploy.local_cluster import Cluster, start_cluster
+from engine import LLM, SamplingParams
+from kvtransfer.binding import prompt_digest
+from proto import hybridpd_pb2 as pb
+from proto import hybridpd_pb2_grpc as pb_grpc
+from tests.oracle import random_prompts
+
+pytestmark = pytest.mark.slow
+NEW = 6
+LEASE_S = 2.0
+DURATION_S = float(os.environ.get("HYBRIDPD_CHAOS_SECONDS", "30"))
+
+
+def _sp() -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+class Load:
+    """Client threads sending known prompts; tallies outcomes."""
+
+    def __init__(self, c: Cluster, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.c, self.prompts, self.expected = c, prompts, expected
+        self.sent = self.ok = self.wrong = self.errors = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.last_ok = time.monotonic()
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.is_set():
+                i = rng.randrange(len(self.prompts))
+                body = {"model": self.c.model_name, "prompt": self.prompts[i], "max_tokens": NEW, "temperature": 0,
+                        "ignore_eos": True}
+                try:
+                    r = http.post(f"{self.c.url}/v1/completions", json=body)
+                    status, toks = r.status_code, (r.json()["choices"][0].get("token_ids") if r.status_code == 200
+                                                   else None)
+                except httpx.HTTPError:
+                    status, toks = -1, None
+                with self.lock:
+                    self.sent += 1
+                    if status == 200 and toks == self.expected[i]:
+                        self.ok += 1
+                        self.last_ok = time.monotonic()
+                    elif status == 200:
+                        self.wrong += 1
+                    else:
+                        self.errors += 1
+
+
+class Faults:
+    def __init__(self, c: Cluster, prompts: list[list[int]]) -> None:
+        self.c, self.prompts = c, prompts
+        self.injected: dict[str, int] = {}
+        self.hostile_accepted = 0
+        self.recovery_s: list[float] = []
+
+    def _count(self, name: str) -> None:
+        self.injected[name] = self.injected.get(name, 0) + 1
+
+    def freeze(self, role: str, seconds: float) -> None:
+        w = self.c.decode[0] if role == "decode" else self.c.prefill[0]
+        os.kill(w.proc.pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(w.proc.pid, signal.SIGCONT)
+        self._count(f"sigstop_{role}")
+
+    def kill_prefill(self) -> None:
+        p = self.c.prefill[0]
+        old = p.info["epoch"]
+        t0 = time.monotonic()
+        p.proc.kill()
+        while (not p.alive() or p.info["epoch"] == old) and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+        self.recovery_s.append(time.monotonic() - t0)
+        self._count("sigkill_prefill")
+
+    def hostile(self, rng: random.Random) -> None:
+        """Forged params, a replayed Commit and a wrong-token Release, straight to the workers."""
+        a, b = rng.sample(self.prompts, 2)
+        md = self.c.grpc_metadata
+        try:
+            with grpc.insecure_channel(self.c.prefill[0].info["address"]) as pch, \
+                    grpc.insecure_channel(self.c.decode[0].info["address"]) as dch:
+                p, d = pb_grpc.PrefillServiceStub(pch), pb_grpc.DecodeServiceStub(dch)
+                rid = f"hostile-{rng.randrange(1 << 30)}"
+                tp = p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=b, sampling_params=_sp()),
+                               timeout=30, metadata=md).params
+                if p.Release(pb.ReleaseRequest(request_id=rid, lease_token="forged"), timeout=10,
+                             metadata=md).released:
+                    self.hostile_accepted += 1
+                self._count("forged_release")
+                tp.prompt_digest = prompt_digest(a, len(a) - 1)
+                req = pb.GenerateRequest(request_id=rid, prompt_token_ids=a, sampling_params=_sp(), params=tp)
+                list(d.Generate(req, timeout=60, metadata=md))  # tokens checked by the load's own A requests
+                self._count("forged_params")
+                replay = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token,
+                                          prompt_digest=tp.prompt_digest)
+                if p.Commit(replay, timeout=10, metadata=md).committed:
+                    self.hostile_accepted += 1
+                self._count("replayed_commit")
+        except grpc.RpcError:
+            self._count("hostile_call_failed")  # e.g. P frozen or restarting meanwhile: an error is fine
+
+
+def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore[no-untyped-def]
+    model = checkpoint_dir("nemotron_attn_mid")
+    prompts = random_prompts([20, 45, 70, 100, 130, 33], vocab=256, seed=31)
+    llm = LLM(model=model, checkpoint_interval=32, kv_cache_memory_bytes=32 * 2**20)
+    expected = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        max_tokens=NEW, temperature=0, ignore_eos=True))]
+    del llm
+    c = start_cluster(model, worker_args=["--checkpoint-interval", "32", "--lease-seconds", str(LEASE_S),
+                                          "--pull-timeout", "2"], cluster_token="chaos-token")
+    load, faults = Load(c, prompts, expected), Faults(c, prompts)
+    rng = random.Random(7)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            clients = [pool.submit(load.client, s) for s in range(3)]
+            t_end = time.monotonic() + DURATION_S
+            plan = ["freeze_decode", "hostile", "freeze_prefill", "kill_prefill", "hostile", "freeze_decode"]
+            i = 0
+            while time.monotonic() < t_end:
+                time.sleep(rng.uniform(0.5, 2.0))
+                what = plan[i % len(plan)]
+                i += 1
+                if what == "freeze_decode":
+                    faults.freeze("decode", LEASE_S + 1.5)  # past P's lease, with transfers in flight
+                elif what == "freeze_prefill":
+                    faults.freeze("prefill", 1.5)
+                elif what == "kill_prefill":
+                    faults.kill_prefill()
+                else:
+                    faults.hostile(rng)
+            time.sleep(2.0)
+            load.stop.set()
+            for f in clients:
+                f.result(timeout=120)
+        # once idle (leases over): nothing pinned, nothing in use, pools consistent
+        deadline = time.time() + LEASE_S + 10
+        while time.time() < deadline and c.worker_stats(c.prefill[0]).leases_pinned:
+            time.sleep(0.3)
+        leaked = 0
+        for w in (c.prefill[0], c.decode[0]):
+            stats = c.worker_stats(w)
+            assert all(pool.integrity_ok for pool in stats.pools), stats
+            leaked += sum(pool.in_use for pool in stats.pools) + stats.leases_pinned
+        refused = {r: c.metric(c.decode[0], "hybridpd_kv_transfer_failures_total", role="decode", reason=r)
+                   for r in ("lease_expired", "prompt_mismatch", "lease_lost", "timeout", "stale_epoch")}
+        report = {"requests": load.sent, "ok": load.ok, "wrong_200": load.wrong, "errors": load.errors,
+                  "faults": faults.injected, "hostile_calls_accepted": faults.hostile_accepted,
+                  "leaked_pages_after_idle": leaked, "prefill_restart_s": [round(s, 1) for s in faults.recovery_s],
+                  "decode_refusals": refused}
+        print(json.dumps(report))
+        if os.environ.get("HYBRIDPD_CHAOS_REPORT"):
+            with open(os.environ["HYBRIDPD_CHAOS_REPORT"], "w") as f:
+                json.dump(report, f, indent=1)
+        assert load.wrong == 0, report
+        assert faults.hostile_accepted == 0, report
+        assert leaked == 0, report
+        assert load.ok > 0 and sum(faults.injected.values()) >= 3, report
+        # and the cluster still answers correctly after the storm
+        with httpx.Client(timeout=60) as http:
+            r = http.post(f"{c.url}/v1/completions", json={"model": c.model_name, "prompt": prompts[2],
+                                                            "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[2], r.text
+    finally:
+        load.stop.set()
+        c.stop()

@@ -1,0 +1,127 @@
+"""Issue 12's reproductions as regression tests, over real processes, gRPC and NIXL (CPU):
+
+- the stale lease: P's lease ends and its pages are reused by other requests before D pulls -> D refuses, recomputes,
+  and answers (and caches) the right tokens;
+- cache poisoning: Generate(prompt A, params of prompt B), with B's digest and with a digest forged to match A ->
+  refused before the pull, or pulled and refused by P's Commit; A's later requests are right;
+- the cluster token: without it every worker RPC (Prefill, Release, Generate, Abort, Stats) is UNAUTHENTICATED,
+  with it the proxy serves requests end to end.
+Every refusal is counted in hybridpd_kv_transfer_failures_total."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+
+from deploy.local_cluster import Cluster, start_cluster
+from engine import LLM, SamplingParams
+from kvtransfer.binding import prompt_digest
+from proto import hybridpd_pb2 as pb
+from proto import hybridpd_pb2_grpc as pb_grpc
+from tests.oracle import random_prompts
+
+pytestmark = pytest.mark.slow
+NEW = 8
+MODEL = "nemotron_attn_mid"
+
+
+def _sp() -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prefill(c: Cluster, rid: str, prompt: list[int]) -> pb.TransferParams:
+    with grpc.insecure_channel(c.prefill[0].info["address"]) as ch:
+        return pb_grpc.PrefillServiceStub(ch).Prefill(
+            pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp()), timeout=60,
+            metadata=c.grpc_metadata).params
+
+
+def _generate(c: Cluster, rid: str, prompt: list[int], params: pb.TransferParams | None) -> list[int]:
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp())
+    if params is not None:
+        req.params.CopyFrom(params)
+    with grpc.insecure_channel(c.decode[0].info["address"]) as ch:
+        return [t for chunk in pb_grpc.DecodeServiceStub(ch).Generate(req, timeout=120, metadata=c.grpc_metadata)
+                for t in chunk.token_ids]
+
+
+def _expected(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model=model, checkpoint_interval=32, kv_cache_memory_bytes=32 * 2**20)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        max_tokens=NEW, temperature=0, ignore_eos=True))]
+
+
+def _failures(c: Cluster, role: str, reason: str) -> float:
+    w = c.prefill[0] if role == "prefill" else c.decode[0]
+    return c.metric(w, "hybridpd_kv_transfer_failures_total", role=role, reason=reason)
+
+
+def test_stale_lease_and_forged_params_never_give_wrong_tokens(checkpoint_dir):  # type: ignore[no-untyped-def]
+    model = checkpoint_dir(MODEL)
+    prompts = random_prompts([100, 100, 100, 100], vocab=256, seed=21)
+    expected = _expected(model, prompts)
+    c = start_cluster(model, worker_args=["--checkpoint-interval", "32", "--lease-seconds", "2"])
+    try:
+        # the stale lease: A's lease expires, other prompts reuse P's freed pages, then D gets A's params
+        tp_a = _prefill(c, "a", prompts[0])
+        time.sleep(2.5)
+        for i in (2, 3):
+            assert _generate(c, f"other{i}", prompts[i], _prefill(c, f"other{i}", prompts[i])) == expected[i]
+        assert _generate(c, "a", prompts[0], tp_a) == expected[0]
+        assert _failures(c, "decode", "lease_expired") == 1
+        assert _generate(c, "a-again", prompts[0], None) == expected[0]  # D's cache holds A's real KV
+
+        # poisoning: B's params for prompt A, first as P issued them, then with the digest rewritten to A's
+        a, b = prompts[1], prompts[2]
+        assert _generate(c, "x1", a, _prefill(c, "b1", b)) == expected[1]
+        assert _failures(c, "decode", "prompt_mismatch") == 1
+        forged = _prefill(c, "b2", b)
+        forged.prompt_digest = prompt_digest(a, len(a) - 1)
+        assert _generate(c, "b2", a, forged) == expected[1]
+        assert _failures(c, "decode", "lease_lost") == 1
+        assert _failures(c, "prefill", "commit_prompt_mismatch") == 1
+        assert _generate(c, "a-later", a, None) == expected[1]
+
+        # nothing stays pinned or leaked once the leases are over
+        deadline = time.time() + 10
+        while c.worker_stats(c.prefill[0]).leases_pinned and time.time() < deadline:
+            time.sleep(0.3)
+        for w in (c.prefill[0], c.decode[0]):
+            stats = c.worker_stats(w)
+            assert stats.leases_pinned == 0
+            assert all(pool.integrity_ok and pool.in_use == 0 for pool in stats.pools), stats
+    finally:
+        c.stop()
+
+
+def test_worker_rpcs_require_the_cluster_token(checkpoint_dir):  # type: ignore[no-untyped-def]
+    c = start_cluster(checkpoint_dir(MODEL), cluster_token="s3cret-token")
+    try:
+        p_addr, d_addr = c.prefill[0].info["address"], c.decode[0].info["address"]
+        prompt = random_prompts([40], vocab=256, seed=22)[0]
+        with grpc.insecure_channel(p_addr) as pch, grpc.insecure_channel(d_addr) as dch:
+            p, d = pb_grpc.PrefillServiceStub(pch), pb_grpc.DecodeServiceStub(dch)
+            calls = [
+                lambda md: p.Prefill(pb.PrefillRequest(request_id="x", prompt_token_ids=prompt, sampling_params=_sp()),
+                                     timeout=30, metadata=md),
+                lambda md: p.Release(pb.ReleaseRequest(request_id="x"), timeout=10, metadata=md),
+                lambda md: p.Stats(pb.StatsRequest(), timeout=10, metadata=md),
+                lambda md: d.Abort(pb.AbortRequest(request_id="x"), timeout=10, metadata=md),
+                lambda md: list(d.Generate(pb.GenerateRequest(request_id="y", prompt_token_ids=prompt,
+                                                              sampling_params=_sp()), timeout=30, metadata=md)),
+            ]
+            for call in calls:
+                for md in ((), (("x-hybridpd-token", "wrong"),)):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call(md)
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # with the token: the proxy (same token from the environment) serves a PD request end to end
+        r = httpx.post(f"{c.url}/v1/completions", json={"model": c.model_name, "prompt": prompt, "max_tokens": 4,
+                                                         "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert c.worker_stats(c.decode[0]).role == "decode"
+    finally:
+        c.stop()
