@@ -432,8 +432,8 @@ def _messages(v: Any) -> tuple[ChatMessage, ...]:
         if not isinstance(m, dict):
             raise bad_request(f"'{where}' must be an object", param=where)
         role = m.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad_request(f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
+            raise bad_request(f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {str(role)[:40]!r}",
                               param=f"{where}.role")
         if m.get("tool_calls"):
             raise bad_request(f"'{where}.tool_calls' is not supported", param=f"{where}.tool_calls",
