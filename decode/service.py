@@ -118,6 +118,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     async def _commit(self, rid: str, tp: pb.TransferParams, digest: bytes) -> None:
         req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest)
         address = self._peers.get((tp.worker_id, tp.epoch), (None, tp.prefill_address))[1]
+        t0 = time.perf_counter()
         try:
             resp = await self._prefill_stub(address).Commit(
                 req, timeout=self.commit_timeout_s, metadata=token_metadata(self.ctx.cluster_token))
@@ -126,6 +127,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             committed, reason = False, f"commit failed: {e.code().name}"
         except Exception as e:  # noqa: BLE001
             committed, reason = False, f"commit failed: {e}"
+        if self.consumer.metrics is not None:
+            self.consumer.metrics.commit_seconds(time.perf_counter() - t0)
         self.ctx.aengine.call(lambda core: self.consumer.on_commit(core, rid, committed, reason))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]

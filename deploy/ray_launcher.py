@@ -167,6 +167,10 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         # a cluster of our own: its workers accept only calls that carry this token (the proxy here sends it)
         os.environ[TOKEN_ENV] = env_vars[TOKEN_ENV] = secrets.token_hex(32)
     local = args.address is None
+    if local:  # a SIGKILLed driver must not leave Ray's daemons or the workers behind
+        from deploy.reaper import start_orphan_reaper
+
+        start_orphan_reaper()
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": env_vars} if local else None,
              # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface

@@ -6,6 +6,7 @@
     hybridpd_kv_transfer_failures_total{role, reason}  reason: timeout | nixl_error | stale_epoch | ...
     hybridpd_kv_lease_expired_total{role}              leases freed by the reaper (consumer never released)
     hybridpd_kv_admission_refused_total{role}          prefills refused: too many pages pinned for transfers
+    hybridpd_kv_transfer_commit_seconds{role}          histogram: D's READ done -> P's Commit answer
 
 Families are created once per registry (a second `TransferMetrics` on the same registry reuses them), so tests pass
 their own `CollectorRegistry` and workers use the default global one.
@@ -32,6 +33,7 @@ class _Families:
     failures: Counter
     lease_expired: Counter
     admission_refused: Counter
+    commit_seconds: Histogram
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -71,6 +73,13 @@ def _families_for(registry: CollectorRegistry) -> _Families:
                     "hybridpd_kv_admission_refused",
                     "Prefills refused because too many pages are pinned for transfers (RESOURCE_EXHAUSTED)",
                     ["role"],
+                    registry=registry,
+                ),
+                Histogram(
+                    "hybridpd_kv_transfer_commit_seconds",
+                    "READ done -> P's Commit answer on D (the fail-closed confirmation's share of the handover)",
+                    ["role"],
+                    buckets=SECONDS_BUCKETS,
                     registry=registry,
                 ),
             )
@@ -117,6 +126,9 @@ class TransferMetrics:
 
     def transfer_failed(self, reason: str) -> None:
         self._f.failures.labels(self.role, reason).inc()
+
+    def commit_seconds(self, seconds: float) -> None:
+        self._f.commit_seconds.labels(self.role).observe(seconds)
 
     def admission_refused(self) -> None:
         self._f.admission_refused.labels(self.role).inc()

@@ -263,7 +263,7 @@ def test_serve_openai_client_restart_and_sigint(checkpoint_dir: Callable[[str], 
 
 def test_serve_builtin_model(start_serve: Callable[[list[str], str], Serve], tmp_path: Path) -> None:
     """No --model: the built-in tiny NemotronH checkpoint is written under HYBRIDPD_HOME and served; the targets
-    file goes where deploy/prometheus/prometheus.yml looks (removed at exit)."""
+    file goes where deploy/prometheus/prometheus.yml looks. SIGKILL of `serve` leaves no process behind."""
     serve = start_serve([], "serve-builtin")
     targets = TARGETS_DIR / f"serve-{serve.port}.json"
     startup_s = serve.wait_healthy()
@@ -278,8 +278,11 @@ def test_serve_builtin_model(start_serve: Callable[[list[str], str], Serve], tmp
     assert len(ids) == MAX_TOKENS
     workers = _workers(serve.marker)
     assert len(workers) == 2 and all(str(model) in cmd for cmd in workers.values()), workers
-    exit_s = serve.interrupt()
-    assert serve.proc.returncode == 0, serve.log_tail()
-    serve.assert_nothing_left()
-    assert not targets.exists(), "the targets file outlived the cluster"
-    print(f"\nserve (built-in model): healthy after {startup_s:.0f} s, exit {exit_s:.1f} s after SIGINT")
+    # SIGKILL of the driver (no cleanup of its own): its orphan reaper takes Ray and the workers down
+    t0 = time.time()
+    serve.proc.kill()
+    serve.proc.wait(timeout=10)
+    wait_for("the workers to exit", lambda: not _workers(serve.marker), timeout=30, interval=0.5)
+    wait_for("every process of serve to exit", lambda: not _processes(serve.marker), timeout=30, interval=0.5)
+    print(f"\nserve (built-in model): healthy after {startup_s:.0f} s; after SIGKILL, nothing left within "
+          f"{time.time() - t0:.1f} s")
