@@ -46,6 +46,7 @@ class Load:
     def __init__(self, c: Cluster, prompts: list[list[int]], expected: list[list[int]]) -> None:
         self.c, self.prompts, self.expected = c, prompts, expected
         self.sent = self.ok = self.wrong = self.errors = 0
+        self.statuses: dict[str, int] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.last_ok = time.monotonic()
@@ -72,6 +73,9 @@ class Load:
                         self.wrong += 1
                     else:
                         self.errors += 1
+                        self.statuses[str(status)] = self.statuses.get(str(status), 0) + 1
+                if status != 200:
+                    time.sleep(0.25)  # a client backs off on errors (the proxy sheds fast while a worker is down)
 
 
 class Faults:
@@ -174,6 +178,7 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
         refused = {r: c.metric(c.decode[0], "hybridpd_kv_transfer_failures_total", role="decode", reason=r)
                    for r in ("lease_expired", "prompt_mismatch", "lease_lost", "timeout", "stale_epoch")}
         report = {"requests": load.sent, "ok": load.ok, "wrong_200": load.wrong, "errors": load.errors,
+                  "error_statuses": load.statuses,
                   "faults": faults.injected, "hostile_calls_accepted": faults.hostile_accepted,
                   "leaked_pages_after_idle": leaked, "prefill_restart_s": [round(s, 1) for s in faults.recovery_s],
                   "decode_refusals": refused}
