@@ -7,6 +7,9 @@ Ownership: single thread (the engine's step loop). Caches are allocated once her
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from engine.cache.planner import CapacityPlan
@@ -20,15 +23,29 @@ from engine.scheduler import SchedulerOutput
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _fast_path_default(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        logging.getLogger("hybridpd.runner").warning("fla-core is not installed: the GPU runs the reference path "
+                                                     "(pip install hybridpd[gpu])")
+        return False
+    return True
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, groups: list[CacheGroup], plan: CapacityPlan, num_layers: int, device: torch.device,
         seed: int = 0, zero_fresh_blocks: bool = True, fast_path: bool | None = None,
+        enforce_eager: bool | None = None,
     ) -> None:
         self.model = model
         self.device = device
-        self.fast_path = device.type == "cuda" if fast_path is None else fast_path
-        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA. The CPU reference otherwise."""
+        self.fast_path = _fast_path_default(device) if fast_path is None else fast_path
+        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA when fla-core is installed. The
+        readable reference otherwise."""
         self.conv_width = 0
         self.block_size = plan.block_size
         self.caches: list[LayerCache] = [None] * num_layers
@@ -41,6 +58,18 @@ class ModelRunner:
                 self.conv_width = g.spec.conv_shape[1] + 1
         if self.fast_path:
             getattr(model, "enable_fast_path", lambda: None)()
+            if any(t.dtype == torch.float32 for t in self.attention_tensors + self.state_tensors[:1]):
+                os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 engine: no TF32 in fla-core's dots
+        if enforce_eager is None:
+            enforce_eager = os.environ.get("HYBRIDPD_ENFORCE_EAGER", "0") not in ("", "0")
+        self.graphs = None
+        """CUDA graphs of decode-only steps (engine.models.cuda_graphs); off with enforce_eager or off the GPU."""
+        if self.fast_path and device.type == "cuda" and not enforce_eager:
+            from engine.models.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-plan.max_model_len // plan.block_size) if plan.block_size else 1
+            self.graphs = DecodeGraphs(model, self.caches, max(1, plan.state_slots_running), max_blocks,
+                                       plan.block_size, self.conv_width, device)
         self.sampler = Sampler(device, seed)
         self.zero_fresh_blocks = zero_fresh_blocks
         self.zeroer = None
@@ -142,14 +171,25 @@ class ModelRunner:
         """The batched path: metadata built vectorised and uploaded once, one forward, logits of sampled rows."""
         from engine.models.varlen import build_varlen
 
+        rids = [o.request_id for o in out.seqs if o.sample]
+        if self.graphs is not None and self.graphs.can_run(out.seqs):
+            logits = self.graphs.run(out.seqs)
+            if len(rids) < len(out.seqs):
+                keep = [i for i, o in enumerate(out.seqs) if o.sample]
+                logits = logits[torch.tensor(keep, device=self.device)]
+            return self._sample(logits, rids, params)
         sample = [o.sample for o in out.seqs]
         meta = build_varlen(out.seqs, self.block_size, self.conv_width, self.device, sample=sample)
         batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
                              seqs=[], block_size=self.block_size, varlen=meta)
         hidden = self.model.forward(batch, self.caches)
-        rids = [o.request_id for o in out.seqs if o.sample]
         if not rids:
             return {}
-        logits = self.model.compute_logits(hidden[meta.sample_rows])
+        return self._sample(self.model.compute_logits(hidden[meta.sample_rows]), rids, params)
+
+    def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams]
+                ) -> dict[str, tuple[int, float]]:
+        if not rids:
+            return {}
         tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
         return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}

@@ -242,7 +242,8 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     T, top = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=moe.stacked_up_proj.shape[0])
+    counts = torch.zeros(moe.stacked_up_proj.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would size its output on the host (a sync)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     tok = order // top
     up = torch._grouped_mm(x[tok], moe.stacked_up_proj.transpose(1, 2), offs=offs)

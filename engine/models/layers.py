@@ -104,10 +104,13 @@ class RotaryEmbedding:
         self.inv_freq = 1.0 / (
             base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
         )
+        self._device_inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, rotary_dim] for int64 positions [T], cast to `dtype` (as transformers does)."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._device_inv_freq.get(positions.device)
+        if inv_freq is None:  # copied once per device (a copy inside a CUDA graph capture is not allowed)
+            inv_freq = self._device_inv_freq[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,0 +1,114 @@
+"""CUDA graphs of decode-only steps (fast path), one per batch-size bucket, captured on first use.
+
+A graph replays forward + logits for `bucket` rows reading static input buffers; each step copies the step's
+metadata (built and uploaded once by `build_varlen`, padded to the bucket) into them. Padded rows carry
+PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and no state, read no block and
+no slot, and their logits are ignored. Steps with a prefill chunk, a decode checkpoint or more sequences than the
+largest bucket run eagerly. Ownership: the runner's step thread; the graphs share one memory pool.
+
+    per step: build_varlen (1 upload) -> ~8 device copies into the static buffers -> graph replay -> logits[:n]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.specs import PAD_SLOT_ID
+from engine.models.batch import ForwardBatch
+from engine.models.varlen import RecurrentDecodeRows, VarlenMetadata, build_varlen
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model, caches, max_seqs: int, max_blocks: int, block_size: int,  # type: ignore[no-untyped-def]
+                 conv_width: int, device: torch.device) -> None:
+        self.model, self.caches = model, caches
+        self.block_size, self.conv_width, self.device = block_size, conv_width, device
+        self.buckets = sorted({b for b in BUCKETS if b < max_seqs} | {max_seqs})
+        n = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(n, **i64)  # type: ignore[arg-type]
+        self.positions = torch.zeros(n, **i64)  # type: ignore[arg-type]
+        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, **i64)  # type: ignore[arg-type]
+        self.q_start = torch.arange(n, **i32)  # type: ignore[arg-type]
+        self.q_len = torch.ones(n, **i32)  # type: ignore[arg-type]
+        self.ctx_len = torch.zeros(n, **i32)  # type: ignore[arg-type]
+        self.table = torch.zeros(n, max(1, max_blocks), **i32)  # type: ignore[arg-type]
+        self.rows = torch.arange(n, **i64)  # type: ignore[arg-type]
+        self.slots = torch.full((n,), PAD_SLOT_ID, **i64)  # type: ignore[arg-type]
+        self.has_init = torch.zeros(n, **i32)  # type: ignore[arg-type]
+        self.none = torch.zeros(0, **i64)  # type: ignore[arg-type]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def can_run(self, seqs) -> bool:  # type: ignore[no-untyped-def]
+        return (0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 and not s.checkpoints for s in seqs)
+                and max(len(s.block_ids) for s in seqs) <= self.table.shape[1]
+                and (not self.conv_width or all(s.state_slot > 0 for s in seqs)))
+
+    def _meta(self, b: int) -> VarlenMetadata:
+        dec = RecurrentDecodeRows(rows=self.rows[:b], slots=self.slots[:b], has_init=self.has_init[:b],
+                                  copy_src=self.none, copy_dst=self.none)
+        return VarlenMetadata(
+            num_tokens=b, input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            block_size=self.block_size, q_start=self.q_start[:b], q_len=self.q_len[:b], ctx_len=self.ctx_len[:b],
+            block_table=self.table[:b], max_q_len=1, rec_decode=dec if self.conv_width else None, rec_prefill=None,
+            conv_width=self.conv_width, sample_rows=self.rows[:b])
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = self._meta(b)
+        batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
+                             seqs=[], block_size=self.block_size, varlen=meta)
+        return self.model.compute_logits(self.model.forward(batch, self.caches))
+
+    def _capture(self, b: int) -> None:
+        """Warm up (compiles the Triton kernels) on padded rows only, then capture."""
+        self.slot_mapping[:b].fill_(PAD_SLOT_ID)
+        self.slots[:b].fill_(PAD_SLOT_ID)
+        self.ctx_len[:b].zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(b)
+        self.pool = graph.pool()
+        self.graphs[b] = (graph, logits)
+
+    @torch.inference_mode()
+    def run(self, seqs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Logits [len(seqs), vocab] of a decode-only step (can_run must hold)."""
+        n = len(seqs)
+        b = self.bucket(n)
+        assert b is not None
+        if b not in self.graphs:
+            self._capture(b)
+        meta = build_varlen(seqs, self.block_size, self.conv_width, self.device, pad_to=b)
+        w = meta.block_table.shape[1]
+        self.ids[:b].copy_(meta.input_ids)
+        self.positions[:b].copy_(meta.positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
+        self.ctx_len[:b].copy_(meta.ctx_len)
+        self.table[:b, :w].copy_(meta.block_table)
+        if meta.rec_decode is not None:
+            self.slots[:b].copy_(meta.rec_decode.slots)
+            self.has_init[:b].copy_(meta.rec_decode.has_init)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        self.num_replays += 1
+        return logits[:n]
+
+
+__all__ = ["BUCKETS", "DecodeGraphs"]
