@@ -99,7 +99,7 @@ class HybridCacheManager:
                 budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
             self.reclaimer = Reclaimer(
                 self.attention.pool if self.attention else None, self.recurrent.pool if self.recurrent else None,
-                budget, self.policy.eviction, self.policy.alpha,
+                budget, self.policy.eviction, self.policy.alpha, layout.block_size,
             )
             for m in (self.attention, self.recurrent):
                 if m is not None:
@@ -166,15 +166,17 @@ class HybridCacheManager:
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
-        if not self.can_allocate(req, num_tokens, hit):
-            return False
         hit = hit or PrefixHit()
         rid = req.request_id
         new = self.attention is None or rid not in self.attention.req_blocks
         if self.recurrent is not None:
             new = rid not in self.recurrent.running_slot
-        if self.reclaimer is not None and not self._make_room(req, num_tokens, hit):
-            return False
+        if self.reclaimer is None:
+            if not self.can_allocate(req, num_tokens, hit):
+                return False
+        elif new or (self.attention is not None and self.attention.new_blocks_needed(rid, num_tokens)):
+            if not self._make_room(req, num_tokens, hit):
+                return False
         if self.attention is not None:
             self.attention.allocate(rid, num_tokens, hit.attention_blocks)
         if self.recurrent is not None:

@@ -1,13 +1,17 @@
 """Eviction order: a priority queue per pool over its evictable (unreferenced, cached) pages, and the value model.
 
-    priority = clock + value         (GreedyDual-Size: recency through the clock, value per byte on top)
-    clock    = priority of the last page evicted (it only grows, so what was released recently ranks higher)
-    value    = alpha * flops_saved(tokens) / bytes, normalised so a 4,096-token prefix state scores 1.0
+    priority = base + value          (GreedyDual-Size-Frequency: recency through the base, value per byte on top)
+    base     = the clock when the page was last released; clock = priority of the last page evicted (it only
+               grows, so what was released recently ranks higher)
+    value    = alpha * (flops_saved(t) - flops_saved(a)) / bytes * (1 + hits), normalised so a 4,096-token state
+               with no hit scores 1.0; a = the nearest cached ancestor state or branch point (the compute only this
+               entry saves), bytes = the state plus the blocks between a and t, hits = times it was restored
 
 This is Marconi's "recency + alpha * FLOP efficiency" (MLSys 2025) in a heap-friendly form: Marconi normalises
 recency and efficiency over every candidate at each eviction (O(n)); here the clock carries recency, so choosing a
-victim is O(log n). Ties break by release order (oldest first), so with every value equal this is exactly LRU, which
-is how the LRU baseline runs (`value_of` returning 0).
+victim is O(log n), and values are recomputed once per queue turnover (the tree under an entry changes as branches
+appear). Ties break by release order (oldest first), so with every value 0 this is exactly LRU, which is how the
+LRU baseline runs.
 
 Ownership: `Reclaimer` (reclaim.py) owns one `EvictionQueue` per pool and is the only caller. Tensor-free.
 """
@@ -36,8 +40,11 @@ class ValueModel:
         self.alpha = alpha
         self._scale = alpha * max(reference_bytes, 1) / flops_saved(REFERENCE_TOKENS)
 
-    def value(self, tokens: int, nbytes: int) -> float:
-        return self._scale * flops_saved(tokens) / max(nbytes, 1) if tokens > 0 else 0.0
+    def value(self, tokens: int, nbytes: int, anchor: int = 0, hits: int = 0) -> float:
+        """Compute saved per byte by an entry covering tokens (anchor, tokens], restored `hits` times so far."""
+        if tokens <= anchor:
+            return 0.0
+        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1) * (1 + hits)
 
 
 class EvictionQueue:
@@ -85,3 +92,8 @@ class EvictionQueue:
 
     def pages(self) -> set[int]:
         return set(self._live)
+
+    def reprioritize(self, priority_of: object) -> None:
+        """Recompute every live entry's priority (`priority_of(page)`), keeping release order for ties."""
+        self._heap = [(priority_of(page), seq, page) for page, seq in self._live.items()]  # type: ignore[operator]
+        heapq.heapify(self._heap)

@@ -31,7 +31,7 @@ POLICIES = ("value", "lru")
 class Reclaimer:
     def __init__(
         self, attention: BlockPool | None, state: BlockPool | None, budget_bytes: int, policy: str = "value",
-        alpha: float = 1.0,
+        alpha: float = 1.0, block_size: int = 16,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
@@ -47,6 +47,12 @@ class Reclaimer:
         self.children: dict[bytes, int] = {}
         self.tokens: dict[bytes, int] = {}
         """Prefix length (tokens) at the end of the block / at the checkpoint named by a hash."""
+        self.hits: dict[bytes, int] = {}
+        """Times a cached page named by a hash was taken by a request (restored / reused)."""
+        self.block_size = block_size
+        self.base: dict[tuple[int, int], float] = {}
+        """(pool, page) -> clock when it was queued (its recency)."""
+        self._since_refresh = 0
         self.evicted_bytes = {"attention": 0, "state": 0}
         self.num_evicted = {"attention": 0, "state": 0}
         for p in self.pools:
@@ -60,6 +66,8 @@ class Reclaimer:
         """Evict the lowest-priority pages until every pool has `n` free ids and the budget has room for all of
         them. False when it cannot (what was evicted stays evicted: it was only cache)."""
         extra = sum(n * p.page_bytes for p, n in needs)
+        if extra == 0:
+            return True
         while True:
             short = [p for p, n in needs if p.num_plain < n]
             if not short and self.held_bytes() + extra <= self.budget_bytes:
@@ -68,6 +76,20 @@ class Reclaimer:
             if victim is None:
                 return False
             self.evict(*victim)
+            self._since_refresh += 1
+            if self.policy == "value" and self._since_refresh > max(256, 2 * self.num_queued()):
+                self.refresh()
+
+    def num_queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def refresh(self) -> None:
+        """Recompute every queued page's value against the tree as it is now (keeping its recency)."""
+        self._since_refresh = 0
+        for p in self.pools:
+            key = id(p)
+            self.queues[key].reprioritize(
+                lambda page, p=p, key=key: self.base[(key, page)] + self._value(p, p.block_hash[page]))
 
     def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
         best = None
@@ -89,6 +111,7 @@ class Reclaimer:
         h = pool.block_hash[page]
         assert h is not None
         self.queues[id(pool)].discard(page)
+        self.base.pop((id(pool), page), None)
         if count:
             pool.evict(page)
             kind = "attention" if pool is self.attention else "state"
@@ -126,6 +149,7 @@ class Reclaimer:
         in_state = self.state is not None and self.state.lookup(h) is not None
         if not in_attn and not in_state:
             self.tokens.pop(h, None)
+            self.hits.pop(h, None)
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
@@ -133,10 +157,14 @@ class Reclaimer:
         assert h is not None
         if pool is self.attention and self.policy == "value" and self.children.get(h):
             return  # not a leaf: queued when its last child goes
-        self.queues[id(pool)].push(page, self._priority(pool, h))
+        self._push(pool, page, h)
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
         self.queues[id(pool)].discard(page)
+        self.base.pop((id(pool), page), None)
+        h = pool.block_hash[page]
+        if h is not None and self.policy == "value":
+            self.hits[h] = self.hits.get(h, 0) + 1
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """An attention block was named `h` (its chain parent is `parent`, None for the first block)."""
@@ -161,19 +189,39 @@ class Reclaimer:
             return
         b = self.attention.lookup(h)
         if b is not None and self.attention.ref_cnt[b] == 0 and not self.children.get(h):
-            self.queues[id(self.attention)].push(b, self._priority(self.attention, h))
+            self._push(self.attention, b, h)
 
-    def _priority(self, pool: BlockPool, h: bytes) -> float:
+    def _push(self, pool: BlockPool, page: int, h: bytes) -> None:
         if self.policy == "lru":
-            return 0.0  # ties: release order
-        tokens = self.tokens.get(h, 0)
-        if pool is self.state:
-            return self.clock + self.values.value(tokens, pool.page_bytes)
-        if self.state is None:  # attention-only model: a block is a usable stopping point by itself
-            return self.clock + self.values.value(tokens, pool.page_bytes)
-        if self.state.lookup(h) is None:
-            return self.clock  # dead end
-        return self.clock + self.values.value(tokens, pool.page_bytes + self.state.page_bytes)
+            self.queues[id(pool)].push(page, 0.0)  # ties: release order
+            return
+        base = self.base[(id(pool), page)] = self.clock
+        self.queues[id(pool)].push(page, base + self._value(pool, h))
+
+    def _value(self, pool: BlockPool, h: bytes | None) -> float:
+        """Compute saved per byte by keeping page `h` of `pool` (0 for a dead-end block)."""
+        if h is None:
+            return 0.0
+        if pool is self.attention and self.state is not None:
+            if self.state.lookup(h) is None:
+                return 0.0  # dead end: no hit can stop here
+            pool = self.state  # a leaf block with a checkpoint is valued as that checkpoint
+        tokens, anchor = self.tokens.get(h, 0), self._anchor(h)
+        nbytes = pool.page_bytes
+        if self.attention is not None:
+            nbytes += (tokens - anchor) // self.block_size * self.attention.page_bytes
+        return self.values.value(tokens, nbytes, anchor, self.hits.get(h, 0))
+
+    def _anchor(self, h: bytes) -> int:
+        """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root): what a hit
+        would fall back to without `h`."""
+        p = self.parent.get(h)
+        state = self.state
+        while p is not None:
+            if self.children.get(p, 0) >= 2 or (state is not None and state.lookup(p) is not None):
+                return self.tokens.get(p, 0)
+            p = self.parent.get(p)
+        return 0
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
