@@ -7,11 +7,15 @@ them here with `grant`. They are unpinned by exactly one of:
   * `release(request_id, epoch, token)`: D gave up (NIXL notice, token required) or the proxy's gRPC `Release`;
   * `reap(now)`: the lease expired (D died, froze or never came); counted in hybridpd_kv_lease_expired_total.
 Both return the `Lease`s whose pages the caller must now free; the table never frees anything itself.
-Not thread-safe: call from P's engine thread (the one that owns the cache manager).
+Thread-safe (one lock): P's Commit RPC decides on the event loop (no step-thread hop on the handover's critical
+path) while the reaper runs on the engine thread; whichever ends a lease first wins, and only the winner's caller
+frees its pages (on the engine thread, which owns the cache manager).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +48,15 @@ class CommitRefused(Exception):
         self.reason = reason
 
 
+def _locked(fn):  # type: ignore[no-untyped-def]
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
 class LeaseTable:
     """Leases of one P process (one epoch). `clock` defaults to time.monotonic; inject one in tests."""
 
@@ -60,6 +73,7 @@ class LeaseTable:
         self._clock = clock
         self._metrics = metrics
         self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
         self.expired_total = 0
         self.released_total = 0
 
@@ -77,6 +91,7 @@ class LeaseTable:
         if epoch and epoch != self.epoch:
             raise StaleEpochError(f"epoch {epoch!r} is not this worker's live epoch {self.epoch!r}")
 
+    @_locked
     def grant(self, request_id: str, pages_by_group: Mapping[int, Sequence[int]], ttl_s: float | None = None,
               *, token: str = "", prompt_digest: bytes = b"") -> Lease:
         """Record pinned pages of a finished prompt. A request id may hold one lease at a time."""
@@ -94,6 +109,7 @@ class LeaseTable:
         self._leases[request_id] = lease
         return lease
 
+    @_locked
     def release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> Lease | None:
         """End a lease; returns it (the caller frees its pages) or None if unknown / already released or reaped
         (idempotent: a late notice after expiry is fine), or if `token` is given and is not the lease's. Raises
@@ -106,6 +122,7 @@ class LeaseTable:
         self.released_total += 1
         return lease
 
+    @_locked
     def commit(self, request_id: str, epoch: str, token: str, prompt_digest: bytes) -> Lease:
         """D's READ of this lease's pages completed: end the lease and return it (the caller frees its pages) if it
         is still held, was granted under `epoch` and `token`, for a prompt with `prompt_digest`. Else raise
@@ -123,6 +140,7 @@ class LeaseTable:
             raise CommitRefused("prompt_mismatch")
         return lease
 
+    @_locked
     def reap(self, now: float | None = None) -> list[Lease]:
         """Remove and return expired leases (expires_at <= now), oldest first; call once per engine step."""
         now = self._clock() if now is None else now
@@ -134,9 +152,11 @@ class LeaseTable:
             self._metrics.leases_expired(len(expired))
         return expired
 
+    @_locked
     def next_expiry(self) -> float | None:
         return min((le.expires_at for le in self._leases.values()), default=None)
 
+    @_locked
     def check_integrity(self) -> None:
         for rid, le in self._leases.items():
             assert le.request_id == rid, (rid, le)

@@ -64,17 +64,19 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         return lease is not None
 
     def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        """Step thread. D's READ completed: was the lease still held (pages pinned throughout) for this prompt?"""
+        """Any thread (the event loop: the answer does not wait for the engine step). D's READ completed: was the
+        lease still held (pages pinned throughout) for this prompt? Whoever ends a lease frees its pages on the
+        step thread: here, by a call queued to it."""
+        rid = request.request_id
         try:
-            lease = self.leases.commit(request.request_id, request.epoch, request.lease_token,
-                                       request.prompt_digest)
+            lease = self.leases.commit(rid, request.epoch, request.lease_token, request.prompt_digest)
         except CommitRefused as e:
-            if request.request_id in self.held and request.request_id not in self.leases:
-                self._free(request.request_id)  # ended by a prompt mismatch
+            if e.reason == "prompt_mismatch":  # the lease was ended: its pages go back
+                self.ctx.aengine.call(lambda c: self._free(rid))
             self.tmetrics.transfer_failed(f"commit_{e.reason}")
-            log.warning("commit of %s refused: %s", request.request_id, e.reason)
+            log.warning("commit of %s refused: %s", rid, e.reason)
             return pb.CommitResponse(committed=False, reason=e.reason)
-        self._free(lease.request_id)
+        self.ctx.aengine.call(lambda c: self._free(lease.request_id))
         return pb.CommitResponse(committed=True)
 
     def _pages_needed(self, core: EngineCore, num_tokens: int) -> dict[int, int]:
@@ -219,7 +221,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         return pb.ReleaseResponse(released=bool(released))
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
-        return await self.ctx.aengine.acall(lambda c: self._commit(request))
+        return self._commit(request)
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         def stats(core: EngineCore) -> pb.StatsResponse:
