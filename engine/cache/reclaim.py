@@ -163,8 +163,8 @@ class Reclaimer:
         self.queues[id(pool)].discard(page)
         self.base.pop((id(pool), page), None)
         h = pool.block_hash[page]
-        if h is not None and self.policy == "value":
-            self.hits[h] = self.hits.get(h, 0) + 1
+        if h is not None and self.policy == "value" and (pool is self.state or self.state is None):
+            self.hits[h] = self.hits.get(h, 0) + 1  # a restore (or, attention-only, a block reuse)
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """An attention block was named `h` (its chain parent is `parent`, None for the first block)."""
