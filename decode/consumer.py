@@ -19,9 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.cache.coordinator import TransferAllocation
 from engine.core import EngineCore
 from engine.request import Request
+from engine.transfer import (
+    Import,
+    ImportSource,
+    abort_import,
+    begin_import,
+    complete_import,
+    end_unscheduled,
+    schedule_local,
+)
 from kvtransfer.binding import prompt_digest
 from kvtransfer.pull import PullHandle, PullSpec, PullState, start_pull
 from proto import hybridpd_pb2 as pb
@@ -33,9 +41,7 @@ log = logging.getLogger("hybridpd.decode")
 class PendingPull:
     req: Request
     handle: PullHandle
-    alloc: TransferAllocation
-    num_external: int
-    checkpoint: tuple[int, bytes] | None
+    imp: Import
     params: pb.TransferParams
     digest: bytes
     """D's own digest of the request's first `num_external` prompt tokens: what Commit presents to P."""
@@ -79,7 +85,7 @@ class Consumer:
         "failed" (policy fail: the request is in `self.failed`)."""
         n_ext = int(tp.num_computed_tokens)
         if peer is None or n_ext <= 0 or n_ext >= req.num_tokens:
-            core.scheduler.add_request(req)
+            schedule_local(core, req)
             return "local"
         digest = prompt_digest(req.prompt_token_ids, n_ext, req.cache_salt)
         if digest != tp.prompt_digest:
@@ -87,41 +93,22 @@ class Consumer:
         time_left = float(tp.lease_expiry_unix) - self.clock() - self.lease_margin_s
         if time_left <= 0:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
-        alloc = core.cache.allocate_for_transfer(req, n_ext)
-        if alloc is None:  # no room to receive now: compute it here when room frees up
+        imp = begin_import(core, req, source_of(tp))
+        if imp is None:  # no room to receive now: compute it here when room frees up
             log.info("request %s: no cache room to receive %d tokens; computing locally", req.request_id, n_ext)
-            core.scheduler.add_request(req)
+            schedule_local(core, req)
             return "local"
-        spec_kwargs: dict = {}
-        ckpt = None
-        attn, rec = core.cache.attention, core.cache.recurrent
-        if attn is not None:
-            src = [int(b) for g in tp.groups if g.group_id == attn.group.group_id for b in g.block_ids]
-            src = src[alloc.first_block_index:]
-            if len(src) != len(alloc.block_ids):
-                core.cache.free(req)
-                raise ValueError(f"transfer params name {len(src)} blocks, expected {len(alloc.block_ids)}")
-            spec_kwargs["src_blocks"] = {attn.group.group_id: src}
-            spec_kwargs["dst_blocks"] = {attn.group.group_id: alloc.block_ids}
-        if rec is not None:
-            src_slots, dst_slots = [int(tp.state_slot)], [alloc.state_slot]
-            if tp.checkpoint_slot and tp.checkpoint_num_tokens > alloc.local_hit_tokens:
-                ckpt = core.cache.reserve_checkpoint(req, int(tp.checkpoint_num_tokens))
-                if ckpt is not None:
-                    src_slots.append(int(tp.checkpoint_slot))
-                    dst_slots.append(ckpt[0])
-            spec_kwargs["src_state_slots"] = {rec.group.group_id: src_slots}
-            spec_kwargs["dst_state_slots"] = {rec.group.group_id: dst_slots}
-        spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, lease_token=tp.lease_token,
-                        notify_done=False, **spec_kwargs)
+        spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, src_blocks=imp.src_blocks,
+                        dst_blocks=imp.dst_blocks, src_state_slots=imp.src_state_slots,
+                        dst_state_slots=imp.dst_state_slots, lease_token=tp.lease_token, notify_done=False)
         try:
             handle = start_pull(peer, spec, timeout_s=min(self.timeout_s, time_left),
                                 policy=self.policy)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - stale epoch, bad ids: same policy as a failed pull
             log.warning("request %s: pull refused (%s)", req.request_id, e)
-            self._undo(core, req, ckpt, reusable=True)
+            self._undo(core, req, imp, reusable=True)
             return self._fallback(core, req, str(e))
-        self.pending[req.request_id] = PendingPull(req, handle, alloc, n_ext, ckpt, tp, digest)
+        self.pending[req.request_id] = PendingPull(req, handle, imp, tp, digest)
         return "pulling"
 
     def poll(self, core: EngineCore) -> None:
@@ -143,7 +130,7 @@ class Consumer:
             res = p.handle.result
             reusable = res.dst_reusable if res is not None else False
             log.warning("request %s: pull failed (%s)", rid, res.reason if res else "?")
-            self._undo(core, p.req, p.checkpoint, reusable)
+            self._undo(core, p.req, p.imp, reusable)
             self._fallback(core, p.req, res.reason if res else "transfer failed")
 
     def on_commit(self, core: EngineCore, request_id: str, committed: bool, reason: str = "") -> None:
@@ -152,9 +139,9 @@ class Consumer:
         if p is None:
             return
         if committed:
-            self._complete(core, p)
+            complete_import(core, p.req, p.imp)
             return
-        self._undo(core, p.req, p.checkpoint, reusable=True)  # no READ in flight: the pages are merely garbage
+        self._undo(core, p.req, p.imp, reusable=True)  # no READ in flight: the pages are merely garbage
         self._refuse(core, p.req, "lease_lost", f"P did not confirm the lease after the READ ({reason})")
 
     def abort(self, core: EngineCore, request_id: str) -> bool:
@@ -163,39 +150,28 @@ class Consumer:
             return False
         p.handle.cancel()  # no-op once DONE (committing): the Commit in flight ends P's lease
         res = p.handle.result
-        self._undo(core, p.req, p.checkpoint, res.dst_reusable if res is not None else False)
-        core.scheduler.finish(p.req, "abort", free_caches=False)
+        self._undo(core, p.req, p.imp, res.dst_reusable if res is not None else False)
+        end_unscheduled(core, p.req, "abort")
         return True
 
-    def _complete(self, core: EngineCore, p: PendingPull) -> None:
-        req, n = p.req, p.num_external
-        bs = core.cache.block_size
-        if n % bs and p.alloc.block_ids:
-            core.runner.zero_block_tail(p.alloc.block_ids[-1], n % bs)
-        req.num_computed_tokens = n
-        req.num_cached_tokens = n
-        req.external_computed_tokens = n - p.alloc.local_hit_tokens
-        core.cache.publish_transferred(req, n)
-        if p.checkpoint is not None:
-            core.cache.publish_checkpoint(*p.checkpoint)
-        core.cache.count_external(req, req.external_computed_tokens)
-        core.scheduler.add_transferred(req)
-
-    def _undo(self, core: EngineCore, req: Request, ckpt: tuple[int, bytes] | None, reusable: bool) -> None:
-        if not reusable:  # a READ may still land in these pages: never hand them out again
+    def _undo(self, core: EngineCore, req: Request, imp: Import, reusable: bool) -> None:
+        if not abort_import(core, req, imp, reusable):  # a READ may still land in these pages: never reuse them
             log.error("request %s: transfer could not be cancelled; its pages are quarantined", req.request_id)
-            return
-        core.cache.free(req)
-        if ckpt is not None:
-            core.cache.drop_checkpoint(ckpt[0])
 
     def _fallback(self, core: EngineCore, req: Request, reason: str) -> str:
         if self.policy == "fail":
-            req.stop_reason = f"transfer failed: {reason}"
-            core.scheduler.finish(req, "error", free_caches=False)
+            end_unscheduled(core, req, "error", f"transfer failed: {reason}")
             self.failed.append(req)
             return "failed"
         self.num_recomputed += 1
-        req.num_computed_tokens = 0
-        core.scheduler.add_request(req)
+        schedule_local(core, req)
         return "local"
+
+
+def source_of(tp: pb.TransferParams) -> ImportSource:
+    """The engine's view of transfer params (group ids are the model's: identical on both sides)."""
+    checkpoint = None
+    if tp.checkpoint_slot and tp.checkpoint_num_tokens:
+        checkpoint = (int(tp.checkpoint_num_tokens), int(tp.checkpoint_slot))
+    return ImportSource(int(tp.num_computed_tokens), {g.group_id: list(g.block_ids) for g in tp.groups},
+                        int(tp.state_slot), checkpoint)

@@ -13,6 +13,7 @@ import grpc
 
 from decode.consumer import Consumer, PendingPull
 from engine.core import EngineCore
+from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
@@ -153,7 +154,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         def admit(core: EngineCore) -> str:
             req = core.new_request(rid, prompt, params, salt)
             if tp is None:
-                core.scheduler.add_request(req)
+                schedule_local(core, req)
                 return "local"
             return self.consumer.admit(core, req, tp, peer)
 

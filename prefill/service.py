@@ -13,6 +13,7 @@ import grpc
 
 from engine.core import EngineCore
 from engine.request import Request
+from engine.transfer import Export, export_pages_needed, export_prefilled, pool_totals, release_export
 from kvtransfer.binding import new_lease_token, prompt_digest
 from kvtransfer.errors import StaleEpochError
 from kvtransfer.lease import CommitRefused, LeaseTable
@@ -33,8 +34,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self.tmetrics = TransferMetrics("prefill")
         # wall clock: lease expiry travels to D and the proxy as unix time
         self.leases = LeaseTable(ctx.epoch, lease_seconds, clock=time.time, metrics=self.tmetrics)
-        self.held: dict[str, tuple[Request, int | None]] = {}
-        """request id -> (prefilled request holding its caches, pinned checkpoint slot). Step thread only."""
+        self.held: dict[str, tuple[Request, Export]] = {}
+        """request id -> (prefilled request holding its caches, what it exports). Step thread only."""
         self.max_pinned_fraction = max_pinned_fraction
         self._reserved: dict[str, dict[int, int]] = {}
         """request id -> {group id: pages} of prefills admitted but not yet leased (they will be pinned). Step
@@ -46,11 +47,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
     # -- step thread -----------------------------------------------------------------------------------------------
     def _free(self, request_id: str) -> None:
         """Unpin a prefilled request's caches (its lease was released or expired)."""
-        req, ckpt_slot = self.held.pop(request_id)
-        core: EngineCore = self.ctx.core
-        core.scheduler.release(req)
-        if ckpt_slot is not None and core.cache.recurrent is not None:
-            core.cache.recurrent.pool.free([ckpt_slot])
+        req, exp = self.held.pop(request_id)
+        release_export(self.ctx.core, req, exp)
 
     def _release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> bool:
         """Step thread. Idempotent; a release meant for another epoch of this worker, or presenting another
@@ -79,17 +77,12 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self.ctx.aengine.call(lambda c: self._free(lease.request_id))
         return pb.CommitResponse(committed=True)
 
-    def _pages_needed(self, core: EngineCore, num_tokens: int) -> dict[int, int]:
-        """Attention blocks only: they are what grows with the prompt and what unpulled leases exhausted (12
-        abandoned prefills pinned 1,500 of 1,569 blocks). A lease's state slots are bounded by max_num_seqs anyway
-        (one running slot per request, plus at most one checkpoint)."""
-        if core.cache.attention is None:
-            return {}
-        return {core.cache.attention.group.group_id: -(-num_tokens // core.cache.block_size)}
-
     def _admit(self, core: EngineCore, request_id: str, num_tokens: int) -> str | None:
-        """Step thread. Reserve the pages this prefill will pin; None if admitted, else why not."""
-        need = self._pages_needed(core, num_tokens)
+        """Step thread. Reserve the pages this prefill will pin; None if admitted, else why not. Attention blocks
+        only: they are what grows with the prompt and what unpulled leases exhausted (12 abandoned prefills pinned
+        1,500 of 1,569 blocks); a lease's state slots are bounded by max_num_seqs (one running slot per request,
+        plus at most one checkpoint)."""
+        need = export_pages_needed(core, num_tokens)
         busy: dict[int, int] = {}
         for lease in (self.leases.get(rid) for rid in self.held):
             for gid, ids in (lease.pages_by_group.items() if lease is not None else ()):
@@ -99,13 +92,9 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             for gid, n in pages.items():
                 busy[gid] = busy.get(gid, 0) + n
         if any(busy.values()):  # one request alone is always admitted, however long: it could never run otherwise
-            for s in core.cache.pool_stats():
-                gid, total = int(s["group_id"]), int(s["total"])  # type: ignore[call-overload]
-                if gid not in need:
-                    continue
-                cap = self.max_pinned_fraction * total
-                if busy.get(gid, 0) + need.get(gid, 0) > cap:
-                    return (f"{busy.get(gid, 0)} of {total} {s['kind']} pages are pinned or reserved for "
+            for gid, (kind, total) in pool_totals(core).items():
+                if gid in need and busy.get(gid, 0) + need[gid] > self.max_pinned_fraction * total:
+                    return (f"{busy.get(gid, 0)} of {total} {kind} pages are pinned or reserved for "
                             f"transfers (cap {self.max_pinned_fraction:.0%}); retry later or on another worker")
         self._reserved[request_id] = need
         return None
@@ -132,35 +121,23 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                 loop.call_soon_threadsafe(_set_exc, fut, RuntimeError(
                     f"prefill ended: {req.finish_reason}" + (f" ({req.stop_reason})" if req.stop_reason else "")))
             return
-        core: EngineCore = self.ctx.core
-        ckpt_tokens, ckpt_slot = 0, None
-        if core.cache.recurrent is not None and core.cache.enable_prefix_caching:
-            ckpt_tokens, ckpt_slot = core.cache.recurrent.find_hit(req.block_hashes, req.num_computed_tokens)
-            if ckpt_slot is not None:
-                core.cache.recurrent.pool.touch([ckpt_slot])
-        pages: dict[int, list[int]] = {}
-        if core.cache.attention is not None:
-            pages[core.cache.attention.group.group_id] = core.cache.block_ids(req.request_id)
-        if core.cache.recurrent is not None:
-            slots = [core.cache.state_slot(req.request_id)] + ([ckpt_slot] if ckpt_slot is not None else [])
-            pages[core.cache.recurrent.group.group_id] = slots
-        n = req.num_computed_tokens
+        exp = export_prefilled(self.ctx.core, req)
+        n = exp.num_tokens
         digest = prompt_digest(req.prompt_token_ids, n, req.cache_salt)
-        self.held[req.request_id] = (req, ckpt_slot)
-        lease = self.leases.grant(req.request_id, pages, token=new_lease_token(), prompt_digest=digest)
+        self.held[req.request_id] = (req, exp)
+        lease = self.leases.grant(req.request_id, exp.pinned, token=new_lease_token(), prompt_digest=digest)
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
             return
-        bs = core.cache.block_size
-        groups = []
-        if core.cache.attention is not None:
-            blocks = core.cache.block_ids(req.request_id)[: -(-n // bs)]
-            groups.append(pb.GroupBlocks(group_id=core.cache.attention.group.group_id, block_ids=blocks))
+        if len(exp.state_slots) > 1:
+            raise NotImplementedError("the transfer params carry one recurrent group")
+        ckpt_tokens, ckpt_slot = exp.checkpoint or (0, 0)
         params = pb.TransferParams(
-            worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address, groups=groups,
-            state_slot=max(core.cache.state_slot(req.request_id), 0), num_computed_tokens=n,
+            worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address,
+            groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()],
+            state_slot=max(next(iter(exp.state_slots.values()), 0), 0), num_computed_tokens=n,
             num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expires_at,
-            checkpoint_slot=ckpt_slot or 0, checkpoint_num_tokens=ckpt_tokens if ckpt_slot else 0,
+            checkpoint_slot=ckpt_slot, checkpoint_num_tokens=ckpt_tokens,
             lease_token=lease.token, prompt_digest=digest,
         )
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
