@@ -188,11 +188,15 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             aengine.close_stream(rid)
 
     def _abort(self, core: EngineCore, rid: str) -> bool:
-        if self.consumer.abort(core, rid):
-            return True
-        existed = rid in core.scheduler.requests
-        core.abort(rid)
-        return existed
+        """Step thread. Ends the request (pulling, committing, waiting or running) and its stream: the Generate
+        call sees a last chunk with finish_reason "abort" (an open stream must never be left waiting)."""
+        req = self.consumer.pending[rid].req if rid in self.consumer.pending else core.scheduler.requests.get(rid)
+        if req is None:
+            return False
+        if not self.consumer.abort(core, rid):
+            core.abort(rid)
+        self.ctx.aengine.publish(req)
+        return True
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         aborted = await self.ctx.aengine.acall(lambda core: self._abort(core, request.request_id))

@@ -314,3 +314,40 @@ def test_pinned_pages_are_capped_and_refused_with_resource_exhausted(checkpoint_
             pair.close()
 
     asyncio.run(run())
+
+
+def test_abort_ends_the_generate_stream_while_running_and_while_pulling(checkpoint_dir, monkeypatch,
+                                                                       prompts):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            long = pb.SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+            req = pb.GenerateRequest(request_id="run", prompt_token_ids=prompts[0], sampling_params=long)
+
+            async def consume(r: pb.GenerateRequest) -> list[pb.GenerateChunk]:
+                return [c async for c in pair.d.Generate(r, FakeContext())]  # type: ignore[arg-type]
+
+            task = asyncio.create_task(consume(req))
+            while not await pair.d.ctx.aengine.acall(lambda c: "run" in c.scheduler.requests):
+                await asyncio.sleep(0.01)
+            resp = await pair.d.Abort(pb.AbortRequest(request_id="run"), FakeContext())  # type: ignore[arg-type]
+            chunks = await asyncio.wait_for(task, timeout=5)
+            assert resp.aborted and chunks[-1].finish_reason == "abort"
+
+            # aborted while its pull is in flight: the READ never completes here
+            tp = await prefill(pair, "p", prompts[1])
+            monkeypatch.setattr(FakeHandle, "poll", lambda self: PullState.PENDING)
+            req = pb.GenerateRequest(request_id="p", prompt_token_ids=prompts[1], sampling_params=_sp(), params=tp)
+            task = asyncio.create_task(consume(req))
+            while "p" not in pair.d.consumer.pending:
+                await asyncio.sleep(0.01)
+            resp = await pair.d.Abort(pb.AbortRequest(request_id="p"), FakeContext())  # type: ignore[arg-type]
+            chunks = await asyncio.wait_for(task, timeout=5)
+            assert resp.aborted and chunks[-1].finish_reason == "abort"
+            assert not (await pair.d.Abort(pb.AbortRequest(request_id="p"), FakeContext())).aborted  # type: ignore[arg-type]
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("p")).result()
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
