@@ -9,7 +9,8 @@ after --warmup.
     roofline = (weights read + KV read + recurrent state read and written, bytes) / copy bandwidth
     copy bandwidth = 2 * bytes / time of a 2 GiB device-to-device copy measured in the same run (median of 10)
 
-Weights count every parameter except the input embedding table (a decode step reads B rows of it). Prefill: one
+Weights count every parameter except the input embedding table (a decode step reads B rows of it); routed MoE
+experts count as far as B tokens touch them (expected distinct experts under uniform routing). Prefill: one
 step of a single --prefill-tokens prompt; achieved FLOP/s (2 x matmul parameters x tokens + causal attention) as a
 fraction of a same-run bf16 torch.mm (8192^3, median of 10). Kernels per step from torch.profiler (one step).
 
@@ -73,6 +74,17 @@ class Shape:
     state_bytes: int  # conv + ssm of all recurrent layers, one sequence
     attn_layers: int
     attn_width: int  # heads * head_dim
+    expert_bytes: int = 0  # routed experts of all MoE layers (included in weight_bytes)
+    experts: int = 0
+    top_k: int = 0
+
+    def weights_read(self, batch: int) -> float:
+        """Weight bytes one decode step reads: routed experts only as far as `batch` tokens touch them (expected
+        number of distinct experts under uniform routing: E (1 - (1 - k/E)^B))."""
+        if not self.experts:
+            return self.weight_bytes
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        return self.weight_bytes - self.expert_bytes + self.expert_bytes * touched / self.experts
 
 
 def describe(model, groups) -> Shape:  # type: ignore[no-untyped-def]
@@ -84,6 +96,10 @@ def describe(model, groups) -> Shape:  # type: ignore[no-untyped-def]
         a = model.args  # only top-k of the routed experts run per token
         per_expert = 2 * (a.moe_latent_size or a.hidden_size) * a.moe_intermediate_size
         matmul -= a.layer_types.count("moe") * (a.n_routed_experts - a.num_experts_per_tok) * per_expert
+    experts = top_k = expert_bytes = 0
+    if "moe" in model.args.layer_types:
+        experts, top_k = model.args.n_routed_experts, model.args.num_experts_per_tok
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in params if ".experts." in n)
     kv = st = layers = width = 0
     for g in groups:
         n = len(g.layer_ids)
@@ -93,7 +109,7 @@ def describe(model, groups) -> Shape:  # type: ignore[no-untyped-def]
             width = model.args.num_attention_heads * model.args.head_dim
         else:
             st += g.page_bytes_all_layers
-    return Shape(weight_bytes, matmul, kv, st, layers, width)
+    return Shape(weight_bytes, matmul, kv, st, layers, width, expert_bytes, experts, top_k)
 
 
 def decode_output(batch: int, ctx: int, blocks_per_seq: int) -> SchedulerOutput:
@@ -167,7 +183,7 @@ def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> lis
         step = functools.partial(runner.execute, out, params)
         times = timed(step, args.warmup, args.steps)
         med = statistics.median(times)
-        nbytes = shape.weight_bytes + b * ctx * shape.kv_bytes_per_token + 2 * b * shape.state_bytes
+        nbytes = shape.weights_read(b) + b * ctx * shape.kv_bytes_per_token + 2 * b * shape.state_bytes
         row = {"preset": name, "mode": mode, "batch": b, "context": ctx, "step_ms": med * 1e3,
                "step_ms_min": min(times) * 1e3, "roofline_ms": nbytes / bw * 1e3, "ratio": med * bw / nbytes,
                "bytes": nbytes, "tok_per_s": b / med}

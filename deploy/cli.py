@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -36,6 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-fresh-blocks", default="auto", choices=["auto", "on", "off"],
                    help="zero newly allocated KV blocks before use (auto: on for models with recurrent layers)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the engine's sampler")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: no CUDA graphs for decode steps (sets HYBRIDPD_ENFORCE_EAGER=1 for this process and "
+                        "the workers it starts)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "enforce_eager", False):
+        os.environ["HYBRIDPD_ENFORCE_EAGER"] = "1"  # read by engine.runner.ModelRunner (inherited by workers)
     try:
         return int(args.func(args) or 0)
     except HybridPDError as e:
