@@ -10,6 +10,8 @@ Every refusal is counted in hybridpd_kv_transfer_failures_total."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import grpc
@@ -52,6 +54,25 @@ def _expected(model: str, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(model=model, checkpoint_interval=32, kv_cache_memory_bytes=32 * 2**20)
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         max_tokens=NEW, temperature=0, ignore_eos=True))]
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the TCP sockets process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            m = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # state LISTEN, owned by pid
+                out.append(f[1].rsplit(":", 1)[0])
+    return out
 
 
 def _failures(c: Cluster, role: str, reason: str) -> float:
@@ -123,5 +144,9 @@ def test_worker_rpcs_require_the_cluster_token(checkpoint_dir):  # type: ignore[
                                                          "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert c.worker_stats(c.decode[0]).role == "decode"
+        # bound where told: every listener of the workers (gRPC, metrics, UCX after a transfer) is on loopback
+        for w in c.prefill + c.decode:
+            addrs = _listening_addresses(w.proc.pid)
+            assert addrs and all(a in ("0100007F", "0000000000000000FFFF00000100007F") for a in addrs), addrs
     finally:
         c.stop()
