@@ -12,6 +12,7 @@ import time
 import grpc
 
 from decode.consumer import Consumer, PendingPull
+from engine.async_engine import OutputDelta
 from engine.core import EngineCore
 from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
@@ -161,23 +162,24 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         try:
             await run_engine_call(self.ctx, context, admit)
             while True:
-                delta = await q.get()
-                req = delta["request"]
-                text = delta["text"] or ""
-                finished = delta["finish_reason"] is not None
+                delta: OutputDelta = await q.get()
+                text = delta.text
+                finished = delta.finish_reason is not None
                 end = len(text) if finished else max(sent_text, len(text) - max(0, max_stop - 1))
                 while not finished and end > sent_text and text[end - 1] == "\ufffd":
                     end -= 1  # an incomplete UTF-8 sequence: wait for the next token
                 chunk = pb.GenerateChunk(
-                    token_ids=delta["token_ids"], text=text[sent_text:end],
-                    logprobs=delta["logprobs"] if want_logprobs else [],
-                    finish_reason=delta["finish_reason"] or "", num_prompt_tokens=len(prompt),
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    num_external_cached_tokens=req.external_computed_tokens,
+                    token_ids=delta.token_ids, text=text[sent_text:end],
+                    logprobs=delta.logprobs if want_logprobs else (),
+                    top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                                  for top in delta.top_logprobs] if want_logprobs else [],
+                    finish_reason=delta.finish_reason or "", num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens,
+                    num_external_cached_tokens=delta.num_external_tokens,
                 )
                 sent_text = end
-                if delta["finish_reason"] == "error":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(req.stop_reason or "request failed"))
+                if delta.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, delta.stop_reason or "request failed")
                 yield chunk
                 if finished:
                     return

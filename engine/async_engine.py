@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from engine.core import EngineCore
@@ -31,6 +32,23 @@ HOT_POLL_S = 1e-3
 """An `idle_wait()` below this is a request for hot polling (no back-off)."""
 MAX_IDLE_POLL_S = 0.5
 """Longest sleep between runs of hooks that never declared when they need polling."""
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """What one publish hands a request's stream: new tokens since the last delta, the full text so far, and the
+    end. Plain values copied on the step thread (the live Request never leaves it)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    """Per new token, the requested most likely (token id, logprob) pairs; () when not requested."""
+    finish_reason: str | None
+    stop_reason: str | None
+    text: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_external_tokens: int
 
 
 class AsyncEngine:
@@ -103,13 +121,17 @@ class AsyncEngine:
         if n == start and not req.is_finished:
             return
         self._emitted[req.request_id] = n
-        delta = {
-            "token_ids": req.output_token_ids[start:n],
-            "logprobs": req.output_logprobs[start:n],
-            "finish_reason": req.finish_reason if req.is_finished else None,
-            "text": self.core.output_text(req),
-            "request": req,
-        }
+        delta = OutputDelta(
+            token_ids=tuple(req.output_token_ids[start:n]),
+            logprobs=tuple(req.output_logprobs[start:n]),
+            top_logprobs=tuple(tuple(t) for t in req.output_top_logprobs[start:n]),
+            finish_reason=req.finish_reason if req.is_finished else None,
+            stop_reason=None if req.stop_reason is None else str(req.stop_reason),
+            text=self.core.output_text(req),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_external_tokens=req.external_computed_tokens,
+        )
         loop, q = entry
         loop.call_soon_threadsafe(q.put_nowait, delta)
         if req.is_finished:

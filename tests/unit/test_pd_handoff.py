@@ -351,3 +351,23 @@ def test_abort_ends_the_generate_stream_while_running_and_while_pulling(checkpoi
             pair.close()
 
     asyncio.run(run())
+
+
+def test_generate_chunks_carry_top_logprobs(checkpoint_dir, monkeypatch, prompts):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            sp = pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
+            req = pb.GenerateRequest(request_id="t", prompt_token_ids=prompts[0], sampling_params=sp)
+            chunks = [c async for c in pair.d.Generate(req, FakeContext())]  # type: ignore[arg-type]
+            toks = [t for c in chunks for t in c.token_ids]
+            lps = [lp for c in chunks for lp in c.logprobs]
+            tops = [top for c in chunks for top in c.top_logprobs]
+            assert len(toks) == len(lps) == len(tops) == NEW
+            for tok, lp, top in zip(toks, lps, tops, strict=True):
+                assert len(top.token_ids) == 3 and list(top.logprobs) == sorted(top.logprobs, reverse=True)
+                assert top.token_ids[0] == tok and abs(top.logprobs[0] - lp) < 1e-5  # greedy: the best is chosen
+        finally:
+            pair.close()
+
+    asyncio.run(run())
