@@ -149,7 +149,7 @@ def chains(rng: random.Random, starts: list[list[int]], steps: int, extra: objec
 def multi_turn(rng: random.Random, scale: float) -> Workload:
     starts = [toks(rng, rng.randint(100, 600)) for _ in range(int(160 * scale))]
     items = chains(rng, starts, 6, lambda r: toks(r, r.randint(50, 300)), (50, 250))
-    return Workload("multi_turn", items, 12.0, "6-turn chats: previous prompt + answer + user 50-300; answers 50-250")
+    return Workload("multi_turn", items, 18.0, "6-turn chats: previous prompt + answer + user 50-300; answers 50-250")
 
 
 def agentic(rng: random.Random, scale: float) -> Workload:

@@ -222,6 +222,9 @@ class HybridCacheManager:
                 targets = sorted([*targets, last])
             if targets:
                 self._targets[req.request_id] = targets
+            bs, hashes = self.block_size, req.block_hashes
+            own = [b for b in (hit_tokens, last, prompt_end // bs * bs) if 0 < b <= len(hashes) * bs]
+            self.recurrent.superseded[req.request_id] = [hashes[b // bs - 1] for b in own]
         self._note(req)
 
     def _note(self, req: Request) -> None:

@@ -1,17 +1,18 @@
 """Eviction order: a priority queue per pool over its evictable (unreferenced, cached) pages, and the value model.
 
-    priority = base + value          (GreedyDual-Size-Frequency: recency through the base, value per byte on top)
-    base     = the clock when the page was last released; clock = priority of the last page evicted (it only
-               grows, so what was released recently ranks higher)
-    value    = alpha * (flops_saved(t) - flops_saved(a)) / bytes * (1 + hits), normalised so a 4,096-token state
-               with no hit scores 1.0; a = the nearest cached ancestor state or branch point (the compute only this
-               entry saves), bytes = the state plus the blocks between a and t, hits = times it was restored
+    priority = base + alpha * value          (GreedyDual-Size: recency through the base, value per byte on top)
+    base     = the clock when the page was last released (a restore or a reuse re-releases it); clock = the
+               priority of the last page evicted, so it only grows and what was used recently ranks higher
+    value    = (flops_saved(t) - flops_saved(a)) / bytes, normalised so a 4,096-token state alone scores 1.0;
+               a = the nearest cached ancestor state or branch point (the compute only this entry saves),
+               bytes = the state plus the blocks between a and t; 0 for a dead-end block and for a checkpoint
+               a deeper one of the same request supersedes on an unbranched path (reclaim.py, `demote`)
 
 This is Marconi's "recency + alpha * FLOP efficiency" (MLSys 2025) in a heap-friendly form: Marconi normalises
-recency and efficiency over every candidate at each eviction (O(n)); here the clock carries recency, so choosing a
-victim is O(log n), and values are recomputed once per queue turnover (the tree under an entry changes as branches
-appear). Ties break by release order (oldest first), so with every value 0 this is exactly LRU, which is how the
-LRU baseline runs.
+recency and efficiency over every candidate at each eviction (O(n)); here the clock carries recency, so a victim
+is found in O(log n), and values are recomputed once per queue turnover (the tree under an entry changes as
+branches appear). Ties break by release order; with every value 0 this is exactly LRU, which is how the LRU
+baseline runs.
 
 Ownership: `Reclaimer` (reclaim.py) owns one `EvictionQueue` per pool and is the only caller. Tensor-free.
 """
@@ -34,17 +35,17 @@ def flops_saved(tokens: int) -> float:
 
 
 class ValueModel:
-    """value(tokens, bytes) = alpha * (flops_saved(tokens) / bytes) / (flops_saved(4096) / reference_bytes)."""
+    """value = alpha * ((flops_saved(tokens) - flops_saved(anchor)) / bytes) / (flops_saved(4096) / reference_bytes)."""
 
     def __init__(self, reference_bytes: int, alpha: float = 1.0) -> None:
         self.alpha = alpha
         self._scale = alpha * max(reference_bytes, 1) / flops_saved(REFERENCE_TOKENS)
 
-    def value(self, tokens: int, nbytes: int, anchor: int = 0, hits: int = 0) -> float:
-        """Compute saved per byte by an entry covering tokens (anchor, tokens], restored `hits` times so far."""
+    def value(self, tokens: int, nbytes: int, anchor: int = 0) -> float:
+        """Compute saved per byte by an entry covering tokens (anchor, tokens]."""
         if tokens <= anchor:
             return 0.0
-        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1) * (1 + hits)
+        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1)
 
 
 class EvictionQueue:

@@ -133,6 +133,9 @@ class RecurrentManager:
         self.pending: list[PendingCheckpoint] = []
         self.rolling: dict[str, bytes] = {}
         """request -> hash of its published request-end checkpoint (dropped when a later one replaces it)."""
+        self.superseded: dict[str, list[bytes]] = {}
+        """request -> checkpoints on its own path (the one it restored, its prompt end) that its first request-end
+        checkpoint supersedes (demoted in the Reclaimer unless they are branch points)."""
         self.num_admitted = 0
 
     def find_hit(self, block_hashes: list[bytes], max_tokens: int) -> tuple[int, int | None]:
@@ -233,6 +236,9 @@ class RecurrentManager:
     def _replace_rolling(self, req_id: str, h: bytes) -> None:
         prev = self.rolling.get(req_id)
         self.rolling[req_id] = h
+        if self.reclaimer is not None:
+            for old in self.superseded.pop(req_id, ()):
+                self.reclaimer.demote(old)
         slot = self.pool.lookup(prev) if prev is not None else None
         if slot is None or self.pool.ref_cnt[slot] != 0:
             return
@@ -243,6 +249,7 @@ class RecurrentManager:
 
     def free(self, req_id: str) -> None:
         self.rolling.pop(req_id, None)
+        self.superseded.pop(req_id, None)
         slot = self.running_slot.pop(req_id, None)
         if slot is not None:
             self.pool.free([slot])

@@ -43,12 +43,15 @@ class Reclaimer:
         ref_bytes = state.page_bytes if state is not None else attention.page_bytes  # type: ignore[union-attr]
         self.values = ValueModel(ref_bytes, alpha)
         self.clock = 0.0
+        """Recency: bytes evicted so far / budget_bytes (1.0 = the cache turned over once)."""
         self.parent: dict[bytes, bytes] = {}
         self.children: dict[bytes, int] = {}
         self.tokens: dict[bytes, int] = {}
         """Prefix length (tokens) at the end of the block / at the checkpoint named by a hash."""
         self.hits: dict[bytes, int] = {}
         """Times a cached page named by a hash was taken by a request (restored / reused)."""
+        self.demoted: set[bytes] = set()
+        """Checkpoints a deeper one on the same unbranched path supersedes: valued 0 (recency only)."""
         self.block_size = block_size
         self.base: dict[tuple[int, int], float] = {}
         """(pool, page) -> clock when it was queued (its recency)."""
@@ -150,6 +153,7 @@ class Reclaimer:
         if not in_attn and not in_state:
             self.tokens.pop(h, None)
             self.hits.pop(h, None)
+            self.demoted.discard(h)
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
@@ -165,6 +169,7 @@ class Reclaimer:
         h = pool.block_hash[page]
         if h is not None and self.policy == "value" and (pool is self.state or self.state is None):
             self.hits[h] = self.hits.get(h, 0) + 1  # a restore (or, attention-only, a block reuse)
+            self.demoted.discard(h)  # restored: a real reuse point after all
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """An attention block was named `h` (its chain parent is `parent`, None for the first block)."""
@@ -177,6 +182,21 @@ class Reclaimer:
         self.parent[h] = parent
         self.children[parent] = self.children.get(parent, 0) + 1
         self.queues[id(self.attention)].discard(pb)  # no longer a leaf
+
+    def demote(self, h: bytes) -> None:
+        """The checkpoint named `h` lies on a path a deeper checkpoint of the same request now ends, with no branch
+        at `h`: a request reaching `h` goes on to the deeper one, so `h` keeps only its recency (Marconi: states
+        off branch points are rarely reused). Restoring it later undoes this."""
+        if self.policy != "value" or self.state is None or self.children.get(h, 0) > 1:
+            return
+        slot = self.state.lookup(h)
+        if slot is None:
+            return
+        self.demoted.add(h)
+        key = id(self.state)
+        if slot in self.queues[key]:
+            self.queues[key].push(slot, self.base[(key, slot)])
+        self._requeue_block(h)
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
@@ -200,7 +220,7 @@ class Reclaimer:
 
     def _value(self, pool: BlockPool, h: bytes | None) -> float:
         """Compute saved per byte by keeping page `h` of `pool` (0 for a dead-end block)."""
-        if h is None:
+        if h is None or h in self.demoted:
             return 0.0
         if pool is self.attention and self.state is not None:
             if self.state.lookup(h) is None:
@@ -210,7 +230,7 @@ class Reclaimer:
         nbytes = pool.page_bytes
         if self.attention is not None:
             nbytes += (tokens - anchor) // self.block_size * self.attention.page_bytes
-        return self.values.value(tokens, nbytes, anchor, self.hits.get(h, 0))
+        return self.values.value(tokens, nbytes, anchor)
 
     def _anchor(self, h: bytes) -> int:
         """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root): what a hit

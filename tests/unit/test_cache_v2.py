@@ -156,7 +156,7 @@ def _hash(s: Scheduler, tokens: list[int], nblocks: int) -> bytes:
     return r.block_hashes[nblocks - 1]
 
 
-def test_a_restored_checkpoint_outranks_an_unused_one_of_equal_length() -> None:
+def test_a_restored_checkpoint_outlives_an_unused_one_of_equal_value() -> None:
     s = make()
     rc = s.cache.reclaimer
     assert rc is not None
@@ -169,8 +169,8 @@ def test_a_restored_checkpoint_outranks_an_unused_one_of_equal_length() -> None:
     ha, hb = _hash(s, P + [1], 3), _hash(s, list(range(300, 313)), 3)
     sa, sb = rec.pool.lookup(ha), rec.pool.lookup(hb)
     assert sa is not None and sb is not None and rc.hits[ha] == 1
-    prio = {page: p for p, _, page in q._heap if q._live.get(page) is not None}
-    assert prio[sa] > prio[sb]
+    rank = {page: (p, seq) for p, seq, page in q._heap if q._live.get(page) == seq}
+    assert rank[sa] > rank[sb]  # same value; the restore re-released a's state later (recency)
     assert q.peek()[2] != sa  # type: ignore[index]
 
 
@@ -237,3 +237,19 @@ def test_attention_only_model_uses_the_budget_too() -> None:
     c, _ = serve(s, "c", list(range(600, 629)))  # 8 blocks: the whole budget, so a's and b's blocks go
     assert s.cache.attention is not None and s.cache.attention.pool.lookup(_hash(s, P + [1], 1)) is None
     assert s.cache.reclaimer is not None and s.cache.reclaimer.held_bytes() == 7 * BLOCK  # c's full blocks
+
+
+def test_superseded_checkpoints_on_an_unbranched_path_keep_only_recency() -> None:
+    s = make()
+    rc, rec = s.cache.reclaimer, s.cache.recurrent
+    assert rc is not None and rec is not None
+    t1, _ = serve(s, "t1", P + [1], max_tokens=10)  # prompt end 12, rolling end 20
+    end1 = t1.block_hashes[5 - 1]
+    t2, outs = serve(s, "t2", t1.all_token_ids + [50, 51, 52], max_tokens=6)  # restores 20, rolling end 28
+    assert t2.num_cached_tokens == 20 and boundaries(outs) == [24, 28]
+    assert end1 in rc.demoted and rc._value(rec.pool, end1) == 0.0  # turn 2 went on past it: recency only
+    assert t1.block_hashes[3 - 1] in rc.demoted  # turn 1's prompt end, superseded by turn 1's own end
+    # a checkpoint two requests branched from is a branch point: never demoted, and a restore undoes a demotion
+    serve(s, "b", t1.all_token_ids[:20] + [9, 9, 9], max_tokens=1)
+    assert end1 not in rc.demoted and rc.hits[end1] == 2
+    s.cache.check_integrity()
