@@ -203,7 +203,7 @@ def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> lis
                "fraction_of_mm": flops / med / mm}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    runner = model = None  # free the GPU memory before the next preset
+    del runner, model  # free the GPU memory before the next preset
     gc.collect()
     torch.cuda.empty_cache()
     return rows

@@ -11,6 +11,8 @@ largest bucket run eagerly. Ownership: the runner's step thread; the graphs shar
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
@@ -27,21 +29,20 @@ class DecodeGraphs:
         self.block_size, self.conv_width, self.device = block_size, conv_width, device
         self.buckets = sorted({b for b in BUCKETS if b < max_seqs} | {max_seqs})
         n = self.buckets[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.ids = torch.zeros(n, **i64)  # type: ignore[arg-type]
-        self.positions = torch.zeros(n, **i64)  # type: ignore[arg-type]
-        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, **i64)  # type: ignore[arg-type]
-        self.q_start = torch.arange(n, **i32)  # type: ignore[arg-type]
-        self.q_len = torch.ones(n, **i32)  # type: ignore[arg-type]
-        self.ctx_len = torch.zeros(n, **i32)  # type: ignore[arg-type]
-        self.table = torch.zeros(n, max(1, max_blocks), **i32)  # type: ignore[arg-type]
-        self.rows = torch.arange(n, **i64)  # type: ignore[arg-type]
-        self.slots = torch.full((n,), PAD_SLOT_ID, **i64)  # type: ignore[arg-type]
-        self.has_init = torch.zeros(n, **i32)  # type: ignore[arg-type]
-        self.none = torch.zeros(0, **i64)  # type: ignore[arg-type]
+        i64, i32 = torch.int64, torch.int32
+        self.ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
+        self.q_start = torch.arange(n, dtype=i32, device=device)
+        self.q_len = torch.ones(n, dtype=i32, device=device)
+        self.ctx_len = torch.zeros(n, dtype=i32, device=device)
+        self.table = torch.zeros(n, max(1, max_blocks), dtype=i32, device=device)
+        self.rows = torch.arange(n, dtype=i64, device=device)
+        self.slots = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
+        self.has_init = torch.zeros(n, dtype=i32, device=device)
+        self.none = torch.zeros(0, dtype=i64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool: Any = None
         self.num_replays = 0
 
     def bucket(self, n: int) -> int | None:

@@ -296,7 +296,7 @@ class NemotronHForCausalLM(nn.Module):
     def enable_fast_path(self) -> None:
         """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs."""
         for layer in self.backbone.layers:
-            if layer.layer_type == "moe":
+            if isinstance(layer.mixer, NemotronHMoE):
                 layer.mixer.use_grouped_gemm()
 
     @torch.no_grad()
