@@ -1,0 +1,47 @@
+"""engine.models.varlen.build_varlen: the fast path's per-step metadata, exact index values on a tiny step."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.specs import PAD_SLOT_ID
+from engine.models.varlen import build_varlen
+from engine.scheduler import ScheduledSeq
+
+
+def _seq(rid, computed, n, blocks, slot, ckpts=()):  # type: ignore[no-untyped-def]
+    return ScheduledSeq(request_id=rid, num_computed_tokens=computed, token_ids=tuple(range(100, 100 + n)),
+                        block_ids=tuple(blocks), state_slot=slot, checkpoints=tuple(ckpts), sample=True)
+
+
+def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-def]
+    # seq a: prefill of 10 tokens after 4 cached (block size 4), checkpoints after 8 and 12 tokens -> 3 segments
+    # seq b: one decode token; seq c: prefill of 3 fresh tokens, no checkpoint -> 1 segment
+    seqs = [_seq("a", 4, 10, [5, 6, 7, 8], 1, [(8, 11), (12, 12)]), _seq("b", 6, 1, [3, 9], 2),
+            _seq("c", 0, 3, [4], 3)]
+    m = build_varlen(seqs, block_size=4, conv_width=4, device=torch.device("cpu"), pad_to=16)
+    assert m.num_tokens == 16
+    assert m.positions[:14].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 6, 0, 1, 2]
+    # slot = block_table[p // 4] * 4 + p % 4; padded rows write nothing
+    assert m.slot_mapping[:14].tolist() == [24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 38, 16, 17, 18]
+    assert m.slot_mapping[14:].tolist() == [PAD_SLOT_ID] * 2
+    assert m.q_start.tolist() == [0, 10, 11, 14, 15] and m.q_len.tolist() == [10, 1, 3, 1, 1]
+    assert m.ctx_len.tolist() == [14, 7, 3, 0, 0] and m.max_q_len == 10
+    d = m.rec_decode
+    assert d.rows.tolist() == [10, 14, 15] and d.slots.tolist() == [2, PAD_SLOT_ID, PAD_SLOT_ID]
+    assert d.has_init.tolist() == [1, 0, 0] and d.copy_dst.numel() == 0
+    p = m.rec_prefill
+    assert p.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13]
+    assert p.init_index.tolist() == [0] and p.init_slot.tolist() == [1]  # only seq a reads its slot
+    # extended conv buffer: | a state (3) | a x (10) | c state (3) | c x (3) |
+    assert p.ext_x.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 17, 18]
+    assert p.ext_state.tolist() == [0, 1, 2, 13, 14, 15]
+    # conv state after c tokens of seq a = ext rows [c, c + 3); dests: 4 -> slot 11, 8 -> 12, 10 -> running slot 1
+    cuts = sorted(zip(p.cut_slot.tolist(), p.cut_ext[:, 0].tolist(), strict=True))
+    assert cuts == [(1, 10), (3, 16), (11, 4), (12, 8)]
+    r0, r1, r2 = p.rounds
+    assert r0.rows.tolist() == [0, 1, 2, 3, 10, 11, 12] and r0.cu_seqlens_cpu.tolist() == [0, 4, 7]
+    assert r0.init_prev is None and r0.dest_slot.tolist() == [11, 3] and r0.dest_index.tolist() == [0, 1]
+    assert r1.rows.tolist() == [4, 5, 6, 7] and r1.init_prev.tolist() == [0] and r1.dest_slot.tolist() == [12]
+    assert r2.rows.tolist() == [8, 9] and r2.init_prev.tolist() == [0] and r2.dest_slot.tolist() == [1]
+    assert m.sample_rows.tolist() == [9, 10, 13]
