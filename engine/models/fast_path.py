@@ -254,5 +254,16 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     return routed
 
 
+def moe_routed_masked(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The same without grouped GEMMs (fp32, or no torch._grouped_mm): every expert on every token, weighted by
+    its routing weight (0 where not chosen). E times the expert FLOPs, but no host sync, so it can be captured in a
+    CUDA graph. Returns fp32 [T, in]."""
+    routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, expert in enumerate(moe.experts):
+        w = (weights * (idx == e)).sum(-1)
+        routed += expert(x).float() * w[:, None]
+    return routed
+
+
 __all__ = ["attention", "conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed",
-           "stack_experts"]
+           "moe_routed_masked", "stack_experts"]

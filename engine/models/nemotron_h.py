@@ -20,7 +20,7 @@ from torch import nn
 from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
-from engine.models.fast_path import attention, grouped_moe_available, moe_routed, stack_experts
+from engine.models.fast_path import attention, grouped_moe_available, moe_routed, moe_routed_masked, stack_experts
 from engine.models.layers import MLP, RMSNorm, StepMetadata
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
@@ -205,8 +205,9 @@ class NemotronHMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(h)
         x = self.fc1_latent_proj(h) if self.latent else h
-        if self.grouped and grouped_moe_available(x):
-            out = moe_routed(self, x, weights, idx).to(h.dtype)
+        if self.grouped:  # fast path: no host sync (CUDA graphs)
+            route = moe_routed if grouped_moe_available(x) else moe_routed_masked
+            out = route(self, x, weights, idx).to(h.dtype)
             out = self.fc2_latent_proj(out) if self.latent else out
             return out + self.shared_experts(h)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
