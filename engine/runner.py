@@ -174,9 +174,11 @@ class ModelRunner:
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):
             logits = self.graphs.run(out.seqs)
+            if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
+                return {}
             if len(rids) < len(out.seqs):
                 keep = [i for i, o in enumerate(out.seqs) if o.sample]
-                logits = logits[torch.tensor(keep, device=self.device)]
+                logits = logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
             return self._sample(logits, rids, params)
         sample = [o.sample for o in out.seqs]
         meta = build_varlen(out.seqs, self.block_size, self.conv_width, self.device, sample=sample)
