@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from kvtransfer import AgentConfig, CacheLayout, PullSpec, PullState, TransferAgent, start_pull  # noqa: E402
 from kvtransfer.descriptors import plan_pull  # noqa: E402
-from kvtransfer.harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer  # noqa: E402
+from tests.support.kvtransfer_harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer  # noqa: E402
 
 SEED = 11
 REALISTIC = ToyCacheSpec(

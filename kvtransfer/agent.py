@@ -215,12 +215,6 @@ class TransferAgent:
             raise StaleEpochError(f"params name epoch {epoch!r} of worker {worker!r}; its live epoch is {p.epoch!r}")
         return p
 
-    def remove_peer(self, worker: str) -> None:
-        with self._lock:
-            p = self._peers.pop(worker, None)
-            if p is not None:
-                self._drop(p)
-
     def _drop(self, p: PeerHandle) -> None:
         p.valid = False
         if p._remote_dlist is not None:

@@ -1,5 +1,5 @@
 """kvtransfer over real NIXL (UCX, DRAM) between two OS processes: P is a spawned producer
-(`kvtransfer.harness.serve_producer`), D is this test process.
+(`tests/support/kvtransfer_harness.py: serve_producer`), D is this test process.
 
 Exact pages, descriptor counts and bytes; handshake refusals; stale epochs; a hung, killed and restarted producer
 must end pulls FAILED within their timeout, never hang.
@@ -34,8 +34,8 @@ from kvtransfer import (
     start_pull,
 )
 from kvtransfer import metadata as md_codec
-from kvtransfer.harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer
 from kvtransfer.layout import compat_hash
+from tests.support.kvtransfer_harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -166,7 +166,7 @@ def test_pull_moves_exactly_the_requested_pages(producer: Producer, consumer: Co
     assert consumer.sample("hybridpd_kv_transfer_bytes_total", group="attention") == len(SRC) * 3 * PAGE
     assert consumer.sample("hybridpd_kv_transfer_bytes_total", group="mamba2") == 2 * STATE_PAGE
     assert consumer.sample("hybridpd_kv_transfer_descriptors_sum") == 16
-    assert producer.releases() == [("req-exact", peer.epoch, True)]
+    assert producer.releases() == [("req-exact", peer.epoch, True, "")]
 
 
 def test_prepped_page_lists_move_the_same_pages(producer: Producer) -> None:
@@ -174,7 +174,7 @@ def test_prepped_page_lists_move_the_same_pages(producer: Producer) -> None:
     try:
         res = assert_exact_pages(c, c.agent.add_peer(producer.blob), "req-prepped")
         assert res.nixl_descriptors == 16  # NIXL merged the page-granular indices back into exactly the runs
-        assert producer.releases() == [("req-prepped", md_codec.decode(producer.blob).epoch, True)]
+        assert producer.releases() == [("req-prepped", md_codec.decode(producer.blob).epoch, True, "")]
     finally:
         c.agent.close()
 
@@ -187,7 +187,7 @@ def test_parallel_reads_without_progress_thread_move_the_same_pages_and_release_
         assert res.nixl_descriptors is not None and res.nixl_descriptors >= 16  # a run may be cut between READs
         assert res.nixl_seconds is not None and 0 < res.nixl_seconds <= res.seconds
         # one release notice, sent after all three READs are done
-        assert producer.releases() == [("req-parallel", md_codec.decode(producer.blob).epoch, True)]
+        assert producer.releases() == [("req-parallel", md_codec.decode(producer.blob).epoch, True, "")]
     finally:
         c.agent.close()
 
@@ -202,7 +202,7 @@ def test_stacked_layout_moves_all_layers_of_a_run_in_one_descriptor(ctx: Any) ->
     try:
         res = assert_exact_pages(c, c.agent.add_peer(p.blob), "req-stacked", cache=stacked)
         assert res.descriptors == res.nixl_descriptors == RUNS + 2 == 6
-        assert p.releases() == [("req-stacked", md_codec.decode(p.blob).epoch, True)]
+        assert p.releases() == [("req-stacked", md_codec.decode(p.blob).epoch, True, "")]
         with pytest.raises(CompatibilityError, match="group.0.stacked"):
             flat.agent.add_peer(p.blob)
     finally:
