@@ -12,7 +12,8 @@ suffixes, superseded turns, decode tails), so eviction runs throughout; the GiB 
   system_prompt  one 1,000-token system prompt + unique questions (20-400 tokens), 50-150 decode
   few_shot       8 few-shot prefixes of 3,000 tokens + unique questions (50-150), 30 decode
   multi_turn     conversations of 6 turns; each turn = the previous prompt + its answer + a new user message
-                 (50-300); a turn arrives when the previous one finished
+                 (50-300); a turn arrives when the previous one finished (multi_turn_tight: the same at a
+                 budget below its working set, where no policy can reach the infinite-cache figure)
   agentic        agent loops: system prompt + one of 4 long shared tool outputs (2,000) + a task; each step appends
                  the answer and a 300-token tool result; the next step arrives when the previous finished
   no_reuse       unique prompts (capacity: how many attention blocks running requests can hold)
@@ -152,6 +153,11 @@ def multi_turn(rng: random.Random, scale: float) -> Workload:
     return Workload("multi_turn", items, 18.0, "6-turn chats: previous prompt + answer + user 50-300; answers 50-250")
 
 
+def multi_turn_tight(rng: random.Random, scale: float) -> Workload:
+    w = multi_turn(rng, scale)
+    return Workload("multi_turn_tight", w.items, 12.0, "multi_turn at 12 GiB: less than its working set (stress)")
+
+
 def agentic(rng: random.Random, scale: float) -> Workload:
     system, docs = toks(rng, 800), [toks(rng, 2000) for _ in range(4)]
     starts = [system + rng.choice(docs) + toks(rng, 100) for _ in range(int(100 * scale))]
@@ -165,7 +171,8 @@ def no_reuse(rng: random.Random, scale: float) -> Workload:
     return Workload("no_reuse", items, 20.0, "unique 500-3,000-token prompts, 50 decode (the issue's 20 GiB)")
 
 
-WORKLOADS = {f.__name__: f for f in (current, system_prompt, few_shot, multi_turn, agentic, no_reuse)}
+WORKLOADS = {f.__name__: f for f in (current, system_prompt, few_shot, multi_turn, multi_turn_tight, agentic,
+                                     no_reuse)}
 
 
 # -- the run -------------------------------------------------------------------------------------------------------

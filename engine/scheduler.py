@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.cache.coordinator import HybridCacheManager
+from engine.cache.coordinator import HybridCacheManager, PrefixHit
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
 
@@ -141,8 +141,17 @@ class Scheduler:
                 hit = self.cache.find_prefix_hit(req, count=False)
                 start = hit.num_tokens
             num_new = min(req.target_tokens - start, budget)
-            if num_new <= 0 or not self.cache.allocate(req, start + num_new, hit):
+            if num_new <= 0:
                 break
+            if not self.cache.allocate(req, start + num_new, hit):
+                # a hit holds its checkpoint next to the new running state until the copy ran: with one budget
+                # that can be the one page too many; with nothing running nothing else will free it, so go cold
+                if hit is None or hit.num_tokens == 0 or self.running:
+                    break
+                hit, start = PrefixHit(), 0
+                num_new = min(req.target_tokens, budget)
+                if not self.cache.allocate(req, num_new, hit):
+                    break
             if hit is not None:
                 self.cache.count_hit(req, hit)
             self.waiting.popleft()

@@ -267,6 +267,8 @@ class HybridCacheManager:
                 if req.request_id in self.attention.req_blocks:
                     self.update_hashes(req)
                     self.attention.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+                    if req.request_id in self._noted:
+                        self._note(req)  # decoded blocks too: a later prompt may branch off an answer
         if self.recurrent is not None:
             self.recurrent.release_step_refs()
 
@@ -276,10 +278,13 @@ class HybridCacheManager:
             self.recurrent.drop_step_refs()
 
     def free(self, req: Request) -> None:
+        rid = req.request_id
+        self._targets.pop(rid, None)
+        self._noted.pop(rid, None)
         if self.attention is not None:
-            self.attention.free(req.request_id)
+            self.attention.free(rid)
         if self.recurrent is not None:
-            self.recurrent.free(req.request_id)
+            self.recurrent.free(rid)
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
     def allocate_for_transfer(self, req: Request, num_external_tokens: int) -> TransferAllocation | None:

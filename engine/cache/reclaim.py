@@ -26,6 +26,8 @@ from engine.cache.block_pool import BlockPool
 from engine.cache.eviction import EvictionQueue, ValueModel
 
 POLICIES = ("value", "lru")
+MAX_ANCHOR_WALK = 64
+"""Blocks an anchor search walks up before it counts the whole prefix as this entry's (see `_anchor`)."""
 
 
 class Reclaimer:
@@ -56,6 +58,8 @@ class Reclaimer:
         self.base: dict[tuple[int, int], float] = {}
         """(pool, page) -> clock when it was queued (its recency)."""
         self._since_refresh = 0
+        self._jump: dict[bytes, tuple[bytes | None, int]] = {}
+        self._epoch = 0
         self.evicted_bytes = {"attention": 0, "state": 0}
         self.num_evicted = {"attention": 0, "state": 0}
         for p in self.pools:
@@ -80,7 +84,7 @@ class Reclaimer:
                 return False
             self.evict(*victim)
             self._since_refresh += 1
-            if self.policy == "value" and self._since_refresh > max(256, 2 * self.num_queued()):
+            if self.policy == "value" and self._since_refresh > max(1024, 4 * self.num_queued()):
                 self.refresh()
 
     def num_queued(self) -> int:
@@ -151,6 +155,7 @@ class Reclaimer:
         in_attn = self.attention is not None and self.attention.lookup(h) is not None
         in_state = self.state is not None and self.state.lookup(h) is not None
         if not in_attn and not in_state:
+            self._jump.pop(h, None)
             self.tokens.pop(h, None)
             self.hits.pop(h, None)
             self.demoted.discard(h)
@@ -180,7 +185,9 @@ class Reclaimer:
         if pb is None:
             return  # the parent is gone: this block heads an unreachable chain and stays a leaf
         self.parent[h] = parent
-        self.children[parent] = self.children.get(parent, 0) + 1
+        n = self.children[parent] = self.children.get(parent, 0) + 1
+        if n == 2:
+            self._epoch += 1  # a new branch point: walks that skipped over it are out of date
         self.queues[id(self.attention)].discard(pb)  # no longer a leaf
 
     def demote(self, h: bytes) -> None:
@@ -202,6 +209,8 @@ class Reclaimer:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
         self.tokens[h] = tokens
         if self.policy == "value":
+            if self.children.get(h):
+                self._epoch += 1  # a checkpoint mid-chain: walks that skipped over it are out of date
             self._requeue_block(h)
 
     def _requeue_block(self, h: bytes) -> None:
@@ -234,14 +243,28 @@ class Reclaimer:
 
     def _anchor(self, h: bytes) -> int:
         """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root): what a hit
-        would fall back to without `h`."""
-        p = self.parent.get(h)
-        state = self.state
+        would fall back to without `h`.
+
+        Walks up the chain; `_jump[x]` remembers, per walk, the ancestor the walk from x ended at, so the next walk
+        skips the plain stretch in one step; past MAX_ANCHOR_WALK plain blocks it stops and answers 0. A node that
+        becomes interesting with descendants below it (a new
+        branch, a checkpoint saved mid-chain) bumps `_epoch`, which invalidates every jump."""
+        parent, children, jump, epoch = self.parent, self.children, self._jump, self._epoch
+        states = self.state.cached if self.state is not None else {}
+        path = []
+        p = parent.get(h)
         while p is not None:
-            if self.children.get(p, 0) >= 2 or (state is not None and state.lookup(p) is not None):
-                return self.tokens.get(p, 0)
-            p = self.parent.get(p)
-        return 0
+            if children.get(p, 0) >= 2 or p in states:
+                break
+            path.append(p)
+            if len(path) > MAX_ANCHOR_WALK:
+                p = None  # a long plain stretch: count it all (as if from the root)
+                break
+            j = jump.get(p)
+            p = j[0] if j is not None and j[1] == epoch else parent.get(p)
+        for x in path:
+            jump[x] = (p, epoch)
+        return self.tokens.get(p, 0) if p is not None else 0
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -337,6 +337,8 @@ class Harness:
             assert self.cache.attention.req_blocks == {} and self.cache.attention.num_hashed == {}
         if self.cache.recurrent is not None:
             assert self.cache.recurrent.running_slot == {}
+            assert self.cache.recurrent.rolling == {} and self.cache.recurrent.superseded == {}
+        assert self.cache._targets == {} and self.cache._noted == {}  # per-request admission state freed
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
