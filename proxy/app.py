@@ -185,8 +185,9 @@ class _Proxy:
             max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len)
             for j in range(req.n):
                 seed = req.sampling.seed
-                sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens,
-                                               seed=None if seed is None else seed + j)
+                if seed is not None:  # sample j gets seed + j (seed - j at the top of the int64 range)
+                    seed = seed + j if seed + j < 2**63 else seed - j
+                sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens, seed=seed)
                 rid = base_id if single else f"{base_id}-{len(prepared)}"
                 prepared.append(PreparedRequest(rid, ids, sampling, req.cache_salt, counts_prompt=j == 0))
                 echoes.append(echo)

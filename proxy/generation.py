@@ -306,10 +306,11 @@ class Generation:
     def close(self) -> None:
         """Idempotent, never blocks. Unfinished: cancel the stream, abort on D (or release on P), count 'aborted'."""
         s = self._s
+        if s.call is None:
+            self._release_prefill()  # prefilled but Generate never sent (client gone, deadline, no decode worker)
         if not s.finished and s.status is None:
             self._record("aborted")
             if s.call is None:
-                self._release_prefill()
                 if s.prefill_addr is not None and not s.prefilled:  # cancelled mid-Prefill: P may still finish
                     self.cluster.clients.release_later(s.prefill_addr, self.req.request_id, "")
             else:

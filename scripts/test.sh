@@ -7,4 +7,6 @@ if [ -f scripts/install-prometheus.sh ]; then
   bash scripts/install-prometheus.sh || echo "prometheus not installed: the live-Prometheus tests will skip"
 fi
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two test processes (xdist), each taking whole files so module fixtures (stacks, clusters) are built once per
+# file; HYBRIDPD_TEST_WORKERS=0 runs in one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HYBRIDPD_TEST_WORKERS:-2}" --dist loadfile "$@"
