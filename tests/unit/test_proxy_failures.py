@@ -108,6 +108,7 @@ def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, 
     else:
         assert stack.prefill[0].address in err["message"]
     assert err["type"] == ("service_unavailable" if status == 503 else "internal_error")
+    assert r.headers["connection"] == "close"  # a 5xx never leaves a keep-alive connection in doubt
     assert len(stack.decode[0].generates) == n_generates
 
 
