@@ -71,7 +71,6 @@ class Consumer:
         self.pending: dict[str, PendingPull] = {}
         self.num_recomputed = 0
         self.num_refused: dict[str, int] = {}
-        self.failed: list[Request] = []
 
     def _refuse(self, core: EngineCore, req: Request, reason: str, detail: str) -> str:
         self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
@@ -82,7 +81,7 @@ class Consumer:
 
     def admit(self, core: EngineCore, req: Request, tp: pb.TransferParams, peer) -> str:  # type: ignore[no-untyped-def]
         """Start pulling for `req`. Returns "pulling", "local" when it was scheduled to compute locally, or
-        "failed" (policy fail: the request is in `self.failed`)."""
+        "failed" (policy fail: the request ended with an error)."""
         n_ext = int(tp.num_computed_tokens)
         if peer is None or n_ext <= 0 or n_ext >= req.num_tokens:
             schedule_local(core, req)
@@ -160,8 +159,7 @@ class Consumer:
 
     def _fallback(self, core: EngineCore, req: Request, reason: str) -> str:
         if self.policy == "fail":
-            end_unscheduled(core, req, "error", f"transfer failed: {reason}")
-            self.failed.append(req)
+            end_unscheduled(core, req, "error", f"transfer failed: {reason}")  # its stream ends with the error
             return "failed"
         self.num_recomputed += 1
         schedule_local(core, req)

@@ -50,8 +50,6 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
-        while self.consumer.failed:
-            self.ctx.aengine.publish(self.consumer.failed.pop())
         now = time.monotonic()
         if self.ctx.metrics is not None and now - self._metrics_at >= 0.002:  # the hook may run every 100 us
             self._metrics_at = now
@@ -192,13 +190,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _abort(self, core: EngineCore, rid: str) -> bool:
         """Step thread. Ends the request (pulling, committing, waiting or running) and its stream: the Generate
         call sees a last chunk with finish_reason "abort" (an open stream must never be left waiting)."""
-        req = self.consumer.pending[rid].req if rid in self.consumer.pending else core.scheduler.requests.get(rid)
-        if req is None:
-            return False
-        if not self.consumer.abort(core, rid):
-            core.abort(rid)
-        self.ctx.aengine.publish(req)
-        return True
+        return self.consumer.abort(core, rid) or core.abort(rid) is not None
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         aborted = await self.ctx.aengine.acall(lambda core: self._abort(core, request.request_id))

@@ -59,6 +59,8 @@ class AsyncEngine:
         self._emitted: dict[str, int] = {}
         self.hooks: list[Callable[[EngineCore], None]] = []
         self.on_finished: list[Callable[[Request], None]] = []
+        self._finished: list[Request] = []  # ended by EngineCore.finish, not yet delivered (step thread only)
+        core.finish_listeners.append(self._on_finish)
         # seconds the idle loop waits between hook runs; a hook owner with work in flight (a KV pull) shortens it
         self.idle_wait: Callable[[], float | None] = lambda: 0.005
         self._needs_poll: dict[int, Callable[[], bool]] = {}  # id(hook) -> "has work that needs polling"
@@ -137,6 +139,21 @@ class AsyncEngine:
         if req.is_finished:
             self._emitted.pop(req.request_id, None)
 
+    def _on_finish(self, req: Request) -> None:
+        self._finished.append(req)
+
+    def _deliver_finished(self) -> None:
+        """Every request `EngineCore.finish` ended since the last call (step, engine call or hook alike): its last
+        tokens and its end go to its stream, then to the finish callbacks (P's waiting Prefill RPCs)."""
+        while self._finished:
+            req = self._finished.pop(0)
+            self.publish(req)
+            for cb in self.on_finished:
+                try:
+                    cb(req)
+                except Exception:  # noqa: BLE001 - a callback must not kill the step loop
+                    log.exception("on_finished callback failed for %s", req.request_id)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self._drain_calls():
@@ -146,6 +163,7 @@ class AsyncEngine:
                     hook(self.core)
                 except Exception:  # noqa: BLE001 - a hook must not kill the step loop
                     log.exception("step hook failed")
+            self._deliver_finished()
             if not self.core.has_unfinished():
                 self._wake.wait(timeout=self.idle_timeout())
                 self._wake.clear()
@@ -157,19 +175,11 @@ class AsyncEngine:
             except Exception as e:
                 log.exception("engine step failed; ending its requests with an error")
                 advanced = []
-                for rid in list(self.core.scheduler.requests):
-                    req = self.core.scheduler.requests[rid]
-                    req.stop_reason = f"engine step failed: {type(e).__name__}: {e}"
-                    self.core.scheduler.finish(req, "error")
-                    advanced.append(req)
+                self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
             for req in advanced:
-                self.publish(req)
-                if req.is_finished:  # streams and finish callbacks (P's waiting Prefill RPCs) alike, errors included
-                    for cb in self.on_finished:
-                        try:
-                            cb(req)
-                        except Exception:  # noqa: BLE001 - a callback must not kill the step loop
-                            log.exception("on_finished callback failed for %s", req.request_id)
+                if not req.is_finished:  # finished ones go out with their end, below
+                    self.publish(req)
+            self._deliver_finished()
 
     def _drain_calls(self) -> bool:
         """Run every pending call; True when there was any."""

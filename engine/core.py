@@ -8,6 +8,7 @@ Ownership: one thread calls add_request/step/abort (workers serialise calls onto
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,8 @@ class EngineCore:
         self.tokenizer = self._load_tokenizer(mc.path)
         self.runner.sampler.bind(self.scheduler.requests.get, self.eos_token_ids)
         self.stats = StepStats()
+        self.finish_listeners: list[Callable[[Request], None]] = []
+        """Called (step thread) for every request `finish` ends; AsyncEngine delivers them to streams/callbacks."""
         self._next_arrival = 0
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -156,10 +159,27 @@ class EngineCore:
         self.scheduler.add_request(req)
         return req
 
-    def abort(self, request_id: str) -> None:
-        req = self.scheduler.abort(request_id)
+    def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
+        """The one place a request ends (stop, length, prefilled, abort, error; scheduled or not): the scheduler lets
+        it go (its caches freed unless `free_caches` is False: a prefill worker pins them, an importing request
+        already gave them back), the sampler forgets it, and `finish_listeners` hear of it (step thread)."""
+        self.scheduler.finish(req, reason, free_caches=free_caches)
+        self.runner.sampler.forget(req.request_id)
+        for listener in self.finish_listeners:
+            listener(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a scheduled request ("abort"); returns it, or None if it is not scheduled."""
+        req = self.scheduler.requests.get(request_id)
         if req is not None:
-            self.runner.sampler.forget(request_id)
+            self.finish(req, "abort")
+        return req
+
+    def fail_all(self, reason: str) -> None:
+        """End every scheduled request with an error (its caches freed): what a failed step leaves behind."""
+        for req in list(self.scheduler.requests.values()):
+            req.stop_reason = reason
+            self.finish(req, "error")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -182,12 +202,11 @@ class EngineCore:
                 self.scheduler.requests[rid].output_top_logprobs.append(top)
         for req in advanced:
             if req.compute_target is not None and req.num_computed_tokens >= req.compute_target:
-                self.scheduler.finish(req, "prefilled", free_caches=False)
+                self.finish(req, "prefilled", free_caches=False)
             elif req.request_id in sampled:
                 reason = self.check_stop(req)
                 if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    self.runner.sampler.forget(req.request_id)
+                    self.finish(req, reason)
         return advanced
 
     def check_stop(self, req: Request) -> str | None:

@@ -191,4 +191,4 @@ def end_unscheduled(core: EngineCore, req: Request, finish_reason: str, stop_rea
     """End a request that is not scheduled (refused or aborted while importing; its caches were already given back
     or quarantined): "error" or "abort"."""
     req.stop_reason = stop_reason
-    core.scheduler.finish(req, finish_reason, free_caches=False)
+    core.finish(req, finish_reason, free_caches=False)

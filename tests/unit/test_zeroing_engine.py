@@ -22,8 +22,7 @@ import random
 import pytest
 import torch
 
-import engine.models.nemotron_h as nemotron_h
-import engine.models.qwen3_5 as qwen3_5
+import engine.models.layers as layers
 from engine import LLM, SamplingParams
 from engine.models.layers import StepMetadata
 from tests.oracle import random_prompts, reference_set
@@ -90,8 +89,9 @@ def whole_blocks(monkeypatch):  # type: ignore[no-untyped-def]
         calls[0] += 1
         return whole_block_attention(*args)
 
-    monkeypatch.setattr(nemotron_h, "paged_attention", counted)
-    monkeypatch.setattr(qwen3_5, "paged_attention", counted)
+    # both families' reference path calls engine.models.fast_path.attention, which looks paged_attention up in
+    # engine.models.layers at call time
+    monkeypatch.setattr(layers, "paged_attention", counted)
     return calls
 
 
