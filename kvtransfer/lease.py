@@ -112,8 +112,9 @@ class LeaseTable:
     @_locked
     def release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> Lease | None:
         """End a lease; returns it (the caller frees its pages) or None if unknown / already released or reaped
-        (idempotent: a late notice after expiry is fine), or if `token` is given and is not the lease's. Raises
-        StaleEpochError for another epoch's release."""
+        (idempotent: a late notice after expiry is fine), or if `token` is not the lease's: callers from outside
+        (gRPC Release, NIXL notices) always pass one, so only the holder of the transfer params can end a lease
+        early; None is P's own ending of it. Raises StaleEpochError for another epoch's release."""
         self.check_epoch(epoch)
         lease = self._leases.get(request_id)
         if lease is None or (token is not None and lease.token and token != lease.token):

@@ -194,7 +194,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         released = await self.ctx.aengine.acall(
-            lambda c: self._release(request.request_id, request.epoch or None, request.lease_token or None))
+            lambda c: self._release(request.request_id, request.epoch or None, request.lease_token))
         return pb.ReleaseResponse(released=bool(released))
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:

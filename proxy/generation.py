@@ -130,6 +130,7 @@ class _Timing:
 class _State:
     prefill_addr: str | None = None
     prefill_epoch: str = ""
+    lease_token: str = ""  # P's lease token: Release must present it
     prefilled: bool = False
     decode_addr: str | None = None
     call: grpc.aio.UnaryStreamCall | None = None
@@ -209,6 +210,7 @@ class Generation:
         self.cluster.metrics.prefill_rpc.observe(time.perf_counter() - t0)
         self._s.prefilled = True
         self._s.prefill_epoch = resp.params.epoch
+        self._s.lease_token = resp.params.lease_token
         self.usage.prefill_cached_tokens = resp.num_cached_tokens
         params = pb.TransferParams()
         params.CopyFrom(resp.params)
@@ -297,7 +299,7 @@ class Generation:
         s = self._s
         if s.prefilled and s.prefill_addr is not None and not s.prefill_released:
             s.prefill_released = True
-            self.cluster.clients.release_later(s.prefill_addr, self.req.request_id, s.prefill_epoch)
+            self.cluster.clients.release_later(s.prefill_addr, self.req.request_id, s.prefill_epoch, s.lease_token)
 
     def record_error(self) -> None:
         """An unexpected failure mid-stream (not a worker's status): count it once as an error."""

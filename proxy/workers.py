@@ -95,12 +95,12 @@ class WorkerClients:
 
         self.spawn(abort())
 
-    def release_later(self, addr: str, request_id: str, epoch: str) -> None:
+    def release_later(self, addr: str, request_id: str, epoch: str, lease_token: str = "") -> None:
         """Ask prefill worker `addr` to drop the lease of `request_id` (idempotent on the worker)."""
 
         async def release() -> None:
             try:
-                req = pb.ReleaseRequest(request_id=request_id, epoch=epoch)
+                req = pb.ReleaseRequest(request_id=request_id, epoch=epoch, lease_token=lease_token)
                 await self.prefill(addr).Release(req, timeout=self.control_timeout_s, metadata=self.metadata)
             except grpc.aio.AioRpcError as err:
                 log.warning("Release(%s) on prefill %s failed: %s", request_id, addr, err.code().name)

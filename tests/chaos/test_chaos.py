@@ -6,7 +6,8 @@ prefill worker (restarted by its supervisor with a new epoch), and hostile calls
 params (another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token.
 
 Prints one JSON line of figures (requests, faults, wrong 200s, errors, leaked pages, recovery) and writes it to
-$HYBRIDPD_CHAOS_REPORT when set. Sized to run in about a minute on 2 cores (20 s of load); HYBRIDPD_CHAOS_SECONDS makes it longer.
+$HYBRIDPD_CHAOS_REPORT when set. Sized to run in about a minute on 2 cores (20 s of load);
+HYBRIDPD_CHAOS_SECONDS makes it longer.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ class Faults:
                 rid = f"hostile-{rng.randrange(1 << 30)}"
                 tp = p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=b, sampling_params=_sp()),
                                timeout=30, metadata=md).params
-                if p.Release(pb.ReleaseRequest(request_id=rid, lease_token="forged"), timeout=10,
-                             metadata=md).released:
-                    self.hostile_accepted += 1
+                for token in ("forged", ""):  # a wrong lease token, or the request id alone
+                    if p.Release(pb.ReleaseRequest(request_id=rid, lease_token=token), timeout=10,
+                                 metadata=md).released:
+                        self.hostile_accepted += 1
                 self._count("forged_release")
                 tp.prompt_digest = prompt_digest(a, len(a) - 1)
                 req = pb.GenerateRequest(request_id=rid, prompt_token_ids=a, sampling_params=_sp(), params=tp)

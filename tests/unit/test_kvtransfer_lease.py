@@ -122,7 +122,9 @@ def test_release_with_a_wrong_lease_token_is_ignored() -> None:
     assert t.release("r1", "e1", token="forged") is None and "r1" in t
     assert t.release("r1", "e1", token="tok") is not None and "r1" not in t
     t.grant("r2", {0: [4]}, token="tok")
-    assert t.release("r2") is not None  # no token given: the gRPC Release of a caller holding the cluster token
+    t.grant("r3", {0: [5]}, token="tok3")
+    assert t.release("r3", "e1", token="") is None and "r3" in t  # a request id alone (gRPC Release) ends nothing
+    assert t.release("r2") is not None  # token None: P ending its own lease (caller gone, Prefill cancelled)
 
 
 def test_prompt_digest_binds_tokens_count_and_salt() -> None:
