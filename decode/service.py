@@ -18,7 +18,7 @@ from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.auth import token_metadata
+from worker.auth import open_channel, token_metadata
 from worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from worker.convert import sampling_params_from_proto, stats_response
 
@@ -58,7 +58,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = open_channel(address, self.ctx.tls)
         return ch
 
     def _prefill_stub(self, address: str) -> pb_grpc.PrefillServiceStub:

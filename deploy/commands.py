@@ -37,19 +37,20 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from deploy.cli import engine_config_from_args
-    from worker.auth import load_cluster_token
+    from worker.auth import load_cluster_token, load_tls
     from worker.bootstrap import WorkerOptions, run_worker
 
     cfg = engine_config_from_args(args)
     try:
         token = load_cluster_token(args.cluster_token_file)
+        tls = load_tls(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
     except ValueError as e:
         print(f"hybridpd worker: {e}", file=sys.stderr)
         return 2
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
-                         model_name=args.model_name, cluster_token=token,
+                         model_name=args.model_name, cluster_token=token, tls=tls,
                          prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction)
     return run_worker(cfg, opts)
 
@@ -169,6 +170,13 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-pinned-fraction", type=float, default=0.5,
                    help="prefill: share of each cache pool that leased, not yet pulled pages may pin; beyond it "
                         "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
+    p.add_argument("--tls-cert-file", default=None,
+                   help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
+                        "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")
+    p.add_argument("--tls-key-file", default=None, help="PEM key of --tls-cert-file (env HYBRIDPD_TLS_KEY_FILE)")
+    p.add_argument("--tls-ca-file", default=None,
+                   help="PEM CA that signs every peer: verify servers and require client certificates (mutual TLS; "
+                        "env HYBRIDPD_TLS_CA_FILE)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")

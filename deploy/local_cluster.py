@@ -29,6 +29,21 @@ class Cluster:
     model_name: str
     extra: dict = field(default_factory=dict)
     cluster_token: str | None = None
+    tls_env: dict[str, str] = field(default_factory=dict)
+    """HYBRIDPD_TLS_* files when the workers serve TLS."""
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to a worker (TLS with the cluster's files when it has them)."""
+        if not self.tls_env:
+            return grpc.insecure_channel(address)
+
+        def read(key: str) -> bytes | None:
+            path = self.tls_env.get(key)
+            return open(path, "rb").read() if path else None
+
+        creds = grpc.ssl_channel_credentials(read("HYBRIDPD_TLS_CA_FILE"), read("HYBRIDPD_TLS_KEY_FILE"),
+                                             read("HYBRIDPD_TLS_CERT_FILE"))
+        return grpc.secure_channel(address, creds)
 
     @property
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -38,7 +53,7 @@ class Cluster:
         return token_metadata(self.cluster_token)
 
     def worker_stats(self, w: WorkerProcess) -> pb.StatsResponse:
-        with grpc.insecure_channel(w.info["address"]) as ch:
+        with self.channel(w.info["address"]) as ch:
             stub = pb_grpc.PrefillServiceStub(ch) if w.info["role"] == "prefill" else pb_grpc.DecodeServiceStub(ch)
             return stub.Stats(pb.StatsRequest(), timeout=10, metadata=self.grpc_metadata)
 
@@ -67,13 +82,16 @@ class Cluster:
 
 def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
-                  decode_env: dict[str, str] | None = None, cluster_token: str | None = None) -> Cluster:
+                  decode_env: dict[str, str] | None = None, cluster_token: str | None = None,
+                  tls_env: dict[str, str] | None = None) -> Cluster:
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
-    workers get it through HYBRIDPD_CLUSTER_TOKEN)."""
+    workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
+    runs over (mutual) TLS."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
         env["HYBRIDPD_CLUSTER_TOKEN"] = cluster_token
+    env.update(tls_env or {})
     started: list[WorkerProcess] = []
     try:
         for _ in range(0 if colocated else num_prefill):
@@ -114,7 +132,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise RuntimeError(f"proxy did not become healthy; its log ({log_path}):\n{tail}")
-    return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token)
+    return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token, tls_env=dict(tls_env or {}))
 
 
 def complete(c: Cluster, prompt: list[int] | str, max_tokens: int = 16, **extra) -> dict:  # type: ignore[no-untyped-def]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import grpc
+
 API_KEY_ENV = "HYBRIDPD_API_KEY"
 API_KEY_FILE_ENV = "HYBRIDPD_API_KEY_FILE"
 CLUSTER_TOKEN_ENV = "HYBRIDPD_CLUSTER_TOKEN"
@@ -51,3 +53,28 @@ def resolve_cluster_token(path: str | None = None) -> str | None:
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata for one worker call (empty without a token)."""
     return ((TOKEN_METADATA_KEY, token),) if token else ()
+
+
+TLS_CERT_ENV = "HYBRIDPD_TLS_CERT_FILE"
+TLS_KEY_ENV = "HYBRIDPD_TLS_KEY_FILE"
+TLS_CA_ENV = "HYBRIDPD_TLS_CA_FILE"
+
+
+def worker_channel_credentials() -> grpc.ChannelCredentials | None:
+    """TLS for the proxy's calls to workers that serve TLS (worker/auth.py): the CA that signed them
+    (HYBRIDPD_TLS_CA_FILE) and, for workers that require client certificates, this proxy's own certificate and key
+    (HYBRIDPD_TLS_CERT_FILE / HYBRIDPD_TLS_KEY_FILE). None (plaintext) when none is set."""
+    paths = [os.environ.get(e) or None for e in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV)]
+    if not any(paths):
+        return None
+    ca, cert, key = (_read_bytes(p) if p else None for p in paths)
+    if (cert is None) != (key is None):
+        raise ValueError("TLS needs both HYBRIDPD_TLS_CERT_FILE and HYBRIDPD_TLS_KEY_FILE, or neither")
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the TLS file {path}: {e.strerror or e}") from None

@@ -19,7 +19,7 @@ import grpc
 
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
-from proxy.credentials import token_metadata
+from proxy.credentials import token_metadata, worker_channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,15 @@ class WorkerClients:
     def __init__(self, control_timeout_s: float = 5.0, cluster_token: str | None = None) -> None:
         self.control_timeout_s = control_timeout_s
         self.metadata = token_metadata(cluster_token)
+        self._tls = worker_channel_credentials()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
     def channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            ch = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS) if self._tls is None else \
+                grpc.aio.secure_channel(addr, self._tls, options=_CHANNEL_OPTIONS)
             self._channels[addr] = ch
         return ch
 

@@ -32,6 +32,7 @@ class WorkerOptions:
     model_name: str | None = None
     enable_transfer: bool = True
     cluster_token: str | None = None  # worker.auth.load_cluster_token(); None = open development cluster
+    tls: object = None  # worker.auth.TlsFiles: serve (and call peers) over TLS
     prefill_peers: tuple[str, ...] = ()  # decode: pull only from these P addresses (empty: any that proves the token)
     max_pinned_fraction: float = 0.5  # prefill: pages pinned for transfers, at most this share of each pool
 
@@ -79,14 +80,19 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         log.warning("no cluster token (HYBRIDPD_CLUSTER_TOKEN / --cluster-token-file): this worker's RPCs are open "
                     "to anyone who can reach %s:%s", opts.host, opts.port)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)], interceptors=interceptors)
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    if opts.tls is not None:
+        from worker.auth import server_credentials
+
+        port = server.add_secure_port(f"{opts.host}:{opts.port}", server_credentials(opts.tls))  # type: ignore[arg-type]
+    else:
+        port = server.add_insecure_port(f"{opts.host}:{opts.port}")
     metrics_port = opts.metrics_port
     if metrics_port >= 0:
         srv, _ = start_http_server(metrics_port, addr=opts.host)
         metrics_port = srv.server_port
     ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
-                        metrics=WorkerMetrics(role), cluster_token=opts.cluster_token)
+                        metrics=WorkerMetrics(role), cluster_token=opts.cluster_token, tls=opts.tls)
     if opts.enable_transfer and opts.role != "colocated":
         from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics

@@ -30,6 +30,8 @@ class WorkerContext:
     cluster_token: str | None = None
     """Shared secret of the cluster (worker.auth): required on this worker's RPCs, sent on its calls to peers,
     and the key of the membership proof in GetTransferMetadata. None: an open development cluster."""
+    tls: Any = None
+    """worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
 
     @property
     def core(self):  # type: ignore[no-untyped-def]

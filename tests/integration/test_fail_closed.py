@@ -4,7 +4,8 @@
   and answers (and caches) the right tokens;
 - cache poisoning: Generate(prompt A, params of prompt B), with B's digest and with a digest forged to match A ->
   refused before the pull, or pulled and refused by P's Commit; A's later requests are right;
-- the cluster token: without it every worker RPC (Prefill, Release, Generate, Abort, Stats) is UNAUTHENTICATED,
+- the cluster token over mutual TLS: plaintext fails; without the token every worker RPC (Prefill, Release, Generate,
+  Abort, Stats) is UNAUTHENTICATED;
   with it the proxy serves requests end to end.
 Every refusal is counted in hybridpd_kv_transfer_failures_total."""
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -118,12 +122,32 @@ def test_stale_lease_and_forged_params_never_give_wrong_tokens(checkpoint_dir): 
         c.stop()
 
 
-def test_worker_rpcs_require_the_cluster_token(checkpoint_dir):  # type: ignore[no-untyped-def]
-    c = start_cluster(checkpoint_dir(MODEL), cluster_token="s3cret-token")
+def _make_certs(d: Path) -> dict[str, str]:
+    """A CA and one certificate for 127.0.0.1 (server and client use), by the openssl command."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=hybridpd-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "node.pem", "-days", "1", "-extfile", "ext.cnf")
+    return {"HYBRIDPD_TLS_CERT_FILE": str(d / "node.pem"), "HYBRIDPD_TLS_KEY_FILE": str(d / "node.key"),
+            "HYBRIDPD_TLS_CA_FILE": str(d / "ca.pem")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make test certificates")
+def test_worker_rpcs_require_the_cluster_token_over_mutual_tls(checkpoint_dir, tmp_path):  # type: ignore[no-untyped-def]
+    c = start_cluster(checkpoint_dir(MODEL), cluster_token="s3cret-token", tls_env=_make_certs(tmp_path))
     try:
         p_addr, d_addr = c.prefill[0].info["address"], c.decode[0].info["address"]
         prompt = random_prompts([40], vocab=256, seed=22)[0]
-        with grpc.insecure_channel(p_addr) as pch, grpc.insecure_channel(d_addr) as dch:
+        with grpc.insecure_channel(p_addr) as plain:  # plaintext gets nowhere
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.PrefillServiceStub(plain).Stats(pb.StatsRequest(), timeout=10, metadata=c.grpc_metadata)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with c.channel(p_addr) as pch, c.channel(d_addr) as dch:
             p, d = pb_grpc.PrefillServiceStub(pch), pb_grpc.DecodeServiceStub(dch)
             calls = [
                 lambda md: p.Prefill(pb.PrefillRequest(request_id="x", prompt_token_ids=prompt, sampling_params=_sp()),
