@@ -72,6 +72,11 @@ class Consumer:
         self.num_recomputed = 0
         self.num_refused: dict[str, int] = {}
 
+    def num_pulling(self) -> int:
+        """Pulls whose READ is still in flight (they need polling; committing ones wait for P's answer, which
+        wakes the step loop by itself)."""
+        return sum(not p.committing for p in self.pending.values())
+
     def _refuse(self, core: EngineCore, req: Request, reason: str, detail: str) -> str:
         self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
         if self.metrics is not None:

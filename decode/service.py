@@ -46,7 +46,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         ctx.aengine.hooks.append(self._hook)
         # while a pull is in flight and nothing else runs, poll it every 100 us rather than every 5 ms: an idle
         # decode worker then sees the KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer)
-        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.pending else 0.005
+        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.num_pulling() else 0.005
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
