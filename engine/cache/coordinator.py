@@ -237,11 +237,14 @@ class HybridCacheManager:
         """Checkpoint slots for the chunk (start, end]: [(num_tokens, slot)], written by the runner this step."""
         if self.recurrent is None or not self.enable_prefix_caching:
             return []
-        self.update_hashes(req)
         if self.policy.admission == "interval":
+            self.update_hashes(req)
             return self.recurrent.plan_checkpoints(req.request_id, req.block_hashes, start, end)
-        due: list[int] = []
         targets = self._targets.get(req.request_id)
+        if end % self.block_size and not self.policy.interval and (not targets or targets[0] > end):
+            return []  # most decode steps: no boundary here
+        self.update_hashes(req)
+        due: list[int] = []
         while targets and targets[0] <= end:
             b = targets.pop(0)
             if b > start:
