@@ -52,10 +52,11 @@ class EvictionQueue:
     """Min-heap of (priority, release order, page) with lazy deletion: `discard` forgets a page in O(1); stale heap
     entries are skipped when they reach the top."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: itertools.count | None = None) -> None:
         self._heap: list[tuple[float, int, int]] = []
         self._live: dict[int, int] = {}  # page -> release order of its current entry
-        self._order = itertools.count()
+        self._order = order if order is not None else itertools.count()
+        """Release counter; queues that share one compare their ties across pools in release order."""
 
     def __len__(self) -> int:
         return len(self._live)

@@ -10,7 +10,9 @@ Consistency between blocks and states ("value" policy):
 - only *leaf* blocks (no cached child) are evictable, so a cached chain never has a hole;
 - evicting a block also evicts the unreferenced checkpoint named by it (a state whose chain is gone is useless);
 - a leaf block with no checkpoint at its end is a dead end (no hit can stop there) and is valued 0, so it goes
-  first; when a checkpoint is evicted, the block it ended on is re-queued as such.
+  first; when a checkpoint is evicted, the block it ended on is re-queued as such;
+- everything else is ordered by eviction.py: recency + compute saved per byte; a checkpoint that a deeper one of
+  the same request supersedes on an unbranched path is `demote`d to recency only.
 Hash-only bookkeeping (parent, children, tokens) lives here; the pools keep their ids, refs and hash maps.
 
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
@@ -21,6 +23,8 @@ Ownership: the coordinator owns one Reclaimer and calls `make_room` before every
 """
 
 from __future__ import annotations
+
+import itertools
 
 from engine.cache.block_pool import BlockPool
 from engine.cache.eviction import EvictionQueue, ValueModel
@@ -41,11 +45,12 @@ class Reclaimer:
         self.pools = [p for p in (attention, state) if p is not None]
         self.budget_bytes = budget_bytes
         self.policy = policy
-        self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue() for p in self.pools}
+        order = itertools.count()  # one release order for both pools: ties compare across them
+        self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue(order) for p in self.pools}
         ref_bytes = state.page_bytes if state is not None else attention.page_bytes  # type: ignore[union-attr]
         self.values = ValueModel(ref_bytes, alpha)
         self.clock = 0.0
-        """Recency: bytes evicted so far / budget_bytes (1.0 = the cache turned over once)."""
+        """Recency (GreedyDual): the priority of the last page evicted; pages released now are queued above it."""
         self.parent: dict[bytes, bytes] = {}
         self.children: dict[bytes, int] = {}
         self.tokens: dict[bytes, int] = {}
