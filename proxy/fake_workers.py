@@ -5,7 +5,8 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
     FakePrefillWorker: returns TransferParams for N-1 computed tokens; its "prefix hit" is the longest prefix,
                        in whole 4-token blocks, shared with any earlier prompt of the same cache_salt.
     FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk,
-                       `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1); finishes "length" at
+                       `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
+                       then ids +1, +2, ... each 1.0 less likely); finishes "length" at
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string).
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
@@ -155,8 +156,13 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         external = request.params.num_computed_tokens if request.HasField("params") else 0
 
         def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
+            lp = -0.1 * (step % 5 + 1)
+            # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
+            top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
+                                  logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
             return pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
-                                    logprobs=[-0.1 * (step % 5 + 1)] if sp.logprobs and tokens else [],
+                                    logprobs=[lp] if sp.logprobs and tokens else [],
+                                    top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
                                     num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=external,
                                     num_external_cached_tokens=external)
 

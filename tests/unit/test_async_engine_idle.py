@@ -14,6 +14,9 @@ from engine.async_engine import AsyncEngine
 class IdleCore:
     """Stands in for an EngineCore with nothing to run."""
 
+    def __init__(self) -> None:
+        self.finish_listeners: list = []
+
     def has_unfinished(self) -> bool:
         return False
 

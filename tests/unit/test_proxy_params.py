@@ -86,3 +86,15 @@ def test_text_offsets_skip_special_tokens(stack: LiveStack) -> None:
     choice = r.json()["choices"][0]
     assert choice["logprobs"]["tokens"] == ["<|endoftext|>", "@"]
     assert choice["logprobs"]["text_offset"] == [0, 0]
+
+
+def test_top_logprobs_from_the_worker(stack: LiveStack) -> None:
+    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2, "logprobs": 3})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["b", "a"]
+    assert lp["top_logprobs"][0] == {"b": pytest.approx(-0.1), "c": pytest.approx(-1.1), "d": pytest.approx(-2.1)}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True,
+            "top_logprobs": 2}
+    content = stack.http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    alts = content[0]["top_logprobs"]
+    assert [a["logprob"] for a in alts] == pytest.approx([-0.1, -1.1]) and alts[0]["token"] == content[0]["token"]
