@@ -14,8 +14,8 @@ Cleanup RPCs run in the background (`WorkerClients.abort_later/release_later`): 
 
 Deadlines: the request has `config.request_timeout_s` from arrival; Prefill gets what is left (capped by
 `prefill_timeout_s`), Generate the rest. Expiry is a 504 (`errors.timeout_error`). A prefill worker that answers
-RESOURCE_EXHAUSTED (too many pinned leases) is skipped and the next one tried; when all refuse, the request is
-shed with 503 and `Retry-After`.
+RESOURCE_EXHAUSTED (too many pinned leases) or UNAVAILABLE (down) is skipped and the next one tried; when all are at
+capacity, the request is shed with 503 and `Retry-After` (all down: 503 worker_unavailable).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import SamplingOptions
 from proxy.routing import Router
 from proxy.workers import WorkerClients
+
+# Prefill answers after which another prefill worker is tried: at its lease cap, or down (the request holds nothing
+# on a worker that is unreachable or died, and a new worker gets a fresh request under the same id).
+_RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
 @dataclass(frozen=True)
@@ -198,13 +202,16 @@ class Generation:
                 resp = await self.cluster.clients.prefill_call(addr, req, timeout)
                 break
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
                 refused.add(addr)
-                if len(refused) == len(router.addrs):
-                    raise self._fail(ApiError(
-                        503, f"every prefill worker is at capacity ({err.details()}); retry later",
-                        code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
+                if len(refused) < len(router.addrs):
+                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise self._fail(from_rpc_error(err, "prefill", addr)) from None
+                raise self._fail(ApiError(
+                    503, f"every prefill worker is at capacity ({err.details()}); retry later",
+                    code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
             finally:
                 router.release(addr)
         self.cluster.metrics.prefill_rpc.observe(time.perf_counter() - t0)

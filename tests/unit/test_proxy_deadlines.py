@@ -69,6 +69,13 @@ def test_resource_exhausted_retries_another_prefill_then_sheds() -> None:
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
 
 
+def test_unreachable_prefill_worker_is_skipped_for_a_live_one() -> None:
+    with LiveStack(n_prefill=1, prefill_addrs_extra=["127.0.0.1:1"]) as s:
+        for _ in range(3):  # round robin puts the dead worker first for some of these
+            assert s.http.post("/v1/completions", json=LONG).status_code == 200
+        assert len(s.prefill[0].prefills) == 3
+
+
 def test_health_is_cached_fast_and_details_need_the_key() -> None:
     with LiveStack(api_key="k", health_interval_s=0.2) as s:
         s.prefill[0].health_delay_s = 3.0  # a stalled worker
