@@ -4,6 +4,8 @@
     from proxy.app import create_app      # FastAPI app, e.g. for tests
     from proxy.server import run          # blocking: serves the app with uvicorn
 
-Request path: `app` (endpoints) -> `openai_schema` (validation) -> `tokenize` -> `generation` (routing, P.Prefill,
-D.Generate over `workers`) -> `responses` (OpenAI JSON / SSE), with `metrics` recording latencies.
+Request path: `app` (endpoints) -> `openai_schema` (validation) -> `tokenization` (in a worker thread) ->
+`choices` (one `generation` per prompt x sample: routing, P.Prefill, D.Generate over `workers`, with deadlines and
+the cluster token from `credentials`) -> `responses` (OpenAI JSON / SSE), with `metrics` recording latencies.
+`cluster_view` answers `/health` from a background cache and `/v1/cluster` live.
 """
