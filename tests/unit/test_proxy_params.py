@@ -98,3 +98,19 @@ def test_top_logprobs_from_the_worker(stack: LiveStack) -> None:
     content = stack.http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
     alts = content[0]["top_logprobs"]
     assert [a["logprob"] for a in alts] == pytest.approx([-0.1, -1.1]) and alts[0]["token"] == content[0]["token"]
+
+
+def test_one_failing_choice_ends_the_stream_and_aborts_the_others() -> None:
+    import grpc
+
+    from proxy.fake_workers import Failure
+    from tests.polling import wait_for
+
+    with LiveStack(n_decode=2, token_delay_s=0.05) as s:
+        s.decode[1].failure = Failure(grpc.StatusCode.INTERNAL, "decode exploded", after_tokens=2)
+        body = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True, "n": 2, "stream": True}
+        r = s.http.post("/v1/completions", json=body)
+        blocks = [b for b in r.text.split("\n\n") if b]
+        assert blocks[-1] == "data: [DONE]" and "decode exploded" in blocks[-2]
+        wait_for("the healthy choice aborted", lambda: len(s.decode[0].aborts) == 1, timeout=5, interval=0.05)
+        assert s.http.get("/v1/cluster").json()["workers"][1]["in_flight"] == 0
