@@ -31,6 +31,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # a restarted worker is back on the same port within seconds: reconnect within about a second of that, not
+    # after gRPC's default backoff (up to 120 s, during which every call fails at once with UNAVAILABLE)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
