@@ -2,10 +2,12 @@
 
 bf16 rounding makes the two implementations differ unless they round at the same places, so this pins the
 engine's dtype casts to transformers' (uncached, eager) ones: the first 8 greedy tokens of each prompt identical
-and chosen-token logprobs within 2e-2, with prompts cut into prefill chunks and decoded step by step. Where the
+and chosen-token logprobs within 5e-2, with prompts cut into prefill chunks and decoded step by step. Where the
 casts match, a whole prompt prefilled in one chunk is bit-identical to transformers; what remains comes from fp32
 sums taken in another order (chunk boundaries, the recurrent decode form) that now and then round to a different
-bf16 value, and one such flip moves a logprob of these deliberately sensitive random models by up to ~0.04."""
+bf16 value, and one such flip moves a logprob of these deliberately sensitive random models by up to ~0.04.
+(The bound was 2e-2 until 2026-11-23: with torch 2.13 on CPU the 300-token Qwen prompt differs by 0.0282 at the
+session-start commit too, i.e. one such flip; tokens stay identical.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tests.oracle import hf_greedy, random_prompts
 
 LENGTHS = [1, 33, 129, 300]
 NEW_TOKENS = 8
-TOLERANCE = 2e-2
+TOLERANCE = 5e-2
 PATTERNS = ["nemotron_attn_mid", "nemotron_attn_last", "qwen_attn_last", "qwen_attn_first"]
 
 
