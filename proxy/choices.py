@@ -1,6 +1,7 @@
 """Several `Generation`s answered as one response: a list of prompts, `n` samples each (choice index =
-prompt_index * n + sample_index). One worker request per choice; the 2nd..nth samples of a prompt find its blocks
-in the prefill worker's prefix cache, so in PD the prompt is computed once.
+prompt_index * n + sample_index). One worker request per choice. The 2nd..nth samples of a prompt start once the
+first has its first token, so they find the prompt's blocks in the prefix cache (P's in PD, D's when colocated) and
+the prompt is computed once.
 
 Lifecycle (like `Generation`'s): `start()` -> first delta of every choice (fails as a whole: the others are
 cancelled), `rest()` -> (index, delta) in arrival order, `close()` always.
@@ -31,16 +32,34 @@ async def gather_or_cancel(aws: Sequence[Awaitable[T]]) -> list[T]:
 class Choices:
     def __init__(self, gens: Sequence[Generation]) -> None:
         self.gens = list(gens)
+        self._leader: list[int] = []  # per choice: the index of its prompt's first sample
+        for i, g in enumerate(self.gens):
+            self._leader.append(i if g.req.counts_prompt or i == 0 else self._leader[i - 1])
+        self._started = [asyncio.Event() for _ in self.gens]
 
     @property
     def usages(self) -> list[Usage]:
         return [g.usage for g in self.gens]
 
+    async def _start(self, i: int) -> Delta:
+        leader = self._leader[i]
+        if leader != i:
+            await self._started[leader].wait()
+        try:
+            return await self.gens[i].start()
+        finally:
+            self._started[i].set()
+
+    async def _collect(self, i: int) -> list[Delta]:
+        deltas = [await self._start(i)]
+        deltas.extend([d async for d in self.gens[i].rest()])
+        return deltas
+
     async def start(self) -> list[Delta]:
-        return await gather_or_cancel([g.start() for g in self.gens])
+        return await gather_or_cancel([self._start(i) for i in range(len(self.gens))])
 
     async def collect(self) -> list[list[Delta]]:
-        return await gather_or_cancel([g.collect() for g in self.gens])
+        return await gather_or_cancel([self._collect(i) for i in range(len(self.gens))])
 
     async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
         if len(self.gens) == 1:

@@ -114,3 +114,30 @@ def test_one_failing_choice_ends_the_stream_and_aborts_the_others() -> None:
         assert blocks[-1] == "data: [DONE]" and "decode exploded" in blocks[-2]
         wait_for("the healthy choice aborted", lambda: len(s.decode[0].aborts) == 1, timeout=5, interval=0.05)
         assert s.http.get("/v1/cluster").json()["workers"][1]["in_flight"] == 0
+
+
+def test_later_samples_of_a_prompt_start_after_the_first_has_its_first_token() -> None:
+    """So they find the prompt in the prefix cache instead of computing it n times."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from proxy.choices import Choices
+    from proxy.generation import Delta
+
+    events: list[str] = []
+
+    class Stub:
+        def __init__(self, name: str, leader: bool) -> None:
+            self.name, self.req = name, SimpleNamespace(counts_prompt=leader)
+
+        async def start(self) -> Delta:
+            events.append(f"start {self.name}")
+            await asyncio.sleep(0.05)
+            events.append(f"first token {self.name}")
+            return Delta((1,), "x", (), "length")
+
+    gens = [Stub("a0", True), Stub("a1", False), Stub("b0", True), Stub("b1", False)]
+    asyncio.run(Choices(gens).start())  # type: ignore[arg-type]
+    assert events.index("start a1") > events.index("first token a0")
+    assert events.index("start b1") > events.index("first token b0")
+    assert events.index("start b0") < events.index("first token a0")  # different prompts run concurrently
