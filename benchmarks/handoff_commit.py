@@ -46,7 +46,9 @@ def main() -> int:
     from tests.oracle import random_prompts
 
     model = args.model or str(write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0))
-    c = start_cluster(model, worker_args=["--device", args.device, "--dtype", args.dtype, "--max-model-len", "8192"])
+    # two workers may share one GPU: each gets a fixed cache budget rather than a share of the GPU
+    c = start_cluster(model, worker_args=["--device", args.device, "--dtype", args.dtype, "--max-model-len", "8192",
+                                          "--kv-cache-memory-bytes", str(2 << 30)])
     rows = []
     try:
         p_addr, d_addr = c.prefill[0].info["address"], c.decode[0].info["address"]
