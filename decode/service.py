@@ -43,10 +43,10 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._metrics_at = 0.0
-        ctx.aengine.hooks.append(self._hook)
-        # while a pull is in flight and nothing else runs, poll it every 100 us rather than every 5 ms: an idle
-        # decode worker then sees the KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer)
-        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.num_pulling() else 0.005
+        # while a pull is in flight and nothing else runs, poll it every 100 us: an idle decode worker then sees the
+        # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); with nothing in flight it sleeps until called
+        ctx.aengine.add_hook(self._hook, needs_poll=lambda: self.consumer.num_pulling() > 0)
+        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.num_pulling() else None
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)

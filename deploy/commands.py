@@ -51,7 +51,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
                          model_name=args.model_name, cluster_token=token, tls=tls,
-                         prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction)
+                         prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction,
+                         nixl_progress_thread=args.nixl_progress_thread)
     return run_worker(cfg, opts)
 
 
@@ -170,6 +171,9 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-pinned-fraction", type=float, default=0.5,
                    help="prefill: share of each cache pool that leased, not yet pulled pages may pin; beyond it "
                         "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
+    p.add_argument("--nixl-progress-thread", action="store_true",
+                   help="run NIXL's progress thread (it busy-polls a core even when idle; default: off, the worker's "
+                        "step loop progresses transfers while leases or pulls are in flight)")
     p.add_argument("--tls-cert-file", default=None,
                    help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
                         "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")

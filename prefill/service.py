@@ -42,7 +42,11 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         thread only. Admission keeps pinned + reserved pages of each group within max_pinned_fraction of it."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         ctx.aengine.on_finished.append(self._on_finished)
-        ctx.aengine.hooks.append(self._hook)
+        # Idle with no lease held: the step thread sleeps until called (no polling, ~0 CPU). While leases are held,
+        # the hook reaps expired ones and, without NIXL's progress thread, progresses the agent every 0.5 ms so
+        # that D's READs (UCX over TCP needs the target to progress) and release notices are served.
+        ctx.aengine.add_hook(self._hook, needs_poll=lambda: len(self.leases) > 0)
+        ctx.aengine.idle_wait = lambda: 5e-4 if len(self.leases) else None
 
     # -- step thread -----------------------------------------------------------------------------------------------
     def _free(self, request_id: str) -> None:

@@ -35,6 +35,7 @@ class WorkerOptions:
     tls: object = None  # worker.auth.TlsFiles: serve (and call peers) over TLS
     prefill_peers: tuple[str, ...] = ()  # decode: pull only from these P addresses (empty: any that proves the token)
     max_pinned_fraction: float = 0.5  # prefill: pages pinned for transfers, at most this share of each pool
+    nixl_progress_thread: bool = False  # NIXL's own progress thread (busy-polls a core); off: the step loop polls
 
 
 def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
@@ -101,11 +102,13 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
             # UCX's TCP transport listens on every interface by default: keep it where the worker was told to be
             os.environ["UCX_NET_DEVICES"] = "lo"
         layout = build_layout(core, model_name)
-        # P keeps NIXL's progress thread (it serves READs and takes release notices whatever its engine does). D on
-        # GPUs runs without one: its READs are moved by the copy engine (cuda_ipc) or the NIC, D's step loop polls
-        # them, and the thread's contention for the UCX worker made each pull 2-3x slower on an H200
-        # (docs/BENCHMARKS.md). D on CPU keeps it (UCX over TCP needs the receiver to progress).
-        config = AgentConfig(progress_thread=role == "prefill" or layout.device_type == "cpu")
+        # No NIXL progress thread by default: it busy-polls a core per worker even when idle (28-35 % of a core per
+        # worker on the loaded dev box). The step loops progress the agents instead, only while work is in flight:
+        # D polls its pulls every 100 us, P polls (serving READs over TCP, taking notices) every 0.5 ms while it
+        # holds leases. On GPUs the thread also slowed D's pulls 2-3x on an H200 (docs/BENCHMARKS.md). Trade-off:
+        # over UCX/TCP (CPU, no RDMA) a busy P serves READs only between its steps; --nixl-progress-thread restores
+        # the thread for that case.
+        config = AgentConfig(progress_thread=opts.nixl_progress_thread)
         ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=config,
                                   metrics=TransferMetrics(role))
     if role == "prefill":

@@ -79,6 +79,11 @@ def _listening_addresses(pid: int) -> list[str]:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def _failures(c: Cluster, role: str, reason: str) -> float:
     w = c.prefill[0] if role == "prefill" else c.decode[0]
     return c.metric(w, "hybridpd_kv_transfer_failures_total", role=role, reason=reason)
@@ -168,6 +173,13 @@ def test_worker_rpcs_require_the_cluster_token_over_mutual_tls(checkpoint_dir, t
                                                          "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert c.worker_stats(c.decode[0]).role == "decode"
+        # idle workers cost (almost) nothing: no NIXL progress thread, step loops asleep until called (issue 16: < 2 %)
+        time.sleep(1.0)
+        before = {w.proc.pid: _cpu_seconds(w.proc.pid) for w in c.prefill + c.decode}
+        t0 = time.monotonic()
+        time.sleep(5.0)
+        busy = {pid: (_cpu_seconds(pid) - s0) / (time.monotonic() - t0) for pid, s0 in before.items()}
+        assert all(share < 0.02 for share in busy.values()), busy
         # bound where told: every listener of the workers (gRPC, metrics, UCX after a transfer) is on loopback
         for w in c.prefill + c.decode:
             addrs = _listening_addresses(w.proc.pid)
