@@ -142,6 +142,10 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
     p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
                    help="how the proxy picks workers")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients use in requests and /v1/models (none: the checkpoint directory's name)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take end to end; every worker call gets the time left")
     _secret_args(p)
     p.add_argument("--prometheus-targets", default=None, metavar="PATH",
                    help="Prometheus file_sd file listing the proxy and the workers' metrics ports, written once they "
