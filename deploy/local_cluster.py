@@ -52,6 +52,14 @@ class Cluster:
 
         return token_metadata(self.cluster_token)
 
+    def restart_proxy(self, timeout: float = 120.0) -> float:
+        """Start the proxy again (same port and flags) after it died; the seconds until it was healthy."""
+        cmd, env, log_path = self.extra["proxy_cmd"], self.extra["proxy_env"], self.extra["proxy_log"]
+        t0 = time.time()
+        self.proxy = subprocess.Popen(cmd, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, env=env)
+        _wait_healthy(self.url, self.proxy, timeout)
+        return time.time() - t0
+
     def worker_stats(self, w: WorkerProcess) -> pb.StatsResponse:
         with self.channel(w.info["address"]) as ch:
             stub = pb_grpc.PrefillServiceStub(ch) if w.info["role"] == "prefill" else pb_grpc.DecodeServiceStub(ch)
@@ -115,24 +123,30 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
         cmd += ["--prefill", *[w.info["address"] for w in prefill]]
     log_path = os.path.join(tempfile.gettempdir(), f"hybridpd-proxy-{port}.log")
     log = open(log_path, "w")
-    proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    proxy_env = {**os.environ, **env}
+    proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=proxy_env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline and proxy.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
+    if not _wait_healthy(url, proxy, 180):
         proxy.kill()
         for w in prefill + decode:
             w.stop()
         with open(log_path) as f:
             tail = f.read()[-3000:]
         raise RuntimeError(f"proxy did not become healthy; its log ({log_path}):\n{tail}")
-    return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token, tls_env=dict(tls_env or {}))
+    return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token, tls_env=dict(tls_env or {}),
+                   extra={"proxy_cmd": cmd, "proxy_env": proxy_env, "proxy_log": log_path})
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
 
 
 def complete(c: Cluster, prompt: list[int] | str, max_tokens: int = 16, **extra) -> dict:  # type: ignore[no-untyped-def]

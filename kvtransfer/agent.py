@@ -15,6 +15,8 @@ Ownership and threads:
 from __future__ import annotations
 
 import logging
+import os
+import random
 import threading
 import uuid
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from .metrics import TransferMetrics
 from .notify import ReleaseNotice, decode_release
 
 logger = logging.getLogger(__name__)
+_DROP_NOTICE_RATE = float(os.environ.get("HYBRIDPD_FAULT_DROP_NOTICE_RATE", "0") or 0)
+"""Fault injection (tests only): the share of notifications `send_notif` drops. 0 in production."""
 
 DescriptorMode = Literal["prepped", "per_transfer"]
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
@@ -290,7 +294,12 @@ class TransferAgent:
                 return False
 
     def send_notif(self, peer: PeerHandle, msg: bytes) -> bool:
-        """Best-effort standalone notification; False if NIXL refused (peer gone)."""
+        """Best-effort standalone notification; False if NIXL refused (peer gone). Fault injection for tests:
+        env HYBRIDPD_FAULT_DROP_NOTICE_RATE=p drops each notification with probability p (as a lossy network
+        would); correctness must not depend on any notification arriving."""
+        if _DROP_NOTICE_RATE and random.random() < _DROP_NOTICE_RATE:
+            logger.warning("fault injection: dropped a notification to %s", peer.worker)
+            return True
         with self._lock:
             try:
                 self._nixl.send_notif(peer.agent_name, msg)

@@ -2,8 +2,9 @@
 CPU) while a driver injects faults. The bar: **no HTTP 200 with wrong tokens**, no leaked blocks once idle.
 
 Faults: SIGSTOP of the decode worker past P's lease (the issue-12 freeze) and of the prefill worker, SIGKILL of the
-prefill worker (restarted by its supervisor with a new epoch), and hostile calls straight to the workers: forged
-params (another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token.
+prefill worker (restarted by its supervisor with a new epoch) and of the proxy (started again), half of D's NIXL
+notifications dropped (HYBRIDPD_FAULT_DROP_NOTICE_RATE), and hostile calls straight to the workers: forged params
+(another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token or none.
 
 Prints one JSON line of figures (requests, faults, wrong 200s, errors, leaked pages, recovery) and writes it to
 $HYBRIDPD_CHAOS_REPORT when set. Sized to run in about a minute on 2 cores (20 s of load);
@@ -63,7 +64,7 @@ class Load:
                     r = http.post(f"{self.c.url}/v1/completions", json=body)
                     status, toks = r.status_code, (r.json()["choices"][0].get("token_ids") if r.status_code == 200
                                                    else None)
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):  # connection lost (proxy killed), or a body cut short
                     status, toks = -1, None
                 with self.lock:
                     self.sent += 1
@@ -95,6 +96,13 @@ class Faults:
         time.sleep(seconds)
         os.kill(w.proc.pid, signal.SIGCONT)
         self._count(f"sigstop_{role}")
+
+    def kill_proxy(self) -> None:
+        """SIGKILL the proxy mid-load (its in-flight requests die with it) and start it again."""
+        self.c.proxy.kill()
+        self.c.proxy.wait()
+        self.recovery_s.append(self.c.restart_proxy())
+        self._count("sigkill_proxy")
 
     def kill_prefill(self) -> None:
         p = self.c.prefill[0]
@@ -142,15 +150,18 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
     expected = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         max_tokens=NEW, temperature=0, ignore_eos=True))]
     del llm
+    # D's NIXL notifications (release notices of failed pulls) are dropped at random, as a lossy network would
     c = start_cluster(model, worker_args=["--checkpoint-interval", "32", "--lease-seconds", str(LEASE_S),
-                                          "--pull-timeout", "2"], cluster_token="chaos-token")
+                                          "--pull-timeout", "2"], cluster_token="chaos-token",
+                      decode_env={"HYBRIDPD_FAULT_DROP_NOTICE_RATE": "0.5"})
     load, faults = Load(c, prompts, expected), Faults(c, prompts)
     rng = random.Random(7)
     try:
         with ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(load.client, s) for s in range(3)]
             t_end = time.monotonic() + DURATION_S
-            plan = ["freeze_decode", "hostile", "freeze_prefill", "kill_prefill", "hostile", "freeze_decode"]
+            plan = ["freeze_decode", "hostile", "kill_proxy", "freeze_prefill", "kill_prefill", "hostile",
+                    "freeze_decode"]
             i = 0
             while time.monotonic() < t_end:
                 time.sleep(rng.uniform(0.5, 2.0))
@@ -162,6 +173,8 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
                     faults.freeze("prefill", 1.5)
                 elif what == "kill_prefill":
                     faults.kill_prefill()
+                elif what == "kill_proxy":
+                    faults.kill_proxy()
                 else:
                     faults.hostile(rng)
             time.sleep(2.0)
@@ -182,7 +195,7 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
         report = {"requests": load.sent, "ok": load.ok, "wrong_200": load.wrong, "errors": load.errors,
                   "error_statuses": load.statuses,
                   "faults": faults.injected, "hostile_calls_accepted": faults.hostile_accepted,
-                  "leaked_pages_after_idle": leaked, "prefill_restart_s": [round(s, 1) for s in faults.recovery_s],
+                  "leaked_pages_after_idle": leaked, "restart_s": [round(s, 1) for s in faults.recovery_s],
                   "decode_refusals": refused}
         print(json.dumps(report))
         if os.environ.get("HYBRIDPD_CHAOS_REPORT"):
