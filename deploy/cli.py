@@ -80,13 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    cfg = engine_config_from_args(args)
-    llm = LLM(
-        model=cfg.model.path, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-    )
+    llm = LLM(config=engine_config_from_args(args))  # every engine flag, as `worker` and `serve` pass them
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop or ()))
     prompts = args.prompt or ["Hello, hybrid world"]

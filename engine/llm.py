@@ -31,7 +31,16 @@ class LLM:
         num_checkpoint_slots: int | None = None,
         zero_fresh_blocks: str = "auto",
         seed: int = 0,
+        config: EngineConfig | None = None,
     ) -> None:
+        """Either the keyword settings above, or a whole `config` (what the CLI builds from its flags); not both."""
+        if config is not None:
+            if model is not None and model != config.model.path:
+                raise InvalidRequestError("LLM(model=..., config=...): the model path is the config's")
+            self.config = config
+            self.engine = EngineCore(config)
+            self._ids = itertools.count()
+            return
         if model is None:
             from engine.default_model import default_model_path
 
