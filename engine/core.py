@@ -17,6 +17,7 @@ from engine.cache.coordinator import HybridCacheManager
 from engine.cache.planner import CapacityPlan, plan_capacity
 from engine.cache.specs import group_layers
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
@@ -221,9 +222,12 @@ class EngineCore:
             req.stop_reason = tok
             return "stop"
         if p.stop and self.tokenizer is not None:
+            before = len(req.detokenizer.text) if req.detokenizer is not None else 0
             text = self._decoded(req)
+            # only the new text and the few characters before it can complete a stop string not seen before
+            tail = text[max(0, before - max(len(s) for s in p.stop) + 1):]
             for s in p.stop:
-                if s in text:
+                if s in tail:
                     req.stop_reason = s
                     return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -231,11 +235,16 @@ class EngineCore:
         return None
 
     def _decoded(self, req: Request) -> str:
-        """The decoded output, memoised per token count (stop checks and streaming ask for it every step)."""
-        if req.decoded_upto != len(req.output_token_ids):
-            req.decoded_text = self.tokenizer.decode(req.output_token_ids)
-            req.decoded_upto = len(req.output_token_ids)
-        return req.decoded_text
+        """The output text so far, detokenized incrementally (O(new tokens) a step; engine/detokenizer.py); once
+        the request has finished, including what was held back as an incomplete character."""
+        detok = req.detokenizer
+        if detok is None:
+            detok = req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if req.is_finished:
+            detok.finish(req.output_token_ids)
+        else:
+            detok.update(req.output_token_ids)
+        return detok.text
 
     def output_text(self, req: Request) -> str:
         if self.tokenizer is None:

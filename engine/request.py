@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -41,9 +42,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    decoded_text: str = ""
-    decoded_upto: int = 0
-    """`decoded_text` is the detokenized output up to this many tokens (memo of EngineCore._decoded)."""
+    detokenizer: Any = None
+    """engine.detokenizer.IncrementalDetokenizer of the output, made on first use (EngineCore._decoded)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hash of every *full* block of all_token_ids (see engine.cache.hashing)."""
 
