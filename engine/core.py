@@ -33,7 +33,6 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 class StepStats:
     num_steps: int = 0
     num_scheduled_tokens: int = 0
-    num_zeroed_blocks: int = 0
 
 
 class EngineCore:
@@ -67,6 +66,16 @@ class EngineCore:
         self.vocab_size = int(self.model.vocab_size)
         self.tokenizer = self._load_tokenizer(mc.path)
         self.runner.sampler.bind(self.scheduler.requests.get, self.eos_token_ids)
+        policy = cc.cache_policy()
+        log.info(
+            "engine: model %s, %s on %s, block size %d, prefix caching %s, checkpoints %s%s, eviction %s, "
+            "zero fresh blocks %s, max %d seqs x %d batched tokens, max_model_len %d, %s path%s",
+            mc.path, mc.dtype, self.device, cc.block_size, "on" if cc.enable_prefix_caching else "off",
+            policy.admission, f" (interval {policy.interval})" if policy.interval else "", policy.eviction,
+            "on" if zero else "off", self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
+            self.max_model_len, "batched (fast)" if self.runner.fast_path else "reference",
+            "" if not self.runner.fast_path else (", CUDA graphs" if self.runner.graphs is not None else ", eager"),
+        )
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
         """Called (step thread) for every request `finish` ends; AsyncEngine delivers them to streams/callbacks."""

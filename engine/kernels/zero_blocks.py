@@ -6,8 +6,9 @@ Fresh attention blocks that nothing overwrites completely are therefore zeroed b
 
 Ownership and threading:
 - The model runner builds one `BlockZeroer` per attention group at start-up, right after it allocates that
-  group's per-layer KV tensors, and keeps it for the engine's life. The zeroer owns only its id buffers (a
-  pinned host buffer and a device buffer, grown on demand); it never allocates or frees cache memory.
+  group's stacked KV tensor ([blocks, layers, ...]), and keeps it for the engine's life. The zeroer owns only
+  its id buffers (a pinned host buffer and a device buffer, grown on demand); it never allocates or frees cache
+  memory.
 - Once per step, on the runner thread, before the step's forward, the runner calls `zero(ids)` with the block
   ids the scheduler drained from the attention manager that step (drained every step, DESIGN § Zeroing).
   The copy of the ids and the kernel are enqueued on the *current* CUDA stream, which must be the stream the

@@ -1,4 +1,5 @@
-"""What the runner hands a model for one forward step (built in one place: `engine.runner.inputs`).
+"""What the runner hands a model for one forward step (built in one place: `ModelRunner.build_batch` for the
+reference path, `engine/models/varlen.py: build_varlen` for the batched GPU path).
 
 Tokens of all scheduled sequences are flattened into one varlen batch:
 
@@ -56,10 +57,6 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    def state_indices(self) -> torch.Tensor:
-        """int64 [num_seqs] running state slot per sequence (PAD_SLOT_ID for padded rows)."""
-        return torch.tensor([s.state_slot for s in self.seqs], dtype=torch.int64)
 
 
 __all__ = ["ForwardBatch", "SeqInfo", "PAD_SLOT_ID"]

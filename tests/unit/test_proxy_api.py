@@ -1,4 +1,4 @@
-"""The proxy's OpenAI API against FAKE prefill/decode gRPC workers (proxy.fake_workers): happy paths, streaming,
+"""The proxy's OpenAI API against FAKE prefill/decode gRPC workers (tests.support.fake_workers): happy paths, streaming,
 usage, logprobs, the official `openai` client, auth, models/cluster/health/metrics.
 
 The fake decode worker answers with the prompt's token ids reversed, one per chunk; the fake tokenizer is
@@ -15,9 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[2]
@@ -231,7 +231,7 @@ def test_colocated_sends_no_params() -> None:
 
 
 def test_proxy_imports_neither_torch_nor_engine() -> None:
-    code = ("import sys, proxy.app, proxy.server, proxy.live_stack; "
+    code = ("import sys, proxy.app, proxy.server, tests.support.live_stack; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -1,4 +1,4 @@
-"""`deploy/bench_serve.py` against the proxy with FAKE workers (proxy.fake_workers): it runs, reports, writes
+"""`deploy/bench_serve.py` against the proxy with FAKE workers (tests.support.fake_workers): it runs, reports, writes
 JSON, and reads prefix-cache hit rates from usage and from worker counters."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from deploy import bench_serve
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 

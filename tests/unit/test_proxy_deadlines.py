@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from proxy.credentials import resolve_api_key, resolve_cluster_token
-from proxy.fake_workers import Failure
-from proxy.live_stack import LiveStack
+from tests.support.fake_workers import Failure
+from tests.support.live_stack import LiveStack
 
 LONG = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True}
 

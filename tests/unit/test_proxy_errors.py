@@ -1,5 +1,5 @@
 """Bad input gets the right 4xx with an OpenAI-style error body, never reaches a worker, and leaves the cluster
-serving. Runs against FAKE workers (proxy.fake_workers)."""
+serving. Runs against FAKE workers (tests.support.fake_workers)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 MAX_LEN = 32

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Worker failures and client disconnects, against FAKE workers (proxy.fake_workers): status codes and bodies,
+"""Worker failures and client disconnects, against FAKE workers (tests.support.fake_workers): status codes and bodies,
 no hangs, and the cleanup RPCs (D.Abort, P.Release) the proxy owes the workers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import grpc
 import httpx
 import pytest
 
-from proxy.fake_workers import Failure
-from proxy.live_stack import LiveStack
+from tests.support.fake_workers import Failure
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 LONG = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 500, "ignore_eos": True}

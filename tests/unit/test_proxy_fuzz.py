@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 EXAMPLES = int(os.environ.get("HYBRIDPD_FUZZ_EXAMPLES", "150"))

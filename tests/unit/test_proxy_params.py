@@ -1,4 +1,4 @@
-"""vLLM/OpenAI parameters through the proxy against FAKE workers (proxy.fake_workers: D answers the prompt's token
+"""vLLM/OpenAI parameters through the proxy against FAKE workers (tests/support/fake_workers.py: D answers the prompt's
 ids reversed; the fake tokenizer is byte-level): n, a list of prompts, echo, stream with several choices, sampling
 params on the wire, continuous usage stats."""
 
@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.fake_workers import write_fake_tokenizer
-from proxy.live_stack import LiveStack
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import write_fake_tokenizer
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 
@@ -103,8 +103,8 @@ def test_top_logprobs_from_the_worker(stack: LiveStack) -> None:
 def test_one_failing_choice_ends_the_stream_and_aborts_the_others() -> None:
     import grpc
 
-    from proxy.fake_workers import Failure
     from tests.polling import wait_for
+    from tests.support.fake_workers import Failure
 
     with LiveStack(n_decode=2, token_delay_s=0.05) as s:
         s.decode[1].failure = Failure(grpc.StatusCode.INTERNAL, "decode exploded", after_tokens=2)

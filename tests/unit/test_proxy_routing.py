@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.live_stack import LiveStack
 from proxy.routing import Router
+from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
 

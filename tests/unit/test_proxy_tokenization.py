@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import ApiError
-from proxy.fake_workers import write_fake_tokenizer
 from proxy.openai_schema import ChatMessage
 from proxy.tokenization import PromptTokenizer, render_fallback
+from tests.support.fake_workers import write_fake_tokenizer
 
 MSGS = (ChatMessage("system", "Be terse."), ChatMessage("user", "Hi"))
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"

@@ -1,5 +1,5 @@
-"""`LiveStack`: FAKE workers (`proxy.fake_workers`) plus the real proxy (uvicorn on a free port), on a background
-event loop, for synchronous tests and benchmark dry runs. Test support only; nothing here serves a model."""
+"""`LiveStack`: FAKE workers (`tests/support/fake_workers.py`) plus the real proxy (uvicorn on a free port), on a
+background event loop, for synchronous tests and benchmark dry runs. Test support only; nothing here serves a model."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import httpx
 import uvicorn
 
 from proxy.config import ProxyConfig
-from proxy.fake_workers import FakeDecodeWorker, FakePrefillWorker, serve_fake
 from proxy.tokenization import PromptTokenizer
+from tests.support.fake_workers import FakeDecodeWorker, FakePrefillWorker, serve_fake
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string).
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
-`proxy.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
+`tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
 """
 
 from __future__ import annotations
