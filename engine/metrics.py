@@ -27,6 +27,15 @@ class WorkerMetrics:
         self.zeroed = Counter("hybridpd_zeroed_blocks", "Fresh attention blocks zeroed", ["role"], registry=reg)
         self.running = Gauge("hybridpd_num_requests_running", "Requests running", ["role"], registry=reg)
         self.waiting = Gauge("hybridpd_num_requests_waiting", "Requests waiting", ["role"], registry=reg)
+        # the prefix cache's one budget (issue 15): what each kind holds, and what comes and goes
+        self.cache_bytes = Gauge("hybridpd_kv_cache_bytes", "Bytes a cache pool holds, by state (in_use: running "
+                                 "requests; cached: reusable prefix content)", ["role", "group", "state"],
+                                 registry=reg)
+        self.evictions = Counter("hybridpd_prefix_cache_evictions", "Cached pages evicted (blocks or states)", g,
+                                 registry=reg)
+        self.admitted = Counter("hybridpd_prefix_cache_checkpoints_admitted",
+                                "Recurrent-state checkpoints admitted to the prefix cache", ["role"], registry=reg)
+        self.admitted.labels(role)
         self._last: dict[tuple[str, str], int] = {}
 
     def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
@@ -48,5 +57,14 @@ class WorkerMetrics:
         for kind, u in cache.usage().items():
             self.usage.labels(self.role, kind).set(u)
         self._inc(self.zeroed, "z", "", core.runner.num_zeroed_blocks)
+        stats = cache.cache_stats()
+        for kind in (g.kind for g in cache.groups):
+            s = stats.get(kind)
+            if isinstance(s, dict):
+                self.evictions.labels(self.role, kind)  # exported at 0 from the start (dashboards show 0)
+                self.cache_bytes.labels(self.role, kind, "in_use").set(s["bytes_in_use"])
+                self.cache_bytes.labels(self.role, kind, "cached").set(s["bytes_cached"])
+                self._inc(self.evictions, "ev", kind, int(s["evictions"]))
+        self._inc(self.admitted, "adm", "", int(stats.get("checkpoints_admitted", 0)))  # type: ignore[call-overload]
         self.running.labels(self.role).set(len(core.scheduler.running))
         self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)
