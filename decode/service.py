@@ -42,7 +42,6 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._metrics_at = 0.0
         # while a pull is in flight and nothing else runs, poll it every 100 us: an idle decode worker then sees the
         # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); with nothing in flight it sleeps until called
         ctx.aengine.add_hook(self._hook, needs_poll=lambda: self.consumer.num_pulling() > 0)
@@ -50,9 +49,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
-        now = time.monotonic()
-        if self.ctx.metrics is not None and now - self._metrics_at >= 0.002:  # the hook may run every 100 us
-            self._metrics_at = now
+        if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
             self.ctx.metrics.update(core, extra_waiting=len(self.consumer.pending))
 
     def _channel(self, address: str) -> grpc.aio.Channel:

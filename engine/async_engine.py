@@ -146,13 +146,18 @@ class AsyncEngine:
         """Every request `EngineCore.finish` ended since the last call (step, engine call or hook alike): its last
         tokens and its end go to its stream, then to the finish callbacks (P's waiting Prefill RPCs)."""
         while self._finished:
-            req = self._finished.pop(0)
-            self.publish(req)
-            for cb in self.on_finished:
-                try:
-                    cb(req)
-                except Exception:  # noqa: BLE001 - a callback must not kill the step loop
-                    log.exception("on_finished callback failed for %s", req.request_id)
+            batch, self._finished = self._finished, []
+            for req in batch:
+                self._deliver(req)
+
+    def _deliver(self, req: Request) -> None:
+        """One ended request: its stream, then the finish callbacks."""
+        self.publish(req)
+        for cb in self.on_finished:
+            try:
+                cb(req)
+            except Exception:  # noqa: BLE001 - a callback must not kill the step loop
+                log.exception("on_finished callback failed for %s", req.request_id)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

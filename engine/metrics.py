@@ -5,13 +5,17 @@ prometheus_client. Labels: role = prefill | decode, group = the cache group kind
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from engine.core import EngineCore
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, min_interval_s: float = 0.0) -> None:
+        """`min_interval_s`: `update` does nothing when called again sooner (the workers' step hooks run every
+        0.1-0.5 ms while a transfer is in flight; a scrape every few seconds needs far less)."""
         from prometheus_client import REGISTRY
 
         reg = registry if registry is not None else REGISTRY
@@ -37,6 +41,8 @@ class WorkerMetrics:
                                 "Recurrent-state checkpoints admitted to the prefix cache", ["role"], registry=reg)
         self.admitted.labels(role)
         self._last: dict[tuple[str, str], int] = {}
+        self.min_interval_s = min_interval_s
+        self._updated_at = float("-inf")
 
     def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
         last = self._last.get((key, group), 0)
@@ -47,6 +53,10 @@ class WorkerMetrics:
 
     def update(self, core: EngineCore, extra_waiting: int = 0) -> None:
         """Step thread only."""
+        now = time.monotonic()
+        if now - self._updated_at < self.min_interval_s:
+            return
+        self._updated_at = now
         cache = core.cache
         for kind, c in cache.counters.items():
             self._inc(self.queries, "q", kind, c.queries)

@@ -30,6 +30,9 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0, max_pinned_fraction: float = 0.5) -> None:
         if not 0 < max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in (0, 1], got {max_pinned_fraction}")
+        if sum(not g.is_attention for g in ctx.core.groups) > 1:  # refused at start-up, not per request
+            raise ValueError("disaggregation supports one recurrent cache group (TransferParams carries one state "
+                             "slot); serve this model colocated")
         self.ctx = ctx
         self.tmetrics = TransferMetrics("prefill")
         # wall clock: lease expiry travels to D and the proxy as unix time
@@ -133,8 +136,6 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
             return
-        if len(exp.state_slots) > 1:
-            raise NotImplementedError("the transfer params carry one recurrent group")
         ckpt_tokens, ckpt_slot = exp.checkpoint or (0, 0)
         params = pb.TransferParams(
             worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address,

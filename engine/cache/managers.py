@@ -222,9 +222,7 @@ class RecurrentManager:
                 rc.on_state_cached(p.block_hash, p.num_tokens)
             if p.rolling:
                 self._replace_rolling(p.req_id, p.block_hash)
-        self.pool.free(p.slot for p in self.pending)
-        self.pool.free(self.step_refs)
-        self.pending, self.step_refs = [], []
+        self.drop_step_refs()  # the published ones stay cached: freeing only drops this step's references
 
     def drop_step_refs(self) -> None:
         """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores
