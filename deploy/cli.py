@@ -12,52 +12,10 @@ import os
 import sys
 from typing import Any
 
+from deploy.engine_flags import add_engine_args, engine_config_from_args
 from engine.errors import HybridPDError
 
 FAMILIES = ("nemotron_h", "qwen3_5")
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF-format checkpoint dir (default: the built-in tiny model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per attention KV block")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once per worker")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="cache budget in bytes (default: 256 MiB on CPU, from --gpu-memory-utilization on GPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of the GPU this worker may use (weights, activations and cache)")
-    p.add_argument("--checkpoint-interval", type=int, default=None,
-                   help="tokens between fallback recurrent-state checkpoints (default: chosen from the block size)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--zero-fresh-blocks", default="auto", choices=["auto", "on", "off"],
-                   help="zero newly allocated KV blocks before use (auto: on for models with recurrent layers)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the engine's sampler")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="GPU: no CUDA graphs for decode steps (sets HYBRIDPD_ENFORCE_EAGER=1 for this process and "
-                        "the workers it starts)")
-
-
-def engine_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.default_model import default_model_path
-
-    model = args.model or default_model_path()
-    return EngineConfig(
-        model=ModelConfig(path=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed),
-        cache=CacheConfig(
-            block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-            checkpoint_interval=args.checkpoint_interval, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization, zero_fresh_blocks=args.zero_fresh_blocks,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-    )
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
@@ -127,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("generate", help="offline generation with the colocated engine")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", action="append", help="prompt text (repeatable; default: one fixed prompt)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -139,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from deploy import commands
 
-    commands.add_serving_commands(sub, _engine_args)
+    commands.add_serving_commands(sub, add_engine_args)
     return parser
 
 

@@ -8,22 +8,8 @@ import socket
 import sys
 from collections.abc import Callable
 
+from deploy.engine_flags import engine_argv, engine_config_from_args
 from engine.errors import HybridPDError
-
-ENGINE_FLAGS = ("dtype", "device", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "kv_cache_memory_bytes", "gpu_memory_utilization", "checkpoint_interval", "zero_fresh_blocks", "seed")
-
-
-def engine_argv(args: argparse.Namespace, model: str) -> list[str]:
-    """The engine flags of `args` as a `hybridpd worker` command line."""
-    argv = ["--model", model]
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    return argv
 
 
 def _model_max_len(model: str, override: int | None) -> int:
@@ -36,7 +22,6 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from deploy.cli import engine_config_from_args
     from worker.auth import load_cluster_token, load_tls
     from worker.bootstrap import WorkerOptions, run_worker
 
@@ -102,9 +87,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     from deploy.ray_launcher import serve
-    from engine.default_model import default_model_path
 
-    model = args.model or default_model_path()
+    config = engine_config_from_args(args)
+    model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
         from engine.errors import ModelLoadError
 
@@ -112,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     args.api_key, token = resolve_secrets(args)
     if token:  # the proxy (ProxyConfig's default) and the workers read it from the environment
         os.environ["HYBRIDPD_CLUSTER_TOKEN"] = token
-    return serve(args, engine_argv(args, model), model, _model_max_len(model, args.max_model_len))
+    return serve(args, engine_argv(config), model, _model_max_len(model, args.max_model_len))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,39 +1,58 @@
 """Frozen config sections composed into one root. What is discovered at run time (block counts, addresses) lives in
-the capacity plan / layout objects, never written back here."""
+the capacity plan / layout objects, never written back here.
+
+Every field has a docstring (the string literal under it): it is the field's documentation and, through
+`field_docs`, the help text of the command-line flag that `deploy.engine_flags` generates for it. A field added
+here is a new flag of every command that runs an engine, and a new `LLM(...)` keyword."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import ast
+import functools
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-DTYPES = ("float32", "bfloat16", "float16")
+Admission = Literal["reuse", "interval"]
+Eviction = Literal["value", "lru"]
+ZeroMode = Literal["auto", "on", "off"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
-    dtype: str = "float32"
+    """HF-format checkpoint directory (config.json, weights, tokenizer). LLM() and the hybridpd commands default to
+    the built-in tiny model."""
+    dtype: Dtype = "float32"
+    """Weight and activation dtype."""
     device: str = "cpu"
+    """cpu | cuda | cuda:N."""
     max_model_len: int | None = None
-    """None: the checkpoint's max_position_embeddings."""
+    """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings."""
     seed: int = 0
+    """Random seed of the engine's sampler."""
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    """Tokens per attention KV block."""
     enable_prefix_caching: bool = True
-    checkpoint_admission: str | None = None
+    """Reuse the cached KV blocks and recurrent-state checkpoints of earlier prompts with the same prefix."""
+    checkpoint_admission: Admission | None = None
     """Where recurrent-state checkpoints are saved. "reuse": branch points, prompt ends, request ends (plus the
     interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens (pre-v2).
     None: "interval" when checkpoint_interval is set (configs written for v1 keep their meaning), else "reuse"."""
     checkpoint_interval: int | None = None
     """Tokens between (fallback) checkpoints; a multiple of block_size. None: off (0) for "reuse", the largest
     multiple of block_size not above 256 for "interval"."""
-    eviction: str = "value"
+    eviction: Eviction = "value"
     """"value": compute saved per byte with recency, blocks and states consistent. "lru": release order."""
     eviction_alpha: float = 1.0
     """Weight of compute saved per byte against recency ("value")."""
@@ -41,10 +60,11 @@ class CacheConfig:
     """State-slot ids for cached checkpoints. They share the one memory budget with attention blocks (nothing is
     reserved for them); this only caps how many may exist. None: 2 * max_num_seqs."""
     kv_cache_memory_bytes: int | None = None
-    """Explicit budget for all caches (required semantics on CPU; default 256 MiB there)."""
+    """Cache budget in bytes for all caches. None: 256 MiB on CPU, from gpu_memory_utilization on GPU."""
     gpu_memory_utilization: float = 0.9
-    zero_fresh_blocks: str = "auto"
-    """auto | on | off. auto: on for models with recurrent layers."""
+    """Share of the GPU this worker may use (weights, activations and cache)."""
+    zero_fresh_blocks: ZeroMode = "auto"
+    """Zero newly allocated KV blocks before use. auto: on for models with recurrent layers."""
 
     def resolved_admission(self) -> str:
         if self.checkpoint_admission is not None:
@@ -68,7 +88,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
+    """Most requests running at once per worker."""
     max_num_batched_tokens: int = 2048
+    """Token budget of one engine step."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,18 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_settings(cls, path: str, **settings: Any) -> EngineConfig:
+        """A config from flat keywords, each the name of a field of one section (`block_size=32`, `seed=1`).
+        An unknown name raises TypeError, as an unknown keyword argument does."""
+        parts: dict[str, Any] = {}
+        for name, section in config_sections().items():
+            own = {f.name: settings.pop(f.name) for f in fields(section) if f.name in settings}
+            parts[name] = section(path=path, **own) if section is ModelConfig else section(**own)
+        if settings:
+            raise TypeError(f"unknown engine settings: {', '.join(sorted(settings))}")
+        return cls(**parts)
 
     def validate(self) -> None:
         m, c, s = self.model, self.cache, self.scheduler
@@ -89,11 +123,30 @@ class EngineConfig:
         if ci < 0 or ci % c.block_size or (ci == 0 and c.resolved_admission() != "reuse"):
             raise InvalidRequestError(f"checkpoint_interval ({ci}) must be a positive multiple of block_size "
                                       f"({c.block_size}), or 0 (off) with checkpoint_admission='reuse'")
-        if c.resolved_admission() not in ("reuse", "interval") or c.eviction not in ("value", "lru"):
+        if c.resolved_admission() not in typing.get_args(Admission) or c.eviction not in typing.get_args(Eviction):
             raise InvalidRequestError("checkpoint_admission must be reuse|interval and eviction value|lru")
-        if c.zero_fresh_blocks not in ("auto", "on", "off"):
+        if c.zero_fresh_blocks not in typing.get_args(ZeroMode):
             raise InvalidRequestError(f"zero_fresh_blocks must be auto|on|off, got {c.zero_fresh_blocks!r}")
         if not (0.0 < c.gpu_memory_utilization <= 1.0):
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+def config_sections(root: type = EngineConfig) -> dict[str, type]:
+    """The root's sections by field name: {"model": ModelConfig, "cache": CacheConfig, ...}."""
+    hints = typing.get_type_hints(root)
+    return {f.name: hints[f.name] for f in fields(root)}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal right under it in the class body), whitespace folded. Fields
+    without one are absent."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, doc in zip(body, body[1:], strict=False):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            docs[stmt.target.id] = " ".join(doc.value.value.split())
+    return docs

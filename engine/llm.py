@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput
@@ -15,47 +16,24 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Colocated engine for offline batch generation (DESIGN.md contract)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        checkpoint_interval: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_checkpoint_slots: int | None = None,
-        zero_fresh_blocks: str = "auto",
-        seed: int = 0,
-        config: EngineConfig | None = None,
-    ) -> None:
-        """Either the keyword settings above, or a whole `config` (what the CLI builds from its flags); not both."""
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **settings: Any) -> None:
+        """Either keyword settings, each named like a field of engine.config's sections (`dtype`, `block_size`,
+        `enable_prefix_caching`, `checkpoint_interval`, `max_num_seqs`, `kv_cache_memory_bytes`, ...; defaults
+        there), or a whole `config` (what the CLI builds from its flags); not both. No `model`: the built-in tiny
+        model."""
         if config is not None:
+            if settings:
+                raise InvalidRequestError(f"LLM(config=...) takes no other settings, got {sorted(settings)}")
             if model is not None and model != config.model.path:
                 raise InvalidRequestError("LLM(model=..., config=...): the model path is the config's")
-            self.config = config
-            self.engine = EngineCore(config)
-            self._ids = itertools.count()
-            return
-        if model is None:
-            from engine.default_model import default_model_path
+        else:
+            if model is None:
+                from engine.default_model import default_model_path
 
-            model = default_model_path()
-        self.config = EngineConfig(
-            model=ModelConfig(path=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                checkpoint_interval=checkpoint_interval, num_checkpoint_slots=num_checkpoint_slots,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                zero_fresh_blocks=zero_fresh_blocks,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        )
-        self.engine = EngineCore(self.config)
+                model = default_model_path()
+            config = EngineConfig.from_settings(model, **settings)
+        self.config = config
+        self.engine = EngineCore(config)
         self._ids = itertools.count()
 
     @property

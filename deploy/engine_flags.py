@@ -1,0 +1,127 @@
+"""Engine flags, generated from engine/config.py's frozen sections: one flag per field, its help text the field's
+docstring, its type, default and choices those of the field. Every command that runs an engine (`generate`,
+`worker`, `serve`) takes them through `add_engine_args`, builds the config with `engine_config_from_args`, and
+`serve` hands its config to each worker as `engine_argv(config)`. A field added to the config is a new flag of
+every one of them.
+
+    field               flag                      type / choices
+    cache.block_size    --block-size N            int (Optional[int]: default None)
+    model.dtype         --dtype {float32,...}     Literal[...] -> choices
+    cache.enable_..     --prefix-caching / --no-prefix-caching   bool (names below keep documented spellings)
+    model.path          --model DIR               default: the built-in tiny model
+
+The spellings are a contract (README, docs/DEPLOY.md, the Helm chart's worker args): `FLAG_NAMES` keeps the two
+that differ from the field name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from engine.config import EngineConfig, config_sections, field_docs
+
+FLAG_NAMES = {("model", "path"): "model", ("cache", "enable_prefix_caching"): "prefix-caching"}
+"""Flags not spelled like their field (`--model`, `--prefix-caching` / `--no-prefix-caching`)."""
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One config field as a command-line flag."""
+
+    section: str  # the root's field holding the section: "model", "cache", "scheduler"
+    name: str  # the section's field
+    option: str  # "--block-size"
+    kind: type  # int | float | str | bool
+    default: Any
+    choices: tuple[str, ...] | None
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.option[2:].replace("-", "_") if self.kind is not bool else self.name
+
+
+def _kind(hint: Any, where: str) -> tuple[type, tuple[str, ...] | None]:
+    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[str...], or Optional of one."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if len(args) != 1:
+            raise TypeError(f"{where}: a flag needs one type, got {hint}")
+        hint = args[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return str, tuple(typing.get_args(hint))
+    if hint in (int, float, str, bool):
+        return hint, None
+    raise TypeError(f"{where}: no flag type for {hint} (int, float, str, bool, Literal or Optional of one)")
+
+
+def engine_flags(root: type = EngineConfig) -> tuple[EngineFlag, ...]:
+    """One flag per field of each section of `root`. A field without a docstring is a TypeError: every flag has
+    help text."""
+    out = []
+    for section, cls in config_sections(root).items():
+        hints, docs = typing.get_type_hints(cls), field_docs(cls)
+        for f in fields(cls):
+            where = f"{cls.__name__}.{f.name}"
+            if not docs.get(f.name):
+                raise TypeError(f"{where} has no docstring: it is the help text of its command-line flag")
+            kind, choices = _kind(hints[f.name], where)
+            default = None if f.default is MISSING else f.default
+            name = FLAG_NAMES.get((section, f.name), f.name.replace("_", "-"))
+            out.append(EngineFlag(section, f.name, f"--{name}", kind, default, choices, docs[f.name]))
+    return tuple(out)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, flags: tuple[EngineFlag, ...] | None = None) -> None:
+    """The engine flags, plus --enforce-eager (not a config field: an environment variable the runner reads)."""
+    for flag in flags if flags is not None else engine_flags():
+        text = flag.help.replace("%", "%%")
+        if flag.kind is bool:
+            parser.add_argument(flag.option, dest=flag.dest, action=argparse.BooleanOptionalAction,
+                                default=flag.default, help=text)
+        else:
+            parser.add_argument(flag.option, dest=flag.dest, type=flag.kind, default=flag.default,
+                                choices=flag.choices, help=text)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="GPU: no CUDA graphs for decode steps (sets HYBRIDPD_ENFORCE_EAGER=1 for this process and "
+                             "the workers it starts)")
+
+
+def default_model() -> str:
+    from engine.default_model import default_model_path
+
+    return default_model_path()
+
+
+def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
+                            flags: tuple[EngineFlag, ...] | None = None) -> Any:
+    """The config the parsed engine flags describe (no --model: the built-in tiny model)."""
+    values: dict[str, dict[str, Any]] = {section: {} for section in config_sections(root)}
+    for flag in flags if flags is not None else engine_flags(root):
+        values[flag.section][flag.name] = getattr(args, flag.dest)
+    for section, cls in config_sections(root).items():
+        if "path" in values[section] and values[section]["path"] is None:
+            values[section]["path"] = default_model()
+        values[section] = cls(**values[section])  # type: ignore[assignment]
+    return root(**values)
+
+
+def engine_argv(config: EngineConfig) -> list[str]:
+    """`config` as engine flags (`--model` first; fields at their default are left out), for a worker command line:
+    parsed back by engine_config_from_args it is `config` again."""
+    argv = ["--model", config.model.path]
+    for flag in engine_flags():
+        value = getattr(getattr(config, flag.section), flag.name)
+        if flag.name == "path" or value == flag.default:
+            continue
+        if flag.kind is bool:
+            argv.append(flag.option if value else f"--no-{flag.option[2:]}")
+        elif value is None:
+            raise ValueError(f"{flag.option}: None cannot be written as a flag (its default is {flag.default!r})")
+        else:
+            argv += [flag.option, str(value)]
+    return argv
