@@ -1,7 +1,8 @@
 """Tokenizer: a thin wrapper over `tokenizers.Tokenizer` that also knows the model's eos ids and chat template.
 
-Chat template: the `chat_template` of tokenizer_config.json (or a `chat_template.jinja` file) rendered with Jinja
-in a sandbox, as transformers does. Without one, `DEFAULT_CHAT_TEMPLATE` (ChatML) is used:
+Chat template: engine.chat_template, the one renderer (shared with the proxy): where the template comes from, the
+sandbox, the fallback format without one. `DEFAULT_CHAT_TEMPLATE` (ChatML) is the template the built-in checkpoints
+ship in their tokenizer_config.json:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n ... [<|im_start|>assistant\\n]
 
@@ -20,6 +21,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from engine.chat_template import ChatTemplate, read_json, token_text
 from engine.errors import ModelLoadError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -32,31 +34,10 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def _chatml(messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
-def _token_content(token: Any) -> str | None:
-    if isinstance(token, dict):
-        return token.get("content")
-    return token if isinstance(token, str) else None
-
-
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, list) else [value])]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-    return data if isinstance(data, dict) else {}
 
 
 class Tokenizer:
@@ -66,12 +47,12 @@ class Tokenizer:
         self,
         backend: _Backend,
         eos_token_ids: Sequence[int] = (),
-        chat_template: str | None = None,
+        chat_template: ChatTemplate | None = None,
         bos_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
-        self.chat_template = chat_template
+        self.chat_template = chat_template if chat_template is not None else ChatTemplate(None)
         self.bos_token_id = bos_token_id
 
     @classmethod
@@ -86,27 +67,20 @@ class Tokenizer:
             backend = _Backend.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise ModelLoadError(f"cannot load {tok_file}: {e}") from None
-        tcfg = _read_json(root / "tokenizer_config.json")
-        model_cfg = _read_json(root / "config.json")
+        tcfg = read_json(root / "tokenizer_config.json")
+        model_cfg = read_json(root / "config.json")
         text_cfg = model_cfg.get("text_config")
         eos: list[int] = []
-        eos_name = _token_content(tcfg.get("eos_token"))
+        eos_name = token_text(tcfg.get("eos_token"))
         eos_id = backend.token_to_id(eos_name) if eos_name is not None else None
         if eos_id is not None:
             eos.append(eos_id)
         text = text_cfg if isinstance(text_cfg, dict) else {}
-        for src in (model_cfg, text, _read_json(root / "generation_config.json")):
+        for src in (model_cfg, text, read_json(root / "generation_config.json")):
             eos += [i for i in _ids(src.get("eos_token_id")) if i not in eos]
-        bos_name = _token_content(tcfg.get("bos_token"))
+        bos_name = token_text(tcfg.get("bos_token"))
         bos = backend.token_to_id(bos_name) if bos_name is not None else None
-        template = tcfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = root / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
-        return cls(backend, eos, template if isinstance(template, str) else None, bos)
+        return cls(backend, eos, ChatTemplate.from_dir(root, tcfg), bos)
 
     @property
     def vocab_size(self) -> int:
@@ -122,27 +96,12 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages ([{"role", "content"}]) to the prompt text."""
-        if self.chat_template is None:
-            return _chatml(messages, add_generation_prompt)
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - jinja2 ships with transformers
-            return _chatml(messages, add_generation_prompt)
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
-        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        """Render messages ([{"role", "content"}]) to the prompt text. Raises ChatTemplateError."""
+        return self.chat_template.render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=not self.chat_template.carries_special_tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP proxy in front of prefill and decode workers (never imports torch or `engine`).
+"""OpenAI-compatible HTTP proxy in front of prefill and decode workers (never imports torch; from `engine` only
+the tensor-free chat-template renderer, `engine.chat_template`, that the engine's Tokenizer uses too).
 
     from proxy.config import ProxyConfig
     from proxy.app import create_app      # FastAPI app, e.g. for tests

@@ -2,12 +2,11 @@
 
 Loaded from a Hugging Face model directory:
   - `tokenizer.json` (required for text prompts),
-  - the chat template: `chat_template` in `tokenizer_config.json` (a string, or a list of `{name, template}` where
-    `default` wins), else a `chat_template.jinja` file. Rendered with jinja2 in a sandbox, as transformers does,
-    with `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`.
-  - no template (or no jinja2): the fallback format below.
-
-Fallback chat format (documented contract; one block per message, then the generation prompt):
+  - the chat template, rendered by engine.chat_template (the one renderer, shared with the engine's Tokenizer):
+    `chat_template.jinja` / `additional_chat_templates/`, else `chat_template` in `tokenizer_config.json` (a string,
+    or a list of `{name, template}` where `default` wins); jinja2 in a sandbox as transformers does, with
+    `messages`, `add_generation_prompt=True` and the special tokens (`bos_token`, `eos_token`, ...).
+  - no template: the fallback format (documented contract; one block per message, then the generation prompt):
 
     <|system|>\nYou are terse.\n<|user|>\nHi\n<|assistant|>\n
 
@@ -22,76 +21,33 @@ tokens, so a huge prompt is refused before it is tokenized at all.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from engine import chat_template
 from proxy.errors import bad_request
 from proxy.openai_schema import ChatMessage
-
-FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
 
 
 def render_fallback(messages: Sequence[ChatMessage]) -> str:
     """The fallback chat format: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
-    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + FALLBACK_GENERATION_PROMPT
+    return chat_template.render_fallback(_plain(messages))
 
 
-def _token_text(value: Any) -> str:
-    """`bos_token` / `eos_token` in tokenizer_config.json are a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return value if isinstance(value, str) else ""
-
-
-def _select_template(raw: Any) -> str | None:
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list):
-        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-        chosen = named.get("default") or next(iter(named.values()), None)
-        return chosen if isinstance(chosen, str) else None
-    return None
-
-
-class _JinjaTemplate:
-    """A compiled chat template (jinja2 sandbox, the same environment options transformers uses)."""
-
-    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(source)
-        self._special_tokens = special_tokens
-
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            **self._special_tokens,
-        )
+def _plain(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class PromptTokenizer:
     """Encodes prompts and decodes single tokens (for logprobs). Owned by the app; thread-safe for reads."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
-                 special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, template: chat_template.ChatTemplate | None = None) -> None:
         self._tok = tokenizer
         self._longest_token: int | None = None
-        self._template: _JinjaTemplate | None = None
-        if chat_template is not None:
-            try:
-                self._template = _JinjaTemplate(chat_template, special_tokens or {})
-            except ImportError:  # jinja2 absent: documented fallback format
-                self._template = None
+        self._template = template if template is not None else chat_template.ChatTemplate(None)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> PromptTokenizer:
@@ -100,17 +56,7 @@ class PromptTokenizer:
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
-        tokenizer = Tokenizer.from_file(str(tok_file))
-        cfg: dict[str, Any] = {}
-        cfg_file = root / "tokenizer_config.json"
-        if cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
-        template = _select_template(cfg.get("chat_template"))
-        jinja_file = root / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
-        specials = {"bos_token": _token_text(cfg.get("bos_token")), "eos_token": _token_text(cfg.get("eos_token"))}
-        return cls(tokenizer, template, specials)
+        return cls(Tokenizer.from_file(str(tok_file)), chat_template.ChatTemplate.from_dir(root))
 
     @property
     def vocab_size(self) -> int:
@@ -118,7 +64,7 @@ class PromptTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._template.has_template
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
@@ -138,15 +84,13 @@ class PromptTokenizer:
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The chat prompt text: the model's template, else the fallback format. A template error is a 400."""
-        if self._template is None:
-            return render_fallback(messages)
         try:
-            return self._template.render(messages)
-        except Exception as exc:  # jinja2 errors and the template's own raise_exception()
+            return self._template.render(_plain(messages))
+        except chat_template.ChatTemplateError as exc:  # jinja2 errors and the template's own raise_exception()
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return self._encode(self.render_chat(messages), self._template is None)
+        return self._encode(self.render_chat(messages), not self._template.carries_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (for logprobs); may be a replacement character for a partial UTF-8 byte."""

@@ -1,0 +1,199 @@
+"""The chat template: one renderer for the engine's `Tokenizer` and the proxy's `PromptTokenizer`.
+
+Where the template comes from, as transformers loads it from a model directory:
+  1. `chat_template.jinja` (named "default") and `additional_chat_templates/<name>.jinja`; when any of these files
+     exists, tokenizer_config.json's entry is ignored;
+  2. else `chat_template` in tokenizer_config.json: a string, or a list of `{"name", "template"}`.
+  Several named templates: "default", else the first (transformers asks the caller for a name; a server has none).
+
+Rendering, as transformers does: jinja2's ImmutableSandboxedEnvironment (templates from the Hub are untrusted code;
+jinja2 >= 3.1.6, earlier versions have sandbox escapes) with trim_blocks, lstrip_blocks, loop controls, the
+`{% generation %}` tag, `raise_exception`, `tojson` without ASCII escaping, `strftime_now`, `dict` and a
+`namespace` that refuses underscore names; the variables are `messages` (keys whose value is None dropped),
+`add_generation_prompt`, and the special tokens tokenizer_config.json sets (`bos_token`, `eos_token`, ...; unset
+ones are undefined, so they render as "").
+
+No template: the fallback format (a documented contract of the proxy), one block per message, then the prompt:
+
+    <|system|>\\nYou are terse.\\n<|user|>\\nHi\\n<|assistant|>\\n
+
+A template's text carries its own special tokens, so it is encoded with `add_special_tokens=False`; the fallback
+text with the tokenizer's own special-token rules (`carries_special_tokens`).
+
+Threads: a `ChatTemplate` is immutable after construction (the template is compiled once); `render` is safe to call
+from several threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidRequestError, ModelLoadError
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
+MIN_JINJA2 = (3, 1, 6)
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The template rejected the messages (its `raise_exception`, a sandbox violation, any rendering error)."""
+
+
+def render_fallback(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The fallback chat format: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + (FALLBACK_GENERATION_PROMPT if add_generation_prompt else "")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A model directory's JSON object file ({} when absent); ModelLoadError when it is not valid JSON."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json: a string or an AddedToken dict (`{"content": ...}`)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens the config sets (what transformers passes to the template)."""
+    found = {name: token_text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    return {name: text for name, text in found.items() if text is not None}
+
+
+def find_templates(root: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The model's chat templates by name ("default" for a single one); see the module doc for the order."""
+    files = {}
+    if (root / "chat_template.jinja").is_file():
+        files["default"] = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = root / "additional_chat_templates"
+    if extra.is_dir():
+        files.update({p.name.removesuffix(".jinja"): p.read_text(encoding="utf-8")
+                      for p in sorted(extra.glob("*.jinja"))})
+    if files:
+        return files
+    raw = tokenizer_config.get("chat_template")
+    if isinstance(raw, str):
+        return {"default": raw}
+    if isinstance(raw, list):
+        return {t["name"]: t["template"] for t in raw
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+def select_template(templates: Mapping[str, str]) -> str | None:
+    return templates.get("default") or next(iter(templates.values()), None)
+
+
+class ChatTemplate:
+    """A model's chat template (or the fallback format), compiled once. `render` is the only entry point."""
+
+    def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self._compiled = _compile(source) if source is not None else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, tokenizer_config: Mapping[str, Any] | None = None) -> ChatTemplate:
+        """The template of a model directory (`tokenizer_config`: its tokenizer_config.json, when already read)."""
+        root = Path(path)
+        config = read_json(root / "tokenizer_config.json") if tokenizer_config is None else tokenizer_config
+        return cls(select_template(find_templates(root, config)), special_tokens(config))
+
+    @property
+    def has_template(self) -> bool:
+        return self._compiled is not None
+
+    @property
+    def carries_special_tokens(self) -> bool:
+        """Whether rendered text already holds its special tokens (encode it with add_special_tokens=False)."""
+        return self.has_template
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` ([{"role", "content", ...}]). Raises ChatTemplateError."""
+        if not messages:
+            raise ChatTemplateError("cannot apply the chat template to no messages")
+        if self._compiled is None:
+            return render_fallback(messages, add_generation_prompt)
+        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return str(self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
+                                             tools=None, documents=None, **self.special_tokens))
+        except Exception as e:  # the template's raise_exception(), sandbox violations, any other template bug
+            raise ChatTemplateError(str(e) or type(e).__name__) from None
+
+
+def _compile(source: str) -> Any:
+    """A jinja2 Template in transformers' sandboxed environment; ModelLoadError if it cannot be compiled."""
+    try:
+        import jinja2
+        from jinja2 import nodes
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 comes with torch and transformers
+        raise ModelLoadError("the model has a chat template: rendering it needs jinja2") from None
+    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < MIN_JINJA2:
+        raise ModelLoadError(f"jinja2 {jinja2.__version__} has sandbox escapes; chat templates need >= 3.1.6")
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks: rendered as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    class Namespace(jinja2.utils.Namespace):
+        """jinja2's namespace() without underscore names (no reaching CPython internals through it)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's own signature trick
+            self, rest = args[0], args[1:]
+            for name in dict(*rest, **kwargs):
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, *rest, **kwargs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r}: no underscore names")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=lambda *a, **kw: dict(*a, **kw), namespace=Namespace)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ModelLoadError(f"the chat template does not compile: {e}") from None
+
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "render_fallback"]
