@@ -7,9 +7,10 @@ Ownership and threads:
   * Every NIXL call goes through one lock, so any thread may call any method: typically the gRPC threads call
     `local_metadata()` (precomputed bytes) and `add_peer()`, and the engine thread starts and polls pulls
     (`pull.PullHandle.poll`) and, on P, drains `poll_releases()` once per step.
-  * A progress thread (NIXL's, `AgentConfig.progress_thread`) is on by default: on P it is what serves D's READs
-    while the engine is busy or idle (UCX over TCP needs the target to progress). It busy-polls one core; see
-    docs in `AgentConfig`.
+  * NIXL's progress thread (`AgentConfig.progress_thread`, on by default here, for tests and benchmarks) serves D's
+    READs on P while its engine is busy or idle (UCX over TCP needs the target to progress). It busy-polls one
+    core, so workers run without it unless `--nixl-progress-thread`: their step loops poll the agent while
+    leases or pulls are in flight (worker/bootstrap.py).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class AgentConfig:
       UCX over TCP (what NIXL picks between processes on one host when peer-failure detection is on) a READ only
       advances while the target progresses. Costs one busy-polling core per process. Decode workers on GPUs turn
       it off: it contends with their own post/check calls (pulls 2-3x slower on H200, docs/BENCHMARKS.md).
-    ucx_error_handling_mode: None keeps NIXL's default ("peer": a dead peer fails the transfer instead of hanging,
-      which also rules out UCX's shared-memory transports). UCX settings such as UCX_TLS come from the environment.
+    The backend is UCX with NIXL's default ucx_error_handling_mode ("peer": a dead peer fails the transfer instead
+      of hanging, which also rules out UCX's shared-memory transports). UCX settings such as UCX_TLS come from the
+      environment.
     parallel_reads: a pull is cut into up to this many READs of about equal bytes, posted together (NIXL's release
       notice then goes out once all are done). 1 = one READ per pull. See docs/BENCHMARKS.md for measurements.
     num_workers: UCX workers of NIXL's UCX backend (0 = NIXL's default, one).
@@ -61,11 +63,8 @@ class AgentConfig:
       in place); "after_done" sends it from D once poll() has seen the READ done, keeping it off the post.
     """
 
-    backend: str = "UCX"
     descriptor_mode: DescriptorMode = "per_transfer"
     progress_thread: bool = True
-    ucx_error_handling_mode: str | None = None
-    num_threads: int = 0
     telemetry: bool = False
     parallel_reads: int = 1
     num_workers: int = 0
@@ -155,12 +154,7 @@ class TransferAgent:
             self.nixl_name,
             nixl_agent_config(enable_prog_thread=cfg.progress_thread, backends=[], capture_telemetry=cfg.telemetry),
         )
-        init = {"num_threads": str(cfg.num_threads)} if cfg.num_threads else {}
-        if cfg.ucx_error_handling_mode is not None:
-            init["ucx_error_handling_mode"] = cfg.ucx_error_handling_mode
-        if cfg.num_workers:
-            init["num_workers"] = str(cfg.num_workers)
-        self._nixl.create_backend(cfg.backend, init)
+        self._nixl.create_backend("UCX", {"num_workers": str(cfg.num_workers)} if cfg.num_workers else {})
         self._reg = self._nixl.register_memory(registration_spans(layout.regions), _mem_type(layout))
         self._offsets = region_offsets(layout)
         self._local_dlist = None
