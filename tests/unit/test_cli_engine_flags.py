@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import shlex
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,3 +231,35 @@ def test_llm_takes_every_field_by_keyword(monkeypatch: pytest.MonkeyPatch) -> No
     _check(seen[1], "/m", {("cache", "block_size"): 32, ("cache", "enable_prefix_caching"): False})
     with pytest.raises(TypeError, match="no_such_setting"):
         llm.LLM(model="/m", no_such_setting=1)
+
+
+# ---- the documented command lines still parse --------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTED = ("README.md", "docs/DEPLOY.md", "docs/ARCHITECTURE.md", "deploy/helm/hybridpd/values.yaml")
+
+
+COMMAND_LINE = re.compile(r"^\s*'?(?:exec\s+)?(?:\w+=\S+\s+)*(?:\.venv/bin/)?hybridpd "
+                          r"((?:generate|worker|serve|proxy|init-model)\b[^\n`'&#|;\\]*)")
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """Every line that runs `hybridpd <command> ...` in the docs and the Helm chart (up to a shell operator or
+    comment); `{{ template }}` values become 1."""
+    found = []
+    for name in DOCUMENTED:
+        for line in re.sub(r"\{\{[^}]*\}\}", "1", (REPO / name).read_text()).splitlines():
+            if m := COMMAND_LINE.match(line):
+                found.append((name, m.group(1).strip()))
+    return found
+
+
+def test_documented_command_lines_parse() -> None:
+    commands_found = _documented_commands()
+    assert {"README.md", "docs/DEPLOY.md", "deploy/helm/hybridpd/values.yaml"} <= {n for n, _ in commands_found}
+    parser = cli.build_parser()
+    for name, line in commands_found:
+        try:
+            parser.parse_args(shlex.split(line))
+        except SystemExit:
+            pytest.fail(f"{name}: `hybridpd {line}` no longer parses")
