@@ -171,10 +171,10 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         from deploy.reaper import start_orphan_reaper
 
         start_orphan_reaper()
+    # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
+    node_ip: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env_vars} if local else None,
-             # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
-             **({"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}))
+             runtime_env={"env_vars": env_vars} if local else None, **node_ip)
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode

@@ -109,8 +109,8 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         # holds leases. On GPUs the thread also slowed D's pulls 2-3x on an H200 (docs/BENCHMARKS.md). Trade-off:
         # over UCX/TCP (CPU, no RDMA) a busy P serves READs only between its steps; --nixl-progress-thread restores
         # the thread for that case.
-        config = AgentConfig(progress_thread=opts.nixl_progress_thread)
-        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=config,
+        agent_config = AgentConfig(progress_thread=opts.nixl_progress_thread)
+        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=agent_config,
                                   metrics=TransferMetrics(role))
     if role == "prefill":
         from prefill.service import PrefillServicer
