@@ -37,7 +37,7 @@ class EngineFlag:
     option: str  # "--block-size"
     kind: type  # int | float | str | bool
     default: Any
-    choices: tuple[str, ...] | None
+    choices: tuple[Any, ...] | None
     help: str
 
     @property
@@ -45,15 +45,18 @@ class EngineFlag:
         return self.option[2:].replace("-", "_") if self.kind is not bool else self.name
 
 
-def _kind(hint: Any, where: str) -> tuple[type, tuple[str, ...] | None]:
-    """(argparse type, choices) of a field annotation: int, float, str, bool, Literal[str...], or Optional of one."""
+def _kind(hint: Any, where: str) -> tuple[type, tuple[Any, ...] | None]:
+    """(argparse type, choices) of a field annotation: int, float, str, bool, a one-type Literal, or Optional of one."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if len(args) != 1:
             raise TypeError(f"{where}: a flag needs one type, got {hint}")
         hint = args[0]
     if typing.get_origin(hint) is typing.Literal:
-        return str, tuple(typing.get_args(hint))
+        kinds = {type(v) for v in typing.get_args(hint)}
+        if len(kinds) != 1:
+            raise TypeError(f"{where}: a flag's choices need one type, got {hint}")
+        return kinds.pop(), tuple(typing.get_args(hint))
     if hint in (int, float, str, bool):
         return hint, None
     raise TypeError(f"{where}: no flag type for {hint} (int, float, str, bool, Literal or Optional of one)")
