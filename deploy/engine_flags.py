@@ -73,7 +73,8 @@ def engine_flags(root: type = EngineConfig) -> tuple[EngineFlag, ...]:
             if not docs.get(f.name):
                 raise TypeError(f"{where} has no docstring: it is the help text of its command-line flag")
             kind, choices = _kind(hints[f.name], where)
-            default = None if f.default is MISSING else f.default
+            default = f.default_factory() if f.default_factory is not MISSING else \
+                None if f.default is MISSING else f.default
             name = FLAG_NAMES.get((section, f.name), f.name.replace("_", "-"))
             out.append(EngineFlag(section, f.name, f"--{name}", kind, default, choices, docs[f.name]))
     return tuple(out)
@@ -106,11 +107,12 @@ def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
     values: dict[str, dict[str, Any]] = {section: {} for section in config_sections(root)}
     for flag in flags if flags is not None else engine_flags(root):
         values[flag.section][flag.name] = getattr(args, flag.dest)
+    sections = {}
     for section, cls in config_sections(root).items():
-        if "path" in values[section] and values[section]["path"] is None:
+        if values[section].get("path", "") is None:
             values[section]["path"] = default_model()
-        values[section] = cls(**values[section])  # type: ignore[assignment]
-    return root(**values)
+        sections[section] = cls(**values[section])
+    return root(**sections)
 
 
 def engine_argv(config: EngineConfig) -> list[str]:
