@@ -6,7 +6,12 @@ States are addressed through their strides, so a layer's `[:, i]` slice of the s
 
     conv:    window = | state (K-1) | x |;  out = sum_k w[:, k] window[:, k] (+ bias);  state <- window[:, 1:]
     mamba2:  h = h * exp(dt A) + (dt x) B^T;  y = h C + D x                  h [H, P, N] per slot
+             (dt = softplus(dt_raw + dt_bias) clamped, A = -exp(A_log): computed in the kernel)
     gdn:     S = S * exp(g);  S += k (beta (v - S^T k))^T;  o = S^T q         S [Hv, K, V] per slot
+             (q, k l2-normalised, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias): in the kernel)
+
+Inputs are the raw projections (strided rows of the fused in_proj output) and the conv output of the rows that
+step (`rows`: their token index; outputs are written at those rows).
 """
 
 from __future__ import annotations
@@ -15,20 +20,24 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.fused import sigmoid, silu, softplus
+
 
 @triton.jit
-def _conv_step_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr, slot_ptr, init_ptr, C, stride_xb, stride_ob,
-                      stride_ss, stride_sc, stride_sk, HAS_BIAS: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_step_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr, slot_ptr, init_ptr, row_ptr, C, stride_xb,
+                      stride_ob, stride_ss, stride_sc, stride_sk, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                      K: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
+    row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b)
     valid = slot >= 0
     read = valid & (tl.load(init_ptr + b) != 0)
     slot_safe = tl.where(valid, slot, 0).to(tl.int64)
     rm = cm & ((c * 0 + read.to(tl.int32)) != 0)  # vector masks (a scalar bool in a mask breaks the interpreter)
     wm = cm & ((c * 0 + valid.to(tl.int32)) != 0)
-    x = tl.load(x_ptr + b * stride_xb + c, mask=cm, other=0.0)
+    x = tl.load(x_ptr + row * stride_xb + c, mask=cm, other=0.0)
     acc = x.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
@@ -39,34 +48,39 @@ def _conv_step_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr, slot_ptr, init
         if k > 0:
             tl.store(base + (k - 1) * stride_sk, s_k.to(state_ptr.dtype.element_ty), mask=wm)
     tl.store(base + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=wm)
+    if ACT:  # silu of the conv output as the reference applies it: on the value rounded to the dtype
+        acc = silu(acc.to(x.dtype).to(tl.float32))
     tl.store(out_ptr + b * stride_ob + c, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
 def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-    """x [B, C] conv inputs; state [slots, C, K-1]; weight [C, K] -> pre-activation output [B, C] (x's dtype)."""
-    B, C = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+              slots: torch.Tensor, has_init: torch.Tensor, rows: torch.Tensor, act: bool = False) -> torch.Tensor:
+    """x [T, C] conv inputs (rows may be strided); rows [B] int64: the rows of x that take a step; state
+    [slots, C, K-1]; weight [C, K] -> output [B, C] (x's dtype), pre-activation, or silu'd with `act`."""
+    B, C = rows.shape[0], x.shape[1]
+    out = torch.empty(B, C, dtype=x.dtype, device=x.device)
     if B == 0:
         return out
+    assert x.stride(1) == 1
     w = weight.contiguous()
     K = w.shape[1]
     block_c = 256
     _conv_step_kernel[(B, triton.cdiv(C, block_c))](
-        x, state, w, bias if bias is not None else w, out, slots, has_init, C, x.stride(0), out.stride(0),
-        state.stride(0), state.stride(1), state.stride(2), HAS_BIAS=bias is not None, K=K, BLOCK_C=block_c)
+        x, state, w, bias if bias is not None else w, out, slots, has_init, rows, C, x.stride(0), out.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), HAS_BIAS=bias is not None, ACT=act, K=K, BLOCK_C=block_c)
     return out
 
 
 @triton.jit
-def _mamba_step_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h_ptr, y_ptr, slot_ptr, init_ptr, P,
-                       stride_xb, stride_xh, stride_dtb, stride_bb, stride_bg, stride_hs, stride_hh, stride_hp,
-                       HEADS_PER_GROUP: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr):
+def _mamba_decode_kernel(xc_ptr, dt_ptr, dtb_ptr, alog_ptr, d_ptr, h_ptr, y_ptr, slot_ptr, init_ptr, row_ptr, P,
+                         INTER, GN, stride_xc, stride_dt, stride_yb, stride_yh, stride_hs, stride_hh, stride_hp,
+                         time_step_min, HEADS_PER_GROUP: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr):
     b = tl.program_id(0)
     hd = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     pm = p < P
     n = tl.arange(0, N)
+    row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b)
     valid = slot >= 0
     read = valid & (tl.load(init_ptr + b) != 0)
@@ -74,45 +88,53 @@ def _mamba_step_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h_ptr, y_ptr, 
     rm = (pm & ((p * 0 + read.to(tl.int32)) != 0))[:, None]
     wm = (pm & ((p * 0 + valid.to(tl.int32)) != 0))[:, None]
     grp = hd // HEADS_PER_GROUP
-    dt = tl.load(dt_ptr + b * stride_dtb + hd)
-    decay = tl.exp(dt * tl.load(a_ptr + hd))
-    x = tl.load(x_ptr + b * stride_xb + hd * stride_xh + p, mask=pm, other=0.0)
-    bv = tl.load(b_ptr + b * stride_bb + grp * stride_bg + n)
-    cv = tl.load(c_ptr + b * stride_bb + grp * stride_bg + n)
+    # dt = softplus(dt + dt_bias).clamp(min), each step rounded to the model dtype (Mamba2Mixer._dt)
+    ddt = dt_ptr.dtype.element_ty
+    dt = (tl.load(dt_ptr + row * stride_dt + hd).to(tl.float32) + tl.load(dtb_ptr + hd).to(tl.float32)).to(ddt)
+    dt = softplus(dt.to(tl.float32)).to(ddt)
+    dt = tl.maximum(dt.to(tl.float32), time_step_min).to(ddt).to(tl.float32)
+    decay = tl.exp(dt * -tl.exp(tl.load(alog_ptr + hd).to(tl.float32)))
+    xrow = xc_ptr + b.to(tl.int64) * stride_xc
+    x = tl.load(xrow + hd * P + p, mask=pm, other=0.0).to(tl.float32)
+    bv = tl.load(xrow + INTER + grp * N + n).to(tl.float32)
+    cv = tl.load(xrow + INTER + GN + grp * N + n).to(tl.float32)
     hp = h_ptr + slot_safe * stride_hs + hd * stride_hh + p[:, None] * stride_hp + n[None, :]
     h = tl.load(hp, mask=rm, other=0.0).to(tl.float32)
     h = h * decay + (dt * x)[:, None] * bv[None, :]
-    y = tl.sum(h * cv[None, :], 1) + tl.load(d_ptr + hd) * x
+    y = tl.sum(h * cv[None, :], 1) + tl.load(d_ptr + hd).to(tl.float32) * x
     tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=wm)
-    tl.store(y_ptr + b * stride_xb + hd * stride_xh + p, y, mask=pm)
+    tl.store(y_ptr + row * stride_yb + hd * stride_yh + p, y, mask=pm)
 
 
-def mamba_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               D: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-    """x [Bt, H, P] fp32, dt [Bt, H] fp32 (softplus'd), A [H] fp32, B/C [Bt, G, N] fp32, D [H] fp32, ssm state
-    [slots, H, P, N] -> y [Bt, H, P] fp32 (with the D skip); the slots are updated in place."""
-    bt, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def mamba_decode(xc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+                 ssm: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor, rows: torch.Tensor, y: torch.Tensor,
+                 n_groups: int, time_step_min: float) -> None:
+    """One Mamba-2 step for B rows: xc [B, conv_dim] the activated conv output (x | B | C, model dtype or fp32),
+    dt [T, H] raw (in_proj slice), ssm [slots, H, P, N]; writes y[rows] ([T, H, P] fp32, with the D skip) and the
+    slots in place."""
+    bt = rows.shape[0]
     if bt == 0:
-        return y
-    assert x.stride() == y.stride() and B.stride(2) == 1 and C.stride() == B.stride() and ssm.stride(3) == 1
+        return
+    _, H, P = y.shape
+    N = ssm.shape[-1]
+    assert xc.stride(1) == 1 and dt.stride(1) == 1 and y.stride(2) == 1 and ssm.stride(3) == 1
     block_p = min(triton.next_power_of_2(P), 32)
-    _mamba_step_kernel[(bt, H, triton.cdiv(P, block_p))](
-        x, dt, A, B, C, D, ssm, y, slots, has_init, P, x.stride(0), x.stride(1), dt.stride(0), B.stride(0),
-        B.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2), HEADS_PER_GROUP=H // G, N=N, BLOCK_P=block_p)
-    return y
+    _mamba_decode_kernel[(bt, H, triton.cdiv(P, block_p))](
+        xc, dt, dt_bias, A_log, D, ssm, y, slots, has_init, rows, P, H * P, n_groups * N, xc.stride(0),
+        dt.stride(0), y.stride(0), y.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2), time_step_min,
+        HEADS_PER_GROUP=H // n_groups, N=N, BLOCK_P=block_p)
 
 
 @triton.jit
-def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, slot_ptr, init_ptr, V,
-                     stride_qb, stride_qh, stride_vb, stride_vh, stride_gb, stride_ss, stride_sh, stride_sk,
-                     V_PER_K: tl.constexpr, KD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _gdn_decode_kernel(xc_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr, init_ptr, row_ptr, V,
+                       KEY_DIM, stride_xc, stride_a, stride_ob, stride_oh, stride_ss, stride_sh, stride_sk, scale,
+                       V_PER_K: tl.constexpr, KD: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v_idx = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vm = v_idx < V
     kk = tl.arange(0, KD)
+    row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b)
     valid = slot >= 0
     read = valid & (tl.load(init_ptr + b) != 0)
@@ -120,11 +142,17 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, slot_pt
     rm = (vm & ((v_idx * 0 + read.to(tl.int32)) != 0))[None, :]
     wm = (vm & ((v_idx * 0 + valid.to(tl.int32)) != 0))[None, :]
     hk = hv // V_PER_K
-    q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + kk)
-    k = tl.load(k_ptr + b * stride_qb + hk * stride_qh + kk)
-    v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + v_idx, mask=vm, other=0.0)
-    g = tl.load(g_ptr + b * stride_gb + hv)
-    beta = tl.load(beta_ptr + b * stride_gb + hv)
+    xrow = xc_ptr + b.to(tl.int64) * stride_xc
+    q = tl.load(xrow + hk * KD + kk).to(tl.float32)
+    k = tl.load(xrow + KEY_DIM + hk * KD + kk).to(tl.float32)
+    v = tl.load(xrow + 2 * KEY_DIM + hv * V + v_idx, mask=vm, other=0.0).to(tl.float32)
+    q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm(q) * K^-0.5, l2norm(k) (GatedDeltaNet._split)
+    k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    # beta = sigmoid(b) in the model dtype; g = -exp(A_log) * softplus(a + dt_bias) in fp32 (GatedDeltaNet.forward)
+    bdt = b_ptr.dtype.element_ty
+    beta = sigmoid(tl.load(b_ptr + row * stride_a + hv).to(tl.float32)).to(bdt).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+    g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus(a)
     sp = s_ptr + slot_safe * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + v_idx[None, :]
     S = tl.load(sp, mask=rm, other=0.0).to(tl.float32)
     S = S * tl.exp(g)
@@ -132,25 +160,27 @@ def _gdn_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, slot_pt
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], 0)
     tl.store(sp, S.to(s_ptr.dtype.element_ty), mask=wm)
-    tl.store(o_ptr + b * stride_vb + hv * stride_vh + v_idx, o, mask=vm)
+    tl.store(o_ptr + row * stride_ob + hv * stride_oh + v_idx, o, mask=vm)
 
 
-def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-    """q, k [B, Hk, K] fp32 (normalised, q scaled); v [B, Hv, V] fp32; g, beta [B, Hv] fp32; state
-    [slots, Hv, K, V] -> o [B, Hv, V] fp32; the slots are updated in place."""
-    bt, hk, KD = q.shape
-    hv, V = v.shape[1], v.shape[2]
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+def gdn_decode(xc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+               num_k_heads: int) -> None:
+    """One Gated DeltaNet step for B rows: xc [B, conv_dim] the activated conv output (q | k | v), a and b [T, Hv]
+    raw (in_proj_a / in_proj_b outputs, rows may be strided), state [slots, Hv, K, V]; writes out[rows]
+    ([T, Hv, V] fp32) and the slots in place."""
+    bt = rows.shape[0]
     if bt == 0:
-        return o
-    assert q.stride() == k.stride() and q.stride(2) == 1 and v.stride() == o.stride() and state.stride(3) == 1
-    assert g.stride() == beta.stride()
+        return
+    _, hv, V = out.shape
+    KD = state.shape[2]
+    assert xc.stride(1) == 1 and a.stride(1) == 1 and a.stride(0) == b.stride(0) and out.stride(2) == 1
+    assert state.stride(3) == 1
     block_v = min(triton.next_power_of_2(V), 32)
-    _gdn_step_kernel[(bt, hv, triton.cdiv(V, block_v))](
-        q, k, v, g, beta, state, o, slots, has_init, V, q.stride(0), q.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), state.stride(0), state.stride(1), state.stride(2), V_PER_K=hv // hk, KD=KD, BLOCK_V=block_v)
-    return o
+    _gdn_decode_kernel[(bt, hv, triton.cdiv(V, block_v))](
+        xc, a, b, A_log, dt_bias, state, out, slots, has_init, rows, V, num_k_heads * KD, xc.stride(0), a.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), KD**-0.5,
+        V_PER_K=hv // num_k_heads, KD=KD, BLOCK_V=block_v)
 
 
-__all__ = ["conv_step", "gdn_step", "mamba_step"]
+__all__ = ["conv_step", "gdn_decode", "mamba_decode"]

@@ -3,7 +3,10 @@ gated_deltanet.py and nemotron_h.py, without per-sequence Python loops. A layer 
 is a `VarlenMetadata` (built once per step by the runner); with a `StepMetadata` it runs the reference.
 
     attention      write_kv + one paged varlen attention launch (engine.kernels.paged_attention)
-    recurrent      decode rows: conv_step + mamba_step / gdn_step kernels, slots updated in place
+    norms          fused residual add + RMSNorm, gated norms, silu * mul (engine.kernels.fused), fused in_proj
+                   GEMMs (`fuse_linears`: one weight, the modules' weights become views of it)
+    recurrent      decode rows: conv_step (+ silu) and mamba_decode / gdn_decode (dt, gates, q/k norms inside),
+                   slots updated in place
                    prefill rows: conv over the extended buffer (K gathers, fp32), then fla-core's chunked kernels
                    (chunk_simple_gla for Mamba-2's SSD, chunk_gated_delta_rule for GDN), one varlen call per round
     MoE            routing on the device, tokens sorted by expert, torch._grouped_mm (bf16), no host sync
@@ -16,9 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.base import StateCache
 from engine.models.varlen import RecurrentPrefill, VarlenMetadata
+
+SILU = ("silu", "swish")
+"""Activations the decode kernels apply themselves (others run in torch between the two kernels)."""
 
 # ----------------------------------------------------------------------------------------------------------------
 # attention
@@ -105,23 +112,25 @@ def copy_checkpoints(cache: StateCache, src: torch.Tensor, dst: torch.Tensor) ->
 
 def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCache, meta: VarlenMetadata
                  ) -> torch.Tensor:
-    """y [T, H, P] fp32 (with the D skip) of a Mamba2Mixer for every token; updates the state slots."""
-    from engine.kernels.recurrent_step import conv_step, mamba_step
+    """y [T, H, P] fp32 (with the D skip) of a Mamba2Mixer for every token; updates the state slots. xbc and dt
+    are the raw in_proj slices (strided rows)."""
+    from engine.kernels.recurrent_step import conv_step, mamba_decode
 
     cfg = mixer.cfg
     T = xbc.shape[0]
     y = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
-    A = -torch.exp(mixer.A_log.float())
-    D = mixer.D.float()
     weight = mixer._conv_weight()
     d = meta.rec_decode
     if d is not None:
-        xc = conv_step(xbc[d.rows], cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init)
-        x, B, C = _mamba_split(cfg, mixer.act(xc))
-        y[d.rows] = mamba_step(x, mixer._dt(dt[d.rows]), A, B, C, D, cache.ssm, d.slots, d.has_init)
+        fused_act = cfg.activation in SILU
+        xc = conv_step(xbc, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
+        mamba_decode(xc if fused_act else mixer.act(xc), dt, mixer.dt_bias, mixer.A_log, mixer.D, cache.ssm,
+                     d.slots, d.has_init, d.rows, y, cfg.n_groups, cfg.time_step_min)
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
     pre = meta.rec_prefill
     if pre is not None:
+        A = -torch.exp(mixer.A_log.float())
+        D = mixer.D.float()
         xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre)
         x, B, C = _mamba_split(cfg, mixer.act(xc))
         dtp = mixer._dt(dt[pre.rows])
@@ -164,10 +173,11 @@ def _mamba_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 # Gated DeltaNet
 
 
-def gdn_mixer(mixer: Any, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: StateCache,
+def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cache: StateCache,
               meta: VarlenMetadata) -> torch.Tensor:
-    """core output [T, Hv, V] fp32 of a GatedDeltaNet for every token; updates the state slots."""
-    from engine.kernels.recurrent_step import conv_step, gdn_step
+    """core output [T, Hv, V] fp32 of a GatedDeltaNet for every token; updates the state slots. qkv, a and b are
+    the raw in_proj outputs (strided rows)."""
+    from engine.kernels.recurrent_step import conv_step, gdn_decode
 
     cfg = mixer.cfg
     T = qkv.shape[0]
@@ -175,16 +185,17 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     weight = mixer._conv_weight()
     d = meta.rec_decode
     if d is not None:
-        xc = conv_step(qkv[d.rows], cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init)
-        q, k, v = _gdn_split(cfg, mixer.act(xc))
-        gd, bd = g[d.rows].contiguous(), beta[d.rows].contiguous()
-        core[d.rows] = gdn_step(q, k, v, gd, bd, cache.ssm, d.slots, d.has_init)
+        fused_act = cfg.activation in SILU
+        xc = conv_step(qkv, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
+        gdn_decode(xc if fused_act else mixer.act(xc), a, b, mixer.A_log, mixer.dt_bias, cache.ssm, d.slots,
+                   d.has_init, d.rows, core, cfg.num_k_heads)
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
     pre = meta.rec_prefill
     if pre is not None:
         xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre)
         q, k, v = _gdn_split(cfg, mixer.act(xc))
-        gp, bp = g[pre.rows], beta[pre.rows]
+        bp = b[pre.rows].sigmoid().float()
+        gp = -torch.exp(mixer.A_log.float()) * F.softplus(a[pre.rows].float() + mixer.dt_bias.float())
         out = torch.empty_like(v)
 
         def call(r, init):  # type: ignore[no-untyped-def]
@@ -193,8 +204,8 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 
                 rep = cfg.num_v_heads // cfg.num_k_heads
                 qr, kr = (t[r.rows].repeat_interleave(rep, dim=1) for t in (q, k))
-                return _per_sequence(r, init, lambda a, b, h: gdn_segment(
-                    qr[a:b], kr[a:b], v[r.rows][a:b], gp[r.rows][a:b], bp[r.rows][a:b], h, cfg.chunk_size))
+                return _per_sequence(r, init, lambda i, j, h: gdn_segment(
+                    qr[i:j], kr[i:j], v[r.rows][i:j], gp[r.rows][i:j], bp[r.rows][i:j], h, cfg.chunk_size))
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
             o, ht = chunk_gated_delta_rule(q[r.rows][None], k[r.rows][None], v[r.rows][None], gp[r.rows][None],

@@ -32,6 +32,7 @@ from engine.models.layers import (
     StepMetadata,
     causal_conv_chunk,
     causal_conv_step,
+    fuse_linears,
     get_activation,
     rms_normalize,
     segment_bounds,
@@ -152,19 +153,28 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
         self.act = get_activation(cfg.activation)
+        self.in_proj_all: torch.Tensor | None = None
+        """[qkv | z | b | a] weights in one tensor (fast path: one GEMM); the four weights are views of it."""
 
     def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
         """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
         cfg = self.cfg
         n = hidden.shape[0]
+        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
+            from engine.kernels.fused import gated_head_norm
+
+            if self.in_proj_all is None:
+                self.fuse()
+            qkv, z, b, a = F.linear(hidden, self.in_proj_all).split(
+                [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads], dim=-1)
+            core = gdn_mixer(self, qkv, a, b, cache, meta)
+            out = gated_head_norm(core, z.view(n, cfg.num_v_heads, cfg.head_v_dim), self.norm.weight, self.norm.eps,
+                                  hidden.dtype)
+            return self.out_proj(out)
         qkv = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(n, cfg.num_v_heads, cfg.head_v_dim)
         beta = self.in_proj_b(hidden).sigmoid().float()
         g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.float())
-        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
-            core = gdn_mixer(self, qkv, g, beta, cache, meta)
-            out = self.norm(core.to(hidden.dtype), z)
-            return self.out_proj(out.reshape(n, cfg.value_dim))
         core = torch.zeros(n, cfg.num_v_heads, cfg.head_v_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)
@@ -174,6 +184,10 @@ class GatedDeltaNet(nn.Module):
             core[d.tokens] = self._decode(qkv[d.tokens], g[d.tokens], beta[d.tokens], d, cache)
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(n, cfg.value_dim))
+
+    def fuse(self) -> None:
+        """Fast path: the four input projections as one GEMM."""
+        self.in_proj_all = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0, :]

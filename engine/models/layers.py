@@ -133,6 +133,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # MLPs
 
 
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate bias-free linears' weights along the output dim into one tensor (one GEMM instead of several)
+    and make each module's weight a view of its rows, so no second copy stays in memory. Returns the weight."""
+    assert all(lin.bias is None for lin in linears), "fuse_linears takes bias-free linears"
+    fused = torch.cat([lin.weight.data for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
 class MLP(nn.Module):
     """down(act(up(x))) (NemotronH, non-gated)."""
 
@@ -155,9 +168,23 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act = get_activation(act)
+        self.fused_silu = act in ("silu", "swish")
+        self.gate_up: torch.Tensor | None = None
+        """[gate | up] weights in one tensor (fast path); gate_proj / up_proj weights are views of it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same with one GEMM for gate and up and one kernel for silu(gate) * up (fast path)."""
+        if self.gate_up is None or not self.fused_silu:
+            return self.forward(x)
+        from engine.kernels.fused import silu_mul
+
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up)))
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -479,6 +506,7 @@ __all__ = [
     "apply_rotary",
     "causal_conv_chunk",
     "causal_conv_step",
+    "fuse_linears",
     "get_activation",
     "paged_attention",
     "segment_bounds",

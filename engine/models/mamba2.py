@@ -148,8 +148,12 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
         if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
+            from engine.kernels.fused import gated_group_norm
+
             y = mamba2_mixer(self, xbc, dt, cache, meta)
-            return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
+            n = self.norm
+            return self.out_proj(gated_group_norm(y.view(hidden.shape[0], -1), gate, n.weight, n.group_size, n.eps,
+                                                  hidden.dtype))
         y = torch.zeros(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)

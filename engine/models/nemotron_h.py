@@ -23,6 +23,7 @@ from engine.models.batch import ForwardBatch
 from engine.models.fast_path import attention, grouped_moe_available, moe_routed, moe_routed_masked, stack_experts
 from engine.models.layers import MLP, RMSNorm, StepMetadata
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+from engine.models.varlen import VarlenMetadata
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -237,16 +238,17 @@ class NemotronHBlock(nn.Module):
             self.mixer = MLP(a.hidden_size, a.intermediate_size, a.mlp_hidden_act, a.mlp_bias)
 
     def forward(self, h: torch.Tensor, cache: LayerCache, meta: StepMetadata) -> torch.Tensor:
-        x = self.norm(h)
+        return h + self.mix(self.norm(h), cache, meta)
+
+    def mix(self, x: torch.Tensor, cache: LayerCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
+        """The mixer on the normed input (the block minus its norm and residual add)."""
         if self.layer_type == "linear_attention":
             assert isinstance(cache, StateCache), "Mamba layer needs a StateCache"
-            x = self.mixer(x, cache, meta)
-        elif self.layer_type == "full_attention":
+            return self.mixer(x, cache, meta)
+        if self.layer_type == "full_attention":
             assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
-            x = self.mixer(x, cache, meta)
-        else:
-            x = self.mixer(x)
-        return h + x
+            return self.mixer(x, cache, meta)
+        return self.mixer(x)
 
 
 class NemotronHBackbone(nn.Module):
@@ -290,6 +292,16 @@ class NemotronHForCausalLM(nn.Module):
         device = self.lm_head.weight.device
         meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
         h = self.backbone.embeddings(batch.input_ids.to(device))
+        if isinstance(meta, VarlenMetadata):  # fast path: each residual add fused into the next norm
+            from engine.kernels.fused import rms_norm
+
+            x = None
+            for i, layer in enumerate(self.backbone.layers):
+                normed, h = rms_norm(h if x is None else x, layer.norm.weight, layer.norm.eps,
+                                     residual=None if x is None else h)
+                x = layer.mix(normed, caches[i], meta)
+            final = self.backbone.norm_f
+            return rms_norm(x, final.weight, final.eps, residual=h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.backbone.layers):
             h = layer(h, caches[i], meta)
         return self.backbone.norm_f(h)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.specs import CacheSpec, FullAttentionSpec
@@ -30,7 +31,9 @@ from engine.models.layers import (
     StepMetadata,
     ZeroCenteredRMSNorm,
     apply_rotary,
+    fuse_linears,
 )
+from engine.models.varlen import VarlenMetadata
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -142,15 +145,31 @@ class Qwen3_5Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * a.head_dim, a.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(a.head_dim, a.norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(a.head_dim, a.norm_eps)
+        self.qkv: torch.Tensor | None = None
+        """[q_proj | k_proj | v_proj] weights in one tensor (fast path, bias-free only); the three are views."""
+
+    def fuse(self) -> None:
+        if self.q_proj.bias is None:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: StepMetadata
     ) -> torch.Tensor:
         n = h.shape[0]
-        q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
-        v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        if isinstance(meta, VarlenMetadata) and self.qkv is not None:  # fast path: one GEMM, fused norms
+            from engine.kernels.fused import rms_norm
+
+            qg, k, v = F.linear(h, self.qkv).split(
+                [2 * self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
+            q, gate = qg.view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps, True)[0]
+            k = rms_norm(k.view(n, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, True)[0]
+            v = v.view(n, self.kv_heads, self.head_dim)
+        else:
+            q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = self.q_norm(q)
+            k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
+            v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
@@ -172,15 +191,17 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache, meta: StepMetadata
     ) -> torch.Tensor:
-        x = self.input_layernorm(h)
+        h = h + self.mix(self.input_layernorm(h), rope, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def mix(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
+            meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
+        """The token mixer on the normed input (no residual add)."""
         if self.layer_type == "linear_attention":
             assert isinstance(cache, StateCache), "linear-attention layer needs a StateCache"
-            x = self.linear_attn(x, cache, meta)
-        else:
-            assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
-            x = self.self_attn(x, rope, cache, meta)
-        h = h + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return self.linear_attn(x, cache, meta)
+        assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
+        return self.self_attn(x, rope, cache, meta)
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -226,12 +247,30 @@ class Qwen3_5ForCausalLM(nn.Module):
         meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
         h = self.model.embed_tokens(batch.input_ids.to(device))
         rope = self.rotary.cos_sin(meta.positions, h.dtype)
+        if isinstance(meta, VarlenMetadata):  # fast path: each residual add fused into the next norm
+            from engine.kernels.fused import rms_norm
+
+            x = None
+            for i, layer in enumerate(self.model.layers):
+                n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+                normed, h = rms_norm(h if x is None else x, n1.weight, n1.eps, True, None if x is None else h)
+                normed, h = rms_norm(layer.mix(normed, rope, caches[i], meta), n2.weight, n2.eps, True, h)
+                x = layer.mlp.forward_fused(normed)
+            final = self.model.norm
+            return rms_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, caches[i], meta)
         return self.model.norm(h)
 
     def enable_fast_path(self) -> None:
-        """Nothing to prepare (no MoE layers in the dense Qwen3.5 text model)."""
+        """Prepare the batched path: one GEMM for each GDN layer's four input projections, for each attention
+        layer's q/k/v (when bias-free) and for each MLP's gate and up (the modules' weights become views)."""
+        for layer in self.model.layers:
+            layer.mlp.fuse()
+            if layer.layer_type == "linear_attention":
+                layer.linear_attn.fuse()
+            else:
+                layer.self_attn.fuse()
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

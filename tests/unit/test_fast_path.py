@@ -61,31 +61,35 @@ def test_fast_path_matches_reference_fp32(name, model_path, one_torch_thread):  
 
 
 def test_decode_kernels_skip_pad_rows():  # type: ignore[no-untyped-def]
-    from engine.kernels.recurrent_step import conv_step, gdn_step, mamba_step
+    from engine.kernels.recurrent_step import conv_step, gdn_decode, mamba_decode
 
     g = torch.Generator().manual_seed(0)
     slots = torch.tensor([2, PAD_SLOT_ID, 1])
     has_init = torch.tensor([1, 1, 0], dtype=torch.int32)
+    rows = torch.arange(3)
     conv = torch.randn(3, 8, 3, generator=g)
     before = conv.clone()
-    conv_step(torch.randn(3, 8, generator=g), conv, torch.randn(8, 4, generator=g), None, slots, has_init)
+    conv_step(torch.randn(3, 8, generator=g), conv, torch.randn(8, 4, generator=g), None, slots, has_init, rows)
     assert torch.equal(conv[0], before[0])  # slot 0 (null) untouched by the padded row
     assert not torch.equal(conv[2], before[2]) and not torch.equal(conv[1], before[1])
-    ssm = torch.randn(3, 4, 8, 16, generator=g)
+    H, P, G, N = 4, 8, 2, 16
+    ssm = torch.randn(3, H, P, N, generator=g)
     before = ssm.clone()
-    x = torch.randn(3, 4, 8, generator=g)
-    B, C = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
-    dt = torch.rand(3, 4, generator=g)
-    mamba_step(x, dt, -torch.rand(4, generator=g), B, C, torch.ones(4), ssm, slots, has_init)
+    xc = torch.randn(3, H * P + 2 * G * N, generator=g)
+    dt_raw = torch.randn(3, H, generator=g)
+    y = torch.zeros(3, H, P)
+    mamba_decode(xc, dt_raw, torch.zeros(H), torch.zeros(H), torch.ones(H), ssm, slots, has_init, rows, y, G, 1e-3)
     assert torch.equal(ssm[0], before[0])
     # row 2 starts from zeros (has_init = 0): its new state is dt x B^T alone, whatever slot 1 held
-    expect = (dt[2, :, None] * x[2])[..., None] * B[2].repeat_interleave(2, dim=0)[:, None, :]
-    torch.testing.assert_close(ssm[1], expect)
+    dt = torch.nn.functional.softplus(dt_raw[2]).clamp(min=1e-3)
+    x, B = xc[2, :H * P].view(H, P), xc[2, H * P:H * P + G * N].view(G, N).repeat_interleave(H // G, dim=0)
+    torch.testing.assert_close(ssm[1], (dt[:, None] * x)[..., None] * B[:, None, :])
     state = torch.randn(3, 4, 16, 8, generator=g)
     before = state.clone()
-    q, k = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
-    gdn_step(q, k, torch.randn(3, 4, 8, generator=g), -torch.rand(3, 4, generator=g), torch.rand(3, 4, generator=g),
-             state, slots, has_init)
+    out = torch.zeros(3, 4, 8)
+    ab = torch.randn(3, 8, generator=g)
+    gdn_decode(torch.randn(3, 2 * 2 * 16 + 4 * 8, generator=g), ab[:, :4], ab[:, 4:], torch.zeros(4), torch.zeros(4),
+               state, slots, has_init, rows, out, 2)
     assert torch.equal(state[0], before[0])
     assert not torch.equal(state[2], before[2])
 

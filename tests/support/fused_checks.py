@@ -1,0 +1,186 @@
+"""Checks of the fast path's fused kernels (engine.kernels.fused, recurrent_step) against the reference modules
+they replace; run on CPU under TRITON_INTERPRET=1 by tests/unit/test_fused_kernels.py and on CUDA by
+tests/gpu/test_fused_kernels_cuda.py. fp32: equal to float rounding. bf16: the kernels round where the reference
+holds a value in bf16, so on the GPU nearly every element is bit-identical (`strict`); Triton's interpreter
+truncates when it converts to bf16 (measured: half the elements one step low), so on CPU bf16 results are only
+required to be within a few bf16 steps."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.fused import gated_group_norm, gated_head_norm, rms_norm, silu_mul
+from engine.models.gated_deltanet import GatedRMSNorm
+from engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
+from engine.models.mamba2 import GroupGatedRMSNorm
+
+GEN = torch.Generator().manual_seed(0)
+DEVICE = "cpu"
+STRICT = False
+
+
+def setup(device: str, strict: bool) -> None:
+    global DEVICE, STRICT
+    DEVICE, STRICT = device, strict
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=GEN) * scale).to(dtype).to(DEVICE)
+
+
+def idx(*values: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        return
+    g, w = got.float(), want.float()
+    same = (g == w).float().mean().item()
+    assert not STRICT or same >= 0.99, f"only {same:.4f} of the elements are bit-identical"
+    steps = 1 if STRICT else 4  # the interpreter's truncations compound over a kernel's rounding points
+    assert ((g - w).abs() <= w.abs() * steps * 2**-7 + 1e-6).all(), f"an element is off by more than {steps} bf16 steps"
+
+
+def check_rms_norm_with_and_without_residual(dtype: torch.dtype, zero_centered: bool) -> None:
+    D = 96
+    norm = (ZeroCenteredRMSNorm if zero_centered else RMSNorm)(D, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(rand(D, scale=0.3).cpu() + (0 if zero_centered else 1))
+    norm = norm.to(dtype).to(DEVICE)
+    x, res = rand(7, D, dtype=dtype, scale=2.0), rand(7, D, dtype=dtype)
+    out, h = rms_norm(x, norm.weight, norm.eps, zero_centered)
+    assert h is x
+    check(out, norm(x))
+    out, h = rms_norm(x, norm.weight, norm.eps, zero_centered, residual=res)
+    check(h, res + x)  # the residual stream, rounded as the reference's `h + x`
+    check(out, norm(res + x))
+
+
+def check_rms_norm_per_head_of_a_strided_view() -> None:
+    """q of Qwen3.5's attention: [n, heads, 2 * hd] chunked to [n, heads, hd] (rows strided), per-head norm."""
+    norm = ZeroCenteredRMSNorm(16, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(rand(16, scale=0.2))
+    q, _gate = rand(5, 3, 32).chunk(2, dim=-1)
+    out, _ = rms_norm(q, norm.weight, norm.eps, True)
+    check(out, norm(q))
+
+
+def check_gated_group_norm(dtype: torch.dtype) -> None:
+    C, gs = 64, 16
+    ref = GroupGatedRMSNorm(C, gs, 1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(1 + rand(C, scale=0.2).cpu())
+    ref = ref.to(dtype).to(DEVICE)
+    y = rand(6, C, scale=3.0)
+    proj = rand(6, 2 * C, dtype=dtype)
+    gate = proj[:, :C]  # a strided slice, as in_proj's
+    check(gated_group_norm(y, gate, ref.weight, gs, ref.eps, dtype), ref(y, gate).to(dtype))
+
+
+def check_gated_head_norm(dtype: torch.dtype) -> None:
+    H, V = 3, 32
+    ref = GatedRMSNorm(V, 1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(1 + rand(V, scale=0.2).cpu())
+    ref = ref.to(dtype).to(DEVICE)
+    core = rand(5, H, V, scale=2.0)
+    z = rand(5, 2 * H * V, dtype=dtype)[:, H * V:].view(5, H, V)
+    want = ref(core.to(dtype), z).reshape(5, H * V)
+    check(gated_head_norm(core, z, ref.weight, ref.eps, dtype), want)
+
+
+def check_silu_mul(dtype: torch.dtype) -> None:
+    gu = rand(4, 2 * 50, dtype=dtype, scale=3.0)
+    g, u = gu[:, :50], gu[:, 50:]
+    check(silu_mul(gu), torch.nn.functional.silu(g) * u)
+
+
+def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
+    """conv_step(act) + mamba_decode against Mamba2Mixer's reference decode (dt rounding, clamp, D skip), with
+    rows that are a subset of the batch (the others stay zero) and one row starting from zeros."""
+    from engine.kernels.recurrent_step import conv_step, mamba_decode
+    from engine.models.layers import causal_conv_step
+    from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+
+    cfg = Mamba2Config(hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=16, conv_kernel=4,
+                       chunk_size=8, use_bias=False, use_conv_bias=True, activation="silu", norm_eps=1e-5,
+                       time_step_min=0.01, ssm_dtype="float32")
+    m = Mamba2Mixer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(rand(*p.shape, scale=0.5).cpu())
+        m.dt_bias.copy_(rand(4).cpu() - 2.0)  # some dt below time_step_min: the clamp is exercised
+    m = m.to(dtype).to(DEVICE)
+    T, C = 5, cfg.conv_dim
+    xbc = rand(T, C + 3, dtype=dtype)[:, :C]  # strided rows
+    dt_raw = rand(T, 4, dtype=dtype)
+    rows = idx(0, 2, 3)
+    slots = idx(1, 2, 3)
+    has_init = idx(1, 0, 1, dtype=torch.int32)
+    conv = rand(4, C, 3, dtype=dtype)
+    ssm = rand(4, 4, 8, 16)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    xc = conv_step(xbc, conv, m._conv_weight(), m.conv1d.bias, slots, has_init, rows, act=True)
+    y = torch.zeros(T, 4, 8, device=DEVICE)
+    mamba_decode(xc, dt_raw, m.dt_bias, m.A_log, m.D, ssm, slots, has_init, rows, y, 2, cfg.time_step_min)
+    # reference, as Mamba2Mixer._decode computes it
+    prev = conv0[slots] * has_init[:, None, None].to(dtype)
+    h0 = ssm0[slots] * has_init[:, None, None, None]
+    xc_ref, conv_new = causal_conv_step(xbc[rows], prev, m._conv_weight(), m.conv1d.bias)
+    x, B, Cm = m._split(m.act(xc_ref))
+    dt = m._dt(dt_raw[rows])
+    A = -torch.exp(m.A_log.float())
+    h = h0 * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
+    y_ref = torch.einsum("bhpn,bhn->bhp", h, Cm) + m.D.float()[:, None] * x
+    check(xc, m.act(xc_ref))
+    torch.testing.assert_close(conv[slots], conv_new.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if STRICT else 6e-2
+    torch.testing.assert_close(ssm[slots], h, rtol=tol, atol=tol)
+    torch.testing.assert_close(y[rows], y_ref, rtol=tol, atol=tol)
+    assert torch.equal(y[idx(1, 4)], torch.zeros(2, 4, 8, device=DEVICE)) and torch.equal(ssm[0], ssm0[0])
+
+
+def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
+    """conv_step(act) + gdn_decode against GatedDeltaNet's reference decode (q/k l2 norms, GQA, beta in the model
+    dtype, g in fp32)."""
+    from engine.kernels.recurrent_step import conv_step, gdn_decode
+    from engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+    from engine.models.layers import causal_conv_step
+
+    cfg = GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
+                              conv_kernel=4, activation="silu", norm_eps=1e-6)
+    m = GatedDeltaNet(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(rand(*p.shape, scale=0.5).cpu())
+    m = m.to(dtype).to(DEVICE)
+    T, C = 4, cfg.conv_dim
+    proj = rand(T, C + 8, dtype=dtype)
+    qkv, b, a = proj[:, :C], proj[:, C:C + 4], proj[:, C + 4:]
+    rows = idx(1, 3)
+    slots = idx(2, 1)
+    has_init = idx(1, 0, dtype=torch.int32)
+    conv = rand(3, C, 3, dtype=dtype)
+    state = rand(3, 4, 16, 8)
+    conv0, state0 = conv.clone(), state.clone()
+    xc = conv_step(qkv, conv, m._conv_weight(), m.conv1d.bias, slots, has_init, rows, act=True)
+    out = torch.zeros(T, 4, 8, device=DEVICE)
+    gdn_decode(xc, a, b, m.A_log, m.dt_bias, state, slots, has_init, rows, out, 2)
+    prev = conv0[slots] * has_init[:, None, None].to(dtype)
+    s0 = state0[slots] * has_init[:, None, None, None]
+    xc_ref, _ = causal_conv_step(qkv[rows], prev, m._conv_weight(), m.conv1d.bias)
+    q, k, v = m._split(m.act(xc_ref))
+    beta = b[rows].sigmoid().float()
+    g = -torch.exp(m.A_log.float()) * torch.nn.functional.softplus(a[rows].float() + m.dt_bias.float())
+    s = s0 * torch.exp(g)[:, :, None, None]
+    delta = (v - torch.einsum("bhkv,bhk->bhv", s, k)) * beta[:, :, None]
+    s = s + k[..., None] * delta[:, :, None, :]
+    o = torch.einsum("bhkv,bhk->bhv", s, q)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if STRICT else 6e-2
+    torch.testing.assert_close(state[slots], s, rtol=tol, atol=tol)
+    torch.testing.assert_close(out[rows], o, rtol=tol, atol=tol)
+    assert torch.equal(out[idx(0, 2)], torch.zeros(2, 4, 8, device=DEVICE))
