@@ -77,13 +77,13 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
     ) -> tuple[list[int], list[float]]:
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=-1)  # log_softmax(x)[t] = x[t] - lse: no [rows, vocab] tensor written
         x = self._process(logits, request_ids, params)
         tokens = torch.argmax(x, dim=-1)
         if not all(p.greedy for p in params):
             tokens = torch.where(self._greedy_mask(params), tokens, self._sample(x, request_ids, params))
-        chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-        self._top_logprobs(logprobs, request_ids, params)
+        chosen = logits.gather(1, tokens.view(-1, 1)).view(-1) - lse
+        self._top_logprobs(logits, lse, request_ids, params)
         return tokens.tolist(), chosen.tolist()
 
     def _greedy_mask(self, params: list[SamplingParams]) -> torch.Tensor:
@@ -191,12 +191,14 @@ class Sampler:
         sorted_x = sorted_x.masked_fill((cum - probs) > p, float("-inf"))
         return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
 
-    def _top_logprobs(self, logprobs: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> None:
+    def _top_logprobs(self, logits: torch.Tensor, lse: torch.Tensor, rids: list[str], params: list[SamplingParams]
+                      ) -> None:
         k = max((p.top_logprobs for p in params), default=0)
         self._top = {}
         if k <= 0:
             return
-        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+        values = values - lse[:, None]
         values_l, ids_l = values.tolist(), ids.tolist()
         for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
             if p.top_logprobs > 0:

@@ -22,6 +22,9 @@ import triton.language as tl
 
 from engine.kernels.fused import sigmoid, silu, softplus
 
+TILES = {"mamba": (32, 4), "gdn": (32, 4)}
+"""(block of P / V columns, num_warps) per decode kernel; benchmarks/decode_kernels.py measures the choices."""
+
 
 @triton.jit
 def _conv_step_kernel(x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr, slot_ptr, init_ptr, row_ptr, C, stride_xb,
@@ -118,11 +121,12 @@ def mamba_decode(xc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_lo
     _, H, P = y.shape
     N = ssm.shape[-1]
     assert xc.stride(1) == 1 and dt.stride(1) == 1 and y.stride(2) == 1 and ssm.stride(3) == 1
-    block_p = min(triton.next_power_of_2(P), 32)
+    block, warps = TILES["mamba"]
+    block_p = min(triton.next_power_of_2(P), block)
     _mamba_decode_kernel[(bt, H, triton.cdiv(P, block_p))](
         xc, dt, dt_bias, A_log, D, ssm, y, slots, has_init, rows, P, H * P, n_groups * N, xc.stride(0),
         dt.stride(0), y.stride(0), y.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2), time_step_min,
-        HEADS_PER_GROUP=H // n_groups, N=N, BLOCK_P=block_p)
+        HEADS_PER_GROUP=H // n_groups, N=N, BLOCK_P=block_p, num_warps=warps)
 
 
 @triton.jit
@@ -176,11 +180,12 @@ def gdn_decode(xc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
     KD = state.shape[2]
     assert xc.stride(1) == 1 and a.stride(1) == 1 and a.stride(0) == b.stride(0) and out.stride(2) == 1
     assert state.stride(3) == 1
-    block_v = min(triton.next_power_of_2(V), 32)
+    block, warps = TILES["gdn"]
+    block_v = min(triton.next_power_of_2(V), block)
     _gdn_decode_kernel[(bt, hv, triton.cdiv(V, block_v))](
         xc, a, b, A_log, dt_bias, state, out, slots, has_init, rows, V, num_k_heads * KD, xc.stride(0), a.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), KD**-0.5,
-        V_PER_K=hv // num_k_heads, KD=KD, BLOCK_V=block_v)
+        V_PER_K=hv // num_k_heads, KD=KD, BLOCK_V=block_v, num_warps=warps)
 
 
 __all__ = ["conv_step", "gdn_decode", "mamba_decode"]

@@ -1,23 +1,25 @@
 """CUDA graphs of decode-only steps (fast path), one per batch-size bucket, captured on first use.
 
-A graph replays forward + logits for `bucket` rows reading static input buffers; each step copies the step's
-metadata (built and uploaded once by `build_varlen`, padded to the bucket) into them. Padded rows carry
-PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and no state, read no block and
-no slot, and their logits are ignored. Steps with a prefill chunk, a decode checkpoint or more sequences than the
-largest bucket run eagerly. Ownership: the runner's step thread; the graphs share one memory pool.
+A graph replays forward + logits for `bucket` rows reading static input buffers; each step fills pinned host
+mirrors of them (numpy, no per-step tensor construction) and copies each with one H2D copy, padded to the
+bucket. Padded rows carry PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and
+no state, read no block and no slot, and their logits are ignored. Steps with a prefill chunk, a decode
+checkpoint or more sequences than the largest bucket run eagerly. Ownership: the runner's step thread; the
+graphs share one memory pool.
 
-    per step: build_varlen (1 upload) -> ~8 device copies into the static buffers -> graph replay -> logits[:n]
+    per step: fill the pinned mirrors -> 7 H2D copies into the static buffers -> graph replay -> logits[:n]
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
 from engine.models.batch import ForwardBatch
-from engine.models.varlen import RecurrentDecodeRows, VarlenMetadata, build_varlen
+from engine.models.varlen import RecurrentDecodeRows, VarlenMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -41,9 +43,47 @@ class DecodeGraphs:
         self.slots = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
         self.has_init = torch.zeros(n, dtype=i32, device=device)
         self.none = torch.zeros(0, dtype=i64, device=device)
+        pin = device.type == "cuda"
+        names = ("ids", "positions", "slot_mapping", "slots", "ctx_len", "has_init")
+        self.host = {k: torch.zeros(n, dtype=i32 if k in ("ctx_len", "has_init") else i64, pin_memory=pin)
+                     for k in names}
+        self.host_table = torch.zeros(n * max(1, max_blocks), dtype=i32, pin_memory=pin)
+        """Pinned host mirrors of the inputs (filled through numpy views, then one H2D copy each)."""
+        self.table_rows: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
+        """The last step's block-table rows by request id (block ids tuple, its int32 array)."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.num_replays = 0
+
+    def _upload(self, seqs, b: int) -> None:  # type: ignore[no-untyped-def]
+        """The step's inputs into the static buffers: filled on the host (pinned, through numpy views: no
+        per-step tensor construction) and copied with one H2D copy per buffer; rows n..b are padding
+        (PAD_SLOT_ID, context 0)."""
+        n, bs = len(seqs), self.block_size
+        h = {k: t.numpy() for k, t in self.host.items()}
+        h["ids"][:n] = [s.token_ids[0] for s in seqs]
+        p = h["positions"]
+        p[:n] = [s.num_computed_tokens for s in seqs]
+        w = max(len(s.block_ids) for s in seqs)
+        table = self.host_table[: b * w].numpy().reshape(b, w)
+        rows, seen = self.table_rows, {}
+        for i, s in enumerate(seqs):  # a request's row converted once, reused while its block list is unchanged
+            hit = rows.get(s.request_id)
+            if hit is None or hit[0] != s.block_ids:
+                hit = (s.block_ids, np.asarray(s.block_ids, dtype=np.int32))
+            seen[s.request_id] = hit
+            table[i, : len(s.block_ids)] = hit[1]
+        self.table_rows = seen
+        pn = p[:n]
+        h["slot_mapping"][:n] = table[np.arange(n), pn // bs] * bs + pn % bs
+        h["ctx_len"][:n] = pn + 1
+        h["slots"][:n] = [s.state_slot for s in seqs]
+        h["has_init"][:n] = pn > 0
+        for k, pad in (("ids", 0), ("positions", 0), ("slot_mapping", PAD_SLOT_ID), ("ctx_len", 0),
+                       ("slots", PAD_SLOT_ID), ("has_init", 0)):
+            h[k][n:b] = pad
+            getattr(self, k)[:b].copy_(self.host[k][:b], non_blocking=True)
+        self.table[:b, :w].copy_(self.host_table[: b * w].view(b, w), non_blocking=True)
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
@@ -96,16 +136,7 @@ class DecodeGraphs:
         assert b is not None
         if b not in self.graphs:
             self._capture(b)
-        meta = build_varlen(seqs, self.block_size, self.conv_width, self.device, pad_to=b)
-        w = meta.block_table.shape[1]
-        self.ids[:b].copy_(meta.input_ids)
-        self.positions[:b].copy_(meta.positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.ctx_len[:b].copy_(meta.ctx_len)
-        self.table[:b, :w].copy_(meta.block_table)
-        if meta.rec_decode is not None:
-            self.slots[:b].copy_(meta.rec_decode.slots)
-            self.has_init[:b].copy_(meta.rec_decode.has_init)
+        self._upload(seqs, b)
         graph, logits = self.graphs[b]
         graph.replay()
         self.num_replays += 1

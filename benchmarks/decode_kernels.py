@@ -1,0 +1,83 @@
+"""The recurrent decode kernels alone (engine.kernels.recurrent_step) at full-size shapes, per tile choice: time
+(median of 20 CUDA-event timings) and the state bandwidth they reach (state read + written) against a same-run
+device-to-device copy. Prints a table; --out writes JSON.
+
+    python benchmarks/decode_kernels.py --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from engine.kernels import recurrent_step as rs
+
+
+def median_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth(dev: str) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    B, dev = args.batch, "cuda"
+    copy_gbps = copy_bandwidth(dev)
+    rows, slots = torch.arange(B, device=dev), torch.arange(1, B + 1, device=dev)
+    init = torch.ones(B, dtype=torch.int32, device=dev)
+    results = []
+    # Mamba-2 of Nemotron-H-8B: 128 heads x 64, state 128, 8 groups
+    H, P, N, G = 128, 64, 128, 8
+    ssm = torch.randn(B + 1, H, P, N, device=dev)
+    xc = torch.randn(B, H * P + 2 * G * N, device=dev, dtype=torch.bfloat16)
+    dt = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+    yb = torch.zeros(B, H, P, device=dev)
+    par = torch.zeros(H, device=dev)
+    for tile in [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]:
+        rs.TILES["mamba"] = tile
+        ms = median_ms(lambda: rs.mamba_decode(xc, dt, par, par, par, ssm, slots, init, rows, yb, G, 1e-3))
+        nbytes = 2 * B * H * P * N * 4
+        results.append({"kernel": "mamba_decode", "tile": tile, "ms": ms, "GBps": nbytes / ms / 1e6})
+    # GDN of Qwen3.5-9B: 16 k heads, 32 v heads, 128 x 128
+    Hk, Hv, K, V = 16, 32, 128, 128
+    st = torch.randn(B + 1, Hv, K, V, device=dev)
+    xq = torch.randn(B, 2 * Hk * K + Hv * V, device=dev, dtype=torch.bfloat16)
+    ab = torch.randn(B, 2 * Hv, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros(B, Hv, V, device=dev)
+    par = torch.zeros(Hv, device=dev)
+    for tile in [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]:
+        rs.TILES["gdn"] = tile
+        ms = median_ms(lambda: rs.gdn_decode(xq, ab[:, :Hv], ab[:, Hv:], par, par, st, slots, init, rows, out, Hk))
+        nbytes = 2 * B * Hv * K * V * 4
+        results.append({"kernel": "gdn_decode", "tile": tile, "ms": ms, "GBps": nbytes / ms / 1e6})
+    print(f"copy {copy_gbps:.0f} GB/s (read + write), batch {B}")
+    for r in results:
+        print(f"{r['kernel']:14} tile {str(r['tile']):9} {r['ms'] * 1e3:8.1f} us {r['GBps']:7.0f} GB/s "
+              f"= {r['GBps'] / copy_gbps:.2f} of copy")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbps, "batch": B,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
