@@ -84,7 +84,8 @@ class Sampler:
             tokens = torch.where(self._greedy_mask(params), tokens, self._sample(x, request_ids, params))
         chosen = logits.gather(1, tokens.view(-1, 1)).view(-1) - lse
         self._top_logprobs(logits, lse, request_ids, params)
-        return tokens.tolist(), chosen.tolist()
+        both = torch.stack((tokens.double(), chosen.double())).tolist()  # one device-to-host read
+        return [int(t) for t in both[0]], both[1]
 
     def _greedy_mask(self, params: list[SamplingParams]) -> torch.Tensor:
         return torch.tensor([p.greedy for p in params], device=self.device)

@@ -22,8 +22,9 @@ import triton.language as tl
 
 from engine.kernels.fused import sigmoid, silu, softplus
 
-TILES = {"mamba": (32, 4), "gdn": (32, 4)}
-"""(block of P / V columns, num_warps) per decode kernel; benchmarks/decode_kernels.py measures the choices."""
+TILES = {"mamba": (32, 8), "gdn": (64, 4)}
+"""(block of P / V columns, num_warps) per decode kernel: the fastest of benchmarks/decode_kernels.py's choices on an
+H200 at batch 64 (Nemotron-H-8B / Qwen3.5-9B shapes; docs/BENCHMARKS.md)."""
 
 
 @triton.jit
@@ -71,6 +72,43 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: 
     _conv_step_kernel[(B, triton.cdiv(C, block_c))](
         x, state, w, bias if bias is not None else w, out, slots, has_init, rows, C, x.stride(0), out.stride(0),
         state.stride(0), state.stride(1), state.stride(2), HAS_BIAS=bias is not None, ACT=act, K=K, BLOCK_C=block_c)
+    return out
+
+
+@triton.jit
+def _conv_varlen_kernel(ext_ptr, w_ptr, bias_ptr, out_ptr, pos_ptr, C, stride_e, stride_o, HAS_BIAS: tl.constexpr,
+                        ACT: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    j = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    e = tl.load(pos_ptr + j).to(tl.int64)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(K):
+        xk = tl.load(ext_ptr + (e - (K - 1 - k)) * stride_e + c, mask=cm, other=0.0)
+        acc += xk.to(tl.float32) * tl.load(w_ptr + c * K + k, mask=cm, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    if ACT:
+        acc = silu(acc.to(dt).to(tl.float32))
+    tl.store(out_ptr + j.to(tl.int64) * stride_o + c, acc.to(dt), mask=cm)
+
+
+def conv_varlen(ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ext_x: torch.Tensor,
+                act: bool = False) -> torch.Tensor:
+    """Causal depthwise conv of prefill tokens laid out in an extended buffer (each sequence's K-1 state rows,
+    then its tokens): ext [E, C]; ext_x [P] the row of each token -> [P, C] in ext's dtype, fp32 accumulation
+    (k = 0..K-1, then the bias, as the reference), silu'd with `act`."""
+    P, C = ext_x.shape[0], ext.shape[1]
+    out = torch.empty(P, C, dtype=ext.dtype, device=ext.device)
+    if P == 0:
+        return out
+    assert ext.stride(1) == 1
+    w = weight.contiguous()
+    block_c = 256
+    _conv_varlen_kernel[(P, triton.cdiv(C, block_c))](ext, w, bias if bias is not None else w, out, ext_x, C,
+                                                      ext.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                                      ACT=act, K=w.shape[1], BLOCK_C=block_c)
     return out
 
 
@@ -188,4 +226,4 @@ def gdn_decode(xc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
         V_PER_K=hv // num_k_heads, KD=KD, BLOCK_V=block_v, num_warps=warps)
 
 
-__all__ = ["conv_step", "gdn_decode", "mamba_decode"]
+__all__ = ["conv_step", "conv_varlen", "gdn_decode", "mamba_decode"]

@@ -7,7 +7,7 @@ is a `VarlenMetadata` (built once per step by the runner); with a `StepMetadata`
                    GEMMs (`fuse_linears`: one weight, the modules' weights become views of it)
     recurrent      decode rows: conv_step (+ silu) and mamba_decode / gdn_decode (dt, gates, q/k norms inside),
                    slots updated in place
-                   prefill rows: conv over the extended buffer (K gathers, fp32), then fla-core's chunked kernels
+                   prefill rows: conv over the extended buffer (one kernel, + silu), then fla-core's chunked kernels
                    (chunk_simple_gla for Mamba-2's SSD, chunk_gated_delta_rule for GDN), one varlen call per round
     MoE            routing on the device, tokens sorted by expert, torch._grouped_mm (bf16), no host sync
 
@@ -50,10 +50,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
 
 
 def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 pre: RecurrentPrefill) -> torch.Tensor:
-    """Causal depthwise conv of every prefill token (pre-activation, xbc's dtype, fp32 accumulation), continuing
-    each sequence's conv state; writes the conv state at every cut into its slots. Returns [P, C] in pre.rows
-    order."""
+                 pre: RecurrentPrefill, act: bool = False) -> torch.Tensor:
+    """Causal depthwise conv of every prefill token (xbc's dtype, fp32 accumulation; silu'd with `act`),
+    continuing each sequence's conv state; writes the conv state at every cut into its slots. Returns [P, C] in
+    pre.rows order."""
+    from engine.kernels.recurrent_step import conv_varlen
+
     C, K = weight.shape
     ext = xbc.new_zeros(pre.ext_size, C)
     ext[pre.ext_x] = xbc[pre.rows]
@@ -61,14 +63,9 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
         init = xbc.new_zeros(pre.num_seqs, C, K - 1)
         init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
         ext[pre.ext_state] = init.transpose(1, 2).reshape(-1, C)
-    w = weight.float()
-    out = torch.zeros(pre.rows.shape[0], C, dtype=torch.float32, device=xbc.device)
-    for k in range(K):
-        out += ext[pre.ext_x - (K - 1 - k)].float() * w[:, k]
-    if bias is not None:
-        out += bias.float()
+    out = conv_varlen(ext, weight, bias, pre.ext_x, act)
     conv[pre.cut_slot] = ext[pre.cut_ext].transpose(1, 2).to(conv.dtype)
-    return out.to(xbc.dtype)
+    return out
 
 
 def _initial_states(ssm: torch.Tensor, pre: RecurrentPrefill) -> torch.Tensor:
@@ -131,8 +128,9 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
     if pre is not None:
         A = -torch.exp(mixer.A_log.float())
         D = mixer.D.float()
-        xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre)
-        x, B, C = _mamba_split(cfg, mixer.act(xc))
+        fused_act = cfg.activation in SILU
+        xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
+        x, B, C = _mamba_split(cfg, xc if fused_act else mixer.act(xc))
         dtp = mixer._dt(dt[pre.rows])
         rep = cfg.num_heads // cfg.n_groups
         v_all = x * dtp[..., None]
@@ -192,8 +190,9 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
     pre = meta.rec_prefill
     if pre is not None:
-        xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre)
-        q, k, v = _gdn_split(cfg, mixer.act(xc))
+        fused_act = cfg.activation in SILU
+        xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
+        q, k, v = _gdn_split(cfg, xc if fused_act else mixer.act(xc))
         bp = b[pre.rows].sigmoid().float()
         gp = -torch.exp(mixer.A_log.float()) * F.softplus(a[pre.rows].float() + mixer.dt_bias.float())
         out = torch.empty_like(v)

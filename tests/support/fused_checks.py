@@ -32,7 +32,7 @@ def idx(*values: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
-def check(got: torch.Tensor, want: torch.Tensor) -> None:
+def check(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
@@ -41,7 +41,8 @@ def check(got: torch.Tensor, want: torch.Tensor) -> None:
     same = (g == w).float().mean().item()
     assert not STRICT or same >= 0.99, f"only {same:.4f} of the elements are bit-identical"
     steps = 1 if STRICT else 4  # the interpreter's truncations compound over a kernel's rounding points
-    assert ((g - w).abs() <= w.abs() * steps * 2**-7 + 1e-6).all(), f"an element is off by more than {steps} bf16 steps"
+    bound = w.abs() * steps * 2**-7 + atol
+    assert ((g - w).abs() <= bound).all(), f"an element is off by more than {steps} bf16 steps"
 
 
 def check_rms_norm_with_and_without_residual(dtype: torch.dtype, zero_centered: bool) -> None:
@@ -184,3 +185,39 @@ def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
     torch.testing.assert_close(state[slots], s, rtol=tol, atol=tol)
     torch.testing.assert_close(out[rows], o, rtol=tol, atol=tol)
     assert torch.equal(out[idx(0, 2)], torch.zeros(2, 4, 8, device=DEVICE))
+
+
+def check_conv_varlen_matches_reference_chunks(dtype: torch.dtype) -> None:
+    """conv_varlen over two sequences in one extended buffer (state rows, then tokens) against the reference
+    causal_conv_chunk of each sequence, pre-activation and with silu."""
+    from engine.kernels.recurrent_step import conv_varlen
+    from engine.models.layers import causal_conv_chunk
+
+    C, K, lens = 40, 4, (7, 3)
+    w, b = rand(C, K, dtype=dtype), rand(C, dtype=dtype)
+    xs = [rand(n, C, dtype=dtype) for n in lens]
+    inits = [rand(C, K - 1, dtype=dtype), None]
+    parts, ext_x, row = [], [], 0
+    for x, init in zip(xs, inits, strict=True):
+        parts += [(init if init is not None else torch.zeros(C, K - 1, dtype=dtype, device=DEVICE)).t(), x]
+        ext_x += list(range(row + K - 1, row + K - 1 + x.shape[0]))
+        row += K - 1 + x.shape[0]
+    ext = torch.cat(parts).contiguous()
+    pos = idx(*ext_x)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731 - the reference on CPU (no TF32 convolution)
+    want = torch.cat([causal_conv_chunk(x.cpu(), cpu(init), w.cpu(), b.cpu(), [])[0]
+                      for x, init in zip(xs, inits, strict=True)]).to(DEVICE)
+    check(conv_varlen(ext, w, b, pos), want)
+    check(conv_varlen(ext, w, b, pos, act=True), torch.nn.functional.silu(want))
+
+
+def check_rotary_matches_apply_rotary(dtype: torch.dtype) -> None:
+    """Partial neox RoPE (rot < head_dim) of a strided [T, H, D] view against layers.apply_rotary."""
+    from engine.kernels.fused import rotary
+    from engine.models.layers import RotaryEmbedding, apply_rotary
+
+    T, H, D, rot = 5, 3, 32, 16
+    x = rand(T, H, 2 * D, dtype=dtype, scale=2.0)[..., :D]
+    cos, sin = RotaryEmbedding(rot, 10000.0).cos_sin(idx(*range(100, 100 + T)), dtype)
+    # a difference of two products cancels: off the GPU, bound the interpreter's truncations by the inputs' scale
+    check(rotary(x, cos, sin), apply_rotary(x, cos, sin), atol=1e-6 if STRICT else 8 * 2**-7)
