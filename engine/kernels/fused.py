@@ -6,7 +6,6 @@ rounded to it here too, so bf16 results match the reference's bf16 results).
     gated_group_norm  Mamba-2:  x = y * silu(gate);  out = w * x / rms(x) per group                 (fp32 -> dtype)
     gated_head_norm   Qwen3.5 GDN:  out = (w * rmsnorm(core)) * silu(z) per head                    (norm before gate)
     silu_mul          [gate | up] -> silu(gate) * up                                                (gated MLP)
-    rotary            neox RoPE on the first rot dims of every head                                  (Qwen3.5)
 
 `softplus` and `silu` below are torch's formulas (threshold 20; x / (1 + exp(-x))), `log1p` the accurate form.
 """
@@ -167,40 +166,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, ROT, stride_x0, stride_x1, stride_c,
-                   BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    i = (r // H).to(tl.int64)
-    j = r % H
-    d = tl.arange(0, BLOCK)
-    m = d < D
-    dt = out_ptr.dtype.element_ty
-    base = x_ptr + i * stride_x0 + j * stride_x1
-    x = tl.load(base + d, mask=m, other=0.0).to(tl.float32)
-    half = ROT // 2
-    rm = d < ROT
-    partner = tl.where(d < half, d + half, d - half)
-    xp = tl.load(base + partner, mask=rm, other=0.0).to(tl.float32)
-    rot = tl.where(d < half, -xp, xp)
-    c = tl.load(cos_ptr + i * stride_c + d, mask=rm, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + i * stride_c + d, mask=rm, other=0.0).to(tl.float32)
-    y = ((x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)).to(dt)
-    y = tl.where(rm, y, x.to(dt))
-    tl.store(out_ptr + (i * H + j) * D + d, y, mask=m)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox RoPE on the first cos.shape[-1] dims of every head (layers.apply_rotary, its bf16 rounding points):
-    x [T, H, D] (last dim contiguous, rows may be strided), cos/sin [T, rot] -> [T, H, D] contiguous."""
-    T, H, D = x.shape
-    assert x.stride(2) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride()
-    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-    if T:
-        _rotary_kernel[(T * H,)](x, cos, sin, out, H, D, cos.shape[1], x.stride(0), x.stride(1), cos.stride(0),
-                                 BLOCK=triton.next_power_of_2(D))
-    return out
-
-
-__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "rms_norm", "rotary", "sigmoid", "silu", "silu_mul",
-           "softplus"]
+__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "rms_norm", "sigmoid", "silu", "silu_mul", "softplus"]

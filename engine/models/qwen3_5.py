@@ -156,24 +156,22 @@ class Qwen3_5Attention(nn.Module):
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: StepMetadata
     ) -> torch.Tensor:
         n = h.shape[0]
-        if isinstance(meta, VarlenMetadata) and self.qkv is not None:  # fast path: one GEMM, fused norms, rope
-            from engine.kernels.fused import rms_norm, rotary
+        if isinstance(meta, VarlenMetadata) and self.qkv is not None:  # fast path: one GEMM, fused norms
+            from engine.kernels.fused import rms_norm
 
             qg, k, v = F.linear(h, self.qkv).split(
                 [2 * self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
             q, gate = qg.view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             q = rms_norm(q, self.q_norm.weight, self.q_norm.eps, True)[0]
             k = rms_norm(k.view(n, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, True)[0]
-            cos, sin = rope
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             v = v.view(n, self.kv_heads, self.head_dim)
         else:
             q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             q = self.q_norm(q)
             k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
             v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
-            cos, sin = rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 

@@ -210,14 +210,3 @@ def check_conv_varlen_matches_reference_chunks(dtype: torch.dtype) -> None:
     check(conv_varlen(ext, w, b, pos), want)
     check(conv_varlen(ext, w, b, pos, act=True), torch.nn.functional.silu(want))
 
-
-def check_rotary_matches_apply_rotary(dtype: torch.dtype) -> None:
-    """Partial neox RoPE (rot < head_dim) of a strided [T, H, D] view against layers.apply_rotary."""
-    from engine.kernels.fused import rotary
-    from engine.models.layers import RotaryEmbedding, apply_rotary
-
-    T, H, D, rot = 5, 3, 32, 16
-    x = rand(T, H, 2 * D, dtype=dtype, scale=2.0)[..., :D]
-    cos, sin = RotaryEmbedding(rot, 10000.0).cos_sin(idx(*range(100, 100 + T)), dtype)
-    # a difference of two products cancels: off the GPU, bound the interpreter's truncations by the inputs' scale
-    check(rotary(x, cos, sin), apply_rotary(x, cos, sin), atol=1e-6 if STRICT else 8 * 2**-7)

@@ -64,7 +64,3 @@ def test_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
 def test_conv_varlen_matches_reference_chunks(dtype: torch.dtype) -> None:
     fc.check_conv_varlen_matches_reference_chunks(dtype)
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_matches_apply_rotary(dtype: torch.dtype) -> None:
-    fc.check_rotary_matches_apply_rotary(dtype)
