@@ -173,13 +173,14 @@ class ModelRunner:
 
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):
-            logits = self.graphs.run(out.seqs)
+            logits, lse = self.graphs.run(out.seqs)
             if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
                 return {}
             if len(rids) < len(out.seqs):
-                keep = [i for i, o in enumerate(out.seqs) if o.sample]
-                logits = logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
-            return self._sample(logits, rids, params)
+                keep = torch.tensor([i for i, o in enumerate(out.seqs) if o.sample], dtype=torch.long,
+                                    device=self.device)
+                logits, lse = logits[keep], lse[keep]
+            return self._sample(logits, rids, params, lse)
         sample = [o.sample for o in out.seqs]
         meta = build_varlen(out.seqs, self.block_size, self.conv_width, self.device, sample=sample)
         batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
@@ -189,9 +190,9 @@ class ModelRunner:
             return {}
         return self._sample(self.model.compute_logits(hidden[meta.sample_rows]), rids, params)
 
-    def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams]
-                ) -> dict[str, tuple[int, float]]:
+    def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams],
+                lse: torch.Tensor | None = None) -> dict[str, tuple[int, float]]:
         if not rids:
             return {}
-        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
+        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids], lse)
         return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}

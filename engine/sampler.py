@@ -74,18 +74,20 @@ class Sampler:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        lse: torch.Tensor | None = None,
     ) -> tuple[list[int], list[float]]:
+        """`lse`: logsumexp of the raw logits per row when the caller has it (a CUDA graph computes it)."""
         logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1)  # log_softmax(x)[t] = x[t] - lse: no [rows, vocab] tensor written
+        if lse is None:  # log_softmax(x)[t] = x[t] - lse: no [rows, vocab] tensor written
+            lse = torch.logsumexp(logits, dim=-1)
         x = self._process(logits, request_ids, params)
         tokens = torch.argmax(x, dim=-1)
         if not all(p.greedy for p in params):
             tokens = torch.where(self._greedy_mask(params), tokens, self._sample(x, request_ids, params))
         chosen = logits.gather(1, tokens.view(-1, 1)).view(-1) - lse
         self._top_logprobs(logits, lse, request_ids, params)
-        both = torch.stack((tokens.double(), chosen.double())).tolist()  # one device-to-host read
-        return [int(t) for t in both[0]], both[1]
+        return tokens.tolist(), chosen.tolist()
 
     def _greedy_mask(self, params: list[SamplingParams]) -> torch.Tensor:
         return torch.tensor([p.greedy for p in params], device=self.device)

@@ -7,7 +7,8 @@ no state, read no block and no slot, and their logits are ignored. Steps with a 
 checkpoint or more sequences than the largest bucket run eagerly. Ownership: the runner's step thread; the
 graphs share one memory pool.
 
-    per step: fill the pinned mirrors -> 7 H2D copies into the static buffers -> graph replay -> logits[:n]
+    per step: fill the pinned mirrors -> 7 H2D copies into the static buffers -> graph replay -> logits[:n] and
+              their logsumexp (the sampler's normaliser, computed in the graph)
 """
 
 from __future__ import annotations
@@ -105,11 +106,12 @@ class DecodeGraphs:
             block_table=self.table[:b], max_q_len=1, rec_decode=dec if self.conv_width else None, rec_prefill=None,
             conv_width=self.conv_width, sample_rows=self.rows[:b])
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = self._meta(b)
         batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
                              seqs=[], block_size=self.block_size, varlen=meta)
-        return self.model.compute_logits(self.model.forward(batch, self.caches))
+        logits = self.model.compute_logits(self.model.forward(batch, self.caches))
+        return logits, torch.logsumexp(logits, dim=-1)  # the sampler's logprob normaliser, inside the graph
 
     def _capture(self, b: int) -> None:
         """Warm up (compiles the Triton kernels) on padded rows only, then capture."""
@@ -124,23 +126,24 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(b)
+            out = self._forward(b)
         self.pool = graph.pool()
-        self.graphs[b] = (graph, logits)
+        self.graphs[b] = (graph, out)
 
     @torch.inference_mode()
-    def run(self, seqs) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        """Logits [len(seqs), vocab] of a decode-only step (can_run must hold)."""
+    def run(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        """Logits [len(seqs), vocab] of a decode-only step and their logsumexp [len(seqs)] (can_run must
+        hold)."""
         n = len(seqs)
         b = self.bucket(n)
         assert b is not None
         if b not in self.graphs:
             self._capture(b)
         self._upload(seqs, b)
-        graph, logits = self.graphs[b]
+        graph, (logits, lse) = self.graphs[b]
         graph.replay()
         self.num_replays += 1
-        return logits[:n]
+        return logits[:n], lse[:n]
 
 
 __all__ = ["BUCKETS", "DecodeGraphs"]
