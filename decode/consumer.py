@@ -10,19 +10,25 @@
                                                                                      --> discard, recompute / fail
 Fail closed: pulled pages are used (scheduled, hashed into the prefix cache) only after P's Commit confirmed that
 the lease was still held when the READ had completed and was granted for this very prompt. Every refusal is
-counted in hybridpd_kv_transfer_failures_total{role="decode", reason}. `num_computed_tokens` is set only then."""
+counted in hybridpd_kv_transfer_failures_total{role="decode", reason}. `num_computed_tokens` is set only then.
+
+Ownership: the request and its destination pages are the engine's: `begin_import` puts the request in the
+scheduler (WAITING_FOR_TRANSFER) with its `Import`; this class keeps only the transport side (the pull handle and
+the Commit in flight), keyed by request id. When the engine ends an import itself (`core.abort`, a failed step,
+the import's deadline) it calls `cancel` (installed as `EngineCore.transfer_canceller`) to stop the pull and learn
+whether the pages may be reused."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.core import EngineCore
 from engine.request import Request
 from engine.transfer import (
-    Import,
+    Checkpoint,
     ImportSource,
     abort_import,
     begin_import,
@@ -39,9 +45,10 @@ log = logging.getLogger("hybridpd.decode")
 
 @dataclass
 class PendingPull:
+    """The transport side of one import (the Import itself is in `core.scheduler.importing`)."""
+
     req: Request
     handle: PullHandle
-    imp: Import
     params: pb.TransferParams
     digest: bytes
     """D's own digest of the request's first `num_external` prompt tokens: what Commit presents to P."""
@@ -60,6 +67,7 @@ class Consumer:
         metrics=None,  # type: ignore[no-untyped-def]  # kvtransfer.metrics.TransferMetrics
         lease_margin_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        commit_grace_s: float = 10.0,
     ) -> None:
         self.policy = policy
         self.timeout_s = timeout_s
@@ -68,6 +76,8 @@ class Consumer:
         self.lease_margin_s = lease_margin_s
         """A pull must complete this long before the lease's expiry (absorbs clock skew and the Commit trip)."""
         self.clock = clock  # wall clock: lease_expiry_unix is P's unix time
+        self.commit_grace_s = commit_grace_s
+        """The engine gives up on an import this long after its pull's timeout (a Commit that never answers)."""
         self.pending: dict[str, PendingPull] = {}
         self.num_recomputed = 0
         self.num_refused: dict[str, int] = {}
@@ -97,7 +107,9 @@ class Consumer:
         time_left = float(tp.lease_expiry_unix) - self.clock() - self.lease_margin_s
         if time_left <= 0:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
-        imp = begin_import(core, req, source_of(tp))
+        pull_timeout = min(self.timeout_s, time_left)
+        imp = begin_import(core, req, source_of(tp, core.cache.group_state_slots("")),
+                           deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
         if imp is None:  # no room to receive now: compute it here when room frees up
             log.info("request %s: no cache room to receive %d tokens; computing locally", req.request_id, n_ext)
             schedule_local(core, req)
@@ -106,13 +118,12 @@ class Consumer:
                         dst_blocks=imp.dst_blocks, src_state_slots=imp.src_state_slots,
                         dst_state_slots=imp.dst_state_slots, lease_token=tp.lease_token, notify_done=False)
         try:
-            handle = start_pull(peer, spec, timeout_s=min(self.timeout_s, time_left),
-                                policy=self.policy)  # type: ignore[arg-type]
+            handle = start_pull(peer, spec, timeout_s=pull_timeout, policy=self.policy)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - stale epoch, bad ids: same policy as a failed pull
             log.warning("request %s: pull refused (%s)", req.request_id, e)
-            self._undo(core, req, imp, reusable=True)
+            self._undo(core, req, reusable=True)
             return self._fallback(core, req, str(e))
-        self.pending[req.request_id] = PendingPull(req, handle, imp, tp, digest)
+        self.pending[req.request_id] = PendingPull(req, handle, tp, digest)
         return "pulling"
 
     def poll(self, core: EngineCore) -> None:
@@ -134,8 +145,8 @@ class Consumer:
             res = p.handle.result
             reusable = res.dst_reusable if res is not None else False
             log.warning("request %s: pull failed (%s)", rid, res.reason if res else "?")
-            self._undo(core, p.req, p.imp, reusable)
-            self._fallback(core, p.req, res.reason if res else "transfer failed")
+            self._undo(core, p.req, reusable)
+            self._fallback(core, p.req, (res.reason if res else None) or "transfer failed")
 
     def on_commit(self, core: EngineCore, request_id: str, committed: bool, reason: str = "") -> None:
         """P's answer to the Commit of a completed pull (step thread). Ignored if the request was aborted since."""
@@ -143,24 +154,31 @@ class Consumer:
         if p is None:
             return
         if committed:
-            complete_import(core, p.req, p.imp)
+            complete_import(core, p.req)
             return
-        self._undo(core, p.req, p.imp, reusable=True)  # no READ in flight: the pages are merely garbage
+        self._undo(core, p.req, reusable=True)  # no READ in flight: the pages are merely garbage
         self._refuse(core, p.req, "lease_lost", f"P did not confirm the lease after the READ ({reason})")
 
     def abort(self, core: EngineCore, request_id: str) -> bool:
-        p = self.pending.pop(request_id, None)
-        if p is None:
+        """End a request whose pull is in flight or committing ("abort"): the engine's one finish path, which calls
+        `cancel` back. False if no pull of it is pending."""
+        if request_id not in self.pending:
             return False
-        p.handle.cancel()  # no-op once DONE (committing): the Commit in flight ends P's lease
-        res = p.handle.result
-        self._undo(core, p.req, p.imp, res.dst_reusable if res is not None else False)
-        end_unscheduled(core, p.req, "abort")
+        core.abort(request_id)
         return True
 
-    def _undo(self, core: EngineCore, req: Request, imp: Import, reusable: bool) -> None:
-        if not abort_import(core, req, imp, reusable):  # a READ may still land in these pages: never reuse them
-            log.error("request %s: transfer could not be cancelled; its pages are quarantined", req.request_id)
+    def cancel(self, request_id: str) -> bool:
+        """`EngineCore.transfer_canceller`: stop the pull into an import the engine is ending; returns whether its
+        pages may be reused (False: a READ may still land)."""
+        p = self.pending.pop(request_id, None)
+        if p is None:
+            return True  # nothing in flight (refused before the pull started)
+        p.handle.cancel()  # no-op once DONE (committing): the Commit in flight ends P's lease
+        res = p.handle.result
+        return res.dst_reusable if res is not None else False
+
+    def _undo(self, core: EngineCore, req: Request, reusable: bool) -> None:
+        abort_import(core, req, None, reusable)  # not reusable: a READ may still land there; quarantined
 
     def _fallback(self, core: EngineCore, req: Request, reason: str) -> str:
         if self.policy == "fail":
@@ -171,10 +189,17 @@ class Consumer:
         return "local"
 
 
-def source_of(tp: pb.TransferParams) -> ImportSource:
-    """The engine's view of transfer params (group ids are the model's: identical on both sides)."""
+def source_of(tp: pb.TransferParams, state_groups: Iterable[int] = ()) -> ImportSource:
+    """The engine's view of transfer params (group ids are the model's: identical on both sides). Params without
+    `states` (an older P) name one recurrent group's slots in fields 5 and 10: that of `state_groups` when it is
+    the only one."""
+    states = {int(g.group_id): (int(g.state_slot), int(g.checkpoint_slot)) for g in tp.states}
+    if not states:
+        only = list(state_groups)
+        if len(only) == 1:
+            states = {only[0]: (int(tp.state_slot), int(tp.checkpoint_slot))}
     checkpoint = None
-    if tp.checkpoint_slot and tp.checkpoint_num_tokens:
-        checkpoint = (int(tp.checkpoint_num_tokens), int(tp.checkpoint_slot))
+    if tp.checkpoint_num_tokens and states and all(c for _, c in states.values()):
+        checkpoint = Checkpoint(int(tp.checkpoint_num_tokens), {gid: c for gid, (_, c) in states.items()})
     return ImportSource(int(tp.num_computed_tokens), {g.group_id: list(g.block_ids) for g in tp.groups},
-                        int(tp.state_slot), checkpoint)
+                        {gid: s for gid, (s, _) in states.items()}, checkpoint)

@@ -35,6 +35,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self.ctx = ctx
         metrics = ctx.agent.metrics if ctx.agent is not None else None
         self.consumer = Consumer(policy, pull_timeout_s, commit=self._start_commit, metrics=metrics)
+        ctx.core.transfer_canceller = self.consumer.cancel  # the engine ends imports through its finish path
         self.prefill_peers = frozenset(prefill_peers)
         self.commit_timeout_s = commit_timeout_s
         self._peers: dict[tuple[str, str], tuple[object, str]] = {}
@@ -50,7 +51,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
         if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
-            self.ctx.metrics.update(core, extra_waiting=len(self.consumer.pending))
+            self.ctx.metrics.update(core, extra_waiting=len(core.scheduler.importing))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -187,7 +188,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _abort(self, core: EngineCore, rid: str) -> bool:
         """Step thread. Ends the request (pulling, committing, waiting or running) and its stream: the Generate
         call sees a last chunk with finish_reason "abort" (an open stream must never be left waiting)."""
-        return self.consumer.abort(core, rid) or core.abort(rid) is not None
+        return core.abort(rid) is not None  # pulling or committing too: the engine cancels the pull (Consumer.cancel)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         aborted = await self.ctx.aengine.acall(lambda core: self._abort(core, request.request_id))
@@ -196,4 +197,4 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         return await self.ctx.aengine.acall(lambda core: stats_response(
             core, "decode", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
-            extra_waiting=len(self.consumer.pending)))
+            extra_waiting=len(core.scheduler.importing)))

@@ -1,6 +1,7 @@
 """EngineCore: the step loop both roles share (scheduler + cache manager + runner + stop checks).
 
     add_request -> [waiting] --schedule--> [running] --execute--> sampled tokens --check_stop--> outputs
+    begin_import -> [waiting for transfer] --complete_import--> [waiting] ...   (engine/transfer.py, decode side)
 
 Ownership: one thread calls add_request/step/abort (workers serialise calls onto their step thread).
 """
@@ -8,8 +9,10 @@ Ownership: one thread calls add_request/step/abort (workers serialise calls onto
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +26,9 @@ from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.transfer import Import
 
 log = logging.getLogger("hybridpd.engine")
 
@@ -50,6 +56,12 @@ class EngineCore:
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
+        kinds = [g.is_attention for g in self.groups]
+        if (kinds.count(True) > 1 or kinds.count(False) > 1) and not getattr(ModelRunner, "reads_group_ids", False):
+            raise InvalidRequestError(
+                f"this model has {kinds.count(True)} attention and {kinds.count(False)} recurrent cache groups; the "
+                f"cache manager and transfers support that, but the model runner still reads one block table and one "
+                f"state slot per request (ScheduledSeq.group_block_ids / group_state_slots are not read yet)")
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
         if self.plan.attention_blocks and self.plan.token_capacity < self.max_model_len:
@@ -79,6 +91,12 @@ class EngineCore:
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
         """Called (step thread) for every request `finish` ends; AsyncEngine delivers them to streams/callbacks."""
+        self.transfer_canceller: Callable[[str], bool] | None = None
+        """Set by the decode worker: cancel the transfer into an importing request's pages; returns whether the
+        pages may be reused (False: a READ may still land, so they are quarantined). Called when the engine itself
+        ends an import (abort, deadline, a failed step); None: nothing can write them (reusable)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -173,13 +191,55 @@ class EngineCore:
         """The one place a request ends (stop, length, prefilled, abort, error; scheduled or not): the scheduler lets
         it go (its caches freed unless `free_caches` is False: a prefill worker pins them, an importing request
         already gave them back), the sampler forgets it, and `finish_listeners` hear of it (step thread)."""
+        if req.request_id in self.scheduler.importing:
+            free_caches = self._give_back_import(req)
         self.scheduler.finish(req, reason, free_caches=free_caches)
         self.runner.sampler.forget(req.request_id)
         for listener in self.finish_listeners:
             listener(req)
 
+    def _give_back_import(self, req: Request) -> bool:
+        """An importing request ends or is let go: cancel its transfer; its pages are freed by the caller when that
+        returns True (the reserved checkpoint here), else quarantined here."""
+        imp = self.scheduler.importing[req.request_id]
+        reusable = self.transfer_canceller(req.request_id) if self.transfer_canceller is not None else True
+        return self.drop_import_pages(req, imp, reusable, free_caches=False)
+
+    def drop_import_pages(self, req: Request, imp: Import, reusable: bool, free_caches: bool = True) -> bool:
+        """Give an import's destination pages back unpublished (`reusable`), or quarantine them (a READ may still
+        write them). With free_caches False the request's own pages are left to the caller (`finish`)."""
+        ckpt = imp.checkpoint
+        if not reusable:
+            log.error("request %s: transfer could not be cancelled; its pages are quarantined", req.request_id)
+            self.cache.quarantine(req, ckpt)
+            return False
+        if ckpt is not None:
+            self.cache.drop_checkpoint(ckpt)
+        if free_caches:
+            self.cache.free(req)
+        return True
+
+    def expire_imports(self) -> list[Request]:
+        """End imports past their deadline (Import.deadline): the transfer is cancelled, the pages given back (or
+        quarantined), and the request computed here ("recompute") or ended with an error ("fail"), per the
+        Import's fallback. Returns them. Called before every step; workers may call it from a hook too."""
+        expired = self.scheduler.expired_imports(self.clock())
+        for req in expired:
+            imp = self.scheduler.importing[req.request_id]
+            self._give_back_import(req)
+            self.cache.free(req)  # no-op if quarantined (the request holds nothing then)
+            self.scheduler.drop_import(req)
+            log.warning("request %s: transfer deadline passed; %s", req.request_id, imp.fallback)
+            if imp.fallback == "recompute":
+                req.num_computed_tokens = 0
+                self.scheduler.add_request(req)
+            else:
+                req.stop_reason = "transfer deadline passed"
+                self.finish(req, "error", free_caches=False)
+        return expired
+
     def abort(self, request_id: str) -> Request | None:
-        """End a scheduled request ("abort"); returns it, or None if it is not scheduled."""
+        """End a scheduled or importing request ("abort"); returns it, or None if it is not known."""
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.finish(req, "abort")
@@ -192,11 +252,14 @@ class EngineCore:
             self.finish(req, "error")
 
     def has_unfinished(self) -> bool:
+        """Requests a step can advance (importing ones wait for their transfer; see expire_imports)."""
         return self.scheduler.num_unfinished > 0
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
+        if self.scheduler.importing:
+            self.expire_imports()
         out: SchedulerOutput = self.scheduler.schedule()
         params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
         try:
@@ -276,10 +339,10 @@ class EngineCore:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""
         info = self.plan.as_dict()
         for g in self.groups:
-            pool = self.cache.pools[g.group_id]
+            pool, label = self.cache.pools[g.group_id], self.cache.labels[g.group_id]
             s = pool.stats()
-            info[f"{g.kind}_bytes_in_use"] = s["in_use"] * pool.page_bytes
-            info[f"{g.kind}_bytes_cached"] = s["cached"] * pool.page_bytes
+            info[f"{label}_bytes_in_use"] = s["in_use"] * pool.page_bytes
+            info[f"{label}_bytes_cached"] = s["cached"] * pool.page_bytes
         return info
 
 

@@ -15,6 +15,8 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_TRANSFER = "waiting_for_transfer"
+    """Holds destination pages while its first tokens are transferred in (engine/transfer.py); never scheduled."""
     RUNNING = "running"
     FINISHED = "finished"
 

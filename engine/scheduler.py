@@ -7,16 +7,35 @@ One step:
        back to the front of the waiting queue, recomputed later) until it fits or it was itself the victim;
     2. if nothing was preempted, waiting requests are admitted in order while budget and max_num_seqs allow,
        starting at their prefix-cache hit.
+
+Requests waiting for a transfer (a decode worker's imports, `engine/transfer.py`) sit in `importing`, state
+WAITING_FOR_TRANSFER, holding their destination pages; `schedule()` never looks at them. `transfer_done` moves one
+to the front of the waiting queue (it continues at `num_computed_tokens`); `drop_import` lets one go (the caller
+frees or quarantines its pages and schedules it locally or ends it); `finish` ends one like any request.
+
+    new_request --begin_import--> [importing] --transfer_done--> [waiting] --schedule--> [running] --> finish
+                                      |  --drop_import--> (recompute: add_request at 0 | end)
+                                      +-- finish (abort, deadline, error) ---------------------------------^
+
+The runner reads, per sequence, one block table and one state slot per group (`group_block_ids`,
+`group_state_slots`, `group_checkpoints`; `SchedulerOutput.group_state_copies`); `block_ids`, `state_slot`,
+`checkpoints` and `state_copies` are the first attention group's / the lead recurrent group's (all of them for a
+model with one group of each kind).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.cache.coordinator import HybridCacheManager, PrefixHit
+from engine.cache.specs import PAD_SLOT_ID
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.transfer import Import
 
 
 @dataclass(frozen=True)
@@ -31,6 +50,12 @@ class ScheduledSeq:
     checkpoints: tuple[tuple[int, int], ...]
     sample: bool
     """True when this chunk reaches the request's last known token: the runner samples the next one."""
+    group_block_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(attention group id, block table) for every attention group; block_ids is the first one's."""
+    group_state_slots: tuple[tuple[int, int], ...] = ()
+    """(recurrent group id, running slot) for every recurrent group; state_slot is the first one's."""
+    group_checkpoints: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    """(recurrent group id, checkpoints) for every recurrent group (same boundaries, each group's own slots)."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -49,6 +74,10 @@ class SchedulerOutput:
     fresh_blocks: tuple[int, ...]
     """Attention blocks allocated this step (to zero before first use). Drained every step."""
     preempted: tuple[str, ...]
+    group_state_copies: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
+    """(recurrent group id, (src, dst) copies) for every recurrent group; state_copies is the first one's."""
+    group_fresh_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(attention group id, fresh blocks) for every attention group; fresh_blocks is the first one's."""
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +95,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        """Every unfinished request: waiting, running and importing."""
+        self.importing: dict[str, Import] = {}
+        """request id -> the import it waits for (WAITING_FOR_TRANSFER, destination pages held). Never scheduled."""
         self.num_preemptions = 0
 
     # -- queue management ----------------------------------------------------------------------------------------
@@ -75,11 +107,35 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def add_transferred(self, req: Request) -> None:
-        """Admit a request whose first `num_computed_tokens` tokens arrived by transfer (caches already held).
-        It queues ahead of new requests; it is scheduled like any request that holds caches."""
+    def add_importing(self, req: Request, imp: Import) -> None:
+        """Hold a request whose first tokens are being transferred in: it keeps `imp`'s destination pages and waits
+        (WAITING_FOR_TRANSFER) until `transfer_done` or `drop_import`; `schedule()` never looks at it."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
+        self.importing[req.request_id] = imp
+        req.status = RequestStatus.WAITING_FOR_TRANSFER
+
+    def transfer_done(self, req: Request) -> None:
+        """The transfer completed (`num_computed_tokens` set): the request queues ahead of new requests and is
+        scheduled like any request that holds caches."""
+        self.importing.pop(req.request_id)
+        req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    add_transferred = transfer_done
+
+    def drop_import(self, req: Request) -> Import:
+        """Let an importing request go unscheduled (its pages are the caller's to free or quarantine)."""
+        imp = self.importing.pop(req.request_id)
+        self.requests.pop(req.request_id, None)
+        req.status = RequestStatus.WAITING
+        return imp
+
+    def expired_imports(self, now: float) -> list[Request]:
+        """Importing requests whose deadline (Import.deadline, monotonic seconds) has passed."""
+        return [self.requests[rid] for rid, imp in self.importing.items()
+                if imp.deadline is not None and imp.deadline <= now]
 
     def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
         """End a request. free_caches=False keeps its blocks/slot (a prefill worker pins them under a lease and
@@ -90,6 +146,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.importing.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         if free_caches:
             self.cache.free(req)
@@ -105,6 +162,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests a step can advance (importing ones wait for their transfer, not for steps)."""
         return len(self.waiting) + len(self.running)
 
     # -- one step ------------------------------------------------------------------------------------------------
@@ -143,7 +201,10 @@ class Scheduler:
             num_new = min(req.target_tokens - start, budget)
             if num_new <= 0:
                 break
-            if not self.cache.allocate(req, start + num_new, hit):
+            fits = self.cache.allocate(req, start + num_new, hit)
+            while not fits and not self.running and self._recompute_a_holder(req, preempted):
+                fits = self.cache.allocate(req, start + num_new, hit)
+            if not fits:
                 # a hit holds its checkpoint next to the new running state until the copy ran: with one budget
                 # that can be the one page too many; with nothing running nothing else will free it, so go cold
                 if hit is None or hit.num_tokens == 0 or self.running:
@@ -163,25 +224,50 @@ class Scheduler:
             seqs.append(self._schedule_seq(req, num_new))
             budget -= num_new
 
+        copies = self.cache.take_group_state_copies()
+        fresh = self.cache.take_group_fresh_blocks()
         return SchedulerOutput(
             seqs=tuple(seqs),
-            state_copies=tuple(self.cache.take_state_copies()),
-            fresh_blocks=tuple(self.cache.take_fresh_blocks()),
+            state_copies=tuple(next(iter(copies.values()), ())),
+            fresh_blocks=tuple(next(iter(fresh.values()), ())),
             preempted=tuple(preempted),
+            group_state_copies=tuple((gid, tuple(c)) for gid, c in copies.items()),
+            group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
         )
 
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         end = start + num_new
+        rid = req.request_id
+        blocks = self.cache.group_block_ids(rid)
+        slots = self.cache.group_state_slots(rid)
+        ckpts = self.cache.plan_group_checkpoints(req, start, end)
         return ScheduledSeq(
-            request_id=req.request_id,
+            request_id=rid,
             num_computed_tokens=start,
             token_ids=tuple(req.token_slice(start, end)),
-            block_ids=tuple(self.cache.block_ids(req.request_id)),
-            state_slot=self.cache.state_slot(req.request_id),
-            checkpoints=tuple(self.cache.plan_checkpoints(req, start, end)),
+            block_ids=next(iter(blocks.values()), ()),
+            state_slot=next(iter(slots.values()), PAD_SLOT_ID),
+            checkpoints=tuple(next(iter(ckpts.values()), ())),
             sample=req.compute_target is None and end == req.num_tokens,
+            group_block_ids=tuple(blocks.items()),
+            group_state_slots=tuple(slots.items()),
+            group_checkpoints=tuple((gid, tuple(c)) for gid, c in ckpts.items()),
         )
+
+    def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:
+        """The head of the queue cannot get its caches and nothing runs: only requests waiting behind it that hold
+        transferred caches hold memory. Free the latest one's (it recomputes from token 0), so the queue cannot
+        deadlock. False when there is none."""
+        for victim in reversed(self.waiting):
+            if victim is not head and victim.num_computed_tokens > 0:
+                self.cache.free(victim)
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                self.num_preemptions += 1
+                preempted.append(victim.request_id)
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)

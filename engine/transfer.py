@@ -4,15 +4,21 @@ themselves. All functions run on the engine's step thread.
 
     P (producer)                                   D (consumer)
     core.add_request(..., compute_target=N-1)      req = core.new_request(...)
-      ... finishes as "prefilled" (caches kept)    imp = begin_import(core, req, n, src)   allocate, choose pages
-    exp = export_prefilled(core, req)  pin         ... pull imp's src pages into its dst pages (NIXL) ...
-      ... lease: D pulls, then commits ...         complete_import(core, req, imp)  publish + schedule at n
-    release_export(core, req, exp)     unpin       or abort_import(core, req, imp, reusable) + schedule_local/fail
+      ... finishes as "prefilled" (caches kept)    imp = begin_import(core, req, src)   allocate, choose pages;
+    exp = export_prefilled(core, req)  pin           the scheduler holds req WAITING_FOR_TRANSFER
+      ... lease: D pulls, then commits ...         ... pull imp's src pages into its dst pages (NIXL) ...
+    release_export(core, req, exp)     unpin       complete_import(core, req)  publish + runnable at n
+                                                   or abort_import(core, req, imp, reusable) + schedule_local/fail
+                                                   or core.abort / a deadline (Import.deadline) / a failed step
 
-Ownership: an Export's pages stay allocated (the prefilled request's blocks, its running slot, plus a pinned
-checkpoint slot) until `release_export`. An Import's destination pages belong to the request from `begin_import`
-until `complete_import` (they become its running caches) or `abort_import` (freed, or quarantined when a READ
-might still write them).
+Every id is per cache group: an attention group's blocks, a recurrent group's running slot and checkpoint slot
+(several groups of each kind are allowed; they travel as TransferParams.groups / .states).
+
+Ownership: an Export's pages stay allocated (the prefilled request's blocks, its running slots, plus the pinned
+checkpoint slots) until `release_export`. An Import's destination pages belong to the request, which the scheduler
+holds in WAITING_FOR_TRANSFER from `begin_import` until `complete_import` (they become its running caches),
+`abort_import`, or the engine ending it (`EngineCore.finish`: abort, deadline, error), which asks
+`EngineCore.transfer_canceller` whether a READ may still land and frees or quarantines the pages accordingly.
 """
 
 from __future__ import annotations
@@ -20,8 +26,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.cache.coordinator import ReservedCheckpoint
 from engine.core import EngineCore
 from engine.request import Request
+
+FALLBACKS = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A cached state checkpoint: the state after `num_tokens` tokens, one slot per recurrent group."""
+
+    num_tokens: int
+    slots: Mapping[int, int]
+    """Recurrent group id -> slot."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +53,8 @@ class Export:
     """Attention group id -> block ids holding those tokens, in order."""
     state_slots: Mapping[int, int]
     """Recurrent group id -> slot holding the state after `num_tokens`."""
-    checkpoint: tuple[int, int] | None
-    """(tokens, slot) of the last cached state checkpoint within the prompt, pinned too; None if there is none."""
+    checkpoint: Checkpoint | None
+    """The last cached state checkpoint within the prompt (in every recurrent group), pinned too; None if none."""
     pinned: Mapping[int, tuple[int, ...]]
     """Group id -> every page the export holds (what a lease accounts for)."""
 
@@ -48,16 +66,16 @@ class ImportSource:
     num_tokens: int
     blocks: Mapping[int, Sequence[int]]
     """Attention group id -> the producer's block ids for those tokens, in order."""
-    state_slot: int | None
-    """The producer's slot holding the state after `num_tokens` (the recurrent group's; the wire format carries
-    one recurrent group)."""
-    checkpoint: tuple[int, int] | None = None
-    """(tokens, the producer's slot) of its last checkpoint within the prompt, if it offers one."""
+    state_slots: Mapping[int, int]
+    """Recurrent group id -> the producer's slot holding the state after `num_tokens`."""
+    checkpoint: Checkpoint | None = None
+    """The producer's last checkpoint within the prompt, if it offers one (its slots, per recurrent group)."""
 
 
 @dataclass(frozen=True)
 class Import:
-    """Pages to read, paired position by position: {group id: ids} on the source and here."""
+    """Pages to read, paired position by position: {group id: ids} on the source and here. Held by the scheduler
+    (WAITING_FOR_TRANSFER) from `begin_import` until `complete_import`, `abort_import` or the request's end."""
 
     request_id: str
     num_tokens: int
@@ -65,48 +83,45 @@ class Import:
     src_blocks: Mapping[int, tuple[int, ...]]
     dst_blocks: Mapping[int, tuple[int, ...]]
     src_state_slots: Mapping[int, tuple[int, ...]]
+    """Recurrent group id -> (running state slot, checkpoint slot if one is pulled) on the producer."""
     dst_state_slots: Mapping[int, tuple[int, ...]]
-    checkpoint: tuple[int, bytes] | None
-    """(our slot, block hash) reserved for the producer's checkpoint, published on completion."""
+    checkpoint: ReservedCheckpoint | None
+    """Our slots reserved for the producer's checkpoint, published on completion."""
+    deadline: float | None = None
+    """Engine clock (monotonic) time after which the engine gives up on it (`EngineCore.expire_imports`)."""
+    fallback: str = "recompute"
+    """What the engine does when it gives up: "recompute" here from token 0, or "fail" the request."""
 
 
 # -- producer ------------------------------------------------------------------------------------------------------
 def export_prefilled(core: EngineCore, req: Request) -> Export:
-    """Pin a request that finished as "prefilled" (its blocks and running slot are still allocated) together with
+    """Pin a request that finished as "prefilled" (its blocks and running slots are still allocated) together with
     the last cached checkpoint of its prompt, and describe them."""
     cache, n = core.cache, req.num_computed_tokens
+    found = cache.find_checkpoint(req, n)
     ckpt = None
-    rec, attn = cache.recurrent, cache.attention
-    if rec is not None and cache.enable_prefix_caching:
-        ckpt_tokens, ckpt_slot = rec.find_hit(req.block_hashes, n)
-        if ckpt_slot is not None:
-            rec.pool.touch([ckpt_slot])
-            ckpt = (ckpt_tokens, ckpt_slot)
-    blocks: dict[int, tuple[int, ...]] = {}
-    states: dict[int, int] = {}
-    pinned: dict[int, tuple[int, ...]] = {}
-    if attn is not None:
-        all_blocks = tuple(cache.block_ids(req.request_id))
-        blocks[attn.group.group_id] = all_blocks[: -(-n // cache.block_size)]
-        pinned[attn.group.group_id] = all_blocks
-    if rec is not None:
-        slot = cache.state_slot(req.request_id)
-        states[rec.group.group_id] = slot
-        pinned[rec.group.group_id] = (slot,) + ((ckpt[1],) if ckpt is not None else ())
+    if found is not None:
+        ckpt = Checkpoint(found[0], found[1])
+        cache.pin_checkpoint(found[1])
+    blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in cache.group_block_ids(req.request_id).items()}
+    states = cache.group_state_slots(req.request_id)
+    pinned = dict(cache.req_pages(req.request_id))
+    for gid, slot in (ckpt.slots.items() if ckpt is not None else ()):
+        pinned[gid] = pinned[gid] + (slot,)
     return Export(req.request_id, n, blocks, states, ckpt, pinned)
 
 
 def release_export(core: EngineCore, req: Request, exp: Export) -> None:
     """Unpin an export (its lease ended: committed, released or expired)."""
     core.scheduler.release(req)
-    if exp.checkpoint is not None and core.cache.recurrent is not None:
-        core.cache.recurrent.pool.free([exp.checkpoint[1]])
+    if exp.checkpoint is not None:
+        core.cache.unpin_checkpoint(exp.checkpoint.slots)
 
 
 def export_pages_needed(core: EngineCore, num_tokens: int) -> dict[int, int]:
-    """Attention blocks an export of `num_tokens` tokens pins (admission control counts these)."""
-    attn = core.cache.attention
-    return {} if attn is None else {attn.group.group_id: -(-num_tokens // core.cache.block_size)}
+    """Attention blocks (per attention group) an export of `num_tokens` tokens pins (admission control counts
+    these)."""
+    return {gid: -(-num_tokens // core.cache.block_size) for gid in core.cache.group_block_ids("")}
 
 
 def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
@@ -115,46 +130,55 @@ def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
 
 
 # -- consumer ------------------------------------------------------------------------------------------------------
-def begin_import(core: EngineCore, req: Request, src: ImportSource) -> Import | None:
+def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None,
+                 fallback: str = "recompute") -> Import | None:
     """Allocate what `req` needs to receive the producer's first `src.num_tokens` tokens, keeping our own prefix
-    hit (attention blocks only: the running state comes from the producer). None when the pools cannot hold it now.
-    Raises ValueError (nothing kept allocated) when the source does not name exactly the blocks needed."""
+    hit (attention blocks only: the running states come from the producer), and hold the request in the scheduler
+    (WAITING_FOR_TRANSFER) with those pages. None when the pools cannot hold it now (nothing held, not scheduled).
+    Raises ValueError (nothing kept allocated) when the source does not name exactly the pages needed."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if req.request_id in core.scheduler.requests:
+        raise ValueError(f"request id {req.request_id!r} is already scheduled")
     cache = core.cache
     alloc = cache.allocate_for_transfer(req, src.num_tokens)
     if alloc is None:
         return None
-    attn, rec = cache.attention, cache.recurrent
     src_blocks: dict[int, tuple[int, ...]] = {}
-    dst_blocks: dict[int, tuple[int, ...]] = {}
     src_states: dict[int, tuple[int, ...]] = {}
     dst_states: dict[int, tuple[int, ...]] = {}
-    ckpt = None
-    if attn is not None:
-        gid = attn.group.group_id
+    for gid, dst in alloc.block_ids.items():
         wanted = tuple(int(b) for b in src.blocks.get(gid, ()))[alloc.first_block_index:]
-        if len(wanted) != len(alloc.block_ids):
+        if len(wanted) != len(dst):
             cache.free(req)
-            raise ValueError(f"transfer source names {len(wanted)} blocks, expected {len(alloc.block_ids)}")
-        src_blocks[gid], dst_blocks[gid] = wanted, tuple(alloc.block_ids)
-    if rec is not None:
-        gid = rec.group.group_id
-        if src.state_slot is None:
+            raise ValueError(f"transfer source names {len(wanted)} blocks of group {gid}, expected {len(dst)}")
+        src_blocks[gid] = wanted
+    for gid in alloc.state_slots:
+        if src.state_slots.get(gid) is None:
             cache.free(req)
-            raise ValueError("transfer source names no recurrent state slot")
-        s_ids, d_ids = [int(src.state_slot)], [alloc.state_slot]
-        if src.checkpoint is not None and src.checkpoint[0] > alloc.local_hit_tokens:
-            ckpt = cache.reserve_checkpoint(req, src.checkpoint[0])
-            if ckpt is not None:
-                s_ids.append(int(src.checkpoint[1]))
-                d_ids.append(ckpt[0])
-        src_states[gid], dst_states[gid] = tuple(s_ids), tuple(d_ids)
-    return Import(req.request_id, src.num_tokens, alloc.local_hit_tokens, src_blocks, dst_blocks, src_states,
-                  dst_states, ckpt)
+            raise ValueError(f"transfer source names no state slot of recurrent group {gid}")
+        src_states[gid] = (int(src.state_slots[gid]),)
+    for gid, slot in alloc.state_slots.items():
+        dst_states[gid] = (slot,)
+    ckpt = None
+    offer = src.checkpoint
+    if offer is not None and offer.num_tokens > alloc.local_hit_tokens and set(alloc.state_slots) <= set(offer.slots):
+        ckpt = cache.reserve_checkpoint(req, offer.num_tokens)
+        if ckpt is not None:
+            for gid in alloc.state_slots:
+                src_states[gid] += (int(offer.slots[gid]),)
+                dst_states[gid] += (ckpt.slots[gid],)
+    imp = Import(req.request_id, src.num_tokens, alloc.local_hit_tokens, src_blocks,
+                 {gid: tuple(ids) for gid, ids in alloc.block_ids.items()}, src_states, dst_states, ckpt,
+                 deadline, fallback)
+    core.scheduler.add_importing(req, imp)
+    return imp
 
 
-def complete_import(core: EngineCore, req: Request, imp: Import) -> None:
+def complete_import(core: EngineCore, req: Request, imp: Import | None = None) -> None:
     """The pulled pages are in place and confirmed: zero the untrusted tail of the last block, publish the blocks
-    and the checkpoint in our prefix cache, and schedule the request to continue at token `imp.num_tokens`."""
+    and the checkpoint in our prefix cache, and let the scheduler run the request from token `imp.num_tokens`."""
+    imp = core.scheduler.importing[req.request_id]
     cache, n = core.cache, imp.num_tokens
     tail = n % cache.block_size
     for ids in imp.dst_blocks.values():
@@ -165,20 +189,17 @@ def complete_import(core: EngineCore, req: Request, imp: Import) -> None:
     req.external_computed_tokens = n - imp.local_hit_tokens
     cache.publish_transferred(req, n)
     if imp.checkpoint is not None:
-        cache.publish_checkpoint(*imp.checkpoint)
+        cache.publish_checkpoint(imp.checkpoint)
     cache.count_external(req, req.external_computed_tokens)
-    core.scheduler.add_transferred(req)
+    core.scheduler.transfer_done(req)
 
 
 def abort_import(core: EngineCore, req: Request, imp: Import | None, reusable: bool) -> bool:
-    """Give the import's pages back unpublished. `reusable` False: a READ may still write them, so they are kept
-    out of use (quarantined) instead. Returns whether they were freed."""
-    if not reusable:
-        return False
-    core.cache.free(req)
-    if imp is not None and imp.checkpoint is not None:
-        core.cache.drop_checkpoint(imp.checkpoint[0])
-    return True
+    """Let an importing request go unscheduled, its pages given back unpublished. `reusable` False: a READ may
+    still write them, so they are quarantined instead (kept out of use for good; the request holds nothing and may
+    compute afresh). Returns whether they were freed. The caller then calls `schedule_local` or `end_unscheduled`."""
+    held = core.scheduler.drop_import(req)
+    return core.drop_import_pages(req, held, reusable)
 
 
 def schedule_local(core: EngineCore, req: Request) -> None:
@@ -188,7 +209,6 @@ def schedule_local(core: EngineCore, req: Request) -> None:
 
 
 def end_unscheduled(core: EngineCore, req: Request, finish_reason: str, stop_reason: str | None = None) -> None:
-    """End a request that is not scheduled (refused or aborted while importing; its caches were already given back
-    or quarantined): "error" or "abort"."""
+    """End a request that is not scheduled (refused, or let go by `abort_import`): "error" or "abort"."""
     req.stop_reason = stop_reason
     core.finish(req, finish_reason, free_caches=False)

@@ -30,9 +30,6 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
     def __init__(self, ctx: WorkerContext, lease_seconds: float = 30.0, max_pinned_fraction: float = 0.5) -> None:
         if not 0 < max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in (0, 1], got {max_pinned_fraction}")
-        if sum(not g.is_attention for g in ctx.core.groups) > 1:  # refused at start-up, not per request
-            raise ValueError("disaggregation supports one recurrent cache group (TransferParams carries one state "
-                             "slot); serve this model colocated")
         self.ctx = ctx
         self.tmetrics = TransferMetrics("prefill")
         # wall clock: lease expiry travels to D and the proxy as unix time
@@ -136,15 +133,12 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
             return
-        ckpt_tokens, ckpt_slot = exp.checkpoint or (0, 0)
-        params = pb.TransferParams(
+        params = transfer_params(exp)
+        params.MergeFrom(pb.TransferParams(
             worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address,
-            groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()],
-            state_slot=max(next(iter(exp.state_slots.values()), 0), 0), num_computed_tokens=n,
             num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expires_at,
-            checkpoint_slot=ckpt_slot, checkpoint_num_tokens=ckpt_tokens,
             lease_token=lease.token, prompt_digest=digest,
-        )
+        ))
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
                                   num_cached_tokens=max(req.num_cached_tokens, 0))
         loop, fut = waiter
@@ -215,6 +209,20 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             return stats_response(core, "prefill", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
                                   pinned, len(self.leases))
         return await self.ctx.aengine.acall(stats)
+
+
+def transfer_params(exp: Export) -> pb.TransferParams:
+    """The export's pages as TransferParams: every attention group's blocks, every recurrent group's slots (the
+    first recurrent group's also in the one-group fields 5 and 10, for an older D)."""
+    ckpt = exp.checkpoint
+    states = [pb.GroupStates(group_id=gid, state_slot=slot, checkpoint_slot=ckpt.slots[gid] if ckpt else 0)
+              for gid, slot in exp.state_slots.items()]
+    return pb.TransferParams(
+        groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()],
+        states=states, state_slot=max(states[0].state_slot, 0) if states else 0,
+        checkpoint_slot=states[0].checkpoint_slot if states else 0,
+        checkpoint_num_tokens=ckpt.num_tokens if ckpt else 0, num_computed_tokens=exp.num_tokens,
+    )
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

@@ -58,8 +58,18 @@ class GroupBlocks(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, group_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class GroupStates(_message.Message):
+    __slots__ = ("group_id", "state_slot", "checkpoint_slot")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    state_slot: int
+    checkpoint_slot: int
+    def __init__(self, group_id: _Optional[int] = ..., state_slot: _Optional[int] = ..., checkpoint_slot: _Optional[int] = ...) -> None: ...
+
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +82,7 @@ class TransferParams(_message.Message):
     CHECKPOINT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     prefill_address: str
@@ -84,7 +95,8 @@ class TransferParams(_message.Message):
     checkpoint_num_tokens: int
     lease_token: str
     prompt_digest: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    states: _containers.RepeatedCompositeFieldContainer[GroupStates]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

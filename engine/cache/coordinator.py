@@ -1,8 +1,14 @@
 """The hybrid cache manager: one manager per group, reconciled into one answer per request.
 
-Hit search: attention left to right over full blocks; recurrent right to left over checkpoint boundaries within
-the attention hit; the hit is the longest length every group agrees on, capped at N-1 (a request must compute at
-least its last token to sample). Only real blocks count.
+Groups: one manager per cache group behind one interface (managers.py: `GroupManager`), any number of attention
+groups (e.g. layers with different KV head shapes) and of recurrent groups (e.g. Mamba-2 and Gated-DeltaNet states).
+The coordinator loops over them; what differs between kinds lives in the managers. Each group has its own pool
+and ids, so the scheduler hands the runner one block table per attention group and one slot per recurrent group.
+
+Hit search: every group answers the longest prefix it alone serves within a bound (attention left to right over
+full blocks; recurrent right to left over checkpoint boundaries); the bound shrinks to the shortest answer until
+every group agrees, capped at N-1 (a request must compute at least its last token to sample). Only real blocks
+count. Checkpoints are reserved in every recurrent group at once for a boundary, and published together.
 
 Memory: with a `budget_bytes` (the planner always gives one) cached blocks and cached checkpoints share one byte
 budget with the running requests' pages; `Reclaimer` (reclaim.py) frees room by the policy's eviction order, and
@@ -15,12 +21,13 @@ Tensor-free.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.cache.admission import Admission, CachePolicy
 from engine.cache.block_pool import BlockPool
 from engine.cache.hashing import extend_block_hashes, extra_keys
-from engine.cache.managers import AttentionManager, RecurrentManager
+from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
 from engine.cache.reclaim import Reclaimer
 from engine.cache.specs import PAD_SLOT_ID, CacheGroup
 from engine.request import Request
@@ -29,20 +36,31 @@ from engine.request import Request
 @dataclass
 class PrefixHit:
     num_tokens: int = 0
-    attention_blocks: list[int] = field(default_factory=list)
-    checkpoint_slot: int | None = None
+    pages: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Group id -> its cached pages serving the `num_tokens` every group agreed on (attention: blocks in order;
+    recurrent: the checkpoint slot, none when num_tokens is 0)."""
     group_hits: dict[str, int] = field(default_factory=dict)
-    """What each group alone could serve (for per-group counters)."""
+    """What each group alone could serve (for per-group counters), by group label."""
 
 
 @dataclass
 class TransferAllocation:
     local_hit_tokens: int
     first_block_index: int
-    """Index (in the request's block table) of the first block the transfer fills."""
-    block_ids: list[int]
-    """Destination blocks, in order, for block indices first_block_index ..."""
-    state_slot: int
+    """Index (in the request's block tables) of the first block the transfer fills."""
+    block_ids: dict[int, list[int]]
+    """Attention group id -> destination blocks, in order, for block indices first_block_index ..."""
+    state_slots: dict[int, int]
+    """Recurrent group id -> the request's running slot (the transfer writes it)."""
+
+
+@dataclass(frozen=True)
+class ReservedCheckpoint:
+    """State slots (one per recurrent group) reserved for a checkpoint that a transfer brings."""
+
+    num_tokens: int
+    slots: dict[int, int]
+    block_hash: bytes
 
 
 @dataclass
@@ -51,16 +69,23 @@ class GroupCounters:
     hits: int = 0
 
 
+def group_label(group: CacheGroup, groups: list[CacheGroup]) -> str:
+    """The group's name in counters and metrics: its kind, or kind:id when several groups share a kind."""
+    same = sum(1 for g in groups if g.kind == group.kind)
+    return group.kind if same == 1 else f"{group.kind}:{group.group_id}"
+
+
 @dataclass(frozen=True)
 class PoolLayout:
-    """Discovered at start-up from the planner: blocks per attention pool, slots per state pool."""
+    """Discovered at start-up from the planner: blocks per attention pool, slots per state pool (every group of a
+    kind gets a pool of that many ids)."""
 
     attention_blocks: int
     state_slots: int
     checkpoint_interval: int
     block_size: int
     budget_bytes: int | None = None
-    """Bytes that held pages (in use + cached, both pools) may take together. None: the pools' sizes only."""
+    """Bytes that held pages (in use + cached, all pools) may take together. None: the pools' sizes only."""
     policy: CachePolicy | None = None
     """None: CachePolicy.fixed_interval(checkpoint_interval), the pre-v2 behaviour."""
 
@@ -70,49 +95,64 @@ class PoolLayout:
 
 class HybridCacheManager:
     def __init__(self, groups: list[CacheGroup], layout: PoolLayout, enable_prefix_caching: bool = True) -> None:
-        attn = [g for g in groups if g.is_attention]
-        rec = [g for g in groups if not g.is_attention]
-        if len(attn) > 1 or len(rec) > 1:
-            raise ValueError("hybridpd supports at most one attention group and one recurrent group per model")
         self.groups = groups
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = layout.resolved_policy()
         self.policy.validate(layout.block_size)
         self.admission = Admission(self.policy, layout.block_size)
-        self.attention: AttentionManager | None = None
-        self.recurrent: RecurrentManager | None = None
+        self.labels = {g.group_id: group_label(g, groups) for g in groups}
         self.pools: dict[int, BlockPool] = {}
-        if attn:
-            name = f"group{attn[0].group_id}:attention"
-            pool = BlockPool(layout.attention_blocks, name, attn[0].page_bytes_all_layers)
-            self.pools[attn[0].group_id] = pool
-            self.attention = AttentionManager(attn[0], pool, layout.block_size)
-        if rec:
-            pool = BlockPool(layout.state_slots, f"group{rec[0].group_id}:{rec[0].kind}", rec[0].page_bytes_all_layers)
-            self.pools[rec[0].group_id] = pool
-            self.recurrent = RecurrentManager(rec[0], pool, layout.block_size, self.admission.align)
+        self.blocks: list[AttentionManager] = []
+        """Attention groups' managers; the first is the chain (its blocks form the Reclaimer's tree)."""
+        self.states: list[RecurrentManager] = []
+        """Recurrent groups' managers; the first leads the checkpoints, the others ride along."""
+        for g in groups:
+            if g.is_attention:
+                pool = BlockPool(layout.attention_blocks, f"group{g.group_id}:attention", g.page_bytes_all_layers)
+                lead = self.blocks[0].pool if self.blocks else None
+                self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
+            else:
+                pool = BlockPool(layout.state_slots, f"group{g.group_id}:{g.kind}", g.page_bytes_all_layers)
+                lead = self.states[0].pool if self.states else None
+                self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
+            self.pools[g.group_id] = pool
+        self.managers: list[GroupManager] = [*self.blocks, *self.states]
+        """Every group, attention first: the coordinator loops over these and never asks for a kind."""
         self.reclaimer: Reclaimer | None = None
         if layout.budget_bytes is not None or layout.policy is not None:
             budget = layout.budget_bytes
             if budget is None:
                 budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
             self.reclaimer = Reclaimer(
-                self.attention.pool if self.attention else None, self.recurrent.pool if self.recurrent else None,
+                [m.pool for m in self.blocks], [m.pool for m in self.states],
                 budget, self.policy.eviction, self.policy.alpha, layout.block_size,
             )
-            for m in (self.attention, self.recurrent):
-                if m is not None:
-                    m.reclaimer = self.reclaimer
+            if self.blocks:
+                self.blocks[0].reclaimer = self.reclaimer
+            if self.states:
+                self.states[0].reclaimer = self.reclaimer
         self._targets: dict[str, list[int]] = {}
         """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
         self._noted: dict[str, int] = {}
         """request -> how many of its block hashes the admission has seen."""
         self._reserved: dict[int, int] = {}
-        """checkpoint slot reserved for a pull -> its boundary (tokens)."""
-        self.counters: dict[str, GroupCounters] = {g.kind: GroupCounters() for g in groups}
-        self.external_counters: dict[str, GroupCounters] = {g.kind: GroupCounters() for g in groups}
-        self._pending_copies: list[tuple[int, int]] = []
+        """checkpoint slot reserved for a pull (lead group's id) -> its boundary (tokens)."""
+        self.quarantined: list[str] = []
+        """Holders of pages a transfer could not cancel (see `quarantine`)."""
+        self.counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters() for g in groups}
+        self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
+                                                            for g in groups}
+
+    @property
+    def attention(self) -> AttentionManager | None:
+        """The chain (first attention group), or None for a model without attention."""
+        return self.blocks[0] if self.blocks else None
+
+    @property
+    def recurrent(self) -> RecurrentManager | None:
+        """The lead recurrent group, or None for a model without recurrent layers."""
+        return self.states[0] if self.states else None
 
     # -- hashing -------------------------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
@@ -125,64 +165,60 @@ class HybridCacheManager:
         """Longest prefix every group holds, capped at N-1 (or max_tokens).
 
         Counters: every group's queries grow by the request's tokens; each group's hits by what that group could
-        serve on its own (attention: its left-to-right run; recurrent: its checkpoint within that run), so a
-        group that never hits (seed 004) shows up as such. The request uses the agreed (shortest) length."""
+        serve on its own within the groups before it (attention: its left-to-right run; recurrent: its checkpoint
+        within the attention run), so a group that never hits (seed 004) shows up as such. The request uses the
+        agreed (shortest) length."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
         if not self.enable_prefix_caching:
             return PrefixHit()
         self.update_hashes(req)
-        hit = PrefixHit(num_tokens=max_tokens)
-        blocks: list[int] = []
-        if self.attention is not None:
-            blocks = self.attention.find_hit(req.block_hashes, max_tokens)
-            hit.num_tokens = len(blocks) * self.block_size
-            hit.group_hits[self.attention.group.kind] = hit.num_tokens
-        if self.recurrent is not None:
-            hit.num_tokens, hit.checkpoint_slot = self.recurrent.find_hit(req.block_hashes, hit.num_tokens)
-            hit.group_hits[self.recurrent.group.kind] = hit.num_tokens
-        hit.attention_blocks = blocks[: hit.num_tokens // self.block_size]
+        hashes = req.block_hashes
+        n = max_tokens if self.managers else 0
+        if self.blocks:
+            n = min(n, len(hashes) * self.block_size) // self.block_size * self.block_size
+        hit = PrefixHit()
+        first = True
+        while True:  # each pass can only shrink n; it stops once every group serves n
+            agreed = n
+            for m in self.managers:
+                n = m.find_hit_tokens(hashes, n)
+                if first:
+                    hit.group_hits[self.labels[m.group.group_id]] = n
+            first = False
+            if n == agreed:
+                break
+        hit.num_tokens = n
+        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in self.managers}
         if count:
             self.count_hit(req, hit)
         return hit
 
     def count_hit(self, req: Request, hit: PrefixHit) -> None:
-        for kind, c in self.counters.items():
+        for label, c in self.counters.items():
             c.queries += req.num_tokens
-            c.hits += hit.group_hits.get(kind, 0)
+            c.hits += hit.group_hits.get(label, 0)
 
     # -- allocation ----------------------------------------------------------------------------------------------
     def can_allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         hit = hit or PrefixHit()
-        if self.attention is not None:
-            need = self.attention.blocks_needed(req.request_id, num_tokens, hit.attention_blocks)
-            if need > self.attention.pool.num_free:
-                return False
-        if self.recurrent is not None:
-            if self.recurrent.slots_needed(req.request_id, hit.checkpoint_slot) > self.recurrent.pool.num_free:
-                return False
-        return True
+        return all(m.pages_needed(req.request_id, num_tokens, hit.pages.get(m.group.group_id, ())) <= m.pool.num_free
+                   for m in self.managers)
 
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
         hit = hit or PrefixHit()
         rid = req.request_id
-        new = self.attention is None or rid not in self.attention.req_blocks
-        if self.recurrent is not None:
-            new = rid not in self.recurrent.running_slot
+        new = not any(m.holds(rid) for m in self.managers)
         if self.reclaimer is None:
             if not self.can_allocate(req, num_tokens, hit):
                 return False
-        elif new or (self.attention is not None and self.attention.new_blocks_needed(rid, num_tokens)):
+        elif new or any(m.new_pages_needed(rid, num_tokens) for m in self.managers):
             if not self._make_room(req, num_tokens, hit):
                 return False
-        if self.attention is not None:
-            self.attention.allocate(rid, num_tokens, hit.attention_blocks)
-        if self.recurrent is not None:
-            _, copy = self.recurrent.allocate(rid, hit.checkpoint_slot, pinned=self.reclaimer is not None)
-            if copy is not None:
-                self._pending_copies.append(copy)
+        for m in self.managers:
+            m.allocate(rid, num_tokens, hit.pages.get(m.group.group_id, ()), pinned=self.reclaimer is not None)
         if new:
             self._admit(req, hit.num_tokens)
         return True
@@ -190,23 +226,13 @@ class HybridCacheManager:
     def _make_room(self, req: Request, num_tokens: int, hit: PrefixHit) -> bool:
         """Pin the hit (so eviction cannot take it), then evict until the new pages fit; undo the pins on failure."""
         rid = req.request_id
-        adopted = self.attention is not None and self.attention.adopt(rid, hit.attention_blocks)
-        pinned = False
-        needs: list[tuple[BlockPool, int]] = []
-        if self.attention is not None:
-            needs.append((self.attention.pool, self.attention.new_blocks_needed(rid, num_tokens)))
-        if self.recurrent is not None and rid not in self.recurrent.running_slot:
-            if hit.checkpoint_slot is not None:
-                self.recurrent.pin_hit(hit.checkpoint_slot)
-                pinned = True
-            needs.append((self.recurrent.pool, 1))
+        pinned = [m for m in self.managers if m.pin_hit(rid, hit.pages.get(m.group.group_id, ()))]
+        needs = [(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]
         assert self.reclaimer is not None
         if self.reclaimer.make_room(needs):
             return True
-        if adopted:
-            self.attention.free(rid)  # type: ignore[union-attr]
-        if pinned:
-            self.recurrent.unpin_hit(hit.checkpoint_slot)  # type: ignore[union-attr, arg-type]
+        for m in pinned:
+            m.unpin_hit(rid, hit.pages.get(m.group.group_id, ()))
         return False
 
     def _admit(self, req: Request, hit_tokens: int) -> None:
@@ -214,7 +240,7 @@ class HybridCacheManager:
         if not self.enable_prefix_caching or self.policy.admission != "reuse":
             return
         self.update_hashes(req)
-        if self.recurrent is not None:
+        if self.states:
             prompt_end = min(req.num_prompt_tokens, req.target_tokens)
             targets = self.admission.targets(req.block_hashes, hit_tokens, prompt_end)
             last = (prompt_end - 1) // self.block_size * self.block_size  # an identical prompt hits here (N-1 cap)
@@ -224,7 +250,7 @@ class HybridCacheManager:
                 self._targets[req.request_id] = targets
             bs, hashes = self.block_size, req.block_hashes
             own = [b for b in (hit_tokens, last, prompt_end // bs * bs) if 0 < b <= len(hashes) * bs]
-            self.recurrent.superseded[req.request_id] = [hashes[b // bs - 1] for b in own]
+            self.states[0].superseded[req.request_id] = [hashes[b // bs - 1] for b in own]
         self._note(req)
 
     def _note(self, req: Request) -> None:
@@ -234,15 +260,22 @@ class HybridCacheManager:
             self._noted[req.request_id] = len(req.block_hashes)
 
     def plan_checkpoints(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
-        """Checkpoint slots for the chunk (start, end]: [(num_tokens, slot)], written by the runner this step."""
-        if self.recurrent is None or not self.enable_prefix_caching:
-            return []
+        """Checkpoint slots of the lead recurrent group for the chunk (start, end]: [(num_tokens, slot)]."""
+        planned = self.plan_group_checkpoints(req, start, end)
+        return planned[self.states[0].group.group_id] if self.states else []
+
+    def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
+        """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
+        written by the runner this step. Every group gets a slot for the same boundaries."""
+        out: dict[int, list[tuple[int, int]]] = {m.group.group_id: [] for m in self.states}
+        if not self.states or not self.enable_prefix_caching:
+            return out
         if self.policy.admission == "interval":
             self.update_hashes(req)
-            return self.recurrent.plan_checkpoints(req.request_id, req.block_hashes, start, end)
+            return self._reserve(req, self.states[0].interval_boundaries(start, end), None, out)
         targets = self._targets.get(req.request_id)
         if end % self.block_size and not self.policy.interval and (not targets or targets[0] > end):
-            return []  # most decode steps: no boundary here
+            return out  # most decode steps: no boundary here
         self.update_hashes(req)
         due: list[int] = []
         while targets and targets[0] <= end:
@@ -250,67 +283,139 @@ class HybridCacheManager:
             if b > start:
                 due.append(b)
         if self.policy.interval:
-            due = sorted(set(due) | {b for b in self.recurrent.interval_boundaries(start, end)
+            due = sorted(set(due) | {b for b in self.states[0].interval_boundaries(start, end)
                                      if b > req.num_prompt_tokens})
         rolling = end if self.admission.decode_boundary(end, req.num_prompt_tokens) and end not in due else None
-        return self.recurrent.plan(req.request_id, req.block_hashes, due, rolling)
+        return self._reserve(req, due, rolling, out)
 
-    def take_state_copies(self) -> list[tuple[int, int]]:
-        out, self._pending_copies = self._pending_copies, []
+    def _reserve(self, req: Request, boundaries: list[int], rolling: int | None,
+                 out: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
+        """Reserve a slot in every recurrent group for each boundary (and the rolling request-end one) whose content
+        is not cached or pending yet; best effort: a boundary is skipped when no room can be made."""
+        todo = [(b, False) for b in boundaries] + ([(rolling, True)] if rolling is not None else [])
+        hashes, lead = req.block_hashes, self.states[0]
+        for b, is_rolling in todo:
+            if b // self.block_size > len(hashes):
+                break
+            h = hashes[b // self.block_size - 1]
+            if lead.is_planned(h):
+                continue
+            if not self._state_room():
+                break
+            for m in self.states:
+                out[m.group.group_id].append((b, m.reserve(req.request_id, b, h, is_rolling)))
         return out
 
+    def _state_room(self) -> bool:
+        """One free slot in every recurrent group (evicting cache when there is a Reclaimer)."""
+        if self.reclaimer is not None:
+            return self.reclaimer.make_room([(m.pool, 1) for m in self.states])
+        return all(m.pool.num_free > 0 for m in self.states)
+
+    def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
+        """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
+        return {m.group.group_id: m.take_copies() for m in self.states}
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The lead recurrent group's restores (drains every group's)."""
+        copies = self.take_group_state_copies()
+        return copies[self.states[0].group.group_id] if self.states else []
+
+    def take_group_fresh_blocks(self) -> dict[int, list[int]]:
+        return {m.group.group_id: m.take_fresh_blocks() for m in self.blocks}
+
     def take_fresh_blocks(self) -> list[int]:
-        return self.attention.take_fresh_blocks() if self.attention is not None else []
+        """The chain group's fresh blocks (drains every attention group's)."""
+        fresh = self.take_group_fresh_blocks()
+        return fresh[self.blocks[0].group.group_id] if self.blocks else []
 
     # -- after a step --------------------------------------------------------------------------------------------
     def on_step_done(self, computed: list[Request]) -> None:
-        """Hash the blocks that filled this step and publish the checkpoints it wrote."""
-        if self.enable_prefix_caching and self.attention is not None:
+        """Hash the blocks that filled this step (the chain first: riders name only what it holds) and publish the
+        checkpoints it wrote (the lead group first, likewise)."""
+        if self.enable_prefix_caching and self.blocks:
             for req in computed:
-                if req.request_id in self.attention.req_blocks:
+                if self.blocks[0].holds(req.request_id):
                     self.update_hashes(req)
-                    self.attention.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+                    for m in self.blocks:
+                        m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
                     if req.request_id in self._noted:
                         self._note(req)  # decoded blocks too: a later prompt may branch off an answer
-        if self.recurrent is not None:
-            self.recurrent.release_step_refs()
+        for rm in self.states:
+            rm.release_step_refs()
 
     def on_step_failed(self) -> None:
         """The step's forward raised: nothing it wrote is published (its requests are ended by the caller)."""
-        if self.recurrent is not None:
-            self.recurrent.drop_step_refs()
+        for m in self.states:
+            m.drop_step_refs()
 
     def free(self, req: Request) -> None:
         rid = req.request_id
         self._targets.pop(rid, None)
         self._noted.pop(rid, None)
-        if self.attention is not None:
-            self.attention.free(rid)
-        if self.recurrent is not None:
-            self.recurrent.free(rid)
+        for m in self.managers:
+            m.free(rid)
+
+    # -- disaggregation (producer side) ---------------------------------------------------------------------------
+    def find_checkpoint(self, req: Request, max_tokens: int) -> tuple[int, dict[int, int]] | None:
+        """The deepest checkpoint <= max_tokens that every recurrent group holds: (tokens, {group id: slot})."""
+        if not self.states or not self.enable_prefix_caching:
+            return None
+        self.update_hashes(req)
+        n, agreed = max_tokens, -1
+        while n != agreed and n > 0:
+            agreed = n
+            for m in self.states:
+                n = m.find_hit_tokens(req.block_hashes, n)
+        if n <= 0:
+            return None
+        return n, {m.group.group_id: m.hit_pages(req.block_hashes, n)[0] for m in self.states}
+
+    def pin_checkpoint(self, slots: dict[int, int]) -> None:
+        """Reference a cached checkpoint (an export holds it for a consumer) until `unpin_checkpoint`."""
+        for m in self.states:
+            m.pool.touch([slots[m.group.group_id]])
+
+    def unpin_checkpoint(self, slots: Mapping[int, int]) -> None:
+        for m in self.states:
+            m.pool.free([slots[m.group.group_id]])
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
+    def quarantine(self, req: Request, checkpoint: ReservedCheckpoint | None = None) -> str:
+        """A READ may still write the request's pages (and `checkpoint`'s): keep them in use forever under a holder
+        of their own (never handed out again, never hashed), so the request id holds nothing and may compute
+        afresh. Returns the holder."""
+        holder = f"quarantine:{req.request_id}:{len(self.quarantined)}"
+        self.quarantined.append(holder)
+        if checkpoint is not None:
+            self._reserved.pop(checkpoint.slots[self.states[0].group.group_id], None)  # its slots stay held
+        self._targets.pop(req.request_id, None)
+        self._noted.pop(req.request_id, None)
+        for m in self.managers:
+            m.disown(req.request_id, holder)
+        return holder
+
     def allocate_for_transfer(self, req: Request, num_external_tokens: int) -> TransferAllocation | None:
         """Hold caches for a request whose first `num_external_tokens` tokens arrive from a producer.
 
-        The local prefix hit (attention blocks only: the running state comes from the producer, so no checkpoint
+        The local prefix hit (attention blocks only: the running states come from the producer, so no checkpoint
         copy is queued) is kept; blocks for the rest are allocated and are *not* zeroed (the transfer overwrites
         them; the caller zeroes the unfilled tail of the last one). Returns None when the pools cannot hold it."""
         hit = self.find_prefix_hit(req, max_tokens=num_external_tokens, count=False)
-        hit.checkpoint_slot = None
+        for m in self.states:
+            hit.pages.pop(m.group.group_id, None)  # no restore: the producer's running states overwrite ours
         if not self.allocate(req, num_external_tokens, hit):
             return None
         self.count_hit(req, hit)
-        bs = self.block_size
-        first = hit.num_tokens // bs
-        blocks = self.block_ids(req.request_id)
-        pulled = blocks[first:]
-        if self.attention is not None and pulled:
-            keep = set(pulled)
-            self.attention.fresh_blocks = [b for b in self.attention.fresh_blocks if b not in keep]
+        first = hit.num_tokens // self.block_size
+        pulled: dict[int, list[int]] = {}
+        for am in self.blocks:
+            ids = pulled[am.group.group_id] = list(am.req_pages(req.request_id)[first:])
+            keep = set(ids)
+            am.fresh_blocks = [b for b in am.fresh_blocks if b not in keep]
         return TransferAllocation(
             local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
-            state_slot=self.state_slot(req.request_id),
+            state_slots={m.group.group_id: m.running_slot[req.request_id] for m in self.states},
         )
 
     def count_external(self, req: Request, num_external_tokens: int) -> None:
@@ -320,54 +425,72 @@ class HybridCacheManager:
 
     def publish_transferred(self, req: Request, num_tokens: int) -> None:
         """After a completed pull: hash and cache the now-valid full blocks so later requests hit them."""
-        if self.enable_prefix_caching and self.attention is not None:
+        if self.enable_prefix_caching and self.blocks:
             self.update_hashes(req)
-            self.attention.cache_full_blocks(req.request_id, req.block_hashes, num_tokens)
+            for m in self.blocks:
+                m.cache_full_blocks(req.request_id, req.block_hashes, num_tokens)
 
-    def reserve_checkpoint(self, req: Request, num_tokens: int) -> tuple[int, bytes] | None:
-        """Reserve a state slot for the checkpoint after `num_tokens` tokens (to be pulled from the producer).
-        None if checkpoints are off, the boundary is not aligned, it is cached already, or no slot is free.
-        The caller publishes it with `publish_checkpoint` once the data has arrived, or `drop_checkpoint`."""
-        rec = self.recurrent
-        if rec is None or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % rec.align:
+    def reserve_checkpoint(self, req: Request, num_tokens: int) -> ReservedCheckpoint | None:
+        """Reserve a slot in every recurrent group for the checkpoint after `num_tokens` tokens (to be pulled from
+        the producer). None if checkpoints are off, the boundary is not aligned, it is cached already, or no slot
+        is free. The caller publishes it with `publish_checkpoint` once the data has arrived, or `drop_checkpoint`."""
+        if not self.states or not self.enable_prefix_caching or num_tokens <= 0:
+            return None
+        lead = self.states[0]
+        if num_tokens % lead.align:
             return None
         self.update_hashes(req)
         if num_tokens // self.block_size > len(req.block_hashes):
             return None
         h = req.block_hashes[num_tokens // self.block_size - 1]
-        if rec.pool.lookup(h) is not None or not rec._room():
+        if lead.pool.lookup(h) is not None or not self._state_room():
             return None
-        slot = rec.pool.allocate(1)[0]
-        self._reserved[slot] = num_tokens
-        return slot, h
+        slots = {m.group.group_id: m.pool.allocate(1)[0] for m in self.states}
+        self._reserved[slots[lead.group.group_id]] = num_tokens
+        return ReservedCheckpoint(num_tokens, slots, h)
 
-    def publish_checkpoint(self, slot: int, block_hash: bytes) -> None:
-        """The pulled checkpoint arrived: cache it (D keeps what it pulls) and release the reservation."""
-        assert self.recurrent is not None
-        tokens = self._reserved.pop(slot, 0)
-        if self.recurrent.pool.cache(slot, block_hash):
-            self.recurrent.num_admitted += 1
-            if self.reclaimer is not None:
-                self.reclaimer.on_state_cached(block_hash, tokens)
-        self.recurrent.pool.free([slot])
+    def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
+        """The pulled checkpoint arrived: cache it (D keeps what it pulls; the lead group first, riders only where
+        it did) and release the reservation."""
+        self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
+        for m in self.states:
+            slot = ckpt.slots[m.group.group_id]
+            if (m.leader is None or m.leader.lookup(ckpt.block_hash) is not None) and m.pool.cache(
+                    slot, ckpt.block_hash):
+                m.num_admitted += 1
+                if m.reclaimer is not None:
+                    m.reclaimer.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
+            m.pool.free([slot])
 
-    def drop_checkpoint(self, slot: int) -> None:
-        assert self.recurrent is not None
-        self._reserved.pop(slot, None)
-        self.recurrent.pool.free([slot])
+    def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
+        self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
+        for m in self.states:
+            m.pool.free([ckpt.slots[m.group.group_id]])
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[int]:
-        return self.attention.req_blocks.get(req_id, []) if self.attention is not None else []
+        """The chain group's block table."""
+        return self.blocks[0].req_blocks.get(req_id, []) if self.blocks else []
 
     def state_slot(self, req_id: str) -> int:
-        if self.recurrent is None:
-            return PAD_SLOT_ID
-        return self.recurrent.running_slot.get(req_id, PAD_SLOT_ID)
+        """The lead recurrent group's running slot."""
+        return self.states[0].running_slot.get(req_id, PAD_SLOT_ID) if self.states else PAD_SLOT_ID
+
+    def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
+        """Attention group id -> the request's block table in that group."""
+        return {m.group.group_id: m.req_pages(req_id) for m in self.blocks}
+
+    def group_state_slots(self, req_id: str) -> dict[int, int]:
+        """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
+        return {m.group.group_id: m.running_slot.get(req_id, PAD_SLOT_ID) for m in self.states}
+
+    def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
+        """Group id -> every page the request holds (what a transfer moves)."""
+        return {m.group.group_id: m.req_pages(req_id) for m in self.managers}
 
     # -- observability -------------------------------------------------------------------------------------------
     def usage(self) -> dict[str, float]:
-        return {g.kind: self.pools[g.group_id].usage() for g in self.groups}
+        return {self.labels[g.group_id]: self.pools[g.group_id].usage() for g in self.groups}
 
     def pool_stats(self) -> list[dict[str, object]]:
         out = []
@@ -378,16 +501,17 @@ class HybridCacheManager:
         return out
 
     def cache_stats(self) -> dict[str, object]:
-        """Admissions, evictions and bytes held by kind (running vs cached), and the budget."""
+        """Admissions, evictions and bytes held per group (by label: running vs cached), and the budget."""
         out: dict[str, object] = {"policy": {"admission": self.policy.admission, "eviction": self.policy.eviction,
                                              "interval": self.policy.interval}}
         for g in self.groups:
             pool = self.pools[g.group_id]
             s = pool.stats()
-            out[g.kind] = {"bytes_in_use": s["in_use"] * pool.page_bytes, "bytes_cached": s["cached"] * pool.page_bytes,
-                           "evictions": pool.num_evictions}
-        if self.recurrent is not None:
-            out["checkpoints_admitted"] = self.recurrent.num_admitted
+            out[self.labels[g.group_id]] = {"bytes_in_use": s["in_use"] * pool.page_bytes,
+                                            "bytes_cached": s["cached"] * pool.page_bytes,
+                                            "evictions": pool.num_evictions}
+        if self.states:
+            out["checkpoints_admitted"] = self.states[0].num_admitted
         if self.reclaimer is not None:
             out["budget_bytes"] = self.reclaimer.budget_bytes
             out["held_bytes"] = self.reclaimer.held_bytes()

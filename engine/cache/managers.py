@@ -1,12 +1,25 @@
 """Per-group cache managers: what differs between attention and recurrent layers lives here, not in the scheduler.
 
-Ownership: `HybridCacheManager` (coordinator.py) owns one manager per group and calls them; each manager owns its
-requests' block lists / slots in its own `BlockPool`. Single-threaded (the engine's step loop).
+Every manager has the same small interface (`GroupManager`): find a hit, pin it, allocate, free, the request's
+page ids (what a transfer exports / imports), end a step. The coordinator (coordinator.py) loops over a list of
+them and never asks which kind it holds; a model may have several attention groups (different head shapes) and
+several recurrent groups (Mamba-2 and Gated-DeltaNet states of different shapes), each with its own pool and ids.
+
+Leaders and riders: all pages are named by the same chained block hashes. The first attention group is the *chain*
+(its cached blocks form the prefix tree the Reclaimer walks); the first recurrent group leads the checkpoints.
+Every other group *rides along*: it names a page `h` only while its leader holds `h` (`leader`), and the Reclaimer
+evicts it together with its leader's page (reclaim.py). A hit is the longest prefix every group serves, so a rider
+that lost a page only shortens hits, never serves a wrong prefix.
+
+Ownership: `HybridCacheManager` owns one manager per group and calls them; each manager owns its requests' block
+lists / slots in its own `BlockPool`. Single-threaded (the engine's step loop).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.cache.block_pool import BlockPool
 from engine.cache.reclaim import Reclaimer
@@ -17,15 +30,55 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class GroupManager(Protocol):
+    """What the coordinator asks of every group. `hit` is the group's pages for an agreed prefix (`hit_pages`)."""
+
+    group: CacheGroup
+    pool: BlockPool
+    leader: BlockPool | None
+
+    def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
+        """Longest prefix (tokens, <= max_tokens) this group alone could serve."""
+
+    def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
+        """The cached pages that serve exactly `num_tokens` (a length find_hit returned)."""
+
+    def holds(self, req_id: str) -> bool: ...
+
+    def pages_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
+        """Pool ids an allocation for num_tokens would take (hit pages leaving the free queue included)."""
+
+    def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
+        """Plain (hashless) ids still to take once the hit is pinned."""
+
+    def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
+        """Reference a new request's hit pages (so eviction cannot take them). False if nothing was pinned."""
+
+    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None: ...
+
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool) -> object:
+        """Cover num_tokens (a new request takes its hit pages); the pool has room (checked by the caller)."""
+
+    def free(self, req_id: str) -> None: ...
+
+    def req_pages(self, req_id: str) -> tuple[int, ...]:
+        """The request's pages in this group (blocks in order; or its running slot): what a transfer moves."""
+
+    def disown(self, req_id: str, holder: str) -> None:
+        """Move the request's pages to `holder` (a quarantine key): they stay in use, the request holds nothing."""
+
+
 class AttentionManager:
     """Paged KV blocks: a request holds ceil(tokens / block_size) blocks; full blocks are hashed and cached."""
 
-    def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int, leader: BlockPool | None = None) -> None:
         self.group = group
         self.pool = pool
         self.block_size = block_size
+        self.leader = leader
+        """The chain's pool when this group rides along (a block is named h only while the chain holds h)."""
         self.reclaimer: Reclaimer | None = None
-        """Set by the coordinator when pages are evicted by policy: told about every block named."""
+        """Set by the coordinator (chain only) when pages are evicted by policy: told about every block named."""
         self.req_blocks: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}
         self.fresh_blocks: list[int] = []
@@ -41,13 +94,40 @@ class AttentionManager:
             hit.append(b)
         return hit
 
-    def blocks_needed(self, req_id: str, num_tokens: int, hit: list[int]) -> int:
+    def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
+        return len(self.find_hit(block_hashes, max_tokens)) * self.block_size
+
+    def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
+        out = tuple(self.pool.lookup(h) for h in block_hashes[: num_tokens // self.block_size])
+        assert None not in out
+        return out  # type: ignore[return-value]
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self.req_blocks
+
+    def req_pages(self, req_id: str) -> tuple[int, ...]:
+        return tuple(self.req_blocks.get(req_id, ()))
+
+    def disown(self, req_id: str, holder: str) -> None:
+        if req_id in self.req_blocks:
+            self.req_blocks[holder] = self.req_blocks.pop(req_id)
+            self.num_hashed[holder] = self.num_hashed.pop(req_id)
+
+    def blocks_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
         """Free pool blocks an allocation for num_tokens would consume (hit blocks leaving the queue included)."""
         have = len(self.req_blocks.get(req_id, ())) or len(hit)
         new = max(0, cdiv(num_tokens, self.block_size) - have)
         return new + sum(1 for b in hit if self.pool.ref_cnt[b] == 0)
 
-    def adopt(self, req_id: str, hit: list[int]) -> bool:
+    pages_needed = blocks_needed
+
+    def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
+        return self.adopt(req_id, hit)
+
+    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None:
+        self.free(req_id)
+
+    def adopt(self, req_id: str, hit: Sequence[int]) -> bool:
         """Give a new request its hit blocks (referenced from now on). False if it already holds blocks."""
         if req_id in self.req_blocks:
             return False
@@ -59,7 +139,9 @@ class AttentionManager:
     def new_blocks_needed(self, req_id: str, num_tokens: int) -> int:
         return max(0, cdiv(num_tokens, self.block_size) - len(self.req_blocks.get(req_id, ())))
 
-    def allocate(self, req_id: str, num_tokens: int, hit: list[int]) -> list[int]:
+    new_pages_needed = new_blocks_needed
+
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool = False) -> list[int]:
         self.adopt(req_id, hit)
         blocks = self.req_blocks[req_id]
         new = cdiv(num_tokens, self.block_size) - len(blocks)
@@ -73,17 +155,20 @@ class AttentionManager:
     def cache_full_blocks(self, req_id: str, block_hashes: list[bytes], num_computed: int) -> None:
         blocks = self.req_blocks[req_id]
         n_full = min(num_computed // self.block_size, len(block_hashes), len(blocks))
-        rc, pool = self.reclaimer, self.pool
+        rc, pool, leader = self.reclaimer, self.pool, self.leader
         for i in range(self.num_hashed[req_id], n_full):
             h = block_hashes[i]
+            if leader is not None and leader.lookup(h) is None:
+                continue  # riders name only what the chain holds (the chain was cached first)
             if pool.cache(blocks[i], h):
                 if rc is not None:
                     rc.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
-            elif rc is not None:
+            elif rc is not None or leader is not None:
                 other = pool.lookup(h)
                 if other is not None and other != blocks[i] and pool.ref_cnt[other] == 0 and pool.block_hash[
                         blocks[i]] is None:
-                    rc.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
+                    if rc is not None:
+                        rc.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
                     pool.rename(other, blocks[i])  # our live copy takes the name: the chain stays evictable
         self.num_hashed[req_id] = max(self.num_hashed[req_id], n_full)
 
@@ -114,12 +199,14 @@ class RecurrentManager:
     coordinator's Reclaimer, or LRU by the pool itself when there is none).
 
     `align` is the boundary granularity: block_size when checkpoints go where reuse happens, the interval for
-    fixed-interval checkpoints. Which boundaries get one is the coordinator's `Admission`'s call.
+    fixed-interval checkpoints. Which boundaries get one is the coordinator's call (`Admission`); the coordinator
+    reserves a boundary in every recurrent group at once (`reserve`), so the groups' checkpoints stay together.
 
     A checkpoint slot is referenced by the request writing it until the step that writes it has run, and by a
     request restoring from it until its copy into the running slot has run (`release_step_refs`)."""
 
-    def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int, align: int) -> None:
+    def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int, align: int,
+                 leader: BlockPool | None = None) -> None:
         if align <= 0 or align % block_size:
             raise ValueError(f"checkpoint_interval {align} is not a multiple of block_size {block_size}")
         self.group = group
@@ -127,10 +214,15 @@ class RecurrentManager:
         self.block_size = block_size
         self.align = align
         self.interval = align  # pre-v2 name, still read by callers
+        self.leader = leader
+        """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
         self.reclaimer: Reclaimer | None = None
+        """Set by the coordinator on the lead group only (riders follow their lead's page in the Reclaimer)."""
         self.running_slot: dict[str, int] = {}
         self.step_refs: list[int] = []
         self.pending: list[PendingCheckpoint] = []
+        self.copies: list[tuple[int, int]] = []
+        """(checkpoint slot, running slot) restores queued by `allocate`, drained by the coordinator every step."""
         self.rolling: dict[str, bytes] = {}
         """request -> hash of its published request-end checkpoint (dropped when a later one replaces it)."""
         self.superseded: dict[str, list[bytes]] = {}
@@ -149,72 +241,87 @@ class RecurrentManager:
             b -= step
         return 0, None
 
-    def slots_needed(self, req_id: str, hit_slot: int | None) -> int:
+    def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
+        return self.find_hit(block_hashes, max_tokens)[0]
+
+    def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
+        if num_tokens <= 0:
+            return ()
+        slot = self.pool.lookup(block_hashes[num_tokens // self.block_size - 1])
+        assert slot is not None
+        return (slot,)
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self.running_slot
+
+    def req_pages(self, req_id: str) -> tuple[int, ...]:
+        slot = self.running_slot.get(req_id)
+        return () if slot is None else (slot,)
+
+    def disown(self, req_id: str, holder: str) -> None:
+        self.rolling.pop(req_id, None)
+        self.superseded.pop(req_id, None)
+        if req_id in self.running_slot:
+            self.running_slot[holder] = self.running_slot.pop(req_id)
+
+    def pages_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
         if req_id in self.running_slot:
             return 0
-        return 1 + (1 if hit_slot is not None and self.pool.ref_cnt[hit_slot] == 0 else 0)
+        return 1 + sum(1 for s in hit if self.pool.ref_cnt[s] == 0)
 
-    def pin_hit(self, hit_slot: int) -> None:
-        """Protect a checkpoint a new request restores from until its copy ran."""
-        self.pool.touch([hit_slot])
-        self.step_refs.append(hit_slot)
+    def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
+        return 0 if req_id in self.running_slot else 1
 
-    def unpin_hit(self, hit_slot: int) -> None:
-        self.step_refs.remove(hit_slot)
-        self.pool.free([hit_slot])
+    def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
+        """Protect the checkpoint a new request restores from until its copy ran."""
+        if req_id in self.running_slot or not hit:
+            return False
+        self.pool.touch(hit)
+        self.step_refs.extend(hit)
+        return True
 
-    def allocate(self, req_id: str, hit_slot: int | None, pinned: bool = False) -> tuple[int, tuple[int, int] | None]:
-        """Give a new request its running slot. Returns (slot, copy) where copy = (checkpoint slot, running slot)
-        must run before the request's first forward. `pinned`: the caller already ran `pin_hit`."""
+    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None:
+        for s in hit:
+            self.step_refs.remove(s)
+        self.pool.free(hit)
+
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool = False) -> None:
+        """Give a new request its running slot; with a hit, queue the copy (checkpoint -> running slot) that must run
+        before the request's first forward. `pinned`: the caller already ran `pin_hit`."""
         if req_id in self.running_slot:
-            return self.running_slot[req_id], None
-        if hit_slot is not None and not pinned:
-            self.pin_hit(hit_slot)
+            return
+        if hit and not pinned:
+            self.pin_hit(req_id, hit)
         slot = self.pool.allocate(1)[0]
         self.running_slot[req_id] = slot
-        return slot, ((hit_slot, slot) if hit_slot is not None else None)
+        if hit:
+            self.copies.append((hit[0], slot))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self.copies = self.copies, []
+        return out
 
     def interval_boundaries(self, start: int, end: int) -> list[int]:
         first = (start // self.align + 1) * self.align
         return list(range(first, end + 1, self.align))
 
-    def plan(self, req_id: str, block_hashes: list[bytes], boundaries: list[int], rolling: int | None = None
-             ) -> list[tuple[int, int]]:
-        """Reserve a slot for each boundary (and the rolling request-end one) whose content is not cached or
-        pending yet. Returns [(num_tokens, slot)]; best effort: a boundary is skipped when no room can be made."""
-        out = []
-        todo = [(b, False) for b in boundaries] + ([(rolling, True)] if rolling is not None else [])
-        for b, is_rolling in todo:
-            if b // self.block_size > len(block_hashes):
-                break
-            h = block_hashes[b // self.block_size - 1]
-            if self.pool.lookup(h) is not None or self._pending_hash(h):
-                continue
-            if not self._room():
-                break
-            slot = self.pool.allocate(1)[0]
-            self.pending.append(PendingCheckpoint(req_id, b, slot, h, is_rolling))
-            out.append((b, slot))
-        return out
+    def is_planned(self, h: bytes) -> bool:
+        """Cached already, or to be written by a step in flight."""
+        return self.pool.lookup(h) is not None or any(p.block_hash == h for p in self.pending)
 
-    def _room(self) -> bool:
-        if self.reclaimer is not None:
-            return self.reclaimer.make_room([(self.pool, 1)])
-        return self.pool.num_free > 0
-
-    def plan_checkpoints(
-        self, req_id: str, block_hashes: list[bytes], start: int, end: int
-    ) -> list[tuple[int, int]]:
-        """Fixed-interval planning: boundaries in (start, end] at multiples of the interval."""
-        return self.plan(req_id, block_hashes, self.interval_boundaries(start, end))
-
-    def _pending_hash(self, h: bytes) -> bool:
-        return any(p.block_hash == h for p in self.pending)
+    def reserve(self, req_id: str, num_tokens: int, h: bytes, rolling: bool = False) -> int:
+        """A slot for the checkpoint after `num_tokens` tokens (named `h`), written by this step (the caller made
+        room: `pool.num_plain > 0`)."""
+        slot = self.pool.allocate(1)[0]
+        self.pending.append(PendingCheckpoint(req_id, num_tokens, slot, h, rolling))
+        return slot
 
     def release_step_refs(self) -> None:
         """After a step ran: publish written checkpoints (cached, unreferenced) and drop restore references."""
-        rc = self.reclaimer
+        rc, leader = self.reclaimer, self.leader
         for p in self.pending:
+            if leader is not None and leader.lookup(p.block_hash) is None:
+                continue  # the lead group did not keep it: a rider alone serves no hit
             if not self.pool.cache(p.slot, p.block_hash):
                 continue
             self.num_admitted += 1

@@ -15,6 +15,17 @@ Consistency between blocks and states ("value" policy):
   the same request supersedes on an unbranched path is `demote`d to recency only.
 Hash-only bookkeeping (parent, children, tokens) lives here; the pools keep their ids, refs and hash maps.
 
+Several groups: the first attention pool is the *chain* (the tree above is built from its blocks; only its blocks
+are queued) and the first state pool *leads* the checkpoints (only its slots are queued). Every other pool *rides
+along*: its page named h exists only while its leader holds h (managers.py names it only then), is never queued on
+its own, and leaves with its leader's page (`_drop_riders`: evicting the chain's block h drops every other
+attention group's block h, and the lead checkpoint h the other recurrent groups' checkpoints h). A rider page that
+is released after its leader lost h is dropped at once. So one queue entry stands for a unit (the page of every
+group at one hash), valued by the bytes of the whole unit, and the budget counts every pool's pages:
+
+    hash h:   chain block  [g0: b7]   riders [g1: b7']          lead state [g2: s3]   riders [g3: s5]
+              queued (leaf rule)      evicted with g0's b7     queued               evicted with g2's s3
+
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
 no leaf rule and no cascade (vLLM's free-queue order).
 
@@ -36,18 +47,26 @@ MAX_ANCHOR_WALK = 64
 
 class Reclaimer:
     def __init__(
-        self, attention: BlockPool | None, state: BlockPool | None, budget_bytes: int, policy: str = "value",
+        self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, policy: str = "value",
         alpha: float = 1.0, block_size: int = 16,
     ) -> None:
+        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first."""
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
-        self.attention, self.state = attention, state
-        self.pools = [p for p in (attention, state) if p is not None]
+        self.attention: BlockPool | None = attention[0] if attention else None
+        self.state: BlockPool | None = state[0] if state else None
+        self.riders: dict[int, list[BlockPool]] = {id(g[0]): g[1:] for g in (attention, state) if g}
+        """leader pool -> the pools whose pages ride along with its pages."""
+        self.leader_of: dict[int, BlockPool] = {id(p): g[0] for g in (attention, state) for p in g}
+        self.pools = [*attention, *state]
+        self.leaders = [p for p in (self.attention, self.state) if p is not None]
         self.budget_bytes = budget_bytes
         self.policy = policy
         order = itertools.count()  # one release order for both pools: ties compare across them
-        self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue(order) for p in self.pools}
-        ref_bytes = state.page_bytes if state is not None else attention.page_bytes  # type: ignore[union-attr]
+        self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue(order) for p in self.leaders}
+        self.unit_bytes = {id(g[0]): sum(p.page_bytes for p in g) for g in (attention, state) if g}
+        """leader pool -> bytes of one unit (its page and its riders' pages at the same hash)."""
+        ref_bytes = self.unit_bytes[id(self.state if self.state is not None else self.attention)]
         self.values = ValueModel(ref_bytes, alpha)
         self.clock = 0.0
         """Recency (GreedyDual): the priority of the last page evicted; pages released now are queued above it."""
@@ -84,7 +103,8 @@ class Reclaimer:
             short = [p for p, n in needs if p.num_plain < n]
             if not short and self.held_bytes() + extra <= self.budget_bytes:
                 return True
-            victim = self._lowest(short or self.pools)
+            victim = self._lowest(list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values())
+                                  if short else self.leaders)
             if victim is None:
                 return False
             self.evict(*victim)
@@ -98,7 +118,7 @@ class Reclaimer:
     def refresh(self) -> None:
         """Recompute every queued page's value against the tree as it is now (keeping its recency)."""
         self._since_refresh = 0
-        for p in self.pools:
+        for p in self.leaders:
             key = id(p)
             self.queues[key].reprioritize(
                 lambda page, p=p, key=key: self.base[(key, page)] + self._value(p, p.block_hash[page]))
@@ -115,7 +135,7 @@ class Reclaimer:
         return pool, page, prio
 
     def evictable_bytes(self) -> int:
-        return sum(len(self.queues[id(p)]) * p.page_bytes for p in self.pools)
+        return sum(len(self.queues[id(p)]) * self.unit_bytes[id(p)] for p in self.leaders)
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
@@ -131,6 +151,7 @@ class Reclaimer:
             self.evicted_bytes[kind] += pool.page_bytes
         else:
             pool.uncache(page)
+        self._drop_riders(pool, h, count)
         if self.policy == "lru":
             return
         if prio is not None:
@@ -144,6 +165,19 @@ class Reclaimer:
         else:
             self._requeue_block(h)  # the block it ended on may now be a dead end
         self._forget(h)
+
+    def _drop_riders(self, leader: BlockPool, h: bytes, count: bool) -> None:
+        """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
+        for rider in self.riders.get(id(leader), ()):
+            page = rider.lookup(h)
+            if page is None:
+                continue
+            if count and rider.ref_cnt[page] == 0:
+                rider.evict(page)
+                kind = "attention" if leader is self.attention else "state"
+                self.evicted_bytes[kind] += rider.page_bytes
+            else:
+                rider.uncache(page)
 
     def _unlink(self, h: bytes) -> None:
         parent = self.parent.pop(h, None)
@@ -169,11 +203,17 @@ class Reclaimer:
     def on_release(self, pool: BlockPool, page: int) -> None:
         h = pool.block_hash[page]
         assert h is not None
+        if id(pool) not in self.queues:  # a rider: leaves with its leader's page, or now if the leader lost h
+            if self.leader_of[id(pool)].lookup(h) is None:
+                pool.uncache(page)
+            return
         if pool is self.attention and self.policy == "value" and self.children.get(h):
             return  # not a leaf: queued when its last child goes
         self._push(pool, page, h)
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
+        if id(pool) not in self.queues:
+            return  # a rider: never queued
         self.queues[id(pool)].discard(page)
         self.base.pop((id(pool), page), None)
         h = pool.block_hash[page]
@@ -241,9 +281,9 @@ class Reclaimer:
                 return 0.0  # dead end: no hit can stop here
             pool = self.state  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = self.tokens.get(h, 0), self._anchor(h)
-        nbytes = pool.page_bytes
+        nbytes = self.unit_bytes[id(pool)]
         if self.attention is not None:
-            nbytes += (tokens - anchor) // self.block_size * self.attention.page_bytes
+            nbytes += (tokens - anchor) // self.block_size * self.unit_bytes[id(self.attention)]
         return self.values.value(tokens, nbytes, anchor)
 
     def _anchor(self, h: bytes) -> int:
@@ -273,9 +313,16 @@ class Reclaimer:
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Budget respected; each queue holds exactly its pool's evictable pages; chain links consistent."""
+        """Budget respected; each queue holds exactly its pool's evictable pages; chain links consistent; a rider's
+        page named h only where its leader holds h."""
         assert self.held_bytes() <= self.budget_bytes, (self.held_bytes(), self.budget_bytes)
-        for p in self.pools:
+        for leader_id, riders in self.riders.items():
+            for r in riders:
+                leader = self.leader_of[id(r)]
+                assert id(leader) == leader_id
+                for name in r.cached:
+                    assert leader.lookup(name) is not None, (r.name, "names a page its leader lost")
+        for p in self.leaders:
             queued = self.queues[id(p)].pages()
             for b in queued:
                 assert p.ref_cnt[b] == 0 and p.block_hash[b] is not None, (p.name, b)

@@ -299,7 +299,7 @@ def test_recurrent_hits_zero_when_checkpoints_are_never_written() -> None:
 
 def test_recurrent_hits_zero_when_runner_drops_checkpoint_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     s = make()
-    monkeypatch.setattr(s.cache, "plan_checkpoints", lambda req, start, end: [])
+    monkeypatch.setattr(s.cache, "plan_group_checkpoints", lambda req, start, end: {})
     serve(s, "a", A)
     again, (out,) = serve(s, "b", A)
     assert again.num_cached_tokens == 0 and out.state_copies == ()
@@ -333,10 +333,13 @@ def test_recurrent_only_hits_checkpoints() -> None:
     assert counters(s) == {"mamba2": (56, 24)}
 
 
-def test_more_than_one_group_per_kind_is_refused() -> None:
+def test_several_groups_per_kind_get_a_pool_each() -> None:
+    """Was refused (one group per kind); issue 13 lifts it: each group has its own pool and labelled counters
+    (several groups per kind are exercised in test_cache_groups.py)."""
     groups = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, FullAttentionSpec(4, 2, 2, "float32"), (1,))]
-    with pytest.raises(ValueError, match="at most one attention group"):
-        HybridCacheManager(groups, PoolLayout(8, 4, INTERVAL, BS))
+    cache = HybridCacheManager(groups, PoolLayout(8, 4, INTERVAL, BS))
+    assert sorted(cache.pools) == [0, 1] and cache.pools[0] is not cache.pools[1]
+    assert set(cache.counters) == {"attention:0", "attention:1"}
 
 
 def test_interval_must_be_a_multiple_of_block_size() -> None:

@@ -189,17 +189,17 @@ def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
     assert alloc is not None and alloc.first_block_index == 0
     got = s.cache.reserve_checkpoint(req, 12)  # a block boundary: no interval needed
     assert got is not None
-    slot, h = got
-    assert s.cache.reserve_checkpoint(req, 10) is None  # not a boundary
-    s.cache.publish_transferred(req, 14)
-    s.cache.publish_checkpoint(slot, h)
     rc, rec = s.cache.reclaimer, s.cache.recurrent
     assert rc is not None and rec is not None
+    slot, h = got.slots[rec.group.group_id], got.block_hash
+    assert s.cache.reserve_checkpoint(req, 10) is None  # not a boundary
+    s.cache.publish_transferred(req, 14)
+    s.cache.publish_checkpoint(got)
     assert rec.pool.lookup(h) == slot and rc.tokens[h] == 12 and slot in rc.queues[id(rec.pool)]
     s.cache.free(req)
     s.cache.check_integrity()
     hit = s.cache.find_prefix_hit(Request("e", P + [5, 5], SamplingParams(max_tokens=1)))
-    assert hit.num_tokens == 12 and hit.checkpoint_slot == slot
+    assert hit.num_tokens == 12 and hit.pages[rec.group.group_id] == (slot,)
 
 
 # -- planner and config ------------------------------------------------------------------------------------------

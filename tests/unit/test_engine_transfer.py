@@ -46,7 +46,7 @@ def _copy(p: EngineCore, d: EngineCore, imp: Import) -> None:
 
 
 def _source(exp) -> ImportSource:  # type: ignore[no-untyped-def]
-    return ImportSource(exp.num_tokens, exp.blocks, next(iter(exp.state_slots.values()), None), exp.checkpoint)
+    return ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint)
 
 
 def _idle_and_empty(core: EngineCore) -> None:
@@ -98,7 +98,7 @@ def test_aborted_or_refused_imports_give_everything_back(checkpoint_dir):  # typ
 
     # a source naming the wrong number of blocks: refused, nothing kept
     (gid,) = exp.blocks
-    bad = ImportSource(exp.num_tokens, {gid: exp.blocks[gid][:-1]}, _source(exp).state_slot, exp.checkpoint)
+    bad = ImportSource(exp.num_tokens, {gid: exp.blocks[gid][:-1]}, _source(exp).state_slots, exp.checkpoint)
     with pytest.raises(ValueError):
         begin_import(d, d.new_request("bad", prompt, GREEDY), bad)
     _idle_and_empty(d)
