@@ -549,7 +549,7 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
         for s in out.seqs:
             for gid, blocks in s.group_block_ids:
                 assert not set(blocks) & set(imp.dst_blocks[gid]), "a quarantined block was handed out"
-            for _, slot in s.group_state_slots:
+            for gid, slot in s.group_state_slots:
                 assert slot not in imp.dst_state_slots[gid]
         sampled = {s.request_id: (1, 0.0) for s in out.seqs if s.sample}
         for r in d.sched.update_from_output(out, sampled):
