@@ -152,12 +152,12 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await run_engine_call(self.ctx, context, lambda c: c.validate_prompt(prompt))
         if rid in self.held or rid in self._waiters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
         target = len(prompt) - 1
         if target < 1:
-            # nothing to compute: D computes the single prompt token itself
+            # nothing to compute: D computes the single prompt token itself (validated here all the same)
+            await run_engine_call(self.ctx, context, lambda c: c.validate_prompt(prompt))
             return pb.PrefillResponse(request_id=rid, params=pb.TransferParams(
                 worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address,
                 num_computed_tokens=0, num_prompt_tokens=len(prompt)))
@@ -167,17 +167,23 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         salt = request.cache_salt or None
 
         def add(core: EngineCore) -> str | None:
+            """One step-thread round trip: validate (new_request), reserve the pages to pin, schedule."""
+            req = core.new_request(rid, prompt, params, salt, compute_target=target)
             refusal = self._admit(core, rid, target)
             if refusal is None:
                 try:
-                    core.add_request(rid, prompt, params, salt, compute_target=target)
+                    core.scheduler.add_request(req)
                 except BaseException:
                     self._reserved.pop(rid, None)
                     raise
             return refusal
 
         try:
-            refusal = await run_engine_call(self.ctx, context, add)
+            try:
+                refusal = await run_engine_call(self.ctx, context, add)
+            except BaseException:
+                self._waiters.pop(rid, None)  # invalid prompt (INVALID_ARGUMENT): nothing was added
+                raise
             if refusal is not None:
                 self._waiters.pop(rid, None)
                 self.tmetrics.admission_refused()

@@ -371,3 +371,35 @@ def test_generate_chunks_carry_top_logprobs(checkpoint_dir, monkeypatch, prompts
             pair.close()
 
     asyncio.run(run())
+
+
+def test_prefill_validates_the_prompt_once_in_one_step_thread_round_trip(checkpoint_dir, monkeypatch,
+                                                                         prompts):  # type: ignore[no-untyped-def]
+    """Issue 13: P validated a prompt three times, twice through separate step-thread round trips. Now once, in the
+    call that adds it; a bad prompt is INVALID_ARGUMENT and leaves no waiter, reservation or request behind."""
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
+        try:
+            seen: list[int] = []
+            calls: list[int] = []
+            validate, acall = pair.p_core.validate_prompt, pair.p.ctx.aengine.acall
+            monkeypatch.setattr(pair.p_core, "validate_prompt", lambda p: (seen.append(len(p)), validate(p))[1])
+
+            async def counting_acall(fn: Any) -> Any:
+                calls.append(1)
+                return await acall(fn)
+
+            monkeypatch.setattr(pair.p.ctx.aengine, "acall", counting_acall)
+            params = await prefill(pair, "a", prompts[0])
+            assert seen == [len(prompts[0])] and len(calls) == 1 and params.num_computed_tokens == len(prompts[0]) - 1
+            with pytest.raises(Aborted) as e:
+                await prefill(pair, "bad", [1, 2, 10**9])
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "bad" not in pair.p._waiters and "bad" not in pair.p._reserved
+            monkeypatch.setattr(pair.p.ctx.aengine, "acall", acall)
+            pair.p.ctx.aengine.call(lambda c: pair.p._release("a")).result()
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
