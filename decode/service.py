@@ -50,6 +50,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
+        if core.scheduler.importing:  # also between steps: an import past its deadline is let go
+            core.expire_imports()
         if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
             self.ctx.metrics.update(core, extra_waiting=len(core.scheduler.importing))
 

@@ -246,8 +246,10 @@ class EngineCore:
         return req
 
     def fail_all(self, reason: str) -> None:
-        """End every scheduled request with an error (its caches freed): what a failed step leaves behind."""
-        for req in list(self.scheduler.requests.values()):
+        """End every scheduled request with an error (its caches freed): what a failed step leaves behind. Requests
+        waiting for a transfer were not in the step and keep waiting."""
+        importing = self.scheduler.importing
+        for req in [r for r in self.scheduler.requests.values() if r.request_id not in importing]:
             req.stop_reason = reason
             self.finish(req, "error")
 

@@ -577,3 +577,27 @@ def test_transfer_params_carry_every_group_and_read_the_one_group_format() -> No
                             state_slot=6, checkpoint_slot=4, checkpoint_num_tokens=8)
     assert source_of(old, [1]) == ImportSource(11, {0: [3, 4, 5]}, {1: 6}, Checkpoint(8, {1: 4}))
     assert source_of(old, [2, 3]).state_slots == {}  # ambiguous with two recurrent groups: begin_import refuses it
+
+
+def test_a_failed_step_leaves_imports_waiting_and_a_fail_deadline_ends_them_with_an_error() -> None:
+    trace = Trace("2+2", "reuse-value", 2, 16, 40000, ())
+    p, d = make_side("P", trace), make_side("D", trace)
+    prompt = list(range(2000, 2013))
+    p.sched.add_request(Request("r", prompt, SamplingParams(max_tokens=2), compute_target=len(prompt) - 1))
+    (req,) = [r for _ in range(10) for r in p.step(Counter())][:1]
+    exp = export_prefilled(p.core, req)
+    d.sched.add_request(Request("other", prompt, SamplingParams(max_tokens=2)))
+    d_req = Request("r", prompt, SamplingParams(max_tokens=2))
+    imp = begin_import(d.core, d_req, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint),
+                       deadline=3.0, fallback="fail")
+    assert imp is not None
+    ended: list[str] = []
+    d.core.finish_listeners.append(lambda r: ended.append(f"{r.request_id}:{r.finish_reason}"))
+    d.core.fail_all("injected")
+    assert ended == ["other:error"] and d_req.status is RequestStatus.WAITING_FOR_TRANSFER
+    d.core.now = 3.0  # type: ignore[attr-defined]
+    assert d.core.expire_imports() == [d_req]
+    assert ended == ["other:error", "r:error"] and d_req.stop_reason == "transfer deadline passed"
+    assert not d.sched.requests and all(pool.stats()["in_use"] == 0 for pool in d.cache.pools.values())
+    d.cache.check_integrity()
+    release_export(p.core, req, exp)
