@@ -197,16 +197,16 @@ class Side:
                     assert m.pool.block_hash[b] is not None
         reserved = Counter((gid, slot) for imp in self.sched.importing.values() if imp.checkpoint
                            for gid, slot in imp.checkpoint.slots.items())
-        for m in cache.states:
-            gid = m.group.group_id
-            assert m.pending == [] and m.step_refs == []
-            running = list(m.running_slot.values())
+        for rm in cache.states:
+            gid = rm.group.group_id
+            assert rm.pending == [] and rm.step_refs == []
+            running = list(rm.running_slot.values())
             assert len(set(running)) == len(running)
-            for b in range(1, m.pool.num_blocks):
+            for b in range(1, rm.pool.num_blocks):
                 want = running.count(b) + pins[(gid, b)] + reserved[(gid, b)] + ((gid, b) in self.quarantined_slots)
-                assert m.pool.ref_cnt[b] == want, (self.name, gid, b, m.pool.ref_cnt[b], want)
+                assert rm.pool.ref_cnt[b] == want, (self.name, gid, b, rm.pool.ref_cnt[b], want)
                 if b in running:
-                    assert m.pool.block_hash[b] is None
+                    assert rm.pool.block_hash[b] is None
         holders = set(self.sched.requests) | set(cache.quarantined) | self.leased
         for am in cache.blocks:
             assert set(am.req_blocks) <= holders
@@ -436,8 +436,8 @@ class PDHarness:
                 assert in_use == quarantined, (side.name, gid, in_use, quarantined)
             for m in side.cache.blocks:
                 assert set(m.req_blocks) == set(side.cache.quarantined) and not m.fresh_blocks
-            for m in side.cache.states:
-                assert set(m.running_slot) <= set(side.cache.quarantined) and not m.copies
+            for rm in side.cache.states:
+                assert set(rm.running_slot) <= set(side.cache.quarantined) and not rm.copies
             assert side.cache._targets == {} and side.cache._noted == {}
         assert (self.d.cache.quarantined != []) == bool(self.quarantined_pages or self.d.quarantined_slots)
 
