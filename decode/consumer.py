@@ -34,6 +34,7 @@ from engine.transfer import (
     begin_import,
     complete_import,
     end_unscheduled,
+    recurrent_group_ids,
     schedule_local,
 )
 from kvtransfer.binding import prompt_digest
@@ -108,7 +109,7 @@ class Consumer:
         if time_left <= 0:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
         pull_timeout = min(self.timeout_s, time_left)
-        imp = begin_import(core, req, source_of(tp, core.cache.group_state_slots("")),
+        imp = begin_import(core, req, source_of(tp, recurrent_group_ids(core)),
                            deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
         if imp is None:  # no room to receive now: compute it here when room frees up
             log.info("request %s: no cache room to receive %d tokens; computing locally", req.request_id, n_ext)

@@ -50,10 +50,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
-        if core.scheduler.importing:  # also between steps: an import past its deadline is let go
-            core.expire_imports()
+        core.expire_imports()  # also between steps: an import past its deadline is let go
         if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
-            self.ctx.metrics.update(core, extra_waiting=len(core.scheduler.importing))
+            self.ctx.metrics.update(core, extra_waiting=core.num_importing)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -199,4 +198,4 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         return await self.ctx.aengine.acall(lambda core: stats_response(
             core, "decode", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
-            extra_waiting=len(core.scheduler.importing)))
+            extra_waiting=core.num_importing))

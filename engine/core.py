@@ -253,6 +253,11 @@ class EngineCore:
             req.stop_reason = reason
             self.finish(req, "error")
 
+    @property
+    def num_importing(self) -> int:
+        """Requests waiting for a transfer (WAITING_FOR_TRANSFER)."""
+        return len(self.scheduler.importing)
+
     def has_unfinished(self) -> bool:
         """Requests a step can advance (importing ones wait for their transfer; see expire_imports)."""
         return self.scheduler.num_unfinished > 0

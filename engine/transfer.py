@@ -121,7 +121,12 @@ def release_export(core: EngineCore, req: Request, exp: Export) -> None:
 def export_pages_needed(core: EngineCore, num_tokens: int) -> dict[int, int]:
     """Attention blocks (per attention group) an export of `num_tokens` tokens pins (admission control counts
     these)."""
-    return {gid: -(-num_tokens // core.cache.block_size) for gid in core.cache.group_block_ids("")}
+    return {m.group.group_id: -(-num_tokens // core.cache.block_size) for m in core.cache.blocks}
+
+
+def recurrent_group_ids(core: EngineCore) -> list[int]:
+    """The recurrent groups' ids (what a transfer's state slots are keyed by)."""
+    return [m.group.group_id for m in core.cache.states]
 
 
 def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:

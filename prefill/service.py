@@ -13,7 +13,14 @@ import grpc
 
 from engine.core import EngineCore
 from engine.request import Request
-from engine.transfer import Export, export_pages_needed, export_prefilled, pool_totals, release_export
+from engine.transfer import (
+    Export,
+    export_pages_needed,
+    export_prefilled,
+    pool_totals,
+    release_export,
+    schedule_local,
+)
 from kvtransfer.binding import new_lease_token, prompt_digest
 from kvtransfer.errors import StaleEpochError
 from kvtransfer.lease import CommitRefused, LeaseTable
@@ -172,7 +179,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             refusal = self._admit(core, rid, target)
             if refusal is None:
                 try:
-                    core.scheduler.add_request(req)
+                    schedule_local(core, req)
                 except BaseException:
                     self._reserved.pop(rid, None)
                     raise
