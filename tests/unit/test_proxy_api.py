@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from proxy.tokenization import PromptTokenizer
+from tests.polling import wait_for
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 
@@ -211,7 +212,9 @@ def test_api_key() -> None:
             r = s.http.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert s.http.get("/v1/models").status_code == 401
-        assert s.http.get("/health").status_code == 200  # probes need no key
+        # probes need no key (/health reports the background probe's last result: wait for a healthy one, as a
+        # load balancer would, rather than racing the first probe on a loaded machine)
+        wait_for("a healthy /health without a key", lambda: s.http.get("/health").status_code == 200, timeout=30)
         ok = s.http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == " 6 5"
         assert not s.decode[0].generates[:-1]  # rejected requests never reached a worker
