@@ -1,7 +1,7 @@
 """Worker-side Prometheus metrics (DESIGN.md names), updated from the engine's counters on the step thread.
 
 Counters are exported as deltas of the engine's monotonic counters, so the engine itself stays free of
-prometheus_client. Labels: role = prefill | decode, group = the cache group kind."""
+prometheus_client. Labels: role = prefill | decode, group = the cache group kind (kind:id for a repeated kind)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class WorkerMetrics:
             self.usage.labels(self.role, kind).set(u)
         self._inc(self.zeroed, "z", "", core.runner.num_zeroed_blocks)
         stats = cache.cache_stats()
-        for kind in (g.kind for g in cache.groups):
+        for kind in cache.labels.values():  # the kind name, or kind:id where a model repeats a kind
             s = stats.get(kind)
             if isinstance(s, dict):
                 self.evictions.labels(self.role, kind)  # exported at 0 from the start (dashboards show 0)
