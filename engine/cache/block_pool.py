@@ -90,12 +90,14 @@ class BlockPool:
         if n > avail:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {avail} free")
         out = []
+        pop, names, ref = self._queue.popitem, self.block_hash, self.ref_cnt
         for _ in range(n):
-            block_id, _ = self._queue.popitem(last=False)
-            if self.block_hash[block_id] is None:
+            block_id, _ = pop(last=False)
+            if names[block_id] is None:
                 self.num_plain -= 1
-            self._evict_hash(block_id)
-            self.ref_cnt[block_id] = 1
+            else:
+                self._evict_hash(block_id)
+            ref[block_id] = 1
             out.append(block_id)
         return out
 
@@ -112,19 +114,21 @@ class BlockPool:
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
+        ref, names, queue, listener = self.ref_cnt, self.block_hash, self._queue, self.listener
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
-            if self.ref_cnt[b] <= 0:
+            n = ref[b]
+            if n <= 0:
                 raise RuntimeError(f"{self.name}: double free of block {b}")
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self._queue[b] = None
-                if self.block_hash[b] is None:  # nothing to keep: reuse before evicting cached content
-                    self._queue.move_to_end(b, last=False)
+            ref[b] = n = n - 1
+            if n == 0:
+                queue[b] = None
+                if names[b] is None:  # nothing to keep: reuse before evicting cached content
+                    queue.move_to_end(b, last=False)
                     self.num_plain += 1
-                elif self.listener is not None:
-                    self.listener.on_release(self, b)
+                elif listener is not None:
+                    listener.on_release(self, b)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)

@@ -119,6 +119,10 @@ class HybridCacheManager:
             self.pools[g.group_id] = pool
         self.managers: list[GroupManager] = [*self.blocks, *self.states]
         """Every group, attention first: the coordinator loops over these and never asks for a kind."""
+        self._block_gids = [(m, m.group.group_id) for m in self.blocks]
+        self._state_gids = [(m, m.group.group_id) for m in self.states]
+        self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
+        """(manager, its group id) in `managers` order, for the per-step loops."""
         self.reclaimer: Reclaimer | None = None
         if layout.budget_bytes is not None or layout.policy is not None:
             budget = layout.budget_bytes
@@ -208,31 +212,48 @@ class HybridCacheManager:
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
-        hit = hit or PrefixHit()
+        pages = hit.pages if hit is not None else {}
         rid = req.request_id
-        new = not any(m.holds(rid) for m in self.managers)
+        new = self._is_new(rid)
         if self.reclaimer is None:
             if not self.can_allocate(req, num_tokens, hit):
                 return False
-        elif new or any(m.new_pages_needed(rid, num_tokens) for m in self.managers):
-            if not self._make_room(req, num_tokens, hit):
+        elif new or self._grows(rid, num_tokens):
+            if not self._make_room(rid, num_tokens, pages):
                 return False
-        for m in self.managers:
-            m.allocate(rid, num_tokens, hit.pages.get(m.group.group_id, ()), pinned=self.reclaimer is not None)
+        elif num_tokens > 0:
+            return True  # every group holds the request and covers num_tokens already (most decode steps)
+        pinned = self.reclaimer is not None
+        for m, gid in self._gids:
+            m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
         if new:
-            self._admit(req, hit.num_tokens)
+            self._admit(req, hit.num_tokens if hit is not None else 0)
         return True
 
-    def _make_room(self, req: Request, num_tokens: int, hit: PrefixHit) -> bool:
-        """Pin the hit (so eviction cannot take it), then evict until the new pages fit; undo the pins on failure."""
-        rid = req.request_id
-        pinned = [m for m in self.managers if m.pin_hit(rid, hit.pages.get(m.group.group_id, ()))]
+    def _is_new(self, rid: str) -> bool:
+        """No group holds anything for the request yet."""
+        for m in self.managers:
+            if m.holds(rid):
+                return False
+        return True
+
+    def _grows(self, rid: str, num_tokens: int) -> bool:
+        """Some group needs new pages to cover num_tokens (most decode steps: none)."""
+        for m in self.managers:
+            if m.new_pages_needed(rid, num_tokens):
+                return True
+        return False
+
+    def _make_room(self, rid: str, num_tokens: int, pages: dict[int, tuple[int, ...]]) -> bool:
+        """Pin the hit's `pages` (so eviction cannot take them), then evict until the new pages fit; undo the pins
+        on failure."""
+        pinned = [(m, gid) for m, gid in self._gids if m.pin_hit(rid, pages.get(gid, ()))]
         needs = [(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]
         assert self.reclaimer is not None
         if self.reclaimer.make_room(needs):
             return True
-        for m in pinned:
-            m.unpin_hit(rid, hit.pages.get(m.group.group_id, ()))
+        for m, gid in pinned:
+            m.unpin_hit(rid, pages.get(gid, ()))
         return False
 
     def _admit(self, req: Request, hit_tokens: int) -> None:
@@ -267,7 +288,7 @@ class HybridCacheManager:
     def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
         """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
         written by the runner this step. Every group gets a slot for the same boundaries."""
-        out: dict[int, list[tuple[int, int]]] = {m.group.group_id: [] for m in self.states}
+        out: dict[int, list[tuple[int, int]]] = {gid: [] for _, gid in self._state_gids}
         if not self.states or not self.enable_prefix_caching:
             return out
         if self.policy.admission == "interval":
@@ -478,11 +499,11 @@ class HybridCacheManager:
 
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Attention group id -> the request's block table in that group."""
-        return {m.group.group_id: m.req_pages(req_id) for m in self.blocks}
+        return {gid: m.req_pages(req_id) for m, gid in self._block_gids}
 
     def group_state_slots(self, req_id: str) -> dict[int, int]:
         """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        return {m.group.group_id: m.running_slot.get(req_id, PAD_SLOT_ID) for m in self.states}
+        return {gid: m.running_slot.get(req_id, PAD_SLOT_ID) for m, gid in self._state_gids}
 
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""

@@ -137,13 +137,16 @@ class AttentionManager:
         return True
 
     def new_blocks_needed(self, req_id: str, num_tokens: int) -> int:
-        return max(0, cdiv(num_tokens, self.block_size) - len(self.req_blocks.get(req_id, ())))
+        new = -(-num_tokens // self.block_size) - len(self.req_blocks.get(req_id, ()))  # cdiv, inlined
+        return new if new > 0 else 0
 
     new_pages_needed = new_blocks_needed
 
     def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool = False) -> list[int]:
-        self.adopt(req_id, hit)
-        blocks = self.req_blocks[req_id]
+        blocks = self.req_blocks.get(req_id)
+        if blocks is None:
+            self.adopt(req_id, hit)
+            blocks = self.req_blocks[req_id]
         new = cdiv(num_tokens, self.block_size) - len(blocks)
         if new > 0:
             fresh = self.pool.allocate(new)
@@ -153,10 +156,15 @@ class AttentionManager:
         return []
 
     def cache_full_blocks(self, req_id: str, block_hashes: list[bytes], num_computed: int) -> None:
+        done = self.num_hashed[req_id]
+        if num_computed // self.block_size <= done:
+            return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks[req_id]
         n_full = min(num_computed // self.block_size, len(block_hashes), len(blocks))
+        if n_full <= done:
+            return
         rc, pool, leader = self.reclaimer, self.pool, self.leader
-        for i in range(self.num_hashed[req_id], n_full):
+        for i in range(done, n_full):
             h = block_hashes[i]
             if leader is not None and leader.lookup(h) is None:
                 continue  # riders name only what the chain holds (the chain was cached first)
@@ -170,7 +178,7 @@ class AttentionManager:
                     if rc is not None:
                         rc.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
                     pool.rename(other, blocks[i])  # our live copy takes the name: the chain stays evictable
-        self.num_hashed[req_id] = max(self.num_hashed[req_id], n_full)
+        self.num_hashed[req_id] = n_full
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, None)

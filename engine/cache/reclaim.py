@@ -43,6 +43,8 @@ from engine.cache.eviction import EvictionQueue, ValueModel
 POLICIES = ("value", "lru")
 MAX_ANCHOR_WALK = 64
 """Blocks an anchor search walks up before it counts the whole prefix as this entry's (see `_anchor`)."""
+_NO_JUMP = b"/no jump/"
+"""`_jump.get` default (compared by identity; never a block hash, which is 16 bytes)."""
 
 
 class Reclaimer:
@@ -64,6 +66,9 @@ class Reclaimer:
         self.policy = policy
         order = itertools.count()  # one release order for both pools: ties compare across them
         self.queues: dict[int, EvictionQueue] = {id(p): EvictionQueue(order) for p in self.leaders}
+        self._chain_queue = self.queues[id(self.attention)] if self.attention is not None else None
+        self._capacity_bytes = sum(p.capacity * p.page_bytes for p in self.pools)
+        """Bytes of every page of every pool: held = this - the free (plain) pages' bytes."""
         self.unit_bytes = {id(g[0]): sum(p.page_bytes for p in g) for g in (attention, state) if g}
         """leader pool -> bytes of one unit (its page and its riders' pages at the same hash)."""
         ref_bytes = self.unit_bytes[id(self.state if self.state is not None else self.attention)]
@@ -82,8 +87,9 @@ class Reclaimer:
         self.base: dict[tuple[int, int], float] = {}
         """(pool, page) -> clock when it was queued (its recency)."""
         self._since_refresh = 0
-        self._jump: dict[bytes, tuple[bytes | None, int]] = {}
-        self._epoch = 0
+        self._jump: dict[bytes, bytes | None] = {}
+        """Anchor walks: node -> where the last walk through it ended (see `_anchor`); cleared when a node with
+        descendants becomes a branch point or a checkpoint (a walk that skipped over it is out of date)."""
         self.evicted_bytes = {"attention": 0, "state": 0}
         self.num_evicted = {"attention": 0, "state": 0}
         for p in self.pools:
@@ -91,7 +97,11 @@ class Reclaimer:
 
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
-        return sum(p.num_held * p.page_bytes for p in self.pools)
+        """Bytes of the pages that hold something (in use or cached), every pool."""
+        held = self._capacity_bytes
+        for p in self.pools:
+            held -= p.num_plain * p.page_bytes
+        return held
 
     def make_room(self, needs: list[tuple[BlockPool, int]]) -> bool:
         """Evict the lowest-priority pages until every pool has `n` free ids and the budget has room for all of
@@ -99,18 +109,25 @@ class Reclaimer:
         extra = sum(n * p.page_bytes for p, n in needs)
         if extra == 0:
             return True
+        room = self.budget_bytes - extra
+        value = self.policy == "value"
         while True:
             short = [p for p, n in needs if p.num_plain < n]
-            if not short and self.held_bytes() + extra <= self.budget_bytes:
+            if not short and self.held_bytes() <= room:
                 return True
-            victim = self._lowest(list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values())
-                                  if short else self.leaders)
+            victim = self._lowest(self._leaders_of(short) if short else self.leaders)
             if victim is None:
                 return False
             self.evict(*victim)
             self._since_refresh += 1
-            if self.policy == "value" and self._since_refresh > max(1024, 4 * self.num_queued()):
+            if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
                 self.refresh()
+
+    def _leaders_of(self, pools: list[BlockPool]) -> list[BlockPool]:
+        """The distinct leaders of `pools` (a rider's pages are freed by evicting its leader's)."""
+        if len(pools) == 1:
+            return [self.leader_of[id(pools[0])]]
+        return list({id(q): q for q in (self.leader_of[id(p)] for p in pools)}.values())
 
     def num_queued(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -118,21 +135,23 @@ class Reclaimer:
     def refresh(self) -> None:
         """Recompute every queued page's value against the tree as it is now (keeping its recency)."""
         self._since_refresh = 0
+        base, value = self.base, self._value
         for p in self.leaders:
-            key = id(p)
-            self.queues[key].reprioritize(
-                lambda page, p=p, key=key: self.base[(key, page)] + self._value(p, p.block_hash[page]))
+            key, names = id(p), p.block_hash
+            self.queues[key].reprioritize(lambda page: base[(key, page)] + value(p, names[page]))  # noqa: B023
 
     def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
-        best = None
+        """(pool, page, priority) of the next victim among `pools`' queues: the lowest (priority, release order);
+        release orders are unique across queues (one counter), so whole entries compare the same way."""
+        best = best_pool = None
+        queues = self.queues
         for p in pools:
-            top = self.queues[id(p)].peek()
-            if top is not None and (best is None or top[:2] < best[0][:2]):
-                best = (top, p)
+            top = queues[id(p)].peek()
+            if top is not None and (best is None or top < best):
+                best, best_pool = top, p
         if best is None:
             return None
-        (prio, _, page), pool = best
-        return pool, page, prio
+        return best_pool, best[2], best[0]  # type: ignore[return-value]
 
     def evictable_bytes(self) -> int:
         return sum(len(self.queues[id(p)]) * self.unit_bytes[id(p)] for p in self.leaders)
@@ -142,26 +161,30 @@ class Reclaimer:
         """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
         h = pool.block_hash[page]
         assert h is not None
-        self.queues[id(pool)].discard(page)
-        self.base.pop((id(pool), page), None)
+        key = id(pool)
+        self.queues[key].discard(page)
+        self.base.pop((key, page), None)
+        chain = pool is self.attention
         if count:
             pool.evict(page)
-            kind = "attention" if pool is self.attention else "state"
+            kind = "attention" if chain else "state"
             self.num_evicted[kind] += 1
             self.evicted_bytes[kind] += pool.page_bytes
         else:
             pool.uncache(page)
-        self._drop_riders(pool, h, count)
+        if self.riders.get(key):
+            self._drop_riders(pool, h, count)
         if self.policy == "lru":
             return
-        if prio is not None:
-            self.clock = max(self.clock, prio)
-        if pool is self.attention:
+        if prio is not None and prio > self.clock:
+            self.clock = prio
+        if chain:
             self._unlink(h)
-            if self.state is not None:
-                slot = self.state.lookup(h)
-                if slot is not None and self.state.ref_cnt[slot] == 0:
-                    self.evict(self.state, slot)  # its chain is gone: the state is useless
+            state = self.state
+            if state is not None:
+                slot = state.cached.get(h)
+                if slot is not None and state.ref_cnt[slot] == 0:
+                    self.evict(state, slot)  # its chain is gone: the state is useless
         else:
             self._requeue_block(h)  # the block it ended on may now be a dead end
         self._forget(h)
@@ -191,8 +214,8 @@ class Reclaimer:
             self._requeue_block(parent)  # a new leaf
 
     def _forget(self, h: bytes) -> None:
-        in_attn = self.attention is not None and self.attention.lookup(h) is not None
-        in_state = self.state is not None and self.state.lookup(h) is not None
+        in_attn = self.attention is not None and h in self.attention.cached
+        in_state = self.state is not None and h in self.state.cached
         if not in_attn and not in_state:
             self._jump.pop(h, None)
             self.tokens.pop(h, None)
@@ -224,16 +247,16 @@ class Reclaimer:
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """An attention block was named `h` (its chain parent is `parent`, None for the first block)."""
         self.tokens[h] = tokens
-        if self.policy == "lru" or parent is None or self.attention is None or h in self.parent:
+        if self.policy == "lru" or parent is None or self._chain_queue is None or h in self.parent:
             return
-        pb = self.attention.lookup(parent)
+        pb = self.attention.cached.get(parent)  # type: ignore[union-attr]
         if pb is None:
             return  # the parent is gone: this block heads an unreachable chain and stays a leaf
         self.parent[h] = parent
         n = self.children[parent] = self.children.get(parent, 0) + 1
         if n == 2:
-            self._epoch += 1  # a new branch point: walks that skipped over it are out of date
-        self.queues[id(self.attention)].discard(pb)  # no longer a leaf
+            self._jump.clear()  # a new branch point: walks that skipped over it are out of date
+        self._chain_queue.discard(pb)  # no longer a leaf
 
     def demote(self, h: bytes) -> None:
         """The checkpoint named `h` lies on a path a deeper checkpoint of the same request now ends, with no branch
@@ -255,13 +278,13 @@ class Reclaimer:
         self.tokens[h] = tokens
         if self.policy == "value":
             if self.children.get(h):
-                self._epoch += 1  # a checkpoint mid-chain: walks that skipped over it are out of date
+                self._jump.clear()  # a checkpoint mid-chain: walks that skipped over it are out of date
             self._requeue_block(h)
 
     def _requeue_block(self, h: bytes) -> None:
         if self.attention is None or self.policy == "lru":
             return
-        b = self.attention.lookup(h)
+        b = self.attention.cached.get(h)
         if b is not None and self.attention.ref_cnt[b] == 0 and not self.children.get(h):
             self._push(self.attention, b, h)
 
@@ -277,7 +300,7 @@ class Reclaimer:
         if h is None or h in self.demoted:
             return 0.0
         if pool is self.attention and self.state is not None:
-            if self.state.lookup(h) is None:
+            if h not in self.state.cached:
                 return 0.0  # dead end: no hit can stop here
             pool = self.state  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = self.tokens.get(h, 0), self._anchor(h)
@@ -291,24 +314,28 @@ class Reclaimer:
         would fall back to without `h`.
 
         Walks up the chain; `_jump[x]` remembers, per walk, the ancestor the walk from x ended at, so the next walk
-        skips the plain stretch in one step; past MAX_ANCHOR_WALK plain blocks it stops and answers 0. A node that
-        becomes interesting with descendants below it (a new
-        branch, a checkpoint saved mid-chain) bumps `_epoch`, which invalidates every jump."""
-        parent, children, jump, epoch = self.parent, self.children, self._jump, self._epoch
+        skips the plain stretch in one step; past MAX_ANCHOR_WALK visited plain nodes it stops and answers 0. A node
+        that becomes interesting with descendants below it (a new branch, a checkpoint saved mid-chain) clears
+        every jump."""
+        parent_of, children, jump = self.parent.get, self.children.get, self._jump
+        jump_of = jump.get
         states = self.state.cached if self.state is not None else {}
-        path = []
-        p = parent.get(h)
+        path: list[bytes] = []
+        visit = path.append
+        left = MAX_ANCHOR_WALK + 1
+        p = parent_of(h)
         while p is not None:
-            if children.get(p, 0) >= 2 or p in states:
+            if children(p, 0) >= 2 or p in states:
                 break
-            path.append(p)
-            if len(path) > MAX_ANCHOR_WALK:
+            visit(p)
+            left -= 1
+            if not left:
                 p = None  # a long plain stretch: count it all (as if from the root)
                 break
-            j = jump.get(p)
-            p = j[0] if j is not None and j[1] == epoch else parent.get(p)
-        for x in path:
-            jump[x] = (p, epoch)
+            nxt = jump_of(p, _NO_JUMP)
+            p = parent_of(p) if nxt is _NO_JUMP else nxt
+        if path:
+            jump.update(dict.fromkeys(path, p))
         return self.tokens.get(p, 0) if p is not None else 0
 
     # -- integrity ---------------------------------------------------------------------------------------------
