@@ -1,6 +1,6 @@
 """The recurrent decode kernels alone (engine.kernels.recurrent_step) at full-size shapes, per tile choice: time
 (median of 20 CUDA-event timings) and the state bandwidth they reach (state read + written) against a same-run
-device-to-device copy. Prints a table; --out writes JSON.
+device-to-device copy (roofline.py's). Prints a table; --out writes JSON.
 
     python benchmarks/decode_kernels.py --batch 64
 """
@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+from benchmarks.roofline import copy_bandwidth
 from engine.kernels import recurrent_step as rs
 
 
@@ -29,19 +30,13 @@ def median_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def copy_bandwidth(dev: str) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) / 1e6
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     B, dev = args.batch, "cuda"
-    copy_gbps = copy_bandwidth(dev)
+    copy_gbps = copy_bandwidth() / 1e9
     rows, slots = torch.arange(B, device=dev), torch.arange(1, B + 1, device=dev)
     init = torch.ones(B, dtype=torch.int32, device=dev)
     results = []

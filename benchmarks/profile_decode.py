@@ -18,11 +18,7 @@ import statistics
 
 import torch
 
-from benchmarks.roofline import BLOCK, copy_bandwidth, decode_output, describe, prefill_output, timed
-from engine.cache.planner import plan_capacity
-from engine.cache.specs import group_layers
-from engine.models.checkpoint import preset, random_engine_model
-from engine.runner import ModelRunner
+from benchmarks.roofline import build_runner, copy_bandwidth, decode_output, prefill_output, timed
 from engine.sampling_params import SamplingParams
 
 
@@ -45,19 +41,8 @@ def kernel_table(fn) -> tuple[float, list[tuple[str, int, float]]]:  # type: ign
 
 
 def run(name: str, args: argparse.Namespace, bw: float) -> dict:  # type: ignore[type-arg]
-    family, overrides = preset(name)
-    torch.manual_seed(0)
-    model = random_engine_model(family, "bfloat16", "cuda", seed=0, **overrides)
-    groups = group_layers(model.cache_specs(BLOCK))
     b, ctx = args.batch, args.context
-    blocks_per_seq = -(-max(ctx, args.prefill_tokens) // BLOCK)
-    max_len = blocks_per_seq * BLOCK
-    probe = plan_capacity(groups, 1 << 40, b, 0, max_len, 256)
-    budget = (b + 1) * probe.bytes_per_state + (b * blocks_per_seq + 2) * probe.bytes_per_block
-    plan = plan_capacity(groups, budget, b, 0, max_len, 256)
-    runner = ModelRunner(model, groups, plan, len(model.args.layer_types), torch.device("cuda"),
-                         zero_fresh_blocks=False)
-    shape = describe(model, groups)
+    model, runner, shape, blocks_per_seq = build_runner(name, "bfloat16", b, max(ctx, args.prefill_tokens))
     params = {f"r{i}": SamplingParams(max_tokens=1, temperature=0) for i in range(b)}
     params["p0"] = SamplingParams(max_tokens=1, temperature=0)
     out = decode_output(b, ctx, blocks_per_seq)

@@ -160,19 +160,26 @@ def count_kernels(fn) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return {"gpu_kernels": kernels, "kernel_launches": launches, "graph_launches": graphs}
 
 
-def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> list[dict]:  # type: ignore[type-arg]
+def build_runner(name: str, dtype: str, max_batch: int, max_ctx: int, fast_path: bool = True
+                 ):  # type: ignore[no-untyped-def]
+    """(model, runner, shape, blocks per sequence) for a preset with random weights on the GPU, its caches sized
+    for `max_batch` sequences of `max_ctx` tokens with distinct blocks and slots."""
     family, overrides = preset(name)
     torch.manual_seed(0)
-    model = random_engine_model(family, args.dtype, "cuda", seed=0, **overrides)
+    model = random_engine_model(family, dtype, "cuda", seed=0, **overrides)
     groups = group_layers(model.cache_specs(BLOCK))
-    max_b, max_ctx = max(args.batches), max(args.contexts + [args.prefill_tokens])
     blocks_per_seq = -(-max_ctx // BLOCK)
-    probe = plan_capacity(groups, 1 << 40, max_b, 0, max_ctx, 256)
-    budget = (max_b + 1) * probe.bytes_per_state + (max_b * blocks_per_seq + 2) * probe.bytes_per_block
-    plan = plan_capacity(groups, budget, max_b, 0, max_ctx, 256)
+    probe = plan_capacity(groups, 1 << 40, max_batch, 0, max_ctx, 256)
+    budget = (max_batch + 1) * probe.bytes_per_state + (max_batch * blocks_per_seq + 2) * probe.bytes_per_block
+    plan = plan_capacity(groups, budget, max_batch, 0, max_ctx, 256)
     runner = ModelRunner(model, groups, plan, len(model.args.layer_types), torch.device("cuda"),
-                         zero_fresh_blocks=False, fast_path=not args.reference)
-    shape = describe(model, groups)
+                         zero_fresh_blocks=False, fast_path=fast_path)
+    return model, runner, describe(model, groups), blocks_per_seq
+
+
+def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> list[dict]:  # type: ignore[type-arg]
+    max_b, max_ctx = max(args.batches), max(args.contexts + [args.prefill_tokens])
+    model, runner, shape, blocks_per_seq = build_runner(name, args.dtype, max_b, max_ctx, not args.reference)
     params = {f"r{i}": SamplingParams(max_tokens=1, temperature=0) for i in range(max_b)}
     params["p0"] = SamplingParams(max_tokens=1, temperature=0)
     rows = []

@@ -50,6 +50,8 @@ class DecodeGraphs:
                      for k in names}
         self.host_table = torch.zeros(n * max(1, max_blocks), dtype=i32, pin_memory=pin)
         """Pinned host mirrors of the inputs (filled through numpy views, then one H2D copy each)."""
+        self.host_np = {k: t.numpy() for k, t in self.host.items()}
+        self.host_table_np = self.host_table.numpy()
         self.table_rows: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
         """The last step's block-table rows by request id (block ids tuple, its int32 array)."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -61,12 +63,12 @@ class DecodeGraphs:
         per-step tensor construction) and copied with one H2D copy per buffer; rows n..b are padding
         (PAD_SLOT_ID, context 0)."""
         n, bs = len(seqs), self.block_size
-        h = {k: t.numpy() for k, t in self.host.items()}
+        h = self.host_np
         h["ids"][:n] = [s.token_ids[0] for s in seqs]
         p = h["positions"]
         p[:n] = [s.num_computed_tokens for s in seqs]
         w = max(len(s.block_ids) for s in seqs)
-        table = self.host_table[: b * w].numpy().reshape(b, w)
+        table = self.host_table_np[: b * w].reshape(b, w)
         rows, seen = self.table_rows, {}
         for i, s in enumerate(seqs):  # a request's row converted once, reused while its block list is unchanged
             hit = rows.get(s.request_id)
