@@ -2,6 +2,12 @@
 
     python benchmarks/offline_throughput.py --device cpu  --out offline_cpu.json
     python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --out offline_gpu.json
+    python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --presets nemotron-h-8b,qwen3.5-9b \
+        --num-prompts 256 --input-len 512 --output-len 128 --out offline_8b.json
+
+Sizes are small random-weight checkpoints written to disk; presets are the full-size public shapes
+(`engine.models.checkpoint.PRESETS`), config only, loaded with `load_format="dummy"` (random weights drawn on the
+device).
 
 For each model size: write a random-weight checkpoint, generate `--num-prompts` prompts x `--output-len` tokens
 (greedy, ignore_eos), repeat, report the median generated tokens/s and total (prompt + generated) tokens/s.
@@ -27,10 +33,14 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.models.checkpoint import write_random_checkpoint
+    from engine.models.checkpoint import PRESETS, preset, write_random_checkpoint
 
-    overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
-    path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)
+    if size in PRESETS:
+        family, overrides = preset(size)
+        path = write_random_checkpoint(f"{tmp}/{size}", family, seed=0, weights=False, **overrides)
+    else:
+        overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
+        path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)
     kv_bytes = args.kv_bytes if args.kv_bytes else (None if args.device.startswith("cuda") else 512 * 2**20)
     llm = LLM(
         model=path,
@@ -40,7 +50,9 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=kv_bytes,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.input_len + args.output_len + 16,
+        load_format="dummy" if size in PRESETS else "auto",
     )
     params = sum(p.numel() for p in llm.engine.model.parameters())  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(0)
@@ -112,7 +124,8 @@ def _run_isolated(family: str, size: str, argv: list[str] | None, tmp: str) -> d
 
     out = f"{tmp}/{family}-{size}.json"
     base = list(sys.argv[1:] if argv is None else argv)
-    cmd = [sys.executable, __file__, *base, "--in-process", "--families", family, "--sizes", size, "--out", out]
+    one = ["--presets", size] if family == "preset" else ["--families", family, "--sizes", size]
+    cmd = [sys.executable, __file__, *base, "--in-process", *one, "--out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
         with open(out) as f:
@@ -134,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-bytes", type=int, default=None, help="cache budget (default: 512 MiB on CPU, 50%% of the GPU on CUDA)"
     )
+    ap.add_argument("--presets", default=None,
+                    help="full-size shapes instead of --families x --sizes, e.g. nemotron-h-8b,qwen3.5-9b")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="offline_throughput.json")
     ap.add_argument(
@@ -144,17 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     rows = []
+    runs = [("preset", p) for p in args.presets.split(",")] if args.presets else [
+        (family, size) for family in args.families.split(",") for size in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families.split(","):
-            for size in args.sizes.split(","):
-                if args.in_process:
-                    try:
-                        rows.append(run_one(family, size, args, tmp))
-                    except Exception as e:  # noqa: BLE001 - record and go on with the other sizes
-                        rows.append({"family": family, "size": size, "error": repr(e)})
-                else:
-                    rows.append(_run_isolated(family, size, argv, tmp))
-                print(json.dumps(rows[-1]), flush=True)
+        for family, size in runs:
+            if args.in_process:
+                try:
+                    rows.append(run_one(family, size, args, tmp))
+                except Exception as e:  # noqa: BLE001 - record and go on with the other sizes
+                    rows.append({"family": family, "size": size, "error": repr(e)})
+            else:
+                rows.append(_run_isolated(family, size, argv, tmp))
+            print(json.dumps(rows[-1]), flush=True)
     cols = ["family", "size", "params_m", "device", "dtype", "median_s", "gen_tok_s", "total_tok_s", "zeroing_share"]
     print(" | ".join(cols))
     for r in rows:

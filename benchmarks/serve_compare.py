@@ -3,6 +3,8 @@
     python benchmarks/serve_compare.py --device cpu --out serve_cpu.json
     python benchmarks/serve_compare.py --device cuda --dtype bfloat16 --size medium --gpus 0,0   # one GPU shared
     python benchmarks/serve_compare.py --device cuda --dtype bfloat16 --size medium --gpus 0,1   # P on 0, D on 1
+    python benchmarks/serve_compare.py --device cuda --dtype bfloat16 --preset nemotron-h-8b --gpus 0,1
+        # full-size shape: config only, workers draw random weights on their GPU (--load-format dummy)
 
 Modes: `pd` (1 prefill + 1 decode worker, KV + state over NIXL) and `colocated` (1 worker). Datasets: random and
 prefix-repetition. Prints TTFT / TPOT / throughput / hit rates per (mode, dataset) and writes JSON.
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--family", default="nemotron_h")
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    ap.add_argument("--preset", default=None, help="a full-size shape (engine.models.checkpoint.PRESETS) instead of "
+                    "--family/--size, loaded with --load-format dummy")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--gpus", default="0,0", help="CUDA devices of prefill,decode (colocated uses the first)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -81,17 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import write_random_checkpoint
+    from engine.models.checkpoint import preset, write_random_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}
-        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)
         wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency, 8))]
+        if args.preset:
+            family, overrides = preset(args.preset)
+            model = write_random_checkpoint(f"{tmp}/model", family, seed=0, weights=False, **overrides)
+            longest = max(args.input_len, args.prefix_len + args.suffix_len) + args.output_len + 16
+            wargs += ["--load-format", "dummy", "--max-model-len", str(longest)]
+        else:
+            overrides = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}
+            model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)
         if args.device == "cpu":
             wargs += ["--kv-cache-memory-bytes", str(256 * 2**20)]
         else:
-            wargs += ["--gpu-memory-utilization", "0.4"]
+            wargs += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         gp, gd = (args.gpus.split(",") + ["0"])[:2]
         for mode in args.modes.split(","):
             env_p = {"CUDA_VISIBLE_DEVICES": gp} if args.device != "cpu" else {}

@@ -29,8 +29,9 @@ def cmd_init_model(args: argparse.Namespace) -> int:
         overrides = {**base, **overrides}
     if not args.family:
         raise HybridPDError("init-model needs --family or --preset")
-    path = write_random_checkpoint(args.out, args.family, seed=args.seed, **overrides)
-    print(f"wrote random-weight {args.family} checkpoint to {path}")
+    path = write_random_checkpoint(args.out, args.family, seed=args.seed, weights=not args.no_weights, **overrides)
+    what = "config + tokenizer (serve it with --load-format dummy)" if args.no_weights else "random-weight"
+    print(f"wrote {what} {args.family} checkpoint to {path}")
     return 0
 
 
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--overrides", default=None, help="JSON dict of config overrides (e.g. hidden_size)")
+    p.add_argument("--no-weights", action="store_true",
+                   help="write config.json and the tokenizer only; engines draw random weights on their device with "
+                        "--load-format dummy (full-size presets without a 16-32 GB file)")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("generate", help="offline generation with the colocated engine")

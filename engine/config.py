@@ -21,6 +21,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Admission = Literal["reuse", "interval"]
 Eviction = Literal["value", "lru"]
 ZeroMode = Literal["auto", "on", "off"]
+LoadFormat = Literal["auto", "dummy"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 
 
@@ -37,6 +38,9 @@ class ModelConfig:
     """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings."""
     seed: int = 0
     """Random seed of the engine's sampler."""
+    load_format: LoadFormat = "auto"
+    """auto: read the checkpoint's weights. dummy: random weights drawn on the device from config.json alone (no
+    weight files needed; vLLM's --load-format dummy), for benchmarks at full size."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class EngineConfig:
         m, c, s = self.model, self.cache, self.scheduler
         if m.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
+        if m.load_format not in typing.get_args(LoadFormat):
+            raise InvalidRequestError(f"load_format must be auto|dummy, got {m.load_format!r}")
         if not (m.device == "cpu" or m.device.startswith("cuda")):
             raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
         if c.block_size < 1:

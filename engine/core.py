@@ -50,7 +50,7 @@ class EngineCore:
         mc, cc, sc = config.model, config.cache, config.scheduler
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
-        self.model = load_model(mc.path, mc.dtype, mc.device)
+        self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
         model_max = int(hf_config.get("max_position_embeddings") or 4096)
         self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)

@@ -210,10 +210,13 @@ def _reinit(model: torch.nn.Module, family: str, config: Any, seed: int) -> None
         tensors[name].copy_(_init_value(name, tensors[name], family, config, g))
 
 
-def write_random_checkpoint(out_dir: str | Path, family: str, seed: int = 0, **overrides: Any) -> str:
+def write_random_checkpoint(
+    out_dir: str | Path, family: str, seed: int = 0, weights: bool = True, **overrides: Any
+) -> str:
     """Write a random-weight HF checkpoint of `family` ("nemotron_h" | "qwen3_5") plus a byte-level tokenizer
     into `out_dir` (created if needed); returns the path. `overrides` are config fields (see nemotron_h_config /
-    qwen3_5_config). Deterministic in (family, seed, overrides)."""
+    qwen3_5_config). Deterministic in (family, seed, overrides). weights=False writes config.json and the tokenizer
+    only: a directory for `load_format="dummy"` (random weights drawn on the device at load)."""
     if family == "nemotron_h":
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -230,6 +233,11 @@ def write_random_checkpoint(out_dir: str | Path, family: str, seed: int = 0, **o
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        config.architectures = [model_cls.__name__]
+        config.save_pretrained(str(out))
+        write_tokenizer_files(out, config.vocab_size, config.max_position_embeddings)
+        return str(out)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     _reinit(model, family, config, seed)
@@ -270,15 +278,25 @@ def random_engine_model(family: str, dtype: str, device: str, seed: int = 0, **o
     cls = ARCHITECTURES["NemotronHForCausalLM" if family == "nemotron_h" else "Qwen3_5ForCausalLM"]
     with torch.device("meta"):
         model = cls(cfg, dtype)
-    model = model.to_empty(device=device)
+    fill_random_weights(model, cls, family, config, dtype, device, seed)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_random_weights(model: Any, cls: Any, family: str, config: Any, dtype: str, device: str | torch.device,
+                        seed: int = 0) -> None:
+    """Materialise a meta-device engine model on `device` with random weights drawn there (random_engine_model's
+    rules; `load_format="dummy"`). `config` needs the attributes _init_value reads (an HF config or a namespace)."""
+    from engine.models.layers import torch_dtype
+
+    model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     want = torch_dtype(dtype)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         value = _init_value(name, t, family, config, g)
         t.data = value.to(torch.float32 if cls.keep_fp32(name) else want)
-    model.requires_grad_(False)
-    return model.eval()
 
 
-__all__ = ["FAMILIES", "PRESETS", "hf_config", "nemotron_h_config", "preset", "qwen3_5_config",
+__all__ = ["FAMILIES", "PRESETS", "fill_random_weights", "hf_config", "nemotron_h_config", "preset", "qwen3_5_config",
            "random_engine_model", "write_preset_checkpoint", "write_random_checkpoint"]

@@ -109,10 +109,12 @@ def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     return dtype
 
 
-def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_format: str = "auto") -> CausalLM:
     """Load a supported HF-format model directory onto `device` in `dtype` ("float32", "bfloat16", "float16" or
     "auto" = the config's dtype). Raises ModelLoadError for a missing directory, missing or malformed config.json,
-    unsupported architecture, missing weights, missing tensors and shape mismatches."""
+    unsupported architecture, missing weights, missing tensors and shape mismatches. load_format="dummy": random
+    weights drawn on the device from config.json alone (no weight files read; vLLM's --load-format dummy), for
+    benchmarks at full size."""
     root = Path(path)
     cfg = read_model_config(root)
     arch = resolve_architecture(cfg)
@@ -126,15 +128,31 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> Causal
             model = cls(cfg, dtype)
     except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
         raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    loaded = _read_weights(root, cls, expected, torch_dtype(dtype), target)
-    _tie_or_fail(model, cls, loaded, expected, path)
-    model.load_state_dict(loaded, strict=True, assign=True)
+    if load_format == "dummy":
+        _fill_dummy(model, cls, arch, cfg, dtype, target)
+    else:
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        loaded = _read_weights(root, cls, expected, torch_dtype(dtype), target)
+        _tie_or_fail(model, cls, loaded, expected, path)
+        model.load_state_dict(loaded, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
     eos = list(model.eos_token_ids) + [e for e in _generation_eos(root) if e not in model.eos_token_ids]
     model.eos_token_ids = tuple(eos)
     return model
+
+
+def _fill_dummy(model: Any, cls: ModelClass, arch: str, cfg: dict[str, Any], dtype: str, device: torch.device) -> None:
+    from types import SimpleNamespace
+
+    from engine.models.checkpoint import fill_random_weights
+
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    family = "nemotron_h" if arch.startswith("NemotronH") else "qwen3_5"
+    fill_random_weights(model, cls, family, SimpleNamespace(**text), dtype, device)
+    if model.args.tie_word_embeddings:
+        for dst, src in cls.tied_weights.items():
+            model.get_parameter(dst).data = model.get_parameter(src).data
 
 
 def _read_weights(
