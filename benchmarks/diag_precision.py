@@ -1,0 +1,128 @@
+"""Precision diagnostic on the GPU: how far each implementation's greedy logprobs sit from the fp32 truth.
+
+The truth is transformers' uncached fp32 forward on the same GPU (IEEE fp32 dots in fla-core's kernels too).
+Every implementation's own greedy continuation is scored under the truth (teacher-forced, so a diverging token
+does not cascade): per chosen token, |its logprob - the truth's logprob of that token|, and whether the truth would
+have chosen it (if not, by what margin: a near-tie flips in bf16 by rounding alone).
+
+    python benchmarks/diag_precision.py --out diag_precision.json
+
+Implementations: transformers bf16, the engine's reference path, the engine's fast path (fla-core kernels, CUDA
+graphs), and for Gated-DeltaNet models the fast path with fla-core's fused recurrent kernel in place of its
+chunked one (isolates the chunked kernel's fp32 error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ["TRITON_F32_DEFAULT"] = "ieee"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
+MODELS = {
+    "nemotron_attn_mid": ("nemotron_h", {"hybrid_override_pattern": "M*-MM-"}),
+    "nemotron_attn_last": ("nemotron_h", {"hybrid_override_pattern": "MMM-M*"}),
+    "nemotron_moe": ("nemotron_h", {"hybrid_override_pattern": "M*ME"}),
+    "qwen_attn_last": ("qwen3_5", {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+    "qwen_attn_first": ("qwen3_5", {"layer_types": ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]}),
+}
+
+
+def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: int, recurrent_gdn: bool = False):
+    from engine import LLM, SamplingParams
+
+    patched = None
+    if recurrent_gdn:
+        import fla.ops.gated_delta_rule as gdr
+
+        patched = gdr.chunk_gated_delta_rule
+
+        def via_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
+            return gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+        gdr.chunk_gated_delta_rule = via_recurrent
+    try:
+        llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
+                  max_model_len=512, checkpoint_interval=32)
+        llm.engine.runner.fast_path = fast
+        outs = llm.generate(prompt_token_ids=prompts,
+                            sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return [(o.token_ids, o.logprobs) for o in outs]
+    finally:
+        if patched is not None:
+            import fla.ops.gated_delta_rule as gdr
+
+            gdr.chunk_gated_delta_rule = patched
+
+
+def score(truth_model, prompts, runs) -> dict:  # type: ignore[no-untyped-def]
+    from tests.oracle import _uncached_logprobs
+
+    errs, flips, margins = [], 0, []
+    for p, (toks, lps) in zip(prompts, runs, strict=True):
+        lp = _uncached_logprobs(truth_model, p + toks[:-1], "cuda")
+        for step, (t, mine) in enumerate(zip(toks, lps, strict=True)):
+            row = lp[len(p) + step - 1]
+            errs.append(abs(mine - float(row[t])))
+            best = int(torch.argmax(row))
+            if best != t:
+                flips += 1
+                margins.append(float(row[best] - row[t]))
+    errs.sort()
+    return {"max_lp_err": max(errs), "p50_lp_err": errs[len(errs) // 2], "non_argmax": flips,
+            "max_margin": max(margins, default=0.0), "tokens": len(errs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--out", default="diag_precision.json")
+    args = ap.parse_args()
+    from engine.models.checkpoint import write_random_checkpoint
+    from tests.oracle import hf_greedy, hf_model, random_prompts
+
+    prompts = random_prompts(LENGTHS, vocab=256, seed=1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            family, overrides = MODELS[name]
+            path = write_random_checkpoint(f"{tmp}/{name}", family, seed=0, **overrides)
+            truth = hf_model(path, "float32", "cuda")
+            impls = {
+                "hf_bf16": lambda: [hf_greedy(path, p, args.new_tokens, "bfloat16", "cuda") for p in prompts],
+            }
+            for dtype in ("float32", "bfloat16"):
+                impls[f"ref_{dtype}"] = lambda d=dtype: engine_run(path, d, False, prompts, args.new_tokens)
+                impls[f"fast_{dtype}"] = lambda d=dtype: engine_run(path, d, True, prompts, args.new_tokens)
+                if family == "qwen3_5":
+                    impls[f"fast_recurrent_gdn_{dtype}"] = lambda d=dtype: engine_run(
+                        path, d, True, prompts, args.new_tokens, recurrent_gdn=True)
+            for impl, fn in impls.items():
+                try:
+                    row = {"model": name, "impl": impl, **score(truth, prompts, fn())}
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    row = {"model": name, "impl": impl, "error": repr(e)[:300]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            hf_model.cache_clear()
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=2)
+    cols = ["model", "impl", "max_lp_err", "p50_lp_err", "non_argmax", "max_margin", "tokens"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, r.get("error", "")))
+                         for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
