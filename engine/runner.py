@@ -1,7 +1,8 @@
 """The model runner: owns the model, every cache tensor and the sampler. The only place tensors are built.
 
-Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks, build the
-flat `ForwardBatch`, run the model, compute logits only for rows that sample, sample.
+Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks (both per
+cache group), build the flat `ForwardBatch` (one view per attention/recurrent group pairing when a kind has several
+groups: engine.models.batch.GroupViews), run the model, compute logits only for rows that sample, sample.
 Ownership: single thread (the engine's step loop). Caches are allocated once here and never reallocated.
 """
 
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
 from engine.cache.planner import CapacityPlan
 from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
-from engine.models.batch import ForwardBatch, SeqInfo
+from engine.models.batch import ForwardBatch, GroupViews, SeqInfo
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -36,6 +38,10 @@ def _fast_path_default(device: torch.device) -> bool:
 
 
 class ModelRunner:
+    reads_group_ids = True
+    """Every layer reads its own cache group's block table / state slot (engine.models.batch.GroupViews), so
+    EngineCore accepts models with several groups of a kind."""
+
     def __init__(
         self, model: CausalLM, groups: list[CacheGroup], plan: CapacityPlan, num_layers: int, device: torch.device,
         seed: int = 0, zero_fresh_blocks: bool = True, fast_path: bool | None = None,
@@ -62,6 +68,10 @@ class ModelRunner:
                 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 engine: no TF32 in fla-core's dots
         if enforce_eager is None:
             enforce_eager = os.environ.get("HYBRIDPD_ENFORCE_EAGER", "0") not in ("", "0")
+        self.views = GroupViews.of(groups, num_layers)
+        """Which view (block tables and state slots of which groups) each layer reads: engine.models.batch."""
+        self._group_zeroers: dict[int, Any] = {}
+        """One BlockZeroer per attention group, made on first use, when there are several (else `zeroer`)."""
         self.graphs = None
         """CUDA graphs of decode-only steps (engine.models.cuda_graphs); off with enforce_eager or off the GPU."""
         if self.fast_path and device.type == "cuda" and not enforce_eager:
@@ -69,7 +79,7 @@ class ModelRunner:
 
             max_blocks = -(-plan.max_model_len // plan.block_size) if plan.block_size else 1
             self.graphs = DecodeGraphs(model, self.caches, max(1, plan.state_slots_running), max_blocks,
-                                       plan.block_size, self.conv_width, device)
+                                       plan.block_size, self.conv_width, device, self.views)
         self.sampler = Sampler(device, seed)
         self.zero_fresh_blocks = zero_fresh_blocks
         self.zeroer = None
@@ -104,55 +114,87 @@ class ModelRunner:
             self.caches[layer] = StateCache(conv[:, i], ssm[:, i])
 
     # -- per step ------------------------------------------------------------------------------------------------
-    def copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
+    def copy_states(self, copies: tuple[tuple[int, int], ...], group_id: int | None = None) -> None:
+        """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors; None: every recurrent
+        tensor (a model with one recurrent group)."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for t in self.state_tensors:
+        for t in self.state_tensors if group_id is None else self.group_tensors[group_id]:
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def zero_blocks(self, block_ids: tuple[int, ...]) -> int:
+    def zero_blocks(self, block_ids: tuple[int, ...], group_id: int | None = None) -> int:
+        """Zero fresh blocks of one attention group (None: every attention tensor, a model with one attention
+        group): one launch per group that has any."""
         if not block_ids or not self.zero_fresh_blocks or self.zeroer is None:
             return 0
-        n = self.zeroer.zero(list(block_ids))
+        zeroer: Any = self.zeroer
+        if group_id is not None:
+            zeroer = self._group_zeroers.get(group_id)
+            if zeroer is None:
+                from engine.kernels.zero_blocks import BlockZeroer
+
+                zeroer = self._group_zeroers[group_id] = BlockZeroer(list(self.group_tensors[group_id]))
+        n = zeroer.zero(list(block_ids))
         self.num_zeroed_blocks += n
         return n
 
-    def zero_block_tail(self, block_id: int, start: int) -> None:
-        """Zero token positions [start, block_size) of one attention block in every layer (the unfilled tail of
-        the last block a transfer wrote: its bytes came from the producer and are not trusted)."""
-        for kv in self.attention_tensors:  # [blocks, layers, 2, block_size, ...]
+    def zero_block_tail(self, block_id: int, start: int, group_id: int | None = None) -> None:
+        """Zero token positions [start, block_size) of one attention block in every layer of its group (None:
+        every attention tensor, a model with one attention group): the unfilled tail of the last block a
+        transfer wrote (its bytes came from the producer and are not trusted)."""
+        tensors = self.attention_tensors if group_id is None else self.group_tensors[group_id]
+        for kv in tensors:  # [blocks, layers, 2, block_size, ...]
             kv[block_id, :, :, start:].zero_()
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        """The reference path's flat batch; with several cache groups of a kind, one view per group pairing
+        (engine.models.batch.GroupViews), each with its own slot mapping and SeqInfos."""
+        v = self.views
+        batches = [self._build_view(out, v.block_ids(out.seqs, k), v.state_slots(out.seqs, k),
+                                    [v.checkpoints(s, k) for s in out.seqs]) for k in range(v.count)]
+        first = batches[0]
+        first.views, first.layer_views = batches[1:], v.layer_views
+        return first
+
+    def _build_view(self, out: SchedulerOutput, blocks: list[tuple[int, ...]], slots: list[int],
+                    checkpoints: list[tuple[tuple[int, int], ...]]) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        mapping: list[int] = []
         seqs: list[SeqInfo] = []
-        for s in out.seqs:
+        for s, table, slot, ckpts in zip(out.seqs, blocks, slots, checkpoints, strict=True):
             start = s.num_computed_tokens
             seqs.append(
                 SeqInfo(
                     query_start=len(ids), num_new_tokens=s.num_new_tokens, num_computed_tokens=start,
-                    block_table=torch.tensor(s.block_ids, dtype=torch.int64),  # CPU: the model batches index tensors
-                    state_slot=s.state_slot if s.state_slot > 0 else PAD_SLOT_ID,
-                    has_initial_state=s.has_initial_state, checkpoints=list(s.checkpoints),
+                    block_table=torch.tensor(table, dtype=torch.int64),  # CPU: the model batches index tensors
+                    state_slot=slot if slot > 0 else PAD_SLOT_ID,
+                    has_initial_state=s.has_initial_state, checkpoints=list(ckpts),
                 )
             )
             ids.extend(s.token_ids)
             for p in range(start, start + s.num_new_tokens):
                 pos.append(p)
-                slots.append(s.block_ids[p // bs] * bs + p % bs if s.block_ids else PAD_SLOT_ID)
+                mapping.append(table[p // bs] * bs + p % bs if table else PAD_SLOT_ID)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return ForwardBatch(input_ids=t(ids), positions=t(pos), slot_mapping=t(slots), seqs=seqs, block_size=bs)
+        return ForwardBatch(input_ids=t(ids), positions=t(pos), slot_mapping=t(mapping), seqs=seqs, block_size=bs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """Run one step; returns {request_id: (token, logprob)} for the sequences that sample."""
-        self.copy_states(out.state_copies)
-        self.zero_blocks(out.fresh_blocks)
+        if len(out.group_state_copies) > 1:  # several recurrent groups: each its own slots
+            for gid, copies in out.group_state_copies:
+                self.copy_states(copies, gid)
+        else:
+            self.copy_states(out.state_copies)
+        if len(out.group_fresh_blocks) > 1:  # several attention groups: each its own blocks
+            for gid, fresh in out.group_fresh_blocks:
+                self.zero_blocks(fresh, gid)
+        else:
+            self.zero_blocks(out.fresh_blocks)
         if out.is_empty:
             return {}
         if self.fast_path:
@@ -169,7 +211,7 @@ class ModelRunner:
 
     def _execute_fast(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """The batched path: metadata built vectorised and uploaded once, one forward, logits of sampled rows."""
-        from engine.models.varlen import build_varlen
+        from engine.models.varlen import build_varlen_views
 
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):
@@ -182,9 +224,10 @@ class ModelRunner:
                 logits, lse = logits[keep], lse[keep]
             return self._sample(logits, rids, params, lse)
         sample = [o.sample for o in out.seqs]
-        meta = build_varlen(out.seqs, self.block_size, self.conv_width, self.device, sample=sample)
-        batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
-                             seqs=[], block_size=self.block_size, varlen=meta)
+        metas = build_varlen_views(out.seqs, self.block_size, self.conv_width, self.device, self.views,
+                                   sample=sample)
+        batch = ForwardBatch.of_varlen(metas, self.views)
+        meta = metas[0]
         hidden = self.model.forward(batch, self.caches)
         if not rids:
             return {}

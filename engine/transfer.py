@@ -186,9 +186,9 @@ def complete_import(core: EngineCore, req: Request, imp: Import | None = None) -
     imp = core.scheduler.importing[req.request_id]
     cache, n = core.cache, imp.num_tokens
     tail = n % cache.block_size
-    for ids in imp.dst_blocks.values():
+    for gid, ids in imp.dst_blocks.items():
         if tail and ids:
-            core.runner.zero_block_tail(ids[-1], tail)
+            core.runner.zero_block_tail(ids[-1], tail, gid)  # each group's own last block (its ids differ)
     req.num_computed_tokens = n
     req.num_cached_tokens = n
     req.external_computed_tokens = n - imp.local_hit_tokens

@@ -5,10 +5,11 @@ mirrors of them (numpy, no per-step tensor construction) and copies each with on
 bucket. Padded rows carry PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and
 no state, read no block and no slot, and their logits are ignored. Steps with a prefill chunk, a decode
 checkpoint or more sequences than the largest bucket run eagerly. Ownership: the runner's step thread; the
-graphs share one memory pool.
+graphs share one memory pool. A model with several cache groups of a kind has one set of block-table, slot-mapping
+and state-slot buffers per view (engine.models.batch.GroupViews), each padded the same way.
 
-    per step: fill the pinned mirrors -> 7 H2D copies into the static buffers -> graph replay -> logits[:n] and
-              their logsumexp (the sampler's normaliser, computed in the graph)
+    per step: fill the pinned mirrors -> 7 H2D copies into the static buffers (+ 3 per further view) -> graph
+              replay -> logits[:n] and their logsumexp (the sampler's normaliser, computed in the graph)
 """
 
 from __future__ import annotations
@@ -19,74 +20,114 @@ import numpy as np
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import ForwardBatch
+from engine.models.batch import SINGLE_VIEW, ForwardBatch, GroupViews
 from engine.models.varlen import RecurrentDecodeRows, VarlenMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+class _ViewInputs:
+    """One view's static buffers (engine.models.batch.GroupViews: its attention group's block table and slot
+    mapping, its recurrent group's slots) and their pinned host mirrors."""
+
+    def __init__(self, n: int, max_blocks: int, device: torch.device, pin: bool) -> None:
+        i64 = torch.int64
+        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
+        self.table = torch.zeros(n, max(1, max_blocks), dtype=torch.int32, device=device)
+        self.slots = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
+        self.host = {k: torch.zeros(n, dtype=i64, pin_memory=pin) for k in ("slot_mapping", "slots")}
+        self.host_table = torch.zeros(n * max(1, max_blocks), dtype=torch.int32, pin_memory=pin)
+        self.host_np = {k: t.numpy() for k, t in self.host.items()}
+        self.host_table_np = self.host_table.numpy()
+        self.table_rows: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
+        """The last step's block-table rows by request id (block ids tuple, its int32 array)."""
+
+    def fill_table(self, seqs, blocks: list[tuple[int, ...]], b: int, bs: int, pn: np.ndarray) -> int:  # type: ignore[no-untyped-def]
+        """Block-table rows and slot mapping of the real rows into the host mirrors; returns the table width."""
+        n = len(seqs)
+        w = max(len(ids) for ids in blocks)
+        table = self.host_table_np[: b * w].reshape(b, w)
+        rows, seen = self.table_rows, {}
+        for i, (s, ids) in enumerate(zip(seqs, blocks, strict=True)):  # a row converted once, reused while unchanged
+            hit = rows.get(s.request_id)
+            if hit is None or hit[0] != ids:
+                hit = (ids, np.asarray(ids, dtype=np.int32))
+            seen[s.request_id] = hit
+            table[i, : len(ids)] = hit[1]
+        self.table_rows = seen
+        self.host_np["slot_mapping"][:n] = table[np.arange(n), pn // bs] * bs + pn % bs if w else PAD_SLOT_ID
+        return w
+
+
 class DecodeGraphs:
     def __init__(self, model, caches, max_seqs: int, max_blocks: int, block_size: int,  # type: ignore[no-untyped-def]
-                 conv_width: int, device: torch.device) -> None:
+                 conv_width: int, device: torch.device, views: GroupViews = SINGLE_VIEW) -> None:
         self.model, self.caches = model, caches
         self.block_size, self.conv_width, self.device = block_size, conv_width, device
+        self.views = views
         self.buckets = sorted({b for b in BUCKETS if b < max_seqs} | {max_seqs})
         n = self.buckets[-1]
         i64, i32 = torch.int64, torch.int32
         self.ids = torch.zeros(n, dtype=i64, device=device)
         self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
         self.q_start = torch.arange(n, dtype=i32, device=device)
         self.q_len = torch.ones(n, dtype=i32, device=device)
         self.ctx_len = torch.zeros(n, dtype=i32, device=device)
-        self.table = torch.zeros(n, max(1, max_blocks), dtype=i32, device=device)
         self.rows = torch.arange(n, dtype=i64, device=device)
-        self.slots = torch.full((n,), PAD_SLOT_ID, dtype=i64, device=device)
         self.has_init = torch.zeros(n, dtype=i32, device=device)
         self.none = torch.zeros(0, dtype=i64, device=device)
         pin = device.type == "cuda"
-        names = ("ids", "positions", "slot_mapping", "slots", "ctx_len", "has_init")
+        names = ("ids", "positions", "ctx_len", "has_init")
         self.host = {k: torch.zeros(n, dtype=i32 if k in ("ctx_len", "has_init") else i64, pin_memory=pin)
                      for k in names}
-        self.host_table = torch.zeros(n * max(1, max_blocks), dtype=i32, pin_memory=pin)
-        """Pinned host mirrors of the inputs (filled through numpy views, then one H2D copy each)."""
+        """Pinned host mirrors of the shared inputs (filled through numpy views, then one H2D copy each)."""
         self.host_np = {k: t.numpy() for k, t in self.host.items()}
-        self.host_table_np = self.host_table.numpy()
-        self.table_rows: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
-        """The last step's block-table rows by request id (block ids tuple, its int32 array)."""
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs = [_ViewInputs(n, max_blocks, device, pin) for _ in range(views.count)]
+        """Per view: block table, slot mapping, state slots (one view unless a kind has several groups)."""
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool: Any = None
         self.num_replays = 0
+
+    # view 0's buffers (the only ones of a model with one group of each kind)
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.inputs[0].slot_mapping
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.inputs[0].table
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.inputs[0].slots
 
     def _upload(self, seqs, b: int) -> None:  # type: ignore[no-untyped-def]
         """The step's inputs into the static buffers: filled on the host (pinned, through numpy views: no
         per-step tensor construction) and copied with one H2D copy per buffer; rows n..b are padding
         (PAD_SLOT_ID, context 0)."""
-        n, bs = len(seqs), self.block_size
+        n, bs, views = len(seqs), self.block_size, self.views
         h = self.host_np
         h["ids"][:n] = [s.token_ids[0] for s in seqs]
         p = h["positions"]
         p[:n] = [s.num_computed_tokens for s in seqs]
-        w = max(len(s.block_ids) for s in seqs)
-        table = self.host_table_np[: b * w].reshape(b, w)
-        rows, seen = self.table_rows, {}
-        for i, s in enumerate(seqs):  # a request's row converted once, reused while its block list is unchanged
-            hit = rows.get(s.request_id)
-            if hit is None or hit[0] != s.block_ids:
-                hit = (s.block_ids, np.asarray(s.block_ids, dtype=np.int32))
-            seen[s.request_id] = hit
-            table[i, : len(s.block_ids)] = hit[1]
-        self.table_rows = seen
         pn = p[:n]
-        h["slot_mapping"][:n] = table[np.arange(n), pn // bs] * bs + pn % bs
         h["ctx_len"][:n] = pn + 1
-        h["slots"][:n] = [s.state_slot for s in seqs]
         h["has_init"][:n] = pn > 0
-        for k, pad in (("ids", 0), ("positions", 0), ("slot_mapping", PAD_SLOT_ID), ("ctx_len", 0),
-                       ("slots", PAD_SLOT_ID), ("has_init", 0)):
-            h[k][n:b] = pad
-            getattr(self, k)[:b].copy_(self.host[k][:b], non_blocking=True)
-        self.table[:b, :w].copy_(self.host_table[: b * w].view(b, w), non_blocking=True)
+        for name in ("ids", "positions", "ctx_len", "has_init"):
+            h[name][n:b] = 0
+            getattr(self, name)[:b].copy_(self.host[name][:b], non_blocking=True)
+        for k, v in enumerate(self.inputs):
+            if k == 0 or views.attention[k]:
+                w = v.fill_table(seqs, views.block_ids(seqs, k), b, bs, pn)
+                v.host_np["slot_mapping"][n:b] = PAD_SLOT_ID
+                v.slot_mapping[:b].copy_(v.host["slot_mapping"][:b], non_blocking=True)
+                if w:
+                    v.table[:b, :w].copy_(v.host_table[: b * w].view(b, w), non_blocking=True)
+            if k == 0 or views.recurrent[k]:
+                slots = v.host_np["slots"]
+                slots[:n] = views.state_slots(seqs, k)
+                slots[n:b] = PAD_SLOT_ID
+                v.slots[:b].copy_(v.host["slots"][:b], non_blocking=True)
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
@@ -95,30 +136,44 @@ class DecodeGraphs:
         return None
 
     def can_run(self, seqs) -> bool:  # type: ignore[no-untyped-def]
-        return (0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 and not s.checkpoints for s in seqs)
+        if not (0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 and not s.checkpoints for s in seqs)
                 and max(len(s.block_ids) for s in seqs) <= self.table.shape[1]
-                and (not self.conv_width or all(s.state_slot > 0 for s in seqs)))
+                and (not self.conv_width or all(s.state_slot > 0 for s in seqs))):
+            return False
+        views = self.views
+        for k in range(1, views.count):  # several groups of a kind: every group's ids must fit too
+            if views.attention[k] and max(map(len, views.block_ids(seqs, k))) > self.table.shape[1]:
+                return False
+            if views.recurrent[k] and (any(views.checkpoints(s, k) for s in seqs)
+                                       or min(views.state_slots(seqs, k)) <= 0):
+                return False
+        return True
 
-    def _meta(self, b: int) -> VarlenMetadata:
-        dec = RecurrentDecodeRows(rows=self.rows[:b], slots=self.slots[:b], has_init=self.has_init[:b],
-                                  copy_src=self.none, copy_dst=self.none)
-        return VarlenMetadata(
-            num_tokens=b, input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-            block_size=self.block_size, q_start=self.q_start[:b], q_len=self.q_len[:b], ctx_len=self.ctx_len[:b],
-            block_table=self.table[:b], max_q_len=1, rec_decode=dec if self.conv_width else None, rec_prefill=None,
-            conv_width=self.conv_width, sample_rows=self.rows[:b])
+    def _metas(self, b: int) -> list[VarlenMetadata]:
+        out = []
+        for k, v in enumerate(self.inputs):
+            att = v if k == 0 or self.views.attention[k] else self.inputs[0]  # unread by the view's layers
+            dec = RecurrentDecodeRows(rows=self.rows[:b], slots=v.slots[:b], has_init=self.has_init[:b],
+                                      copy_src=self.none, copy_dst=self.none)
+            has_rec = self.conv_width and (k == 0 or self.views.recurrent[k])
+            out.append(VarlenMetadata(
+                num_tokens=b, input_ids=self.ids[:b], positions=self.positions[:b],
+                slot_mapping=att.slot_mapping[:b], block_size=self.block_size, q_start=self.q_start[:b],
+                q_len=self.q_len[:b], ctx_len=self.ctx_len[:b], block_table=att.table[:b], max_q_len=1,
+                rec_decode=dec if has_rec else None, rec_prefill=None, conv_width=self.conv_width,
+                sample_rows=self.rows[:b]))
+        return out
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = self._meta(b)
-        batch = ForwardBatch(input_ids=meta.input_ids, positions=meta.positions, slot_mapping=meta.slot_mapping,
-                             seqs=[], block_size=self.block_size, varlen=meta)
+        batch = ForwardBatch.of_varlen(self._metas(b), self.views)
         logits = self.model.compute_logits(self.model.forward(batch, self.caches))
         return logits, torch.logsumexp(logits, dim=-1)  # the sampler's logprob normaliser, inside the graph
 
     def _capture(self, b: int) -> None:
         """Warm up (compiles the Triton kernels) on padded rows only, then capture."""
-        self.slot_mapping[:b].fill_(PAD_SLOT_ID)
-        self.slots[:b].fill_(PAD_SLOT_ID)
+        for v in self.inputs:
+            v.slot_mapping[:b].fill_(PAD_SLOT_ID)
+            v.slots[:b].fill_(PAD_SLOT_ID)
         self.ctx_len[:b].zero_()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -1,8 +1,9 @@
 """Building blocks shared by the model families: activations, norms, rotary embedding, MLPs, paged attention and
 the per-step metadata that turns a flat `ForwardBatch` into per-sequence index tensors.
 
-Pure torch (CPU and CUDA, fp32/bf16/fp16). Every index tensor is built once per step (`StepMetadata.build`) and
-shared by all layers. Reductions that decide accuracy (softmax, norms) run in fp32.
+Pure torch (CPU and CUDA, fp32/bf16/fp16). Every index tensor is built once per step (`StepMetadata.build`, once
+per view of the batch when a model has several cache groups of a kind: `layer_metadata`) and shared by the layers
+that read it. Reductions that decide accuracy (softmax, norms) run in fp32.
 """
 
 from __future__ import annotations
@@ -314,6 +315,15 @@ class StepMetadata:
         )
 
 
+def layer_metadata(batch: ForwardBatch, device: torch.device, num_layers: int) -> list:  # type: ignore[type-arg]
+    """The metadata every layer reads: one per view of the batch (its VarlenMetadata on the fast path, else a
+    StepMetadata built here), each built once, picked by the layer's view (engine.models.batch.GroupViews)."""
+    built = [b.varlen if b.varlen is not None else StepMetadata.build(b, device) for b in (batch, *batch.views)]
+    if not batch.layer_views:
+        return [built[0]] * num_layers
+    return [built[v] for v in batch.layer_views]
+
+
 def _build_attn_decode(items: list[tuple[int, torch.Tensor, int]], bs: int, device: torch.device) -> AttnDecode | None:
     if not items:
         return None
@@ -508,6 +518,7 @@ __all__ = [
     "causal_conv_step",
     "fuse_linears",
     "get_activation",
+    "layer_metadata",
     "paged_attention",
     "segment_bounds",
     "segsum",

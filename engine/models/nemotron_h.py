@@ -21,7 +21,7 @@ from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
 from engine.models.fast_path import attention, grouped_moe_available, moe_routed, moe_routed_masked, stack_experts
-from engine.models.layers import MLP, RMSNorm, StepMetadata
+from engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.models.varlen import VarlenMetadata
 
@@ -290,20 +290,20 @@ class NemotronHForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
+        metas = layer_metadata(batch, device, len(self.backbone.layers))
         h = self.backbone.embeddings(batch.input_ids.to(device))
-        if isinstance(meta, VarlenMetadata):  # fast path: each residual add fused into the next norm
+        if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
             from engine.kernels.fused import rms_norm
 
             x = None
             for i, layer in enumerate(self.backbone.layers):
                 normed, h = rms_norm(h if x is None else x, layer.norm.weight, layer.norm.eps,
                                      residual=None if x is None else h)
-                x = layer.mix(normed, caches[i], meta)
+                x = layer.mix(normed, caches[i], metas[i])
             final = self.backbone.norm_f
             return rms_norm(x, final.weight, final.eps, residual=h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.backbone.layers):
-            h = layer(h, caches[i], meta)
+            h = layer(h, caches[i], metas[i])
         return self.backbone.norm_f(h)
 
     def enable_fast_path(self) -> None:

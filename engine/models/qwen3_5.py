@@ -32,6 +32,7 @@ from engine.models.layers import (
     ZeroCenteredRMSNorm,
     apply_rotary,
     fuse_linears,
+    layer_metadata,
 )
 from engine.models.varlen import VarlenMetadata
 
@@ -244,22 +245,22 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        meta = batch.varlen if batch.varlen is not None else StepMetadata.build(batch, device)
+        metas = layer_metadata(batch, device, len(self.model.layers))
         h = self.model.embed_tokens(batch.input_ids.to(device))
-        rope = self.rotary.cos_sin(meta.positions, h.dtype)
-        if isinstance(meta, VarlenMetadata):  # fast path: each residual add fused into the next norm
+        rope = self.rotary.cos_sin(metas[0].positions, h.dtype)
+        if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
             from engine.kernels.fused import rms_norm
 
             x = None
             for i, layer in enumerate(self.model.layers):
                 n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
                 normed, h = rms_norm(h if x is None else x, n1.weight, n1.eps, True, None if x is None else h)
-                normed, h = rms_norm(layer.mix(normed, rope, caches[i], meta), n2.weight, n2.eps, True, h)
+                normed, h = rms_norm(layer.mix(normed, rope, caches[i], metas[i]), n2.weight, n2.eps, True, h)
                 x = layer.mlp.forward_fused(normed)
             final = self.model.norm
             return rms_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, caches[i], meta)
+            h = layer(h, rope, caches[i], metas[i])
         return self.model.norm(h)
 
     def enable_fast_path(self) -> None:

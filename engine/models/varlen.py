@@ -12,17 +12,20 @@ Flat layout (same as ForwardBatch):
     extended conv buffer (prefill): | state0 (K-1) | x of seq0 | state2 (K-1) | x of seq2 |
         conv output of token j = sum_k w[:, k] * ext[pos_j - (K-1) + k];  state after c tokens = ext[base + c : + K-1]
 
-No per-sequence Python loop touches a tensor: the loops below run over the scheduler's integers once per step.
+No per-sequence Python loop touches a tensor: the loops below run over the scheduler's integers once per step
+(once per view when a model has several cache groups of a kind: engine.models.batch.GroupViews).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
+from engine.models.batch import SINGLE_VIEW, GroupViews
 
 
 @dataclass
@@ -110,7 +113,17 @@ class _Packer:
 def build_varlen(seqs, block_size: int, conv_width: int, device: torch.device, pad_to: int = 0,  # type: ignore[no-untyped-def]
                  sample: list[bool] | None = None) -> VarlenMetadata:
     """`seqs`: the scheduler's ScheduledSeq list (token_ids, num_computed_tokens, block_ids, state_slot,
-    checkpoints). `pad_to` > number of tokens adds padded decode rows (token 0, PAD_SLOT_ID everywhere, ctx 0)."""
+    checkpoints). `pad_to` > number of tokens adds padded decode rows (token 0, PAD_SLOT_ID everywhere, ctx 0).
+    One cache group of each kind (else build_varlen_views)."""
+    return build_varlen_views(seqs, block_size, conv_width, device, SINGLE_VIEW, pad_to, sample)[0]
+
+
+def build_varlen_views(seqs, block_size: int, conv_width: int, device: torch.device,  # type: ignore[no-untyped-def]
+                       views: GroupViews, pad_to: int = 0, sample: list[bool] | None = None) -> list[VarlenMetadata]:
+    """One VarlenMetadata per view (engine.models.batch.GroupViews), all uploaded in one copy. The token rows
+    (ids, positions, q_start, q_len, sample rows) are shared; each view has its own block table, slot mapping,
+    context lengths and recurrent rows. A view without an attention group shares view 0's attention tensors
+    (no layer of it reads them); one without a recurrent group has no recurrent rows."""
     n_new = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
     computed = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
     q_start = np.concatenate(([0], np.cumsum(n_new)[:-1])) if len(seqs) else np.zeros(0, np.int64)
@@ -122,51 +135,85 @@ def build_varlen(seqs, block_size: int, conv_width: int, device: torch.device, p
     seq_of_tok = np.repeat(np.arange(len(seqs)), n_new)
     positions = np.zeros(T, np.int64)
     positions[:total] = computed[seq_of_tok] + (np.arange(total) - q_start[seq_of_tok])
-
-    width = max([len(s.block_ids) for s in seqs] + [1])
-    table = np.zeros((len(seqs), width), np.int64)
-    for i, s in enumerate(seqs):
-        table[i, : len(s.block_ids)] = s.block_ids
-    has_table = np.array([len(s.block_ids) > 0 for s in seqs], dtype=bool)
-    slot_mapping = np.full(T, PAD_SLOT_ID, np.int64)
-    if total:
-        pos = positions[:total]
-        blk = table[seq_of_tok, pos // block_size]
-        slot_mapping[:total] = np.where(has_table[seq_of_tok], blk * block_size + pos % block_size, PAD_SLOT_ID)
-    ctx = np.where(has_table, computed + n_new, 0)
-
     n_pad = T - total
     att_q_start = np.concatenate((q_start, total + np.arange(n_pad)))
     att_q_len = np.concatenate((n_new, np.ones(n_pad, np.int64)))
-    att_ctx = np.concatenate((ctx, np.zeros(n_pad, np.int64)))
-    att_table = np.concatenate((table, np.zeros((n_pad, width), np.int64)))
 
     p = _Packer()
     last = q_start + n_new - 1
     sample_rows = last[np.asarray(sample, dtype=bool)] if sample is not None else last
-    handles = [p.add(ids), p.add(positions), p.add(slot_mapping), p.add(att_q_start), p.add(att_q_len),
-               p.add(att_ctx), p.add(att_table), p.add(sample_rows)]
-    dec_h, pre_h = _pack_recurrent(p, seqs, n_new, computed, q_start, total, n_pad, conv_width)
-    views = p.upload(device)
-    v = [views[h] for h in handles]
+    shared = [p.add(ids), p.add(positions), p.add(att_q_start), p.add(att_q_len), p.add(sample_rows)]
+    steps = _Step(seqs, n_new, computed, q_start, seq_of_tok, positions, total, n_pad, block_size, conv_width)
+    att = [_pack_attention(p, steps, views.block_ids(seqs, k)) if k == 0 or views.attention[k] else None
+           for k in range(views.count)]
+    rec = [_pack_recurrent(p, steps, views.state_slots(seqs, k), lambda s, k=k: views.checkpoints(s, k))
+           if k == 0 or views.recurrent[k] else (None, None) for k in range(views.count)]
+    dev = p.upload(device)
+    ids_t, pos_t, q_start_t, q_len_t, sample_t = (dev[h] for h in shared)
+    q_start_t, q_len_t = q_start_t.to(torch.int32), q_len_t.to(torch.int32)
     i32 = lambda t: t.to(torch.int32)  # noqa: E731
-    return VarlenMetadata(
-        num_tokens=T, input_ids=v[0], positions=v[1], slot_mapping=v[2], block_size=block_size,
-        q_start=i32(v[3]), q_len=i32(v[4]), ctx_len=i32(v[5]), block_table=i32(v[6]),
-        max_q_len=int(att_q_len.max()) if len(att_q_len) else 1,
-        rec_decode=dec_h(views) if dec_h else None, rec_prefill=pre_h(views) if pre_h else None,
-        conv_width=conv_width, sample_rows=v[7],
-    )
+    out = []
+    for k in range(views.count):
+        slot_h, ctx_h, table_h = att[k] if att[k] is not None else att[0]  # type: ignore[misc]
+        dec_h, pre_h = rec[k]
+        out.append(VarlenMetadata(
+            num_tokens=T, input_ids=ids_t, positions=pos_t, slot_mapping=dev[slot_h], block_size=block_size,
+            q_start=q_start_t, q_len=q_len_t, ctx_len=i32(dev[ctx_h]), block_table=i32(dev[table_h]),
+            max_q_len=int(att_q_len.max()) if len(att_q_len) else 1,
+            rec_decode=dec_h(dev) if dec_h else None, rec_prefill=pre_h(dev) if pre_h else None,
+            conv_width=conv_width, sample_rows=sample_t,
+        ))
+    return out
 
 
-def _pack_recurrent(p: _Packer, seqs, n_new, computed, q_start, total, n_pad, conv_width):  # type: ignore[no-untyped-def]
-    slots = np.array([s.state_slot if s.state_slot > 0 else PAD_SLOT_ID for s in seqs], dtype=np.int64)
+@dataclass
+class _Step:
+    """The token layout of one step, shared by every view's packing."""
+
+    seqs: Any
+    n_new: np.ndarray
+    computed: np.ndarray
+    q_start: np.ndarray
+    seq_of_tok: np.ndarray
+    positions: np.ndarray
+    total: int
+    n_pad: int
+    block_size: int
+    conv_width: int
+
+
+def _pack_attention(p: _Packer, st: _Step, blocks: list[tuple[int, ...]]) -> tuple[int, int, int]:
+    """One attention group's slot mapping, context lengths and block table (padded rows: PAD_SLOT_ID, ctx 0)."""
+    n = len(blocks)
+    width = max([len(b) for b in blocks] + [1])
+    table = np.zeros((n, width), np.int64)
+    for i, b in enumerate(blocks):
+        table[i, : len(b)] = b
+    has_table = np.array([len(b) > 0 for b in blocks], dtype=bool)
+    T = st.total + st.n_pad
+    slot_mapping = np.full(T, PAD_SLOT_ID, np.int64)
+    if st.total:
+        bs, pos, sot = st.block_size, st.positions[: st.total], st.seq_of_tok
+        blk = table[sot, pos // bs]
+        slot_mapping[: st.total] = np.where(has_table[sot], blk * bs + pos % bs, PAD_SLOT_ID)
+    ctx = np.where(has_table, st.computed + st.n_new, 0)
+    att_ctx = np.concatenate((ctx, np.zeros(st.n_pad, np.int64)))
+    att_table = np.concatenate((table, np.zeros((st.n_pad, width), np.int64)))
+    return p.add(slot_mapping), p.add(att_ctx), p.add(att_table)
+
+
+def _pack_recurrent(p: _Packer, st: _Step, state_slots: list[int], checkpoints):  # type: ignore[no-untyped-def]
+    """One recurrent group's decode rows and prefill rounds; `checkpoints(seq)` gives a sequence's (num_tokens,
+    slot) in this group."""
+    seqs, n_new, computed, q_start, total, n_pad = st.seqs, st.n_new, st.computed, st.q_start, st.total, st.n_pad
+    slots = np.array(state_slots, dtype=np.int64)
+    slots[slots <= 0] = PAD_SLOT_ID
     real = slots != PAD_SLOT_ID
     dec = np.nonzero(real & (n_new == 1))[0]
     pre = np.nonzero(real & (n_new > 1))[0]
     dec_h = pre_h = None
     if len(dec) or n_pad:
-        copies = [(int(slots[i]), d) for i in dec for _, d in seqs[i].checkpoints]
+        copies = [(int(slots[i]), d) for i in dec for _, d in checkpoints(seqs[i])]
         src = np.array([c[0] for c in copies], np.int64)
         dst = np.array([c[1] for c in copies], np.int64)
         hs = [p.add(np.concatenate((q_start[dec], total + np.arange(n_pad)))),
@@ -179,11 +226,12 @@ def _pack_recurrent(p: _Packer, seqs, n_new, computed, q_start, total, n_pad, co
             return RecurrentDecodeRows(rows=r[0], slots=r[1], has_init=r[2].to(torch.int32), copy_src=r[3],
                                        copy_dst=r[4])
     if len(pre):
-        pre_h = _pack_prefill(p, seqs, pre, n_new, computed, q_start, slots, conv_width)
+        pre_h = _pack_prefill(p, [checkpoints(seqs[i]) for i in pre], pre, n_new, computed, q_start, slots,
+                              st.conv_width)
     return dec_h, pre_h
 
 
-def _pack_prefill(p: _Packer, seqs, pre, n_new, computed, q_start, slots, conv_width):  # type: ignore[no-untyped-def]
+def _pack_prefill(p: _Packer, pre_ckpts, pre, n_new, computed, q_start, slots, conv_width):  # type: ignore[no-untyped-def]
     k1 = conv_width - 1
     lens = n_new[pre]
     rows = np.concatenate([np.arange(q_start[i], q_start[i] + n_new[i]) for i in pre])
@@ -198,7 +246,7 @@ def _pack_prefill(p: _Packer, seqs, pre, n_new, computed, q_start, slots, conv_w
     cuts: list[dict[int, list[int]]] = []
     for j, i in enumerate(pre):
         d: dict[int, list[int]] = {int(lens[j]): [int(slots[i])]}
-        for num_tokens, dest in seqs[i].checkpoints:
+        for num_tokens, dest in pre_ckpts[j]:
             rel = num_tokens - int(computed[i])
             if not 0 < rel <= lens[j]:
                 raise ValueError(f"checkpoint at {num_tokens} tokens lies outside this chunk")
@@ -245,4 +293,5 @@ def _pack_rounds(p: _Packer, cuts: list[dict[int, list[int]]], local_start: np.n
     return handles
 
 
-__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenMetadata", "build_varlen"]
+__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenMetadata", "build_varlen",
+           "build_varlen_views"]

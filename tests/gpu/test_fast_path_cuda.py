@@ -1,7 +1,9 @@
 """The batched fast path on CUDA (decode steps through CUDA graphs) against the reference path on the same GPU (same
 weights, same engine settings): fp32 tokens identical and logprobs within 1e-4; bf16 the first 8 greedy tokens
 identical. Chunked prefill (48-token
-budget) with checkpoints every 32 tokens, so prefix states, checkpoint rounds and mixed prefill/decode steps run."""
+budget) with checkpoints every 32 tokens, so prefix states, checkpoint rounds and mixed prefill/decode steps run.
+Also a model whose attention and recurrent layers are split into two cache groups each (tests/support/
+split_groups.py): decode graphs with one set of static buffers per group view, against the unsplit reference."""
 
 from __future__ import annotations
 
@@ -16,15 +18,24 @@ LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
 PATTERNS = ["nemotron_attn_mid", "qwen_attn_last"]
 
 
-def _generate(path: str, dtype: str, fast: bool, max_tokens: int) -> list:  # type: ignore[type-arg]
-    llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
-              max_model_len=512, checkpoint_interval=32)
+def _generate(path: str, dtype: str, fast: bool, max_tokens: int, split: bool = False) -> list:  # type: ignore[type-arg]
+    kwargs = dict(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
+                  max_model_len=512, checkpoint_interval=32)
+    if split:
+        from tests.support.split_groups import split_llm
+
+        llm = split_llm(**kwargs)
+    else:
+        llm = LLM(**kwargs)  # type: ignore[arg-type]
     runner = llm.engine.runner
     assert runner.fast_path or not fast, "fast path off on CUDA: is fla-core installed?"
     runner.fast_path = fast
     prompts = random_prompts(LENGTHS, vocab=256, seed=1)
-    outs = llm.generate(prompt_token_ids=prompts,
-                        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    if split:  # the same prompts again: prefix hits restore checkpoints into every recurrent group
+        outs += llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert any(o.num_cached_tokens > 0 for o in outs[len(prompts):])
     if fast:
         assert runner.graphs is not None and runner.graphs.num_replays > 0, "decode steps ran without CUDA graphs"
     return outs
@@ -55,3 +66,14 @@ def test_fast_path_moe_bf16_tokens_match_reference(tmp_path):  # type: ignore[no
     ref, fast = _generate(path, "bfloat16", False, 8), _generate(path, "bfloat16", True, 8)
     for a, b in zip(ref, fast, strict=True):
         assert a.token_ids == b.token_ids
+
+
+def test_split_groups_fast_path_with_graphs_matches_reference(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Two attention and two recurrent cache groups (qwen_attn_first: layers F L L L F): the fast path with CUDA
+    graphs (one block table / slot buffer per group view) against the unsplit reference, fp32."""
+    path = checkpoint_dir("qwen_attn_first")
+    ref = _generate(path, "float32", False, 16)
+    fast = _generate(path, "float32", True, 16, split=True)
+    for a, b in zip(ref + ref, fast, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

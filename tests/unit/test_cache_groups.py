@@ -89,7 +89,7 @@ class FakeRunner:
         self.sampler = self._Sampler()
         self.zeroed_tails: list[tuple[int, int]] = []
 
-    def zero_block_tail(self, block_id: int, start: int) -> None:
+    def zero_block_tail(self, block_id: int, start: int, group_id: int | None = None) -> None:
         self.zeroed_tails.append((block_id, start))
 
 

@@ -1,16 +1,19 @@
 """The CUDA-graph path's input upload (DecodeGraphs._upload: pinned host mirrors, cached block-table rows) writes
 exactly what build_varlen builds for the same decode step, padding rows included, across steps whose requests
-change order, grow a block, finish and arrive (run on CPU: the static buffers are CPU tensors here)."""
+change order, grow a block, finish and arrive, and with several cache groups of a kind (one set of buffers per view)
+(run on CPU: the static buffers are CPU tensors here)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
+from engine.models.batch import GroupViews
 from engine.models.cuda_graphs import DecodeGraphs
-from engine.models.varlen import build_varlen
+from engine.models.varlen import build_varlen, build_varlen_views
 from engine.scheduler import ScheduledSeq
 
 BS = 16
@@ -38,8 +41,10 @@ def test_upload_equals_build_varlen_across_steps() -> None:
         rng.shuffle(order)
         seqs = [_seq(rid, live[rid], 1 + 40 * (hash(rid) % 50), 1 + i) for i, rid in enumerate(order)]
         b = graphs.bucket(len(seqs))
+        assert b is not None
         graphs._upload(seqs, b)
         m = build_varlen(seqs, BS, 4, torch.device("cpu"), pad_to=b)
+        assert m.rec_decode is not None
         assert torch.equal(graphs.ids[:b], m.input_ids) and torch.equal(graphs.positions[:b], m.positions)
         assert torch.equal(graphs.slot_mapping[:b], m.slot_mapping) and torch.equal(graphs.ctx_len[:b], m.ctx_len)
         assert torch.equal(graphs.slots[:b], m.rec_decode.slots)
@@ -48,4 +53,38 @@ def test_upload_equals_build_varlen_across_steps() -> None:
             n = len(s.block_ids)
             assert torch.equal(graphs.table[i, :n], m.block_table[i, :n])
         assert (graphs.slot_mapping[len(seqs):b] == PAD_SLOT_ID).all() and (graphs.ctx_len[len(seqs):b] == 0).all()
-        assert set(graphs.table_rows) == set(live)  # finished requests' rows are dropped
+        assert set(graphs.inputs[0].table_rows) == set(live)  # finished requests' rows are dropped
+
+
+def _split_seq(rid: str, ctx: int, first_block: int, slot: int) -> ScheduledSeq:
+    """Two attention groups (ids 0, 1) and two recurrent groups (2, 3), each group with its own ids."""
+    s = _seq(rid, ctx, first_block, slot)
+    other = tuple(b + 7 for b in s.block_ids)
+    return replace(s, group_block_ids=((0, s.block_ids), (1, other)), group_state_slots=((2, slot), (3, slot + 90)),
+                   group_checkpoints=((2, ()), (3, ())))
+
+
+def test_upload_of_every_view_equals_build_varlen_views() -> None:
+    """Several groups of a kind: each view's block table, slot mapping and slots are its own groups' (view 1 reads
+    group 1 and group 3), padded rows carry PAD_SLOT_ID in every view, across steps that shrink the batch."""
+    views = GroupViews(layer_views=(0, 0, 1, 1), attention=(True, True), recurrent=(True, True))
+    graphs = DecodeGraphs(None, None, 16, 40, BS, 4, torch.device("cpu"), views)
+    for step, ctxs in enumerate([[40, 17, 300, 5, 64], [41, 18, 301], [42]]):
+        seqs = [_split_seq(f"r{i}", c, 1 + 40 * i, 1 + i) for i, c in enumerate(ctxs)]
+        assert graphs.can_run(seqs)
+        b = graphs.bucket(len(seqs))
+        assert b is not None
+        graphs._upload(seqs, b)
+        metas = build_varlen_views(seqs, BS, 4, torch.device("cpu"), views, pad_to=b)
+        for v, m in zip(graphs.inputs, metas, strict=True):
+            assert m.rec_decode is not None
+            assert torch.equal(v.slot_mapping[:b], m.slot_mapping) and torch.equal(v.slots[:b], m.rec_decode.slots)
+            for i, s in enumerate(seqs):
+                n = len(s.block_ids)
+                assert torch.equal(v.table[i, :n], m.block_table[i, :n])
+        assert torch.equal(graphs.ctx_len[:b], metas[1].ctx_len)
+        assert torch.equal(graphs.positions[:b], metas[1].positions)
+        assert graphs.inputs[1].slots[: len(seqs)].tolist() == [1 + i + 90 for i in range(len(seqs))]
+        assert graphs.inputs[1].slot_mapping[0] != graphs.inputs[0].slot_mapping[0], step
+        for v in graphs.inputs:
+            assert (v.slots[len(seqs):b] == PAD_SLOT_ID).all() and (v.slot_mapping[len(seqs):b] == PAD_SLOT_ID).all()
