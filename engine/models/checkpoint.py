@@ -270,7 +270,6 @@ def random_engine_model(family: str, dtype: str, device: str, seed: int = 0, **o
     """The engine's own model of `family`, built directly on `device` with random weights drawn there by the same
     rules as write_random_checkpoint (not the same values: a device generator). For benchmarks at full size, where
     writing and reading a 16-32 GB fp32 checkpoint would dominate; never for correctness against transformers."""
-    from engine.models.layers import torch_dtype
     from engine.models.registry import ARCHITECTURES
 
     config = hf_config(family, **overrides)
