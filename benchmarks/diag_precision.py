@@ -1,15 +1,14 @@
 """Precision diagnostic on the GPU: how far each implementation's greedy logprobs sit from the fp32 truth.
 
-The truth is transformers' uncached fp32 forward on the same GPU (IEEE fp32 dots in fla-core's kernels too).
+The truth is transformers' uncached forward on the same GPU in float64 (`--truth float32` for its fp32 forward).
 Every implementation's own greedy continuation is scored under the truth (teacher-forced, so a diverging token
 does not cascade): per chosen token, |its logprob - the truth's logprob of that token|, and whether the truth would
 have chosen it (if not, by what margin: a near-tie flips in bf16 by rounding alone).
 
     python benchmarks/diag_precision.py --out diag_precision.json
 
-Implementations: transformers bf16, the engine's reference path, the engine's fast path (fla-core kernels, CUDA
-graphs), and for Gated-DeltaNet models the fast path with fla-core's fused recurrent kernel in place of its
-chunked one (isolates the chunked kernel's fp32 error).
+Implementations: transformers fp32 (GPU and CPU) and bf16 (GPU), the engine's reference path and its fast path
+(fla-core kernels, CUDA graphs) in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -35,32 +34,15 @@ MODELS = {
 }
 
 
-def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: int, recurrent_gdn: bool = False):
+def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: int):  # type: ignore[no-untyped-def]
     from engine import LLM, SamplingParams
 
-    patched = None
-    if recurrent_gdn:
-        import fla.ops.gated_delta_rule as gdr
-
-        patched = gdr.chunk_gated_delta_rule
-
-        def via_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu):
-            return gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-        gdr.chunk_gated_delta_rule = via_recurrent
-    try:
-        llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
-                  max_model_len=512, checkpoint_interval=32)
-        llm.engine.runner.fast_path = fast
-        outs = llm.generate(prompt_token_ids=prompts,
-                            sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return [(o.token_ids, o.logprobs) for o in outs]
-    finally:
-        if patched is not None:
-            import fla.ops.gated_delta_rule as gdr
-
-            gdr.chunk_gated_delta_rule = patched
+    llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
+              max_model_len=512, checkpoint_interval=32)
+    llm.engine.runner.fast_path = fast
+    outs = llm.generate(prompt_token_ids=prompts,
+                        sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [(o.token_ids, o.logprobs) for o in outs]
 
 
 def score(truth_model, prompts, runs) -> dict:  # type: ignore[no-untyped-def]
@@ -85,6 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--truth", default="float64", choices=("float64", "float32"))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default="diag_precision.json")
     args = ap.parse_args()
     from engine.models.checkpoint import write_random_checkpoint
@@ -96,16 +80,14 @@ def main() -> int:
         for name in args.models.split(","):
             family, overrides = MODELS[name]
             path = write_random_checkpoint(f"{tmp}/{name}", family, seed=0, **overrides)
-            truth = hf_model(path, "float32", "cuda")
-            impls = {
-                "hf_bf16": lambda: [hf_greedy(path, p, args.new_tokens, "bfloat16", "cuda") for p in prompts],
-            }
-            for dtype in ("float32", "bfloat16"):
+            truth = hf_model(path, args.truth, "cuda")
+            impls = {}
+            for dtype in args.dtypes.split(","):
+                impls[f"hf_{dtype}"] = lambda d=dtype: [hf_greedy(path, p, args.new_tokens, d, "cuda") for p in prompts]
+                if dtype == "float32":
+                    impls["hf_float32_cpu"] = lambda: [hf_greedy(path, p, args.new_tokens) for p in prompts]
                 impls[f"ref_{dtype}"] = lambda d=dtype: engine_run(path, d, False, prompts, args.new_tokens)
                 impls[f"fast_{dtype}"] = lambda d=dtype: engine_run(path, d, True, prompts, args.new_tokens)
-                if family == "qwen3_5":
-                    impls[f"fast_recurrent_gdn_{dtype}"] = lambda d=dtype: engine_run(
-                        path, d, True, prompts, args.new_tokens, recurrent_gdn=True)
             for impl, fn in impls.items():
                 try:
                     row = {"model": name, "impl": impl, **score(truth, prompts, fn())}
