@@ -18,7 +18,8 @@ suffixes, superseded turns, decode tails), so eviction runs throughout; the GiB 
                  the answer and a 300-token tool result; the next step arrives when the previous finished
   no_reuse       unique prompts (capacity: how many attention blocks running requests can hold)
 
-Policies (all on the same one-byte-budget control plane unless noted):
+Policies (all on the same one-arena control plane unless noted: the engine's plan, where a checkpoint slot is the
+memory of k attention blocks; `--no-arena` runs them on the byte budget with checkpoint ids outside it, as before):
   ours           reuse admission (branch points, prompt ends, rolling request ends) + value eviction
   lru            the same admission + LRU eviction (release order across both pools, no block/state consistency)
   fixed          vLLM-style: a checkpoint every 528 tokens (vLLM's hybrid block size for such a model) of every
@@ -59,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.cache.admission import CachePolicy  # noqa: E402
 from engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
 from engine.cache.hashing import extend_block_hashes  # noqa: E402
+from engine.cache.planner import plan_capacity  # noqa: E402
 from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.request import Request  # noqa: E402
@@ -216,13 +218,18 @@ class Theoretical:
             self.ends.add(req.block_hashes[b - 1])
 
 
-def make_cache(policy: str, budget: int, max_num_seqs: int) -> HybridCacheManager:
+def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) -> HybridCacheManager:
+    """`arena`: the engine's plan (one arena: checkpoint slots overlay attention blocks, planner.py); False: the
+    same byte budget with checkpoint ids outside it (before the arena)."""
     if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
         slots = 1 + 3 * max_num_seqs
         blocks = (budget - slots * STATE_BYTES) // BLOCK_BYTES
         return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, 256, BS))
     cp = {"ours": CachePolicy(), "lru": CachePolicy(eviction="lru"),
           "fixed": CachePolicy.fixed_interval(528)}[policy]
+    if arena:
+        plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or 16, policy=cp)
+        return HybridCacheManager(GROUPS, plan.layout())
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
@@ -231,7 +238,7 @@ def make_cache(policy: str, budget: int, max_num_seqs: int) -> HybridCacheManage
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:
     budget = int(w.budget_gib * GiB)
-    cache = make_cache(policy, budget, args.max_num_seqs)
+    cache = make_cache(policy, budget, args.max_num_seqs, args.arena)
     sched = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), cache)
     reqs = [Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
             for i, it in enumerate(w.items)]
@@ -279,6 +286,7 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         "first_reuse_bound": theo.reachable / prompt_tokens, "preemptions": sched.num_preemptions,
         "evictions": {p.name: p.num_evictions for p in cache.pools.values()},
         "checkpoints_admitted": cache.recurrent.num_admitted if cache.recurrent else 0,
+        "arena": cache.cache_stats().get("arena"),
     }
     out_["ratio"] = out_["hit_rate"] / out_["theoretical"] if out_["theoretical"] else 1.0  # type: ignore[operator]
     return out_
@@ -287,7 +295,7 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
     """Attention blocks that max_num_seqs running requests can hold after a no-reuse run left the cache full of
     whatever its policy keeps: one long request grows until allocation fails, the others hold one block each."""
-    cache = make_cache(policy, budget, max_num_seqs)
+    cache = make_cache(policy, budget, max_num_seqs, args.arena)
     sched = Scheduler(SchedulerConfig(max_num_seqs, args.max_num_batched_tokens), cache)
     for i, it in enumerate(junk.items):
         sched.add_request(Request(f"j{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens)))
@@ -335,6 +343,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cache_manager.json")
+    p.add_argument("--no-arena", dest="arena", action="store_false",
+                   help="checkpoint ids outside the budget (the control plane before one arena backed both pools)")
     args = p.parse_args()
     policies = args.policies.split(",")
     results: dict[str, dict[str, object]] = {}

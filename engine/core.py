@@ -105,13 +105,11 @@ class EngineCore:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
-        ckpt = cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else 2 * sc.max_num_seqs
-        if self.device.type == "cuda" and self.has_recurrent:
-            # the state pool is its own tensor until the runner backs both pools from one arena: keep the device
-            # within its share by leaving room for every checkpoint id (on CPU the ids cost host memory only)
-            budget -= ckpt * sum(g.page_bytes_all_layers for g in self.groups if not g.is_attention)
+        # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
+        # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
         return plan_capacity(
-            self.groups, budget, sc.max_num_seqs, ckpt, self.max_model_len, cc.resolved_checkpoint_interval(),
+            self.groups, budget, sc.max_num_seqs, cc.num_checkpoint_slots, self.max_model_len,
+            cc.resolved_checkpoint_interval(),
             policy=cc.cache_policy(),
         )
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.arena import allocate_caches
 from engine.cache.planner import CapacityPlan
 from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
@@ -57,7 +58,8 @@ class ModelRunner:
         self.caches: list[LayerCache] = [None] * num_layers
         self.attention_tensors: list[torch.Tensor] = []  # one per attention group: [blocks, layers, 2, bs, ...]
         self.state_tensors: list[torch.Tensor] = []  # two per recurrent group: conv, ssm [slots, layers, ...]
-        self.group_tensors: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.group_tensors: dict[int, tuple[torch.Tensor, ...]] = allocate_caches(groups, plan, device)
+        """Every group's tensors: strided views of one arena (engine/arena.py)."""
         for g in groups:
             self._allocate(g, plan)
             if isinstance(g.spec, RecurrentStateSpec):
@@ -90,26 +92,18 @@ class ModelRunner:
         self.num_zeroed_blocks = 0
 
     def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> None:
-        """One tensor per cache kind for the whole group, block-major with the layer as dimension 1: block (slot)
-        `i` of every layer of the group is one contiguous page, so a run of blocks is one transfer descriptor for
-        all layers (kvtransfer.layout, stacked groups). Each layer sees its slice `[:, layer]`."""
-        spec, n = g.spec, len(g.layer_ids)
-        if isinstance(spec, FullAttentionSpec):
-            kv = torch.zeros(
-                plan.attention_blocks, n, 2, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                dtype=TORCH_DTYPES[spec.dtype], device=self.device,
-            )
+        """Bind the group's tensors (allocated by engine/arena.py: one per cache kind for the whole group,
+        block-major with the layer as dimension 1: block (slot) `i` of every layer of the group is one contiguous
+        page, so a run of blocks is one transfer descriptor for all layers (kvtransfer.layout, stacked groups)).
+        Each layer sees its slice `[:, layer]`."""
+        if isinstance(g.spec, FullAttentionSpec):
+            (kv,) = self.group_tensors[g.group_id]
             self.attention_tensors.append(kv)
-            self.group_tensors[g.group_id] = (kv,)
             for i, layer in enumerate(g.layer_ids):
                 self.caches[layer] = AttentionCache(kv[:, i])
             return
-        assert isinstance(spec, RecurrentStateSpec)
-        slots = plan.state_slots
-        conv = torch.zeros(slots, n, *spec.conv_shape, dtype=TORCH_DTYPES[spec.conv_dtype], device=self.device)
-        ssm = torch.zeros(slots, n, *spec.ssm_shape, dtype=TORCH_DTYPES[spec.ssm_dtype], device=self.device)
+        conv, ssm = self.group_tensors[g.group_id]
         self.state_tensors += [conv, ssm]
-        self.group_tensors[g.group_id] = (conv, ssm)
         for i, layer in enumerate(g.layer_ids):
             self.caches[layer] = StateCache(conv[:, i], ssm[:, i])
 

@@ -17,6 +17,9 @@ Two eviction modes:
 - policy-driven (a `PoolListener` attached, see reclaim.py): the listener is told when a cached block becomes
   unreferenced (`on_release`) or referenced again (`on_acquire`) and chooses victims itself (`evict`); `allocate`
   then only hands out free (hashless) blocks and never evicts on its own.
+
+Arena pools (overlay.py) subclass this: they set `_watch` and hear every reference and free transition
+(`_on_ref`, `_on_unref`, `_on_plain`), because their pages share memory with another pool's.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class BlockPool:
         self.num_plain = num_blocks - 1
         """Unreferenced blocks without a hash (free; allocating them evicts nothing)."""
         self.listener: PoolListener | None = None
+        self._watch = False
+        """Arena pools: call the `_on_*` hooks below on every reference / free transition."""
 
     # -- queries -----------------------------------------------------------------------------------------------
     @property
@@ -80,6 +85,19 @@ class BlockPool:
         """Blocks that hold something (in use or cached): what the shared budget charges for."""
         return self.capacity - self.num_plain
 
+    def available(self, checkpoint: bool = False) -> int:
+        """Ids an allocation can take now without evicting anything (policy-driven pools: the free ones).
+        `checkpoint`: for `allocate_checkpoint` (arena state pools keep running slots apart)."""
+        return self.num_plain
+
+    def own_refs(self, block_id: int) -> int:
+        """References the pool itself holds on a page (arena pools: the overlay's cover, the pinned slot)."""
+        return 0
+
+    def held_bytes(self) -> int:
+        """Bytes of memory the held pages take (what the shared budget charges)."""
+        return self.num_held * self.page_bytes
+
     def free_block_ids(self) -> list[int]:
         """Blocks nobody references (free or cached), in eviction order. For poisoning tests and zeroing."""
         return list(self._queue)
@@ -101,20 +119,37 @@ class BlockPool:
             out.append(block_id)
         return out
 
+    def allocate_checkpoint(self, n: int) -> list[int]:
+        """Ids for checkpoints (arena state pools take them from the overlay region)."""
+        return self.allocate(n)
+
+    # -- arena hooks (no-ops here) -----------------------------------------------------------------------------
+    def _on_ref(self, block_id: int, was_plain: bool) -> None:
+        """An unreferenced page got its first reference (it was free when `was_plain`, else cached)."""
+
+    def _on_unref(self, block_id: int, now_plain: bool) -> None:
+        """A page lost its last reference (it is free when `now_plain`, else cached)."""
+
+    def _on_plain(self, block_id: int) -> None:
+        """An unreferenced cached page lost its name: it is free now."""
+
     def touch(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
             if self.ref_cnt[b] == 0:
                 del self._queue[b]
-                if self.block_hash[b] is None:
+                plain = self.block_hash[b] is None
+                if plain:
                     self.num_plain -= 1
                 elif self.listener is not None:
                     self.listener.on_acquire(self, b)
+                if self._watch:
+                    self._on_ref(b, plain)
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        ref, names, queue, listener = self.ref_cnt, self.block_hash, self._queue, self.listener
+        ref, names, queue, listener, watch = self.ref_cnt, self.block_hash, self._queue, self.listener, self._watch
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
@@ -127,8 +162,13 @@ class BlockPool:
                 if names[b] is None:  # nothing to keep: reuse before evicting cached content
                     queue.move_to_end(b, last=False)
                     self.num_plain += 1
-                elif listener is not None:
-                    listener.on_release(self, b)
+                    if watch:
+                        self._on_unref(b, True)
+                else:
+                    if watch:
+                        self._on_unref(b, False)
+                    if listener is not None:
+                        listener.on_release(self, b)
 
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)
@@ -149,6 +189,8 @@ class BlockPool:
         self.num_plain += 1
         self.block_hash[dst] = h
         self.cached[h] = dst
+        if self._watch:
+            self._on_plain(src)
 
     def uncache(self, block_id: int) -> None:
         """Forget the block's content without counting an eviction (an unreferenced block becomes free)."""
@@ -165,6 +207,8 @@ class BlockPool:
         if had and self.ref_cnt[block_id] == 0:
             self._queue.move_to_end(block_id, last=False)
             self.num_plain += 1
+            if self._watch:
+                self._on_plain(block_id)
 
     def _evict_hash(self, block_id: int, count: bool = True) -> None:
         h = self.block_hash[block_id]
@@ -184,7 +228,8 @@ class BlockPool:
     def check_integrity(self) -> None:
         """free + cached + in use == total; queue holds exactly the unreferenced blocks; hash map consistent."""
         s = self.stats()
-        assert s["free"] + s["cached"] + s["in_use"] == s["total"], (self.name, s)
+        own = s.get("overlaid", 0) + s.get("pinned", 0)  # arena pools: what the arena itself holds
+        assert s["free"] + s["cached"] + s["in_use"] + own == s["total"], (self.name, s)
         assert self.ref_cnt[NULL_BLOCK_ID] >= 1 and NULL_BLOCK_ID not in self._queue, self.name
         for b in range(1, self.num_blocks):
             assert self.ref_cnt[b] >= 0, (self.name, b)

@@ -12,8 +12,9 @@ count. Checkpoints are reserved in every recurrent group at once for a boundary,
 
 Memory: with a `budget_bytes` (the planner always gives one) cached blocks and cached checkpoints share one byte
 budget with the running requests' pages; `Reclaimer` (reclaim.py) frees room by the policy's eviction order, and
-`Admission` (admission.py) decides where checkpoints are saved. A layout with neither budget nor policy runs the
-pre-v2 behaviour (fixed-interval checkpoints, each pool LRU on its own).
+`Admission` (admission.py) decides where checkpoints are saved. With an `arena` (the engine's plan) checkpoint
+slots share memory with attention blocks (overlay.py): the pools' free ids are then the memory itself. A layout
+with neither budget nor policy runs the pre-v2 behaviour (fixed-interval checkpoints, each pool LRU on its own).
 
 Ownership: the scheduler calls this (single thread); the PD adapters call the transfer methods on the step thread.
 Tensor-free.
@@ -25,9 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.cache.admission import Admission, CachePolicy
+from engine.cache.arena import ArenaLayout
 from engine.cache.block_pool import BlockPool
 from engine.cache.hashing import extend_block_hashes, extra_keys
 from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
+from engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
 from engine.cache.reclaim import Reclaimer
 from engine.cache.specs import PAD_SLOT_ID, CacheGroup
 from engine.request import Request
@@ -88,6 +91,8 @@ class PoolLayout:
     """Bytes that held pages (in use + cached, all pools) may take together. None: the pools' sizes only."""
     policy: CachePolicy | None = None
     """None: CachePolicy.fixed_interval(checkpoint_interval), the pre-v2 behaviour."""
+    arena: ArenaLayout | None = None
+    """One arena backs both kinds (checkpoint slots overlay attention blocks); needs a budget or a policy."""
 
     def resolved_policy(self) -> CachePolicy:
         return self.policy if self.policy is not None else CachePolicy.fixed_interval(self.checkpoint_interval)
@@ -107,13 +112,25 @@ class HybridCacheManager:
         """Attention groups' managers; the first is the chain (its blocks form the Reclaimer's tree)."""
         self.states: list[RecurrentManager] = []
         """Recurrent groups' managers; the first leads the checkpoints, the others ride along."""
+        arena = layout.arena
+        if arena is not None and layout.budget_bytes is None and layout.policy is None:
+            raise ValueError("an arena layout needs a budget or a policy (its pools are policy-driven)")
         for g in groups:
+            pool: BlockPool
             if g.is_attention:
-                pool = BlockPool(layout.attention_blocks, f"group{g.group_id}:attention", g.page_bytes_all_layers)
+                name = f"group{g.group_id}:attention"
+                if arena is not None and arena.state_bytes:
+                    pool = ArenaAttentionPool(layout.attention_blocks, name, g.page_bytes_all_layers)
+                else:
+                    pool = BlockPool(layout.attention_blocks, name, g.page_bytes_all_layers)
                 lead = self.blocks[0].pool if self.blocks else None
                 self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
             else:
-                pool = BlockPool(layout.state_slots, f"group{g.group_id}:{g.kind}", g.page_bytes_all_layers)
+                name = f"group{g.group_id}:{g.kind}"
+                if arena is not None:
+                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, g.page_bytes_all_layers)
+                else:
+                    pool = BlockPool(layout.state_slots, name, g.page_bytes_all_layers)
                 lead = self.states[0].pool if self.states else None
                 self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
             self.pools[g.group_id] = pool
@@ -123,6 +140,13 @@ class HybridCacheManager:
         self._state_gids = [(m, m.group.group_id) for m in self.states]
         self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
         """(manager, its group id) in `managers` order, for the per-step loops."""
+        self._alloc_order = self._gids if arena is None else [*self._state_gids, *self._block_gids]
+        """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
+        imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
+        self.overlay: Overlay | None = None
+        if arena is not None and self.states:
+            self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
+                                   [m.pool for m in self.states])  # type: ignore[misc]
         self.reclaimer: Reclaimer | None = None
         if layout.budget_bytes is not None or layout.policy is not None:
             budget = layout.budget_bytes
@@ -130,7 +154,7 @@ class HybridCacheManager:
                 budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
             self.reclaimer = Reclaimer(
                 [m.pool for m in self.blocks], [m.pool for m in self.states],
-                budget, self.policy.eviction, self.policy.alpha, layout.block_size,
+                budget, self.policy.eviction, self.policy.alpha, layout.block_size, self.overlay,
             )
             if self.blocks:
                 self.blocks[0].reclaimer = self.reclaimer
@@ -224,7 +248,7 @@ class HybridCacheManager:
         elif num_tokens > 0:
             return True  # every group holds the request and covers num_tokens already (most decode steps)
         pinned = self.reclaimer is not None
-        for m, gid in self._gids:
+        for m, gid in self._alloc_order:
             m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
@@ -330,7 +354,7 @@ class HybridCacheManager:
     def _state_room(self) -> bool:
         """One free slot in every recurrent group (evicting cache when there is a Reclaimer)."""
         if self.reclaimer is not None:
-            return self.reclaimer.make_room([(m.pool, 1) for m in self.states])
+            return self.reclaimer.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
         return all(m.pool.num_free > 0 for m in self.states)
 
     def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
@@ -466,7 +490,7 @@ class HybridCacheManager:
         h = req.block_hashes[num_tokens // self.block_size - 1]
         if lead.pool.lookup(h) is not None or not self._state_room():
             return None
-        slots = {m.group.group_id: m.pool.allocate(1)[0] for m in self.states}
+        slots = {m.group.group_id: m.pool.allocate_checkpoint(1)[0] for m in self.states}
         self._reserved[slots[lead.group.group_id]] = num_tokens
         return ReservedCheckpoint(num_tokens, slots, h)
 
@@ -536,6 +560,11 @@ class HybridCacheManager:
         if self.reclaimer is not None:
             out["budget_bytes"] = self.reclaimer.budget_bytes
             out["held_bytes"] = self.reclaimer.held_bytes()
+        if self.overlay is not None and self.reclaimer is not None:
+            out["arena"] = {"checkpoint_ranges": self.overlay.num_ranges, "ranges_held": len(self.overlay.held),
+                            "free_ranges": self.overlay.num_free_ranges,
+                            "range_evictions": self.overlay.num_range_evictions,
+                            "checkpoints_skipped": self.reclaimer.num_checkpoints_skipped}
         return out
 
     def check_integrity(self) -> None:

@@ -319,8 +319,8 @@ class RecurrentManager:
 
     def reserve(self, req_id: str, num_tokens: int, h: bytes, rolling: bool = False) -> int:
         """A slot for the checkpoint after `num_tokens` tokens (named `h`), written by this step (the caller made
-        room: `pool.num_plain > 0`)."""
-        slot = self.pool.allocate(1)[0]
+        room: `pool.available(checkpoint=True) > 0`)."""
+        slot = self.pool.allocate_checkpoint(1)[0]
         self.pending.append(PendingCheckpoint(req_id, num_tokens, slot, h, rolling))
         return slot
 

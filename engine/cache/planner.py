@@ -1,16 +1,19 @@
 """Capacity planner: split a memory budget between recurrent-state slots and attention blocks, exactly.
 
-One budget (a `policy` is given; the engine always gives one): only the running requests' states are reserved;
-cached checkpoints and cached attention blocks draw from what is left, and the split follows the workload
-(reclaim.py enforces it at every allocation):
+One arena (a `policy` is given; the engine always gives one): only the running requests' states are reserved;
+cached checkpoints and cached attention blocks share the rest *physically*: a checkpoint slot is k attention
+blocks of memory (arena.py has the picture, overlay.py the rule that keeps them apart), so the split follows the
+workload and nothing beyond the budget is allocated:
 
-    attention_blocks = floor((budget - (1 + max_num_seqs) * bytes_per_state) / bytes_per_block)   (block 0 = null)
-    state_slots      = 1 (null) + max_num_seqs (running) + num_checkpoint_slots (ids only, not reserved)
-    budget_bytes     = budget - the two null pages (what held pages, both kinds, may take together)
-    token_capacity   = (attention_blocks - 1) * block_size     (with no cached checkpoint: the optimum)
+    k                = ceil(bytes_per_state / bytes_per_block)     (a state page rounded up to whole blocks)
+    attention_blocks = floor((budget - (1 + max_num_seqs) * k * bytes_per_block) / bytes_per_block) (0 = null)
+    state_slots      = 1 (null) + max_num_seqs (running) + 1 (pinned) + checkpoint ids
+    checkpoint ids   = attention_blocks // k - 1, at most num_checkpoint_slots (None: no cap)
+    token_capacity   = (attention_blocks - 1) * block_size     (with no cached checkpoint: the optimum, less the
+                                                                 rounding of the reserved slots to k blocks)
+    physical_bytes   = the arena = budget - (less than one block)
 
-The two pools are still separate tensors, so the device holds `checkpoint_bytes_max` more than the budget until
-the runner backs both from one arena; `physical_bytes` says what is allocated.
+A model without attention layers has nothing to overlay: its checkpoint slots are reserved from the budget.
 
 Separate pools (no policy; the pre-v2 plan): checkpoint slots are reserved up front and attention gets the rest:
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.cache.admission import CachePolicy
+from engine.cache.arena import ArenaLayout, plan_arena
 from engine.cache.coordinator import PoolLayout
 from engine.cache.managers import cdiv
 from engine.cache.specs import CacheGroup
@@ -55,10 +59,16 @@ class CapacityPlan:
     budget_bytes: int = 0
     checkpoint_bytes_max: int = 0
     physical_bytes: int = 0
+    blocks_per_checkpoint: int = 0
+    """Arena: k, the attention blocks one checkpoint slot covers."""
     policy: CachePolicy | None = field(default=None, compare=False)
+    arena: ArenaLayout | None = field(default=None, compare=False)
+    """Where every group's tensor lives in the one arena (None: separate pools, the pre-v2 plan)."""
 
     @property
     def state_slots(self) -> int:
+        if self.arena is not None and self.arena.state_bytes:
+            return self.arena.state_slots
         return 1 + self.state_slots_running + self.state_slots_checkpoint if self.bytes_per_state else 0
 
     def layout(self) -> PoolLayout:
@@ -69,10 +79,11 @@ class CapacityPlan:
             block_size=self.block_size,
             budget_bytes=self.budget_bytes if self.shared_budget else None,
             policy=self.policy,
+            arena=self.arena,
         )
 
     def as_dict(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.__dict__.items() if k != "policy"}
+        return {k: int(v) for k, v in self.__dict__.items() if k not in ("policy", "arena")}
 
     def log_line(self) -> str:
         return (
@@ -80,8 +91,11 @@ class CapacityPlan:
             f"x {self.block_size} tokens = {self.token_capacity} tokens ({self.bytes_per_token} B/token), state slots "
             f"{self.state_slots_running} running + {self.state_slots_checkpoint} checkpoint ({self.bytes_per_state} "
             f"B/state), max concurrency at max_model_len={self.max_model_len}: {self.max_concurrency}"
-            + (f"; one budget of {self.budget_bytes / 2**20:.1f} MiB shared by cached blocks and checkpoints "
-               f"(checkpoints reserve nothing; up to {self.state_slots_checkpoint})" if self.shared_budget else "")
+            + (f"; one arena of {self.physical_bytes / 2**20:.1f} MiB: cached blocks and up to "
+               f"{self.state_slots_checkpoint} checkpoints share it (a checkpoint covers {self.blocks_per_checkpoint} "
+               f"blocks; none reserved)" if self.arena is not None and self.blocks_per_checkpoint else "")
+            + (f"; one budget of {self.budget_bytes / 2**20:.1f} MiB shared by cached blocks and up to "
+               f"{self.state_slots_checkpoint} checkpoints" if self.shared_budget and self.arena is None else "")
         )
 
 
@@ -89,12 +103,22 @@ def plan_capacity(
     groups: list[CacheGroup],
     budget_bytes: int,
     max_num_seqs: int,
-    num_checkpoint_slots: int,
+    num_checkpoint_slots: int | None,
     max_model_len: int,
     checkpoint_interval: int,
     policy: CachePolicy | None = None,
 ) -> CapacityPlan:
+    """`num_checkpoint_slots`: at most this many checkpoint ids (None: as many as the arena holds; without a
+    policy, 2 * max_num_seqs)."""
     attn = [g for g in groups if g.is_attention]
+    if policy is not None and attn:
+        return _plan_arena(groups, budget_bytes, max_num_seqs, num_checkpoint_slots, max_model_len,
+                           checkpoint_interval, policy)
+    if num_checkpoint_slots is None:
+        num_checkpoint_slots = 2 * max_num_seqs
+    if policy is not None and not attn:  # states only: checkpoint slots are reserved, within the budget
+        per_state = sum(g.page_bytes_all_layers for g in groups)
+        num_checkpoint_slots = min(num_checkpoint_slots, max(0, budget_bytes // max(per_state, 1) - 1 - max_num_seqs))
     rec = [g for g in groups if not g.is_attention]
     block_size = attn[0].spec.block_size if attn else checkpoint_interval  # type: ignore[union-attr]
     bytes_per_block = sum(g.page_bytes_all_layers for g in attn)
@@ -140,4 +164,44 @@ def plan_capacity(
         checkpoint_bytes_max=num_ckpt * bytes_per_state if policy is not None else 0,
         physical_bytes=blocks * bytes_per_block + num_slots * bytes_per_state,
         policy=policy,
+    )
+
+
+def _plan_arena(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, max_checkpoints: int | None,
+                max_model_len: int, checkpoint_interval: int, policy: CachePolicy) -> CapacityPlan:
+    arena = plan_arena(groups, budget_bytes, max_num_seqs, max_checkpoints)
+    attn = [g for g in groups if g.is_attention]
+    block_size = attn[0].spec.block_size  # type: ignore[union-attr]
+    rec = any(not g.is_attention for g in groups)
+    blocks, bpb = arena.attention_blocks, arena.block_bytes
+    reserved = arena.attention_offset
+    if blocks < 2:
+        raise CapacityError(
+            f"KV cache budget of {budget_bytes} bytes is too small: {1 + max_num_seqs} state slots take {reserved} "
+            f"bytes and attention needs at least 2 blocks of {bpb} bytes (raise the budget or lower max_num_seqs)")
+    per_state = sum(g.page_bytes_all_layers for g in groups if not g.is_attention)
+    token_capacity = (blocks - 1) * block_size
+    per_seq_tokens = cdiv(max_model_len, block_size) * block_size
+    return CapacityPlan(
+        kv_cache_memory_bytes=budget_bytes,
+        block_size=block_size,
+        attention_blocks=blocks,
+        token_capacity=token_capacity,
+        bytes_per_token=bpb // block_size,
+        bytes_per_block=bpb,
+        state_slots_running=arena.running_slots,
+        state_slots_checkpoint=arena.checkpoint_slots,
+        bytes_per_state=per_state,
+        state_bytes=reserved,
+        attention_bytes=blocks * bpb,
+        max_concurrency=min(max_num_seqs, token_capacity // per_seq_tokens),
+        max_model_len=max_model_len,
+        checkpoint_interval=checkpoint_interval,
+        shared_budget=1,
+        budget_bytes=(blocks - 1) * bpb + arena.running_slots * per_state,
+        checkpoint_bytes_max=arena.checkpoint_slots * arena.slot_stride if rec else 0,
+        physical_bytes=arena.total_bytes,
+        blocks_per_checkpoint=arena.blocks_per_slot,
+        policy=policy,
+        arena=arena,
     )

@@ -26,6 +26,13 @@ group at one hash), valued by the bytes of the whole unit, and the budget counts
     hash h:   chain block  [g0: b7]   riders [g1: b7']          lead state [g2: s3]   riders [g3: s5]
               queued (leaf rule)      evicted with g0's b7     queued               evicted with g2's s3
 
+One arena (overlay.py): checkpoint slots share memory with ranges of k attention blocks. The budget is then the
+memory itself (a held checkpoint holds its k blocks, so it is charged k blocks); a checkpoint needs a *free range*,
+and when there is none `make_room` evicts the lowest-priority checkpoint (its range comes free) when that is the
+lowest page of all, else the cached blocks of the overlay's cheapest range (`_evict_range`: a block takes its
+cached descendants with it, a chain below it being unreachable), else the checkpoint is skipped. When attention
+is short, evicting a checkpoint frees k blocks, so both queues are candidates.
+
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
 no leaf rule and no cascade (vLLM's free-queue order).
 
@@ -36,9 +43,13 @@ Ownership: the coordinator owns one Reclaimer and calls `make_room` before every
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from engine.cache.block_pool import BlockPool
 from engine.cache.eviction import EvictionQueue, ValueModel
+
+if TYPE_CHECKING:
+    from engine.cache.overlay import Overlay
 
 POLICIES = ("value", "lru")
 MAX_ANCHOR_WALK = 64
@@ -50,9 +61,10 @@ _NO_JUMP = b"/no jump/"
 class Reclaimer:
     def __init__(
         self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, policy: str = "value",
-        alpha: float = 1.0, block_size: int = 16,
+        alpha: float = 1.0, block_size: int = 16, overlay: Overlay | None = None,
     ) -> None:
-        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first."""
+        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
+        `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         self.attention: BlockPool | None = attention[0] if attention else None
@@ -71,6 +83,14 @@ class Reclaimer:
         """Bytes of every page of every pool: held = this - the free (plain) pages' bytes."""
         self.unit_bytes = {id(g[0]): sum(p.page_bytes for p in g) for g in (attention, state) if g}
         """leader pool -> bytes of one unit (its page and its riders' pages at the same hash)."""
+        self.overlay = overlay
+        self.attention_pools = list(attention)
+        if overlay is not None and self.state is not None and self.attention is not None:
+            self.unit_bytes[id(self.state)] = overlay.k * self.unit_bytes[id(self.attention)]  # what it covers
+        self.kids: dict[bytes, set[bytes]] | None = {} if overlay is not None and policy == "value" else None
+        """Arena, "value": parent -> cached children (a range eviction takes a block's subtree)."""
+        self.num_checkpoints_skipped = 0
+        """Arena: checkpoints not taken because no range could be freed (each only costs hits)."""
         ref_bytes = self.unit_bytes[id(self.state if self.state is not None else self.attention)]
         self.values = ValueModel(ref_bytes, alpha)
         self.clock = 0.0
@@ -98,14 +118,19 @@ class Reclaimer:
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """Bytes of the pages that hold something (in use or cached), every pool."""
+        if self.overlay is not None:
+            return sum(p.held_bytes() for p in self.pools)
         held = self._capacity_bytes
         for p in self.pools:
             held -= p.num_plain * p.page_bytes
         return held
 
-    def make_room(self, needs: list[tuple[BlockPool, int]]) -> bool:
+    def make_room(self, needs: list[tuple[BlockPool, int]], checkpoint: bool = False) -> bool:
         """Evict the lowest-priority pages until every pool has `n` free ids and the budget has room for all of
-        them. False when it cannot (what was evicted stays evicted: it was only cache)."""
+        them. False when it cannot (what was evicted stays evicted: it was only cache). `checkpoint`: the state
+        pools' ids are for checkpoints (arena: not the running slots)."""
+        if self.overlay is not None:
+            return self._make_room_arena(needs, checkpoint)
         extra = sum(n * p.page_bytes for p, n in needs)
         if extra == 0:
             return True
@@ -122,6 +147,76 @@ class Reclaimer:
             self._since_refresh += 1
             if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
                 self.refresh()
+
+    def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
+        """Free ids are memory here (the pools' counts are the budget): see the module docstring."""
+        value = self.policy == "value"
+        states = {id(p) for p in self.pools[len(self.attention_pools):]}
+        k = self.overlay.k  # type: ignore[union-attr]
+        while True:
+            # ranges the state pools will take (riders share their leader's): their blocks are not for attention
+            ranges = max((p.overlay_needed(n, checkpoint) for p, n in needs if id(p) in states),  # type: ignore[attr-defined]
+                         default=0)
+            short = [p for p, n in needs if n and (p.available(checkpoint) < n if id(p) in states
+                                                   else p.num_plain - k * ranges < n)]
+            if not short:
+                return True
+            victim = self._lowest(self.leaders)
+            if any(id(p) in states for p in short):
+                if victim is None or victim[0] is not self.state:
+                    c = self.overlay.cheapest_range()  # type: ignore[union-attr]
+                    if c is not None:
+                        self._evict_range(c)
+                        continue
+                    victim = self._lowest([self.state]) if self.state is not None else None
+                if victim is None:
+                    if checkpoint:
+                        self.num_checkpoints_skipped += 1
+                    return False
+            elif victim is None:
+                return False
+            self.evict(*victim)
+            self._since_refresh += 1
+            if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
+                self.refresh()
+
+    def _evict_range(self, c: int) -> None:
+        """Evict every cached block of range c (no block in it is referenced), in every attention pool."""
+        assert self.overlay is not None
+        self.overlay.num_range_evictions += 1
+        blocks = self.overlay.blocks_of(c)
+        chain = self.attention
+        for pool in self.attention_pools:
+            for b in blocks:
+                h = pool.block_hash[b]
+                if h is None or pool.ref_cnt[b]:
+                    continue
+                if pool is not chain:
+                    pool.evict(b)  # a rider's page alone: its group only serves shorter hits
+                    self.evicted_bytes["attention"] += pool.page_bytes
+                elif self.kids is not None:
+                    self._evict_subtree(h)
+                else:
+                    self.evict(pool, b)
+
+    def _evict_subtree(self, h: bytes) -> None:
+        """Evict the chain's block h and every unreferenced cached block below it (deepest first); a referenced
+        one stays, cut off as the head of an unreachable chain."""
+        assert self.kids is not None and self.attention is not None
+        order, stack = [], [h]
+        while stack:
+            x = stack.pop()
+            order.append(x)
+            stack.extend(self.kids.get(x, ()))
+        chain = self.attention
+        for x in reversed(order):
+            page = chain.cached.get(x)
+            if page is None:
+                continue
+            if chain.ref_cnt[page] == 0:
+                self.evict(chain, page)
+            else:
+                self._unlink(x)
 
     def _leaders_of(self, pools: list[BlockPool]) -> list[BlockPool]:
         """The distinct leaders of `pools` (a rider's pages are freed by evicting its leader's)."""
@@ -206,6 +301,11 @@ class Reclaimer:
         parent = self.parent.pop(h, None)
         if parent is None:
             return
+        if self.kids is not None:
+            kids = self.kids[parent]
+            kids.discard(h)
+            if not kids:
+                del self.kids[parent]
         left = self.children[parent] - 1
         if left:
             self.children[parent] = left
@@ -253,6 +353,8 @@ class Reclaimer:
         if pb is None:
             return  # the parent is gone: this block heads an unreachable chain and stays a leaf
         self.parent[h] = parent
+        if self.kids is not None:
+            self.kids.setdefault(parent, set()).add(h)
         n = self.children[parent] = self.children.get(parent, 0) + 1
         if n == 2:
             self._jump.clear()  # a new branch point: walks that skipped over it are out of date
@@ -365,3 +467,9 @@ class Reclaimer:
                 assert self.attention.lookup(h) is not None and self.attention.lookup(parent) is not None
                 counts[parent] = counts.get(parent, 0) + 1
             assert counts == self.children, "child counts out of date"
+            if self.kids is not None:
+                assert {p: len(k) for p, k in self.kids.items()} == self.children, "children out of date"
+                for h, ks in self.kids.items():
+                    assert all(self.parent[k] == h for k in ks)
+        if self.overlay is not None:
+            self.overlay.check_integrity()

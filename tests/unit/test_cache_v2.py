@@ -204,12 +204,18 @@ def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
 
 # -- planner and config ------------------------------------------------------------------------------------------
 def test_planner_reserves_only_running_states() -> None:
+    """One arena: the null and running slots are reserved (each rounded up to k = 3 blocks), checkpoint ids overlay
+    attention blocks (engine/cache/arena.py), so what is allocated is the budget."""
     budget = 100 * BLOCK + 3 * STATE + 10
     plan = plan_capacity(GROUPS, budget, 2, 40, 64, 0, policy=CachePolicy())
-    assert plan.attention_blocks == 100 and plan.state_slots == 1 + 2 + 40
-    assert plan.shared_budget == 1 and plan.budget_bytes == budget - BLOCK - STATE
-    assert plan.checkpoint_bytes_max == 40 * STATE
-    assert plan.physical_bytes == 100 * BLOCK + 43 * STATE
+    k = 3  # ceil(160 / 64)
+    assert plan.blocks_per_checkpoint == k and plan.attention_blocks == (budget - 3 * k * BLOCK) // BLOCK == 98
+    assert plan.state_slots_checkpoint == 98 // k - 1 == 31 and plan.state_slots == 1 + 2 + 1 + 31
+    assert plan.shared_budget == 1 and plan.budget_bytes == 97 * BLOCK + 2 * STATE
+    assert plan.checkpoint_bytes_max == 31 * k * BLOCK
+    assert plan.physical_bytes == 3 * k * BLOCK + 98 * BLOCK <= budget < plan.physical_bytes + BLOCK
+    capped = plan_capacity(GROUPS, budget, 2, 4, 64, 0, policy=CachePolicy())
+    assert capped.state_slots_checkpoint == 4 and capped.attention_blocks == 98
     v1 = plan_capacity(GROUPS, budget, 2, 4, 64, 8)  # v1: the 4 checkpoint slots are reserved up front
     assert v1.attention_blocks == (budget - 7 * STATE) // BLOCK and v1.shared_budget == 0
     layout = plan.layout()

@@ -1,12 +1,13 @@
 """Capacity is exact (DESIGN.md § Caches, Capacity): what `kv_cache_info()` promises can be filled, and no more.
 
 For a NemotronH and a Qwen3.5 checkpoint (the latter with two attention layers) and an explicit budget:
-1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone (one budget:
-   only the running requests' states are reserved; checkpoints share what is left with cached blocks):
-       reserved       = 1 (null) + max_num_seqs
-       token_capacity = ((budget - reserved * bytes_per_state) // bytes_per_block - 1) * block_size
-   and the runner's cache tensors are exactly that many blocks of those sizes, plus 1 + max_num_seqs +
-   num_checkpoint_slots state-slot ids (the checkpoint ids sit outside the budget until one arena backs both);
+1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone (one arena:
+   only the null and running slots are reserved, each rounded up to k whole blocks; checkpoints overlay blocks):
+       k              = ceil(bytes_per_state / bytes_per_block)
+       reserved       = (1 (null) + max_num_seqs) * k * bytes_per_block
+       token_capacity = ((budget - reserved) // bytes_per_block - 1) * block_size
+   and the runner's cache tensors are views of one arena of that many blocks of those sizes plus the reserved
+   slots, with 1 + max_num_seqs + 1 (pinned) + checkpoint state-slot ids; the arena is the budget;
 2. a batch whose blocks sum to exactly the capacity (4 requests x 3 blocks = 12) is admitted at once, fills the
    attention pool to its last block and completes with no preemption;
 3. the same batch with one more block's worth of tokens (one prompt 16 tokens longer: 13 blocks) PREEMPTS: all four
@@ -80,25 +81,30 @@ def test_capacity_is_exact_and_fillable(name, checkpoint_dir):  # type: ignore[n
     path = checkpoint_dir(name)
     probe = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128)
     per_block, per_state = analytic_sizes(probe.engine.groups)
-    reserved, slots = 1 + MAX_SEQS, 1 + MAX_SEQS + CKPT_SLOTS
+    k = -(-per_state // per_block)
+    reserved = (1 + MAX_SEQS) * k * per_block
+    ckpt = min(CKPT_SLOTS, (BLOCKS + 1) // k - 1)
+    slots = 1 + MAX_SEQS + 1 + ckpt
     # Room for BLOCKS + 1 blocks (null included) plus almost one more: the planner must round down.
-    budget = reserved * per_state + (BLOCKS + 1) * per_block + per_block - 1
+    budget = reserved + (BLOCKS + 1) * per_block + per_block - 1
 
     llm = make_llm(path, budget)
     info = llm.kv_cache_info()
-    capacity = ((budget - reserved * per_state) // per_block - 1) * BLOCK
+    capacity = ((budget - reserved) // per_block - 1) * BLOCK
     assert capacity == BLOCKS * BLOCK
-    assert info["token_capacity"] == capacity
+    assert info["token_capacity"] == capacity and info["blocks_per_checkpoint"] == k
     assert (info["bytes_per_block"], info["bytes_per_state"]) == (per_block, per_state)
     runner = llm.engine.runner
     assert {t.shape[0] for t in runner.attention_tensors} == {BLOCKS + 1}
     assert {t.shape[0] for t in runner.state_tensors} == {slots}
     assert sum(t[0].nbytes for t in runner.attention_tensors) == per_block
     assert sum(t[0].nbytes for t in runner.state_tensors) == per_state
-    allocated = sum(t.nbytes for t in runner.attention_tensors + runner.state_tensors)
-    assert allocated == info["physical_bytes"]
-    assert info["checkpoint_bytes_max"] == CKPT_SLOTS * per_state
-    assert allocated - CKPT_SLOTS * per_state <= budget < allocated - CKPT_SLOTS * per_state + per_block
+    storages = {t.untyped_storage().data_ptr() for t in runner.attention_tensors + runner.state_tensors}
+    assert len(storages) == 1, "one arena backs every cache tensor"
+    allocated = runner.attention_tensors[0].untyped_storage().nbytes()
+    assert info["physical_bytes"] == reserved + (BLOCKS + 1) * per_block <= allocated < info["physical_bytes"] + 16
+    assert info["checkpoint_bytes_max"] == ckpt * k * per_block
+    assert info["physical_bytes"] <= budget < info["physical_bytes"] + per_block
 
     # Exactly full: 4 x (32-token prompt + 16 computed generated tokens) = 4 x 3 blocks = the capacity.
     long_prompt, *short = random_prompts([32 + BLOCK, 32, 32, 32], vocab=256, seed=3)

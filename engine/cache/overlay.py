@@ -1,0 +1,332 @@
+"""Checkpoint slots that share memory with attention blocks (arena.py): the pools and the rule that keeps them apart.
+
+    attention blocks   0 1 .. k-1 | k .. 2k-1 | 2k .. 3k-1 | ...      range c = blocks [c*k, (c+1)*k)
+    state slots        0 1 .. S F | F+1       | F+2        | ...      checkpoint slot F + c covers range c
+
+The rule: a held checkpoint slot (pending, cached, pinned or reserved) and a held attention block (in use or
+cached) never share memory.
+- A checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool); the range's
+  blocks are then referenced by the overlay (`hold`), so no attention allocation can hand them out and the budget
+  charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`release`).
+- With no free range the Reclaimer evicts: the lowest-priority checkpoint (its range comes free), or the cached
+  blocks of the cheapest range with no referenced block (`cheapest_range`); else the checkpoint is skipped.
+- Attention blocks are handed out highest id first and checkpoints take the lowest free range, so the two grow
+  from opposite ends and ranges stay whole.
+Running slots (1 .. S) are reserved memory: a running slot is taken there first (a checkpoint never is).
+
+Several groups: every attention pool has the same ids (block j of every group is one arena page) and every state
+pool too; range c is held while any state pool holds slot F + c, and a rider state pool prefers a range its
+leader already holds (one range serves every group's checkpoint at one hash).
+
+Ownership: the coordinator builds the pools and one `Overlay`; the pools call it from their hooks; the Reclaimer
+asks it for ranges. Single-threaded (the step loop). Tensor-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from engine.cache.arena import ArenaLayout
+from engine.cache.block_pool import BlockPool, PoolExhaustedError
+
+
+class ArenaAttentionPool(BlockPool):
+    """Attention blocks of the arena: free blocks are handed out highest id first; every transition is reported to
+    the overlay's per-range counters."""
+
+    def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
+        super().__init__(num_blocks, name, page_bytes)
+        self.overlay: Overlay | None = None
+        self._watch = True
+        self._plain_heap = [-b for b in range(num_blocks - 1, 0, -1)]  # max-heap of (possibly) free ids
+        heapq.heapify(self._plain_heap)
+        self.num_overlaid = 0
+        """Blocks referenced by the overlay (covered by a held checkpoint slot)."""
+
+    def allocate(self, n: int) -> list[int]:
+        assert self.listener is not None, "arena pools are policy-driven (a Reclaimer)"
+        if n > self.num_plain:
+            raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
+        out: list[int] = []
+        heap, ref, names, queue = self._plain_heap, self.ref_cnt, self.block_hash, self._queue
+        while len(out) < n:
+            b = -heapq.heappop(heap)
+            if ref[b] or names[b] is not None:
+                continue  # stale entry
+            del queue[b]
+            self.num_plain -= 1
+            ref[b] = 1
+            out.append(b)
+            if self.overlay is not None:
+                self.overlay.block_ref(b, True)
+        return out
+
+    def _push_plain(self, b: int) -> None:
+        heap = self._plain_heap
+        heapq.heappush(heap, -b)
+        if len(heap) > 4 * self.num_blocks + 64:  # stale entries: rebuild from the free ones
+            self._plain_heap = [-x for x in range(1, self.num_blocks)
+                                if not self.ref_cnt[x] and self.block_hash[x] is None]
+            heapq.heapify(self._plain_heap)
+
+    def _on_ref(self, block_id: int, was_plain: bool) -> None:
+        if self.overlay is not None:
+            self.overlay.block_ref(block_id, was_plain)
+
+    def _on_unref(self, block_id: int, now_plain: bool) -> None:
+        if now_plain:
+            self._push_plain(block_id)
+        if self.overlay is not None:
+            self.overlay.block_unref(block_id, now_plain)
+
+    def _on_plain(self, block_id: int) -> None:
+        self._push_plain(block_id)
+        if self.overlay is not None:
+            self.overlay.block_plain(block_id)
+
+    def own_refs(self, block_id: int) -> int:
+        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
+
+    def stats(self) -> dict[str, int]:
+        s = super().stats()
+        s["in_use"] -= self.num_overlaid
+        s["overlaid"] = self.num_overlaid
+        return s
+
+
+class ArenaStatePool(BlockPool):
+    """State slots of the arena: 1 .. S reserved for running requests, F = S + 1 pinned, F + c the checkpoint over
+    range c (taken only through the overlay)."""
+
+    def __init__(self, num_slots: int, running_slots: int, name: str = "pool", page_bytes: int = 0) -> None:
+        super().__init__(num_slots, name, page_bytes)
+        self.first_overlay = 1 + running_slots
+        self.overlay: Overlay | None = None
+        self._watch = True
+        self._pinned = int(self.first_overlay < num_slots)
+        if self._pinned:  # it would cover the null block
+            self.touch([self.first_overlay])
+        self._running_free = list(range(1, min(self.first_overlay, num_slots)))
+        heapq.heapify(self._running_free)
+        self.num_overlay_held = 0
+
+    def available(self, checkpoint: bool = False) -> int:
+        assert self.overlay is not None
+        overlay = self.overlay.available(self)
+        return overlay if checkpoint else overlay + len(self._running_free)
+
+    def own_refs(self, block_id: int) -> int:
+        return int(bool(self._pinned) and block_id == self.first_overlay)
+
+    def stats(self) -> dict[str, int]:
+        s = super().stats()
+        s["in_use"] -= self._pinned
+        s["pinned"] = self._pinned
+        return s
+
+    def overlay_needed(self, n: int, checkpoint: bool) -> int:
+        """Checkpoint ranges an allocation of n ids takes (running slots come from the reserved ones first)."""
+        return n if checkpoint else max(0, n - len(self._running_free))
+
+    def held_bytes(self) -> int:
+        """Running slots only: a checkpoint's memory is charged as the attention blocks it covers."""
+        return (self.num_held - self._pinned - self.num_overlay_held) * self.page_bytes
+
+    def allocate(self, n: int) -> list[int]:
+        """Running slots: the reserved ones first, then (rarely: quarantined slots) a checkpoint range."""
+        out: list[int] = []
+        while len(out) < n:
+            if self._running_free:
+                s = heapq.heappop(self._running_free)
+                self._take(s)
+                out.append(s)
+            else:
+                out += self.allocate_checkpoint(1)
+        return out
+
+    def allocate_checkpoint(self, n: int) -> list[int]:
+        assert self.overlay is not None
+        out: list[int] = []
+        for _ in range(n):
+            c = self.overlay.pick_range(self)
+            if c is None:
+                self.free(out)
+                raise PoolExhaustedError(f"{self.name}: no free checkpoint range")
+            s = self.first_overlay + c
+            self._take(s)
+            out.append(s)
+        return out
+
+    def _take(self, s: int) -> None:
+        assert self.ref_cnt[s] == 0 and self.block_hash[s] is None, (self.name, s)
+        del self._queue[s]
+        self.num_plain -= 1
+        self.ref_cnt[s] = 1
+        self._on_ref(s, True)
+
+    def _on_ref(self, slot: int, was_plain: bool) -> None:
+        if not was_plain or self.overlay is None:
+            return
+        if slot > self.first_overlay:
+            self.num_overlay_held += 1
+            self.overlay.hold(self, slot - self.first_overlay)
+
+    def _on_unref(self, slot: int, now_plain: bool) -> None:
+        if now_plain:
+            self._became_free(slot)
+
+    def _on_plain(self, slot: int) -> None:
+        self._became_free(slot)
+
+    def _became_free(self, slot: int) -> None:
+        if slot < self.first_overlay:
+            heapq.heappush(self._running_free, slot)
+        elif slot > self.first_overlay and self.overlay is not None:
+            self.num_overlay_held -= 1
+            self.overlay.release(self, slot - self.first_overlay)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        free_running = [s for s in range(1, self.first_overlay) if s < self.num_blocks and not self.ref_cnt[s]
+                        and self.block_hash[s] is None]
+        assert sorted(self._running_free) == free_running, (self.name, "running free list")
+        held = sum(1 for s in range(self.first_overlay + 1, self.num_blocks)
+                   if self.ref_cnt[s] or self.block_hash[s] is not None)
+        assert held == self.num_overlay_held, (self.name, held, self.num_overlay_held)
+
+
+class Overlay:
+    """Per-range counters over the attention pools and the state pools' holds (see the module docstring)."""
+
+    def __init__(self, arena: ArenaLayout, attention: list[ArenaAttentionPool], states: list[ArenaStatePool]) -> None:
+        self.k = arena.blocks_per_slot
+        self.num_ranges = arena.checkpoint_slots
+        """C: ranges 1 .. C (range 0 holds the null block and is never a checkpoint's)."""
+        self.attention = attention
+        self.states = states
+        self.full = self.k * len(attention)
+        """Free blocks of a whole range (every attention pool)."""
+        n = self.num_ranges + 1
+        self.nplain = [self.full] * n
+        self.nref = [0] * n
+        self.holders = [0] * n
+        self.held: set[int] = set()
+        self._free_heap = list(range(1, n))
+        self.num_free_ranges = self.num_ranges
+        self.num_range_evictions = 0
+        """Ranges whose cached blocks were evicted to make room for a checkpoint."""
+        for p in attention:
+            p.overlay = self
+        for s in states:
+            s.overlay = self
+
+    def range_of(self, block_id: int) -> int:
+        c = block_id // self.k
+        return c if 1 <= c <= self.num_ranges else 0
+
+    def blocks_of(self, c: int) -> range:
+        return range(c * self.k, (c + 1) * self.k)
+
+    # -- attention transitions -------------------------------------------------------------------------------
+    def block_ref(self, b: int, was_plain: bool) -> None:
+        c = self.range_of(b)
+        if not c:
+            return
+        self.nref[c] += 1
+        if was_plain:
+            if self.nplain[c] == self.full:
+                self.num_free_ranges -= 1
+            self.nplain[c] -= 1
+
+    def block_unref(self, b: int, now_plain: bool) -> None:
+        c = self.range_of(b)
+        if not c:
+            return
+        self.nref[c] -= 1
+        if now_plain:
+            self._plain(c)
+
+    def block_plain(self, b: int) -> None:
+        c = self.range_of(b)
+        if c:
+            self._plain(c)
+
+    def _plain(self, c: int) -> None:
+        self.nplain[c] += 1
+        if self.nplain[c] == self.full:
+            self.num_free_ranges += 1
+            heapq.heappush(self._free_heap, c)
+
+    # -- state slots -----------------------------------------------------------------------------------------
+    def _shared(self, pool: ArenaStatePool) -> list[int]:
+        """Ranges another state pool holds whose slot is free in `pool` (a rider's checkpoint shares them)."""
+        if len(self.states) == 1:
+            return []
+        first = pool.first_overlay
+        return sorted(c for c in self.held if not pool.ref_cnt[first + c] and pool.block_hash[first + c] is None)
+
+    def available(self, pool: ArenaStatePool) -> int:
+        return self.num_free_ranges + len(self._shared(pool))
+
+    def pick_range(self, pool: ArenaStatePool) -> int | None:
+        """The range for a new checkpoint of `pool`: one another group holds already, else the lowest free one."""
+        shared = self._shared(pool)
+        if shared:
+            return shared[0]
+        heap = self._free_heap
+        while heap:
+            c = heap[0]
+            if self.nplain[c] == self.full:
+                return c  # stays in the heap: it is skipped as stale once held
+            heapq.heappop(heap)
+        return None
+
+    def hold(self, pool: ArenaStatePool, c: int) -> None:
+        self.holders[c] += 1
+        if self.holders[c] == 1:
+            assert self.nplain[c] == self.full, (pool.name, c, "range not free")
+            self.held.add(c)
+            blocks = self.blocks_of(c)
+            for p in self.attention:
+                p.touch(blocks)
+                p.num_overlaid += self.k
+
+    def release(self, pool: ArenaStatePool, c: int) -> None:
+        self.holders[c] -= 1
+        if self.holders[c] == 0:
+            self.held.discard(c)
+            blocks = self.blocks_of(c)
+            for p in self.attention:
+                p.num_overlaid -= self.k
+                p.free(blocks)
+
+    # -- for the Reclaimer -----------------------------------------------------------------------------------
+    def cheapest_range(self) -> int | None:
+        """The range with no referenced block (so no held checkpoint either) and the fewest cached blocks (ties:
+        the lowest); None when every range has a block in use."""
+        best, best_plain = None, -1
+        nref, nplain = self.nref, self.nplain
+        for c in range(1, self.num_ranges + 1):
+            if not nref[c] and nplain[c] > best_plain:
+                best, best_plain = c, nplain[c]
+        return best
+
+    def check_integrity(self) -> None:
+        """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any
+        name), and a range is held exactly while some state pool holds its slot."""
+        for c in range(1, self.num_ranges + 1):
+            blocks = self.blocks_of(c)
+            plain = sum(1 for p in self.attention for b in blocks if not p.ref_cnt[b] and p.block_hash[b] is None)
+            ref = sum(1 for p in self.attention for b in blocks if p.ref_cnt[b])
+            assert (plain, ref) == (self.nplain[c], self.nref[c]), (c, plain, ref, self.nplain[c], self.nref[c])
+            holders = sum(1 for s in self.states if s.ref_cnt[s.first_overlay + c]
+                          or s.block_hash[s.first_overlay + c] is not None)
+            assert holders == self.holders[c] and (c in self.held) == (holders > 0), (c, holders, self.holders[c])
+            if holders:
+                for p in self.attention:
+                    for b in blocks:
+                        assert p.ref_cnt[b] == 1 and p.block_hash[b] is None, (p.name, c, b, "overlaps a block")
+        assert self.num_free_ranges == sum(1 for c in range(1, self.num_ranges + 1) if self.nplain[c] == self.full)
+        for p in self.attention:
+            assert p.num_overlaid == self.k * len(self.held), p.name
