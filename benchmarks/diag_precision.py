@@ -22,8 +22,6 @@ import tempfile
 os.environ["TRITON_F32_DEFAULT"] = "ieee"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
 LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
 MODELS = {
     "nemotron_attn_mid": ("nemotron_h", {"hybrid_override_pattern": "M*-MM-"}),
@@ -45,24 +43,6 @@ def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: i
     return [(o.token_ids, o.logprobs) for o in outs]
 
 
-def score(truth_model, prompts, runs) -> dict:  # type: ignore[no-untyped-def]
-    from tests.oracle import _uncached_logprobs
-
-    errs, flips, margins = [], 0, []
-    for p, (toks, lps) in zip(prompts, runs, strict=True):
-        lp = _uncached_logprobs(truth_model, p + toks[:-1], "cuda")
-        for step, (t, mine) in enumerate(zip(toks, lps, strict=True)):
-            row = lp[len(p) + step - 1]
-            errs.append(abs(mine - float(row[t])))
-            best = int(torch.argmax(row))
-            if best != t:
-                flips += 1
-                margins.append(float(row[best] - row[t]))
-    errs.sort()
-    return {"max_lp_err": max(errs), "p50_lp_err": errs[len(errs) // 2], "non_argmax": flips,
-            "max_margin": max(margins, default=0.0), "tokens": len(errs)}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -72,7 +52,7 @@ def main() -> int:
     ap.add_argument("--out", default="diag_precision.json")
     args = ap.parse_args()
     from engine.models.checkpoint import write_random_checkpoint
-    from tests.oracle import hf_greedy, hf_model, random_prompts
+    from tests.oracle import hf_greedy, hf_model, random_prompts, score_under
 
     prompts = random_prompts(LENGTHS, vocab=256, seed=1)
     rows = []
@@ -83,14 +63,15 @@ def main() -> int:
             truth = hf_model(path, args.truth, "cuda")
             impls = {}
             for dtype in args.dtypes.split(","):
-                impls[f"hf_{dtype}"] = lambda d=dtype: [hf_greedy(path, p, args.new_tokens, d, "cuda") for p in prompts]
+                impls[f"hf_{dtype}"] = lambda d=dtype, path=path: [
+                    hf_greedy(path, p, args.new_tokens, d, "cuda") for p in prompts]
                 if dtype == "float32":
-                    impls["hf_float32_cpu"] = lambda: [hf_greedy(path, p, args.new_tokens) for p in prompts]
-                impls[f"ref_{dtype}"] = lambda d=dtype: engine_run(path, d, False, prompts, args.new_tokens)
-                impls[f"fast_{dtype}"] = lambda d=dtype: engine_run(path, d, True, prompts, args.new_tokens)
+                    impls["hf_float32_cpu"] = lambda path=path: [hf_greedy(path, p, args.new_tokens) for p in prompts]
+                impls[f"ref_{dtype}"] = lambda d=dtype, path=path: engine_run(path, d, False, prompts, args.new_tokens)
+                impls[f"fast_{dtype}"] = lambda d=dtype, path=path: engine_run(path, d, True, prompts, args.new_tokens)
             for impl, fn in impls.items():
                 try:
-                    row = {"model": name, "impl": impl, **score(truth, prompts, fn())}
+                    row = {"model": name, "impl": impl, **score_under(truth, prompts, fn(), "cuda")}
                 except Exception as e:  # noqa: BLE001 - record and go on
                     row = {"model": name, "impl": impl, "error": repr(e)[:300]}
                 rows.append(row)
@@ -98,7 +79,7 @@ def main() -> int:
             hf_model.cache_clear()
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)
-    cols = ["model", "impl", "max_lp_err", "p50_lp_err", "non_argmax", "max_margin", "tokens"]
+    cols = ["model", "impl", "max_lp_err", "mean_lp_err", "p50_lp_err", "non_argmax", "max_margin", "tokens"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.2e}" if isinstance(r.get(c), float) else str(r.get(c, r.get("error", "")))

@@ -67,3 +67,24 @@ def reference_set(path: str, lengths: tuple[int, ...], new_tokens: int, seed: in
     modules asking for the same reference share one transformers run. Callers must not mutate the lists."""
     prompts = random_prompts(list(lengths), vocab=256, seed=seed)
     return prompts, [hf_greedy(path, p, new_tokens) for p in prompts]
+
+
+@torch.inference_mode()
+def score_under(truth_model, prompts: list[list[int]], runs, device: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Each run's own greedy tokens scored under `truth_model` (teacher-forced, uncached): per chosen token,
+    |its logprob - the truth's logprob of that token|, and where the truth would have chosen another token, the
+    truth's margin between the two (a near-tie flips by rounding alone; a real error flips with a large margin).
+    `runs`: [(tokens, logprobs)] per prompt. Returns max / mean / median error, flips and the largest margin."""
+    errs: list[float] = []
+    margins: list[float] = []
+    for p, (toks, lps) in zip(prompts, runs, strict=True):
+        lp = _uncached_logprobs(truth_model, p + list(toks[:-1]), device)
+        for step, (t, mine) in enumerate(zip(toks, lps, strict=True)):
+            row = lp[len(p) + step - 1]
+            errs.append(abs(mine - float(row[t])))
+            best = int(torch.argmax(row))
+            if best != t:
+                margins.append(float(row[best] - row[t]))
+    errs.sort()
+    return {"max_lp_err": errs[-1], "mean_lp_err": sum(errs) / len(errs), "p50_lp_err": errs[len(errs) // 2],
+            "non_argmax": float(len(margins)), "max_margin": max(margins, default=0.0), "tokens": float(len(errs))}
