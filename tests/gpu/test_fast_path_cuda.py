@@ -1,6 +1,11 @@
 """The batched fast path on CUDA (decode steps through CUDA graphs) against the reference path on the same GPU (same
-weights, same engine settings): fp32 tokens identical and logprobs within 1e-4; bf16 the first 8 greedy tokens
-identical. Chunked prefill (48-token
+weights, same engine settings): fp32 tokens identical and logprobs within 1e-4. bf16: both paths' greedy runs are
+scored under transformers' fp32 forward (tests/oracle.score_under, teacher-forced); the fast path is as precise as
+the reference path (mean logprob error at most 1.5x, max at most 2x) and every token where it departs from the
+fp32 argmax is a near-tie (margin <= 0.1 nats, or no larger than the reference path's own largest flip).
+Identical bf16 tokens between two correct implementations are luck on near-ties: on the H200 (2026-11-23,
+benchmarks/diag_precision.py) both paths and transformers' own bf16 flip near-ties of 0.02-0.08 nats, and an
+MoE's router flips experts in bf16 in every implementation. Chunked prefill (48-token
 budget) with checkpoints every 32 tokens, so prefix states, checkpoint rounds and mixed prefill/decode steps run.
 Also a model whose attention and recurrent layers are split into two cache groups each (tests/support/
 split_groups.py): decode graphs with one set of static buffers per group view, against the unsplit reference."""
@@ -10,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.oracle import random_prompts
+from tests.oracle import hf_model, random_prompts, score_under
 
 pytestmark = pytest.mark.gpu
 
@@ -50,22 +55,31 @@ def test_fast_path_fp32_matches_reference(name, checkpoint_dir):  # type: ignore
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
+def assert_bf16_fast_as_precise(path: str) -> None:
+    truth = hf_model(path, "float32", "cuda")  # fp32 (its error, ~1e-4 at most, is far below bf16's ~1e-2)
+    prompts = random_prompts(LENGTHS, vocab=256, seed=1)
+    runs = {}
+    for fast in (False, True):
+        outs = _generate(path, "bfloat16", fast, 16)
+        runs[fast] = score_under(truth, prompts, [(o.token_ids, o.logprobs) for o in outs], "cuda")
+    ref, fast = runs[False], runs[True]
+    assert ref["mean_lp_err"] < 0.1 and ref["max_margin"] < 2.0, f"the bf16 reference path is off: {ref}"
+    assert fast["mean_lp_err"] <= 1.5 * ref["mean_lp_err"] + 1e-3, (fast, ref)
+    assert fast["max_lp_err"] <= 2 * ref["max_lp_err"] + 1e-2, (fast, ref)
+    assert fast["max_margin"] <= max(0.1, ref["max_margin"]), (fast, ref)
+
+
 @pytest.mark.parametrize("name", PATTERNS)
-def test_fast_path_bf16_tokens_match_reference(name, checkpoint_dir):  # type: ignore[no-untyped-def]
-    path = checkpoint_dir(name)
-    ref, fast = _generate(path, "bfloat16", False, 8), _generate(path, "bfloat16", True, 8)
-    for a, b in zip(ref, fast, strict=True):
-        assert a.token_ids == b.token_ids
+def test_fast_path_bf16_as_precise_as_reference(name, checkpoint_dir):  # type: ignore[no-untyped-def]
+    assert_bf16_fast_as_precise(checkpoint_dir(name))
 
 
-def test_fast_path_moe_bf16_tokens_match_reference(tmp_path):  # type: ignore[no-untyped-def]
+def test_fast_path_moe_bf16_as_precise_as_reference(tmp_path):  # type: ignore[no-untyped-def]
     """MoE through grouped GEMMs inside the decode graphs against the reference expert loop."""
     from engine.models.checkpoint import write_random_checkpoint
 
-    path = write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0, hybrid_override_pattern="M*ME")
-    ref, fast = _generate(path, "bfloat16", False, 8), _generate(path, "bfloat16", True, 8)
-    for a, b in zip(ref, fast, strict=True):
-        assert a.token_ids == b.token_ids
+    assert_bf16_fast_as_precise(write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0,
+                                                        hybrid_override_pattern="M*ME"))
 
 
 def test_split_groups_fast_path_with_graphs_matches_reference(checkpoint_dir):  # type: ignore[no-untyped-def]
