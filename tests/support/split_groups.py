@@ -44,25 +44,37 @@ def split_cache_groups() -> Iterator[None]:
 
 
 def permute_rider_pages(llm: Any) -> None:
-    """Make every group but the first of each kind keep page i at physical index n - i (n: the group's pages; the
-    null page 0 and PAD_SLOT_ID stay): the engine's runner gets each step's ids of those groups mapped so (block
-    tables, slots, checkpoints, restores, fresh blocks). The groups' pools may hand out the same ids for a request;
-    their pages still live at different indices, so a runner that reads one group's ids for another group's layers
+    """Make every group but the first of each kind keep its pages at other indices: the engine's runner gets each
+    step's ids of those groups mapped by a fixed permutation (block tables, slots, checkpoints, restores, fresh
+    blocks; the null page 0 and PAD_SLOT_ID stay). The groups' pools may hand out the same ids for a request; their
+    pages then still live at different indices, so a runner that reads one group's ids for another group's layers
     reads the wrong pages. Nothing else (transfers, the prefix cache) sees the mapping.
 
-    Only where every group's tensors have their own memory: in one arena, pages of different groups (and
-    checkpoint slots and attention blocks) may share memory by id, and a mapping would break what the cache
-    manager keeps apart. There nothing is mapped (the groups then differ only where their pools' ids do)."""
-    runner = llm.engine.runner
-    storages = [t.untyped_storage().data_ptr() for ts in runner.group_tensors.values() for t in ts]
-    if len(set(storages)) < len(storages):
-        return
-    size = {g.group_id: runner.group_tensors[g.group_id][0].shape[0] for g in llm.engine.groups}
-    kinds = ([g for g in llm.engine.groups if g.is_attention], [g for g in llm.engine.groups if not g.is_attention])
-    riders = {g.group_id for groups in kinds for g in groups[1:]}
+    The permutation reverses runs of ids that may trade places: without an arena, all of 1 .. n-1. In one arena
+    (engine/cache/arena.py) checkpoint slot F + c shares memory with attention blocks [c*k, (c+1)*k) and the cache
+    manager keeps them apart by id, so blocks are reversed within each range of k (a block stays in its range) and
+    only the running slots 1 .. S are reversed (reserved memory); checkpoint slots stay where they are."""
+    runner, arena = llm.engine.runner, llm.engine.plan.arena
+    perms: dict[int, list[int]] = {}
+    for kind in (True, False):
+        for g in [g for g in llm.engine.groups if g.is_attention == kind][1:]:
+            n = runner.group_tensors[g.group_id][0].shape[0]
+            if arena is None:
+                runs = [(1, n)]
+            elif kind:
+                k = arena.blocks_per_slot
+                bounds = sorted({1, n, *range(k, n, k)})
+                runs = list(zip(bounds, bounds[1:], strict=False))
+            else:
+                runs = [(1, 1 + arena.running_slots)]
+            perm = list(range(n))
+            for a, b in runs:
+                perm[a:b] = range(b - 1, a - 1, -1)
+            perms[g.group_id] = perm
 
     def page(gid: int, i: int) -> int:
-        return size[gid] - i if gid in riders and i > 0 else i
+        perm = perms.get(gid)
+        return perm[i] if perm is not None and i > 0 else i
 
     def pages(gid: int, ids: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(page(gid, i) for i in ids)
