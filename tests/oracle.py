@@ -15,9 +15,35 @@ import functools
 import torch
 
 
+def _torch_only_modeling() -> None:
+    """transformers binds Qwen3.5's Gated DeltaNet to fla-core's Triton kernels when fla-core is installed (as on
+    the GPU box, where the engine itself uses it). The reference must be transformers' own torch code, as on CPU in
+    CI, not the library under test: rebind the module's kernel entry points to the torch functions they wrap. (On
+    the H200, transformers' fla-core path sat 2.4-6.5e-4 from the engine's fp32 logprobs, and it cannot run in
+    float64.)"""
+    import inspect
+
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        fn = getattr(qwen, name, None)
+        if fn is None or getattr(fn, "_torch_only", False):
+            continue
+        inner = inspect.unwrap(fn)
+        params = set(inspect.signature(inner).parameters)
+
+        def torch_only(*args, _inner=inner, _params=params, **kwargs):  # type: ignore[no-untyped-def]
+            return _inner(*args, **{k: v for k, v in kwargs.items() if k in _params})
+
+        torch_only._torch_only = True  # type: ignore[attr-defined]
+        setattr(qwen, name, torch_only)
+
+
 @functools.lru_cache(maxsize=4)
 def hf_model(path: str, dtype: str = "float32", device: str = "cpu"):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
+
+    _torch_only_modeling()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
     return model.to(device).eval()
