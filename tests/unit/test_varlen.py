@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.cache.specs import PAD_SLOT_ID
-from engine.models.varlen import build_varlen
+from engine.models.batch import GroupViews
+from engine.models.varlen import build_varlen, build_varlen_views
 from engine.scheduler import ScheduledSeq
 
 
@@ -45,3 +48,27 @@ def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-de
     assert r1.rows.tolist() == [4, 5, 6, 7] and r1.init_prev.tolist() == [0] and r1.dest_slot.tolist() == [12]
     assert r2.rows.tolist() == [8, 9] and r2.init_prev.tolist() == [0] and r2.dest_slot.tolist() == [1]
     assert m.sample_rows.tolist() == [9, 10, 13]
+
+
+def test_views_read_their_own_groups() -> None:
+    """Several groups of a kind (engine.models.batch.GroupViews): view 1 reads group_block_ids[1] and
+    group_state_slots[1] / group_checkpoints[1]; token rows are shared; a view without a recurrent group has no
+    recurrent rows, one without an attention group shares view 0's attention tensors (its layers never read them)."""
+    s = replace(_seq("a", 4, 3, [5, 6], 1, [(6, 11)]), group_block_ids=((0, (5, 6)), (1, (9, 2))),
+                group_state_slots=((2, 1), (3, 7)), group_checkpoints=((2, ((6, 11),)), (3, ((6, 12),))))
+    cpu = torch.device("cpu")
+    two = GroupViews(layer_views=(0, 1), attention=(True, True), recurrent=(True, True))
+    m0, m1 = build_varlen_views([s], 4, 4, cpu, two)
+    assert m0.input_ids is m1.input_ids and m0.positions is m1.positions and m0.sample_rows is m1.sample_rows
+    assert m0.slot_mapping.tolist() == [24, 25, 26] and m1.slot_mapping.tolist() == [8, 9, 10]  # block 1 of each
+    assert m0.block_table.tolist() == [[5, 6]] and m1.block_table.tolist() == [[9, 2]]
+    p0, p1 = m0.rec_prefill, m1.rec_prefill
+    assert p0 is not None and p1 is not None
+    assert p0.init_slot.tolist() == [1] and p1.init_slot.tolist() == [7]
+    assert sorted(p0.cut_slot.tolist()) == [1, 11] and sorted(p1.cut_slot.tolist()) == [7, 12]
+    att_only = GroupViews(layer_views=(0, 1), attention=(True, True), recurrent=(True, False))
+    _, a1 = build_varlen_views([s], 4, 4, cpu, att_only)
+    assert a1.rec_prefill is None and a1.rec_decode is None and a1.slot_mapping.tolist() == [8, 9, 10]
+    rec_only = GroupViews(layer_views=(0, 1), attention=(True, False), recurrent=(True, True))
+    r0, r1 = build_varlen_views([s], 4, 4, cpu, rec_only)
+    assert r1.slot_mapping is r0.slot_mapping and r1.rec_prefill is not None
