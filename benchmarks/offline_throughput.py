@@ -64,12 +64,12 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     inner_zero = runner.zero_blocks
     cuda = args.device.startswith("cuda")
 
-    def timed_zero(ids):  # type: ignore[no-untyped-def]
+    def timed_zero(ids, *group):  # type: ignore[no-untyped-def]
         # the share of step time spent zeroing fresh blocks (synchronised, so it is the device time)
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        n = inner_zero(ids)
+        n = inner_zero(ids, *group)  # several attention groups: the runner passes the group id
         if cuda:
             torch.cuda.synchronize()
         zero_time[0] += time.perf_counter() - t
