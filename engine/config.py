@@ -61,8 +61,8 @@ class CacheConfig:
     eviction_alpha: float = 1.0
     """Weight of compute saved per byte against recency ("value")."""
     num_checkpoint_slots: int | None = None
-    """State-slot ids for cached checkpoints. They share the one memory budget with attention blocks (nothing is
-    reserved for them); this only caps how many may exist. None: 2 * max_num_seqs."""
+    """At most this many cached checkpoints. Each one is the memory of k attention blocks of the one arena (nothing
+    is reserved for them). None: as many as the arena holds."""
     kv_cache_memory_bytes: int | None = None
     """Cache budget in bytes for all caches. None: 256 MiB on CPU, from gpu_memory_utilization on GPU."""
     gpu_memory_utilization: float = 0.9

@@ -348,6 +348,10 @@ class EngineCore:
             s = pool.stats()
             info[f"{label}_bytes_in_use"] = s["in_use"] * pool.page_bytes
             info[f"{label}_bytes_cached"] = s["cached"] * pool.page_bytes
+        overlay = self.cache.overlay
+        if overlay is not None and self.plan.arena is not None:  # one arena: checkpoints held, as memory
+            info["checkpoint_bytes_held"] = len(overlay.held) * self.plan.arena.slot_stride
+            info["checkpoint_ranges_free"] = overlay.num_free_ranges
         return info
 
 

@@ -140,7 +140,8 @@ class HybridCacheManager:
         self._state_gids = [(m, m.group.group_id) for m in self.states]
         self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
         """(manager, its group id) in `managers` order, for the per-step loops."""
-        self._alloc_order = self._gids if arena is None else [*self._state_gids, *self._block_gids]
+        self._alloc_order: list[tuple[GroupManager, int]] = (
+            self._gids if arena is None else [*self._state_gids, *self._block_gids])
         """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
         imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
         self.overlay: Overlay | None = None

@@ -55,6 +55,8 @@ class EvictionQueue:
     def __init__(self, order: itertools.count | None = None) -> None:
         self._heap: list[tuple[float, int, int]] = []
         self._live: dict[int, int] = {}  # page -> release order of its current entry
+        self.priority: dict[int, float] = {}
+        """page -> its current priority (live entries)."""
         self._order = order if order is not None else itertools.count()
         """Release counter; queues that share one compare their ties across pools in release order."""
 
@@ -67,6 +69,7 @@ class EvictionQueue:
     def push(self, page: int, priority: float) -> None:
         seq = next(self._order)
         self._live[page] = seq
+        self.priority[page] = priority
         heapq.heappush(self._heap, (priority, seq, page))
         if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild
             self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
@@ -74,6 +77,7 @@ class EvictionQueue:
 
     def discard(self, page: int) -> None:
         self._live.pop(page, None)
+        self.priority.pop(page, None)
 
     def peek(self) -> tuple[float, int, int] | None:
         """(priority, release order, page) of the next victim, or None."""
@@ -90,6 +94,7 @@ class EvictionQueue:
         assert entry is not None
         heapq.heappop(self._heap)
         del self._live[entry[2]]
+        self.priority.pop(entry[2], None)
         return entry[2]
 
     def pages(self) -> set[int]:
@@ -99,3 +104,4 @@ class EvictionQueue:
         """Recompute every live entry's priority (`priority_of(page)`), keeping release order for ties."""
         self._heap = [(priority_of(page), seq, page) for page, seq in self._live.items()]  # type: ignore[operator]
         heapq.heapify(self._heap)
+        self.priority = {page: prio for prio, _, page in self._heap}

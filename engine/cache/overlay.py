@@ -10,8 +10,9 @@ cached) never share memory.
   charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`release`).
 - With no free range the Reclaimer evicts: the lowest-priority checkpoint (its range comes free), or the cached
   blocks of the cheapest range with no referenced block (`cheapest_range`); else the checkpoint is skipped.
-- Attention blocks are handed out highest id first and checkpoints take the lowest free range, so the two grow
-  from opposite ends and ranges stay whole.
+- Attention blocks are handed out clustered (outside every range first, then ranges that already hold a
+  referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so ranges
+  with no referenced block, the only ones a checkpoint can take, stay as many as they can.
 Running slots (1 .. S) are reserved memory: a running slot is taken there first (a checkpoint never is).
 
 Several groups: every attention pool has the same ids (block j of every group is one arena page) and every state
@@ -31,58 +32,125 @@ from engine.cache.block_pool import BlockPool, PoolExhaustedError
 
 
 class ArenaAttentionPool(BlockPool):
-    """Attention blocks of the arena: free blocks are handed out highest id first; every transition is reported to
-    the overlay's per-range counters."""
+    """Attention blocks of the arena: free blocks are handed out clustered (see `allocate`); every transition is
+    reported to the overlay's per-range counters (inlined here: these hooks run for every block)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         super().__init__(num_blocks, name, page_bytes)
         self.overlay: Overlay | None = None
         self._watch = True
-        self._plain_heap = [-b for b in range(num_blocks - 1, 0, -1)]  # max-heap of (possibly) free ids
-        heapq.heapify(self._plain_heap)
+        self._plain_sets: list[set[int]] = []
+        """Free blocks per range (index 0: blocks outside every range), filled by `bind`."""
+        self._with_plain: set[int] = set()
+        """Ranges (>= 1) with a free block."""
+        self._last = 0
         self.num_overlaid = 0
         """Blocks referenced by the overlay (covered by a held checkpoint slot)."""
 
+    def bind(self, overlay: Overlay) -> None:
+        self.overlay = overlay
+        self._plain_sets = [set() for _ in range(overlay.num_ranges + 1)]
+        for b in range(1, self.num_blocks):
+            if not self.ref_cnt[b] and self.block_hash[b] is None:
+                c = overlay.range_of(b)
+                self._plain_sets[c].add(b)
+                if c:
+                    self._with_plain.add(c)
+
     def allocate(self, n: int) -> list[int]:
-        assert self.listener is not None, "arena pools are policy-driven (a Reclaimer)"
+        """Free blocks, clustered: outside every range first, then in the ranges with the most referenced blocks
+        (they cannot take a checkpoint anyway), then ranges with no reference that are not wholly free, then
+        free ranges (highest range first): so ranges with no referenced block, which checkpoints need, stay so."""
+        assert self.listener is not None and self.overlay is not None, "arena pools are policy-driven"
         if n > self.num_plain:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
         out: list[int] = []
-        heap, ref, names, queue = self._plain_heap, self.ref_cnt, self.block_hash, self._queue
+        ref, queue, ov, sets = self.ref_cnt, self._queue, self.overlay, self._plain_sets
+        nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
-            b = -heapq.heappop(heap)
-            if ref[b] or names[b] is not None:
-                continue  # stale entry
-            del queue[b]
-            self.num_plain -= 1
-            ref[b] = 1
-            out.append(b)
-            if self.overlay is not None:
-                self.overlay.block_ref(b, True)
+            c = self._pick_range()
+            plain = sets[c]
+            while plain and len(out) < n:
+                b = plain.pop()
+                del queue[b]
+                ref[b] = 1
+                out.append(b)
+                if c:
+                    nref[c] += 1
+                    if nplain[c] == full:
+                        ov.num_free_ranges -= 1
+                    nplain[c] -= 1
+            if c and not plain:
+                self._with_plain.discard(c)
+        self.num_plain -= n
         return out
 
-    def _push_plain(self, b: int) -> None:
-        heap = self._plain_heap
-        heapq.heappush(heap, -b)
-        if len(heap) > 4 * self.num_blocks + 64:  # stale entries: rebuild from the free ones
-            self._plain_heap = [-x for x in range(1, self.num_blocks)
-                                if not self.ref_cnt[x] and self.block_hash[x] is None]
-            heapq.heapify(self._plain_heap)
+    def _pick_range(self) -> int:
+        sets = self._plain_sets
+        if sets[0]:
+            return 0
+        ov = self.overlay
+        assert ov is not None
+        nref, nplain, full = ov.nref, ov.nplain, ov.full
+        last = self._last
+        if last and sets[last] and nref[last]:
+            return last  # keep filling the range in use
+        best, best_key = 0, (True, True, 0, 0)
+        for c in self._with_plain:
+            key = (not nref[c], nplain[c] == full, -nref[c], -c)
+            if best == 0 or key < best_key:
+                best, best_key = c, key
+        self._last = best
+        return best
 
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
-        if self.overlay is not None:
-            self.overlay.block_ref(block_id, was_plain)
+        ov = self.overlay
+        if ov is None:
+            return
+        c = block_id // ov.k
+        if not 1 <= c <= ov.num_ranges:
+            if was_plain:
+                self._plain_sets[0].discard(block_id)
+            return
+        ov.nref[c] += 1
+        if was_plain:
+            plain = self._plain_sets[c]
+            plain.discard(block_id)
+            if not plain:
+                self._with_plain.discard(c)
+            if ov.nplain[c] == ov.full:
+                ov.num_free_ranges -= 1
+            ov.nplain[c] -= 1
 
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
+        ov = self.overlay
+        if ov is None:
+            return
+        c = block_id // ov.k
+        if not 1 <= c <= ov.num_ranges:
+            if now_plain:
+                self._plain_sets[0].add(block_id)
+            return
+        ov.nref[c] -= 1
         if now_plain:
-            self._push_plain(block_id)
-        if self.overlay is not None:
-            self.overlay.block_unref(block_id, now_plain)
+            self._plain_sets[c].add(block_id)
+            self._with_plain.add(c)
+            ov.plain_in(c)
+        else:
+            ov.clock += 1
+            ov.age[c] = ov.clock
 
     def _on_plain(self, block_id: int) -> None:
-        self._push_plain(block_id)
-        if self.overlay is not None:
-            self.overlay.block_plain(block_id)
+        ov = self.overlay
+        if ov is None:
+            return
+        c = block_id // ov.k
+        if not 1 <= c <= ov.num_ranges:
+            self._plain_sets[0].add(block_id)
+            return
+        self._plain_sets[c].add(block_id)
+        self._with_plain.add(c)
+        ov.plain_in(c)
 
     def own_refs(self, block_id: int) -> int:
         c = self.overlay.range_of(block_id) if self.overlay is not None else 0
@@ -212,12 +280,16 @@ class Overlay:
         self.nref = [0] * n
         self.holders = [0] * n
         self.held: set[int] = set()
+        self.age = [-1] * n
+        """When a cached block of each range was last released (a counter; -1: none since it was wholly free):
+        the longest unused ranges go first among equals (`Reclaimer._pick_range`)."""
+        self.clock = 0
         self._free_heap = list(range(1, n))
         self.num_free_ranges = self.num_ranges
         self.num_range_evictions = 0
         """Ranges whose cached blocks were evicted to make room for a checkpoint."""
         for p in attention:
-            p.overlay = self
+            p.bind(self)
         for s in states:
             s.overlay = self
 
@@ -228,34 +300,13 @@ class Overlay:
     def blocks_of(self, c: int) -> range:
         return range(c * self.k, (c + 1) * self.k)
 
-    # -- attention transitions -------------------------------------------------------------------------------
-    def block_ref(self, b: int, was_plain: bool) -> None:
-        c = self.range_of(b)
-        if not c:
-            return
-        self.nref[c] += 1
-        if was_plain:
-            if self.nplain[c] == self.full:
-                self.num_free_ranges -= 1
-            self.nplain[c] -= 1
-
-    def block_unref(self, b: int, now_plain: bool) -> None:
-        c = self.range_of(b)
-        if not c:
-            return
-        self.nref[c] -= 1
-        if now_plain:
-            self._plain(c)
-
-    def block_plain(self, b: int) -> None:
-        c = self.range_of(b)
-        if c:
-            self._plain(c)
-
-    def _plain(self, c: int) -> None:
+    # -- attention transitions (the rest is inlined in ArenaAttentionPool) ----------------------------------
+    def plain_in(self, c: int) -> None:
+        """A block of range c became free."""
         self.nplain[c] += 1
         if self.nplain[c] == self.full:
             self.num_free_ranges += 1
+            self.age[c] = -1
             heapq.heappush(self._free_heap, c)
 
     # -- state slots -----------------------------------------------------------------------------------------
@@ -302,15 +353,10 @@ class Overlay:
                 p.free(blocks)
 
     # -- for the Reclaimer -----------------------------------------------------------------------------------
-    def cheapest_range(self) -> int | None:
-        """The range with no referenced block (so no held checkpoint either) and the fewest cached blocks (ties:
-        the lowest); None when every range has a block in use."""
-        best, best_plain = None, -1
-        nref, nplain = self.nref, self.nplain
-        for c in range(1, self.num_ranges + 1):
-            if not nref[c] and nplain[c] > best_plain:
-                best, best_plain = c, nplain[c]
-        return best
+    def eligible_ranges(self) -> list[int]:
+        """Ranges with no referenced block (so no held checkpoint either): their cached blocks may be evicted."""
+        nref = self.nref
+        return [c for c in range(1, self.num_ranges + 1) if not nref[c]]
 
     def check_integrity(self) -> None:
         """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any
@@ -330,3 +376,6 @@ class Overlay:
         assert self.num_free_ranges == sum(1 for c in range(1, self.num_ranges + 1) if self.nplain[c] == self.full)
         for p in self.attention:
             assert p.num_overlaid == self.k * len(self.held), p.name
+            free = {b for b in range(1, p.num_blocks) if not p.ref_cnt[b] and p.block_hash[b] is None}
+            assert set().union(*p._plain_sets) == free, (p.name, "free-block sets")
+            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c]}, p.name

@@ -29,9 +29,11 @@ group at one hash), valued by the bytes of the whole unit, and the budget counts
 One arena (overlay.py): checkpoint slots share memory with ranges of k attention blocks. The budget is then the
 memory itself (a held checkpoint holds its k blocks, so it is charged k blocks); a checkpoint needs a *free range*,
 and when there is none `make_room` evicts the lowest-priority checkpoint (its range comes free) when that is the
-lowest page of all, else the cached blocks of the overlay's cheapest range (`_evict_range`: a block takes its
-cached descendants with it, a chain below it being unreachable), else the checkpoint is skipped. When attention
-is short, evicting a checkpoint frees k blocks, so both queues are candidates.
+lowest page of all; else the range with no referenced block whose eviction loses least, priced like a page (the
+highest priority among its blocks and the subtrees below them: `_pick_range`), when it is cheaper than the lowest
+checkpoint (`_evict_range`: a block takes its cached descendants with it, a chain below it being unreachable);
+else that checkpoint; with neither, the checkpoint is skipped (counted). When attention is short, evicting a
+checkpoint frees k blocks, so both queues are candidates.
 
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
 no leaf rule and no cascade (vLLM's free-queue order).
@@ -42,6 +44,7 @@ Ownership: the coordinator owns one Reclaimer and calls `make_room` before every
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import TYPE_CHECKING
 
@@ -54,6 +57,10 @@ if TYPE_CHECKING:
 POLICIES = ("value", "lru")
 MAX_ANCHOR_WALK = 64
 """Blocks an anchor search walks up before it counts the whole prefix as this entry's (see `_anchor`)."""
+RANGE_CANDIDATES = 16
+"""Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
+MAX_RANGE_SUBTREE = 512
+"""Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
 _NO_JUMP = b"/no jump/"
 """`_jump.get` default (compared by identity; never a block hash, which is 16 bytes)."""
 
@@ -164,11 +171,12 @@ class Reclaimer:
             victim = self._lowest(self.leaders)
             if any(id(p) in states for p in short):
                 if victim is None or victim[0] is not self.state:
-                    c = self.overlay.cheapest_range()  # type: ignore[union-attr]
+                    lowest_state = self._lowest([self.state]) if self.state is not None else None
+                    c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
                     if c is not None:
                         self._evict_range(c)
                         continue
-                    victim = self._lowest([self.state]) if self.state is not None else None
+                    victim = lowest_state
                 if victim is None:
                     if checkpoint:
                         self.num_checkpoints_skipped += 1
@@ -179,6 +187,87 @@ class Reclaimer:
             self._since_refresh += 1
             if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
                 self.refresh()
+
+    def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
+        """The range whose cached blocks to evict for a checkpoint: among those with no referenced block, the one
+        whose eviction loses the least, priced like a page: the highest priority of what goes with it (queued
+        blocks, and under a block with children its subtree's queued blocks and checkpoints; a subtree past
+        MAX_RANGE_SUBTREE nodes counts as priceless). Ties: the longest unused, then the most free blocks. None
+        when there is none, or when it costs more than `below` (the lowest cached checkpoint, which goes instead),
+        or when only priceless ones are left and not `priceless_ok` (a checkpoint is skipped rather than a hot
+        prefix evicted; a running slot takes one)."""
+        ov = self.overlay
+        assert ov is not None
+        inf = float("inf")
+        bound = inf if below is None else below
+        best, best_key = None, (inf, 0, 0)
+        age, nplain = ov.age, ov.nplain
+        candidates = ov.eligible_ranges()
+        if len(candidates) > RANGE_CANDIDATES:  # price the longest unused only
+            candidates = heapq.nsmallest(RANGE_CANDIDATES, candidates, key=lambda c: (age[c], -nplain[c]))
+        for c in candidates:
+            cost = self._range_cost(c, bound)
+            if cost > bound:
+                continue
+            key = (cost, age[c], -nplain[c])
+            if best is None or key < best_key:
+                best, best_key = c, key
+                bound = cost
+        if best is not None and best_key[0] == inf and not priceless_ok:
+            return None
+        return best
+
+    def _range_cost(self, c: int, bound: float) -> float:
+        """What evicting range c loses (see `_pick_range`); stops early past `bound`."""
+        chain, ov = self.attention, self.overlay
+        assert ov is not None and chain is not None
+        qa = self.queues[id(chain)].priority
+        names, cached, parent_of = chain.block_hash, chain.cached, self.parent.get
+        blocks = ov.blocks_of(c)
+        lo, hi = blocks.start, blocks.stop
+        cost = float("-inf")
+        for b in blocks:
+            h = names[b]
+            if h is None:
+                continue
+            if self.kids is not None and self.children.get(h):
+                p = parent_of(h)
+                pb = cached.get(p) if p is not None else None
+                if pb is not None and lo <= pb < hi:
+                    continue  # its parent is in this range too: the parent's subtree covers it
+                cost = max(cost, self._subtree_cost(h, bound))
+            else:
+                cost = max(cost, qa.get(b, float("-inf")), self._state_cost(h))
+            if cost > bound:
+                break
+        return cost
+
+    def _state_cost(self, h: bytes) -> float:
+        state = self.state
+        if state is None:
+            return float("-inf")
+        slot = state.cached.get(h)
+        if slot is None:
+            return float("-inf")
+        return self.queues[id(state)].priority.get(slot, float("inf"))  # referenced: priceless
+
+    def _subtree_cost(self, h: bytes, bound: float) -> float:
+        assert self.kids is not None and self.attention is not None
+        chain = self.attention
+        qa, cached, kids = self.queues[id(chain)].priority, chain.cached, self.kids
+        cost, stack, seen = float("-inf"), [h], 0
+        while stack:
+            x = stack.pop()
+            seen += 1
+            if seen > MAX_RANGE_SUBTREE:
+                return float("inf")
+            page = cached.get(x)
+            if page is not None:
+                cost = max(cost, qa.get(page, float("-inf")), self._state_cost(x))
+                if cost > bound:
+                    return cost
+            stack.extend(kids.get(x, ()))
+        return cost
 
     def _evict_range(self, c: int) -> None:
         """Evict every cached block of range c (no block in it is referenced), in every attention pool."""

@@ -6,7 +6,8 @@ holds something.
 1. planner: what is allocated is the budget (less than a block short); with no reuse the attention capacity is
    >= 0.99 of the one-state-per-running-request optimum at the issue's shapes;
 2. control plane, exact ids: a checkpoint takes the lowest free range and the blocks under it leave the attention
-   pool; attention takes the highest ids; with no free range a cheap range's cached blocks are evicted;
+   pool; attention takes blocks outside every range first, then one range at a time; with no free range a
+   range's cached blocks are evicted, with the chains below them;
 3. random traces (the harness of test_cache_properties with a shadow device that models the shared memory: writing
    a checkpoint clobbers the blocks under it and the reverse): every hit reads what it should, no held checkpoint
    overlaps a held or cached block, no leaks, integrity after every step;
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 
 from engine.arena import allocate_caches
 from engine.cache.admission import CachePolicy
-from engine.cache.arena import page_bytes
+from engine.cache.arena import ArenaLayout, page_bytes
 from engine.cache.coordinator import HybridCacheManager
 from engine.cache.managers import cdiv
 from engine.cache.planner import plan_capacity
@@ -96,7 +97,7 @@ def test_no_reuse_run_keeps_the_optimum_capacity() -> None:
 
 
 # -- 2. exact ids --------------------------------------------------------------------------------------------------
-def test_checkpoints_take_the_lowest_free_range_and_blocks_the_highest_ids() -> None:
+def test_checkpoints_take_the_lowest_free_range_and_blocks_stay_out_of_it() -> None:
     seqs, blocks = 1, 4 * K  # ranges 1, 2, 3 (range 0 holds the null block)
     plan = plan_capacity(GROUPS, arena_budget(seqs, blocks), seqs, None, 64, 0, policy=CachePolicy())
     assert plan.state_slots_checkpoint == 3 and plan.state_slots == 1 + 1 + 1 + 3
@@ -105,7 +106,7 @@ def test_checkpoints_take_the_lowest_free_range_and_blocks_the_highest_ids() -> 
     assert ov is not None
     a = Request("a", list(range(10)), SamplingParams(max_tokens=1))
     assert cache.allocate(a, 10)
-    assert attn.req_blocks["a"] == [15, 14, 13] and rec.running_slot["a"] == 1  # highest ids; reserved slot
+    assert attn.req_blocks["a"] == [1, 2, 3] and rec.running_slot["a"] == 1  # outside every range; reserved slot
     cache._reserve(a, [8], None, {1: []})  # a checkpoint after 8 tokens: the lowest free range is 1
     (pending,) = rec.pending
     assert pending.slot == plan.arena.first_overlay_slot + 1 == 3 and ov.held == {1}  # type: ignore[union-attr]
@@ -118,26 +119,30 @@ def test_checkpoints_take_the_lowest_free_range_and_blocks_the_highest_ids() -> 
 
 
 def test_a_checkpoint_evicts_the_cheapest_range_when_none_is_free() -> None:
-    """Every block cached, no checkpoint to evict: the lowest of the (equally cheap) ranges gives its blocks up, and a
-    block takes its cached descendants with it (a chain below a hole is unreachable)."""
+    """Every block cached, no checkpoint to evict: a range with no referenced block gives its blocks up, and a block
+    takes its cached descendants with it (a chain below a hole is unreachable)."""
     seqs, blocks = 1, 4 * K  # ids 1..15: ranges 1 (4..7), 2 (8..11), 3 (12..15)
     plan = plan_capacity(GROUPS, arena_budget(seqs, blocks), seqs, None, 64, 0, policy=CachePolicy())
     cache = HybridCacheManager(GROUPS, plan.layout())
     attn, rec, ov = cache.blocks[0], cache.states[0], cache.overlay
     assert ov is not None and cache.reclaimer is not None
-    x = Request("x", list(range(100, 160)), SamplingParams(max_tokens=1))  # 15 blocks: ids 15, 14, ..., 1
-    assert cache.allocate(x, 60) and attn.req_blocks["x"] == list(range(15, 0, -1))
+    x = Request("x", list(range(100, 160)), SamplingParams(max_tokens=1))  # 15 blocks: every one
+    assert cache.allocate(x, 60)
+    xb = list(attn.req_blocks["x"])
+    assert xb[:3] == [1, 2, 3] and sorted(xb[3:7]) == [12, 13, 14, 15]  # outside ranges, then one range at a time
     attn.cache_full_blocks("x", x.block_hashes, 60)
     cache.free(x)  # all 15 cached, no checkpoint anywhere
     y = Request("y", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
-    assert cache.allocate(y, 5)  # two dead-end leaves go: x's last blocks (ids 1, 2)
-    assert attn.req_blocks["y"] == [2, 1] and ov.num_free_ranges == 0
+    assert cache.allocate(y, 5)  # two dead-end leaves go: x's last two blocks
+    assert sorted(attn.req_blocks["y"]) == sorted(xb[-2:]) and ov.num_free_ranges == 0
     cache._reserve(y, [4], None, {1: []})
     (pending,) = rec.pending
-    assert ov.num_range_evictions == 1 and pending.slot == plan.arena.first_overlay_slot + 1  # type: ignore[union-attr]
-    assert attn.find_hit_tokens(x.block_hashes, 60) == 8 * BS  # ids 15..8 stay; 7..4 and the chain below went
-    assert [attn.pool.lookup(h) for h in x.block_hashes[:8]] == list(range(15, 7, -1))
-    assert attn.pool.num_plain == 1  # id 3: evicted with the subtree, outside the range
+    assert ov.num_range_evictions == 1 and len(ov.held) == 1
+    (c,) = ov.held
+    assert pending.slot == plan.arena.first_overlay_slot + c  # type: ignore[union-attr]
+    cut = min(i for i, b in enumerate(xb) if b in ov.blocks_of(c))
+    assert attn.find_hit_tokens(x.block_hashes, 60) == cut * BS  # the chain ends where the range began
+    assert all(attn.pool.lookup(h) is None for h in x.block_hashes[cut:])  # the range and everything below it
     cache.check_integrity()
 
 
@@ -154,8 +159,8 @@ class ArenaHarness(Harness):
                                   trace.interval, policy=policy)
         self.cache = HybridCacheManager(GROUPS, self.plan.layout(), enable_prefix_caching=trace.caching)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
-        self.arena = self.plan.arena
-        assert self.arena is not None
+        assert self.plan.arena is not None
+        self.arena: ArenaLayout = self.plan.arena
 
     def clobber_blocks_of(self, slot: int) -> None:
         for b in self.arena.slot_blocks(slot):
@@ -200,14 +205,15 @@ class ArenaHarness(Harness):
             assert attn.pool.ref_cnt[b] == held[b] + attn.pool.own_refs(b), (b, held[b])
         slots = [rec.running_slot[rid] for rid in holders]
         assert len(set(slots)) == len(slots) and NULL_BLOCK_ID not in slots
-        assert all(s <= self.t.max_num_seqs for s in slots), "running slots are the reserved ones"
+        assert self.arena.first_overlay_slot not in slots  # pinned; a running slot past the reserved ones (leases
+        # beyond max_num_seqs) is a checkpoint range's, and is checked below like a checkpoint
         assert rec.pending == [] and rec.step_refs == []
         pool = rec.pool
         for s in range(self.arena.first_overlay_slot + 1, pool.num_blocks):
             if pool.ref_cnt[s] or pool.block_hash[s] is not None:
                 for b in self.arena.slot_blocks(s):
                     assert held[b] == 0 and attn.pool.block_hash[b] is None, (s, b, "overlaps a held block")
-            assert pool.ref_cnt[s] == 0, s  # between steps a checkpoint is cached or free
+            assert pool.ref_cnt[s] == (s in slots), s  # between steps a checkpoint is cached or free
 
     def check_no_leak(self) -> None:
         assert not self.sched.requests

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.cache.admission import CachePolicy
+from engine.cache.arena import page_bytes
 from engine.cache.coordinator import HybridCacheManager
 from engine.cache.managers import cdiv
 from engine.cache.planner import plan_capacity
@@ -276,8 +277,10 @@ traces = st.builds(
 
 def make_side(name: str, trace: Trace) -> Side:
     groups = group_layers(LAYOUTS[trace.layout])
-    per_block = sum(g.page_bytes_all_layers for g in groups if g.is_attention)
-    per_state = sum(g.page_bytes_all_layers for g in groups if not g.is_attention)
+    per_block = page_bytes([g for g in groups if g.is_attention])
+    per_state = page_bytes([g for g in groups if not g.is_attention])
+    if per_block and per_state:  # one arena: a state slot past the reserved ones is the memory of k whole blocks
+        per_state = cdiv(per_state, per_block) * per_block
     need = cdiv(MAX_MODEL_LEN, BS)
     # every request fits alone, next to one quarantined import (a stuck READ keeps its pages for good)
     budget = (2 * need + 1) * per_block + (1 + trace.max_num_seqs + 4 + 4) * per_state + trace.spare_bytes

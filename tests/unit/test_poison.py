@@ -70,6 +70,9 @@ class Poisoner:
         cache, runner = self.engine.cache, self.engine.runner
         self.blocks = self._unowned(cache.attention.pool)
         self.slots = self._unowned(cache.recurrent.pool)
+        arena = self.engine.plan.arena  # a checkpoint slot's memory is attention blocks': free only if they are
+        if arena is not None:
+            self.slots = {s for s in self.slots if set(arena.slot_blocks(s)) <= self.blocks}
         blocks = torch.tensor(sorted(self.blocks), dtype=torch.int64)
         slots = torch.tensor(sorted(self.slots), dtype=torch.int64)
         for kv in runner.attention_tensors:

@@ -231,7 +231,8 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
     path = checkpoint_dir("nemotron_attn_mid")
     info = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128).kv_cache_info()
     max_seqs, budget = 3, 32
-    state = (1 + max_seqs) * info["bytes_per_state"]  # one budget (issue 15): only running states are reserved
+    # one arena (issue 15): only the null and running slots are reserved, each rounded up to k whole blocks
+    state = (1 + max_seqs) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
     llm = LLM(model=path, kv_cache_memory_bytes=state + 9 * info["bytes_per_block"], max_num_seqs=max_seqs,
               max_num_batched_tokens=budget, checkpoint_interval=32, max_model_len=64, zero_fresh_blocks="off")
     engine = llm.engine
