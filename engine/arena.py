@@ -19,8 +19,8 @@ import torch
 
 from engine.cache.planner import CapacityPlan
 from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from engine.models.layers import TORCH_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARENA_ALIGN = 16
 
 

@@ -23,8 +23,6 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _fast_path_default(device: torch.device) -> bool:
     if device.type != "cuda":
