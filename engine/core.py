@@ -56,12 +56,6 @@ class EngineCore:
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
-        kinds = [g.is_attention for g in self.groups]
-        if (kinds.count(True) > 1 or kinds.count(False) > 1) and not getattr(ModelRunner, "reads_group_ids", False):
-            raise InvalidRequestError(
-                f"this model has {kinds.count(True)} attention and {kinds.count(False)} recurrent cache groups; the "
-                f"cache manager and transfers support that, but the model runner still reads one block table and one "
-                f"state slot per request (ScheduledSeq.group_block_ids / group_state_slots are not read yet)")
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
         if self.plan.attention_blocks and self.plan.token_capacity < self.max_model_len:

@@ -37,9 +37,7 @@ def _fast_path_default(device: torch.device) -> bool:
 
 
 class ModelRunner:
-    reads_group_ids = True
-    """Every layer reads its own cache group's block table / state slot (engine.models.batch.GroupViews), so
-    EngineCore accepts models with several groups of a kind."""
+    """Every layer reads its own cache group's block table / state slot (engine.models.batch.GroupViews)."""
 
     def __init__(
         self, model: CausalLM, groups: list[CacheGroup], plan: CapacityPlan, num_layers: int, device: torch.device,
