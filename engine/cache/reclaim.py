@@ -29,11 +29,12 @@ group at one hash), valued by the bytes of the whole unit, and the budget counts
 One arena (overlay.py): checkpoint slots share memory with ranges of k attention blocks. The budget is then the
 memory itself (a held checkpoint holds its k blocks, so it is charged k blocks); a checkpoint needs a *free range*,
 and when there is none `make_room` evicts the lowest-priority checkpoint (its range comes free) when that is the
-lowest page of all; else the range with no referenced block whose eviction loses least, priced like a page (the
-highest priority among its blocks and the subtrees below them: `_pick_range`), when it is cheaper than the lowest
-checkpoint (`_evict_range`: a block takes its cached descendants with it, a chain below it being unreachable);
-else that checkpoint; with neither, the checkpoint is skipped (counted). When attention is short, evicting a
-checkpoint frees k blocks, so both queues are candidates.
+lowest page of all; else the range with no referenced block whose eviction loses least, priced per byte like a
+page (the remaining worth, priority - clock, of its blocks, the subtrees below them and the checkpoints they name:
+`_pick_range`), when it is cheaper than the lowest checkpoint (`_evict_range`: a block takes its cached
+descendants with it, a chain below it being unreachable); else that checkpoint, unless it has served hits: then
+the new checkpoint (admission's guess) is skipped, as it is when nothing can go (`num_checkpoints_skipped`). When
+attention is short, evicting a checkpoint frees k blocks, so both queues are candidates.
 
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
 no leaf rule and no cascade (vLLM's free-queue order).
@@ -177,6 +178,9 @@ class Reclaimer:
                         self._evict_range(c)
                         continue
                     victim = lowest_state
+                    if checkpoint and victim is not None and value and self.hits.get(
+                            self.state.block_hash[victim[1]]):  # type: ignore[union-attr]
+                        victim = None  # a checkpoint that served hits stays; the new, speculative one is skipped
                 if victim is None:
                     if checkpoint:
                         self.num_checkpoints_skipped += 1
@@ -189,17 +193,19 @@ class Reclaimer:
                 self.refresh()
 
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
-        """The range whose cached blocks to evict for a checkpoint: among those with no referenced block, the one
-        whose eviction loses the least, priced like a page: the highest priority of what goes with it (queued
-        blocks, and under a block with children its subtree's queued blocks and checkpoints; a subtree past
-        MAX_RANGE_SUBTREE nodes counts as priceless). Ties: the longest unused, then the most free blocks. None
-        when there is none, or when it costs more than `below` (the lowest cached checkpoint, which goes instead),
-        or when only priceless ones are left and not `priceless_ok` (a checkpoint is skipped rather than a hot
-        prefix evicted; a running slot takes one)."""
+        """The range whose cached blocks to evict for a checkpoint: among those with no referenced block (the
+        RANGE_CANDIDATES longest unused), the one whose eviction loses least, priced per byte like a page: the
+        credit (priority - clock, GreedyDual's remaining worth) of every page that goes with it (its queued blocks
+        and, under a block with children, the subtree's blocks and the checkpoints they name), times their bytes,
+        over the range's bytes; a subtree past MAX_RANGE_SUBTREE nodes, or a referenced checkpoint in it, makes it
+        priceless. Ties: the longest unused, then the most free blocks. None when there is none, when it costs
+        more than `below` (the lowest cached checkpoint's priority: that one goes instead), or when only priceless
+        ones are left and not `priceless_ok` (a checkpoint is skipped rather than a hot prefix evicted; a running
+        slot takes one)."""
         ov = self.overlay
         assert ov is not None
         inf = float("inf")
-        bound = inf if below is None else below
+        bound = inf if below is None else max(0.0, below - self.clock)
         best, best_key = None, (inf, 0, 0)
         age, nplain = ov.age, ov.nplain
         candidates = ov.eligible_ranges()
@@ -218,14 +224,15 @@ class Reclaimer:
         return best
 
     def _range_cost(self, c: int, bound: float) -> float:
-        """What evicting range c loses (see `_pick_range`); stops early past `bound`."""
+        """Credit per byte that evicting range c loses (see `_pick_range`); stops early past `bound`."""
         chain, ov = self.attention, self.overlay
         assert ov is not None and chain is not None
-        qa = self.queues[id(chain)].priority
         names, cached, parent_of = chain.block_hash, chain.cached, self.parent.get
         blocks = ov.blocks_of(c)
         lo, hi = blocks.start, blocks.stop
-        cost = float("-inf")
+        total = ov.k * self.unit_bytes[id(chain)]
+        limit = bound * total
+        credit = 0.0
         for b in blocks:
             h = names[b]
             if h is None:
@@ -235,27 +242,33 @@ class Reclaimer:
                 pb = cached.get(p) if p is not None else None
                 if pb is not None and lo <= pb < hi:
                     continue  # its parent is in this range too: the parent's subtree covers it
-                cost = max(cost, self._subtree_cost(h, bound))
+                credit += self._subtree_credit(h, limit - credit)
             else:
-                cost = max(cost, qa.get(b, float("-inf")), self._state_cost(h))
-            if cost > bound:
-                break
-        return cost
+                credit += self._credit(b, h)
+            if credit > limit:
+                return credit / total
+        return credit / total
 
-    def _state_cost(self, h: bytes) -> float:
+    def _credit(self, page: int, h: bytes) -> float:
+        """Remaining worth (bytes x (priority - clock)) of chain block `page` named `h` and the checkpoint it
+        names; a referenced checkpoint is priceless."""
+        assert self.attention is not None
+        clock = self.clock
+        prio = self.queues[id(self.attention)].priority.get(page)
+        credit = 0.0 if prio is None else max(0.0, prio - clock) * self.unit_bytes[id(self.attention)]
         state = self.state
-        if state is None:
-            return float("-inf")
-        slot = state.cached.get(h)
-        if slot is None:
-            return float("-inf")
-        return self.queues[id(state)].priority.get(slot, float("inf"))  # referenced: priceless
+        slot = state.cached.get(h) if state is not None else None
+        if slot is not None:
+            sprio = self.queues[id(state)].priority.get(slot)
+            if sprio is None:
+                return float("inf")
+            credit += max(0.0, sprio - clock) * self.unit_bytes[id(state)]
+        return credit
 
-    def _subtree_cost(self, h: bytes, bound: float) -> float:
+    def _subtree_credit(self, h: bytes, limit: float) -> float:
         assert self.kids is not None and self.attention is not None
-        chain = self.attention
-        qa, cached, kids = self.queues[id(chain)].priority, chain.cached, self.kids
-        cost, stack, seen = float("-inf"), [h], 0
+        cached, kids = self.attention.cached, self.kids
+        credit, stack, seen = 0.0, [h], 0
         while stack:
             x = stack.pop()
             seen += 1
@@ -263,11 +276,11 @@ class Reclaimer:
                 return float("inf")
             page = cached.get(x)
             if page is not None:
-                cost = max(cost, qa.get(page, float("-inf")), self._state_cost(x))
-                if cost > bound:
-                    return cost
+                credit += self._credit(page, x)
+                if credit > limit:
+                    return credit
             stack.extend(kids.get(x, ()))
-        return cost
+        return credit
 
     def _evict_range(self, c: int) -> None:
         """Evict every cached block of range c (no block in it is referenced), in every attention pool."""
