@@ -8,8 +8,9 @@ cached) never share memory.
 - A checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool); the range's
   blocks are then referenced by the overlay (`hold`), so no attention allocation can hand them out and the budget
   charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`release`).
-- With no free range the Reclaimer evicts: the lowest-priority checkpoint (its range comes free), or the cached
-  blocks of the cheapest range with no referenced block (`cheapest_range`); else the checkpoint is skipped.
+- With no free range the Reclaimer (reclaim.py, `_make_room_arena`) evicts the lowest-priority checkpoint (its
+  range comes free) or the cached blocks of the range whose eviction loses least (`eligible_ranges`, priced
+  there); else the checkpoint is skipped.
 - Attention blocks are handed out clustered (outside every range first, then ranges that already hold a
   referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so ranges
   with no referenced block, the only ones a checkpoint can take, stay as many as they can.
@@ -26,9 +27,14 @@ asks it for ranges. Single-threaded (the step loop). Tensor-free.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from engine.cache.arena import ArenaLayout
 from engine.cache.block_pool import BlockPool, PoolExhaustedError
+
+PICK_SAMPLE = 32
+"""Ranges with free blocks an allocation compares (the best of a sample: the full scan cost as much as the rest
+of the cache manager on no_reuse)."""
 
 
 class ArenaAttentionPool(BlockPool):
@@ -96,7 +102,7 @@ class ArenaAttentionPool(BlockPool):
         if last and sets[last] and nref[last]:
             return last  # keep filling the range in use
         best, best_key = 0, (True, True, 0, 0)
-        for c in self._with_plain:
+        for c in itertools.islice(self._with_plain, PICK_SAMPLE):
             key = (not nref[c], nplain[c] == full, -nref[c], -c)
             if best == 0 or key < best_key:
                 best, best_key = c, key

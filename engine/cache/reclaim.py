@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 POLICIES = ("value", "lru")
 MAX_ANCHOR_WALK = 64
 """Blocks an anchor search walks up before it counts the whole prefix as this entry's (see `_anchor`)."""
-RANGE_CANDIDATES = 16
+RANGE_CANDIDATES = 4
 """Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
 MAX_RANGE_SUBTREE = 512
 """Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
