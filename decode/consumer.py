@@ -54,6 +54,9 @@ class PendingPull:
     digest: bytes
     """D's own digest of the request's first `num_external` prompt tokens: what Commit presents to P."""
     committing: bool = False
+    posted_at: float = 0.0
+    """perf_counter() when the READ was posted, and when a poll saw it done (hybridpd_kv_handoff_seconds)."""
+    done_at: float = 0.0
 
 
 class Consumer:
@@ -82,6 +85,9 @@ class Consumer:
         self.pending: dict[str, PendingPull] = {}
         self.num_recomputed = 0
         self.num_refused: dict[str, int] = {}
+        self.handed_over: dict[str, tuple[float, float, float]] = {}
+        """request id -> perf_counter() at (READ posted, READ seen done, Commit confirmed) of a completed handoff;
+        the Generate call pops it at its first token (or its end) to time the phases."""
 
     def num_pulling(self) -> int:
         """Pulls whose READ is still in flight (they need polling; committing ones wait for P's answer, which
@@ -124,7 +130,7 @@ class Consumer:
             log.warning("request %s: pull refused (%s)", req.request_id, e)
             self._undo(core, req, reusable=True)
             return self._fallback(core, req, str(e))
-        self.pending[req.request_id] = PendingPull(req, handle, tp, digest)
+        self.pending[req.request_id] = PendingPull(req, handle, tp, digest, posted_at=time.perf_counter())
         return "pulling"
 
     def poll(self, core: EngineCore) -> None:
@@ -136,6 +142,7 @@ class Consumer:
             if state is PullState.PENDING:
                 continue
             if state is PullState.DONE:
+                p.done_at = time.perf_counter()
                 if self.commit is None:  # no way to ask P: the data cannot be trusted
                     self.on_commit(core, rid, False, "no commit channel")
                 else:
@@ -156,6 +163,7 @@ class Consumer:
             return
         if committed:
             complete_import(core, p.req)
+            self.handed_over[request_id] = (p.posted_at, p.done_at, time.perf_counter())
             return
         self._undo(core, p.req, reusable=True)  # no READ in flight: the pages are merely garbage
         self._refuse(core, p.req, "lease_lost", f"P did not confirm the lease after the READ ({reason})")

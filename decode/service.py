@@ -16,6 +16,7 @@ from engine.async_engine import OutputDelta
 from engine.core import EngineCore
 from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
+from kvtransfer.progress import TransferProgress, interval_from_env
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
 from worker.auth import open_channel, token_metadata
@@ -47,6 +48,13 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); with nothing in flight it sleeps until called
         ctx.aengine.add_hook(self._hook, needs_poll=lambda: self.consumer.num_pulling() > 0)
         ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.num_pulling() else None
+        # while the engine steps, the hook polls once per step: a light thread progresses the agent in between while
+        # pulls are in flight (a READ over UCX/TCP advances only while D progresses too; kvtransfer/progress.py)
+        self.progress: TransferProgress | None = None
+        interval = interval_from_env()
+        if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
+            self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.consumer.pending) > 0,
+                                             interval_s=interval, name="nixl-progress-decode")
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
@@ -131,6 +139,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self.ctx.aengine.call(lambda core: self.consumer.on_commit(core, rid, committed, reason))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        t_received = time.perf_counter()
         rid = request.request_id
         prompt = [int(t) for t in request.prompt_token_ids]
         try:
@@ -142,6 +151,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         tp = request.params if request.HasField("params") else None
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
+        t_peer = time.perf_counter()
+        timed = tp is not None and peer is not None
         if tp is not None and tp.num_computed_tokens > 0 and peer is None and self.consumer.policy == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill worker is not possible")
         aengine = self.ctx.aengine
@@ -154,7 +165,10 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             if tp is None:
                 schedule_local(core, req)
                 return "local"
-            return self.consumer.admit(core, req, tp, peer)
+            outcome = self.consumer.admit(core, req, tp, peer)
+            if outcome == "pulling" and self.progress is not None:
+                self.progress.wake()
+            return outcome
 
         try:
             await run_engine_call(self.ctx, context, admit)
@@ -175,6 +189,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                     num_external_cached_tokens=delta.num_external_tokens,
                 )
                 sent_text = end
+                if timed and (delta.token_ids or finished):
+                    timed = False
+                    self._time_handoff(rid, t_received, t_peer)
                 if delta.finish_reason == "error":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, delta.stop_reason or "request failed")
                 yield chunk
@@ -185,6 +202,23 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             raise
         finally:
             aengine.close_stream(rid)
+            self.consumer.handed_over.pop(rid, None)
+
+    def _time_handoff(self, rid: str, t_received: float, t_peer: float) -> None:
+        """hybridpd_kv_handoff_seconds{role="decode"} of a request whose pull was committed (others: nothing)."""
+        marks = self.consumer.handed_over.pop(rid, None)
+        m = self.consumer.metrics
+        if marks is None or m is None:
+            return
+        posted, done, committed = marks
+        now = time.perf_counter()
+        for phase, seconds in (("handshake", t_peer - t_received), ("admit", posted - t_peer),
+                               ("pull", done - posted), ("commit", committed - done), ("resume", now - committed),
+                               ("total", now - t_received)):
+            m.handoff(phase, seconds)
+        log.debug("handoff %s: handshake %.1f admit %.1f pull %.1f commit %.1f resume %.1f total %.1f ms", rid,
+                  1e3 * (t_peer - t_received), 1e3 * (posted - t_peer), 1e3 * (done - posted),
+                  1e3 * (committed - done), 1e3 * (now - committed), 1e3 * (now - t_received))
 
     def _abort(self, core: EngineCore, rid: str) -> bool:
         """Step thread. Ends the request (pulling, committing, waiting or running) and its stream: the Generate

@@ -91,10 +91,12 @@ class Cluster:
 def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
                   decode_env: dict[str, str] | None = None, cluster_token: str | None = None,
-                  tls_env: dict[str, str] | None = None) -> Cluster:
+                  tls_env: dict[str, str] | None = None, prefill_args: list[str] | None = None,
+                  decode_args: list[str] | None = None) -> Cluster:
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
     workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
-    runs over (mutual) TLS."""
+    runs over (mutual) TLS. `prefill_args` / `decode_args` are added to one role's workers only (e.g.
+    `--nixl-progress-thread` on P alone)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
@@ -103,9 +105,11 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     started: list[WorkerProcess] = []
     try:
         for _ in range(0 if colocated else num_prefill):
-            started.append(WorkerProcess(["--role", "prefill", *args], env={**env, **(prefill_env or {})}))
+            started.append(WorkerProcess(["--role", "prefill", *args, *(prefill_args or [])],
+                                         env={**env, **(prefill_env or {})}))
         for _ in range(num_decode):
-            started.append(WorkerProcess(["--role", "colocated" if colocated else "decode", *args],
+            started.append(WorkerProcess(["--role", "colocated" if colocated else "decode", *args,
+                                          *([] if colocated else (decode_args or []))],
                                          env={**env, **(decode_env or {})}))
     except Exception:
         for w in started:

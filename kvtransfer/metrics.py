@@ -7,6 +7,7 @@
     hybridpd_kv_lease_expired_total{role}              leases freed by the reaper (consumer never released)
     hybridpd_kv_admission_refused_total{role}          prefills refused: too many pages pinned for transfers
     hybridpd_kv_transfer_commit_seconds{role}          histogram: D's READ done -> P's Commit answer
+    hybridpd_kv_handoff_seconds{role, phase}           histogram: one PD handoff cut into phases (HANDOFF_PHASES)
 
 Families are created once per registry (a second `TransferMetrics` on the same registry reuses them), so tests pass
 their own `CollectorRegistry` and workers use the default global one.
@@ -34,6 +35,7 @@ class _Families:
     lease_expired: Counter
     admission_refused: Counter
     commit_seconds: Histogram
+    handoff_seconds: Histogram
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -82,6 +84,13 @@ def _families_for(registry: CollectorRegistry) -> _Families:
                     buckets=SECONDS_BUCKETS,
                     registry=registry,
                 ),
+                Histogram(
+                    "hybridpd_kv_handoff_seconds",
+                    "One prefill->decode handoff by phase (TransferMetrics.HANDOFF_PHASES)",
+                    ["role", "phase"],
+                    buckets=SECONDS_BUCKETS,
+                    registry=registry,
+                ),
             )
             _families[registry] = fam
         return fam
@@ -101,6 +110,16 @@ class TransferMetrics:
         "prefill": ("commit_unknown_lease", "commit_stale_epoch", "commit_token_mismatch", "commit_prompt_mismatch"),
     }
 
+    HANDOFF_PHASES = {
+        "prefill": ("queue", "prefill", "lease"),
+        "decode": ("handshake", "admit", "pull", "commit", "resume", "total"),
+    }
+    """hybridpd_kv_handoff_seconds phases. P: queue (Prefill RPC received -> request added by the step thread),
+    prefill (added -> prefilled and leased), lease (leased -> Commit or release ended the lease: P's pages stay
+    pinned this long). D: handshake (Generate received -> peer known), admit (-> pull posted by the step thread),
+    pull (posted -> a poll saw the READ done), commit (-> P's Commit answered), resume (-> the first token reached
+    the Generate stream), total (Generate received -> first token)."""
+
     def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
         self.role = role
         self._f = _families_for(registry if registry is not None else REGISTRY)
@@ -114,6 +133,7 @@ class TransferMetrics:
         self._seconds = self._f.seconds.labels(role)
         self._descriptors = self._f.descriptors.labels(role)
         self._bytes: dict[str, Counter] = {}
+        self._handoff: dict[str, Histogram] = {}
 
     def transfer_done(self, bytes_by_kind: Mapping[str, int], seconds: float, descriptors: int) -> None:
         for kind, n in bytes_by_kind.items():
@@ -129,6 +149,12 @@ class TransferMetrics:
 
     def commit_seconds(self, seconds: float) -> None:
         self._f.commit_seconds.labels(self.role).observe(seconds)
+
+    def handoff(self, phase: str, seconds: float) -> None:
+        child = self._handoff.get(phase)
+        if child is None:
+            child = self._handoff[phase] = self._f.handoff_seconds.labels(self.role, phase)
+        child.observe(max(0.0, seconds))
 
     def admission_refused(self) -> None:
         self._f.admission_refused.labels(self.role).inc()

@@ -25,6 +25,7 @@ from kvtransfer.binding import new_lease_token, prompt_digest
 from kvtransfer.errors import StaleEpochError
 from kvtransfer.lease import CommitRefused, LeaseTable
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.progress import TransferProgress, interval_from_env
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
 from worker.context import WorkerContext, WorkerRpcs, run_engine_call
@@ -48,18 +49,32 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         """request id -> {group id: pages} of prefills admitted but not yet leased (they will be pinned). Step
         thread only. Admission keeps pinned + reserved pages of each group within max_pinned_fraction of it."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._marks: dict[str, float] = {}
+        """request id -> perf_counter() of its last handoff mark: Prefill received, then added, then leased
+        (hybridpd_kv_handoff_seconds{role="prefill"}). Step thread once the request is added."""
         ctx.aengine.on_finished.append(self._on_finished)
         # Idle with no lease held: the step thread sleeps until called (no polling, ~0 CPU). While leases are held,
         # the hook reaps expired ones and, without NIXL's progress thread, progresses the agent every 0.5 ms so
         # that D's READs (UCX over TCP needs the target to progress) and release notices are served.
         ctx.aengine.add_hook(self._hook, needs_poll=lambda: len(self.leases) > 0)
         ctx.aengine.idle_wait = lambda: 5e-4 if len(self.leases) else None
+        # ... and, while leases are held, a light thread progresses the agent between the engine's steps too: a busy
+        # P otherwise served READs that need its progress (UCX over TCP) only once per step (kvtransfer/progress.py)
+        self.progress: TransferProgress | None = None
+        interval = interval_from_env()
+        if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
+            self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.leases) > 0,
+                                             interval_s=interval, on_notices=self._notices,
+                                             name="nixl-progress-prefill")
 
     # -- step thread -----------------------------------------------------------------------------------------------
     def _free(self, request_id: str) -> None:
         """Unpin a prefilled request's caches (its lease was released or expired)."""
         req, exp = self.held.pop(request_id)
         release_export(self.ctx.core, req, exp)
+        leased = self._marks.pop(request_id, None)
+        if leased is not None:
+            self.tmetrics.handoff("lease", time.perf_counter() - leased)
 
     def _release(self, request_id: str, epoch: str | None = None, token: str | None = None) -> bool:
         """Step thread. Idempotent; a release meant for another epoch of this worker, or presenting another
@@ -110,6 +125,10 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self._reserved[request_id] = need
         return None
 
+    def _notices(self, notices: list) -> None:
+        """Progress thread: release notices it drained go to the step thread (unauthenticated: token checked)."""
+        self.ctx.aengine.call(lambda c: [self._release(n.request_id, n.epoch, n.token) for n in notices])
+
     def _hook(self, core: EngineCore) -> None:
         expired = self.leases.reap()
         if expired:
@@ -126,6 +145,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
     def _on_finished(self, req: Request) -> None:
         waiter = self._waiters.pop(req.request_id, None)
         self._reserved.pop(req.request_id, None)
+        added = self._marks.pop(req.request_id, None)
         if req.finish_reason != "prefilled":
             if waiter is not None:
                 loop, fut = waiter
@@ -137,6 +157,12 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         digest = prompt_digest(req.prompt_token_ids, n, req.cache_salt)
         self.held[req.request_id] = (req, exp)
         lease = self.leases.grant(req.request_id, exp.pinned, token=new_lease_token(), prompt_digest=digest)
+        if self.progress is not None:
+            self.progress.wake()
+        now = time.perf_counter()
+        if added is not None:
+            self.tmetrics.handoff("prefill", now - added)
+        self._marks[req.request_id] = now
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
             return
@@ -153,6 +179,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 
     # -- RPCs --------------------------------------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        t_received = time.perf_counter()
         rid = request.request_id
         prompt = [int(t) for t in request.prompt_token_ids]
         try:
@@ -183,6 +210,9 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                 except BaseException:
                     self._reserved.pop(rid, None)
                     raise
+                now = time.perf_counter()
+                self.tmetrics.handoff("queue", now - t_received)
+                self._marks[rid] = now
             return refusal
 
         try:

@@ -1,0 +1,117 @@
+"""Where a PD request's time to first token goes, for a model whose recurrent state is large next to its compute.
+
+    python benchmarks/pd_handoff.py --out docs/results/pd_handoff_cpu.json
+    python benchmarks/pd_handoff.py --device cuda --dtype bfloat16 --preset nemotron-h-8b --num-prompts 64 \
+        --concurrency 16 --input-len 512 --output-len 32
+
+Starts the real stack (deploy/local_cluster.py: 1 prefill + 1 decode worker and the proxy; then one colocated
+worker), drives `hybridpd bench serve` against each, and reads the workers' hybridpd_kv_handoff_seconds{role,
+phase} histograms (means and request counts over the run) next to the client's TTFT. The default CPU model has a
+17 MB recurrent state per request (8 Mamba-2 layers of 64 heads x 64 x 128 fp32) and little compute, the ratio
+that made Nemotron-H-8B's PD TTFT 20x the colocated one. Prints one table per mode and writes JSON.
+HYBRIDPD_TRANSFER_PROGRESS_S=0 (inherited by the workers) turns kvtransfer/progress.py off for an A/B run;
+`UCX_TLS=tcp` makes the CPU pull need both sides' progress, as a transport staging through the host would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PHASES = {"prefill": ("queue", "prefill", "lease"),
+          "decode": ("handshake", "admit", "pull", "commit", "resume", "total")}
+
+
+def _phases(c, w, role: str) -> dict[str, tuple[float, int]]:  # type: ignore[no-untyped-def]
+    """{phase: (mean seconds, count)} of one worker's hybridpd_kv_handoff_seconds."""
+    out = {}
+    for ph in PHASES[role]:
+        s = c.metric(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph)
+        n = c.metric(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph)
+        out[ph] = (s / n if n else float("nan"), int(n))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--preset", default=None, help="full-size shape (engine.models.checkpoint.PRESETS), dummy weights")
+    ap.add_argument("--mamba-heads", type=int, default=64, help="CPU model: Mamba-2 heads per layer (state size)")
+    ap.add_argument("--pattern", default="MMMM*MMMM-", help="CPU model: layer pattern (M Mamba-2, * attention, - MLP)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--worker-arg", action="append", default=[], help="extra worker flag (repeatable)")
+    ap.add_argument("--prefill-arg", action="append", default=[], help="extra flag of the PD prefill worker only, "
+                    "e.g. --prefill-arg=--nixl-progress-thread")
+    ap.add_argument("--decode-arg", action="append", default=[], help="extra flag of the PD decode worker only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from deploy.bench_serve import main as bench_main
+    from deploy.local_cluster import start_cluster
+    from engine.models.checkpoint import preset, write_random_checkpoint
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency, 8))]
+        if args.preset:
+            family, overrides = preset(args.preset)
+            model = write_random_checkpoint(f"{tmp}/model", family, seed=0, weights=False, **overrides)
+            wargs += ["--load-format", "dummy", "--max-model-len", str(args.input_len + args.output_len + 16)]
+        else:
+            model = write_random_checkpoint(f"{tmp}/model", "nemotron_h", seed=0, hidden_size=256,
+                                            pattern=args.pattern, mamba_num_heads=args.mamba_heads, mamba_head_dim=64,
+                                            ssm_state_size=128, n_groups=4, vocab_size=512)
+        if args.device == "cpu":
+            wargs += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+        else:
+            wargs += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        wargs += args.worker_arg
+        for mode in args.modes.split(","):
+            c = start_cluster(model, colocated=(mode == "colocated"), worker_args=wargs, prefill_args=args.prefill_arg,
+                              decode_args=args.decode_arg)
+            try:
+                out = os.path.join(tmp, f"{mode}.json")
+                bench_main(["--base-url", c.url, "--model", c.model_name, "--dataset", "random", "--num-prompts",
+                            str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--random-input-len",
+                            str(args.input_len), "--random-output-len", str(args.output_len), "--vocab-size", "256",
+                            "--quiet", "--out", out])
+                with open(out) as f:
+                    s = json.load(f)["summary"]
+                row = {"mode": mode, "completed": s["completed"], "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"],
+                       "duration_s": s["duration_s"]}
+                if mode == "pd":
+                    row["prefill"] = _phases(c, c.prefill[0], "prefill")
+                    row["decode"] = _phases(c, c.decode[0], "decode")
+                results.append(row)
+            finally:
+                c.stop()
+    print("\nmode | done | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | duration s")
+    for r in results:
+        print(f"{r['mode']} | {r['completed']} | {r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
+              f"{r['tpot_ms']['p50']:.1f} | {r['duration_s']:.2f}")
+    for r in results:
+        for role in ("prefill", "decode"):
+            if role in r:
+                print(f"\n{role} handoff phase | mean ms | count")
+                for ph, (mean, n) in r[role].items():
+                    print(f"{ph} | {1e3 * mean:.2f} | {n}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
