@@ -158,6 +158,36 @@ class ArenaAttentionPool(BlockPool):
         self._with_plain.add(c)
         ov.plain_in(c)
 
+    def cover(self, c: int) -> None:
+        """The overlay takes free range c (a checkpoint slot over it is held): its blocks leave the free queue,
+        referenced by the overlay. In bulk (a range is k blocks; `touch` per block cost a hook call each); the
+        overlay's counters are set by the caller."""
+        ov = self.overlay
+        assert ov is not None
+        queue, ref = self._queue, self.ref_cnt
+        for b in ov.blocks_of(c):
+            del queue[b]
+            ref[b] = 1
+        self.num_plain -= ov.k
+        self.num_overlaid += ov.k
+        self._plain_sets[c].clear()
+        self._with_plain.discard(c)
+
+    def uncover(self, c: int) -> None:
+        """The overlay gives range c back: its blocks are free again (front of the queue, as `free` puts them)."""
+        ov = self.overlay
+        assert ov is not None
+        queue, ref = self._queue, self.ref_cnt
+        blocks = ov.blocks_of(c)
+        for b in blocks:
+            ref[b] = 0
+            queue[b] = None
+            queue.move_to_end(b, last=False)
+        self.num_plain += ov.k
+        self.num_overlaid -= ov.k
+        self._plain_sets[c].update(blocks)
+        self._with_plain.add(c)
+
     def own_refs(self, block_id: int) -> int:
         c = self.overlay.range_of(block_id) if self.overlay is not None else 0
         return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
@@ -307,9 +337,9 @@ class Overlay:
         return range(c * self.k, (c + 1) * self.k)
 
     # -- attention transitions (the rest is inlined in ArenaAttentionPool) ----------------------------------
-    def plain_in(self, c: int) -> None:
-        """A block of range c became free."""
-        self.nplain[c] += 1
+    def plain_in(self, c: int, n: int = 1) -> None:
+        """n blocks of range c became free."""
+        self.nplain[c] += n
         if self.nplain[c] == self.full:
             self.num_free_ranges += 1
             self.age[c] = -1
@@ -344,19 +374,20 @@ class Overlay:
         if self.holders[c] == 1:
             assert self.nplain[c] == self.full, (pool.name, c, "range not free")
             self.held.add(c)
-            blocks = self.blocks_of(c)
+            self.num_free_ranges -= 1
+            self.nplain[c] = 0
             for p in self.attention:
-                p.touch(blocks)
-                p.num_overlaid += self.k
+                p.cover(c)
+            self.nref[c] = self.full
 
     def release(self, pool: ArenaStatePool, c: int) -> None:
         self.holders[c] -= 1
         if self.holders[c] == 0:
             self.held.discard(c)
-            blocks = self.blocks_of(c)
             for p in self.attention:
-                p.num_overlaid -= self.k
-                p.free(blocks)
+                p.uncover(c)
+            self.nref[c] = 0
+            self.plain_in(c, self.full)
 
     # -- for the Reclaimer -----------------------------------------------------------------------------------
     def eligible_ranges(self) -> list[int]:
