@@ -334,6 +334,23 @@ class EngineCore:
             num_preemptions=req.num_preemptions, top_logprobs=list(req.output_top_logprobs),
         )
 
+    def pool_health(self) -> list[dict[str, object]]:
+        """Each pool's counts (group_id, kind, total, free, cached, in_use) and whether its integrity check passes
+        now (workers report it through their Stats RPC). Step thread only."""
+        out = []
+        for s in self.cache.pool_stats():
+            try:
+                self.cache.pools[int(s["group_id"])].check_integrity()  # type: ignore[call-overload]
+                ok = True
+            except AssertionError:
+                ok = False
+            out.append({**s, "integrity_ok": ok})
+        return out
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) requests of the scheduler."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""
         info = self.plan.as_dict()

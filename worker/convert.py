@@ -31,21 +31,16 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metrics_port: int,
                    pinned: dict[int, int] | None = None, leases: int = 0, extra_waiting: int = 0) -> pb.StatsResponse:
     """Step thread only (reads the pools)."""
-    pools = []
-    for s in core.cache.pool_stats():
-        pool = core.cache.pools[int(s["group_id"])]  # type: ignore[call-overload]
-        try:
-            pool.check_integrity()
-            ok = True
-        except AssertionError:
-            ok = False
-        pools.append(pb.PoolStats(
+    pools = [
+        pb.PoolStats(
             group_id=int(s["group_id"]), kind=str(s["kind"]), total=int(s["total"]), free=int(s["free"]),  # type: ignore[call-overload]
             cached=int(s["cached"]), in_use=int(s["in_use"]),  # type: ignore[call-overload]
-            pinned=(pinned or {}).get(int(s["group_id"]), 0), integrity_ok=ok,  # type: ignore[call-overload]
-        ))
+            pinned=(pinned or {}).get(int(s["group_id"]), 0), integrity_ok=bool(s["integrity_ok"]),  # type: ignore[call-overload]
+        )
+        for s in core.pool_health()
+    ]
+    running, waiting = core.queue_lengths()
     return pb.StatsResponse(
-        role=role, worker_id=worker_id, epoch=epoch, num_running=len(core.scheduler.running),
-        num_waiting=len(core.scheduler.waiting) + extra_waiting, pools=pools, leases_pinned=leases,
-        metrics_port=metrics_port,
+        role=role, worker_id=worker_id, epoch=epoch, num_running=running, num_waiting=waiting + extra_waiting,
+        pools=pools, leases_pinned=leases, metrics_port=metrics_port,
     )
