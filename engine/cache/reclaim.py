@@ -178,8 +178,7 @@ class Reclaimer:
                         self._evict_range(c)
                         continue
                     victim = lowest_state
-                    if checkpoint and victim is not None and value and self.hits.get(
-                            self.state.block_hash[victim[1]]):  # type: ignore[union-attr]
+                    if checkpoint and victim is not None and value and self._served(victim[1]):
                         victim = None  # a checkpoint that served hits stays; the new, speculative one is skipped
                 if victim is None:
                     if checkpoint:
@@ -191,6 +190,11 @@ class Reclaimer:
             self._since_refresh += 1
             if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
                 self.refresh()
+
+    def _served(self, slot: int) -> bool:
+        """The lead state pool's cached checkpoint in `slot` was restored at least once."""
+        h = self.state.block_hash[slot] if self.state is not None else None
+        return h is not None and self.hits.get(h, 0) > 0
 
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
         """The range whose cached blocks to evict for a checkpoint: among those with no referenced block (the
