@@ -60,7 +60,7 @@ MAX_ANCHOR_WALK = 64
 """Blocks an anchor search walks up before it counts the whole prefix as this entry's (see `_anchor`)."""
 RANGE_CANDIDATES = 4
 """Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
-MAX_RANGE_SUBTREE = 512
+MAX_RANGE_SUBTREE = 128
 """Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
 _NO_JUMP = b"/no jump/"
 """`_jump.get` default (compared by identity; never a block hash, which is 16 bytes)."""
