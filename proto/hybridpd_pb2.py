@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/hybridpd.proto\x12\x0bhybridpd.v1\"\x9f\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x03\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.hybridpd.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"2\n\x0bGroupBlocks\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"L\n\x0bGroupStates\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x12\n\nstate_slot\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_slot\x18\x03 \x01(\x03\"\x82\x03\n\x0eTransferParams\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12(\n\x06groups\x18\x04 \x03(\x0b\x32\x18.hybridpd.v1.GroupBlocks\x12\x12\n\nstate_slot\x18\x05 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11lease_expiry_unix\x18\x08 \x01(\x01\x12\x17\n\x0f\x63heckpoint_slot\x18\n \x01(\x03\x12\x1d\n\x15\x63heckpoint_num_tokens\x18\x0b \x01(\x03\x12\x13\n\x0blease_token\x18\x0c \x01(\t\x12\x15\n\rprompt_digest\x18\r \x01(\x0c\x12(\n\x06states\x18\x0e \x03(\x0b\x32\x18.hybridpd.v1.GroupStatesJ\x04\x08\t\x10\nR\x10\x62lock_hashes_hex\"\x0f\n\rHealthRequest\"^\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"\x8e\x01\n\tPoolStats\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x04 \x01(\x03\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x03\x12\x0e\n\x06in_use\x18\x06 \x01(\x03\x12\x0e\n\x06pinned\x18\x07 \x01(\x03\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\"\xbd\x01\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x03\x12%\n\x05pools\x18\x06 \x03(\x0b\x32\x16.hybridpd.v1.PoolStats\x12\x15\n\rleases_pinned\x18\x07 \x01(\x03\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\x05\"(\n\x17TransferMetadataRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"p\n\x10TransferMetadata\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\x88\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"m\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06params\x18\x02 \x01(\x0b\x32\x1b.hybridpd.v1.TransferParams\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x03\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"^\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\t\x12\x15\n\rprompt_digest\x18\x04 \x01(\x0c\"3\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.hybridpd.v1.TransferParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xe3\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x03\x12\"\n\x1anum_external_cached_tokens\x18\x07 \x01(\x03\x12.\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x18.hybridpd.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xbe\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.hybridpd.v1.PrefillRequest\x1a\x1c.hybridpd.v1.PrefillResponse\x12\x44\n\x07Release\x12\x1b.hybridpd.v1.ReleaseRequest\x1a\x1c.hybridpd.v1.ReleaseResponse\x12\x41\n\x06\x43ommit\x12\x1a.hybridpd.v1.CommitRequest\x1a\x1b.hybridpd.v1.CommitResponse\x12Z\n\x13GetTransferMetadata\x12$.hybridpd.v1.TransferMetadataRequest\x1a\x1d.hybridpd.v1.TransferMetadata\x12\x41\n\x06Health\x12\x1a.hybridpd.v1.HealthRequest\x1a\x1b.hybridpd.v1.HealthResponse\x12>\n\x05Stats\x12\x19.hybridpd.v1.StatsRequest\x1a\x1a.hybridpd.v1.StatsResponse2\xf6\x02\n\rDecodeService\x12\x46\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1a.hybridpd.v1.GenerateChunk0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponse\x12Z\n\x13GetTransferMetadata\x12$.hybridpd.v1.TransferMetadataRequest\x1a\x1d.hybridpd.v1.TransferMetadata\x12\x41\n\x06Health\x12\x1a.hybridpd.v1.HealthRequest\x1a\x1b.hybridpd.v1.HealthResponse\x12>\n\x05Stats\x12\x19.hybridpd.v1.StatsRequest\x1a\x1a.hybridpd.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/hybridpd.proto\x12\x0bhybridpd.v1\"\x9f\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x03\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x03\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.hybridpd.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"2\n\x0bGroupBlocks\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\"L\n\x0bGroupStates\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x12\n\nstate_slot\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_slot\x18\x03 \x01(\x03\"\x82\x03\n\x0eTransferParams\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12(\n\x06groups\x18\x04 \x03(\x0b\x32\x18.hybridpd.v1.GroupBlocks\x12\x12\n\nstate_slot\x18\x05 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x03\x12\x19\n\x11lease_expiry_unix\x18\x08 \x01(\x01\x12\x17\n\x0f\x63heckpoint_slot\x18\n \x01(\x03\x12\x1d\n\x15\x63heckpoint_num_tokens\x18\x0b \x01(\x03\x12\x13\n\x0blease_token\x18\x0c \x01(\t\x12\x15\n\rprompt_digest\x18\r \x01(\x0c\x12(\n\x06states\x18\x0e \x03(\x0b\x32\x18.hybridpd.v1.GroupStatesJ\x04\x08\t\x10\nR\x10\x62lock_hashes_hex\"\x0f\n\rHealthRequest\"^\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"\x8e\x01\n\tPoolStats\x12\x10\n\x08group_id\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05total\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x04 \x01(\x03\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x03\x12\x0e\n\x06in_use\x18\x06 \x01(\x03\x12\x0e\n\x06pinned\x18\x07 \x01(\x03\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\"\xb4\x02\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x03\x12%\n\x05pools\x18\x06 \x03(\x0b\x32\x16.hybridpd.v1.PoolStats\x12\x15\n\rleases_pinned\x18\x07 \x01(\x03\x12\x14\n\x0cmetrics_port\x18\x08 \x01(\x05\x12\x41\n\x0cmemory_bytes\x18\t \x03(\x0b\x32+.hybridpd.v1.StatsResponse.MemoryBytesEntry\x1a\x32\n\x10MemoryBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"(\n\x17TransferMetadataRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"p\n\x10TransferMetadata\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\x88\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"m\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06params\x18\x02 \x01(\x0b\x32\x1b.hybridpd.v1.TransferParams\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x03\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"^\n\rCommitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\t\x12\x15\n\rprompt_digest\x18\x04 \x01(\x0c\"3\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.hybridpd.v1.TransferParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xe3\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x03\x12\"\n\x1anum_external_cached_tokens\x18\x07 \x01(\x03\x12.\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x18.hybridpd.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xbe\x03\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.hybridpd.v1.PrefillRequest\x1a\x1c.hybridpd.v1.PrefillResponse\x12\x44\n\x07Release\x12\x1b.hybridpd.v1.ReleaseRequest\x1a\x1c.hybridpd.v1.ReleaseResponse\x12\x41\n\x06\x43ommit\x12\x1a.hybridpd.v1.CommitRequest\x1a\x1b.hybridpd.v1.CommitResponse\x12Z\n\x13GetTransferMetadata\x12$.hybridpd.v1.TransferMetadataRequest\x1a\x1d.hybridpd.v1.TransferMetadata\x12\x41\n\x06Health\x12\x1a.hybridpd.v1.HealthRequest\x1a\x1b.hybridpd.v1.HealthResponse\x12>\n\x05Stats\x12\x19.hybridpd.v1.StatsRequest\x1a\x1a.hybridpd.v1.StatsResponse2\xf6\x02\n\rDecodeService\x12\x46\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1a.hybridpd.v1.GenerateChunk0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponse\x12Z\n\x13GetTransferMetadata\x12$.hybridpd.v1.TransferMetadataRequest\x1a\x1d.hybridpd.v1.TransferMetadata\x12\x41\n\x06Health\x12\x1a.hybridpd.v1.HealthRequest\x1a\x1b.hybridpd.v1.HealthResponse\x12>\n\x05Stats\x12\x19.hybridpd.v1.StatsRequest\x1a\x1a.hybridpd.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_STATSRESPONSE_MEMORYBYTESENTRY']._loaded_options = None
+  _globals['_STATSRESPONSE_MEMORYBYTESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=581
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=465
@@ -53,35 +55,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLSTATS']._serialized_start=1232
   _globals['_POOLSTATS']._serialized_end=1374
   _globals['_STATSRESPONSE']._serialized_start=1377
-  _globals['_STATSRESPONSE']._serialized_end=1566
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=1568
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=1608
-  _globals['_TRANSFERMETADATA']._serialized_start=1610
-  _globals['_TRANSFERMETADATA']._serialized_end=1722
-  _globals['_PREFILLREQUEST']._serialized_start=1725
-  _globals['_PREFILLREQUEST']._serialized_end=1861
-  _globals['_PREFILLRESPONSE']._serialized_start=1863
-  _globals['_PREFILLRESPONSE']._serialized_end=1972
-  _globals['_RELEASEREQUEST']._serialized_start=1974
-  _globals['_RELEASEREQUEST']._serialized_end=2046
-  _globals['_COMMITREQUEST']._serialized_start=2048
-  _globals['_COMMITREQUEST']._serialized_end=2142
-  _globals['_COMMITRESPONSE']._serialized_start=2144
-  _globals['_COMMITRESPONSE']._serialized_end=2195
-  _globals['_RELEASERESPONSE']._serialized_start=2197
-  _globals['_RELEASERESPONSE']._serialized_end=2232
-  _globals['_GENERATEREQUEST']._serialized_start=2235
-  _globals['_GENERATEREQUEST']._serialized_end=2417
-  _globals['_GENERATECHUNK']._serialized_start=2420
-  _globals['_GENERATECHUNK']._serialized_end=2647
-  _globals['_TOPLOGPROBS']._serialized_start=2649
-  _globals['_TOPLOGPROBS']._serialized_end=2699
-  _globals['_ABORTREQUEST']._serialized_start=2701
-  _globals['_ABORTREQUEST']._serialized_end=2735
-  _globals['_ABORTRESPONSE']._serialized_start=2737
-  _globals['_ABORTRESPONSE']._serialized_end=2769
-  _globals['_PREFILLSERVICE']._serialized_start=2772
-  _globals['_PREFILLSERVICE']._serialized_end=3218
-  _globals['_DECODESERVICE']._serialized_start=3221
-  _globals['_DECODESERVICE']._serialized_end=3595
+  _globals['_STATSRESPONSE']._serialized_end=1685
+  _globals['_STATSRESPONSE_MEMORYBYTESENTRY']._serialized_start=1635
+  _globals['_STATSRESPONSE_MEMORYBYTESENTRY']._serialized_end=1685
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=1687
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=1727
+  _globals['_TRANSFERMETADATA']._serialized_start=1729
+  _globals['_TRANSFERMETADATA']._serialized_end=1841
+  _globals['_PREFILLREQUEST']._serialized_start=1844
+  _globals['_PREFILLREQUEST']._serialized_end=1980
+  _globals['_PREFILLRESPONSE']._serialized_start=1982
+  _globals['_PREFILLRESPONSE']._serialized_end=2091
+  _globals['_RELEASEREQUEST']._serialized_start=2093
+  _globals['_RELEASEREQUEST']._serialized_end=2165
+  _globals['_COMMITREQUEST']._serialized_start=2167
+  _globals['_COMMITREQUEST']._serialized_end=2261
+  _globals['_COMMITRESPONSE']._serialized_start=2263
+  _globals['_COMMITRESPONSE']._serialized_end=2314
+  _globals['_RELEASERESPONSE']._serialized_start=2316
+  _globals['_RELEASERESPONSE']._serialized_end=2351
+  _globals['_GENERATEREQUEST']._serialized_start=2354
+  _globals['_GENERATEREQUEST']._serialized_end=2536
+  _globals['_GENERATECHUNK']._serialized_start=2539
+  _globals['_GENERATECHUNK']._serialized_end=2766
+  _globals['_TOPLOGPROBS']._serialized_start=2768
+  _globals['_TOPLOGPROBS']._serialized_end=2818
+  _globals['_ABORTREQUEST']._serialized_start=2820
+  _globals['_ABORTREQUEST']._serialized_end=2854
+  _globals['_ABORTRESPONSE']._serialized_start=2856
+  _globals['_ABORTRESPONSE']._serialized_end=2888
+  _globals['_PREFILLSERVICE']._serialized_start=2891
+  _globals['_PREFILLSERVICE']._serialized_end=3337
+  _globals['_DECODESERVICE']._serialized_start=3340
+  _globals['_DECODESERVICE']._serialized_end=3714
 # @@protoc_insertion_point(module_scope)

@@ -141,7 +141,14 @@ class PoolStats(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kind: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ..., pinned: _Optional[int] = ..., integrity_ok: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "worker_id", "epoch", "num_running", "num_waiting", "pools", "leases_pinned", "metrics_port")
+    __slots__ = ("role", "worker_id", "epoch", "num_running", "num_waiting", "pools", "leases_pinned", "metrics_port", "memory_bytes")
+    class MemoryBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +157,7 @@ class StatsResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LEASES_PINNED_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
     epoch: str
@@ -158,7 +166,8 @@ class StatsResponse(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     leases_pinned: int
     metrics_port: int
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    memory_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TransferMetadataRequest(_message.Message):
     __slots__ = ("nonce",)

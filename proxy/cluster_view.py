@@ -119,6 +119,7 @@ async def _probe_stats(cluster: Cluster, role: Role, addr: str) -> dict[str, Any
         num_running=s.num_running, num_waiting=s.num_waiting, leases_pinned=s.leases_pinned,
         pools=[{"group_id": p.group_id, "kind": p.kind, "total": p.total, "free": p.free, "cached": p.cached,
                 "in_use": p.in_use, "pinned": p.pinned, "integrity_ok": p.integrity_ok} for p in s.pools],
+        memory_bytes=dict(s.memory_bytes),
     )
     return entry
 

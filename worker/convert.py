@@ -40,7 +40,9 @@ def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metr
         for s in core.pool_health()
     ]
     running, waiting = core.queue_lengths()
+    memory = {k: int(v) for k, v in core.kv_cache_info().items() if k.endswith(("_bytes", "_bytes_in_use",
+                                                                                "_bytes_cached", "_bytes_held"))}
     return pb.StatsResponse(
         role=role, worker_id=worker_id, epoch=epoch, num_running=running, num_waiting=waiting + extra_waiting,
-        pools=pools, leases_pinned=leases, metrics_port=metrics_port,
+        pools=pools, leases_pinned=leases, metrics_port=metrics_port, memory_bytes=memory,
     )

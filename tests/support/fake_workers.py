@@ -56,8 +56,9 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
 def _stats(role: str, worker_id: str, metrics_port: int, running: int) -> pb.StatsResponse:
     pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
              pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
+    memory = {"physical_bytes": 1 << 20, "attention_bytes_cached": 2 << 10, "checkpoint_bytes_held": 4 << 10}
     return pb.StatsResponse(role=role, worker_id=worker_id, epoch="fake-epoch", num_running=running,
-                            pools=pools, metrics_port=metrics_port)
+                            pools=pools, metrics_port=metrics_port, memory_bytes=memory)
 
 
 class FakePrefillWorker(pb_grpc.PrefillServiceServicer):

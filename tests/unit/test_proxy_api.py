@@ -195,6 +195,8 @@ def test_models_cluster_health_metrics(stack: LiveStack) -> None:
     assert p["reachable"] and p["metrics_port"] == 9100 and p["metrics_url"] == "http://127.0.0.1:9100/metrics"
     assert p["pools"][0] == {"group_id": 0, "kind": "attention", "total": 64, "free": 60, "cached": 2, "in_use": 2,
                              "pinned": 0, "integrity_ok": True}
+    assert p["memory_bytes"] == {"physical_bytes": 1 << 20, "attention_bytes_cached": 2 << 10,
+                                 "checkpoint_bytes_held": 4 << 10}
     assert roles[("decode", stack.decode[0].address)]["worker_id"] == "fake-decode-0"
     h = stack.http.get("/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"

@@ -1,0 +1,31 @@
+"""The Stats RPC a worker answers (worker/convert.stats_response) from a real engine: pool counts with their
+integrity, queue lengths, and the cache memory as planned and as split now (issue 15: `/v1/cluster` shows the
+split live)."""
+
+from __future__ import annotations
+
+from engine import LLM, SamplingParams
+from worker.convert import stats_response
+
+
+def test_stats_report_the_live_memory_split() -> None:
+    llm = LLM(kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    core = llm.engine
+    before = stats_response(core, "decode", "w0", "e0", 0)
+    assert before.num_running == before.num_waiting == 0
+    assert all(p.integrity_ok and p.in_use == 0 and p.cached == 0 for p in before.pools)
+    mem = dict(before.memory_bytes)
+    assert mem["physical_bytes"] == core.plan.physical_bytes > 0
+    assert mem["attention_bytes_cached"] == 0 and mem.get("checkpoint_bytes_held", 0) == 0
+
+    prompt = list(range(3, 3 + 200))
+    llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0))
+    after = stats_response(core, "decode", "w0", "e0", 0, extra_waiting=2)
+    assert after.num_waiting == 2 and after.num_running == 0
+    mem = dict(after.memory_bytes)
+    cached_blocks = sum(p.cached for p in after.pools if p.kind == "attention")
+    page = core.cache.pools[core.groups[0].group_id].page_bytes
+    assert cached_blocks > 0 and mem["attention_bytes_cached"] == cached_blocks * page  # the prompt stays cached
+    if core.plan.arena is not None:  # request end and prompt end saved checkpoints: their memory is held
+        assert mem["checkpoint_bytes_held"] > 0
+    assert all(p.integrity_ok for p in after.pools)
