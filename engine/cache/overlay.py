@@ -50,11 +50,14 @@ class ArenaAttentionPool(BlockPool):
         self._with_plain: set[int] = set()
         """Ranges (>= 1) with a free block."""
         self._last = 0
+        self._score_base = 2
         self.num_overlaid = 0
         """Blocks referenced by the overlay (covered by a held checkpoint slot)."""
 
     def bind(self, overlay: Overlay) -> None:
         self.overlay = overlay
+        self._score_base = overlay.num_ranges + overlay.full + 2
+        """> every range index and every nref: `_pick_range`'s integer key."""
         self._plain_sets = [set() for _ in range(overlay.num_ranges + 1)]
         for b in range(1, self.num_blocks):
             if not self.ref_cnt[b] and self.block_hash[b] is None:
@@ -101,11 +104,20 @@ class ArenaAttentionPool(BlockPool):
         last = self._last
         if last and sets[last] and nref[last]:
             return last  # keep filling the range in use
-        best, best_key = 0, (True, True, 0, 0)
+        # the least key (not nref, wholly free, -nref, -c) of the sample, as one integer to maximise: a range with
+        # a referenced block is never wholly free, and nref <= full, c <= C, so the groups cannot overlap
+        m = self._score_base
+        best, best_score = 0, -1
         for c in itertools.islice(self._with_plain, PICK_SAMPLE):
-            key = (not nref[c], nplain[c] == full, -nref[c], -c)
-            if best == 0 or key < best_key:
-                best, best_key = c, key
+            r = nref[c]
+            if r:
+                score = (m + r) * m + c
+            elif nplain[c] == full:
+                score = c
+            else:
+                score = m + c
+            if score > best_score:
+                best, best_score = c, score
         self._last = best
         return best
 
@@ -164,10 +176,11 @@ class ArenaAttentionPool(BlockPool):
         overlay's counters are set by the caller."""
         ov = self.overlay
         assert ov is not None
-        queue, ref = self._queue, self.ref_cnt
-        for b in ov.blocks_of(c):
+        queue = self._queue
+        blocks = ov.blocks_of(c)
+        for b in blocks:
             del queue[b]
-            ref[b] = 1
+        self.ref_cnt[blocks.start:blocks.stop] = [1] * ov.k
         self.num_plain -= ov.k
         self.num_overlaid += ov.k
         self._plain_sets[c].clear()
@@ -177,12 +190,13 @@ class ArenaAttentionPool(BlockPool):
         """The overlay gives range c back: its blocks are free again (front of the queue, as `free` puts them)."""
         ov = self.overlay
         assert ov is not None
-        queue, ref = self._queue, self.ref_cnt
+        queue = self._queue
         blocks = ov.blocks_of(c)
+        self.ref_cnt[blocks.start:blocks.stop] = [0] * ov.k
+        to_front = queue.move_to_end
         for b in blocks:
-            ref[b] = 0
             queue[b] = None
-            queue.move_to_end(b, last=False)
+            to_front(b, False)
         self.num_plain += ov.k
         self.num_overlaid -= ov.k
         self._plain_sets[c].update(blocks)

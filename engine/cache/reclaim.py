@@ -93,6 +93,7 @@ class Reclaimer:
         """leader pool -> bytes of one unit (its page and its riders' pages at the same hash)."""
         self.overlay = overlay
         self.attention_pools = list(attention)
+        self._state_ids = {id(p) for p in state}
         if overlay is not None and self.state is not None and self.attention is not None:
             self.unit_bytes[id(self.state)] = overlay.k * self.unit_bytes[id(self.attention)]  # what it covers
         self.kids: dict[bytes, set[bytes]] | None = {} if overlay is not None and policy == "value" else None
@@ -159,18 +160,30 @@ class Reclaimer:
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
         """Free ids are memory here (the pools' counts are the budget): see the module docstring."""
         value = self.policy == "value"
-        states = {id(p) for p in self.pools[len(self.attention_pools):]}
+        states = self._state_ids
         k = self.overlay.k  # type: ignore[union-attr]
+        state_needs = [(p, n) for p, n in needs if id(p) in states]
+        attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
+        leaders = self.leaders
         while True:
             # ranges the state pools will take (riders share their leader's): their blocks are not for attention
-            ranges = max((p.overlay_needed(n, checkpoint) for p, n in needs if id(p) in states),  # type: ignore[attr-defined]
-                         default=0)
-            short = [p for p, n in needs if n and (p.available(checkpoint) < n if id(p) in states
-                                                   else p.num_plain - k * ranges < n)]
-            if not short:
-                return True
-            victim = self._lowest(self.leaders)
-            if any(id(p) in states for p in short):
+            ranges = 0
+            state_short = False
+            for p, n in state_needs:
+                r = p.overlay_needed(n, checkpoint)  # type: ignore[attr-defined]
+                if r > ranges:
+                    ranges = r
+                if n and not state_short and p.available(checkpoint) < n:
+                    state_short = True
+            if not state_short:
+                taken = k * ranges
+                for p, n in attn_needs:
+                    if p.num_plain - taken < n:
+                        break
+                else:
+                    return True
+            victim = self._lowest(leaders)
+            if state_short:
                 if victim is None or victim[0] is not self.state:
                     lowest_state = self._lowest([self.state]) if self.state is not None else None
                     c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
@@ -214,7 +227,9 @@ class Reclaimer:
         age, nplain = ov.age, ov.nplain
         candidates = ov.eligible_ranges()
         if len(candidates) > RANGE_CANDIDATES:  # price the longest unused only
-            candidates = heapq.nsmallest(RANGE_CANDIDATES, candidates, key=lambda c: (age[c], -nplain[c]))
+            # == nsmallest(key=(age, -nplain)), which is stable: ties in ascending range order, as c breaks them
+            keyed = [(age[c], -nplain[c], c) for c in candidates]
+            candidates = [t[2] for t in heapq.nsmallest(RANGE_CANDIDATES, keyed)]
         for c in candidates:
             cost = self._range_cost(c, bound)
             if cost > bound:
@@ -228,7 +243,10 @@ class Reclaimer:
         return best
 
     def _range_cost(self, c: int, bound: float) -> float:
-        """Credit per byte that evicting range c loses (see `_pick_range`); stops early past `bound`."""
+        """Credit per byte that evicting range c loses (see `_pick_range`); stops early past `bound`.
+
+        `_credit` and `_subtree_credit` inlined (the hot loop of a checkpoint's room): the same sums in the same
+        order, so the same floats."""
         chain, ov = self.attention, self.overlay
         assert ov is not None and chain is not None
         names, cached, parent_of = chain.block_hash, chain.cached, self.parent.get
@@ -237,54 +255,81 @@ class Reclaimer:
         total = ov.k * self.unit_bytes[id(chain)]
         limit = bound * total
         credit = 0.0
-        for b in blocks:
-            h = names[b]
+        inf = float("inf")
+        clock = self.clock
+        prio_of = self.queues[id(chain)].priority.get
+        ub_a = self.unit_bytes[id(chain)]
+        state = self.state
+        if state is not None:
+            slot_of = state.cached.get
+            sprio_of = self.queues[id(state)].priority.get
+            ub_s = self.unit_bytes[id(state)]
+        kids = self.kids
+        kids_of = kids.get if kids is not None else None
+        children_of = self.children.get
+        for b, h in zip(blocks, names[lo:hi], strict=True):
             if h is None:
                 continue
-            if self.kids is not None and self.children.get(h):
+            if kids_of is not None and children_of(h):
                 p = parent_of(h)
                 pb = cached.get(p) if p is not None else None
                 if pb is not None and lo <= pb < hi:
                     continue  # its parent is in this range too: the parent's subtree covers it
-                credit += self._subtree_credit(h, limit - credit)
+                # _subtree_credit(h, limit - credit)
+                sub_limit = limit - credit
+                sub, stack, seen = 0.0, [h], 0
+                pop, extend = stack.pop, stack.extend
+                while stack:
+                    x = pop()
+                    seen += 1
+                    if seen > MAX_RANGE_SUBTREE:
+                        sub = inf
+                        break
+                    page = cached.get(x)
+                    if page is not None:
+                        pr = prio_of(page)
+                        if pr is None:
+                            one = 0.0
+                        else:
+                            d = pr - clock
+                            one = (d if d > 0.0 else 0.0) * ub_a
+                        if state is not None:
+                            slot = slot_of(x)
+                            if slot is not None:
+                                sp = sprio_of(slot)
+                                if sp is None:
+                                    one = inf
+                                else:
+                                    d = sp - clock
+                                    one += (d if d > 0.0 else 0.0) * ub_s
+                        sub += one
+                        if sub > sub_limit:
+                            break
+                    ks = kids_of(x)
+                    if ks:
+                        extend(ks)
+                credit += sub
             else:
-                credit += self._credit(b, h)
+                # _credit(b, h)
+                pr = prio_of(b)
+                if pr is None:
+                    one = 0.0
+                else:
+                    d = pr - clock
+                    one = (d if d > 0.0 else 0.0) * ub_a
+                if state is not None:
+                    slot = slot_of(h)
+                    if slot is not None:
+                        sp = sprio_of(slot)
+                        if sp is None:
+                            one = inf
+                        else:
+                            d = sp - clock
+                            one += (d if d > 0.0 else 0.0) * ub_s
+                credit += one
             if credit > limit:
                 return credit / total
         return credit / total
-
-    def _credit(self, page: int, h: bytes) -> float:
-        """Remaining worth (bytes x (priority - clock)) of chain block `page` named `h` and the checkpoint it
-        names; a referenced checkpoint is priceless."""
-        assert self.attention is not None
-        clock = self.clock
-        prio = self.queues[id(self.attention)].priority.get(page)
-        credit = 0.0 if prio is None else max(0.0, prio - clock) * self.unit_bytes[id(self.attention)]
-        state = self.state
-        slot = state.cached.get(h) if state is not None else None
-        if slot is not None:
-            sprio = self.queues[id(state)].priority.get(slot)
-            if sprio is None:
-                return float("inf")
-            credit += max(0.0, sprio - clock) * self.unit_bytes[id(state)]
-        return credit
-
-    def _subtree_credit(self, h: bytes, limit: float) -> float:
-        assert self.kids is not None and self.attention is not None
-        cached, kids = self.attention.cached, self.kids
-        credit, stack, seen = 0.0, [h], 0
-        while stack:
-            x = stack.pop()
-            seen += 1
-            if seen > MAX_RANGE_SUBTREE:
-                return float("inf")
-            page = cached.get(x)
-            if page is not None:
-                credit += self._credit(page, x)
-                if credit > limit:
-                    return credit
-            stack.extend(kids.get(x, ()))
-        return credit
 
     def _evict_range(self, c: int) -> None:
         """Evict every cached block of range c (no block in it is referenced), in every attention pool."""
