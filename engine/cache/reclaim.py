@@ -245,8 +245,8 @@ class Reclaimer:
     def _range_cost(self, c: int, bound: float) -> float:
         """Credit per byte that evicting range c loses (see `_pick_range`); stops early past `bound`.
 
-        `_credit` and `_subtree_credit` inlined (the hot loop of a checkpoint's room): the same sums in the same
-        order, so the same floats."""
+        One walk per block (or per subtree, for a block with children): the credit of every cached page met,
+        plus its checkpoint's; locals bound once, as this is the hot loop of a checkpoint's room."""
         chain, ov = self.attention, self.overlay
         assert ov is not None and chain is not None
         names, cached, parent_of = chain.block_hash, chain.cached, self.parent.get
@@ -260,73 +260,51 @@ class Reclaimer:
         prio_of = self.queues[id(chain)].priority.get
         ub_a = self.unit_bytes[id(chain)]
         state = self.state
-        if state is not None:
-            slot_of = state.cached.get
-            sprio_of = self.queues[id(state)].priority.get
-            ub_s = self.unit_bytes[id(state)]
+        slot_of = state.cached.get if state is not None else None
+        sprio_of = self.queues[id(state)].priority.get if state is not None else None
+        ub_s = self.unit_bytes[id(state)] if state is not None else 0
+
+        def page_credit(page: int, h: bytes) -> float:
+            """The remaining worth of cached page `page` named `h`, plus its checkpoint's (inf: pinned)."""
+            pr = prio_of(page)
+            one = 0.0 if pr is None else max(0.0, pr - clock) * ub_a
+            if slot_of is not None:
+                slot = slot_of(h)
+                if slot is not None:
+                    sp = sprio_of(slot)  # type: ignore[misc]
+                    one = inf if sp is None else one + max(0.0, sp - clock) * ub_s
+            return one
+
         kids = self.kids
         kids_of = kids.get if kids is not None else None
         children_of = self.children.get
         for b, h in zip(blocks, names[lo:hi], strict=True):
             if h is None:
                 continue
-            if kids_of is not None and children_of(h):
+            if kids_of is None or not children_of(h):
+                credit += page_credit(b, h)
+            else:
                 p = parent_of(h)
                 pb = cached.get(p) if p is not None else None
                 if pb is not None and lo <= pb < hi:
                     continue  # its parent is in this range too: the parent's subtree covers it
-                # _subtree_credit(h, limit - credit)
                 sub_limit = limit - credit
                 sub, stack, seen = 0.0, [h], 0
-                pop, extend = stack.pop, stack.extend
                 while stack:
-                    x = pop()
+                    x = stack.pop()
                     seen += 1
                     if seen > MAX_RANGE_SUBTREE:
                         sub = inf
                         break
                     page = cached.get(x)
                     if page is not None:
-                        pr = prio_of(page)
-                        if pr is None:
-                            one = 0.0
-                        else:
-                            d = pr - clock
-                            one = (d if d > 0.0 else 0.0) * ub_a
-                        if state is not None:
-                            slot = slot_of(x)
-                            if slot is not None:
-                                sp = sprio_of(slot)
-                                if sp is None:
-                                    one = inf
-                                else:
-                                    d = sp - clock
-                                    one += (d if d > 0.0 else 0.0) * ub_s
-                        sub += one
+                        sub += page_credit(page, x)
                         if sub > sub_limit:
                             break
                     ks = kids_of(x)
                     if ks:
-                        extend(ks)
+                        stack.extend(ks)
                 credit += sub
-            else:
-                # _credit(b, h)
-                pr = prio_of(b)
-                if pr is None:
-                    one = 0.0
-                else:
-                    d = pr - clock
-                    one = (d if d > 0.0 else 0.0) * ub_a
-                if state is not None:
-                    slot = slot_of(h)
-                    if slot is not None:
-                        sp = sprio_of(slot)
-                        if sp is None:
-                            one = inf
-                        else:
-                            d = sp - clock
-                            one += (d if d > 0.0 else 0.0) * ub_s
-                credit += one
             if credit > limit:
                 return credit / total
         return credit / total

@@ -147,7 +147,8 @@ def _fill_dummy(model: Any, cls: ModelClass, arch: str, cfg: dict[str, Any], dty
 
     from engine.models.checkpoint import fill_random_weights
 
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    nested = cfg.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else cfg
     family = "nemotron_h" if arch.startswith("NemotronH") else "qwen3_5"
     fill_random_weights(model, cls, family, SimpleNamespace(**text), dtype, device)
     if model.args.tie_word_embeddings:

@@ -35,6 +35,7 @@ from engine.config import SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from tests.support.overlay_spy import spy_overlay
 from tests.unit.test_cache_properties import BS, GDN, Harness, ReqSpec, Trace, req_specs
 
 GiB = 2**30
@@ -252,24 +253,7 @@ def test_a_shared_prefix_workload_overlays_and_reuses_memory() -> None:
     h = ArenaHarness(Trace("hybrid", 8, 1, 12, 0, 40, True, reqs, "reuse-value"))
     pool, ov = h.cache.blocks[0].pool, h.cache.overlay
     assert ov is not None
-    used: set[int] = set()
-    covered: set[int] = set()
-    seen = Counter[str]()
-    alloc, hold = pool.allocate, ov.hold
-
-    def spy_alloc(n: int) -> list[int]:
-        out = alloc(n)
-        seen["block_over_checkpoint"] += len(set(out) & covered)
-        used.update(out)
-        return out
-
-    def spy_hold(p, c):  # type: ignore[no-untyped-def]
-        seen["checkpoint_over_block"] += bool(set(ov.blocks_of(c)) & used) and ov.holders[c] == 0
-        hold(p, c)
-        covered.update(ov.blocks_of(c))
-
-    pool.allocate = spy_alloc  # type: ignore[method-assign]
-    ov.hold = spy_hold  # type: ignore[method-assign]
+    seen = spy_overlay(pool, ov)
     h.run()
     assert seen["block_over_checkpoint"] > 0 and seen["checkpoint_over_block"] > 0, seen
     assert sum(r.num_cached_tokens for r in h.reqs.values()) > 0

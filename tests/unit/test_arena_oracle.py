@@ -7,12 +7,11 @@ transformers and a cache-off engine, and prefix hits still happen (restoring che
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
+from tests.support.overlay_spy import spy_overlay
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,24 +36,7 @@ def test_overlaid_memory_keeps_outputs_exact(name, checkpoint_dir):  # type: ign
     ov, pool = cache.overlay, cache.blocks[0].pool
     assert ov is not None
 
-    used: set[int] = set()
-    covered: set[int] = set()
-    seen = Counter[str]()
-    alloc, hold = pool.allocate, ov.hold
-
-    def spy_alloc(n: int) -> list[int]:
-        out = alloc(n)
-        seen["block over checkpoint memory"] += len(set(out) & covered)
-        used.update(out)
-        return out
-
-    def spy_hold(p, c):  # type: ignore[no-untyped-def]
-        seen["checkpoint over block memory"] += ov.holders[c] == 0 and bool(set(ov.blocks_of(c)) & used)
-        hold(p, c)
-        covered.update(ov.blocks_of(c))
-
-    pool.allocate = spy_alloc  # type: ignore[method-assign]
-    ov.hold = spy_hold  # type: ignore[method-assign]
+    seen = spy_overlay(pool, ov)
 
     base, other, fill1, fill2, fill3, *tails = random_prompts([96, 80, 200, 180, 220, 9, 13, 5, 11, 7, 15, 6, 10],
                                                               vocab=256, seed=5)
@@ -71,6 +53,6 @@ def test_overlaid_memory_keeps_outputs_exact(name, checkpoint_dir):  # type: ign
         hits += out.num_cached_tokens
         cache.check_integrity()
     assert hits > 0, "no prefix hit: the checkpoints never served"
-    assert seen["checkpoint over block memory"] > 0 and seen["block over checkpoint memory"] > 0, seen
+    assert seen["checkpoint_over_block"] > 0 and seen["block_over_checkpoint"] > 0, seen
     info = llm.kv_cache_info()
     assert info["physical_bytes"] == budget and info["blocks_per_checkpoint"] == k
