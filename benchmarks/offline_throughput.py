@@ -33,11 +33,11 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.models.checkpoint import PRESETS, preset, write_random_checkpoint
+    from engine.models.checkpoint import PRESETS, preset, write_preset_checkpoint, write_random_checkpoint
 
     if size in PRESETS:
-        family, overrides = preset(size)
-        path = write_random_checkpoint(f"{tmp}/{size}", family, seed=0, weights=False, **overrides)
+        family = preset(size)[0]
+        path = write_preset_checkpoint(f"{tmp}/{size}", size, weights=False)
     else:
         overrides = {**SIZES[size], **(PATTERN[family] if size != "tiny" else {})}
         path = write_random_checkpoint(f"{tmp}/{family}-{size}", family, seed=0, **overrides)

@@ -60,14 +60,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from deploy.bench_serve import main as bench_main
     from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import preset, write_random_checkpoint
+    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency, 8))]
         if args.preset:
-            family, overrides = preset(args.preset)
-            model = write_random_checkpoint(f"{tmp}/model", family, seed=0, weights=False, **overrides)
+            model = write_preset_checkpoint(f"{tmp}/model", args.preset, weights=False)
             wargs += ["--load-format", "dummy", "--max-model-len", str(args.input_len + args.output_len + 16)]
         else:
             model = write_random_checkpoint(f"{tmp}/model", "nemotron_h", seed=0, hidden_size=256,

@@ -86,14 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import preset, write_random_checkpoint
+    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency, 8))]
         if args.preset:
-            family, overrides = preset(args.preset)
-            model = write_random_checkpoint(f"{tmp}/model", family, seed=0, weights=False, **overrides)
+            model = write_preset_checkpoint(f"{tmp}/model", args.preset, weights=False)
             longest = max(args.input_len, args.prefix_len + args.suffix_len) + args.output_len + 16
             wargs += ["--load-format", "dummy", "--max-model-len", str(longest)]
         else:

@@ -246,10 +246,11 @@ def write_random_checkpoint(
     return str(out)
 
 
-def write_preset_checkpoint(out_dir: str | Path, name: str, seed: int = 0) -> str:
-    """write_random_checkpoint at a full-size preset (fp32 weights on disk: ~4 bytes per parameter)."""
+def write_preset_checkpoint(out_dir: str | Path, name: str, seed: int = 0, weights: bool = True) -> str:
+    """write_random_checkpoint at a full-size preset (fp32 weights on disk: ~4 bytes per parameter; weights=False:
+    config and tokenizer only, for load_format="dummy")."""
     family, overrides = preset(name)
-    return write_random_checkpoint(out_dir, family, seed=seed, **overrides)
+    return write_random_checkpoint(out_dir, family, seed=seed, weights=weights, **overrides)
 
 
 def hf_config(family: str, **overrides: Any) -> Any:
