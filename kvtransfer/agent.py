@@ -176,7 +176,10 @@ class TransferAgent:
         if self._cuda_device is not None and not getattr(self._bound, "done", False):
             import torch
 
-            torch.cuda.set_device(self._cuda_device)  # CUDA >= 12: also makes the primary context current
+            # set_device alone is a no-op in a fresh thread when the device is already the thread's default (0):
+            # a runtime call that needs the context makes the device's primary context current here.
+            torch.cuda.set_device(self._cuda_device)
+            torch.cuda.synchronize(self._cuda_device)
             self._bound.done = True
         return self._lock
 

@@ -6,6 +6,9 @@ rounded to it here too, so bf16 results match the reference's bf16 results).
     gated_group_norm  Mamba-2:  x = y * silu(gate);  out = w * x / rms(x) per group                 (fp32 -> dtype)
     gated_head_norm   Qwen3.5 GDN:  out = (w * rmsnorm(core)) * silu(z) per head                    (norm before gate)
     silu_mul          [gate | up] -> silu(gate) * up                                                (gated MLP)
+    relu2             relu(x)^2 in one pass                                                         (NemotronH experts)
+    moe_combine       out[t] = sum_k w[t, k] * rows[pos[t, k]]: the routed experts' outputs gathered back to their
+                      tokens, weighted and summed in fp32, rounded once to the dtype                (MoE)
 
 `softplus` and `silu` below are torch's formulas (threshold 20; x / (1 + exp(-x))), `log1p` the accurate form.
 """
@@ -166,4 +169,53 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "rms_norm", "sigmoid", "silu", "silu_mul", "softplus"]
+@triton.jit
+def _relu2_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = c < N
+    x = tl.maximum(tl.load(x_ptr + c, mask=m, other=0.0).to(tl.float32), 0.0)
+    tl.store(out_ptr + c, (x * x).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (layers.relu2) in one pass; x contiguous. relu is exact in any dtype, so rounding the square
+    once gives the reference's bits."""
+    assert x.is_contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        block = 2048
+        _relu2_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
+    return out
+
+
+@triton.jit
+def _moe_combine_kernel(rows_ptr, pos_ptr, w_ptr, out_ptr, H, TOP: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP):
+        r = tl.load(pos_ptr + t * TOP + k).to(tl.int64)
+        w = tl.load(w_ptr + t * TOP + k).to(tl.float32)
+        acc += tl.load(rows_ptr + r * H + c, mask=m, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * H + c, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def moe_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' outputs back on their tokens: rows [T * k, H] (the experts' outputs, in expert order),
+    pos [T, k] (row of each token's k-th choice), weights [T, k] fp32 -> [T, H] in rows' dtype, with
+    out[t] = sum_k weights[t, k] * rows[pos[t, k]] accumulated in fp32 (the reference's index_add_ of the fp32
+    products, summed in choice order instead of expert order). One read of rows, one write: no [T, H] fp32
+    buffer, no atomics."""
+    T, top = pos.shape
+    H = rows.shape[1]
+    assert rows.is_contiguous() and pos.is_contiguous() and weights.is_contiguous() and weights.shape == pos.shape
+    out = torch.empty(T, H, dtype=rows.dtype, device=rows.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(H))
+        _moe_combine_kernel[(T, triton.cdiv(H, block))](rows, pos, weights, out, H, TOP=top, BLOCK=block)
+    return out
+
+
+__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "moe_combine", "relu2", "rms_norm", "sigmoid", "silu",
+           "silu_mul", "softplus"]

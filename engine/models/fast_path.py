@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.base import StateCache
+from engine.models.layers import relu2 as relu2_reference
 from engine.models.varlen import RecurrentPrefill, VarlenMetadata
 
 SILU = ("silu", "swish")
@@ -247,21 +248,24 @@ def grouped_moe_available(x: torch.Tensor) -> bool:
 
 
 def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, weighted scatter-add.
-    x [T, in] bf16; weights fp32 / idx [T, k]. Returns fp32 [T, in]."""
+    """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, then each token's k
+    outputs gathered back, weighted and summed in fp32 (one kernel). x [T, in] bf16; weights fp32 / idx [T, k].
+    Returns [T, in] in x's dtype."""
+    from engine.kernels.fused import moe_combine, relu2
+
     T, top = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(moe.stacked_up_proj.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would size its output on the host (a sync)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    tok = order // top
-    up = torch._grouped_mm(x[tok], moe.stacked_up_proj.transpose(1, 2), offs=offs)
-    act = moe.experts[0].act(up)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=x.device)  # row of the sorted copies that holds (t, k)
+    up = torch._grouped_mm(x[order // top], moe.stacked_up_proj.transpose(1, 2), offs=offs)
+    act = relu2(up) if moe.experts[0].act is relu2_reference else moe.experts[0].act(up)
     down = torch._grouped_mm(act, moe.stacked_down_proj.transpose(1, 2), offs=offs)
-    routed = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    routed.index_add_(0, tok, down.float() * weights.reshape(-1)[order, None])
-    return routed
+    return moe_combine(down, pos.view(T, top), weights.float().contiguous())
+
 
 
 def moe_routed_masked(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

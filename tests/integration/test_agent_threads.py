@@ -28,6 +28,8 @@ def test_each_calling_thread_binds_the_agents_cuda_device_once(monkeypatch: pyte
         assert agent._cuda_device is None  # a CPU agent binds nothing
         calls: list[tuple[str, int]] = []
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+        synced: list[int] = []
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synced.append(d))
         agent.poll_releases()
         assert calls == []
         agent._cuda_device = 3  # as a VRAM layout on cuda:3 sets it
@@ -43,5 +45,6 @@ def test_each_calling_thread_binds_the_agents_cuda_device_once(monkeypatch: pyte
             t.join()
         poll_twice()
         assert sorted(calls) == [("MainThread", 3), ("poller-0", 3), ("poller-1", 3)]
+        assert synced == [3, 3, 3]  # a runtime call that binds the primary context in each thread
     finally:
         agent.close()

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.fused import gated_group_norm, gated_head_norm, rms_norm, silu_mul
+from engine.kernels.fused import gated_group_norm, gated_head_norm, moe_combine, relu2, rms_norm, silu_mul
 from engine.models.gated_deltanet import GatedRMSNorm
 from engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
+from engine.models.layers import relu2 as relu2_reference
 from engine.models.mamba2 import GroupGatedRMSNorm
 
 GEN = torch.Generator().manual_seed(0)
@@ -98,6 +99,28 @@ def check_silu_mul(dtype: torch.dtype) -> None:
     gu = rand(4, 2 * 50, dtype=dtype, scale=3.0)
     g, u = gu[:, :50], gu[:, 50:]
     check(silu_mul(gu), torch.nn.functional.silu(g) * u)
+
+
+def check_relu2(dtype: torch.dtype) -> None:
+    x = rand(5, 3001, dtype=dtype, scale=3.0)  # not a multiple of the block: the tail is masked
+    check(relu2(x), relu2_reference(x))
+
+
+def check_moe_combine(dtype: torch.dtype) -> None:
+    """The routed experts' outputs (sorted by expert) back on their tokens, against the reference's index_add_ of
+    each expert's fp32 products (nemotron_h.NemotronHMoE.forward), rounded once to the dtype."""
+    T, top, H, E = 37, 3, 1100, 8
+    idx_ = torch.stack([torch.randperm(E, generator=GEN)[:top] for _ in range(T)]).to(DEVICE)
+    w = rand(T, top).abs().to(DEVICE)
+    order = torch.argsort(idx_.reshape(-1), stable=True)
+    rows = rand(T * top, H, dtype=dtype, scale=2.0)  # row r holds the output of copy order[r]
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(T * top, device=order.device)
+    want = torch.zeros(T, H, dtype=torch.float32, device=rows.device)
+    for e in torch.unique(idx_).tolist():  # the reference's loop: expert by expert
+        tok, k = torch.where(idx_ == e)
+        want.index_add_(0, tok, rows[pos[tok * top + k]] * w[tok, k, None])
+    check(moe_combine(rows, pos.view(T, top), w), want.to(dtype))
 
 
 def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
