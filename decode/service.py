@@ -51,7 +51,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         # while the engine steps, the hook polls once per step: a light thread progresses the agent in between while
         # pulls are in flight (a READ over UCX/TCP advances only while D progresses too; kvtransfer/progress.py)
         self.progress: TransferProgress | None = None
-        interval = interval_from_env()
+        interval = interval_from_env(ctx.agent.layout.device_type) if ctx.agent is not None else None
         if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
             self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.consumer.pending) > 0,
                                              interval_s=interval, name="nixl-progress-decode")

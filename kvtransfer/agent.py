@@ -7,10 +7,6 @@ Ownership and threads:
   * Every NIXL call goes through one lock, so any thread may call any method: typically the gRPC threads call
     `local_metadata()` (precomputed bytes) and `add_peer()`, and the engine thread starts and polls pulls
     (`pull.PullHandle.poll`) and, on P, drains `poll_releases()` once per step.
-  * A thread's first NIXL call makes the agent's CUDA device current in that thread (`_locked`): UCX progresses
-    transfers in whichever thread calls into it, and where it stages device memory through the host (its
-    mem-type copies, cuda_copy) it needs a current CUDA context. A progress thread that never ran CUDA crashed
-    both workers on an H200 (UCX "mem type unpack failed ... Input/output error", 2026-11-24).
   * NIXL's progress thread (`AgentConfig.progress_thread`, on by default here, for tests and benchmarks) serves D's
     READs on P while its engine is busy or idle (UCX over TCP needs the target to progress). It busy-polls one
     core, so workers run without it unless `--nixl-progress-thread`: their step loops poll the agent while
@@ -152,8 +148,6 @@ class TransferAgent:
         self.metrics = metrics or TransferMetrics("decode")
         self.nixl_name = f"{name}@{self.epoch}"
         self._lock = threading.RLock()
-        self._bound = threading.local()
-        self._cuda_device = layout.regions[0].device_id if layout.device_type == "cuda" and layout.regions else None
         self._peers: dict[str, PeerHandle] = {}
         cfg = self.config
         self._nixl: Any = nixl_agent(
@@ -171,18 +165,6 @@ class TransferAgent:
         )
         _live_agents += 1
 
-    def _locked(self) -> threading.RLock:
-        """The agent's lock, after making its CUDA device current in the calling thread (once per thread)."""
-        if self._cuda_device is not None and not getattr(self._bound, "done", False):
-            import torch
-
-            # set_device alone is a no-op in a fresh thread when the device is already the thread's default (0):
-            # a runtime call that needs the context makes the device's primary context current here.
-            torch.cuda.set_device(self._cuda_device)
-            torch.cuda.synchronize(self._cuda_device)
-            self._bound.done = True
-        return self._lock
-
     # -- handshake -------------------------------------------------------------------------------------------
     def local_metadata(self) -> bytes:
         """Versioned, checksummed handshake blob (see metadata.py). Precomputed: safe from any thread."""
@@ -195,7 +177,7 @@ class TransferAgent:
         if meta.layout.compat_hash != self.layout.compat_hash:
             diffs = self.layout.diff(meta.layout) or ["fingerprints equal but hashes differ"]
             raise CompatibilityError(f"worker {meta.worker!r} has an incompatible cache layout: " + "; ".join(diffs))
-        with self._locked():
+        with self._lock:
             self._check_open()
             old = self._peers.get(meta.worker)
             if old is not None and old.epoch == meta.epoch:
@@ -223,7 +205,7 @@ class TransferAgent:
     def peer(self, worker: str, epoch: str) -> PeerHandle:
         """The handshaken peer for transfer params (worker id, epoch). Raises UnknownPeerError when no handshake
         was made, StaleEpochError when the params' epoch is not the peer's live one (re-handshake, then retry)."""
-        with self._locked():
+        with self._lock:
             p = self._peers.get(worker)
         if p is None:
             raise UnknownPeerError(f"no handshake with worker {worker!r}")
@@ -253,7 +235,7 @@ class TransferAgent:
     def make_read(self, peer: PeerHandle, plan: PullPlan, notif: bytes) -> Any:
         """Create (not post) one READ of everything in `plan` from `peer` into our regions; NIXL delivers `notif`
         to the peer once the data is in place. May raise NIXL errors (peer unreachable)."""
-        with self._locked():
+        with self._lock:
             self._check_open()
             if not peer.valid:
                 raise UnknownPeerError(f"peer {peer.worker!r} epoch {peer.epoch!r} was removed or replaced")
@@ -273,13 +255,13 @@ class TransferAgent:
     def post(self, handle: Any) -> str:
         """Post a READ made by `make_read`: "DONE" | "PROC" | "ERR". With UCX's CMA transport (CPU, same host)
         the copy itself runs inside this call; with GPU transports it returns at once."""
-        with self._locked():
+        with self._lock:
             self._check_open()
             return str(self._nixl.transfer(handle))
 
     def check(self, handle: Any) -> str:
         """ "DONE" | "PROC" | "ERR" of a posted READ. May raise NIXL errors (treated as ERR by the caller)."""
-        with self._locked():
+        with self._lock:
             return str(self._nixl.check_xfer_state(handle))
 
     def xfer_telemetry(self, handle: Any) -> tuple[int, float, float, float] | None:
@@ -288,7 +270,7 @@ class TransferAgent:
         them with each other only. None without telemetry."""
         if not self.config.telemetry:
             return None
-        with self._locked():
+        with self._lock:
             try:
                 t = self._nixl.get_xfer_telemetry(handle)
                 return int(t.descCount), t.startTime / 1e6, t.postDuration / 1e6, t.xferDuration / 1e6
@@ -298,7 +280,7 @@ class TransferAgent:
     def release_xfer(self, handle: Any) -> bool:
         """Free a READ handle, cancelling it if still in flight. False if NIXL could not cancel it: the
         destination pages may still be written and must not be reused for anything else."""
-        with self._locked():
+        with self._lock:
             try:
                 handle.release()
                 return True
@@ -312,7 +294,7 @@ class TransferAgent:
         if _DROP_NOTICE_RATE and random.random() < _DROP_NOTICE_RATE:
             logger.warning("fault injection: dropped a notification to %s", peer.worker)
             return True
-        with self._locked():
+        with self._lock:
             try:
                 self._nixl.send_notif(peer.agent_name, msg)
                 return True
@@ -322,7 +304,7 @@ class TransferAgent:
     def poll_releases(self) -> list[ReleaseNotice]:
         """P side: drain NIXL notifications and return the release notices among them (non-blocking). Call from
         the engine thread once per step and feed each notice to `LeaseTable.release`."""
-        with self._locked():
+        with self._lock:
             self._check_open()
             notifs: dict[str, list[bytes]] = self._nixl.get_new_notifs()
         return [n for msgs in notifs.values() for m in msgs if (n := decode_release(m)) is not None]
@@ -335,7 +317,7 @@ class TransferAgent:
     def close(self) -> None:
         """Drop peers, release prepared lists, deregister memory and destroy the NIXL agent. Idempotent. In-flight
         pulls must be finished or cancelled first."""
-        with self._locked():
+        with self._lock:
             if self._nixl is None:
                 return
             for p in list(self._peers.values()):

@@ -22,11 +22,20 @@ logger = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 2e-4
 
 
-def interval_from_env() -> float | None:
-    """HYBRIDPD_TRANSFER_PROGRESS_S: seconds between the thread's polls (default 2e-4); 0 turns the thread off
-    (the step loop alone progresses the agent, as before), for A/B measurements."""
+def interval_from_env(device_type: str = "cpu") -> float | None:
+    """HYBRIDPD_TRANSFER_PROGRESS_S: seconds between the thread's polls; 0 turns the thread off (the step loop
+    alone progresses the agent), for A/B measurements. Default: 2e-4 for agents of DRAM caches, off for VRAM.
+
+    Why off on GPUs: on an H200 (2026-11-24, benchmarks/pd_handoff.py at Nemotron-H-8B, P and D on one GPU) a
+    decode worker whose agent was progressed from any thread but its step thread aborted inside UCX on the first
+    handoff ("dt.c: mem type unpack failed to uct_ep_put_short() Input/output error", P then "stubs.c Assertion");
+    NIXL's own progress thread on D did the same, on P alone it did not. UCX staged those READs through host
+    memory over TCP there and unpacks them into device memory in the progressing thread. Setting the variable
+    explicitly still starts the thread on a GPU worker (experiments only)."""
     raw = os.environ.get("HYBRIDPD_TRANSFER_PROGRESS_S", "").strip()
-    value = float(raw) if raw else DEFAULT_INTERVAL_S
+    if not raw:
+        return DEFAULT_INTERVAL_S if device_type == "cpu" else None
+    value = float(raw)
     return value if value > 0 else None
 
 

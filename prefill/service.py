@@ -61,7 +61,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         # ... and, while leases are held, a light thread progresses the agent between the engine's steps too: a busy
         # P otherwise served READs that need its progress (UCX over TCP) only once per step (kvtransfer/progress.py)
         self.progress: TransferProgress | None = None
-        interval = interval_from_env()
+        interval = interval_from_env(ctx.agent.layout.device_type) if ctx.agent is not None else None
         if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
             self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.leases) > 0,
                                              interval_s=interval, on_notices=self._notices,

@@ -14,6 +14,8 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -41,6 +43,7 @@ class TcpLikeAgent:
     progress call, as UCX over TCP serves a READ on the target). `poll_releases` is the progress call."""
 
     config: _Config = field(default_factory=_Config)
+    layout: Any = field(default_factory=lambda: SimpleNamespace(device_type="cpu"))
     slices_left: int = 0
     polls: int = 0
     notices: list[ReleaseNotice] = field(default_factory=list)
@@ -84,6 +87,31 @@ def test_progress_thread_polls_only_while_active_and_hands_notices_over() -> Non
         assert len(polled) <= n + 1  # idle again: it sleeps on its event
     finally:
         prog.stop()
+
+
+def test_the_thread_is_on_for_dram_caches_and_off_for_vram_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H200 a decode worker progressed outside its step thread aborted inside UCX (kvtransfer/progress.py):
+    VRAM agents get no thread by default; the variable still sets it (or turns it off) explicitly."""
+    from kvtransfer.progress import DEFAULT_INTERVAL_S, interval_from_env
+
+    monkeypatch.delenv("HYBRIDPD_TRANSFER_PROGRESS_S", raising=False)
+    assert interval_from_env("cpu") == DEFAULT_INTERVAL_S
+    assert interval_from_env("cuda") is None
+    monkeypatch.setenv("HYBRIDPD_TRANSFER_PROGRESS_S", "0.001")
+    assert interval_from_env("cuda") == 0.001
+    monkeypatch.setenv("HYBRIDPD_TRANSFER_PROGRESS_S", "0")
+    assert interval_from_env("cpu") is None
+
+
+def test_a_prefill_worker_on_a_gpu_cache_starts_no_progress_thread(checkpoint_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("HYBRIDPD_TRANSFER_PROGRESS_S", raising=False)
+    agent = TcpLikeAgent(layout=SimpleNamespace(device_type="cuda"))
+    core = EngineCore(_config(checkpoint_dir(MODEL)))
+    ctx = WorkerContext(role="prefill", aengine=AsyncEngine(core), model_name="m", address="p:1", agent=agent)
+    try:
+        assert PrefillServicer(ctx).progress is None
+    finally:
+        ctx.aengine.shutdown()
 
 
 def test_a_read_needing_p_progress_completes_while_p_is_stuck_in_one_step(checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
