@@ -59,7 +59,7 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
 
     C, K = weight.shape
     ext = xbc.new_zeros(pre.ext_size, C)
-    ext[pre.ext_x] = xbc[pre.rows]
+    ext[pre.ext_x] = prefill_rows(xbc, pre)
     if pre.init_index.numel() > 0:
         init = xbc.new_zeros(pre.num_seqs, C, K - 1)
         init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
@@ -69,6 +69,18 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
     return out
 
 
+def prefill_rows(t: torch.Tensor, pre: RecurrentPrefill) -> torch.Tensor:
+    """The prefill tokens' rows of a per-token tensor: a slice when they are adjacent, else a gather."""
+    return t[pre.rows_range[0]:pre.rows_range[1]] if pre.rows_range is not None else t[pre.rows]
+
+
+def place_prefill_rows(out: torch.Tensor, pre: RecurrentPrefill, value: torch.Tensor) -> None:
+    if pre.rows_range is not None:
+        out[pre.rows_range[0]:pre.rows_range[1]] = value
+    else:
+        out[pre.rows] = value
+
+
 def _initial_states(ssm: torch.Tensor, pre: RecurrentPrefill) -> torch.Tensor:
     h0 = torch.zeros(pre.num_seqs, *ssm.shape[1:], dtype=torch.float32, device=ssm.device)
     if pre.init_index.numel() > 0:
@@ -76,15 +88,23 @@ def _initial_states(ssm: torch.Tensor, pre: RecurrentPrefill) -> torch.Tensor:
     return h0
 
 
-def _run_rounds(pre: RecurrentPrefill, ssm: torch.Tensor, out: torch.Tensor, call) -> None:  # type: ignore[no-untyped-def]
-    """Round by round: `call(round, initial_states) -> (o [n, ...], final_states)`; o goes to out[round.rows];
-    final states go to the round's destination slots and seed the next round."""
+def _run_rounds(pre: RecurrentPrefill, ssm: torch.Tensor, call, empty) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Round by round: `call(round, initial_states) -> (o [n, ...], final_states)`; o goes to out[round.rows] of
+    out = empty() (fp32, one row per prefill token), returned; final states go to the round's destination slots and
+    seed the next round. One round over every token in order (no cut inside a chunk): its o is the output."""
     states = _initial_states(ssm, pre)
+    if len(pre.rounds) == 1 and pre.rounds[0].whole:
+        r = pre.rounds[0]
+        o, states = call(r, states.contiguous())
+        ssm[r.dest_slot] = states[r.dest_index].to(ssm.dtype)
+        return o.float()
+    out = empty()
     for r in pre.rounds:
         init = states if r.init_prev is None else states[r.init_prev]
         o, states = call(r, init.contiguous())
         out[r.rows] = o.to(out.dtype)
         ssm[r.dest_slot] = states[r.dest_index].to(ssm.dtype)
+    return out
 
 
 def _per_sequence(r, init: torch.Tensor, segment) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -116,46 +136,75 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
 
     cfg = mixer.cfg
     T = xbc.shape[0]
-    y = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
+    d, pre = meta.rec_decode, meta.rec_prefill
+    # a step of prefill tokens only, in order: the prefill output is y itself (no zeros, no scatter)
+    y = None if d is None and pre is not None and pre.rows_range == (0, T) else \
+        torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
     weight = mixer._conv_weight()
-    d = meta.rec_decode
     if d is not None:
         fused_act = cfg.activation in SILU
         xc = conv_step(xbc, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
         mamba_decode(xc if fused_act else mixer.act(xc), dt, mixer.dt_bias, mixer.A_log, mixer.D, cache.ssm,
                      d.slots, d.has_init, d.rows, y, cfg.n_groups, cfg.time_step_min)
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
-    pre = meta.rec_prefill
     if pre is not None:
         A = -torch.exp(mixer.A_log.float())
-        D = mixer.D.float()
         fused_act = cfg.activation in SILU
         xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
-        x, B, C = _mamba_split(cfg, xc if fused_act else mixer.act(xc))
-        dtp = mixer._dt(dt[pre.rows])
-        rep = cfg.num_heads // cfg.n_groups
-        v_all = x * dtp[..., None]
+        xa = xc if fused_act else mixer.act(xc)
+        dtp = mixer._dt(prefill_rows(dt, pre))
         g_all = dtp * A
-        yp = torch.empty_like(x)
-
-        def call(r, init):  # type: ignore[no-untyped-def]
-            q = C[r.rows].repeat_interleave(rep, dim=1)
-            k = B[r.rows].repeat_interleave(rep, dim=1)
-            if not x.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
-                from engine.models.mamba2 import ssd_segment
-
-                return _per_sequence(r, init, lambda a, b, h: ssd_segment(
-                    x[r.rows][a:b], dtp[r.rows][a:b], A, k[a:b], q[a:b], h, cfg.chunk_size))
-            from fla.ops.simple_gla import chunk_simple_gla
-
-            o, ht = chunk_simple_gla(q[None], k[None], v_all[r.rows][None], g=g_all[r.rows][None], scale=1.0,
-                                     initial_state=init, output_final_state=True, state_v_first=True,
-                                     cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
-            return o[0], ht
-
-        _run_rounds(pre, cache.ssm, yp, call)
-        y[pre.rows] = yp + D[:, None] * x
+        if xbc.is_cuda:
+            yp = _mamba_prefill_cuda(mixer, xa, dtp, g_all, cache, pre)
+        else:
+            yp = _mamba_prefill_reference(mixer, xa, dtp, A, cache, pre)
+        if y is None:
+            return yp
+        place_prefill_rows(y, pre, yp)
+    assert y is not None
     return y
+
+
+def _mamba_prefill_cuda(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, g_all: torch.Tensor, cache: StateCache,
+                        pre: RecurrentPrefill) -> torch.Tensor:
+    """fla-core's chunked SSD over the prefill tokens, its inputs and the D skip from two Triton kernels."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    from engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
+
+    cfg = mixer.cfg
+    q, k, v = mamba_chunk_inputs(xa, dtp, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size)
+
+    def call(r, init):  # type: ignore[no-untyped-def]
+        def sel(t: torch.Tensor) -> torch.Tensor:
+            return t if r.whole else t[r.rows]
+
+        o, ht = chunk_simple_gla(sel(q)[None], sel(k)[None], sel(v)[None], g=sel(g_all)[None], scale=1.0,
+                                 initial_state=init, output_final_state=True, state_v_first=True,
+                                 cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+        return o[0], ht
+
+    yp = _run_rounds(pre, cache.ssm, call, lambda: torch.empty_like(v))
+    return mamba_skip_add(yp.contiguous(), xa, mixer.D)
+
+
+def _mamba_prefill_reference(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, A: torch.Tensor, cache: StateCache,
+                             pre: RecurrentPrefill) -> torch.Tensor:
+    """CPU (tests of this path): the same rounds with the reference scan, sequence by sequence."""
+    from engine.models.mamba2 import ssd_segment
+
+    cfg = mixer.cfg
+    x, B, C = _mamba_split(cfg, xa)
+    rep = cfg.num_heads // cfg.n_groups
+
+    def call(r, init):  # type: ignore[no-untyped-def]
+        q = C[r.rows].repeat_interleave(rep, dim=1)
+        k = B[r.rows].repeat_interleave(rep, dim=1)
+        return _per_sequence(r, init, lambda a, b, h: ssd_segment(
+            x[r.rows][a:b], dtp[r.rows][a:b], A, k[a:b], q[a:b], h, cfg.chunk_size))
+
+    yp = _run_rounds(pre, cache.ssm, call, lambda: torch.empty_like(x))
+    return yp + mixer.D.float()[:, None] * x
 
 
 def _mamba_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,9 +243,8 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
         fused_act = cfg.activation in SILU
         xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
         q, k, v = _gdn_split(cfg, xc if fused_act else mixer.act(xc))
-        bp = b[pre.rows].sigmoid().float()
-        gp = -torch.exp(mixer.A_log.float()) * F.softplus(a[pre.rows].float() + mixer.dt_bias.float())
-        out = torch.empty_like(v)
+        bp = prefill_rows(b, pre).sigmoid().float()
+        gp = -torch.exp(mixer.A_log.float()) * F.softplus(prefill_rows(a, pre).float() + mixer.dt_bias.float())
 
         def call(r, init):  # type: ignore[no-untyped-def]
             if not qkv.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
@@ -213,8 +261,7 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
                                            cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
             return o[0], ht
 
-        _run_rounds(pre, cache.ssm, out, call)
-        core[pre.rows] = out
+        place_prefill_rows(core, pre, _run_rounds(pre, cache.ssm, call, lambda: torch.empty_like(v)))
     return core
 
 

@@ -38,6 +38,7 @@ class Round:
     init_prev: torch.Tensor | None  # int64 [m] index into the previous round's final states (None for round 0)
     dest_index: torch.Tensor  # int64 [k] index into this round's final states ...
     dest_slot: torch.Tensor  # int64 [k] ... written into these state slots (checkpoints, running slot at the end)
+    whole: bool = False  # rows is every prefill token in order (one round, no cut inside a chunk): no gather needed
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RecurrentPrefill:
     cut_ext: torch.Tensor  # int64 [M, K-1] extended rows of the conv state after a cut
     cut_slot: torch.Tensor  # int64 [M] slot that receives it
     rounds: list[Round]
+    rows_range: tuple[int, int] | None = None  # rows == range(a, b) (prefill tokens adjacent): slices, no gathers
 
 
 @dataclass
@@ -263,20 +265,24 @@ def _pack_prefill(p: _Packer, pre_ckpts, pre, n_new, computed, q_start, slots, c
                p.add(np.array(cut_slot, np.int64))]
     round_handles = _pack_rounds(p, cuts, local_start)
     ext_size = int(lens.sum() + len(pre) * k1)
+    adjacent = bool(np.all(np.diff(rows) == 1))
+    rows_range = (int(rows[0]), int(rows[-1]) + 1) if adjacent else None
 
     def pre_h(views):  # type: ignore[no-untyped-def]
         r = [views[h] for h in handles]
         rounds = [Round(rows=views[a], cu_seqlens=views[b], cu_seqlens_cpu=cpu, init_prev=None if c is None else
-                        views[c], dest_index=views[e], dest_slot=views[f]) for a, b, cpu, c, e, f in round_handles]
+                        views[c], dest_index=views[e], dest_slot=views[f], whole=w)
+                  for a, b, cpu, c, e, f, w in round_handles]
         return RecurrentPrefill(rows=r[0], num_seqs=len(pre), init_index=r[1], init_slot=r[2], ext_size=ext_size,
                                 ext_x=r[3], ext_state=r[4], ext_state_seq=r[5], cut_ext=r[6], cut_slot=r[7],
-                                rounds=rounds)
+                                rounds=rounds, rows_range=rows_range)
     return pre_h
 
 
 def _pack_rounds(p: _Packer, cuts: list[dict[int, list[int]]], local_start: np.ndarray):  # type: ignore[no-untyped-def]
     """Round r: segment r (between the (r-1)-th and r-th cut) of every sequence with more than r cuts."""
     sorted_cuts = [sorted(d) for d in cuts]
+    total = int(sum(c[-1] for c in sorted_cuts))  # every prefill token (the last cut of a sequence is its length)
     handles = []
     prev_members: list[int] = []
     for r in range(max(len(c) for c in sorted_cuts)):
@@ -287,8 +293,9 @@ def _pack_rounds(p: _Packer, cuts: list[dict[int, list[int]]], local_start: np.n
         init_prev = None if r == 0 else p.add(np.array([prev_members.index(j) for j in members], np.int64))
         dest_index = [m for m, j in enumerate(members) for _ in cuts[j][sorted_cuts[j][r]]]
         dest_slot = [s for j in members for s in cuts[j][sorted_cuts[j][r]]]
+        whole = len(rows) == total and bool(np.array_equal(rows, np.arange(total)))
         handles.append((p.add(rows), p.add(cu), torch.from_numpy(cu.astype(np.int64)), init_prev,
-                        p.add(np.array(dest_index, np.int64)), p.add(np.array(dest_slot, np.int64))))
+                        p.add(np.array(dest_index, np.int64)), p.add(np.array(dest_slot, np.int64)), whole))
         prev_members = members
     return handles
 

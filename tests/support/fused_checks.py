@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fused import gated_group_norm, gated_head_norm, moe_combine, relu2, rms_norm, silu_mul
+from engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
 from engine.models.gated_deltanet import GatedRMSNorm
 from engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
 from engine.models.layers import relu2 as relu2_reference
@@ -121,6 +122,23 @@ def check_moe_combine(dtype: torch.dtype) -> None:
         tok, k = torch.where(idx_ == e)
         want.index_add_(0, tok, rows[pos[tok * top + k]] * w[tok, k, None])
     check(moe_combine(rows, pos.view(T, top), w), want.to(dtype))
+
+
+def check_mamba_chunk_inputs_and_skip(dtype: torch.dtype) -> None:
+    """Mamba-2 prefill glue against the torch ops it replaces (fast_path._mamba_prefill_reference): x, B, C split
+    from the activated conv output (rows strided), B and C expanded from groups to heads, v = x * dt, y + D * x."""
+    H, hd, G, N, P = 6, 10, 3, 12, 9
+    inter, gn = H * hd, G * N
+    xc = rand(P, inter + 2 * gn + 5, dtype=dtype)[:, :inter + 2 * gn]  # a strided view, as the in_proj slices
+    dt = rand(P, H).abs()
+    q, k, v = mamba_chunk_inputs(xc, dt, H, hd, G, N)
+    x, B, C = xc.float().split([inter, gn, gn], dim=-1)
+    check(v, x.reshape(P, H, hd) * dt[..., None])
+    check(k, B.reshape(P, G, N).repeat_interleave(H // G, dim=1))
+    check(q, C.reshape(P, G, N).repeat_interleave(H // G, dim=1))
+    y, D = rand(P, H, hd), rand(H, dtype=dtype)
+    want = y + D.float()[:, None] * x.reshape(P, H, hd)
+    check(mamba_skip_add(y.clone(), xc, D), want, atol=1e-5)  # the kernel may fuse the multiply-add
 
 
 def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:

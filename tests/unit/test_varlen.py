@@ -48,6 +48,22 @@ def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-de
     assert r1.rows.tolist() == [4, 5, 6, 7] and r1.init_prev.tolist() == [0] and r1.dest_slot.tolist() == [12]
     assert r2.rows.tolist() == [8, 9] and r2.init_prev.tolist() == [0] and r2.dest_slot.tolist() == [1]
     assert m.sample_rows.tolist() == [9, 10, 13]
+    # the prefill tokens are not adjacent (seq b's decode row sits between) and no round covers them all in order:
+    # the mixers gather and scatter
+    assert p.rows_range is None and not any(r.whole for r in p.rounds)
+
+
+def test_adjacent_prefill_rows_are_a_range_and_one_uncut_round_is_whole():  # type: ignore[no-untyped-def]
+    # seq b decodes first, then a and c prefill without a checkpoint inside their chunks: rows 1..13 in order
+    seqs = [_seq("b", 6, 1, [3, 9], 2), _seq("a", 4, 10, [5, 6, 7, 8], 1), _seq("c", 0, 3, [4], 3)]
+    p = build_varlen(seqs, block_size=4, conv_width=4, device=torch.device("cpu")).rec_prefill
+    assert p.rows.tolist() == list(range(1, 14)) and p.rows_range == (1, 14)
+    (r0,) = p.rounds
+    assert r0.whole and r0.rows.tolist() == list(range(13))
+    # a checkpoint inside a's chunk cuts it: two rounds, neither whole; the rows stay a range
+    seqs[1] = _seq("a", 4, 10, [5, 6, 7, 8], 1, [(8, 11)])
+    p = build_varlen(seqs, block_size=4, conv_width=4, device=torch.device("cpu")).rec_prefill
+    assert p.rows_range == (1, 14) and len(p.rounds) == 2 and not any(r.whole for r in p.rounds)
 
 
 def test_views_read_their_own_groups() -> None:
