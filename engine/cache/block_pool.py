@@ -220,6 +220,10 @@ class BlockPool:
                 self.num_evictions += 1
 
     # -- integrity ---------------------------------------------------------------------------------------------
+    def _queued(self, block_id: int) -> bool:
+        """Whether the block belongs in the free queue: unreferenced (arena attention pools keep more there)."""
+        return self.ref_cnt[block_id] == 0
+
     def stats(self) -> dict[str, int]:
         cached = sum(1 for b in self._queue if self.block_hash[b] is not None)
         in_use = sum(1 for b in range(1, self.num_blocks) if self.ref_cnt[b] > 0)
@@ -233,7 +237,7 @@ class BlockPool:
         assert self.ref_cnt[NULL_BLOCK_ID] >= 1 and NULL_BLOCK_ID not in self._queue, self.name
         for b in range(1, self.num_blocks):
             assert self.ref_cnt[b] >= 0, (self.name, b)
-            assert (self.ref_cnt[b] == 0) == (b in self._queue), (self.name, b, self.ref_cnt[b])
+            assert self._queued(b) == (b in self._queue), (self.name, b, self.ref_cnt[b])
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, (self.name, b)
         assert sum(h is not None for h in self.block_hash) == len(self.cached), self.name

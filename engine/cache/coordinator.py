@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from engine.cache.admission import Admission, CachePolicy
 from engine.cache.arena import ArenaLayout
 from engine.cache.block_pool import BlockPool
-from engine.cache.hashing import extend_block_hashes, extra_keys
+from engine.cache.hashing import append_block_hashes, extra_keys
 from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
 from engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
 from engine.cache.reclaim import Reclaimer
@@ -185,9 +185,12 @@ class HybridCacheManager:
 
     # -- hashing -------------------------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
-        if req.num_tokens // self.block_size <= len(req.block_hashes):
-            return  # no newly full block: skip building all_token_ids (a copy of every token, each call)
-        extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, extra_keys(req.cache_salt))
+        bs, hashes = self.block_size, req.block_hashes
+        num_full = req.num_tokens // bs
+        if num_full <= len(hashes):
+            return  # no newly full block
+        new_blocks = req.token_slice(len(hashes) * bs, num_full * bs)  # not all_token_ids: a copy of every token
+        append_block_hashes(hashes, new_blocks, bs, extra_keys(req.cache_salt))
 
     # -- hit search ----------------------------------------------------------------------------------------------
     def find_prefix_hit(self, req: Request, max_tokens: int | None = None, count: bool = True) -> PrefixHit:
@@ -237,17 +240,17 @@ class HybridCacheManager:
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
-        pages = hit.pages if hit is not None else {}
         rid = req.request_id
+        if num_tokens > 0 and self.reclaimer is not None and self.managers and not self._grows(rid, num_tokens):
+            return True  # every group holds the request and covers num_tokens already (most decode steps)
+        pages = hit.pages if hit is not None else {}
         new = self._is_new(rid)
         if self.reclaimer is None:
             if not self.can_allocate(req, num_tokens, hit):
                 return False
-        elif new or self._grows(rid, num_tokens):
+        elif new or num_tokens > 0 or self._grows(rid, num_tokens):
             if not self._make_room(rid, num_tokens, pages):
                 return False
-        elif num_tokens > 0:
-            return True  # every group holds the request and covers num_tokens already (most decode steps)
         pinned = self.reclaimer is not None
         for m, gid in self._alloc_order:
             m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
@@ -313,7 +316,9 @@ class HybridCacheManager:
     def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
         """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
         written by the runner this step. Every group gets a slot for the same boundaries."""
-        out: dict[int, list[tuple[int, int]]] = {gid: [] for _, gid in self._state_gids}
+        out: dict[int, list[tuple[int, int]]] = {}
+        for _, gid in self._state_gids:
+            out[gid] = []
         if not self.states or not self.enable_prefix_caching:
             return out
         if self.policy.admission == "interval":
@@ -380,12 +385,16 @@ class HybridCacheManager:
         """Hash the blocks that filled this step (the chain first: riders name only what it holds) and publish the
         checkpoints it wrote (the lead group first, likewise)."""
         if self.enable_prefix_caching and self.blocks:
+            chain, bs, noted = self.blocks[0], self.block_size, self._noted
             for req in computed:
-                if self.blocks[0].holds(req.request_id):
-                    self.update_hashes(req)
+                rid = req.request_id
+                if chain.holds(rid):
+                    hashes = req.block_hashes
+                    if req.num_tokens // bs > len(hashes):
+                        self.update_hashes(req)
                     for m in self.blocks:
-                        m.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
-                    if req.request_id in self._noted:
+                        m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
+                    if rid in noted and len(hashes) > noted[rid]:
                         self._note(req)  # decoded blocks too: a later prompt may branch off an answer
         for rm in self.states:
             rm.release_step_refs()
@@ -524,11 +533,17 @@ class HybridCacheManager:
 
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Attention group id -> the request's block table in that group."""
-        return {gid: m.req_pages(req_id) for m, gid in self._block_gids}
+        tables = {}
+        for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
+            tables[gid] = m.req_pages(req_id)
+        return tables
 
     def group_state_slots(self, req_id: str) -> dict[int, int]:
         """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        return {gid: m.running_slot.get(req_id, PAD_SLOT_ID) for m, gid in self._state_gids}
+        slots = {}
+        for m, gid in self._state_gids:
+            slots[gid] = m.running_slot.get(req_id, PAD_SLOT_ID)
+        return slots
 
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""

@@ -10,6 +10,7 @@ can recognise blocks a prefill worker computed. Only *full* blocks are hashed.
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -38,7 +39,13 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     start, num_full = len(hashes), len(token_ids) // block_size
     if num_full <= start:
         return
-    data = memoryview(array("q", token_ids[start * block_size : num_full * block_size]).tobytes())
+    append_block_hashes(hashes, token_ids[start * block_size : num_full * block_size], block_size, extra)
+
+
+def append_block_hashes(hashes: list[bytes], new_blocks: Sequence[int], block_size: int, extra: bytes = b"") -> None:
+    """Append the hashes of the full blocks `new_blocks` (the tokens of the blocks after the last hashed one, a
+    multiple of block_size) to `hashes`: `extend_block_hashes` without the request's earlier tokens."""
+    data = memoryview(struct.pack(f"{len(new_blocks)}q", *new_blocks))  # == array("q", ...).tobytes(), faster
     step = block_size * 8  # bytes per block: tokens are packed as int64
     salt = b"\x00salt\x00" + extra if extra else b""
     parent = hashes[-1] if hashes else _ROOT

@@ -80,6 +80,8 @@ class AttentionManager:
         self.reclaimer: Reclaimer | None = None
         """Set by the coordinator (chain only) when pages are evicted by policy: told about every block named."""
         self.req_blocks: dict[str, list[int]] = {}
+        self._tables: dict[str, tuple[int, ...]] = {}
+        """request -> its block table as a tuple (`req_pages`, read every step), until its blocks change."""
         self.num_hashed: dict[str, int] = {}
         self.fresh_blocks: list[int] = []
         """Blocks allocated since the last drain (not prefix hits). Drained every step, zeroing on or off."""
@@ -87,8 +89,9 @@ class AttentionManager:
     def find_hit(self, block_hashes: list[bytes], max_tokens: int) -> list[int]:
         """Left to right: longest run of cached full blocks, at most max_tokens tokens."""
         hit: list[int] = []
+        lookup = self.pool.cached.get
         for h in block_hashes[: max_tokens // self.block_size]:
-            b = self.pool.lookup(h)
+            b = lookup(h)
             if b is None:
                 break
             hit.append(b)
@@ -106,9 +109,16 @@ class AttentionManager:
         return req_id in self.req_blocks
 
     def req_pages(self, req_id: str) -> tuple[int, ...]:
-        return tuple(self.req_blocks.get(req_id, ()))
+        table = self._tables.get(req_id)
+        if table is None:
+            blocks = self.req_blocks.get(req_id)
+            if blocks is None:
+                return ()
+            table = self._tables[req_id] = tuple(blocks)
+        return table
 
     def disown(self, req_id: str, holder: str) -> None:
+        self._tables.pop(req_id, None)
         if req_id in self.req_blocks:
             self.req_blocks[holder] = self.req_blocks.pop(req_id)
             self.num_hashed[holder] = self.num_hashed.pop(req_id)
@@ -151,6 +161,7 @@ class AttentionManager:
         if new > 0:
             fresh = self.pool.allocate(new)
             blocks.extend(fresh)
+            self._tables.pop(req_id, None)
             self.fresh_blocks.extend(fresh)
             return fresh
         return []
@@ -182,6 +193,7 @@ class AttentionManager:
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, None)
+        self._tables.pop(req_id, None)
         self.num_hashed.pop(req_id, None)
         if blocks:
             self.pool.free(reversed(blocks))  # tail first: the least shareable blocks are evicted first

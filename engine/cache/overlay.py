@@ -37,12 +37,24 @@ PICK_SAMPLE = 32
 of the cache manager on no_reuse)."""
 
 
+class FreeIds(dict[int, None]):
+    """An arena attention pool's free queue, as membership only: its unreferenced blocks *and* the blocks of the
+    ranges a held checkpoint covers (they stay here while covered, so a checkpoint taken or given back moves no
+    block in or out; `num_free` and `stats` subtract them). The pool hands blocks out by range (see
+    `ArenaAttentionPool.allocate`, which never picks a covered range) and never evicts on its own, so the order
+    means nothing: `move_to_end` (the base pool's "front of the queue") does nothing."""
+
+    def move_to_end(self, key: int, last: bool = True) -> None:
+        pass
+
+
 class ArenaAttentionPool(BlockPool):
     """Attention blocks of the arena: free blocks are handed out clustered (see `allocate`); every transition is
     reported to the overlay's per-range counters (inlined here: these hooks run for every block)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         super().__init__(num_blocks, name, page_bytes)
+        self._queue = FreeIds.fromkeys(self._queue)  # type: ignore[assignment]
         self.overlay: Overlay | None = None
         self._watch = True
         self._plain_sets: list[set[int]] = []
@@ -171,15 +183,12 @@ class ArenaAttentionPool(BlockPool):
         ov.plain_in(c)
 
     def cover(self, c: int) -> None:
-        """The overlay takes free range c (a checkpoint slot over it is held): its blocks leave the free queue,
-        referenced by the overlay. In bulk (a range is k blocks; `touch` per block cost a hook call each); the
-        overlay's counters are set by the caller."""
+        """The overlay takes free range c (a checkpoint slot over it is held): its blocks are referenced by the
+        overlay (they stay in the free queue: see `FreeIds`). In bulk (a range is k blocks; `touch` per block cost
+        a hook call each); the overlay's counters are set by the caller."""
         ov = self.overlay
         assert ov is not None
-        queue = self._queue
         blocks = ov.blocks_of(c)
-        for b in blocks:
-            del queue[b]
         self.ref_cnt[blocks.start:blocks.stop] = [1] * ov.k
         self.num_plain -= ov.k
         self.num_overlaid += ov.k
@@ -187,16 +196,11 @@ class ArenaAttentionPool(BlockPool):
         self._with_plain.discard(c)
 
     def uncover(self, c: int) -> None:
-        """The overlay gives range c back: its blocks are free again (front of the queue, as `free` puts them)."""
+        """The overlay gives range c back: its blocks are free again."""
         ov = self.overlay
         assert ov is not None
-        queue = self._queue
         blocks = ov.blocks_of(c)
         self.ref_cnt[blocks.start:blocks.stop] = [0] * ov.k
-        to_front = queue.move_to_end
-        for b in blocks:
-            queue[b] = None
-            to_front(b, False)
         self.num_plain += ov.k
         self.num_overlaid -= ov.k
         self._plain_sets[c].update(blocks)
@@ -206,9 +210,21 @@ class ArenaAttentionPool(BlockPool):
         c = self.overlay.range_of(block_id) if self.overlay is not None else 0
         return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
 
+    @property
+    def num_free(self) -> int:
+        return len(self._queue) - self.num_overlaid
+
+    def free_block_ids(self) -> list[int]:
+        ref = self.ref_cnt
+        return [b for b in self._queue if not ref[b]]
+
+    def _queued(self, block_id: int) -> bool:
+        return self.ref_cnt[block_id] == 0 or bool(self.own_refs(block_id))
+
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["in_use"] -= self.num_overlaid
+        s["free"] -= self.num_overlaid
         s["overlaid"] = self.num_overlaid
         return s
 

@@ -119,6 +119,14 @@ class Reclaimer:
         self._jump: dict[bytes, bytes | None] = {}
         """Anchor walks: node -> where the last walk through it ended (see `_anchor`); cleared when a node with
         descendants becomes a branch point or a checkpoint (a walk that skipped over it is out of date)."""
+        self._down: dict[bytes, tuple[bytes, int, int]] = {}
+        """Range pricing: a *plain* node (one child, no checkpoint: it adds no credit) -> (a node further down its
+        plain stretch, the nodes a walk pops to get there, that node's link stamp); see `_plain_stretch`."""
+        self._linked: dict[bytes, int] = {}
+        """node -> stamp of the moment it was linked under its parent (a new stamp each time it is linked)."""
+        self._link_order = itertools.count()
+        self._going: set[bytes] = set()
+        """`_evict_subtree`: the blocks it is evicting (deepest first)."""
         self.evicted_bytes = {"attention": 0, "state": 0}
         self.num_evicted = {"attention": 0, "state": 0}
         for p in self.pools:
@@ -162,7 +170,7 @@ class Reclaimer:
         value = self.policy == "value"
         states = self._state_ids
         k = self.overlay.k  # type: ignore[union-attr]
-        state_needs = [(p, n) for p, n in needs if id(p) in states]
+        state_needs = [(p, n) for p, n in needs if n and id(p) in states]  # (n = 0 takes no range, is never short)
         attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
         leaders = self.leaders
         while True:
@@ -278,7 +286,9 @@ class Reclaimer:
         kids = self.kids
         kids_of = kids.get if kids is not None else None
         children_of = self.children.get
-        for b, h in zip(blocks, names[lo:hi], strict=True):
+        down_of, linked_of = self._down.get, self._linked.get
+        for b in blocks:  # (indexed: most walks stop early, a slice of the whole range would be wasted)
+            h = names[b]
             if h is None:
                 continue
             if kids_of is None or not children_of(h):
@@ -289,25 +299,85 @@ class Reclaimer:
                 if pb is not None and lo <= pb < hi:
                     continue  # its parent is in this range too: the parent's subtree covers it
                 sub_limit = limit - credit
-                sub, stack, seen = 0.0, [h], 0
-                while stack:
+                sub, stack, seen, over = 0.0, [h], 0, False
+                while stack and not over:
                     x = stack.pop()
                     seen += 1
-                    if seen > MAX_RANGE_SUBTREE:
-                        sub = inf
-                        break
-                    page = cached.get(x)
-                    if page is not None:
-                        sub += page_credit(page, x)
-                        if sub > sub_limit:
+                    while True:  # x, then down its plain stretches (no credit there: popped, not priced)
+                        jump = down_of(x)
+                        if jump is not None and linked_of(jump[0]) == jump[2]:
+                            x = jump[0]
+                            seen += jump[1]
+                            continue
+                        if seen > MAX_RANGE_SUBTREE:
+                            sub, over = inf, True
                             break
-                    ks = kids_of(x)
-                    if ks:
+                        page = cached.get(x)
+                        if page is not None:
+                            sub += page_credit(page, x)
+                            if sub > sub_limit:
+                                over = True
+                                break
+                        ks = kids_of(x)
+                        if not ks:
+                            break
+                        if len(ks) == 1 and (slot_of is None or slot_of(x) is None):
+                            x, pops = self._plain_stretch(x, ks)
+                            seen += pops
+                            continue
                         stack.extend(ks)
+                        break
                 credit += sub
             if credit > limit:
                 return credit / total
         return credit / total
+
+    def _plain_stretch(self, x: bytes, kids: set[bytes]) -> tuple[bytes, int]:
+        """Plain node x (its only child in `kids`): the first node below it that is not plain (or the one where
+        MAX_RANGE_SUBTREE pops end any walk), and the pops a subtree walk makes from x to reach it. Remembered in
+        `_down` for every plain node passed, so the next walk jumps there.
+
+        A jump stays exact while its target keeps its link stamp: a node of the stretch loses its child or leaves
+        only after everything below it did (the target included: it is unlinked, and linked again with a new
+        stamp), and a node of the stretch with a child can become a branch point or a checkpoint only through
+        `_structure_changed`, which drops every jump."""
+        state = self.state.cached if self.state is not None else {}
+        kids_of = self.kids.get  # type: ignore[union-attr]
+        path = [x]
+        (z,) = kids
+        while len(path) <= MAX_RANGE_SUBTREE:
+            ks = kids_of(z)
+            if ks is None or len(ks) != 1 or z in state:
+                break
+            path.append(z)
+            (z,) = ks
+        stamp, n = self._linked[z], len(path)
+        down = self._down
+        for i, p in enumerate(path):
+            down[p] = (z, n - i, stamp)
+        return z, n
+
+    def _check_stretches(self) -> None:
+        """Every jump still in force (its target keeps its stamp) skips exactly its pops over plain nodes."""
+        assert self.kids is not None
+        state = self.state.cached if self.state is not None else {}
+        for x, (z, pops, stamp) in self._down.items():
+            if self._linked.get(z) != stamp:
+                continue  # out of date: never taken
+            y, n = x, 0
+            while y != z:
+                ks = self.kids.get(y)
+                assert ks is not None and len(ks) == 1 and y not in state, ("jump over a node that is not plain", x)
+                (y,) = ks
+                n += 1
+                assert n <= pops, ("jump longer than its stretch", x)
+            assert n == pops, ("jump shorter than its stretch", x)
+
+    def _structure_changed(self) -> None:
+        """A node with descendants became a branch point or a checkpoint: walks that skipped over it (anchor
+        walks up, pricing walks down) are out of date."""
+        self._jump.clear()
+        self._down.clear()
 
     def _evict_range(self, c: int) -> None:
         """Evict every cached block of range c (no block in it is referenced), in every attention pool."""
@@ -338,6 +408,7 @@ class Reclaimer:
             order.append(x)
             stack.extend(self.kids.get(x, ()))
         chain = self.attention
+        self._going = set(order)
         for x in reversed(order):
             page = chain.cached.get(x)
             if page is None:
@@ -346,6 +417,7 @@ class Reclaimer:
                 self.evict(chain, page)
             else:
                 self._unlink(x)
+        self._going = set()
 
     def _leaders_of(self, pools: list[BlockPool]) -> list[BlockPool]:
         """The distinct leaders of `pools` (a rider's pages are freed by evicting its leader's)."""
@@ -427,9 +499,11 @@ class Reclaimer:
                 rider.uncache(page)
 
     def _unlink(self, h: bytes) -> None:
+        self._down.pop(h, None)
         parent = self.parent.pop(h, None)
         if parent is None:
             return
+        del self._linked[h]
         if self.kids is not None:
             kids = self.kids[parent]
             kids.discard(h)
@@ -440,6 +514,8 @@ class Reclaimer:
             self.children[parent] = left
         else:
             del self.children[parent]
+            if parent in self._going and (self.state is None or parent not in self.state.cached):
+                return  # a dead end that this subtree eviction takes next: queuing it would change nothing
             self._requeue_block(parent)  # a new leaf
 
     def _forget(self, h: bytes) -> None:
@@ -482,11 +558,16 @@ class Reclaimer:
         if pb is None:
             return  # the parent is gone: this block heads an unreachable chain and stays a leaf
         self.parent[h] = parent
+        self._linked[h] = next(self._link_order)
         if self.kids is not None:
-            self.kids.setdefault(parent, set()).add(h)
+            kids = self.kids.get(parent)
+            if kids is None:
+                self.kids[parent] = {h}
+            else:
+                kids.add(h)
         n = self.children[parent] = self.children.get(parent, 0) + 1
         if n == 2:
-            self._jump.clear()  # a new branch point: walks that skipped over it are out of date
+            self._structure_changed()  # a new branch point
         self._chain_queue.discard(pb)  # no longer a leaf
 
     def demote(self, h: bytes) -> None:
@@ -509,7 +590,7 @@ class Reclaimer:
         self.tokens[h] = tokens
         if self.policy == "value":
             if self.children.get(h):
-                self._jump.clear()  # a checkpoint mid-chain: walks that skipped over it are out of date
+                self._structure_changed()  # a checkpoint mid-chain
             self._requeue_block(h)
 
     def _requeue_block(self, h: bytes) -> None:
@@ -600,5 +681,7 @@ class Reclaimer:
                 assert {p: len(k) for p, k in self.kids.items()} == self.children, "children out of date"
                 for h, ks in self.kids.items():
                     assert all(self.parent[k] == h for k in ks)
+                assert self._linked.keys() == self.parent.keys(), "link stamps out of date"
+                self._check_stretches()
         if self.overlay is not None:
             self.overlay.check_integrity()
