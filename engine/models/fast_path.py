@@ -280,6 +280,15 @@ def _gdn_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 # MoE
 
 
+def relu2_fast(x: torch.Tensor) -> torch.Tensor:
+    """layers.relu2 in one Triton pass on CUDA (same bits), the torch ops elsewhere."""
+    if x.is_cuda and x.is_contiguous():
+        from engine.kernels.fused import relu2
+
+        return relu2(x)
+    return relu2_reference(x)
+
+
 def stack_experts(moe: Any) -> None:
     """Stack the routed experts' weights into [E, out, in] tensors once; each expert's weight becomes a view of
     its row (no second copy stays in memory)."""
@@ -327,4 +336,4 @@ def moe_routed_masked(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: tor
 
 
 __all__ = ["attention", "conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed",
-           "moe_routed_masked", "stack_experts"]
+           "moe_routed_masked", "relu2_fast", "stack_experts"]

@@ -20,8 +20,15 @@ from torch import nn
 from engine.cache.specs import CacheSpec, FullAttentionSpec
 from engine.models.base import AttentionCache, LayerCache, StateCache
 from engine.models.batch import ForwardBatch
-from engine.models.fast_path import attention, grouped_moe_available, moe_routed, moe_routed_masked, stack_experts
-from engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata
+from engine.models.fast_path import (
+    attention,
+    grouped_moe_available,
+    moe_routed,
+    moe_routed_masked,
+    relu2_fast,
+    stack_experts,
+)
+from engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata, relu2
 from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 from engine.models.varlen import VarlenMetadata
 
@@ -307,10 +314,15 @@ class NemotronHForCausalLM(nn.Module):
         return self.backbone.norm_f(h)
 
     def enable_fast_path(self) -> None:
-        """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs."""
+        """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs; relu2 MLPs (dense and
+        shared experts) square in one kernel."""
         for layer in self.backbone.layers:
-            if isinstance(layer.mixer, NemotronHMoE):
-                layer.mixer.use_grouped_gemm()
+            mixer = layer.mixer
+            if isinstance(mixer, NemotronHMoE):
+                mixer.use_grouped_gemm()
+            for mlp in (mixer, getattr(mixer, "shared_experts", None)):
+                if isinstance(mlp, MLP) and mlp.act is relu2:
+                    mlp.act = relu2_fast
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
