@@ -101,8 +101,10 @@ class ArenaAttentionPool(BlockPool):
                     if nplain[c] == full:
                         ov.num_free_ranges -= 1
                     nplain[c] -= 1
-            if c and not plain:
-                self._with_plain.discard(c)
+            if c:
+                ov.unreferenced.discard(c)
+                if not plain:
+                    self._with_plain.discard(c)
         self.num_plain -= n
         return out
 
@@ -143,6 +145,7 @@ class ArenaAttentionPool(BlockPool):
                 self._plain_sets[0].discard(block_id)
             return
         ov.nref[c] += 1
+        ov.unreferenced.discard(c)
         if was_plain:
             plain = self._plain_sets[c]
             plain.discard(block_id)
@@ -162,6 +165,8 @@ class ArenaAttentionPool(BlockPool):
                 self._plain_sets[0].add(block_id)
             return
         ov.nref[c] -= 1
+        if not ov.nref[c]:
+            ov.unreferenced.add(c)
         if now_plain:
             self._plain_sets[c].add(block_id)
             self._with_plain.add(c)
@@ -344,6 +349,8 @@ class Overlay:
         n = self.num_ranges + 1
         self.nplain = [self.full] * n
         self.nref = [0] * n
+        self.unreferenced = set(range(1, n))
+        """Ranges with no referenced block (nref 0): the ones whose cached blocks may be evicted."""
         self.holders = [0] * n
         self.held: set[int] = set()
         self.age = [-1] * n
@@ -409,6 +416,7 @@ class Overlay:
             for p in self.attention:
                 p.cover(c)
             self.nref[c] = self.full
+            self.unreferenced.discard(c)
 
     def release(self, pool: ArenaStatePool, c: int) -> None:
         self.holders[c] -= 1
@@ -417,13 +425,13 @@ class Overlay:
             for p in self.attention:
                 p.uncover(c)
             self.nref[c] = 0
+            self.unreferenced.add(c)
             self.plain_in(c, self.full)
 
     # -- for the Reclaimer -----------------------------------------------------------------------------------
     def eligible_ranges(self) -> list[int]:
         """Ranges with no referenced block (so no held checkpoint either): their cached blocks may be evicted."""
-        nref = self.nref
-        return [c for c in range(1, self.num_ranges + 1) if not nref[c]]
+        return sorted(self.unreferenced)
 
     def check_integrity(self) -> None:
         """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any
@@ -440,6 +448,7 @@ class Overlay:
                 for p in self.attention:
                     for b in blocks:
                         assert p.ref_cnt[b] == 1 and p.block_hash[b] is None, (p.name, c, b, "overlaps a block")
+        assert self.unreferenced == {c for c in range(1, self.num_ranges + 1) if not self.nref[c]}, "unreferenced"
         assert self.num_free_ranges == sum(1 for c in range(1, self.num_ranges + 1) if self.nplain[c] == self.full)
         for p in self.attention:
             assert p.num_overlaid == self.k * len(self.held), p.name
