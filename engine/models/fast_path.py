@@ -59,7 +59,12 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
 
     C, K = weight.shape
     ext = xbc.new_zeros(pre.ext_size, C)
-    ext[pre.ext_x] = prefill_rows(xbc, pre)
+    if xbc.is_cuda:
+        from engine.kernels.recurrent_prefill import copy_rows
+
+        copy_rows(ext, pre.ext_x, xbc, pre.rows)
+    else:
+        ext[pre.ext_x] = prefill_rows(xbc, pre)
     if pre.init_index.numel() > 0:
         init = xbc.new_zeros(pre.num_seqs, C, K - 1)
         init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
