@@ -109,6 +109,10 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         # holds leases. On GPUs the thread also slowed D's pulls 2-3x on an H200 (docs/BENCHMARKS.md). Trade-off:
         # over UCX/TCP (CPU, no RDMA) a busy P serves READs only between its steps; --nixl-progress-thread restores
         # the thread for that case.
+        if opts.nixl_progress_thread and role == "decode" and layout.device_type == "cuda":
+            log.warning("--nixl-progress-thread on a decode worker with GPU caches: on an H200 such a worker "
+                           "aborted inside UCX on its first handoff when UCX staged the READs through host memory "
+                           "(kvtransfer/README.md, Progress thread)")
         agent_config = AgentConfig(progress_thread=opts.nixl_progress_thread)
         ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=agent_config,
                                   metrics=TransferMetrics(role))
