@@ -62,6 +62,8 @@ class BlockPool:
         self.listener: PoolListener | None = None
         self._watch = False
         """Arena pools: call the `_on_*` hooks below on every reference / free transition."""
+        self.version = 0
+        """Counts the calls that may change the pool (the Reclaimer's "nothing changed since" test)."""
 
     # -- queries -----------------------------------------------------------------------------------------------
     @property
@@ -104,6 +106,7 @@ class BlockPool:
 
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
+        self.version += 1
         avail = self.num_plain if self.listener is not None else len(self._queue)
         if n > avail:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {avail} free")
@@ -134,6 +137,7 @@ class BlockPool:
         """An unreferenced cached page lost its name: it is free now."""
 
     def touch(self, block_ids: Iterable[int]) -> None:
+        self.version += 1
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
@@ -149,6 +153,7 @@ class BlockPool:
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
+        self.version += 1
         ref, names, queue, listener, watch = self.ref_cnt, self.block_hash, self._queue, self.listener, self._watch
         for b in block_ids:
             if b == NULL_BLOCK_ID:
@@ -173,6 +178,7 @@ class BlockPool:
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)
         when another block already holds that content or this block is already named."""
+        self.version += 1
         if block_id == NULL_BLOCK_ID or block_hash in self.cached or self.block_hash[block_id] is not None:
             return False
         self.block_hash[block_id] = block_hash
@@ -182,6 +188,7 @@ class BlockPool:
     def rename(self, src: int, dst: int) -> None:
         """Move the name (hash) of unreferenced cached `src` to unnamed `dst`, which holds the same content; `src`
         becomes free. Used when a request recomputed a cached block: its live copy takes over the name."""
+        self.version += 1
         h = self.block_hash[src]
         assert h is not None and self.ref_cnt[src] == 0 and self.block_hash[dst] is None and dst != NULL_BLOCK_ID
         self.block_hash[src] = None
@@ -202,6 +209,7 @@ class BlockPool:
         self._drop(block_id, count=True)
 
     def _drop(self, block_id: int, count: bool) -> None:
+        self.version += 1
         had = self.block_hash[block_id] is not None
         self._evict_hash(block_id, count=count)
         if had and self.ref_cnt[block_id] == 0:

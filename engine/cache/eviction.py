@@ -59,6 +59,8 @@ class EvictionQueue:
         """page -> its current priority (live entries)."""
         self._order = order if order is not None else itertools.count()
         """Release counter; queues that share one compare their ties across pools in release order."""
+        self.version = 0
+        """Counts the calls that may change the queue."""
 
     def __len__(self) -> int:
         return len(self._live)
@@ -67,6 +69,7 @@ class EvictionQueue:
         return page in self._live
 
     def push(self, page: int, priority: float) -> None:
+        self.version += 1
         seq = next(self._order)
         self._live[page] = seq
         self.priority[page] = priority
@@ -76,6 +79,7 @@ class EvictionQueue:
             heapq.heapify(self._heap)
 
     def discard(self, page: int) -> None:
+        self.version += 1
         self._live.pop(page, None)
         self.priority.pop(page, None)
 
@@ -90,6 +94,7 @@ class EvictionQueue:
         return None
 
     def pop(self) -> int:
+        self.version += 1
         entry = self.peek()
         assert entry is not None
         heapq.heappop(self._heap)
@@ -102,6 +107,7 @@ class EvictionQueue:
 
     def reprioritize(self, priority_of: object) -> None:
         """Recompute every live entry's priority (`priority_of(page)`), keeping release order for ties."""
+        self.version += 1
         self._heap = [(priority_of(page), seq, page) for page, seq in self._live.items()]  # type: ignore[operator]
         heapq.heapify(self._heap)
         self.priority = {page: prio for prio, _, page in self._heap}

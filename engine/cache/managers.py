@@ -101,7 +101,7 @@ class AttentionManager:
         return len(self.find_hit(block_hashes, max_tokens)) * self.block_size
 
     def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
-        out = tuple(self.pool.lookup(h) for h in block_hashes[: num_tokens // self.block_size])
+        out = tuple(map(self.pool.cached.get, block_hashes[: num_tokens // self.block_size]))
         assert None not in out
         return out  # type: ignore[return-value]
 

@@ -83,6 +83,7 @@ class ArenaAttentionPool(BlockPool):
         (they cannot take a checkpoint anyway), then ranges with no reference that are not wholly free, then
         free ranges (highest range first): so ranges with no referenced block, which checkpoints need, stay so."""
         assert self.listener is not None and self.overlay is not None, "arena pools are policy-driven"
+        self.version += 1
         if n > self.num_plain:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
         out: list[int] = []
@@ -298,6 +299,7 @@ class ArenaStatePool(BlockPool):
         return out
 
     def _take(self, s: int) -> None:
+        self.version += 1
         assert self.ref_cnt[s] == 0 and self.block_hash[s] is None, (self.name, s)
         del self._queue[s]
         self.num_plain -= 1

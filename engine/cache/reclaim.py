@@ -100,6 +100,9 @@ class Reclaimer:
         """Arena, "value": parent -> cached children (a range eviction takes a block's subtree)."""
         self.num_checkpoints_skipped = 0
         """Arena: checkpoints not taken because no range could be freed (each only costs hits)."""
+        self._failed_room: tuple[tuple[tuple[int, int], ...], int] | None = None
+        """Arena: (needs, `_version()`) of the last checkpoint's room that failed: until a pool or a queue changes,
+        the next one fails the same way (`_make_room_arena`)."""
         ref_bytes = self.unit_bytes[id(self.state if self.state is not None else self.attention)]
         self.values = ValueModel(ref_bytes, alpha)
         self.clock = 0.0
@@ -167,6 +170,11 @@ class Reclaimer:
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
         """Free ids are memory here (the pools' counts are the budget): see the module docstring."""
+        if checkpoint:
+            asked = tuple((id(p), n) for p, n in needs)
+            if self._failed_room == (asked, self._version()):
+                self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
+                return False
         value = self.policy == "value"
         states = self._state_ids
         k = self.overlay.k  # type: ignore[union-attr]
@@ -204,6 +212,7 @@ class Reclaimer:
                 if victim is None:
                     if checkpoint:
                         self.num_checkpoints_skipped += 1
+                        self._failed_room = (asked, self._version())
                     return False
             elif victim is None:
                 return False
@@ -211,6 +220,16 @@ class Reclaimer:
             self._since_refresh += 1
             if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
                 self.refresh()
+
+    def _version(self) -> int:
+        """Grows with every call that may change a pool or a queue. What a checkpoint's room reads (free ids and
+        ranges, queue priorities, the clock, the tree, hits) changes only through such calls."""
+        v = 0
+        for p in self.pools:
+            v += p.version
+        for q in self.queues.values():
+            v += q.version
+        return v
 
     def _served(self, slot: int) -> bool:
         """The lead state pool's cached checkpoint in `slot` was restored at least once."""
