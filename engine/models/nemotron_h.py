@@ -175,12 +175,13 @@ class NemotronHRouter(nn.Module):
         a = self.a
         scores = F.linear(h.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
-        per_group = a.n_routed_experts // a.n_group
-        group_scores = choice.view(-1, a.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=a.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        score_mask = group_mask[:, :, None].expand(-1, a.n_group, per_group).reshape(-1, a.n_routed_experts)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        if a.topk_group < a.n_group:  # keep the best groups' experts (every group kept: nothing to mask)
+            per_group = a.n_routed_experts // a.n_group
+            group_scores = choice.view(-1, a.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=a.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            score_mask = group_mask[:, :, None].expand(-1, a.n_group, per_group).reshape(-1, a.n_routed_experts)
+            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
         idx = torch.topk(choice, k=a.num_experts_per_tok, dim=-1, sorted=False)[1]
         weights = scores.gather(1, idx)
         if a.norm_topk_prob:
