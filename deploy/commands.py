@@ -162,7 +162,8 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
                         "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
     p.add_argument("--nixl-progress-thread", action="store_true",
                    help="run NIXL's progress thread (it busy-polls a core even when idle; default: off, the worker's "
-                        "step loop progresses transfers while leases or pulls are in flight)")
+                        "step loop progresses transfers while leases or pulls are in flight). Not on a decode worker "
+                        "with GPU caches: one aborted inside UCX on an H200 (kvtransfer/README.md)")
     p.add_argument("--tls-cert-file", default=None,
                    help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
                         "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")
