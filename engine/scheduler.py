@@ -245,9 +245,18 @@ class Scheduler:
         blocks = tuple(self.cache.group_block_ids(rid).items())
         slots = tuple(self.cache.group_state_slots(rid).items())
         ckpts = tuple((gid, tuple(c)) for gid, c in self.cache.plan_group_checkpoints(req, start, end).items())
-        return ScheduledSeq(rid, start, tuple(req.token_slice(start, end)), blocks[0][1] if blocks else (),
-                            slots[0][1] if slots else PAD_SLOT_ID, ckpts[0][1] if ckpts else (),
-                            req.compute_target is None and end == req.num_tokens, blocks, slots, ckpts)
+        return ScheduledSeq(
+            request_id=rid,
+            num_computed_tokens=start,
+            token_ids=tuple(req.token_slice(start, end)),
+            block_ids=blocks[0][1] if blocks else (),
+            state_slot=slots[0][1] if slots else PAD_SLOT_ID,
+            checkpoints=ckpts[0][1] if ckpts else (),
+            sample=req.compute_target is None and end == req.num_tokens,
+            group_block_ids=blocks,
+            group_state_slots=slots,
+            group_checkpoints=ckpts,
+        )
 
     def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:
         """The head of the queue cannot get its caches and nothing runs: only requests waiting behind it that hold

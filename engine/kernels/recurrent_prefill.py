@@ -4,8 +4,6 @@ launch each instead of a chain of torch casts, splits, copies and head expansion
     mamba_chunk_inputs   activated conv output xc [P, conv_dim] (model dtype) and dt [P, H] (fp32) ->
                          q = C, k = B expanded from their group to every head, v = x * dt   (fp32, [P, H, *])
     mamba_skip_add       y = y + D * x, in place (x read from xc)                            (fp32)
-    copy_rows            dst[dst_rows[i]] = src[src_rows[i]]: the prefill tokens into the conv's extended buffer
-                         (torch's gather + index_put made two passes, the second at under 1 TB/s)
 
 The values are the reference's (mamba2.Mamba2Mixer): x, B and C are xc's values made fp32 (exact), v is the fp32
 product x * dt; only the skip term may round differently (a fused multiply-add).
@@ -77,25 +75,4 @@ def mamba_skip_add(y: torch.Tensor, xc: torch.Tensor, D: torch.Tensor) -> torch.
     return y
 
 
-@triton.jit
-def _copy_rows_kernel(dst_ptr, dst_rows_ptr, src_ptr, src_rows_ptr, C, stride_d, stride_s, BLOCK_C: tl.constexpr):
-    i = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < C
-    d = tl.load(dst_rows_ptr + i).to(tl.int64)
-    s = tl.load(src_rows_ptr + i).to(tl.int64)
-    tl.store(dst_ptr + d * stride_d + c, tl.load(src_ptr + s * stride_s + c, mask=cm), mask=cm)
-
-
-def copy_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
-    """dst[dst_rows] = src[src_rows] for 2-D tensors of one dtype with contiguous columns (rows may be strided)."""
-    n, C = src_rows.shape[0], src.shape[1]
-    assert dst.dtype == src.dtype and dst.shape[1] == C and dst.stride(1) == 1 and src.stride(1) == 1
-    assert dst_rows.shape[0] == n
-    if n:
-        block_c = 1024
-        _copy_rows_kernel[(n, triton.cdiv(C, block_c))](dst, dst_rows, src, src_rows, C, dst.stride(0), src.stride(0),
-                                                        BLOCK_C=block_c)
-
-
-__all__ = ["copy_rows", "mamba_chunk_inputs", "mamba_skip_add"]
+__all__ = ["mamba_chunk_inputs", "mamba_skip_add"]

@@ -59,12 +59,7 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
 
     C, K = weight.shape
     ext = xbc.new_zeros(pre.ext_size, C)
-    if xbc.is_cuda:
-        from engine.kernels.recurrent_prefill import copy_rows
-
-        copy_rows(ext, pre.ext_x, xbc, pre.rows)
-    else:
-        ext[pre.ext_x] = prefill_rows(xbc, pre)
+    ext[pre.ext_x] = prefill_rows(xbc, pre)
     if pre.init_index.numel() > 0:
         init = xbc.new_zeros(pre.num_seqs, C, K - 1)
         init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
@@ -312,7 +307,7 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, then each token's k
     outputs gathered back, weighted and summed in fp32 (one kernel). x [T, in] bf16; weights fp32 / idx [T, k].
     Returns [T, in] in x's dtype."""
-    from engine.kernels.fused import moe_combine, relu2
+    from engine.kernels.fused import moe_combine
 
     T, top = idx.shape
     flat = idx.reshape(-1)
@@ -323,7 +318,8 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=x.device)  # row of the sorted copies that holds (t, k)
     up = torch._grouped_mm(x[order // top], moe.stacked_up_proj.transpose(1, 2), offs=offs)
-    act = relu2(up) if moe.experts[0].act is relu2_reference else moe.experts[0].act(up)
+    act_fn = moe.experts[0].act
+    act = relu2_fast(up) if act_fn is relu2_reference else act_fn(up)
     down = torch._grouped_mm(act, moe.stacked_down_proj.transpose(1, 2), offs=offs)
     return moe_combine(down, pos.view(T, top), weights.float().contiguous())
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fused import gated_group_norm, gated_head_norm, moe_combine, relu2, rms_norm, silu_mul
-from engine.kernels.recurrent_prefill import copy_rows, mamba_chunk_inputs, mamba_skip_add
+from engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
 from engine.models.gated_deltanet import GatedRMSNorm
 from engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
 from engine.models.layers import relu2 as relu2_reference
@@ -139,16 +139,6 @@ def check_mamba_chunk_inputs_and_skip(dtype: torch.dtype) -> None:
     y, D = rand(P, H, hd), rand(H, dtype=dtype)
     want = y + D.float()[:, None] * x.reshape(P, H, hd)
     check(mamba_skip_add(y.clone(), xc, D), want, atol=1e-5)  # the kernel may fuse the multiply-add
-
-
-def check_copy_rows(dtype: torch.dtype) -> None:
-    src = rand(9, 1500 + 7, dtype=dtype)[:, :1500]  # strided rows, a column tail past one block
-    dst = rand(12, 1500, dtype=dtype)
-    dst_rows, src_rows = idx(11, 0, 4, 7, 2), idx(8, 3, 3, 0, 5)
-    want = dst.clone()
-    want[dst_rows] = src[src_rows]
-    copy_rows(dst, dst_rows, src, src_rows)
-    check(dst, want)
 
 
 def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
