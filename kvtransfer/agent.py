@@ -81,6 +81,23 @@ def _mem_type(layout: CacheLayout) -> str:
     return "DRAM" if layout.device_type == "cpu" else "VRAM"
 
 
+UCX_GPU_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+"""UCX settings a GPU cache needs, set in this process's environment unless the operator set them. UCX turns off
+cuda_ipc's GET (the READ that D posts) when NVML reports no NVLink ("cuda-ipc get zcopy disabled as no nvlinks
+detected", UCX_LOG_LEVEL=debug): on a host with one GPU, or PCIe GPUs, the READs then went through host memory over
+TCP at 0.4-0.7 GB/s (docs/BENCHMARKS.md, 2026-11-24) instead of a device copy."""
+
+
+def apply_ucx_defaults(device_type: str) -> dict[str, str]:
+    """Put UCX_GPU_DEFAULTS into os.environ for a GPU cache (before NIXL creates its UCX context); returns what it
+    set. A value already in the environment wins."""
+    if device_type == "cpu":
+        return {}
+    applied = {k: v for k, v in UCX_GPU_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
 def registration_spans(regions: tuple[Region, ...]) -> list[tuple[int, int, int, str]]:
     """The regions' byte spans per device as NIXL registration tuples (addr, len, dev, ""); overlapping spans (views
     of one tensor, e.g. per-layer slices of a stacked cache) are merged, merely adjacent ones are not: adjacent
@@ -150,6 +167,9 @@ class TransferAgent:
         self._lock = threading.RLock()
         self._peers: dict[str, PeerHandle] = {}
         cfg = self.config
+        applied = apply_ucx_defaults(layout.device_type)
+        if applied:
+            logger.info("UCX settings for GPU transfers (not set by the environment): %s", applied)
         self._nixl: Any = nixl_agent(
             self.nixl_name,
             nixl_agent_config(enable_prog_thread=cfg.progress_thread, backends=[], capture_telemetry=cfg.telemetry),

@@ -49,6 +49,47 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 @triton.jit
+def _attend(q, acc, m_i, l_i, n0, s, h, kv_end, q_pos, d, cache_ptr, table_ptr, scale, stride_blk, stride_kv,
+            stride_tok, stride_kvh, stride_table, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile [n0, n0 + BLOCK_N) of the online softmax. MASKED = False: every key of the tile is below
+    kv_end and visible to every row (the tiles left of the causal diagonal): no masks computed."""
+    p = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        p_ok = p < kv_end
+        blk = tl.load(table_ptr + s * stride_table + p // BLOCK_SIZE, mask=p_ok, other=0)
+    else:
+        blk = tl.load(table_ptr + s * stride_table + p // BLOCK_SIZE)
+    base = blk.to(tl.int64) * stride_blk + (p % BLOCK_SIZE) * stride_tok + h * stride_kvh
+    if MASKED:
+        k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
+    else:
+        k = tl.load(cache_ptr + base[:, None] + d[None, :]).to(q.dtype)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * (scale * 1.4426950408889634)  # log2(e): exp2 below
+    if MASKED:
+        visible = (p[None, :] <= q_pos[:, None]) & p_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    prob = tl.math.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(prob, 1)
+    if MASKED:
+        v = tl.load(cache_ptr + base[:, None] + stride_kv + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(cache_ptr + base[:, None] + stride_kv + d[None, :]).to(q.dtype)
+    if IEEE:
+        pv = tl.dot(prob.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(prob.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
 def _attention_kernel(q_ptr, cache_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr, scale,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_kv, stride_tok, stride_kvh,
                       stride_table, BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -76,34 +117,19 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
     q_pos = ctx_len - q_len + i  # context position of each row's query token
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (tile + 1) * BLOCK_M)
+    # keys below the tile's first query position are visible to all its rows: whole tiles of them go unmasked
+    full_end = tl.minimum(ctx_len - q_len + tile * BLOCK_M + 1, kv_end) // BLOCK_N * BLOCK_N
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, HEAD_DIM], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
-        p = n0 + tl.arange(0, BLOCK_N)
-        p_ok = p < kv_end
-        blk = tl.load(table_ptr + s * stride_table + p // BLOCK_SIZE, mask=p_ok, other=0)
-        base = blk.to(tl.int64) * stride_blk + (p % BLOCK_SIZE) * stride_tok + h * stride_kvh
-        k = tl.load(cache_ptr + base[:, None] + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        visible = (p[None, :] <= q_pos[:, None]) & p_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        prob = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        v = tl.load(cache_ptr + base[:, None] + stride_kv + d[None, :], mask=p_ok[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            pv = tl.dot(prob.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(prob.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, n0, s, h, kv_end, q_pos, d, cache_ptr, table_ptr, scale,
+                                stride_blk, stride_kv, stride_tok, stride_kvh, stride_table, BLOCK_SIZE, BLOCK_N,
+                                IEEE, False)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, n0, s, h, kv_end, q_pos, d, cache_ptr, table_ptr, scale,
+                                stride_blk, stride_kv, stride_tok, stride_kvh, stride_table, BLOCK_SIZE, BLOCK_N,
+                                IEEE, True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -124,22 +150,40 @@ def paged_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, q_start: tor
     S = q_start.shape[0]
     if S == 0 or T == 0:
         return out
-    # rows of a program (query tokens x heads of a group): 16 for decode; 128 for long bf16 prefills with head dim
-    # <= 128 (half the K/V re-reads of 64: an 8,192-token Nemotron-3-Nano layer went from 2.55 ms), else 64
-    long_prefill = max_q_len >= 128 and D <= 128 and q.dtype != torch.float32
+    launch_attention(q, kv_cache, out, q_start, q_len, ctx_len, block_table, max_q_len, scale,
+                     attention_config(max_q_len, D, q.dtype))
+    return out
+
+
+def attention_config(max_q_len: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(rows per program, keys per tile, warps, pipeline stages). Rows are query tokens x heads of a group: 16 for
+    decode; 128 for long bf16 prefills with head dim <= 128 (half the K/V re-reads of 64), else 64.
+    benchmarks/prefill_kernels.py compares the choices (H200, 8,192 tokens, causal): 128 rows x 64 keys with 4
+    warps took 1.29 ms per Nemotron-3-Nano layer and 1.64 per Nemotron-H-8B layer, against 1.78 / 1.72 with 8
+    warps (torch's flash attention: 0.93 / 1.01, on contiguous K/V)."""
+    long_prefill = max_q_len >= 128 and head_dim <= 128 and dtype != torch.float32
     rows = 16 if max_q_len == 1 else 128 if long_prefill else 64
+    block_n = 64 if head_dim <= 128 else 32
+    warps = 8 if head_dim > 128 else 4
+    return rows, block_n, warps, 3
+
+
+def launch_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, q_start: torch.Tensor,
+                     q_len: torch.Tensor, ctx_len: torch.Tensor, block_table: torch.Tensor, max_q_len: int,
+                     scale: float, config: tuple[int, int, int, int]) -> None:
+    rows, block_n, warps, stages = config
+    H, D = q.shape[1], q.shape[2]
+    kvh = kv_cache.shape[3]
+    G = H // kvh
     block_m = max(1, rows // G)
-    block_n = 64 if D <= 128 else 32
-    warps = 8 if long_prefill or D > 128 else 4
-    grid = (S, triton.cdiv(max_q_len, block_m), kvh)
+    grid = (q_start.shape[0], triton.cdiv(max_q_len, block_m), kvh)
     _attention_kernel[grid](
         q, kv_cache, out, q_start, q_len, ctx_len, block_table, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         BLOCK_SIZE=kv_cache.shape[2], G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=warps,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
-    return out
 
 
-__all__ = ["paged_attention_varlen", "write_kv"]
+__all__ = ["attention_config", "launch_attention", "paged_attention_varlen", "write_kv"]

@@ -58,12 +58,15 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
     from engine.kernels.recurrent_step import conv_varlen
 
     C, K = weight.shape
-    ext = xbc.new_zeros(pre.ext_size, C)
-    ext[pre.ext_x] = prefill_rows(xbc, pre)
+    ext = xbc.new_empty(pre.ext_size, C)
+    if pre.num_seqs == 1:  # its tokens follow its K-1 state rows: a slice copy (H200: 0.13 vs 0.24 ms at 8k x 6k)
+        ext[K - 1:] = prefill_rows(xbc, pre)
+    else:
+        ext[pre.ext_x] = prefill_rows(xbc, pre)
+    init = xbc.new_zeros(pre.num_seqs, C, K - 1)  # state rows: zeros, or the slot's conv state
     if pre.init_index.numel() > 0:
-        init = xbc.new_zeros(pre.num_seqs, C, K - 1)
         init[pre.init_index] = conv[pre.init_slot].to(xbc.dtype)
-        ext[pre.ext_state] = init.transpose(1, 2).reshape(-1, C)
+    ext[pre.ext_state] = init.transpose(1, 2).reshape(-1, C)
     out = conv_varlen(ext, weight, bias, pre.ext_x, act)
     conv[pre.cut_slot] = ext[pre.cut_ext].transpose(1, 2).to(conv.dtype)
     return out

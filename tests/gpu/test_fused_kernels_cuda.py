@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 CHECKS = ["conv_varlen_matches_reference_chunks", "gated_group_norm", "gated_head_norm",
           "gdn_decode_matches_reference_step", "mamba_chunk_inputs_and_skip", "mamba_decode_matches_reference_step",
-          "moe_combine", "relu2", "rms_norm_per_head_of_a_strided_view", "rms_norm_with_and_without_residual",
+          "moe_combine", "paged_attention_across_key_tiles", "relu2", "rms_norm_per_head_of_a_strided_view", "rms_norm_with_and_without_residual",
           "silu_mul"]
 
 
