@@ -292,6 +292,7 @@ def profile_ours(names: list[str], args: argparse.Namespace, top: int = 25) -> N
 
     for name in ("schedule", "update_from_output", "finish"):
         setattr(cm.Scheduler, name, wrapped(getattr(cm.Scheduler, name)))
+    args.arena = getattr(args, "arena", True)  # cache_manager.run's default layout (the arena)
     for n in names:
         pr.clear()
         r = cm.run(cm.WORKLOADS[n](random.Random(args.seed), args.scale), "ours", args)

@@ -239,12 +239,13 @@ class Scheduler:
         )
 
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        cache = self.cache
         start = req.num_computed_tokens
         end = start + num_new
         rid = req.request_id
-        blocks = tuple(self.cache.group_block_ids(rid).items())
-        slots = tuple(self.cache.group_state_slots(rid).items())
-        ckpts = tuple((gid, tuple(c)) for gid, c in self.cache.plan_group_checkpoints(req, start, end).items())
+        blocks = cache.block_tables(rid)
+        slots = cache.state_slot_table(rid)
+        ckpts = cache.checkpoint_plan(req, start, end)
         return ScheduledSeq(
             request_id=rid,
             num_computed_tokens=start,

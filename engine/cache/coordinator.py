@@ -140,6 +140,8 @@ class HybridCacheManager:
         self._state_gids = [(m, m.group.group_id) for m in self.states]
         self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
         """(manager, its group id) in `managers` order, for the per-step loops."""
+        self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
+        """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
         self._alloc_order: list[tuple[GroupManager, int]] = (
             self._gids if arena is None else [*self._state_gids, *self._block_gids])
         """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
@@ -319,14 +321,12 @@ class HybridCacheManager:
         out: dict[int, list[tuple[int, int]]] = {}
         for _, gid in self._state_gids:
             out[gid] = []
-        if not self.states or not self.enable_prefix_caching:
+        if self._nothing_due(req, end):
             return out
         if self.policy.admission == "interval":
             self.update_hashes(req)
             return self._reserve(req, self.states[0].interval_boundaries(start, end), None, out)
         targets = self._targets.get(req.request_id)
-        if end % self.block_size and not self.policy.interval and (not targets or targets[0] > end):
-            return out  # most decode steps: no boundary here
         self.update_hashes(req)
         due: list[int] = []
         while targets and targets[0] <= end:
@@ -338,6 +338,24 @@ class HybridCacheManager:
                                      if b > req.num_prompt_tokens})
         rolling = end if self.admission.decode_boundary(end, req.num_prompt_tokens) and end not in due else None
         return self._reserve(req, due, rolling, out)
+
+    def checkpoint_plan(self, req: Request, start: int,
+                        end: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+        """`plan_group_checkpoints` in the scheduler's form, ((recurrent group id, ((num_tokens, slot), ...)), ...):
+        most decode steps plan nothing and share one empty answer."""
+        if self._nothing_due(req, end):
+            return self._no_checkpoints
+        return tuple([(gid, tuple(c)) for gid, c in self.plan_group_checkpoints(req, start, end).items()])
+
+    def _nothing_due(self, req: Request, end: int) -> bool:
+        """No checkpoint can be planned for a chunk ending at `end` (most decode steps): no recurrent group, no
+        prefix caching, or, with "reuse" admission, neither a block boundary nor a target up to `end`."""
+        if not self.states or not self.enable_prefix_caching:
+            return True
+        if self.policy.admission == "interval" or self.policy.interval or not end % self.block_size:
+            return False
+        targets = self._targets.get(req.request_id)
+        return not targets or targets[0] > end
 
     def _reserve(self, req: Request, boundaries: list[int], rolling: int | None,
                  out: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
@@ -385,15 +403,17 @@ class HybridCacheManager:
         """Hash the blocks that filled this step (the chain first: riders name only what it holds) and publish the
         checkpoints it wrote (the lead group first, likewise)."""
         if self.enable_prefix_caching and self.blocks:
-            chain, bs, noted = self.blocks[0], self.block_size, self._noted
+            held, bs, noted = self.blocks[0].req_blocks, self.block_size, self._noted
             for req in computed:
                 rid = req.request_id
-                if chain.holds(rid):
+                if rid in held:  # the chain holds it (`holds`, inlined: once per request per step)
                     hashes = req.block_hashes
                     if req.num_tokens // bs > len(hashes):
                         self.update_hashes(req)
+                    computed_blocks = req.num_computed_tokens // bs
                     for m in self.blocks:
-                        m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
+                        if computed_blocks > m.num_hashed[rid]:  # else no block filled (most decode steps)
+                            m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
                     if rid in noted and len(hashes) > noted[rid]:
                         self._note(req)  # decoded blocks too: a later prompt may branch off an answer
         for rm in self.states:
@@ -537,6 +557,20 @@ class HybridCacheManager:
         for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
             tables[gid] = m.req_pages(req_id)
         return tables
+
+    def block_tables(self, req_id: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """`group_block_ids` in the scheduler's form: ((attention group id, block table), ...)."""
+        tables = []
+        for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
+            tables.append((gid, m.req_pages(req_id)))
+        return tuple(tables)
+
+    def state_slot_table(self, req_id: str) -> tuple[tuple[int, int], ...]:
+        """`group_state_slots` in the scheduler's form: ((recurrent group id, running slot), ...)."""
+        slots = []
+        for m, gid in self._state_gids:
+            slots.append((gid, m.running_slot.get(req_id, PAD_SLOT_ID)))
+        return tuple(slots)
 
     def group_state_slots(self, req_id: str) -> dict[int, int]:
         """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""

@@ -45,15 +45,11 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
 def append_block_hashes(hashes: list[bytes], new_blocks: Sequence[int], block_size: int, extra: bytes = b"") -> None:
     """Append the hashes of the full blocks `new_blocks` (the tokens of the blocks after the last hashed one, a
     multiple of block_size) to `hashes`: `extend_block_hashes` without the request's earlier tokens."""
-    data = memoryview(struct.pack(f"{len(new_blocks)}q", *new_blocks))  # == array("q", ...).tobytes(), faster
+    data = struct.pack(f"{len(new_blocks)}q", *new_blocks)  # == array("q", ...).tobytes(), faster
     step = block_size * 8  # bytes per block: tokens are packed as int64
     salt = b"\x00salt\x00" + extra if extra else b""
     parent = hashes[-1] if hashes else _ROOT
     sha256, append = hashlib.sha256, hashes.append
-    for off in range(0, len(data), step):
-        h = sha256(parent)
-        h.update(data[off : off + step])
-        if salt:
-            h.update(salt)
-        parent = h.digest()[:16]
+    for off in range(0, len(data), step):  # one message per block: sha256(a | b) == sha256(a).update(b)
+        parent = sha256(parent + data[off : off + step] + salt).digest()[:16]
         append(parent)

@@ -192,34 +192,44 @@ class Reclaimer:
                 if n and not state_short and p.available(checkpoint) < n:
                     state_short = True
             if not state_short:
-                taken = k * ranges
-                for p, n in attn_needs:
-                    if p.num_plain - taken < n:
-                        break
-                else:
-                    return True
+                # Evictions only free ids and ranges, and never a running slot: the state pools stay served and
+                # take the same ranges, so only attention is left to fill.
+                return self._fill_attention(attn_needs, k * ranges)
             victim = self._lowest(leaders)
-            if state_short:
-                if victim is None or victim[0] is not self.state:
-                    lowest_state = self._lowest([self.state]) if self.state is not None else None
-                    c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
-                    if c is not None:
-                        self._evict_range(c)
-                        continue
-                    victim = lowest_state
-                    if checkpoint and victim is not None and value and self._served(victim[1]):
-                        victim = None  # a checkpoint that served hits stays; the new, speculative one is skipped
-                if victim is None:
-                    if checkpoint:
-                        self.num_checkpoints_skipped += 1
-                        self._failed_room = (asked, self._version())
-                    return False
-            elif victim is None:
+            if victim is None or victim[0] is not self.state:
+                lowest_state = self._lowest([self.state]) if self.state is not None else None
+                c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
+                if c is not None:
+                    self._evict_range(c)
+                    continue
+                victim = lowest_state
+                if checkpoint and victim is not None and value and self._served(victim[1]):
+                    victim = None  # a checkpoint that served hits stays; the new, speculative one is skipped
+            if victim is None:
+                if checkpoint:
+                    self.num_checkpoints_skipped += 1
+                    self._failed_room = (asked, self._version())
                 return False
-            self.evict(*victim)
-            self._since_refresh += 1
-            if value and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
-                self.refresh()
+            self._evict_victim(victim)
+
+    def _fill_attention(self, attn_needs: list[tuple[BlockPool, int]], taken: int) -> bool:
+        """Arena: evict the lowest pages (either queue) until every attention pool has its `n` free blocks besides
+        the `taken` ones the state pools' new ranges cover. False when nothing is left to evict."""
+        leaders = self.leaders
+        for p, n in attn_needs:
+            while p.num_plain - taken < n:  # (an eviction never takes free blocks away: earlier pools stay served)
+                victim = self._lowest(leaders)
+                if victim is None:
+                    return False
+                self._evict_victim(victim)
+        return True
+
+    def _evict_victim(self, victim: tuple[BlockPool, int, float]) -> None:
+        """Evict `_lowest`'s answer; every so many evictions, re-value the queues (`refresh`)."""
+        self.evict(*victim)
+        self._since_refresh += 1
+        if self.policy == "value" and self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued():
+            self.refresh()
 
     def _version(self) -> int:
         """Grows with every call that may change a pool or a queue. What a checkpoint's room reads (free ids and
@@ -445,7 +455,10 @@ class Reclaimer:
         return list({id(q): q for q in (self.leader_of[id(p)] for p in pools)}.values())
 
     def num_queued(self) -> int:
-        return sum(len(q) for q in self.queues.values())
+        n = 0  # a loop, not sum(genexpr): asked after every eviction past 1024 since a refresh
+        for q in self.queues.values():
+            n += len(q)
+        return n
 
     def refresh(self) -> None:
         """Recompute every queued page's value against the tree as it is now (keeping its recency)."""

@@ -299,7 +299,7 @@ def test_recurrent_hits_zero_when_checkpoints_are_never_written() -> None:
 
 def test_recurrent_hits_zero_when_runner_drops_checkpoint_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     s = make()
-    monkeypatch.setattr(s.cache, "plan_group_checkpoints", lambda req, start, end: {})
+    monkeypatch.setattr(s.cache, "checkpoint_plan", lambda req, start, end: ())
     serve(s, "a", A)
     again, (out,) = serve(s, "b", A)
     assert again.num_cached_tokens == 0 and out.state_copies == ()
