@@ -1,6 +1,7 @@
-"""The recurrent decode kernels alone (engine.kernels.recurrent_step) at full-size shapes, per tile choice: time
-(median of 20 CUDA-event timings) and the state bandwidth they reach (state read + written) against a same-run
-device-to-device copy (roofline.py's). Prints a table; --out writes JSON.
+"""The decode kernels alone at full-size shapes, per tile choice: the recurrent ones (engine.kernels.recurrent_step;
+bandwidth = state read + written) and paged attention (engine.kernels.paged_attention; bandwidth = K/V read). Time
+is the median of 20 CUDA-event timings, against a same-run device-to-device copy (roofline.py's). Prints a table;
+--out writes JSON.
 
     python benchmarks/decode_kernels.py --batch 64
 """
@@ -30,11 +31,49 @@ def median_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
+def attention_rows(B: int, contexts: list[int], tiles: list[tuple[int, int, int]] | None = None
+                   ) -> list[dict]:  # type: ignore[type-arg]
+    """Decode attention (one query token per sequence) over a paged cache: the prefill kernel's path (one program
+    per sequence and KV head) against the split-KV kernels, with the default and fixed numbers of key ranges."""
+    from engine.kernels import paged_attention as pa
+
+    dev, bs, out = "cuda", 16, []
+    for name, (H, KVH, D) in {"nemotron-h-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}.items():
+        for ctx in contexts:
+            nb = B * ctx // bs
+            cache = torch.randn(nb, 2, bs, KVH, D, device=dev, dtype=torch.bfloat16)
+            table = torch.randperm(nb, device=dev).to(torch.int32).view(B, ctx // bs)
+            q = torch.randn(B, H, D, device=dev, dtype=torch.bfloat16)
+            start = torch.arange(B, dtype=torch.int32, device=dev)
+            qlen = torch.ones(B, dtype=torch.int32, device=dev)
+            clen = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+            o = torch.zeros_like(q)
+            nbytes = cache.numel() * 2
+            default = pa.decode_splits(B, KVH, q.device)
+            runs = {"one program per (seq, kv head)": lambda: pa.launch_attention(  # noqa: E731
+                q, cache, o, start, qlen, clen, table, 1, D ** -0.5, pa.attention_config(1, D, q.dtype))}
+            for sp in dict.fromkeys([1, 4, default]):
+                runs[f"split-KV x{sp}" + (" (default)" if sp == default else "")] = (
+                    lambda sp=sp: pa.decode_attention(q, cache, o, start, clen, table, D ** -0.5, sp))
+            if tiles:
+                for t in tiles:
+                    runs[f"split-KV x{default} tile {t}"] = (
+                        lambda t=t: pa.decode_attention(q, cache, o, start, clen, table, D ** -0.5, default, t))
+            for label, fn in runs.items():
+                ms = median_ms(fn)
+                out.append({"kernel": f"attention {name} ctx {ctx}", "tile": label, "ms": ms,
+                            "GBps": nbytes / ms / 1e6})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--contexts", default="1024,8192", help="decode attention: context lengths")
+    p.add_argument("--attention-tiles", action="store_true", help="decode attention: also sweep the tile choices")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
     B, dev = args.batch, "cuda"
     copy_gbps = copy_bandwidth() / 1e9
     rows, slots = torch.arange(B, device=dev), torch.arange(1, B + 1, device=dev)
@@ -64,9 +103,11 @@ def main() -> None:
         ms = median_ms(lambda: rs.gdn_decode(xq, ab[:, :Hv], ab[:, Hv:], par, par, st, slots, init, rows, out, Hk))
         nbytes = 2 * B * Hv * K * V * 4
         results.append({"kernel": "gdn_decode", "tile": tile, "ms": ms, "GBps": nbytes / ms / 1e6})
+    tiles = [(n, w, st) for n in (32, 64) for w in (4, 8) for st in (2, 3, 4)] if args.attention_tiles else None
+    results += attention_rows(B, args.contexts, tiles)
     print(f"copy {copy_gbps:.0f} GB/s (read + write), batch {B}")
     for r in results:
-        print(f"{r['kernel']:14} tile {str(r['tile']):9} {r['ms'] * 1e3:8.1f} us {r['GBps']:7.0f} GB/s "
+        print(f"{r['kernel']:30} {str(r['tile']):34} {r['ms'] * 1e3:8.1f} us {r['GBps']:7.0f} GB/s "
               f"= {r['GBps'] / copy_gbps:.2f} of copy")
     if args.out:
         with open(args.out, "w") as f:

@@ -134,6 +134,104 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, q_start_ptr, q_len_ptr, ctx_len
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _decode_split_kernel(q_ptr, cache_ptr, m_ptr, l_ptr, o_ptr, q_start_ptr, ctx_len_ptr, table_ptr, scale,
+                         stride_qt, stride_qh, stride_blk, stride_kv, stride_tok, stride_kvh, stride_table,
+                         H: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, G: tl.constexpr,
+                         R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Decode (one query token per sequence), keys cut into SPLITS ranges: program (s, split, h) runs the online
+    softmax of the G query heads of KV head h over its range and stores the unnormalised accumulator with its
+    running max (log2 domain) and sum; _decode_reduce_kernel merges the ranges."""
+    s = tl.program_id(0)
+    split = tl.program_id(1)
+    h = tl.program_id(2)
+    ctx_len = tl.load(ctx_len_ptr + s)
+    r = tl.arange(0, R)
+    row_ok = r < G
+    head = h * G + tl.where(row_ok, r, 0)
+    d = tl.arange(0, HEAD_DIM)
+    q0 = tl.load(q_start_ptr + s)
+    q = tl.load(q_ptr + q0 * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    chunk = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx_len, lo + chunk)
+    q_pos = tl.zeros([R], tl.int32) + ctx_len - 1
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, HEAD_DIM], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, n0, s, h, hi, q_pos, d, cache_ptr, table_ptr, scale,
+                                stride_blk, stride_kv, stride_tok, stride_kvh, stride_table, BLOCK_SIZE, BLOCK_N,
+                                IEEE, True)
+    part = (s * SPLITS + split) * H + head
+    tl.store(m_ptr + part, m_i, mask=row_ok)
+    tl.store(l_ptr + part, l_i, mask=row_ok)
+    tl.store(o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start_ptr, stride_ot, stride_oh, H: tl.constexpr,
+                          SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    s = tl.program_id(0)
+    head = tl.program_id(1)
+    k = tl.arange(0, SPLITS_P2)
+    k_ok = k < SPLITS
+    part = (s * SPLITS + k) * H + head
+    m = tl.load(m_ptr + part, mask=k_ok, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=k_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    total = tl.sum(w * l, 0)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=k_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    q0 = tl.load(q_start_ptr + s)
+    tl.store(out_ptr + q0 * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+_SMS: dict[int, int] = {}
+
+
+def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Key ranges per (sequence, KV head) of a decode step: enough programs for about 8 per multiprocessor (a
+    batch-1 decode at 8k context otherwise ran on 4 of 132), at most 16. Depends on the batch only, so a CUDA graph
+    captured for a batch size stays valid for every context length."""
+    if device.type != "cuda":
+        return 3  # Triton's interpreter (tests): ranges to merge, some of them empty
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(16, 8 * _SMS[idx] // max(1, num_seqs * kv_heads)))
+
+
+def decode_tile(head_dim: int) -> tuple[int, int, int]:
+    """(keys per tile, warps, pipeline stages) of the split-KV decode kernel. benchmarks/decode_kernels.py
+    --attention-tiles (H200, batch 64, one launch per timing, so +-15 %): 64 keys and 4 warps were the fastest or
+    within noise of it at 1k and 8k context, head dims 128 and 256; 32 keys (the prefill kernel's choice for 256)
+    was 5-20 % slower at head dim 256."""
+    return 64, 4, (3 if head_dim <= 128 else 2)
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, q_start: torch.Tensor,
+                     ctx_len: torch.Tensor, block_table: torch.Tensor, scale: float, splits: int,
+                     tile: tuple[int, int, int] | None = None) -> None:
+    """One query token per sequence (q_len 1 for every sequence): split-KV attention, then the merge. `tile`:
+    (keys per tile, warps, pipeline stages), DECODE_TILE's by default."""
+    S, (H, D), kvh = q_start.shape[0], q.shape[1:], kv_cache.shape[3]
+    G = H // kvh
+    block_n, warps, stages = tile or decode_tile(D)
+    m = torch.empty(S, splits, H, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    o = torch.empty(S, splits, H, D, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(S, splits, kvh)](
+        q, kv_cache, m, l, o, q_start, ctx_len, block_table, scale, q.stride(0), q.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0), H=H, SPLITS=splits,
+        BLOCK_SIZE=kv_cache.shape[2], G=G, R=max(16, G), HEAD_DIM=D, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _decode_reduce_kernel[(S, H)](m, l, o, out, q_start, out.stride(0), out.stride(1), H=H, SPLITS=splits,
+                                  SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=D)
+
+
 def paged_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                            ctx_len: torch.Tensor, block_table: torch.Tensor, max_q_len: int, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,6 +247,9 @@ def paged_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, q_start: tor
         out = torch.zeros_like(q)
     S = q_start.shape[0]
     if S == 0 or T == 0:
+        return out
+    if max_q_len == 1:
+        decode_attention(q, kv_cache, out, q_start, ctx_len, block_table, scale, decode_splits(S, kvh, q.device))
         return out
     launch_attention(q, kv_cache, out, q_start, q_len, ctx_len, block_table, max_q_len, scale,
                      attention_config(max_q_len, D, q.dtype))
@@ -186,4 +287,5 @@ def launch_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     )
 
 
-__all__ = ["attention_config", "launch_attention", "paged_attention_varlen", "write_kv"]
+__all__ = ["attention_config", "decode_attention", "decode_splits", "launch_attention", "paged_attention_varlen",
+           "write_kv"]

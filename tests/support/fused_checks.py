@@ -258,14 +258,19 @@ def check_conv_varlen_matches_reference_chunks(dtype: torch.dtype) -> None:
 def check_paged_attention_across_key_tiles(dtype: torch.dtype) -> None:
     """paged_attention_varlen against dense causal softmax attention per sequence (fp32), with contexts of several
     key tiles: the tiles left of the causal diagonal run unmasked, the rest masked. A decode, a prefill with no
-    prefix (long enough for the 128-row bf16 tiles), a chunk after a cached prefix, a padded row (ctx_len 0); the
-    block table is shuffled and the unused cache rows hold NaN, which must not leak."""
-    from engine.kernels.paged_attention import paged_attention_varlen
-
+    prefix (long enough for the 128-row bf16 tiles), a chunk after a cached prefix, a padded row (ctx_len 0); then
+    a decode-only step (the split-KV kernels: key ranges merged). The block table is shuffled and the unused cache
+    rows hold NaN, which must not leak."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         return  # Triton's interpreter returns values of 1e8 here for bf16, from the kernel before the tile split too
+    for seqs in ([(1, 203), (150, 150), (70, 260), (1, 0)], [(1, 203), (1, 17), (1, 64), (1, 0), (1, 1)]):
+        _check_attention(dtype, seqs)
+
+
+def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
+    from engine.kernels.paged_attention import paged_attention_varlen
+
     H, KVH, D, bs = 4, 2, 32, 16
-    seqs = [(1, 203), (150, 150), (70, 260), (0, 0)]  # (q_len, ctx_len)
     n_blocks = sum(-(-c // bs) for _, c in seqs) + 3
     cache = torch.full((n_blocks, 2, bs, KVH, D), float("nan"), dtype=dtype)
     perm = torch.randperm(n_blocks, generator=GEN).tolist()
@@ -282,7 +287,7 @@ def check_paged_attention_across_key_tiles(dtype: torch.dtype) -> None:
         for p in range(cl):
             cache[blocks[p // bs], :, p % bs] = kv[:, p]
         starts.append(pos)
-        if ql:
+        if ql and cl:
             qf = q[pos:pos + ql].float().cpu().view(ql, KVH, H // KVH, D)
             scores = torch.einsum("ikgd,pkd->kgip", qf, kv[0].float()) * D ** -0.5
             visible = torch.arange(cl)[None, :] <= (cl - ql + torch.arange(ql))[:, None]
