@@ -255,17 +255,19 @@ class Scheduler:
         blocks = cache.block_tables(rid)
         slots = cache.state_slot_table(rid)
         ckpts = cache.checkpoint_plan(req, start, end)
+        # Positional (fields in declaration order): with 10 keywords the call costs 0.86 us against 0.34 us
+        # (CPython 3.11), once per request per step: 8 % of a decode step of benchmarks/cache_manager.py.
         return ScheduledSeq(
-            request_id=rid,
-            num_computed_tokens=start,
-            token_ids=tuple(req.token_slice(start, end)),
-            block_ids=blocks[0][1] if blocks else (),
-            state_slot=slots[0][1] if slots else PAD_SLOT_ID,
-            checkpoints=ckpts[0][1] if ckpts else (),
-            sample=req.compute_target is None and end == req.num_tokens,
-            group_block_ids=blocks,
-            group_state_slots=slots,
-            group_checkpoints=ckpts,
+            rid,  # request_id
+            start,  # num_computed_tokens
+            tuple(req.token_slice(start, end)),  # token_ids
+            blocks[0][1] if blocks else (),  # block_ids
+            slots[0][1] if slots else PAD_SLOT_ID,  # state_slot
+            ckpts[0][1] if ckpts else (),  # checkpoints
+            req.compute_target is None and end == req.num_tokens,  # sample
+            blocks,  # group_block_ids
+            slots,  # group_state_slots
+            ckpts,  # group_checkpoints
         )
 
     def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:

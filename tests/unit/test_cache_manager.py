@@ -9,6 +9,7 @@ A hit is the largest checkpoint boundary <= min(attention hit, N - 1).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, Recur
 from engine.config import SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 BS, INTERVAL = 4, 8
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -400,3 +401,16 @@ def test_token_slice_spans_prompt_and_outputs() -> None:
     for start in range(8):
         for end in range(start, 9):
             assert req.token_slice(start, end) == req.all_token_ids[start:end], (start, end)
+
+
+def test_scheduled_seq_fields_in_the_order_the_scheduler_passes_them() -> None:
+    """Scheduler._schedule_seq builds ScheduledSeq positionally (keywords cost 2.5x per request per step)."""
+    assert [f.name for f in dataclasses.fields(ScheduledSeq)] == [
+        "request_id", "num_computed_tokens", "token_ids", "block_ids", "state_slot", "checkpoints", "sample",
+        "group_block_ids", "group_state_slots", "group_checkpoints"]
+    s = make()
+    _, (out,) = serve(s, "a", A)
+    seq = out.seqs[0]
+    assert seq.request_id == "a" and seq.num_computed_tokens == 0 and seq.token_ids == tuple(A) and seq.sample
+    assert seq.block_ids == seq.group_block_ids[0][1] and seq.state_slot == seq.group_state_slots[0][1]
+    assert seq.checkpoints == seq.group_checkpoints[0][1]
