@@ -65,9 +65,7 @@ class SeenHashes:
 
     def add(self, hashes: list[bytes]) -> None:
         seen = self._seen
-        for h in hashes:
-            if h not in seen:
-                seen[h] = None
+        seen.update(dict.fromkeys(hashes))  # a hash seen before keeps its place (update never moves a key)
         while len(seen) > self.capacity:
             del seen[next(iter(seen))]
 
