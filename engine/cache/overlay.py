@@ -61,6 +61,11 @@ class ArenaAttentionPool(BlockPool):
         """Free blocks per range (index 0: blocks outside every range), filled by `bind`."""
         self._with_plain: set[int] = set()
         """Ranges (>= 1) with a free block."""
+        self._owed: set[int] = set()
+        """Ranges the overlay gave back (`uncover`) whose blocks `_plain_sets` does not hold yet: they are added on
+        first use (`_plain`), or never when a checkpoint takes the range again first (a rolling checkpoint's
+        successor takes the lowest free range, often its predecessor's). Same sets, same operations, in the same
+        order on each: only the add-then-clear of a range nobody touched in between is skipped."""
         self._last = 0
         self._score_base = 2
         self.num_overlaid = 0
@@ -87,11 +92,11 @@ class ArenaAttentionPool(BlockPool):
         if n > self.num_plain:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
         out: list[int] = []
-        ref, queue, ov, sets = self.ref_cnt, self._queue, self.overlay, self._plain_sets
+        ref, queue, ov = self.ref_cnt, self._queue, self.overlay
         nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
             c = self._pick_range()
-            plain = sets[c]
+            plain = self._plain(c)
             while plain and len(out) < n:
                 b = plain.pop()
                 del queue[b]
@@ -117,7 +122,7 @@ class ArenaAttentionPool(BlockPool):
         assert ov is not None
         nref, nplain, full = ov.nref, ov.nplain, ov.full
         last = self._last
-        if last and sets[last] and nref[last]:
+        if last and (sets[last] or last in self._owed) and nref[last]:
             return last  # keep filling the range in use
         # the least key (not nref, wholly free, -nref, -c) of the sample, as one integer to maximise: a range with
         # a referenced block is never wholly free, and nref <= full, c <= C, so the groups cannot overlap
@@ -136,6 +141,14 @@ class ArenaAttentionPool(BlockPool):
         self._last = best
         return best
 
+    def _plain(self, c: int) -> set[int]:
+        """Range c's free blocks (c = 0: outside every range), with what `uncover` owes it added first."""
+        plain = self._plain_sets[c]
+        if c in self._owed:
+            self._owed.discard(c)
+            plain.update(self.overlay.blocks_of(c))  # type: ignore[union-attr]
+        return plain
+
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
         ov = self.overlay
         if ov is None:
@@ -148,7 +161,7 @@ class ArenaAttentionPool(BlockPool):
         ov.nref[c] += 1
         ov.unreferenced.discard(c)
         if was_plain:
-            plain = self._plain_sets[c]
+            plain = self._plain(c)
             plain.discard(block_id)
             if not plain:
                 self._with_plain.discard(c)
@@ -169,7 +182,7 @@ class ArenaAttentionPool(BlockPool):
         if not ov.nref[c]:
             ov.unreferenced.add(c)
         if now_plain:
-            self._plain_sets[c].add(block_id)
+            self._plain(c).add(block_id)
             self._with_plain.add(c)
             ov.plain_in(c)
         else:
@@ -184,7 +197,7 @@ class ArenaAttentionPool(BlockPool):
         if not 1 <= c <= ov.num_ranges:
             self._plain_sets[0].add(block_id)
             return
-        self._plain_sets[c].add(block_id)
+        self._plain(c).add(block_id)
         self._with_plain.add(c)
         ov.plain_in(c)
 
@@ -214,7 +227,10 @@ class ArenaAttentionPool(BlockPool):
         self.ref_cnt[blocks.start:blocks.stop] = [1] * ov.k
         self.num_plain -= ov.k
         self.num_overlaid += ov.k
-        self._plain_sets[c].clear()
+        if c in self._owed:
+            self._owed.discard(c)  # its set is still as the last cover left it: empty
+        else:
+            self._plain_sets[c].clear()
         self._with_plain.discard(c)
 
     def uncover(self, c: int) -> None:
@@ -225,7 +241,8 @@ class ArenaAttentionPool(BlockPool):
         self.ref_cnt[blocks.start:blocks.stop] = [0] * ov.k
         self.num_plain += ov.k
         self.num_overlaid -= ov.k
-        self._plain_sets[c].update(blocks)
+        assert not self._plain_sets[c], (self.name, c, "a covered range's free-block set")
+        self._owed.add(c)  # (its blocks join `_plain_sets[c]` on first use: `_plain`)
         self._with_plain.add(c)
 
     def own_refs(self, block_id: int) -> int:
@@ -471,5 +488,8 @@ class Overlay:
         for p in self.attention:
             assert p.num_overlaid == self.k * len(self.held), p.name
             free = {b for b in range(1, p.num_blocks) if not p.ref_cnt[b] and p.block_hash[b] is None}
-            assert set().union(*p._plain_sets) == free, (p.name, "free-block sets")
-            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c]}, p.name
+            owed = [self.blocks_of(c) for c in p._owed]
+            assert not any(p._plain_sets[c] for c in p._owed), (p.name, "owed ranges' sets")
+            assert set().union(*p._plain_sets, *owed) == free, (p.name, "free-block sets")
+            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c] or c in p._owed}, \
+                p.name
