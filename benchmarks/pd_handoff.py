@@ -27,13 +27,19 @@ PHASES = {"prefill": ("queue", "prefill", "lease"),
           "decode": ("handshake", "admit", "pull", "commit", "resume", "total")}
 
 
-def _phases(c, w, role: str) -> dict[str, tuple[float, int]]:  # type: ignore[no-untyped-def]
-    """{phase: (mean seconds, count)} of one worker's hybridpd_kv_handoff_seconds."""
+def _totals(c, w, role: str) -> dict[str, tuple[float, float]]:  # type: ignore[no-untyped-def]
+    """{phase: (sum of seconds, count)} of one worker's hybridpd_kv_handoff_seconds so far."""
+    return {ph: (c.metric(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph),
+                 c.metric(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph)) for ph in PHASES[role]}
+
+
+def _phases(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]] | None = None
+            ) -> dict[str, tuple[float, int]]:
+    """{phase: (mean seconds, count)} of the requests between two `_totals` readings."""
     out = {}
-    for ph in PHASES[role]:
-        s = c.metric(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph)
-        n = c.metric(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph)
-        out[ph] = (s / n if n else float("nan"), int(n))
+    for ph, (s, n) in after.items():
+        s0, n0 = (before or {}).get(ph, (0.0, 0.0))
+        out[ph] = ((s - s0) / (n - n0) if n > n0 else float("nan"), int(n - n0))
     return out
 
 
@@ -48,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--warmup-prompts", type=int, default=None,
+                    help="requests sent and left out of every figure before the measured run (default: --concurrency;"
+                         " the first steps of a fresh worker compile kernels)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     ap.add_argument("--modes", default="pd,colocated")
@@ -63,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     results = []
+    warmup = args.concurrency if args.warmup_prompts is None else args.warmup_prompts
     with tempfile.TemporaryDirectory() as tmp:
         wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency, 8))]
         if args.preset:
@@ -81,18 +91,27 @@ def main(argv: list[str] | None = None) -> int:
             c = start_cluster(model, colocated=(mode == "colocated"), worker_args=wargs, prefill_args=args.prefill_arg,
                               decode_args=args.decode_arg)
             try:
+                def bench(n: int, seed: int, out: str) -> None:
+                    bench_main(["--base-url", c.url, "--model", c.model_name, "--dataset", "random", "--num-prompts",
+                                str(n), "--max-concurrency", str(args.concurrency), "--random-input-len",
+                                str(args.input_len), "--random-output-len", str(args.output_len), "--vocab-size",
+                                "256", "--seed", str(seed), "--quiet", "--out", out])
+
+                if warmup:
+                    bench(warmup, 1, os.path.join(tmp, f"{mode}-warmup.json"))
+                before = {}
+                if mode == "pd":
+                    before = {"prefill": _totals(c, c.prefill[0], "prefill"),
+                              "decode": _totals(c, c.decode[0], "decode")}
                 out = os.path.join(tmp, f"{mode}.json")
-                bench_main(["--base-url", c.url, "--model", c.model_name, "--dataset", "random", "--num-prompts",
-                            str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--random-input-len",
-                            str(args.input_len), "--random-output-len", str(args.output_len), "--vocab-size", "256",
-                            "--quiet", "--out", out])
+                bench(args.num_prompts, 0, out)
                 with open(out) as f:
                     s = json.load(f)["summary"]
                 row = {"mode": mode, "completed": s["completed"], "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"],
-                       "duration_s": s["duration_s"]}
+                       "duration_s": s["duration_s"], "warmup_prompts": warmup}
                 if mode == "pd":
-                    row["prefill"] = _phases(c, c.prefill[0], "prefill")
-                    row["decode"] = _phases(c, c.decode[0], "decode")
+                    row["prefill"] = _phases(_totals(c, c.prefill[0], "prefill"), before["prefill"])
+                    row["decode"] = _phases(_totals(c, c.decode[0], "decode"), before["decode"])
                 results.append(row)
             finally:
                 c.stop()
