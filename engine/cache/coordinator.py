@@ -163,6 +163,9 @@ class HybridCacheManager:
                 self.blocks[0].reclaimer = self.reclaimer
             if self.states:
                 self.states[0].reclaimer = self.reclaimer
+        self._covers: dict[str, int] = {}
+        """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
+        through `allocate`, `free` and `quarantine`, which refresh or drop it."""
         self._targets: dict[str, list[int]] = {}
         """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
         self._noted: dict[str, int] = {}
@@ -243,8 +246,10 @@ class HybridCacheManager:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
         rid = req.request_id
-        if num_tokens > 0 and self.reclaimer is not None and self.managers and not self._grows(rid, num_tokens):
+        if 0 < num_tokens <= self._covers.get(rid, 0):
             return True  # every group holds the request and covers num_tokens already (most decode steps)
+        if num_tokens > 0 and self.reclaimer is not None and self.managers and not self._grows(rid, num_tokens):
+            return True
         pages = hit.pages if hit is not None else {}
         new = self._is_new(rid)
         if self.reclaimer is None:
@@ -258,7 +263,19 @@ class HybridCacheManager:
             m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
+        if self.reclaimer is not None and self.managers:
+            self._covers[rid] = self._covered_tokens(rid)
         return True
+
+    def _covered_tokens(self, rid: str) -> int:
+        """Tokens the request's pages cover in every group: `_grows(rid, n)` is False exactly for 0 < n <= this."""
+        for m in self.managers:
+            if not m.holds(rid):
+                return 0
+        covered = 1 << 62  # (no attention group: a running state covers any length)
+        for am in self.blocks:
+            covered = min(covered, len(am.req_blocks[rid]) * self.block_size)
+        return covered
 
     def _is_new(self, rid: str) -> bool:
         """No group holds anything for the request yet."""
@@ -426,6 +443,7 @@ class HybridCacheManager:
 
     def free(self, req: Request) -> None:
         rid = req.request_id
+        self._covers.pop(rid, None)
         self._targets.pop(rid, None)
         self._noted.pop(rid, None)
         for m in self.managers:
@@ -464,6 +482,7 @@ class HybridCacheManager:
         self.quarantined.append(holder)
         if checkpoint is not None:
             self._reserved.pop(checkpoint.slots[self.states[0].group.group_id], None)  # its slots stay held
+        self._covers.pop(req.request_id, None)
         self._targets.pop(req.request_id, None)
         self._noted.pop(req.request_id, None)
         for m in self.managers:
