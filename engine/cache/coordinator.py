@@ -106,6 +106,8 @@ class HybridCacheManager:
         self.policy = layout.resolved_policy()
         self.policy.validate(layout.block_size)
         self.admission = Admission(self.policy, layout.block_size)
+        self._plan_every_chunk = self.policy.admission == "interval" or self.policy.interval > 0
+        """Checkpoints may fall mid-block (interval boundaries): every chunk is planned (`_nothing_due`)."""
         self.labels = {g.group_id: group_label(g, groups) for g in groups}
         self.pools: dict[int, BlockPool] = {}
         self.blocks: list[AttentionManager] = []
@@ -163,6 +165,9 @@ class HybridCacheManager:
                 self.blocks[0].reclaimer = self.reclaimer
             if self.states:
                 self.states[0].reclaimer = self.reclaimer
+        self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
+        """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
+        `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
         self._covers: dict[str, int] = {}
         """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
         through `allocate`, `free` and `quarantine`, which refresh or drop it."""
@@ -250,6 +255,7 @@ class HybridCacheManager:
             return True  # every group holds the request and covers num_tokens already (most decode steps)
         if num_tokens > 0 and self.reclaimer is not None and self.managers and not self._grows(rid, num_tokens):
             return True
+        self._tables.pop(rid, None)
         pages = hit.pages if hit is not None else {}
         new = self._is_new(rid)
         if self.reclaimer is None:
@@ -369,7 +375,7 @@ class HybridCacheManager:
         prefix caching, or, with "reuse" admission, neither a block boundary nor a target up to `end`."""
         if not self.states or not self.enable_prefix_caching:
             return True
-        if self.policy.admission == "interval" or self.policy.interval or not end % self.block_size:
+        if self._plan_every_chunk or not end % self.block_size:
             return False
         targets = self._targets.get(req.request_id)
         return not targets or targets[0] > end
@@ -443,6 +449,7 @@ class HybridCacheManager:
 
     def free(self, req: Request) -> None:
         rid = req.request_id
+        self._tables.pop(rid, None)
         self._covers.pop(rid, None)
         self._targets.pop(rid, None)
         self._noted.pop(rid, None)
@@ -482,6 +489,7 @@ class HybridCacheManager:
         self.quarantined.append(holder)
         if checkpoint is not None:
             self._reserved.pop(checkpoint.slots[self.states[0].group.group_id], None)  # its slots stay held
+        self._tables.pop(req.request_id, None)
         self._covers.pop(req.request_id, None)
         self._targets.pop(req.request_id, None)
         self._noted.pop(req.request_id, None)
@@ -575,6 +583,14 @@ class HybridCacheManager:
         tables = {}
         for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
             tables[gid] = m.req_pages(req_id)
+        return tables
+
+    def seq_tables(self, req_id: str) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]:
+        """(`block_tables`, `state_slot_table`) of the request, built again only after its pages changed (a decode
+        step usually reads the same ones as the step before)."""
+        tables = self._tables.get(req_id)
+        if tables is None:
+            tables = self._tables[req_id] = (self.block_tables(req_id), self.state_slot_table(req_id))
         return tables
 
     def block_tables(self, req_id: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
