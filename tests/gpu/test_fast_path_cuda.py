@@ -91,3 +91,26 @@ def test_split_groups_fast_path_with_graphs_matches_reference(checkpoint_dir):  
     for a, b in zip(ref + ref, fast, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_checkpoints_saved_by_decode_graphs_serve_later_hits(name, checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Decode steps that save a checkpoint (every 16 tokens here) run in the CUDA graph and copy the state after the
+    replay. A follow-up prompt (prompt + 30 of the answer + 5 new tokens, as a chat's next turn) then starts from a
+    checkpoint saved during decode; its output equals a fresh engine's, fp32: tokens identical, logprobs 1e-4."""
+    path = checkpoint_dir(name)
+    kwargs = dict(model=path, device="cuda", dtype="float32", max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=256 * 2**20, max_model_len=256, checkpoint_interval=16)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = random_prompts([20], vocab=256, seed=4)[0]
+    llm = LLM(**kwargs)  # type: ignore[arg-type]
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.num_graph_checkpoints > 0, "no checkpoint was saved by a graph step"
+    follow = prompt + first.token_ids[:30] + random_prompts([5], vocab=256, seed=5)[0]
+    hit = llm.generate(prompt_token_ids=[follow], sampling_params=params)[0]
+    assert hit.num_cached_tokens > len(prompt), "the follow-up did not start from a checkpoint saved during decode"
+    fresh = LLM(**kwargs).generate(prompt_token_ids=[follow], sampling_params=params)[0]  # type: ignore[arg-type]
+    assert fresh.num_cached_tokens == 0
+    assert hit.token_ids == fresh.token_ids
+    assert max(abs(x - y) for x, y in zip(hit.logprobs, fresh.logprobs, strict=True)) < 1e-4
