@@ -96,9 +96,9 @@ class Import:
 # -- producer ------------------------------------------------------------------------------------------------------
 def export_prefilled(core: EngineCore, req: Request) -> Export:
     """Pin a request that finished as "prefilled" (its blocks and running slots are still allocated) together with
-    the last cached checkpoint of its prompt, and describe them."""
+    the checkpoint `offered_checkpoint` picks, and describe them."""
     cache, n = core.cache, req.num_computed_tokens
-    found = cache.find_checkpoint(req, n)
+    found = offered_checkpoint(core, req, n)
     ckpt = None
     if found is not None:
         ckpt = Checkpoint(found[0], found[1])
@@ -109,6 +109,24 @@ def export_prefilled(core: EngineCore, req: Request) -> Export:
     for gid, slot in (ckpt.slots.items() if ckpt is not None else ()):
         pinned[gid] = pinned[gid] + (slot,)
     return Export(req.request_id, n, blocks, states, ckpt, pinned)
+
+
+def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, dict[int, int]] | None:
+    """The checkpoint an export offers: the deepest one within the first `n` tokens, except that the request's own
+    prompt-end checkpoints (saved by this request past its hit; under "reuse" admission at the last block
+    boundaries of what it computed) give way to a shallower one: they name this prompt alone, while the shallower
+    one (the branch point or the hit) is where the next prompt sharing the prefix hits, on P as on the consumer
+    that caches what it pulls. The prompt-end one is offered only when nothing shallower is cached (the first
+    request of a prefix; an identical prompt hits it on P, so it is then the hit, and offered)."""
+    cache = core.cache
+    found = cache.find_checkpoint(req, n)
+    if found is None or cache.policy.admission != "reuse" or found[0] <= req.num_cached_tokens:
+        return found
+    bs = cache.block_size
+    own = (n - 1) // bs * bs  # the shallower of the coordinator's prompt-end targets ("last" and the prompt end)
+    if found[0] < own:
+        return found
+    return cache.find_checkpoint(req, own - 1) or found
 
 
 def release_export(core: EngineCore, req: Request, exp: Export) -> None:
@@ -167,7 +185,9 @@ def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: fl
         dst_states[gid] = (slot,)
     ckpt = None
     offer = src.checkpoint
-    if offer is not None and offer.num_tokens > alloc.local_hit_tokens and set(alloc.state_slots) <= set(offer.slots):
+    if offer is not None and 0 < offer.num_tokens <= src.num_tokens and set(alloc.state_slots) <= set(offer.slots):
+        # pulled whenever we do not cache it yet (reserve_checkpoint: None if cached), even within our own block
+        # hit: that hit needs no checkpoint, but a prompt that branches there later restores from one
         ckpt = cache.reserve_checkpoint(req, offer.num_tokens)
         if ckpt is not None:
             for gid in alloc.state_slots:

@@ -503,9 +503,7 @@ class HybridCacheManager:
         The local prefix hit (attention blocks only: the running states come from the producer, so no checkpoint
         copy is queued) is kept; blocks for the rest are allocated and are *not* zeroed (the transfer overwrites
         them; the caller zeroes the unfilled tail of the last one). Returns None when the pools cannot hold it."""
-        hit = self.find_prefix_hit(req, max_tokens=num_external_tokens, count=False)
-        for m in self.states:
-            hit.pages.pop(m.group.group_id, None)  # no restore: the producer's running states overwrite ours
+        hit = self.find_transfer_hit(req, num_external_tokens)
         if not self.allocate(req, num_external_tokens, hit):
             return None
         self.count_hit(req, hit)
@@ -519,6 +517,33 @@ class HybridCacheManager:
             local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
             state_slots={m.group.group_id: m.running_slot[req.request_id] for m in self.states},
         )
+
+    def find_transfer_hit(self, req: Request, max_tokens: int) -> PrefixHit:
+        """A consumer's own prefix for a transfer: the longest run of blocks every attention group holds, within
+        `max_tokens`. No checkpoint is needed (the producer's running states overwrite ours), so D's checkpoints
+        never bound it. `group_hits`: each attention group's own run, each recurrent group's deepest checkpoint
+        within the agreed run (counted as in `find_prefix_hit`, for the per-group metrics)."""
+        hit = PrefixHit()
+        if not self.enable_prefix_caching or not self.blocks:
+            return hit
+        self.update_hashes(req)
+        hashes, bs = req.block_hashes, self.block_size
+        n = min(max_tokens, len(hashes) * bs) // bs * bs
+        first = True
+        while True:
+            agreed = n
+            for m in self.blocks:
+                n = m.find_hit_tokens(hashes, n)
+                if first:
+                    hit.group_hits[self.labels[m.group.group_id]] = n
+            first = False
+            if n == agreed:
+                break
+        hit.num_tokens = n
+        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in self.blocks}
+        for sm in self.states:
+            hit.group_hits[self.labels[sm.group.group_id]] = sm.find_hit_tokens(hashes, n)
+        return hit
 
     def count_external(self, req: Request, num_external_tokens: int) -> None:
         for c in self.external_counters.values():

@@ -69,8 +69,6 @@ class PD:
         assert dreq.output_token_ids == creq.output_token_ids
 
 
-@pytest.mark.xfail(strict=True, reason="P offers its own prompt-end checkpoint (engine/transfer.py export_prefilled: "
-                   "find_checkpoint(req, n)), never the shared prefix's; fix proposed by helper-14")
 def test_producer_offers_the_shared_prefix_checkpoint(checkpoint_dir):  # type: ignore[no-untyped-def]
     pd = PD(checkpoint_dir("nemotron_attn_mid"))
     for i, prompt in enumerate(_prompts(1, 3)):
@@ -79,9 +77,6 @@ def test_producer_offers_the_shared_prefix_checkpoint(checkpoint_dir):  # type: 
     assert pd.offers == [80, PREFIX, PREFIX]
 
 
-@pytest.mark.xfail(strict=True, reason="D's own hit for a transfer is bounded by D's checkpoints "
-                   "(engine/cache/coordinator.py allocate_for_transfer uses find_prefix_hit over every group); "
-                   "fix proposed by helper-14")
 def test_consumer_keeps_its_blocks_without_a_checkpoint(checkpoint_dir):  # type: ignore[no-untyped-def]
     pd = PD(checkpoint_dir("nemotron_attn_mid"))
     for i, prompt in enumerate(_prompts(1, 2)):
@@ -94,7 +89,6 @@ def test_consumer_keeps_its_blocks_without_a_checkpoint(checkpoint_dir):  # type
         assert len(ids) == -(-(PREFIX + SUFFIX - 1) // BS) - PREFIX // BS  # only the suffix's blocks are read
 
 
-@pytest.mark.xfail(strict=True, reason="see the two tests above; fix proposed by helper-14")
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_first"])
 def test_consumer_hits_like_colocated_on_prefix_repetition(checkpoint_dir, name):  # type: ignore[no-untyped-def]
     pd = PD(checkpoint_dir(name))
