@@ -9,6 +9,7 @@ is the median of 20 CUDA-event timings, against a same-run device-to-device copy
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -50,15 +51,14 @@ def attention_rows(B: int, contexts: list[int], tiles: list[tuple[int, int, int]
             o = torch.zeros_like(q)
             nbytes = cache.numel() * 2
             default = pa.decode_splits(B, KVH, q.device)
-            runs = {"one program per (seq, kv head)": lambda: pa.launch_attention(  # noqa: E731
-                q, cache, o, start, qlen, clen, table, 1, D ** -0.5, pa.attention_config(1, D, q.dtype))}
+            split = functools.partial(pa.decode_attention, q, cache, o, start, clen, table, D ** -0.5)
+            runs = {"one program per (seq, kv head)": functools.partial(
+                pa.launch_attention, q, cache, o, start, qlen, clen, table, 1, D ** -0.5,
+                pa.attention_config(1, D, q.dtype))}
             for sp in dict.fromkeys([1, 4, default]):
-                runs[f"split-KV x{sp}" + (" (default)" if sp == default else "")] = (
-                    lambda sp=sp: pa.decode_attention(q, cache, o, start, clen, table, D ** -0.5, sp))
-            if tiles:
-                for t in tiles:
-                    runs[f"split-KV x{default} tile {t}"] = (
-                        lambda t=t: pa.decode_attention(q, cache, o, start, clen, table, D ** -0.5, default, t))
+                runs[f"split-KV x{sp}" + (" (default)" if sp == default else "")] = functools.partial(split, sp)
+            for t in tiles or ():
+                runs[f"split-KV x{default} tile {t}"] = functools.partial(split, default, t)
             for label, fn in runs.items():
                 ms = median_ms(fn)
                 out.append({"kernel": f"attention {name} ctx {ctx}", "tile": label, "ms": ms,

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             c = start_cluster(model, colocated=(mode == "colocated"), worker_args=wargs, prefill_args=args.prefill_arg,
                               decode_args=args.decode_arg)
             try:
-                def bench(n: int, seed: int, out: str) -> None:
+                def bench(n: int, seed: int, out: str, c=c) -> None:  # type: ignore[no-untyped-def]
                     bench_main(["--base-url", c.url, "--model", c.model_name, "--dataset", "random", "--num-prompts",
                                 str(n), "--max-concurrency", str(args.concurrency), "--random-input-len",
                                 str(args.input_len), "--random-output-len", str(args.output_len), "--vocab-size",

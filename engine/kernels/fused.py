@@ -170,6 +170,81 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def round_bf16(v):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32, in integer arithmetic: on the H200 the compiler
+    folded `v.to(bf16).to(fp32)` away when the result fed an add (rope's x * cos + rotate_half(x) * sin came out
+    unrounded in 3.7 % of the elements); NaN passes through."""
+    bits = v.to(tl.uint32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_c, D: tl.constexpr,
+                 ROT: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    r = tl.program_id(0)
+    t = (r // H).to(tl.int64)
+    h = r % H
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    row = x_ptr + t * stride_xt + h * stride_xh
+    x = tl.load(row + d, mask=m, other=0.0)
+    half: tl.constexpr = ROT // 2
+    rm = m & (d < ROT)
+    partner = tl.load(row + tl.where(d < half, d + half, d - half), mask=rm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_c + d, mask=rm, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + d, mask=rm, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    a = x.to(tl.float32) * c  # x * cos
+    b = tl.where(d < half, -partner, partner) * s  # rotate_half(x) * sin
+    if BF16:  # each product rounded as the reference's own
+        a, b = round_bf16(a), round_bf16(b)
+    tl.store(out_ptr + (t * H + h) * D + d, tl.where(d < ROT, (a + b).to(dt), x), mask=m)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layers.apply_rotary in one launch (fp32, bf16): x [T, heads, head_dim] (rows may be strided, the last dim
+    contiguous), cos/sin [T, rotary_dim] -> a new [T, heads, head_dim] with the same rounding points."""
+    T, H, D = x.shape
+    rot = cos.shape[-1]
+    assert x.stride(2) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride() and rot % 2 == 0 and rot <= D
+    if x.dtype not in (torch.float32, torch.bfloat16):  # fp16: the reference's torch ops (no rounding helper here)
+        from engine.models.layers import apply_rotary
+
+        return apply_rotary(x, cos, sin)
+    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if T:
+        _rope_kernel[(T * H,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), D=D, ROT=rot,
+                               BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16)
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, C, stride_g0, stride_g1, W: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < C
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + i * stride_g0 + (c // W) * stride_g1 + c % W, mask=m, other=0.0)
+    gate = sigmoid(g.to(tl.float32)).to(dt).to(tl.float32)
+    x = tl.load(x_ptr + i * C + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i * C + c, (x * gate).to(dt), mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) (the sigmoid rounded to the dtype first, as the reference's torch.sigmoid): x [n, C]
+    contiguous; gate [n, heads, W] with heads * W == C (a strided view, e.g. Qwen3.5's output gate chunked off
+    its q projection) -> [n, C]."""
+    n, C = x.shape
+    assert x.is_contiguous() and gate.stride(2) == 1 and gate.shape[1] * gate.shape[2] == C
+    out = torch.empty_like(x)
+    if n:
+        _sigmoid_gate_kernel[(n, triton.cdiv(C, 1024))](x, gate, out, C, gate.stride(0), gate.stride(1),
+                                                        W=gate.shape[2], BLOCK=1024)
+    return out
+
+
+@triton.jit
 def _relu2_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = c < N
@@ -217,5 +292,5 @@ def moe_combine(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) ->
     return out
 
 
-__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "moe_combine", "relu2", "rms_norm", "sigmoid", "silu",
-           "silu_mul", "softplus"]
+__all__ = ["gated_group_norm", "gated_head_norm", "log1p", "moe_combine", "relu2", "rms_norm", "rope", "round_bf16",
+           "sigmoid", "sigmoid_gate", "silu", "silu_mul", "softplus"]

@@ -178,10 +178,10 @@ def _decode_reduce_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start_ptr, stride_ot, 
     k_ok = k < SPLITS
     part = (s * SPLITS + k) * H + head
     m = tl.load(m_ptr + part, mask=k_ok, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=k_ok, other=0.0)
+    lsum = tl.load(l_ptr + part, mask=k_ok, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * lsum, 0)
     d = tl.arange(0, HEAD_DIM)
     o = tl.load(o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=k_ok[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
@@ -221,14 +221,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     G = H // kvh
     block_n, warps, stages = tile or decode_tile(D)
     m = torch.empty(S, splits, H, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    lsum = torch.empty_like(m)
     o = torch.empty(S, splits, H, D, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, splits, kvh)](
-        q, kv_cache, m, l, o, q_start, ctx_len, block_table, scale, q.stride(0), q.stride(1), kv_cache.stride(0),
+        q, kv_cache, m, lsum, o, q_start, ctx_len, block_table, scale, q.stride(0), q.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0), H=H, SPLITS=splits,
         BLOCK_SIZE=kv_cache.shape[2], G=G, R=max(16, G), HEAD_DIM=D, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    _decode_reduce_kernel[(S, H)](m, l, o, out, q_start, out.stride(0), out.stride(1), H=H, SPLITS=splits,
+    _decode_reduce_kernel[(S, H)](m, lsum, o, out, q_start, out.stride(0), out.stride(1), H=H, SPLITS=splits,
                                   SPLITS_P2=triton.next_power_of_2(splits), HEAD_DIM=D)
 
 

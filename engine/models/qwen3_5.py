@@ -157,7 +157,8 @@ class Qwen3_5Attention(nn.Module):
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: StepMetadata
     ) -> torch.Tensor:
         n = h.shape[0]
-        if isinstance(meta, VarlenMetadata) and self.qkv is not None:  # fast path: one GEMM, fused norms
+        fast = isinstance(meta, VarlenMetadata) and self.qkv is not None
+        if fast:  # fast path: one GEMM, fused norms, rope and output gate
             from engine.kernels.fused import rms_norm
 
             qg, k, v = F.linear(h, self.qkv).split(
@@ -172,6 +173,13 @@ class Qwen3_5Attention(nn.Module):
             k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
             v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
         cos, sin = rope
+        if fast:
+            from engine.kernels.fused import rope as rope_kernel
+            from engine.kernels.fused import sigmoid_gate
+
+            q, k = rope_kernel(q, cos, sin), rope_kernel(k, cos, sin)
+            out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
+            return self.o_proj(sigmoid_gate(out, gate))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))

@@ -301,6 +301,28 @@ def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
 
 
+def check_rope_partial_on_strided_heads(dtype: torch.dtype) -> None:
+    """fused.rope against layers.apply_rotary: partial rotary (a quarter of the head, as Qwen3.5), rows strided as
+    the q chunk of Qwen3.5's q projection."""
+    from engine.kernels.fused import rope
+    from engine.models.layers import RotaryEmbedding, apply_rotary
+
+    T, H, D = 5, 3, 32
+    x = rand(T, H, 2 * D, dtype=dtype)[..., :D]  # the q half of [q | gate], as the model chunks it
+    cos, sin = RotaryEmbedding(D // 4, 10000.0).cos_sin(idx(0, 1, 7, 300, 4095), dtype)
+    check(rope(x, cos, sin), apply_rotary(x, cos, sin))
+
+
+def check_sigmoid_gate(dtype: torch.dtype) -> None:
+    """fused.sigmoid_gate against out * torch.sigmoid(gate) with the gate a strided chunk of a wider row."""
+    from engine.kernels.fused import sigmoid_gate
+
+    n, H, W = 4, 6, 40
+    gate = rand(n, H, 2 * W, dtype=dtype, scale=3.0)[..., W:]
+    x = rand(n, H * W, dtype=dtype)
+    check(sigmoid_gate(x, gate), x * torch.sigmoid(gate.reshape(n, -1)))
+
+
 def check_names() -> list[str]:
     return sorted(n[len("check_"):] for n in globals() if n.startswith("check_") and n != "check_names")
 
