@@ -111,6 +111,9 @@ class EngineCore:
         """This instance may use gpu_memory_utilization * total (vLLM's meaning: other processes on the GPU are
         not subtracted, but the share must be free): minus weights and the activation peak of a max-size step."""
         torch.cuda.synchronize(self.device)
+        # hand the allocator's cached free blocks back first (weight loading leaves its temporaries cached): else the
+        # process holds them on top of its share, and two workers sharing a GPU can run it out of memory
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         mine = torch.cuda.memory_reserved(self.device)
         share = int(self.config.cache.gpu_memory_utilization * total)

@@ -299,7 +299,12 @@ def fill_random_weights(model: Any, cls: Any, family: str, config: Any, dtype: s
     want = torch_dtype(dtype)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         value = _init_value(name, t, family, config, g)
-        t.data = value.to(torch.float32 if cls.keep_fp32(name) else want)
+        dtype = torch.float32 if cls.keep_fp32(name) else want
+        if t.dtype == dtype:
+            t.copy_(value)  # into the storage to_empty made: no second copy of the weights on the device
+        else:
+            t.data = value.to(dtype)
+        del value
 
 
 __all__ = ["FAMILIES", "PRESETS", "fill_random_weights", "hf_config", "nemotron_h_config", "preset", "qwen3_5_config",
