@@ -11,27 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.decode_kernels import median_ms
 from engine.kernels.paged_attention import attention_config, launch_attention
 
 SHAPES = {"nemotron-3-nano-30b-a3b": (32, 2, 128), "nemotron-h-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}
-
-
-def median_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def attention_rows(name: str, T: int, configs: list[tuple[int, int, int, int]]) -> list[dict]:  # type: ignore[type-arg]

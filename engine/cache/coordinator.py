@@ -219,11 +219,19 @@ class HybridCacheManager:
         n = max_tokens if self.managers else 0
         if self.blocks:
             n = min(n, len(hashes) * self.block_size) // self.block_size * self.block_size
+        hit = self._agreed_hit(self.managers, hashes, n)
+        if count:
+            self.count_hit(req, hit)
+        return hit
+
+    def _agreed_hit(self, managers, hashes, n: int) -> PrefixHit:  # type: ignore[no-untyped-def]
+        """The longest prefix of at most n tokens that every one of `managers` serves, with its pages;
+        `group_hits`: each group's own first answer."""
         hit = PrefixHit()
         first = True
         while True:  # each pass can only shrink n; it stops once every group serves n
             agreed = n
-            for m in self.managers:
+            for m in managers:
                 n = m.find_hit_tokens(hashes, n)
                 if first:
                     hit.group_hits[self.labels[m.group.group_id]] = n
@@ -231,9 +239,7 @@ class HybridCacheManager:
             if n == agreed:
                 break
         hit.num_tokens = n
-        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in self.managers}
-        if count:
-            self.count_hit(req, hit)
+        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in managers}
         return hit
 
     def count_hit(self, req: Request, hit: PrefixHit) -> None:
@@ -523,26 +529,13 @@ class HybridCacheManager:
         `max_tokens`. No checkpoint is needed (the producer's running states overwrite ours), so D's checkpoints
         never bound it. `group_hits`: each attention group's own run, each recurrent group's deepest checkpoint
         within the agreed run (counted as in `find_prefix_hit`, for the per-group metrics)."""
-        hit = PrefixHit()
         if not self.enable_prefix_caching or not self.blocks:
-            return hit
+            return PrefixHit()
         self.update_hashes(req)
         hashes, bs = req.block_hashes, self.block_size
-        n = min(max_tokens, len(hashes) * bs) // bs * bs
-        first = True
-        while True:
-            agreed = n
-            for m in self.blocks:
-                n = m.find_hit_tokens(hashes, n)
-                if first:
-                    hit.group_hits[self.labels[m.group.group_id]] = n
-            first = False
-            if n == agreed:
-                break
-        hit.num_tokens = n
-        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in self.blocks}
+        hit = self._agreed_hit(self.blocks, hashes, min(max_tokens, len(hashes) * bs) // bs * bs)
         for sm in self.states:
-            hit.group_hits[self.labels[sm.group.group_id]] = sm.find_hit_tokens(hashes, n)
+            hit.group_hits[self.labels[sm.group.group_id]] = sm.find_hit_tokens(hashes, hit.num_tokens)
         return hit
 
     def count_external(self, req: Request, num_external_tokens: int) -> None:
