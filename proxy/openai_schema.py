@@ -88,7 +88,9 @@ class ChatMessage:
     """Tool fields passed to the chat template: an assistant's `tool_calls`, a tool message's `tool_call_id`."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"role": self.role, "content": self.content, **dict(self.extra)}
+        """What the chat template sees: an assistant's tool-call message without content gets "" (templates
+        concatenate `message['content']`)."""
+        return {"role": self.role, "content": "" if self.content is None else self.content, **dict(self.extra)}
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def pd(checkpoint_dir):  # type: ignore[no-untyped-def]
 
 
 def _chat(cluster, **body):  # type: ignore[no-untyped-def]
-    body = {"messages": [{"role": "user", "content": "Give me data."}], "max_tokens": 120, **body}
+    body = {"messages": [{"role": "user", "content": "Give me data."}], "max_tokens": 250, **body}
     return httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -84,7 +84,7 @@ def test_tool_history_and_streamed_tool_call_deltas(pd) -> None:  # type: ignore
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
-    body = {"messages": messages, "tools": TOOLS, "max_tokens": 120, "stream": True, "temperature": 0,
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 250, "stream": True, "temperature": 0,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     calls = []
     with httpx.stream("POST", f"{pd.url}/v1/chat/completions", json=body, timeout=120) as r:
