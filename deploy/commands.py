@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -73,6 +74,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     check_port_free(args.host, args.port)
     api_key, token = resolve_secrets(args)
+    if not args.prefill and not args.colocated:  # no prefill workers: the decode workers compute whole prompts
+        logging.getLogger("hybridpd.proxy").info("no --prefill workers given: serving colocated (the decode "
+                                                 "workers compute whole prompts)")
+        args.colocated = True
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
@@ -174,7 +179,9 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")
-    p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR", help="prefill workers' gRPC host:port")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR",
+                   help="prefill workers' gRPC host:port (none: the decode workers compute whole prompts, as with "
+                        "--colocated)")
     p.add_argument("--decode", nargs="+", required=True, metavar="ADDR", help="decode workers' gRPC host:port")
     p.add_argument("--model", default=None, help="checkpoint dir (tokenizer, max length)")
     p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
