@@ -78,6 +78,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger("hybridpd.proxy").info("no --prefill workers given: serving colocated (the decode "
                                                  "workers compute whole prompts)")
         args.colocated = True
+    if args.model:
+        from engine.model_source import looks_like_model_id, resolve_model
+
+        if args.served_model_name is None and looks_like_model_id(args.model):
+            args.served_model_name = args.model
+        args.model = resolve_model(args.model)
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
@@ -90,6 +96,17 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.trust_remote_code:
+        raise ConfigError("--trust-remote-code is refused: hybridpd never runs code from a model repository; "
+                          "NemotronH and Qwen3.5 are implemented here, so drop the flag")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    from engine.model_source import looks_like_model_id
+
+    if args.served_model_name is None and args.model and looks_like_model_id(args.model):
+        args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     from deploy.ray_launcher import serve
 
@@ -122,7 +139,11 @@ def _secret_args(p: argparse.ArgumentParser) -> None:
 def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[[argparse.ArgumentParser], None]
                          ) -> None:
     p = sub.add_parser("serve", help="start Ray, prefill + decode workers and the OpenAI proxy")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory or Hugging Face model id, as vLLM's `serve MODEL` (same as --model)")
     engine_args(p)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: hybridpd runs no code from a model repository (both families are built in)")
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
     p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs Ray reserves per worker")

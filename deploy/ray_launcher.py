@@ -107,6 +107,10 @@ def _make_actor_class(ray: Any) -> Any:
             if host == "node":  # joined a multi-node cluster: bind on the node this actor landed on
                 host = ray.util.get_node_ip_address()
             self.worker = WorkerProcess(argv, host=host)
+            self.role = argv[argv.index("--role") + 1] if "--role" in argv else "worker"
+
+        def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this: "(prefill worker pid=...)"
+            return f"{self.role} worker"
 
         def info(self) -> dict[str, Any]:
             return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive()}
@@ -170,7 +174,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     if local:  # a SIGKILLed driver must not leave Ray's daemons or the workers behind
         from deploy.reaper import start_orphan_reaper
 
-        start_orphan_reaper()
+        targets = _targets_path(args)  # a SIGKILLed serve leaves its Prometheus targets: the reaper removes them
+        start_orphan_reaper(remove_files=[str(targets)] if targets is not None else [])
     # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
     node_ip: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,

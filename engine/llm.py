@@ -32,6 +32,10 @@ class LLM:
                 from engine.default_model import default_model_path
 
                 model = default_model_path()
+            else:  # a Hugging Face model id: its snapshot in the local cache (downloaded if allowed)
+                from engine.model_source import resolve_model
+
+                model = resolve_model(model)
             config = EngineConfig.from_settings(model, **settings)
         self.config = config
         self.engine = EngineCore(config)
