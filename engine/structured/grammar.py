@@ -117,8 +117,8 @@ def _without_control_characters(info: Any) -> Any:
     for tid, piece in enumerate(info.decoded_vocab[:vocab]):
         if tid not in special and any(b < 0x20 for b in piece):
             allowed[tid] = False
-    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
-    return bits.sum(dim=1).to(torch.int64).apply_(lambda w: w - (1 << 32) if w >= 1 << 31 else w).to(torch.int32)
+    words = (allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the bit pattern as int32
 
 
 def _json(text: str, what: str) -> Any:

@@ -7,7 +7,8 @@ output tokens (a recompute that dropped output, say) it is rebuilt by replaying 
 always equals "the output so far".
 
 Per step (`apply`, called by the sampler on its logits): one int32 bitmask [rows, ceil(vocab / 32)] in host memory
-(pinned on CUDA, reused), filled for the constrained rows by xgrammar's batch matcher (C++, several threads), copied
+(pinned on CUDA, reused), filled for the constrained rows by their matchers (xgrammar's C++, about a microsecond
+a row; its BatchGrammarMatcher's helper threads cost more CPU than they save at these sizes), copied
 to the device in one transfer and applied in place by xgrammar's kernel to those rows; unconstrained rows are left
 alone. JSON rows also lose tokens holding raw control characters (GrammarCache.json_allowed). No per-row device
 work and no host sync beyond the sampler's own.
@@ -55,7 +56,7 @@ class StructuredOutputs:
         self._grammars: Any = None
         self._states: dict[str, _State] = {}
         self._bitmask: torch.Tensor | None = None
-        self._batch: Any = None
+        self._stop_row: torch.Tensor | None = None
 
     @property
     def grammars(self) -> Any:
@@ -121,14 +122,24 @@ class StructuredOutputs:
 
         matchers = [self._state(rids[i], params[i].structured_output).matcher for i in rows]  # type: ignore[arg-type]
         bitmask = self._host_bitmask(len(params), logits.device)
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        for row, matcher in zip(rows, matchers, strict=True):  # ~1 us a row (C++); no helper threads
+            if matcher.is_terminated():  # complete (its request ends this step): only a stop token may follow
+                bitmask[row] = self._stop_only()
+            else:
+                matcher.fill_next_token_bitmask(bitmask, row)
         json_rows = [i for i in rows if params[i].structured_output.kind in _JSON_KINDS]  # type: ignore[union-attr]
         if json_rows:
             bitmask[json_rows] &= self.grammars.json_allowed
         device_mask = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, device_mask[: len(params)], indices=rows)
+
+    def _stop_only(self) -> torch.Tensor:
+        if self._stop_row is None:
+            allowed = torch.zeros(-(-self.vocab_size // 32) * 32, dtype=torch.int64)
+            allowed[[t for t in self.eos_token_ids if t < self.vocab_size]] = 1
+            words = (allowed.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(dim=1)
+            self._stop_row = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return self._stop_row
 
     def _host_bitmask(self, rows: int, device: torch.device) -> torch.Tensor:
         import xgrammar as xgr
