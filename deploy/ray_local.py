@@ -37,6 +37,7 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 @dataclass
 class LocalRay:
     temp_dir: str
+    """The private 0700 dir holding Ray's temp dir (which Ray makes 0777)."""
     init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
@@ -63,5 +64,6 @@ def prepare_local_ray(secret_files: SecretFiles) -> LocalRay:
         log.info("removed %d Ray temp dir(s) of serves that died: %s", len(removed), ", ".join(removed))
     _own_auth_token(secret_files)  # before Ray's first import: its config reads RAY_AUTH_MODE once
     _bind_loopback()
-    temp_dir = private_ray_dir()
-    return LocalRay(temp_dir, {"_node_ip_address": "127.0.0.1", "_temp_dir": temp_dir, "include_dashboard": False})
+    private = private_ray_dir()
+    ray_dir = os.path.join(private, "r")
+    return LocalRay(private, {"_node_ip_address": "127.0.0.1", "_temp_dir": ray_dir, "include_dashboard": False})

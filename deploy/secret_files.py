@@ -11,10 +11,10 @@ a file under a path someone else could read:
                                              Without memfd (not Linux): a 0600 file in a 0700 directory, removed by
                                              `close()`.
 
-Ray's own files go to a private temp dir (`private_ray_dir`, mode 0700, named after this process's pid) instead
-of the shared /tmp/ray: nobody else can read Ray's session logs, and serve removes the directory at exit; after a
-SIGKILL the orphan reaper (deploy/reaper.py) removes it, and a later `serve` sweeps any left by a dead one
-(`sweep_stale_ray_dirs`).
+Ray's own files go to a temp dir inside a private one (`private_ray_dir`, mode 0700, named after this process's
+pid) instead of the shared /tmp/ray: nobody else can read Ray's session logs, and serve removes the directory at
+exit; after a SIGKILL the orphan reaper (deploy/reaper.py) removes it, and a later `serve` sweeps any left by a
+dead one (`sweep_stale_ray_dirs`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-RAY_DIR_PREFIX = "hpd-"
+RAY_DIR_PREFIX = "hpd"
 """Short: Ray's unix sockets live under the temp dir and a socket path may hold 107 bytes."""
 _RAY_DIR_RE = re.compile(rf"^{RAY_DIR_PREFIX}(\d+)-[A-Za-z0-9_]+$")
 
@@ -83,7 +83,8 @@ def ray_temp_root() -> str:
 
 
 def private_ray_dir() -> str:
-    """A fresh 0700 directory for Ray's temp files (session logs, sockets, spilled objects) of this serve."""
+    """A fresh 0700 directory (named after this process) to hold Ray's temp dir: Ray makes its own temp dir
+    world-writable (0777), so it goes one level down, in `<this>/r`."""
     return tempfile.mkdtemp(prefix=f"{RAY_DIR_PREFIX}{os.getpid()}-", dir=ray_temp_root())
 
 
