@@ -9,7 +9,6 @@ engine's, the refusal is counted, and D's cache holds nothing pulled (a later re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from proto import hybridpd_pb2 as pb
 from tests.oracle import random_prompts
+from tests.support.param_attacks import ALTERATIONS, with_pages_of
 from tests.unit.test_pd_handoff import MODEL, NEW, Pair, generate, make_pair, prefill, settle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,19 +49,6 @@ def _p_refusals(pair: Pair) -> list[str]:
     return seen
 
 
-def _with_pages_of(tp: pb.TransferParams, other: pb.TransferParams) -> pb.TransferParams:
-    """`tp` with `other`'s block ids and state slots (the attack: another prompt's KV under this lease)."""
-    out = pb.TransferParams()
-    out.CopyFrom(tp)
-    for g, o in zip(out.groups, other.groups, strict=True):
-        del g.block_ids[:]
-        g.block_ids.extend(o.block_ids)
-    for s, o in zip(out.states, other.states, strict=True):
-        s.state_slot, s.checkpoint_slot = o.state_slot, o.checkpoint_slot
-    out.state_slot, out.checkpoint_slot = other.state_slot, other.checkpoint_slot
-    return out
-
-
 def test_another_prompts_pages_under_this_lease_are_refused(checkpoint_dir, monkeypatch, prompts, expected):  # type: ignore[no-untyped-def]
     """Prefill X (request A) and Y (request B); Generate(A, X, A's params with B's pages): D pulls Y's KV, and P's
     Commit must refuse it; D recomputes X, and later requests for X are right (nothing of Y cached under X)."""
@@ -73,7 +60,7 @@ def test_another_prompts_pages_under_this_lease_are_refused(checkpoint_dir, monk
             x, y = prompts
             tp_a, tp_b = await prefill(pair, "A", x), await prefill(pair, "B", y)
             assert [g.block_ids for g in tp_a.groups] != [g.block_ids for g in tp_b.groups]
-            assert await generate(pair, "A", x, _with_pages_of(tp_a, tp_b)) == expected[0]
+            assert await generate(pair, "A", x, with_pages_of(tp_a, tp_b)) == expected[0]
             assert len(pair.pulls) == 1  # the pull happened (D cannot check P's signature) ...
             assert pair.d.consumer.num_refused == {"lease_lost": 1}  # ... and its pages were never used
             assert p_refused == ["commit_params_forged"]
@@ -87,58 +74,6 @@ def test_another_prompts_pages_under_this_lease_are_refused(checkpoint_dir, monk
             pair.close()
 
     asyncio.run(run())
-
-
-def _bump(field: str, delta: float = 1) -> Callable[[pb.TransferParams], None]:
-    def alter(tp: pb.TransferParams) -> None:
-        setattr(tp, field, type(getattr(tp, field))(getattr(tp, field) + delta))
-
-    return alter
-
-
-def _retext(field: str) -> Callable[[pb.TransferParams], None]:
-    def alter(tp: pb.TransferParams) -> None:
-        setattr(tp, field, getattr(tp, field) + "x")
-
-    return alter
-
-
-def _first_block(tp: pb.TransferParams) -> None:
-    ids = tp.groups[0].block_ids
-    ids[0], ids[-1] = ids[-1], ids[0]
-
-
-def _state(attr: str) -> Callable[[pb.TransferParams], None]:
-    def alter(tp: pb.TransferParams) -> None:
-        setattr(tp.states[0], attr, getattr(tp.states[0], attr) + 1)
-
-    return alter
-
-
-def _flip_mac(tp: pb.TransferParams) -> None:
-    tp.mac = bytes([tp.mac[0] ^ 1]) + tp.mac[1:]
-
-
-ALTERATIONS: dict[str, Callable[[pb.TransferParams], None]] = {
-    "worker_id": _retext("worker_id"),
-    "epoch": _retext("epoch"),
-    "prefill_address": _retext("prefill_address"),
-    "block_ids (swapped)": _first_block,
-    "block_ids (one more)": lambda tp: tp.groups[0].block_ids.append(max(tp.groups[0].block_ids) + 1),
-    "block_ids (other group id)": lambda tp: setattr(tp.groups[0], "group_id", tp.groups[0].group_id + 7),
-    "state_slot (legacy field)": _bump("state_slot"),
-    "checkpoint_slot (legacy field)": _bump("checkpoint_slot"),
-    "states.state_slot": _state("state_slot"),
-    "states.checkpoint_slot": _state("checkpoint_slot"),
-    "checkpoint_num_tokens": _bump("checkpoint_num_tokens", -16),
-    "num_computed_tokens": _bump("num_computed_tokens", -1),
-    "num_prompt_tokens": _bump("num_prompt_tokens"),
-    "lease_expiry_unix": _bump("lease_expiry_unix", 3600.0),
-    "lease_token": _retext("lease_token"),
-    "prompt_digest": lambda tp: setattr(tp, "prompt_digest", bytes(32)),
-    "mac (one bit)": _flip_mac,
-    "mac (removed)": lambda tp: setattr(tp, "mac", b""),
-}
 
 
 def test_every_field_altered_is_refused_and_nothing_is_cached(checkpoint_dir, monkeypatch, prompts, expected):  # type: ignore[no-untyped-def]
