@@ -101,7 +101,7 @@ def _alive(pid: int) -> bool:
 def sweep_stale_ray_dirs(root: str | None = None) -> list[str]:
     """Remove the private Ray dirs of serves that died (their pid is gone) without cleaning up; only this user's
     dirs. Returns what was removed."""
-    removed = []
+    removed: list[str] = []
     base = Path(root or ray_temp_root())
     try:
         entries = list(base.iterdir())

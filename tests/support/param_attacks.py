@@ -22,9 +22,12 @@ def with_pages_of(tp: pb.TransferParams, other: pb.TransferParams) -> pb.Transfe
         ids = list(o.block_ids[:n]) + list(g.block_ids[len(o.block_ids) : n])
         del g.block_ids[:]
         g.block_ids.extend(ids)
+    keep_checkpoint = tp.checkpoint_num_tokens > 0  # params without one stay so: D refuses a half-named one
     for s, o in zip(out.states, other.states, strict=True):
-        s.state_slot, s.checkpoint_slot = o.state_slot, o.checkpoint_slot
-    out.state_slot, out.checkpoint_slot = other.state_slot, other.checkpoint_slot
+        s.state_slot = o.state_slot
+        s.checkpoint_slot = o.checkpoint_slot if keep_checkpoint else s.checkpoint_slot
+    out.state_slot = other.state_slot
+    out.checkpoint_slot = other.checkpoint_slot if keep_checkpoint else out.checkpoint_slot
     return out
 
 

@@ -37,7 +37,7 @@ def tree(pid: int) -> set[int]:
 
 
 def _socket_inodes(pid: int) -> set[str]:
-    out = set()
+    out: set[str] = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
