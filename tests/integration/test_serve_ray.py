@@ -33,6 +33,7 @@ from openai import OpenAI
 from deploy.prometheus.targets import TARGETS_DIR, targets_from_cluster
 from deploy.ray_launcher import free_port
 from tests.polling import wait_for
+from tests.support.proc_sockets import listeners, tree
 from tests.support.secret_scan import scan
 
 pytestmark = pytest.mark.slow
@@ -287,6 +288,9 @@ def test_serve_builtin_model(start_serve: Callable[[list[str], str], Serve], tmp
     assert len(ids) == MAX_TOKENS
     workers = _workers(serve.marker)
     assert len(workers) == 2 and all(str(model) in cmd for cmd in workers.values()), workers
+    # --host 127.0.0.1 (the default): every socket of the whole process tree, Ray's included, is on loopback
+    off = [x for x in listeners(tree(serve.proc.pid)) if not x.on_loopback()]
+    assert not off, off
     # SIGKILL of the driver (no cleanup of its own): its orphan reaper takes Ray and the workers down
     t0 = time.time()
     serve.proc.kill()
