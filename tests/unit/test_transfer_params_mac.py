@@ -99,7 +99,8 @@ def test_every_field_altered_is_refused_and_nothing_is_cached(checkpoint_dir, mo
                 report[name] = dict(pair.d.consumer.num_refused)
                 assert len(pair.d.consumer.handed_over) == handed
                 # a refusal before the pull (or a Commit presenting another token) leaves P's lease to its owner
-                pair.p.ctx.aengine.call(lambda c, rid=f"r{i}": pair.p._release(rid)).result()
+                rid = f"r{i}"
+                pair.p.ctx.aengine.call(lambda c: pair.p._release(rid)).result()  # noqa: B023 - awaited here
             assert not wrong and not accepted, (wrong, accepted, report)
             assert await generate(pair, "x-later", x, None) == expected[0]  # nothing altered was cached
             await settle(pair)
