@@ -1,9 +1,11 @@
 """The Ray that `hybridpd serve` starts for itself (no `--address`): on loopback, private, with its own auth token.
 
-    prepare_local_ray(secrets) -> LocalRay     before `ray.init`: sweep dead serves' dirs, make a private 0700 temp
-                                               dir, bind Ray to loopback, give Ray an auth token held in memory
-    LocalRay.init_kwargs                       what to pass to `ray.init`
-    LocalRay.close()                           after `ray.shutdown()`: remove the temp dir (session logs, sockets)
+    prepare_local_ray(secret_files) -> LocalRay  before `ray.init`: sweep dead serves' dirs, make a private 0700
+                                                 dir for Ray's temp dir, bind Ray to loopback, give Ray an auth
+                                                 token held in memory
+    LocalRay.init_kwargs                         what to pass to `ray.init`
+    LocalRay.close()                             after `ray.shutdown()`: remove the private dir (session logs,
+                                                 sockets)
 
 Loopback. Ray's C++ servers (GCS, raylet, every core worker) listen on 127.0.0.1 only when the node's IP is
 127.0.0.1, and the Python agents (runtime-env agent, autoscaler monitor, dashboard agent) bind that IP too. But
@@ -12,7 +14,7 @@ unable to form a multi-node cluster, which `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`
 Ray process, so it goes in the environment that Ray's daemons and workers inherit). The dashboard is off. A serve
 that joins a cluster (`--address`) binds where that cluster's nodes were started (docs/DEPLOY.md lists the ports).
 
-Auth. Ray 2.5x turns on its token auth for a new local cluster and, without a token, writes one to
+Auth. Ray (2.60 here) turns on its token auth for a new local cluster and, without a token, writes one to
 ~/.ray/auth_token (0644). Here Ray reads a fresh random token from `RAY_AUTH_TOKEN_PATH`, an in-memory file of
 this process (deploy/secret_files.py): nothing on disk, gone with serve. A user's explicit RAY_AUTH_* settings win.
 """
