@@ -230,13 +230,15 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
             assert all(pool.integrity_ok for pool in stats.pools), stats
             leaked += sum(pool.in_use for pool in stats.pools) + stats.leases_pinned
         refused = {r: c.metric(c.decode[0], "hybridpd_kv_transfer_failures_total", role="decode", reason=r)
-                   for r in ("lease_expired", "prompt_mismatch", "lease_lost", "timeout", "stale_epoch")}
+                   for r in ("lease_expired", "prompt_mismatch", "bad_params", "lease_lost", "timeout", "stale_epoch")}
+        refused_p = {r: c.metric(c.prefill[0], "hybridpd_kv_transfer_failures_total", role="prefill", reason=r)
+                     for r in ("commit_params_forged", "commit_pages_mismatch", "commit_prompt_mismatch")}
         report = {"requests": load.sent, "ok": load.ok, "wrong_200": load.wrong, "errors": load.errors,
                   "error_statuses": load.statuses,
                   "faults": faults.injected, "hostile_calls_accepted": faults.hostile_accepted,
                   "hostile_wrong_tokens": faults.hostile_wrong,
                   "leaked_pages_after_idle": leaked, "restart_s": [round(s, 1) for s in faults.recovery_s],
-                  "decode_refusals": refused}
+                  "decode_refusals": refused, "prefill_commit_refusals": refused_p}
         print(json.dumps(report))
         if os.environ.get("HYBRIDPD_CHAOS_REPORT"):
             with open(os.environ["HYBRIDPD_CHAOS_REPORT"], "w") as f:
