@@ -4,22 +4,24 @@
 outside the driver's process tree, holding the read end of a pipe whose write end only the driver holds. The reaper
 snapshots the driver's descendants from /proc every half second (Ray's daemons and agents, the worker actors and
 their `hybridpd worker` processes); once the pipe reports EOF (the driver is gone, however it died) it sends
-SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later, and removes
-the files the driver would have removed at exit (`remove_files`: its Prometheus targets file
-deploy/prometheus/targets/serve-<port>.json), so a SIGKILL leaves no stale targets behind.
+SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later.
 
-After a clean exit (Ctrl-C: Ray shut down, workers stopped) the snapshot's processes are already gone and the reaper
-just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
+Then it removes the paths it was given (`remove`: the serve's private Ray temp dir, which holds Ray's session logs
+and sockets, and its Prometheus targets file deploy/prometheus/targets/serve-<port>.json, so a SIGKILL leaves no
+stale targets behind). After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's processes
+are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 POLL_S = 0.5
@@ -71,7 +73,7 @@ def _signal_all(known: dict[int, str | None], sig: int) -> int:
     return sent
 
 
-def watch(driver_pid: int, fd: int, remove_files: tuple[str, ...] = ()) -> None:
+def watch(driver_pid: int, fd: int, remove: Sequence[str] = ()) -> None:
     known: dict[int, str | None] = {}
     while True:
         ready, _, _ = select.select([fd], [], [], POLL_S)
@@ -85,17 +87,20 @@ def watch(driver_pid: int, fd: int, remove_files: tuple[str, ...] = ()) -> None:
         while time.monotonic() < deadline and any(_start_time(p) == t for p, t in known.items() if t is not None):
             time.sleep(0.1)
         _signal_all(known, signal.SIGKILL)
-    for path in remove_files:
-        Path(path).unlink(missing_ok=True)
+    for path in remove:  # directories (the Ray temp dir) and files (the Prometheus targets file serve writes)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            Path(path).unlink(missing_ok=True)
 
 
-def start_orphan_reaper(remove_files: list[str] | tuple[str, ...] = ()) -> subprocess.Popen | None:
-    """Spawn the reaper for this process (call once, before starting anything it should clean up); it also removes
-    `remove_files` once this process is gone."""
+def start_orphan_reaper(remove: Sequence[str] = ()) -> subprocess.Popen | None:
+    """Spawn the reaper for this process (call once, before starting anything it should clean up); `remove`:
+    directories and files to delete once this process and its descendants are gone."""
     if not sys.platform.startswith("linux"):
         return None
     read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.reaper", str(os.getpid()), str(read_fd), *remove_files],
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.reaper", str(os.getpid()), str(read_fd), *remove],
                             pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
     os.close(read_fd)
     os.set_inheritable(write_fd, False)  # only this process holds it: its death is the EOF
@@ -106,4 +111,4 @@ def start_orphan_reaper(remove_files: list[str] | tuple[str, ...] = ()) -> subpr
 _keep: list[int] = []
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3:]))
+    watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
