@@ -12,6 +12,8 @@ Two figures, both from the same engine:
 
     python -m benchmarks.structured_output                      # built-in tiny model, CPU
     python -m benchmarks.structured_output --model /path/to/ckpt --device cuda --dtype bfloat16 --batch 64
+    hybridpd init-model --preset nemotron-h-8b --no-weights --out /tmp/nh8b &&
+      python -m benchmarks.structured_output --model /tmp/nh8b --load-format dummy --device cuda --dtype bfloat16
 
 Prints a table and writes JSON (--out, default structured_output.json). Plain process, no Ray.
 """
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny random model)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="model dtype")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights drawn on the device (a --no-weights preset checkpoint)")
     ap.add_argument("--batch", type=int, default=64, help="decoding rows per step")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="unconstrained / constrained runs, interleaved")
@@ -121,7 +125,8 @@ def main() -> None:
 
     from engine import LLM
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch, 8),
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+              max_num_seqs=max(args.batch, 8),
               max_model_len=max(1024, args.steps + args.warmup + 64))
     plain, plain_cpu, constrained, constrained_cpu = [], [], [], []
     for _ in range(args.rounds):  # interleaved, so drift in the machine's load hits both alike

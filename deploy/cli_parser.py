@@ -16,7 +16,7 @@ _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)'")
 class SuggestingParser(argparse.ArgumentParser):
     """Subparsers are of the same class (argparse's default), so every subcommand suggests too."""
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 

@@ -184,8 +184,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     if local:  # a SIGKILLed driver must not leave Ray's daemons, the workers or Ray's temp dir behind
         from deploy.reaper import start_orphan_reaper
 
-        targets = _targets_path(args)  # a SIGKILLed serve leaves its Prometheus targets: the reaper removes them
-        start_orphan_reaper(remove=([local_ray.temp_dir] if local_ray else []) + ([str(targets)] if targets else []))
+        stale = _targets_path(args)  # a SIGKILLed serve leaves its Prometheus targets: the reaper removes them
+        start_orphan_reaper(remove=([local_ray.temp_dir] if local_ray else []) + ([str(stale)] if stale else []))
     import ray
 
     ray.init(address=args.address, logging_level=logging.WARNING,

@@ -8,8 +8,8 @@ SIGTERM to every process of the last snapshot that still runs, then SIGKILL to t
 
 Then it removes the paths it was given (`remove`: the serve's private Ray temp dir, which holds Ray's session logs
 and sockets, and its Prometheus targets file deploy/prometheus/targets/serve-<port>.json, so a SIGKILL leaves no
-stale targets behind). After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's processes
-are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
+stale targets behind). After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's
+processes are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 
 from engine.errors import ModelLoadError
 
-SERVING_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer*", "additional_chat_templates/*")
+SERVING_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "additional_chat_templates/*"]
 
 
 def looks_like_model_id(name: str) -> bool:

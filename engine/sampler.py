@@ -100,7 +100,8 @@ class Sampler:
         return torch.tensor([p.greedy for p in params], device=self.device)
 
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        """Penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself when no row asks for any."""
+        """Penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself when no row asks
+        for any."""
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         x = logits
         if rows:

@@ -8,9 +8,9 @@ import asyncio
 import json
 import logging
 import os
-import time
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc

@@ -1,10 +1,11 @@
 """Compile a StructuredOutput into an xgrammar CompiledGrammar, once per spec.
 
-JSON is compact (no whitespace between tokens, as `json.dumps(..., separators=(",", ":"))` writes it): valid JSON
-that a model cannot pad with whitespace until max_tokens. The compiler needs the model's vocabulary (xgrammar's TokenizerInfo: every token's bytes, the vocabulary type and
-the logit width), built once from the engine's `tokenizers` backend. Compiled grammars are kept in an LRU cache
-keyed by the spec (`capacity` entries); xgrammar's own compiler cache sits behind it. Errors (a malformed schema,
-regex or grammar) are raised as InvalidRequestError naming what is wrong; they are not cached.
+JSON has fixed whitespace (`{"a": 1, "b": 2}`, as `json.dumps` writes it): valid JSON that a model cannot pad with
+whitespace until max_tokens. The compiler needs the model's vocabulary (xgrammar's TokenizerInfo: every token's
+bytes, the vocabulary type and the logit width), built once from the engine's `tokenizers` backend. Compiled
+grammars are kept in an LRU cache keyed by the spec (`capacity` entries); xgrammar's own compiler cache sits behind
+it. Errors (a malformed schema, regex or grammar) are raised as InvalidRequestError naming what is wrong; they are
+not cached.
 """
 
 from __future__ import annotations
