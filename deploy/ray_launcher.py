@@ -216,6 +216,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
                           or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
+                          chat_template=getattr(args, "chat_template", None),
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
                           request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token)

@@ -345,7 +345,7 @@ class _Proxy:
 def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     """Build the proxy app. `tokenizer` overrides loading one from `config.tokenizer_path`."""
     if tokenizer is None and config.tokenizer_path is not None:
-        tokenizer = PromptTokenizer.from_dir(config.tokenizer_path)
+        tokenizer = PromptTokenizer.from_dir(config.tokenizer_path, chat_template=config.chat_template)
     proxy = _Proxy(config, tokenizer)
 
     @asynccontextmanager

@@ -41,6 +41,17 @@ def _plain(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return [m.as_dict() for m in messages]
 
 
+def _template(root: Path, override: str | None) -> chat_template.ChatTemplate:
+    if override is None:
+        return chat_template.ChatTemplate.from_dir(root)
+    path = Path(override)
+    source = path.read_text(encoding="utf-8") if path.is_file() else override
+    if source is override and "{{" not in source and "{%" not in source:
+        raise FileNotFoundError(f"chat template {override!r}: no such file (nor template text)")
+    config = chat_template.read_json(root / "tokenizer_config.json")
+    return chat_template.ChatTemplate(source, chat_template.special_tokens(config))
+
+
 class PromptTokenizer:
     """Encodes prompts and decodes single tokens (for logprobs). Owned by the app; thread-safe for reads."""
 
@@ -50,13 +61,14 @@ class PromptTokenizer:
         self._template = template if template is not None else chat_template.ChatTemplate(None)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> PromptTokenizer:
-        """Load `tokenizer.json` and the chat template (if any) from a model directory."""
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> PromptTokenizer:
+        """Load `tokenizer.json` and the chat template (if any) from a model directory; `chat_template` (a file,
+        or the template text itself when no such file exists) replaces the model's."""
         root = Path(model_dir)
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
-        return cls(Tokenizer.from_file(str(tok_file)), chat_template.ChatTemplate.from_dir(root))
+        return cls(Tokenizer.from_file(str(tok_file)), _template(root, chat_template))
 
     @property
     def vocab_size(self) -> int:

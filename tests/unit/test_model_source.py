@@ -55,3 +55,21 @@ def test_serve_positional_model_and_remote_code_refusal(tmp_path: Path) -> None:
     assert r.returncode == 2 and "two models" in r.stderr
     r = run("serve", "--modle", "x")
     assert r.returncode == 2 and "did you mean --model?" in r.stderr
+
+
+def test_chat_template_override(tmp_path: Path) -> None:
+    from engine.default_model import default_model_path
+    from proxy.openai_schema import ChatMessage
+    from proxy.tokenization import PromptTokenizer
+
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}<go>")
+    tok = PromptTokenizer.from_dir(default_model_path(), chat_template=str(tpl))
+    assert tok.render_chat([ChatMessage("user", "hi")]) == "[user]hi<go>"
+    inline = PromptTokenizer.from_dir(default_model_path(), chat_template="{{ messages[0].content }}!")
+    assert inline.render_chat([ChatMessage("user", "hi")]) == "hi!"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "proxy", "--decode", "127.0.0.1:1", "--port", "0",
+                        "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
