@@ -128,3 +128,15 @@ def test_sampling_params_dict_spelling() -> None:
         SamplingParams(structured_output={"json": {}, "regex": "a"})
     with pytest.raises(InvalidRequestError):
         StructuredOutput("xml", "<a/>")
+
+
+def test_llm_chat_with_tools_and_a_constraint(llm: LLM) -> None:
+    """LLM.chat renders the model's chat template (one conversation or several) and generates."""
+    convo = [{"role": "user", "content": "Pick a colour."}]
+    outs = llm.chat([convo, convo], SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                                                   structured_output={"choice": ["red", "blue"]}))
+    assert [o.text in ("red", "blue") for o in outs] == [True, True]
+    expected = llm.tokenizer.encode_chat(convo)
+    assert outs[0].prompt_token_ids == expected
+    with pytest.raises(InvalidRequestError):
+        llm.chat([])
