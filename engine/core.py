@@ -8,10 +8,11 @@ Ownership: one thread calls add_request/step/abort (workers serialise calls onto
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,7 @@ from engine.cache.planner import CapacityPlan, plan_capacity
 from engine.cache.specs import group_layers
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import require_fast_path, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
@@ -37,8 +39,25 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
 @dataclass
 class StepStats:
+    """Monotonic counters of the step loop. Step times are wall clock of `EngineCore.step` (schedule, execute with
+    sampling, update): by kind, "decode" (every scheduled sequence computes one token) or "prefill" (any prompt
+    chunk), so a router's cost model can read seconds per token of each kind (worker metrics export them)."""
+
     num_steps: int = 0
     num_scheduled_tokens: int = 0
+    step_seconds: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "prefill": 0.0})
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0})
+    step_tokens: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0})
+
+    def record(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        if not num_seqs:
+            return
+        kind = "decode" if num_tokens == num_seqs else "prefill"
+        self.step_seconds[kind] += seconds
+        self.steps[kind] += 1
+        self.step_tokens[kind] += num_tokens
 
 
 class EngineCore:
@@ -46,8 +65,10 @@ class EngineCore:
         from engine.models.registry import load_model, read_model_config
 
         config.validate()
+        config = resolve_auto(config)
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
+        require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
@@ -262,6 +283,7 @@ class EngineCore:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
         if self.scheduler.importing:
             self.expire_imports()
+        t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
         params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
         try:
@@ -269,8 +291,6 @@ class EngineCore:
         except Exception:
             self.cache.on_step_failed()
             raise
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += out.num_tokens
         advanced = self.scheduler.update_from_output(out, sampled)
         for rid, top in self.runner.sampler.take_top_logprobs().items():
             if rid in self.scheduler.requests:
@@ -282,6 +302,7 @@ class EngineCore:
                 reason = self.check_stop(req)
                 if reason is not None:
                     self.finish(req, reason)
+        self.stats.record(len(out.seqs), out.num_tokens, time.perf_counter() - t0)
         return advanced
 
     def check_stop(self, req: Request) -> str | None:
@@ -367,6 +388,14 @@ class EngineCore:
             info["checkpoint_bytes_held"] = len(overlay.held) * self.plan.arena.slot_stride
             info["checkpoint_ranges_free"] = overlay.num_free_ranges
         return info
+
+
+def resolve_auto(config: EngineConfig) -> EngineConfig:
+    """The config with `device` / `dtype` "auto" replaced by what this machine runs (engine/device.py)."""
+    mc = config.model
+    device = resolve_device(mc.device)
+    model = dataclasses.replace(mc, device=device, dtype=resolve_dtype(mc.dtype, device))
+    return dataclasses.replace(config, model=model)
 
 
 def _num_layers(model: object, specs: dict) -> int:

@@ -40,6 +40,13 @@ class WorkerMetrics:
         self.admitted = Counter("hybridpd_prefix_cache_checkpoints_admitted",
                                 "Recurrent-state checkpoints admitted to the prefix cache", ["role"], registry=reg)
         self.admitted.labels(role)
+        # step times by kind (decode-only steps vs steps with a prompt chunk): seconds per token for a router's
+        # cost model, and the engine's own step to set against the client's TPOT (benchmarks/goodput.py)
+        k = ["role", "kind"]
+        self.step_seconds = Counter("hybridpd_engine_step_seconds", "Wall time of engine steps", k, registry=reg)
+        self.steps = Counter("hybridpd_engine_steps", "Engine steps", k, registry=reg)
+        self.step_tokens = Counter("hybridpd_engine_step_tokens", "Tokens computed by engine steps", k, registry=reg)
+        self._step_seconds: dict[str, float] = {}
         self._last: dict[tuple[str, str], int] = {}
         self.min_interval_s = min_interval_s
         self._updated_at = float("-inf")
@@ -76,5 +83,16 @@ class WorkerMetrics:
                 self.cache_bytes.labels(self.role, kind, "cached").set(s["bytes_cached"])
                 self._inc(self.evictions, "ev", kind, int(s["evictions"]))
         self._inc(self.admitted, "adm", "", int(stats.get("checkpoints_admitted", 0)))  # type: ignore[call-overload]
+        self._export_steps(core)
         self.running.labels(self.role).set(len(core.scheduler.running))
         self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)
+
+    def _export_steps(self, core: EngineCore) -> None:
+        st = core.stats
+        for kind, seconds in st.step_seconds.items():
+            last = self._step_seconds.get(kind, 0.0)
+            if seconds > last:
+                self.step_seconds.labels(self.role, kind).inc(seconds - last)
+            self._step_seconds[kind] = seconds
+            self._inc(self.steps, "steps", kind, st.steps[kind])
+            self._inc(self.step_tokens, "step_tokens", kind, st.step_tokens[kind])

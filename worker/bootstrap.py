@@ -129,7 +129,9 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     await server.start()
     print(json.dumps({"event": "ready", "role": role, "address": ctx.address, "grpc_port": port,
                       "metrics_port": ctx.metrics_port, "worker_id": ctx.worker_id, "epoch": ctx.epoch,
-                      "pid": os.getpid(), "kv_cache": core.kv_cache_info()}), flush=True)
+                      "pid": os.getpid(), "kv_cache": core.kv_cache_info(), "device": str(core.device),
+                      "dtype": core.config.model.dtype, "fast_path": core.runner.fast_path,
+                      "cuda_graphs": core.runner.graphs is not None}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
