@@ -94,8 +94,9 @@ class Running:
             w.stop()
 
 
-def launch(cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[str], on_cuda: bool,
-           max_model_len: int) -> Running:
+def launch(
+    cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[str], on_cuda: bool, max_model_len: int
+) -> Running:
     from deploy.local_cluster import _wait_healthy
     from deploy.ray_launcher import WorkerProcess, free_port
 
@@ -107,8 +108,9 @@ def launch(cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[st
 
     def start(i: int) -> Any:
         wenv = {**env, **({"CUDA_VISIBLE_DEVICES": gpus[i]} if on_cuda else {})}
-        return WorkerProcess(["--role", roles[i], "--model", model, *worker_args], env=wenv, restart=False,
-                             ready_timeout_s=600)
+        return WorkerProcess(
+            ["--role", roles[i], "--model", model, *worker_args], env=wenv, restart=False, ready_timeout_s=600
+        )
 
     with ThreadPoolExecutor(len(roles)) as pool:  # start-up (weights, cache) of every worker at once
         futures = [pool.submit(start, i) for i in range(len(roles))]
@@ -123,10 +125,24 @@ def launch(cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[st
         for w in workers:
             w.stop()
         raise RuntimeError(f"{cfg.name}: a worker did not start: {errors[0]}")
-    prefill, decode = workers[: cfg.num_prefill], workers[cfg.num_prefill:]
+    prefill, decode = workers[: cfg.num_prefill], workers[cfg.num_prefill :]
     port = free_port()
-    cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port), "--routing",
-           cfg.routing, "--max-model-len", str(max_model_len), "--decode", *[w.info["address"] for w in decode]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "proxy",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--routing",
+        cfg.routing,
+        "--max-model-len",
+        str(max_model_len),
+        "--decode",
+        *[w.info["address"] for w in decode],
+    ]
     cmd += ["--colocated"] if cfg.colocated else ["--prefill", *[w.info["address"] for w in prefill]]
     log = open(os.path.join(tempfile.gettempdir(), f"hybridpd-goodput-proxy-{port}.log"), "w")
     proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
@@ -153,15 +169,19 @@ def scrape(worker: Any, name: str, **labels: str) -> float:
 
 def decode_step_totals(workers: list[Any]) -> tuple[float, float]:
     """(seconds, steps) of decode-only steps over the decode (or colocated) workers so far."""
-    return (sum(scrape(w, "hybridpd_engine_step_seconds_total", kind="decode") for w in workers),
-            sum(scrape(w, "hybridpd_engine_steps_total", kind="decode") for w in workers))
+    return (
+        sum(scrape(w, "hybridpd_engine_step_seconds_total", kind="decode") for w in workers),
+        sum(scrape(w, "hybridpd_engine_steps_total", kind="decode") for w in workers),
+    )
 
 
 def wait_idle(workers: list[Any], timeout_s: float = 60.0) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if all(scrape(w, "hybridpd_num_requests_running") + scrape(w, "hybridpd_num_requests_waiting") == 0
-               for w in workers):
+        if all(
+            scrape(w, "hybridpd_num_requests_running") + scrape(w, "hybridpd_num_requests_waiting") == 0
+            for w in workers
+        ):
             return
         time.sleep(0.5)
 
@@ -178,8 +198,9 @@ def outcome(res: Any) -> Outcome:
     return Outcome(res.ok and res.ttft is not None, res.ttft, tpot, res.output_tokens)
 
 
-async def open_loop(url: str, model: str, reqs: list[Req], times: list[float], drain_s: float
-                    ) -> tuple[list[Outcome], float]:
+async def open_loop(
+    url: str, model: str, reqs: list[Req], times: list[float], drain_s: float
+) -> tuple[list[Outcome], float]:
     """Send each request at its arrival time whatever the others do; wait up to `drain_s` after the last arrival,
     then give up on the rest (counted as misses). Returns the outcomes and the seconds from start to the end."""
     import httpx
@@ -220,15 +241,18 @@ def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> 
     rng = random.Random(args.seed + 999)
     reqs = [Req(r.prompt[: shape.n(2048)], min(r.max_tokens, 64)) for r in make(rng, args.warmup_requests + 2)]
     asyncio.run(one_at_a_time(run.url, run.model_name, reqs[:2]))
-    asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
+    if reqs[2:]:
+        asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
     wait_idle(run.prefill + run.decode)
 
 
 def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.goodput_report import percentile
 
-    reqs = [Req(r.prompt, min(r.max_tokens, args.low_load_max_tokens))
-            for r in make(random.Random(args.seed + 7), args.low_load)]
+    reqs = [
+        Req(r.prompt, min(r.max_tokens, args.low_load_max_tokens))
+        for r in make(random.Random(args.seed + 7), args.low_load)
+    ]
     s0, n0 = decode_step_totals(run.decode)
     got = asyncio.run(one_at_a_time(run.url, run.model_name, reqs))
     time.sleep(0.1)
@@ -237,14 +261,19 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
     ok = [o for o in got if o.ok]
     step_ms = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
     tpot_p50 = 1e3 * percentile([o.tpot_s for o in ok if o.tpot_s is not None and o.output_tokens > 1], 0.5)
-    return {"requests": len(got), "completed": len(ok),
-            "ttft_p50_ms": 1e3 * percentile([o.ttft_s for o in ok if o.ttft_s is not None], 0.5),
-            "tpot_p50_ms": tpot_p50, "decode_step_ms": step_ms,
-            "tpot_over_step": tpot_p50 / step_ms if step_ms else None}
+    return {
+        "requests": len(got),
+        "completed": len(ok),
+        "ttft_p50_ms": 1e3 * percentile([o.ttft_s for o in ok if o.ttft_s is not None], 0.5),
+        "tpot_p50_ms": tpot_p50,
+        "decode_step_ms": step_ms,
+        "tpot_over_step": tpot_p50 / step_ms if step_ms else None,
+    }
 
 
-def sweep(run: Running, make: Any, args: argparse.Namespace, arrival: str, deadline: float
-          ) -> tuple[list[dict[str, Any]], list[float]]:
+def sweep(
+    run: Running, make: Any, args: argparse.Namespace, arrival: str, deadline: float
+) -> tuple[list[dict[str, Any]], list[float]]:
     rows, skipped = [], []
     for i, rate in enumerate(args.rates):
         if time.time() + args.duration > deadline:
@@ -258,27 +287,39 @@ def sweep(run: Running, make: Any, args: argparse.Namespace, arrival: str, deadl
         row["samples"] = {"ttft_s": [o.ttft_s for o in got], "tpot_s": [o.tpot_s for o in got]}
         rows.append(row)
         att = row["attainment"]
-        print(f"  rate {rate:g}/s: {row['completed']}/{row['sent']} done, attainment tight "
-              f"{att['tight']['both']:.2f} loose {att['loose']['both']:.2f}, TTFT p50 {row['ttft_ms']['p50']:.0f} "
-              f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms", flush=True)
+        print(
+            f"  rate {rate:g}/s: {row['completed']}/{row['sent']} done, attainment tight "
+            f"{att['tight']['both']:.2f} loose {att['loose']['both']:.2f}, TTFT p50 {row['ttft_ms']['p50']:.0f} "
+            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms",
+            flush=True,
+        )
         wait_idle(run.prefill + run.decode, 60)
         if att["loose"]["both"] < args.stop_below:
-            skipped += args.rates[i + 1:]
+            skipped += args.rates[i + 1 :]
             break
     return rows, skipped
 
 
 def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": sys.version.split()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                                       time.gmtime())}
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
     for pkg in ("torch", "triton", "nixl", "fla-core", "grpcio", "transformers"):
         try:
             env[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             env[pkg] = None
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        env["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         env["commit"] = None
     if on_cuda:
@@ -291,13 +332,17 @@ def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
 def check_path(run: Running, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The workers' device / dtype / path (from their ready line). A CUDA worker on the reference path ends the
     run unless --allow-reference-path."""
-    infos = [{k: w.info.get(k) for k in ("role", "device", "dtype", "fast_path", "cuda_graphs")}
-             for w in run.prefill + run.decode]
+    infos = [
+        {k: w.info.get(k) for k in ("role", "device", "dtype", "fast_path", "cuda_graphs")}
+        for w in run.prefill + run.decode
+    ]
     slow = [i for i in infos if str(i["device"]).startswith("cuda") and not i["fast_path"]]
     if slow and not args.allow_reference_path:
         run.stop()
-        raise SystemExit("a CUDA worker runs the reference path (fla-core missing?): not measuring it "
-                         "(--allow-reference-path to measure anyway)")
+        raise SystemExit(
+            "a CUDA worker runs the reference path (fla-core missing?): not measuring it "
+            "(--allow-reference-path to measure anyway)"
+        )
     return infos
 
 
@@ -306,8 +351,16 @@ def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[st
     from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     longest = max(shape.n(LONGEST[w]) for w in args.workloads) + 64
-    wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-             "--max-model-len", str(longest)]
+    wargs = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(longest),
+    ]
     if args.model:
         model = args.model
     elif args.preset:
@@ -315,7 +368,7 @@ def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[st
         wargs += ["--load-format", "dummy"]
     else:
         overrides = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}
-        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)
+        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)  # type: ignore[arg-type]
     if args.kv_cache_memory_bytes:
         wargs += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif args.device != "cpu":
@@ -353,8 +406,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    ap.add_argument("--worker-arg", action="append", default=None, help="an extra worker flag (repeatable; "
-                    "--worker-arg=--enforce-eager)")
+    ap.add_argument(
+        "--worker-arg",
+        action="append",
+        default=None,
+        help="an extra worker flag (repeatable; --worker-arg=--enforce-eager)",
+    )
     ap.add_argument("--allow-reference-path", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="goodput_out")
@@ -382,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = args.device.startswith("cuda")
     gpus = args.gpus.split(",")
     shape_scale = args.len_scale
-    doc: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "environment": environment(args, on_cuda),
-                           "results": [], "skipped": []}
+    doc: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items()},
+        "environment": environment(args, on_cuda),
+        "results": [],
+        "skipped": [],
+    }
     routings = proxy_routings()
     with tempfile.TemporaryDirectory() as tmp:
         model, wargs, longest, vocab = model_and_args(args, tmp, Shape(256, shape_scale))
@@ -409,18 +470,29 @@ def main(argv: list[str] | None = None) -> int:
                     for arrival in args.arrivals:
                         print(f"== {name} / {wl} / {arrival}", flush=True)
                         rows, skipped = sweep(run, make, args, arrival, deadline)
-                        doc["results"].append({
-                            "config": name, "workload": wl, "arrival": arrival, "num_gpus": n_gpus,
-                            "workers": workers, "low_load": low, "rates": rows, "skipped_rates": skipped,
-                            "goodput": config_goodput(rows, n_gpus) if rows else {}})
+                        doc["results"].append(
+                            {
+                                "config": name,
+                                "workload": wl,
+                                "arrival": arrival,
+                                "num_gpus": n_gpus,
+                                "workers": workers,
+                                "low_load": low,
+                                "rates": rows,
+                                "skipped_rates": skipped,
+                                "goodput": config_goodput(rows, n_gpus) if rows else {},
+                            }
+                        )
             finally:
                 run.stop()
     doc["elapsed_s"] = time.time() - start
     os.makedirs(args.out_dir, exist_ok=True)
     doc["plots"] = plot(doc["results"], args.out_dir)
     write_json(os.path.join(args.out_dir, "goodput.json"), doc)
-    print(f"\ndevice {doc['environment'].get('gpus') or 'cpu'}, {args.dtype}, elapsed {doc['elapsed_s']:.0f} s, "
-          f"JSON {os.path.join(args.out_dir, 'goodput.json')}")
+    print(
+        f"\ndevice {doc['environment'].get('gpus') or 'cpu'}, {args.dtype}, elapsed {doc['elapsed_s']:.0f} s, "
+        f"JSON {os.path.join(args.out_dir, 'goodput.json')}"
+    )
     print(table(doc["results"]))
     return 0
 

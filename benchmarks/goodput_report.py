@@ -80,12 +80,21 @@ def summarize_rate(rate: float, outcomes: Sequence[Outcome], duration_s: float) 
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
     tpot = [o.tpot_s for o in ok if o.tpot_s is not None and o.output_tokens > 1]
     row: dict[str, Any] = {
-        "rate": rate, "sent": len(outcomes), "completed": len(ok), "duration_s": duration_s,
+        "rate": rate,
+        "sent": len(outcomes),
+        "completed": len(ok),
+        "duration_s": duration_s,
         "ttft_ms": {f"p{q}": 1e3 * percentile(ttft, q / 100) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * percentile(tpot, q / 100) for q in (50, 90, 99)},
         "output_tok_s": sum(o.output_tokens for o in ok) / duration_s if duration_s else 0.0,
-        "attainment": {s.name: {"both": attainment(outcomes, s), "ttft": attainment(outcomes, s, tpot=False),
-                                "tpot": attainment(outcomes, s, ttft=False)} for s in SLOS},
+        "attainment": {
+            s.name: {
+                "both": attainment(outcomes, s),
+                "ttft": attainment(outcomes, s, tpot=False),
+                "tpot": attainment(outcomes, s, ttft=False),
+            }
+            for s in SLOS
+        },
     }
     return row
 
@@ -100,22 +109,47 @@ def config_goodput(rows: Sequence[dict[str, Any]], num_gpus: int) -> dict[str, d
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """One row per (workload, arrival, configuration): goodput per SLO (total and per GPU), low-load latencies."""
-    head = ("workload", "arrival", "config", "gpus", "tight req/s (per GPU)", "loose req/s (per GPU)",
-            "low-load TTFT p50 ms", "low-load TPOT p50 ms", "D step ms", "TPOT/step")
+    head = (
+        "workload",
+        "arrival",
+        "config",
+        "gpus",
+        "tight req/s (per GPU)",
+        "loose req/s (per GPU)",
+        "low-load TTFT p50 ms",
+        "low-load TPOT p50 ms",
+        "D step ms",
+        "TPOT/step",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         g, low = r.get("goodput", {}), r.get("low_load") or {}
-
-        def cell(name: str) -> str:
-            x = g.get(name)
-            return "n/a" if x is None else f"{x['measured']:.2f} ({x['per_gpu']:.2f})"
-
         step = low.get("decode_step_ms")
         ratio = low.get("tpot_over_step")
-        lines.append("| " + " | ".join([
-            r["workload"], r["arrival"], r["config"], str(r["num_gpus"]), cell("tight"), cell("loose"),
-            _f(low.get("ttft_p50_ms")), _f(low.get("tpot_p50_ms")), _f(step), _f(ratio, 2)]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["workload"],
+                    r["arrival"],
+                    r["config"],
+                    str(r["num_gpus"]),
+                    _cell(g, "tight"),
+                    _cell(g, "loose"),
+                    _f(low.get("ttft_p50_ms")),
+                    _f(low.get("tpot_p50_ms")),
+                    _f(step),
+                    _f(ratio, 2),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
+
+
+def _cell(g: dict[str, Any], slo: str) -> str:
+    x = g.get(slo)
+    return "n/a" if x is None else f"{x['measured']:.2f} ({x['per_gpu']:.2f})"
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -150,17 +184,24 @@ def plot(results: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
                 xs = [p["rate"] / r["num_gpus"] for p in r["rates"]]
                 ax.plot(xs, [p["attainment"][s.name]["both"] for p in r["rates"]], marker="o", label=r["config"])
             ax.axhline(TARGET, color="grey", ls="--", lw=0.8)
-            ax.set(title=f"{wl}/{arrival}: {s.name} (TTFT<={s.ttft_s:g}s, TPOT<={1e3 * s.tpot_s:g}ms)",
-                   xlabel="rate per GPU (req/s)", ylabel="SLO attainment", ylim=(0, 1.02))
+            ax.set(
+                title=f"{wl}/{arrival}: {s.name} (TTFT<={s.ttft_s:g}s, TPOT<={1e3 * s.tpot_s:g}ms)",
+                xlabel="rate per GPU (req/s)",
+                ylabel="SLO attainment",
+                ylim=(0, 1.02),
+            )
             ax.legend()
-        for ax, key in zip(axes[len(SLOS):], ("ttft_s", "tpot_s"), strict=True):
+        for ax, key in zip(axes[len(SLOS) :], ("ttft_s", "tpot_s"), strict=True):
             for r in rs:
                 if r["rates"]:
                     last = r["rates"][-1]
                     xs = sorted(x for x in last.get("samples", {}).get(key, []) if x is not None)
                     if xs:
-                        ax.plot([1e3 * x for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
-                                label=f"{r['config']} @ {last['rate']:g} req/s")
+                        ax.plot(
+                            [1e3 * x for x in xs],
+                            [(i + 1) / len(xs) for i in range(len(xs))],
+                            label=f"{r['config']} @ {last['rate']:g} req/s",
+                        )
             ax.set(title=f"{key[:-2].upper()} CDF (highest rate run)", xlabel="ms", ylabel="fraction")
             ax.legend()
         fig.tight_layout()

@@ -48,8 +48,10 @@ class Shape:
 
 def long_prompts(shape: Shape) -> Workload:
     def make(rng: random.Random, count: int) -> list[Req]:
-        return [Req(shape.ids(rng, shape.n(rng.randint(2048, 8192), 2)), shape.n(rng.randint(128, 256), 2))
-                for _ in range(count)]
+        return [
+            Req(shape.ids(rng, shape.n(rng.randint(2048, 8192), 2)), shape.n(rng.randint(128, 256), 2))
+            for _ in range(count)
+        ]
 
     return make
 
@@ -60,8 +62,13 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int
 
 def chat(shape: Shape) -> Workload:
     def make(rng: random.Random, count: int) -> list[Req]:
-        return [Req(shape.ids(rng, shape.n(_lognormal(rng, 700, 1.0, 32, 6000), 2)),
-                    shape.n(_lognormal(rng, 200, 0.8, 16, 1024), 2)) for _ in range(count)]
+        return [
+            Req(
+                shape.ids(rng, shape.n(_lognormal(rng, 700, 1.0, 32, 6000), 2)),
+                shape.n(_lognormal(rng, 200, 0.8, 16, 1024), 2),
+            )
+            for _ in range(count)
+        ]
 
     return make
 
@@ -94,12 +101,14 @@ LONGEST = {"long": 8192 + 256, "chat": 6000 + 1024, "prefix": 1024 + 512 + 6 * (
 """Longest prompt + output of each workload at scale 1 (the workers' max_model_len)."""
 
 
-def arrival_times(rng: random.Random, rate: float, duration_s: float, process: str = "poisson",
-                  cv: float = 2.0) -> list[float]:
+def arrival_times(
+    rng: random.Random, rate: float, duration_s: float, process: str = "poisson", cv: float = 2.0
+) -> list[float]:
     """Arrival offsets (seconds from the start) of an open-loop process at mean `rate` over `duration_s`."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     if process == "poisson":
+
         def gap() -> float:
             return rng.expovariate(rate)
     elif process == "bursty":

@@ -1,7 +1,7 @@
 """`--device auto` / `--dtype auto`: what an engine runs on when not told (vLLM's meaning of auto).
 
-    device auto -> "cuda" when torch sees a CUDA device, else "cpu"
-    dtype  auto -> "bfloat16" on a CUDA device that supports it, "float16" on one that does not, "float32" on CPU
+device auto -> "cuda" when torch sees a CUDA device, else "cpu"
+dtype  auto -> "bfloat16" on a CUDA device that supports it, "float16" on one that does not, "float32" on CPU
 """
 
 from __future__ import annotations
@@ -43,4 +43,5 @@ def require_fast_path(device: str, allow_reference_path: bool) -> None:
         raise InvalidRequestError(
             f"{', '.join(missing)} not installed: this CUDA engine would run the slow reference path. Install the "
             f"GPU extra (pip install 'hybridpd[gpu]') or pass --allow-reference-path (LLM(allow_reference_path="
-            f"True)) to run it anyway")
+            f"True)) to run it anyway"
+        )
