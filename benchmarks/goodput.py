@@ -449,12 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, wargs, longest, vocab = model_and_args(args, tmp, Shape(256, shape_scale))
         shape = Shape(vocab, shape_scale)
+        runnable = []
         for name in args.configs:
+            if CONFIGS[name].routing in routings:
+                runnable.append(name)
+            else:
+                print(
+                    f"{name}: skipped (the proxy has no --routing {CONFIGS[name].routing}; it offers {list(routings)})"
+                )
+                doc["skipped"].append({"config": name, "why": f"proxy routing {CONFIGS[name].routing!r} not available"})
+        for i, name in enumerate(runnable):
             cfg = CONFIGS[name]
-            if cfg.routing not in routings:
-                print(f"{name}: skipped (the proxy has no --routing {cfg.routing}; it offers {list(routings)})")
-                doc["skipped"].append({"config": name, "why": f"proxy routing {cfg.routing!r} not available"})
-                continue
+            share = time.time() + (deadline - time.time()) / (len(runnable) - i)  # each configuration its share
             if time.time() + 60 > deadline:
                 doc["skipped"].append({"config": name, "why": "deadline"})
                 continue
@@ -469,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                     low = low_load(run, make, args) if args.low_load else None
                     for arrival in args.arrivals:
                         print(f"== {name} / {wl} / {arrival}", flush=True)
-                        rows, skipped = sweep(run, make, args, arrival, deadline)
+                        rows, skipped = sweep(run, make, args, arrival, share)
                         doc["results"].append(
                             {
                                 "config": name,

@@ -210,3 +210,72 @@ def plot(results: Sequence[dict[str, Any]], out_dir: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def bars(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The acceptance checks per (workload, arrival) with a colocated and a PD row: low-load PD TTFT p50 within
+    colocated + 30 ms; D's TPOT within 1.15x its engine's decode step; tight-SLO goodput per GPU of 1P1D >= 2x
+    colocated; loose-SLO best of PD configurations >= 1.0x colocated."""
+    out = []
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["arrival"]), {})[r["config"]] = r
+    for (wl, arrival), by in groups.items():
+        colo, pd = by.get("colocated"), by.get("1p1d")
+        if colo is None or pd is None:
+            continue
+        tag = f"{wl}/{arrival}"
+        lc, lp = colo.get("low_load") or {}, pd.get("low_load") or {}
+        if lc.get("ttft_p50_ms") is not None and lp.get("ttft_p50_ms") is not None:
+            d = lp["ttft_p50_ms"] - lc["ttft_p50_ms"]
+            out.append(f"{tag}: low-load TTFT p50 PD - colocated = {d:+.1f} ms (bar <= +30): {_ok(d <= 30)}")
+        for name, low in (("PD decode", lp), ("colocated", lc)):
+            if low.get("tpot_over_step") is not None:
+                x = low["tpot_over_step"]
+                out.append(f"{tag}: {name} TPOT / engine decode step = {x:.2f} (bar <= 1.15): {_ok(x <= 1.15)}")
+        gc, gp = colo.get("goodput") or {}, pd.get("goodput") or {}
+        if "tight" in gc and "tight" in gp:
+            out.append(_ratio(f"{tag}: tight goodput per GPU 1P1D / colocated", gp["tight"], gc["tight"], 2.0))
+        if "loose" in gc:
+            best = max(
+                (r["goodput"]["loose"] for n, r in by.items() if n != "colocated" and r.get("goodput")),
+                key=lambda g: g["per_gpu"],
+                default=None,
+            )
+            if best is not None:
+                out.append(_ratio(f"{tag}: loose goodput per GPU best PD / colocated", best, gc["loose"], 1.0))
+    return out
+
+
+def _ok(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+def _ratio(label: str, num: dict[str, float], den: dict[str, float], bar: float) -> str:
+    a, b = num["per_gpu"], den["per_gpu"]
+    if b == 0:
+        return f"{label} = {a:.2f} / 0 (colocated met no swept rate; sweep lower rates)"
+    return f"{label} = {a:.2f} / {b:.2f} = {a / b:.2f}x (bar >= {bar:g}x): {_ok(a / b >= bar)}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m benchmarks.goodput_report RUN.json...`: the table and the bar checks of one or more runs."""
+    import sys
+
+    paths = list(argv if argv is not None else sys.argv[1:])
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        env = doc.get("environment", {})
+        print(
+            f"\n{path}: {env.get('gpus') or 'cpu'}, {env.get('date_utc')}, commit {str(env.get('commit'))[:10]}, "
+            f"torch {env.get('torch')}, fla-core {env.get('fla-core')}, elapsed {doc.get('elapsed_s', 0):.0f} s"
+        )
+        for line in bars(doc["results"]):
+            print("  " + line)
+        print(table(doc["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ Idle (nothing scheduled), the step thread sleeps on an event that `call()` sets,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +50,21 @@ class OutputDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_external_tokens: int
+
+    def then(self, later: OutputDelta) -> OutputDelta:
+        """This delta and the next one as one (a stream that fell behind sends one message for both)."""
+        return dataclasses.replace(
+            later, token_ids=self.token_ids + later.token_ids, logprobs=self.logprobs + later.logprobs,
+            top_logprobs=self.top_logprobs + later.top_logprobs)
+
+
+def take_pending(q: asyncio.Queue, first: OutputDelta) -> OutputDelta:
+    """`first` merged with every delta already waiting in `q` (up to and including an end): one stream message
+    instead of one per token when the reader is slower than the steps."""
+    delta = first
+    while delta.finish_reason is None and not q.empty():
+        delta = delta.then(q.get_nowait())
+    return delta
 
 
 class AsyncEngine:

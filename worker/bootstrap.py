@@ -93,8 +93,8 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         metrics_port = srv.server_port
     ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
-                        metrics=WorkerMetrics(role, min_interval_s=0.002), cluster_token=opts.cluster_token,
-                        tls=opts.tls)
+                        metrics=WorkerMetrics(role, min_interval_s=0.002, slow_interval_s=0.25),
+                        cluster_token=opts.cluster_token, tls=opts.tls)
     if opts.enable_transfer and opts.role != "colocated":
         from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics
