@@ -239,7 +239,9 @@ def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> 
     """Two requests alone (prefill and batch-1 decode compile), then a burst whose batch shrinks through every
     decode graph size as its requests end; prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
     rng = random.Random(args.seed + 999)
-    reqs = [Req(r.prompt[: shape.n(2048)], min(r.max_tokens, 64)) for r in make(rng, args.warmup_requests + 2)]
+    n = args.warmup_requests + 2
+    # staggered lengths: the burst's requests end one after another, so its batch passes through every size
+    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // n) for i, r in enumerate(make(rng, n))]
     asyncio.run(one_at_a_time(run.url, run.model_name, reqs[:2]))
     if reqs[2:]:
         asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
@@ -322,10 +324,18 @@ def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
         )
     except OSError:
         env["commit"] = None
-    if on_cuda:
-        import torch
-
-        env["gpus"] = [torch.cuda.get_device_name(int(g)) for g in args.gpus.split(",")]
+    if on_cuda:  # from nvidia-smi: no CUDA context in this process (the workers get the whole GPU)
+        try:
+            names = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.splitlines()
+            by_index = dict(line.split(", ", 1) for line in names if ", " in line)
+            env["gpus"] = [by_index.get(g.strip(), "?") for g in args.gpus.split(",")]
+        except (OSError, subprocess.SubprocessError):
+            env["gpus"] = None
     return env
 
 

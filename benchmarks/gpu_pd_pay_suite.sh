@@ -22,7 +22,8 @@ python3 -c "import nixl, fla, torch; print('nixl ok, fla', fla.__version__, 'tor
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 run() {  # name, deadline seconds, goodput args...
   local name=$1 dl=$2; shift 2
-  timeout $((dl + 60)) python3 benchmarks/goodput.py --gpus 0,1 --configs colocated,1p1d,adaptive \
+  timeout $((dl + 60)) python3 benchmarks/goodput.py --device cuda --dtype bfloat16 --gpus 0,1 \
+    --configs colocated,1p1d,adaptive \
     --rates "${RATES:-1.5,3,4.5,6}" --duration "${DURATION:-12}" --drain 12 --warmup-requests 32 --low-load 6 \
     --deadline-s "$dl" --out-dir "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? ($(left) s of the budget left)"; grep -E "^(==|  rate)" "$OUT/$name.log" | tail -20
