@@ -3,7 +3,8 @@
 # 2 colocated replicas (least-loaded) vs 1P1D (and the adaptive policy when the proxy offers it): the low-load check
 # (PD TTFT p50 vs colocated, D's TPOT vs its engine's decode step, both from the same run) and goodput per GPU at
 # the tight (TTFT<=1 s, TPOT<=25 ms) and loose (TTFT<=2 s, TPOT<=60 ms) SLOs. Then, with the time left, Qwen3.5-9B
-# and the chat-like workload. Prints the bar checks and one table per run last. Results (JSON) under ${OUT:-out}.
+# and the chat-like workload, and roofline.py for Nemotron-3-Nano-30B-A3B on one GPU (cache sized from what the
+# weights leave). Prints the bar checks and one table per run last. Results (JSON) under ${OUT:-out}.
 # Carry .whl: nixl, the fastapi stack and fla-core (+ einops) wheels, as for gpu_pd_suite.sh / gpu_fast_path_suite.sh.
 #   SUITE_BUDGET_S (default 510): wall-clock budget of the whole script; RATES / DURATION override the sweep.
 set -uo pipefail
@@ -33,5 +34,10 @@ if [ "$(left)" -gt 200 ]; then run qwen_long $(( $(left) - 40 )) --preset qwen3.
 else echo "qwen3.5-9b skipped: $(left) s left"; fi
 if [ "$(left)" -gt 200 ]; then run nemotron_chat $(( $(left) - 40 )) --preset nemotron-h-8b --workloads chat
 else echo "chat workload skipped: $(left) s left"; fi
+if [ "$(left)" -gt 150 ]; then  # Nemotron-3-Nano-30B-A3B on one GPU: what fits after ~59 GiB of weights
+  timeout 140 python3 benchmarks/roofline.py --presets nemotron-3-nano-30b-a3b --batches 1,64 --contexts 1024,8192 \
+    --modes graph --prefill-tokens 4096 --steps 5 --out "$OUT/roofline_30b.json" > "$OUT/roofline_30b.log" 2>&1
+  echo "30B roofline: exit $?"; grep -E '"weights_gib"|nemotron-3' "$OUT/roofline_30b.log" | tail -8
+else echo "30B roofline skipped: $(left) s left"; fi
 echo; echo "== results ($(( $(date +%s) - START )) s)"
 python3 -m benchmarks.goodput_report "$OUT"/*/goodput.json || tail -30 "$OUT"/*.log
