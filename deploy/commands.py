@@ -120,7 +120,9 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     engine_args(p)
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
-    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs Ray reserves per worker")
+    p.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs Ray reserves per worker (default: 1 when --device is auto or cuda and the Ray cluster "
+                        "has a GPU per worker, else 0; Ray hides the GPUs from a worker that reserves none)")
     p.add_argument("--address", default=None, help="join an existing Ray cluster (default: start one locally)")
     p.add_argument("--host", default="127.0.0.1", help="interface the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="proxy port (checked before anything starts)")

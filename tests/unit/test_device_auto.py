@@ -48,3 +48,13 @@ def test_llm_defaults_to_auto_and_runs_float32_on_cpu() -> None:
 def test_bad_device_is_still_refused() -> None:
     with pytest.raises(InvalidRequestError, match="auto"):
         EngineConfig.from_settings("/m", device="tpu").validate()
+
+
+def test_serve_reserves_a_gpu_per_worker_when_the_cluster_has_them() -> None:
+    from deploy.ray_launcher import default_gpus_per_worker
+
+    assert default_gpus_per_worker(None, "auto", cluster_gpus=2.0, num_workers=2) == 1.0
+    assert default_gpus_per_worker(None, "cuda:0", cluster_gpus=4.0, num_workers=2) == 1.0
+    assert default_gpus_per_worker(None, "auto", cluster_gpus=1.0, num_workers=2) == 0.0  # not one each: none
+    assert default_gpus_per_worker(None, "cpu", cluster_gpus=8.0, num_workers=2) == 0.0
+    assert default_gpus_per_worker(0.5, "auto", cluster_gpus=0.0, num_workers=2) == 0.5  # asked: as asked
