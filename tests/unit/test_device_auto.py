@@ -42,7 +42,7 @@ def test_llm_defaults_to_auto_and_runs_float32_on_cpu() -> None:
     llm = LLM(kv_cache_memory_bytes=16 * 2**20)
     assert (llm.config.model.device, llm.config.model.dtype) == ("auto", "auto")
     assert (llm.engine.config.model.device, llm.engine.config.model.dtype) == ("cpu", "float32")
-    assert next(llm.engine.model.parameters()).dtype == torch.float32
+    assert next(llm.engine.model.parameters()).dtype == torch.float32  # type: ignore[attr-defined]
 
 
 def test_bad_device_is_still_refused() -> None:

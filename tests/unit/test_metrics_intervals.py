@@ -18,9 +18,14 @@ def test_pool_scan_is_throttled_while_busy_and_fresh_when_idle(monkeypatch: pyte
     metrics = WorkerMetrics("decode", reg, slow_interval_s=3600.0)
     llm = LLM(kv_cache_memory_bytes=8 * 2**20)
     core = llm.engine
-    scans = []
+    scans: list[int] = []
     real = core.cache.cache_stats
-    monkeypatch.setattr(core.cache, "cache_stats", lambda: scans.append(1) or real())
+
+    def counted() -> dict[str, object]:
+        scans.append(1)
+        return real()
+
+    monkeypatch.setattr(core.cache, "cache_stats", counted)
     metrics.update(core)  # the first update reads everything
     assert len(scans) == 1
     core.add_request("a", [3] * 40, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
@@ -38,7 +43,8 @@ def test_pool_scan_is_throttled_while_busy_and_fresh_when_idle(monkeypatch: pyte
     in_use = reg.get_sample_value(
         "hybridpd_kv_cache_bytes", {"role": "decode", "group": "attention", "state": "in_use"}
     )
-    assert in_use == real()["attention"]["bytes_in_use"]
+    attention = real()["attention"]
+    assert isinstance(attention, dict) and in_use == attention["bytes_in_use"]
 
 
 def test_step_times_are_split_by_kind() -> None:
