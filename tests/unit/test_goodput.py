@@ -130,3 +130,26 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("| long | poisson |")  # the table is printed last
+
+
+def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks import goodput
+
+    stopped = []
+
+    def running(fast: bool) -> goodput.Running:
+        w = SimpleNamespace(
+            info={"role": "decode", "device": "cuda:0", "dtype": "bfloat16", "fast_path": fast, "cuda_graphs": fast}
+        )
+        run = goodput.Running([], [w], None, "", "m")  # type: ignore[arg-type]
+        run.stop = lambda: stopped.append(1)  # type: ignore[method-assign]
+        return run
+
+    with pytest.raises(SystemExit, match="reference path"):
+        goodput.check_path(running(False), SimpleNamespace(allow_reference_path=False))  # type: ignore[arg-type]
+    assert stopped == [1]  # the cluster is stopped before refusing
+    told = goodput.check_path(running(False), SimpleNamespace(allow_reference_path=True))  # type: ignore[arg-type]
+    assert told[0]["fast_path"] is False
+    assert goodput.check_path(running(True), SimpleNamespace(allow_reference_path=False))[0]["device"] == "cuda:0"  # type: ignore[arg-type]
