@@ -284,18 +284,24 @@ def sweep(
         rng = random.Random(args.seed * 1000 + i)
         times = arrival_times(rng, rate, args.duration, arrival)
         reqs = make(rng, len(times))
+        s0, n0 = decode_step_totals(run.decode)
         got, elapsed = asyncio.run(open_loop(run.url, run.model_name, reqs, times, args.drain))
         row = summarize_rate(rate, got, elapsed)
+        wait_idle(run.prefill + run.decode, 60)
+        s1, n1 = decode_step_totals(run.decode)
+        # the decode workers' decode-only steps at this load (steps with a prompt chunk excluded: colocated TPOT
+        # also waits for those, so its ratio is higher by design)
+        row["decode_step_ms"] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+        row["tpot_over_step"] = row["tpot_ms"]["p50"] / row["decode_step_ms"] if row["decode_step_ms"] else None
         row["samples"] = {"ttft_s": [o.ttft_s for o in got], "tpot_s": [o.tpot_s for o in got]}
         rows.append(row)
         att = row["attainment"]
         print(
             f"  rate {rate:g}/s: {row['completed']}/{row['sent']} done, attainment tight "
             f"{att['tight']['both']:.2f} loose {att['loose']['both']:.2f}, TTFT p50 {row['ttft_ms']['p50']:.0f} "
-            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms",
+            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms, D decode step {row['decode_step_ms'] or 0:.1f} ms",
             flush=True,
         )
-        wait_idle(run.prefill + run.decode, 60)
         if att["loose"]["both"] < args.stop_below:
             skipped += args.rates[i + 1 :]
             break
