@@ -57,6 +57,7 @@ from proxy.workers import WorkerClients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (well under a millisecond)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
 
@@ -155,6 +156,7 @@ class _Proxy:
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
+        self.parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridpd-parse")  # big bodies
         self.admission = Admission(config, self.cluster.metrics.registry)
         self.keys = config.api_keys + ((ApiKey("api-key", config.api_key),) if config.api_key is not None else ())
 
@@ -239,8 +241,11 @@ class _Proxy:
     async def parse(self, request: Request, chat: bool) -> CompletionRequest | ChatRequest:
         try:
             self.check_auth(request)
-            body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
-            req = parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
+            raw = await _read_body(request, self.config.max_body_bytes)
+            if len(raw) <= _PARSE_INLINE_BYTES:
+                req = self._parse_body(raw, chat)
+            else:  # MBs of JSON (60,000 stop strings) take the event loop for 100s of ms: a thread of their own
+                req = await asyncio.get_running_loop().run_in_executor(self.parse_pool, self._parse_body, raw, chat)
         except ApiError as err:
             self._count(err)
             raise
@@ -250,6 +255,10 @@ class _Proxy:
             self._count(self.admission.reject("request_limits", err))
             raise
         return req
+
+    def _parse_body(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
+        body = parse_json_object(raw)
+        return parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
 
     async def admit(self, request: Request, prepared: list[PreparedRequest]) -> Ticket:
         """Hold the budget for `prepared` (waiting briefly if need be); 400 / 429 / 503 ApiError otherwise."""
@@ -366,6 +375,7 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
             await proxy.monitor.stop()
             await proxy.cluster.clients.close()
             proxy.pool.shutdown(wait=False, cancel_futures=True)
+            proxy.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybridpd proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
