@@ -204,3 +204,25 @@ def test_request_limits() -> None:
         with pytest.raises(ApiError) as info:
             check_request_limits(parse_completion({**ok, field: value}, "m"), limits)
         assert (info.value.status, info.value.param, info.value.code) == (400, field, "limit_exceeded")
+
+
+def test_cli_flags_reach_the_proxy_config(tmp_path: Any) -> None:
+    from deploy.cli import build_parser
+    from deploy.commands import ConfigError, proxy_limits
+    from deploy.proxy_flags import serve_max_seqs
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice sk-a max_concurrency=4\nbob sk-b\n")
+    args = build_parser().parse_args(["proxy", "--decode", "d:1", "--admission-max-seqs", "40", "--api-keys-file",
+                                      str(keys), "--key-tokens-per-minute", "900", "--max-stop-strings", "3",
+                                      "--header-timeout", "2.5", "--max-connections", "9"])
+    kw = proxy_limits(args)
+    assert kw["admission"].max_num_seqs == 40 and kw["request_limits"].max_stop_strings == 3
+    assert (kw["http"].header_timeout_s, kw["http"].max_connections) == (2.5, 9)
+    assert [(k.name, k.max_concurrency, k.tokens_per_minute) for k in kw["api_keys"]] == [("alice", 4, 900),
+                                                                                          ("bob", 0, 900)]
+    serve = build_parser().parse_args(["serve", "--num-decode", "2", "--max-num-seqs", "8"])
+    assert serve_max_seqs(serve) == 64 and proxy_limits(serve, 64)["admission"].max_num_seqs == 64
+    for bad in (["--admission-tenant-share", "2"], ["--api-keys-file", str(tmp_path / "missing")]):
+        with pytest.raises(ConfigError):
+            proxy_limits(build_parser().parse_args(["proxy", "--decode", "d:1", *bad]))
