@@ -1,11 +1,15 @@
-"""An anonymous attacker against a `LiveStack` proxy, and what a legitimate client sees meanwhile. Test support.
+"""An anonymous attacker against a proxy in front of FAKE workers, and what a legitimate client sees meanwhile.
 
-    with Observer(stack) as obs:          # probes /health, sends legitimate requests, samples the admission ledger
-        flood(stack, ...)                 # or slowloris / abandoned streams
-    report = obs.report("n=128 flood", attacks=..., wrong_200s=...)
+    with Observer(target, Limits(seqs=64, per_client=32), attacker_prompts={...}) as obs:
+        flood(target.url, "127.0.0.2", ...)   # or slowloris / abandoned streams
+    report = obs.report("n=128 flood", attacks_tried=..., wrong_200s=...)
 
-Attackers connect from other loopback addresses (127.0.0.2, ...: Linux routes all of 127/8 to `lo`), so the proxy
-sees them as other clients, as it would see other hosts. The legitimate client is 127.0.0.1.
+`target` is a `ProxyProcess` (the proxy in its own process, as deployed: its /health latency and RSS are its own)
+or a `LiveStack`. What was accepted is measured where it lands: the sequences running on the fake decode worker,
+sampled every 5 ms, against the global budget and (for the attacker's prompts) one client's share. Attackers
+connect from other loopback addresses (127.0.0.2, ...: Linux routes all of 127/8 to `lo`), so the proxy sees them
+as other clients, as it would see other hosts; attackers that post run in processes of their own. The legitimate
+client is 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -16,28 +20,37 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 
+from tests.support.fake_workers import FakeDecodeWorker
 from tests.support.flood_client import flood_client, wrong_choices
-from tests.support.live_stack import LiveStack
 
 LEGIT_PROMPT = list(range(1, 9))
 LEGIT_MAX_TOKENS = 8
 
 
-def rss_mb() -> float:
-    """This process's resident memory (the proxy and the fake workers run in it)."""
-    for line in open("/proc/self/status"):
+class Target(Protocol):
+    url: str
+    decode: list[FakeDecodeWorker]
+
+
+class Limits(NamedTuple):
+    seqs: int  # the proxy's global budget of sequences
+    per_client: int  # one client's share of it
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Resident memory of `pid` (default: this process)."""
+    for line in open(f"/proc/{pid or 'self'}/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-def client(stack: LiveStack, source_ip: str, timeout: float = 30.0) -> httpx.Client:
-    return httpx.Client(base_url=stack.url, timeout=timeout,
-                        transport=httpx.HTTPTransport(local_address=source_ip))
+def client(url: str, source_ip: str, timeout: float = 30.0) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=timeout, transport=httpx.HTTPTransport(local_address=source_ip))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -47,10 +60,10 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def legit_latency(stack: LiveStack, n: int = 5, headers: dict[str, str] | None = None) -> list[float]:
+def legit_latency(url: str, n: int = 5, headers: dict[str, str] | None = None) -> list[float]:
     """Seconds per legitimate request, sequentially (each must be a correct 200)."""
     out = []
-    with client(stack, "127.0.0.1") as c:
+    with client(url, "127.0.0.1") as c:
         c.headers.update(headers or {})
         for _ in range(n):
             t0 = time.perf_counter()
@@ -75,8 +88,8 @@ class AttackReport:
     health_p99_s: float
     health_max_s: float
     health_probes: int
-    max_seqs_in_flight: int
     max_decode_running: int
+    max_attacker_running: int
     rss_before_mb: float
     rss_after_mb: float
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,25 +103,49 @@ class AttackReport:
                 f.write(json.dumps(asdict(self)) + "\n")
 
 
-class Observer:
-    """Background threads: /health probes, sequential legitimate requests, samples of the admission ledger."""
+class _Ledger:
+    """Sequences running on the fake decode workers, split into the attacker's (by prompt) and the rest."""
 
-    def __init__(self, stack: LiveStack, legit: bool = True, headers: dict[str, str] | None = None) -> None:
-        self.stack = stack
+    def __init__(self, decode: list[FakeDecodeWorker], attacker_prompts: set[tuple[int, ...]]) -> None:
+        self.decode = decode
+        self.attacker_prompts = attacker_prompts
+        self._prompt_of: dict[str, tuple[int, ...]] = {}
+        self._seen = [0] * len(decode)
+
+    def sample(self) -> tuple[int, int]:
+        """(running, of which the attacker's)."""
+        running = attacker = 0
+        for i, d in enumerate(self.decode):
+            new = d.generates[self._seen[i]:]
+            self._seen[i] += len(new)
+            self._prompt_of.update((g.request_id, tuple(g.prompt_token_ids)) for g in new)
+            ids = list(d.running)
+            running += len(ids)
+            attacker += sum(self._prompt_of.get(r) in self.attacker_prompts for r in ids)
+        return running, attacker
+
+
+class Observer:
+    """Background threads: /health probes, sequential legitimate requests, samples of what runs on the workers."""
+
+    def __init__(self, target: Target, limits: Limits, attacker_prompts: set[tuple[int, ...]] | None = None,
+                 headers: dict[str, str] | None = None, pid: int | None = None) -> None:
+        self.url = target.url
+        self.limits = limits
         self.headers = headers
-        self.admission = stack.app.state.proxy.admission
-        self.idle = legit_latency(stack, 3, headers) if legit else []
-        self.legit = legit
+        self.pid = pid
+        self.ledger = _Ledger(target.decode, attacker_prompts or set())
+        self.idle = legit_latency(self.url, 3, headers)
         self.health: list[float] = []
         self.health_at: list[float] = []  # perf_counter() at each probe's start
         self.latencies: list[float] = []
         self.legit_failed = 0
         self.beyond = 0
-        self.max_seqs = 0
         self.max_running = 0
+        self.max_attacker = 0
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=t, daemon=True) for t in (self._probe, self._sample, self._legit)]
-        self.rss_before = rss_mb()
+        self.rss_before = rss_mb(pid)
 
     def __enter__(self) -> Observer:
         for t in self._threads:
@@ -121,7 +158,7 @@ class Observer:
             t.join(30)
 
     def _probe(self) -> None:
-        with client(self.stack, "127.0.0.1", timeout=10) as c:
+        with client(self.url, "127.0.0.1", timeout=10) as c:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
                 r = c.get("/health")
@@ -131,28 +168,18 @@ class Observer:
                 time.sleep(0.02)
 
     def _sample(self) -> None:
-        a = self.admission
         while not self._stop.is_set():
-            used = a.used
-            self.max_seqs = max(self.max_seqs, used.seqs)
-            self.max_running = max(self.max_running, sum(len(d.running) for d in self.stack.decode))
-            try:
-                tenants = list(a._tenants.values())
-            except RuntimeError:  # resized by the event loop mid-copy: sample again
-                continue
-            over = used.seqs > a.caps.seqs or used.prompt_tokens > a.caps.prompt_tokens or any(
-                t.usage.seqs > a.tenant_caps.seqs or t.usage.prompt_tokens > a.tenant_caps.prompt_tokens
-                for t in tenants)
-            self.beyond += int(over)
+            running, attacker = self.ledger.sample()
+            self.max_running = max(self.max_running, running)
+            self.max_attacker = max(self.max_attacker, attacker)
+            self.beyond += int(running > self.limits.seqs or attacker > self.limits.per_client)
             time.sleep(0.005)
 
     def _legit(self) -> None:
-        if not self.legit:
-            return
         time.sleep(0.3)  # let the attack build up
         while not self._stop.is_set():
             try:
-                self.latencies += legit_latency(self.stack, 1, self.headers)
+                self.latencies += legit_latency(self.url, 1, self.headers)
             except (AssertionError, httpx.HTTPError):
                 self.legit_failed += 1
 
@@ -162,8 +189,8 @@ class Observer:
                          legit_p50_s=pct(self.latencies, 0.5), legit_p99_s=pct(self.latencies, 0.99),
                          idle_p50_s=pct(self.idle, 0.5), health_p99_s=pct(self.health, 0.99),
                          health_max_s=max(self.health, default=float("nan")), health_probes=len(self.health),
-                         max_seqs_in_flight=self.max_seqs, max_decode_running=self.max_running,
-                         rss_before_mb=self.rss_before, rss_after_mb=rss_mb(), extra=extra)
+                         max_decode_running=self.max_running, max_attacker_running=self.max_attacker,
+                         rss_before_mb=self.rss_before, rss_after_mb=rss_mb(self.pid), extra=extra)
         r.emit()
         return r
 
@@ -176,8 +203,9 @@ def flood(url: str, source_ip: str, clients: int, body: dict[str, Any], seconds:
     out = ctx.Queue()
     content = json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", **(headers or {})}
-    procs = [ctx.Process(target=flood_client, args=(url, source_ip, content, hdrs, seconds, body["prompt"],
-                                                     body["max_tokens"], out)) for _ in range(clients)]
+    summary = {"prompt": body["prompt"], "max_tokens": body["max_tokens"], "ignore_eos": body.get("ignore_eos")}
+    procs = [ctx.Process(target=flood_client, args=(url, source_ip, content, hdrs, seconds, summary, out))
+             for _ in range(clients)]
     for p in procs:
         p.start()
     total: dict[str, int] = {}

@@ -9,19 +9,20 @@ from typing import Any
 import httpx
 
 
-def expected_ids(prompt: list[int], max_tokens: int) -> list[int]:
-    """What the fake decode worker answers: the prompt reversed, cut at max_tokens."""
-    return list(reversed(prompt))[:max_tokens]
+def expected_ids(prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """What the fake decode worker answers: the prompt reversed, cut at max_tokens (cycled with ignore_eos)."""
+    rev = list(reversed(prompt))
+    return [rev[i % len(rev)] for i in range(max_tokens)] if ignore_eos else rev[:max_tokens]
 
 
-def wrong_choices(body: dict[str, Any], prompt: list[int], max_tokens: int) -> int:
+def wrong_choices(body: dict[str, Any], prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> int:
     """Choices of a 200 whose tokens are not the fake's answer for `prompt`."""
-    want = expected_ids(prompt, max_tokens)
+    want = expected_ids(prompt, max_tokens, ignore_eos)
     return sum(1 for c in body["choices"] if c.get("token_ids") != want)
 
 
 def flood_client(url: str, source_ip: str, content: bytes, headers: dict[str, str], seconds: float,
-                  prompt: list[int], max_tokens: int, out: Any) -> None:
+                 request: dict[str, Any], out: Any) -> None:
     """One attacker (its own process): post `content` back to back; put its counts on `out`."""
     counts: dict[str, int] = {"tried": 0, "wrong_200s": 0}
     end = time.monotonic() + seconds
@@ -31,7 +32,8 @@ def flood_client(url: str, source_ip: str, content: bytes, headers: dict[str, st
             counts["tried"] += 1
             counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
             if r.status_code == 200:
-                counts["wrong_200s"] += wrong_choices(r.json(), prompt, max_tokens)
+                counts["wrong_200s"] += wrong_choices(r.json(), request["prompt"], request["max_tokens"],
+                                                      bool(request.get("ignore_eos")))
             elif r.status_code in (429, 503):
                 if "Retry-After" not in r.headers or not r.json()["error"]["code"]:
                     counts["malformed_rejections"] = counts.get("malformed_rejections", 0) + 1
