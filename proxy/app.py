@@ -49,7 +49,7 @@ from proxy.openai_schema import (
     parse_json_object,
     resolve_max_tokens,
 )
-from proxy.request_limits import check_request_limits
+from proxy.request_limits import check_body_limits, check_request_limits
 from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
@@ -258,6 +258,10 @@ class _Proxy:
 
     def _parse_body(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
         body = parse_json_object(raw)
+        try:
+            check_body_limits(body, self.config.request_limits)
+        except ApiError as err:
+            raise self.admission.reject("request_limits", err) from None
         return parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
 
     async def admit(self, request: Request, prepared: list[PreparedRequest]) -> Ticket:

@@ -14,7 +14,7 @@ from proxy.api_keys import ApiKey, find_key, parse_keys
 from proxy.config import AdmissionLimits, ProxyConfig, RequestLimits
 from proxy.errors import ApiError
 from proxy.openai_schema import parse_completion
-from proxy.request_limits import check_request_limits
+from proxy.request_limits import check_body_limits, check_request_limits
 
 
 def make(**limits: Any) -> Admission:
@@ -198,12 +198,18 @@ def test_request_limits() -> None:
     limits = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_logit_bias=2, max_prompts=2,
                            max_stop_token_ids=2)
     ok = {"prompt": ["a", "b"], "stop": ["ab", "cd"], "logit_bias": {"1": 1, "2": 2}, "stop_token_ids": [1, 2]}
+    check_body_limits(ok, limits)
     check_request_limits(parse_completion(ok, "m"), limits)
     for field, value in (("stop", ["a", "b", "c"]), ("stop", ["abcdef"]), ("logit_bias", {"1": 1, "2": 2, "3": 3}),
                          ("prompt", ["a", "b", "c"]), ("stop_token_ids", [1, 2, 3])):
         with pytest.raises(ApiError) as info:
             check_request_limits(parse_completion({**ok, field: value}, "m"), limits)
         assert (info.value.status, info.value.param, info.value.code) == (400, field, "limit_exceeded")
+        if value != ["abcdef"]:  # list sizes are refused before the schema looks at the elements
+            with pytest.raises(ApiError) as info:
+                check_body_limits({**ok, field: value}, limits)
+            assert (info.value.status, info.value.param) == (400, field)
+    check_body_limits({"prompt": [1, 2, 3]}, limits)  # one prompt of token ids, not three prompts
 
 
 def test_cli_flags_reach_the_proxy_config(tmp_path: Any) -> None:
