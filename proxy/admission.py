@@ -208,9 +208,13 @@ class Admission:
             t = self._tenants[name] = Tenant(name, key, bucket=bucket)
         return t
 
+    def check_seqs(self, key: ApiKey | None, seqs: int) -> None:
+        """400 now when `seqs` alone can never fit (known before tokenization: n x prompts)."""
+        self._check_ever_fits(key, Demand(seqs, 0, 0))
+
     async def admit(self, tenant: Tenant, demand: Demand) -> Ticket:
         """A Ticket once `demand` fits; raises ApiError (400 / 429 / 503) otherwise. Cancellation-safe."""
-        self._check_ever_fits(tenant, demand)
+        self._check_ever_fits(tenant.key, demand)
         self._check_key_concurrency(tenant, demand)
         charged = self._charge_tokens(tenant, demand)
         waiter = _Waiter(tenant, demand, self._order, asyncio.get_running_loop().create_future())
@@ -240,9 +244,8 @@ class Admission:
 
     # -- checks ------------------------------------------------------------------------------------------------
 
-    def _check_ever_fits(self, tenant: Tenant, d: Demand) -> None:
+    def _check_ever_fits(self, key: ApiKey | None, d: Demand) -> None:
         why = self.tenant_caps.first_exceeded(d)
-        key = tenant.key
         if why is None and key is not None and key.max_concurrency and d.seqs > key.max_concurrency:
             why = f"{d.seqs} sequences exceed key '{key.name}'s max_concurrency of {key.max_concurrency}"
         if why is None and key is not None and key.tokens_per_minute and d.reserved_tokens > key.tokens_per_minute:

@@ -254,6 +254,12 @@ class _Proxy:
         except ApiError as err:
             self._count(self.admission.reject("request_limits", err))
             raise
+        try:  # n x prompts that can never fit: refused before tokenization
+            key = self.presented_key(request) if self.keys else None
+            self.admission.check_seqs(key, len(getattr(req, "prompts", (None,))) * req.n)
+        except ApiError as err:
+            self._count(err)
+            raise
         return req
 
     def _parse_body(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:

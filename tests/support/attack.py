@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -60,17 +61,20 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def legit_latency(url: str, n: int = 5, headers: dict[str, str] | None = None) -> list[float]:
-    """Seconds per legitimate request, sequentially (each must be a correct 200)."""
+def legit_latency(url: str, n: int = 5, headers: dict[str, str] | None = None,
+                  expected: list[int] | None = None) -> list[float]:
+    """Seconds per legitimate request (LEGIT_PROMPT, greedy), sequentially. Each must be a 200 answering
+    `expected` token ids (default: the fake decode worker's answer)."""
     out = []
+    body = {"prompt": LEGIT_PROMPT, "max_tokens": LEGIT_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     with client(url, "127.0.0.1") as c:
         c.headers.update(headers or {})
         for _ in range(n):
             t0 = time.perf_counter()
-            r = c.post("/v1/completions", json={"prompt": LEGIT_PROMPT, "max_tokens": LEGIT_MAX_TOKENS})
+            r = c.post("/v1/completions", json=body)
             out.append(time.perf_counter() - t0)
             assert r.status_code == 200, r.text
-            assert wrong_choices(r.json(), LEGIT_PROMPT, LEGIT_MAX_TOKENS) == 0
+            assert wrong_choices(r.json(), LEGIT_PROMPT, LEGIT_MAX_TOKENS, True, expected) == 0, r.text
     return out
 
 
@@ -129,13 +133,17 @@ class Observer:
     """Background threads: /health probes, sequential legitimate requests, samples of what runs on the workers."""
 
     def __init__(self, target: Target, limits: Limits, attacker_prompts: set[tuple[int, ...]] | None = None,
-                 headers: dict[str, str] | None = None, pid: int | None = None) -> None:
+                 headers: dict[str, str] | None = None, pid: int | None = None,
+                 ledger: Callable[[], tuple[int, int]] | None = None, expected: list[int] | None = None) -> None:
+        """`ledger()` -> (sequences running, of which the attacker's); default: counted on the fake workers.
+        `expected`: the legitimate request's answer (default: the fake decode worker's)."""
         self.url = target.url
         self.limits = limits
         self.headers = headers
         self.pid = pid
-        self.ledger = _Ledger(target.decode, attacker_prompts or set())
-        self.idle = legit_latency(self.url, 3, headers)
+        self.expected = expected
+        self.ledger = ledger or _Ledger(target.decode, attacker_prompts or set()).sample
+        self.idle = legit_latency(self.url, 3, headers, expected)
         self.health: list[float] = []
         self.health_at: list[float] = []  # perf_counter() at each probe's start
         self.latencies: list[float] = []
@@ -169,7 +177,7 @@ class Observer:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            running, attacker = self.ledger.sample()
+            running, attacker = self.ledger()
             self.max_running = max(self.max_running, running)
             self.max_attacker = max(self.max_attacker, attacker)
             self.beyond += int(running > self.limits.seqs or attacker > self.limits.per_client)
@@ -179,7 +187,7 @@ class Observer:
         time.sleep(0.3)  # let the attack build up
         while not self._stop.is_set():
             try:
-                self.latencies += legit_latency(self.url, 1, self.headers)
+                self.latencies += legit_latency(self.url, 1, self.headers, self.expected)
             except (AssertionError, httpx.HTTPError):
                 self.legit_failed += 1
 
@@ -196,14 +204,17 @@ class Observer:
 
 
 def flood(url: str, source_ip: str, clients: int, body: dict[str, Any], seconds: float,
-          headers: dict[str, str] | None = None) -> dict[str, int]:
+          headers: dict[str, str] | None = None, expected: list[int] | None = None,
+          check: bool = True) -> dict[str, int]:
     """`clients` attacker processes (spawned: their CPU is not the proxy's) posting `body` back to back for
-    `seconds`; their summed counts by status, and wrong 200s (answers that are not the fake's)."""
+    `seconds`; their summed counts by status, and wrong 200s (answers that are not `expected`, default the
+    fake's; `check=False`: not checked)."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     content = json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", **(headers or {})}
-    summary = {"prompt": body["prompt"], "max_tokens": body["max_tokens"], "ignore_eos": body.get("ignore_eos")}
+    summary = {"prompt": body["prompt"], "max_tokens": body["max_tokens"], "ignore_eos": body.get("ignore_eos"),
+               "expected": expected, "check": check}
     procs = [ctx.Process(target=flood_client, args=(url, source_ip, content, hdrs, seconds, summary, out))
              for _ in range(clients)]
     for p in procs:
