@@ -87,7 +87,8 @@ def run_attacks(url: str, proxy_pid: int, args: argparse.Namespace) -> list[Atta
     def observer() -> Observer:
         return Observer(_Target(url), limits, ledger=_proxy_ledger(url), expected=legit, pid=proxy_pid)
 
-    big: dict[str, Any] = {"prompt": list(range(10, 42)), "max_tokens": 64, "n": 128, "temperature": 0, "ignore_eos": True}
+    big: dict[str, Any] = {"prompt": list(range(10, 42)), "max_tokens": 64, "n": 128, "temperature": 0,
+                           "ignore_eos": True}
     want = _greedy(url, big["prompt"], 64)
     with observer() as obs:
         c = flood(url, "127.0.0.2", 2, big, args.seconds, expected=want)
