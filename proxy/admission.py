@@ -232,7 +232,7 @@ class Admission:
                 self._give_back(tenant, demand)
             waiter.granted.cancel()
             self._refund(tenant, charged)
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, asyncio.TimeoutError):
                 raise self._busy("queue_timeout", f"no room within {self.limits.queue_timeout_s:g} s") from None
             raise
         finally:

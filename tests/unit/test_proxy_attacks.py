@@ -27,6 +27,8 @@ from tests.support.flood_client import abandon_streams
 from tests.support.live_stack import LiveStack
 from tests.support.proxy_process import ProxyProcess
 
+pytestmark = pytest.mark.slow  # starts the proxy as a process
+
 TOKEN_DELAY_S = 0.02  # 50 tokens/s per sequence, a decode worker under load
 ATTACK_S = 1.2
 ANON_LIMITS = Limits(seqs=64, per_client=32)
