@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from proxy import cluster_view
 from proxy.admission import Admission, Demand, Tenant, Ticket
 from proxy.api_keys import ApiKey, find_key
+from proxy.body_parser import BodyParser
 from proxy.choices import Choices
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, bad_request
@@ -44,12 +45,9 @@ from proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
     resolve_max_tokens,
 )
-from proxy.request_limits import check_body_limits, check_request_limits
+from proxy.request_limits import check_request_limits
 from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
@@ -57,7 +55,6 @@ from proxy.workers import WorkerClients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (well under a millisecond)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
 
@@ -156,7 +153,7 @@ class _Proxy:
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
-        self.parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridpd-parse")  # big bodies
+        self.bodies = BodyParser(config.model_name, config.request_limits)  # big bodies in a helper process
         self.admission = Admission(config, self.cluster.metrics.registry)
         self.keys = config.api_keys + ((ApiKey("api-key", config.api_key),) if config.api_key is not None else ())
 
@@ -241,18 +238,12 @@ class _Proxy:
     async def parse(self, request: Request, chat: bool) -> CompletionRequest | ChatRequest:
         try:
             self.check_auth(request)
-            raw = await _read_body(request, self.config.max_body_bytes)
-            if len(raw) <= _PARSE_INLINE_BYTES:
-                req = self._parse_body(raw, chat)
-            else:  # MBs of JSON (60,000 stop strings) take the event loop for 100s of ms: a thread of their own
-                req = await asyncio.get_running_loop().run_in_executor(self.parse_pool, self._parse_body, raw, chat)
-        except ApiError as err:
-            self._count(err)
-            raise
-        try:
+            req = await self.bodies.parse(await _read_body(request, self.config.max_body_bytes), chat)
             check_request_limits(req, self.config.request_limits)
         except ApiError as err:
-            self._count(self.admission.reject("request_limits", err))
+            if err.code == "limit_exceeded":
+                self.admission.count_rejection("request_limits")
+            self._count(err)
             raise
         try:  # n x prompts that can never fit: refused before tokenization
             key = self.presented_key(request) if self.keys else None
@@ -261,14 +252,6 @@ class _Proxy:
             self._count(err)
             raise
         return req
-
-    def _parse_body(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
-        body = parse_json_object(raw)
-        try:
-            check_body_limits(body, self.config.request_limits)
-        except ApiError as err:
-            raise self.admission.reject("request_limits", err) from None
-        return parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
 
     async def admit(self, request: Request, prepared: list[PreparedRequest]) -> Ticket:
         """Hold the budget for `prepared` (waiting briefly if need be); 400 / 429 / 503 ApiError otherwise."""
@@ -385,7 +368,7 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
             await proxy.monitor.stop()
             await proxy.cluster.clients.close()
             proxy.pool.shutdown(wait=False, cancel_futures=True)
-            proxy.parse_pool.shutdown(wait=False, cancel_futures=True)
+            proxy.bodies.close()
 
     app = FastAPI(title="hybridpd proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy

@@ -16,6 +16,7 @@ from proxy.http_guard import uvicorn_config
 def run(config: ProxyConfig, log_level: str = "info") -> None:
     """Serve on `config.host:config.port`. Blocks; returns after SIGINT/SIGTERM."""
     app = create_app(config)
+    app.state.proxy.bodies.start()  # the big-body parser process, spawned before the first request needs it
     admission = app.state.proxy.admission
     cfg = uvicorn_config(app, config.http, admission.count_rejection, host=config.host, port=config.port,
                          log_level=log_level, access_log=False)
