@@ -244,3 +244,40 @@ def test_huge_lists_are_400_and_cheap(anon: ProxyProcess) -> None:
     reached = {tuple(g.prompt_token_ids) for g in anon.decode[0].generates[generates:]}
     assert reached <= {tuple(range(1, 9))}  # nothing but the legitimate requests reached D
     check(r)  # big bodies are parsed in the proxy's helper process, not on its event loop's GIL
+
+
+def test_slow_headers_on_a_kept_alive_connection_are_dropped() -> None:
+    """uvicorn's keep-alive timer stops at the first byte of the next request: the header deadline must restart."""
+    with LiveStack(http=HttpLimits(header_timeout_s=1.0, keep_alive_timeout_s=5)) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+
+        async def attack() -> tuple[bytes, float]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"prompt": [1, 2], "max_tokens": 2}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # the first answer: kept alive
+            length = int(first.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            t0 = time.perf_counter()
+            writer.write(b"GET /health HTTP/1.1\r\n")
+            dropped = float("inf")
+            for _ in range(30):  # one header byte every 0.2 s: would take 6 s
+                try:
+                    got = await asyncio.wait_for(reader.read(1), 0.2)
+                except asyncio.TimeoutError:
+                    writer.write(b"X")
+                    continue
+                except ConnectionError:
+                    got = b""
+                assert got == b"", got  # nothing but the close
+                dropped = time.perf_counter() - t0
+                break
+            writer.transport.abort()
+            return first, dropped
+
+        t = in_thread(attack)
+        t.join(30)
+        first, dropped_after = t.box["result"]  # type: ignore[attr-defined]
+        assert first.startswith(b"HTTP/1.1 200")
+        assert dropped_after < 2.0, dropped_after
