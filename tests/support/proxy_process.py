@@ -47,7 +47,8 @@ class ProxyProcess:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     async def _start_fakes(self) -> None:
-        for w in [*self.prefill, *self.decode]:
+        workers: list[FakePrefillWorker | FakeDecodeWorker] = [*self.prefill, *self.decode]
+        for w in workers:
             self._servers.append(await serve_fake(w))
 
     async def _stop_fakes(self) -> None:

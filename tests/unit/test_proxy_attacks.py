@@ -66,8 +66,9 @@ def in_thread(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> threading.Thre
 def test_n128_flood_and_share_flood(anon: ProxyProcess) -> None:
     """n=128 is a 400 at once (more than a client's 32); n=32 floods hold one share, the rest wait or get 503."""
     big = {"prompt": list(range(10, 20)), "max_tokens": 16, "n": 128}
-    share = {"prompt": list(range(30, 40)), "max_tokens": 40, "n": 32, "ignore_eos": True}  # 0.8 s > the wait
-    with Observer(anon, ANON_LIMITS, {tuple(share["prompt"])}, pid=anon.pid) as obs:
+    share_prompt = list(range(30, 40))
+    share = {"prompt": share_prompt, "max_tokens": 40, "n": 32, "ignore_eos": True}  # 0.8 s > the wait
+    with Observer(anon, ANON_LIMITS, {tuple(share_prompt)}, pid=anon.pid) as obs:
         box: dict[str, dict[str, int]] = {}
         t = threading.Thread(target=lambda: box.update(big=flood(anon.url, "127.0.0.2", 1, big, ATTACK_S)))
         t.start()
@@ -89,8 +90,9 @@ def test_flooding_key_cannot_starve_another_key(tmp_path: Any) -> None:
     keys.chmod(0o600)
     with ProxyProcess(["--api-keys-file", str(keys), "--admission-max-seqs", "48", "--admission-queue-timeout",
                        "0.3"], token_delay_s=TOKEN_DELAY_S) as p:
-        body = {"prompt": list(range(50, 60)), "max_tokens": 10, "n": 16}
-        with Observer(p, Limits(48, 24), {tuple(body["prompt"])}, headers={"Authorization": "Bearer sk-alice"},
+        prompt = list(range(50, 60))
+        body = {"prompt": prompt, "max_tokens": 10, "n": 16}
+        with Observer(p, Limits(48, 24), {tuple(prompt)}, headers={"Authorization": "Bearer sk-alice"},
                       pid=p.pid) as obs:
             c = flood(p.url, "127.0.0.2", 2, body, ATTACK_S, headers={"Authorization": "Bearer sk-mallory"})
         r = obs.report("API key flood (mallory: max_concurrency 24, n=16 x 2 clients)", attacks_tried=c["tried"],
@@ -108,11 +110,12 @@ def test_abandoned_streams_are_cancelled_within_a_second() -> None:
     aborted; /health and a legitimate client go on meanwhile."""
     with ProxyProcess(["--admission-queue-timeout", "1"], token_delay_s=0.05) as p:
         port = int(p.url.rsplit(":", 1)[1])
-        body = {"prompt": list(range(60, 70)), "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}
+        prompt = list(range(60, 70))
+        body = {"prompt": prompt, "max_tokens": 400, "n": 4, "ignore_eos": True, "stream": True}
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
         attacker = ctx.Process(target=abandon_streams, args=(port, "127.0.0.2", json.dumps(body).encode(), 100, out))
-        with Observer(p, Limits(256, 128), {tuple(body["prompt"])}, pid=p.pid) as obs:
+        with Observer(p, Limits(256, 128), {tuple(prompt)}, pid=p.pid) as obs:
             attacker.start()
             statuses, dropped = out.get(timeout=60)
             attacker.join(10)
@@ -225,8 +228,8 @@ def test_huge_lists_are_400_and_cheap(anon: ProxyProcess) -> None:
     codes = {"stop": "limit_exceeded", "logit_bias": "limit_exceeded", "prompts": "limit_exceeded",
              "prompt_tokens": "request_too_large"}
     for name, body in bodies.items():  # each refused with its own reason
-        r = httpx.post(f"{anon.url}/v1/completions", json=body, timeout=30)
-        assert (r.status_code, r.json()["error"]["code"]) == (400, codes[name]), (name, r.text)
+        resp = httpx.post(f"{anon.url}/v1/completions", json=body, timeout=30)
+        assert (resp.status_code, resp.json()["error"]["code"]) == (400, codes[name]), (name, resp.text)
     counts: dict[str, dict[str, int]] = {}
     with Observer(anon, ANON_LIMITS, pid=anon.pid) as obs:
         generates = len(anon.decode[0].generates)
