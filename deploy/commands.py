@@ -104,10 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.errors import ModelLoadError
 
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
-    args.api_key, token = resolve_secrets(args)
+    args.api_key, args.cluster_token = resolve_secrets(args)  # serve hands them on (deploy/secret_files.py)
     args.proxy_limits = proxy_limits(args, serve_max_seqs(args))  # checked before Ray starts
-    if token:  # the proxy (ProxyConfig's default) and the workers read it from the environment
-        os.environ["HYBRIDPD_CLUSTER_TOKEN"] = token
     return serve(args, engine_argv(config), model, _model_max_len(model, args.max_model_len))
 
 
