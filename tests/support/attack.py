@@ -184,7 +184,7 @@ class Observer:
             time.sleep(0.005)
 
     def _legit(self) -> None:
-        time.sleep(0.3)  # let the attack build up
+        time.sleep(1.0)  # attackers start about 1 s after the Observer (spawned processes; `flood` start_at)
         while not self._stop.is_set():
             try:
                 self.latencies += legit_latency(self.url, 1, self.headers, self.expected)
@@ -215,7 +215,8 @@ def flood(url: str, source_ip: str, clients: int, body: dict[str, Any], seconds:
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     summary = {"prompt": body["prompt"], "max_tokens": body["max_tokens"], "ignore_eos": body.get("ignore_eos"),
                "expected": expected, "check": check}
-    procs = [ctx.Process(target=flood_client, args=(url, source_ip, content, hdrs, seconds, summary, out))
+    start_at = time.time() + 1.0  # spawning takes about that; they all start together
+    procs = [ctx.Process(target=flood_client, args=(url, source_ip, content, hdrs, start_at, seconds, summary, out))
              for _ in range(clients)]
     for p in procs:
         p.start()

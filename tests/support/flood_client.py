@@ -22,10 +22,12 @@ def wrong_choices(body: dict[str, Any], prompt: list[int], max_tokens: int, igno
     return sum(1 for c in body["choices"] if c.get("token_ids") != want)
 
 
-def flood_client(url: str, source_ip: str, content: bytes, headers: dict[str, str], seconds: float,
-                 request: dict[str, Any], out: Any) -> None:
-    """One attacker (its own process): post `content` back to back; put its counts on `out`."""
+def flood_client(url: str, source_ip: str, content: bytes, headers: dict[str, str], start_at: float,
+                 seconds: float, request: dict[str, Any], out: Any) -> None:
+    """One attacker (its own process): from `start_at` (time.time()), post `content` back to back for `seconds`;
+    put its counts on `out`. A common `start_at` makes the attackers of a flood overlap however slowly they spawn."""
     counts: dict[str, int] = {"tried": 0, "wrong_200s": 0}
+    time.sleep(max(0.0, start_at - time.time()))
     end = time.monotonic() + seconds
     with httpx.Client(base_url=url, timeout=30, transport=httpx.HTTPTransport(local_address=source_ip)) as c:
         while time.monotonic() < end:
