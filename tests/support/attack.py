@@ -134,9 +134,12 @@ class Observer:
 
     def __init__(self, target: Target, limits: Limits, attacker_prompts: set[tuple[int, ...]] | None = None,
                  headers: dict[str, str] | None = None, pid: int | None = None,
-                 ledger: Callable[[], tuple[int, int]] | None = None, expected: list[int] | None = None) -> None:
+                 ledger: Callable[[], tuple[int, int]] | None = None, expected: list[int] | None = None,
+                 legit_delay_s: float = 1.0) -> None:
         """`ledger()` -> (sequences running, of which the attacker's); default: counted on the fake workers.
-        `expected`: the legitimate request's answer (default: the fake decode worker's)."""
+        `expected`: the legitimate request's answer (default: the fake decode worker's). `legit_delay_s`: when
+        the legitimate requests start (attackers in spawned processes start about 1 s after the Observer)."""
+        self.legit_delay_s = legit_delay_s
         self.url = target.url
         self.limits = limits
         self.headers = headers
@@ -184,7 +187,7 @@ class Observer:
             time.sleep(0.005)
 
     def _legit(self) -> None:
-        time.sleep(1.0)  # attackers start about 1 s after the Observer (spawned processes; `flood` start_at)
+        time.sleep(self.legit_delay_s)
         while not self._stop.is_set():
             try:
                 self.latencies += legit_latency(self.url, 1, self.headers, self.expected)

@@ -172,7 +172,7 @@ def test_slowloris_headers_and_bodies_are_dropped(anon: ProxyProcess) -> None:
                                b'"prompt": [1, 2, 3]     ', 0.2, 6.0) for _ in range(50)]
         return list(await asyncio.gather(*heads, *bodies))
 
-    with Observer(anon, ANON_LIMITS, pid=anon.pid) as obs:
+    with Observer(anon, ANON_LIMITS, pid=anon.pid, legit_delay_s=0.3) as obs:  # the attack starts at once
         t = in_thread(attack)
         t.join(30)
     results = t.box["result"]  # type: ignore[attr-defined]
