@@ -182,8 +182,10 @@ def test_slowloris_headers_and_bodies_are_dropped(anon: ProxyProcess) -> None:
                    wrong_200s=0, header_drop_max_s=round(max(head_s), 3),
                    body_drop_max_s=round(max(d for d, _ in body), 3),
                    body_408s=sum(g.startswith(b"HTTP/1.1 408") for _, g in body))
-    assert max(head_s) < 2.0, sorted(head_s)[-5:]  # dropped at the 1 s header deadline (not at give_up 6 s)
-    assert all(d < 2.0 and g.startswith(b"HTTP/1.1 408") for d, g in body), body[:3]
+    # dropped at the 1 s deadlines, not at the attacker's 6 s give-up (the bound leaves room for a loaded box:
+    # 300 clients on one thread notice a close late)
+    assert max(head_s) < 3.0, sorted(head_s)[-5:]
+    assert all(d < 3.0 and g.startswith(b"HTTP/1.1 408") for d, g in body), body[:3]
     assert anon.metric("hybridpd_admission_rejected_total", reason="header_timeout") - before["header_timeout"] >= 250
     assert anon.metric("hybridpd_admission_rejected_total", reason="body_timeout") - before["body_timeout"] >= 50
     check(r)
