@@ -225,7 +225,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                           or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
-                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token)
+                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,
+                          **getattr(args, "proxy_limits", {}))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)
