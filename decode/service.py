@@ -12,7 +12,7 @@ import time
 import grpc
 
 from decode.consumer import Consumer, PendingPull
-from engine.async_engine import OutputDelta
+from engine.async_engine import OutputDelta, take_pending
 from engine.core import EngineCore
 from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
@@ -175,7 +175,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         try:
             await run_engine_call(self.ctx, context, admit)
             while True:
-                delta: OutputDelta = await q.get()
+                delta: OutputDelta = take_pending(q, await q.get())
                 text = delta.text
                 finished = delta.finish_reason is not None
                 end = len(text) if finished else max(sent_text, len(text) - max(0, max_stop - 1))

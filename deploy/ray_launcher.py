@@ -30,6 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, num_workers: int) -> float:
+    """`--gpus-per-worker`, or when not given: one GPU per worker where the engine may use CUDA (`--device auto`
+    or cuda) and the Ray cluster has one for every worker, else none (Ray sets CUDA_VISIBLE_DEVICES to nothing for
+    an actor that reserves no GPU, so `auto` would then run on the CPU)."""
+    if asked is not None:
+        return asked
+    wants_gpu = device == "auto" or device.startswith("cuda")
+    return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+
+
 class WorkerProcess:
     """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
     tests/launchers without Ray."""
@@ -200,9 +210,11 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     # third worker of a 2-core box waiting forever for a CPU that does not exist)
     total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+    gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
+                                   float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
     for role in roles:
         argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
-        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker}
+        opts = {"num_cpus": num_cpus, "num_gpus": gpus}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
@@ -219,7 +231,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                           chat_template=getattr(args, "chat_template", None),
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
-                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token)
+                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,
+                          **getattr(args, "proxy_limits", {}))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)
