@@ -46,6 +46,8 @@ from proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
+    parse_chat,
+    parse_json_object,
     resolve_max_tokens,
 )
 from proxy.request_limits import check_request_limits
