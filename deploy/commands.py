@@ -101,11 +101,16 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         if args.served_model_name is None and looks_like_model_id(args.model):
             args.served_model_name = args.model
         args.model = resolve_model(args.model)
+    if args.tokenizer:
+        from engine.model_source import resolve_model
+
+        args.tokenizer = resolve_model(args.tokenizer)
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
     cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
-                      model_name=model_name, tokenizer_path=args.model, chat_template=args.chat_template,
+                      model_name=model_name, tokenizer_path=args.tokenizer or args.model,
+                      chat_template=args.chat_template,
                       routing=args.routing, api_key=api_key,
                       max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
                       request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args))
@@ -137,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
     args.api_key, args.cluster_token = resolve_secrets(args)  # serve hands them on (deploy/secret_files.py)
     args.proxy_limits = proxy_limits(args, serve_max_seqs(args))  # checked before Ray starts
+    args.tokenizer = config.model.tokenizer  # resolved (a model id's cache snapshot): the proxy's tokenizer too
     return serve(args, engine_argv(config), model, _model_max_len(model, args.max_model_len))
 
 
@@ -233,6 +239,8 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (a file, or the template text) used instead of the model's")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer and chat template directory (or Hugging Face id), when not --model's")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="port (checked before anything starts)")
     p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],

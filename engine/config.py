@@ -45,6 +45,9 @@ class ModelConfig:
     allow_reference_path: bool = False
     """On CUDA, start on the slow reference path when the fast path's packages (fla-core: pip install
     'hybridpd[gpu]') are missing, instead of refusing to start."""
+    tokenizer: str | None = None
+    """Directory (or Hugging Face model id) of the tokenizer and chat template, when not the checkpoint's (vLLM's
+    --tokenizer). None: the checkpoint directory."""
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
-        self.tokenizer = self._load_tokenizer(mc.path)
+        self.tokenizer = self._load_tokenizer(mc.tokenizer or mc.path)
         self.runner.sampler.bind(self.scheduler.requests.get, self.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             self.scheduler.requests.get)

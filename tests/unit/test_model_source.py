@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -73,3 +74,22 @@ def test_chat_template_override(tmp_path: Path) -> None:
                         "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, env=env,
                        timeout=60)
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tokenizer_elsewhere(tmp_path: Path) -> None:
+    """--tokenizer / ModelConfig.tokenizer: the engine reads its tokenizer (and chat template) from another
+    directory; the flag reaches workers through the engine flags."""
+    from deploy.engine_flags import engine_argv
+    from engine import LLM
+    from engine.default_model import default_model_path
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path()) / name, tok_dir / name)
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    llm = LLM(tokenizer=str(tok_dir), max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "<<x>>"
+    assert "--tokenizer" in engine_argv(llm.config)
