@@ -129,6 +129,8 @@ class Followers:
         world = config.parallel.tensor_parallel_size
         init = f"tcp://127.0.0.1:{free_port()}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if not config.model.device.startswith("cuda"):  # CPU ranks share the cores: no spinning thread pools
+            env.setdefault("OMP_NUM_THREADS", "1")
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(1, world):
             proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.executor"], stdin=subprocess.PIPE, env=env)
@@ -145,7 +147,8 @@ class Followers:
         self.closing = True
 
     def close(self) -> None:
-        """Stop the followers (they leave their loop), wait for them, leave the group (a new engine may start)."""
+        """Stop the followers (they leave their loop and exit on their own), leave the group (a new engine may
+        start in this process)."""
         import torch.distributed as dist
 
         if self.closing:
@@ -155,11 +158,6 @@ class Followers:
             self.tp.broadcast(None)
         except Exception:  # a follower already gone: nothing left to stop
             log.warning("tensor-parallel followers did not take the stop message")
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
         dist.destroy_process_group()
 
     def _watch(self) -> None:
