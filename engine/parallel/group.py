@@ -92,24 +92,4 @@ def init_tp(rank: int, world: int, init_method: str, device: str, timeout_s: flo
     return TPGroup(rank, world, group, control)
 
 
-def split_range(total: int, world: int, rank: int) -> range:
-    """Rank's contiguous share of `total` items split evenly (total must divide by world)."""
-    if total % world:
-        raise ValueError(f"{total} cannot be split evenly over {world} ranks")
-    n = total // world
-    return range(rank * n, (rank + 1) * n)
-
-
-def group_share(num_groups: int, world: int, rank: int) -> range:
-    """Which of `num_groups` head groups (KV heads, Mamba B/C groups, GDN key heads) rank holds when the heads they
-    serve are split evenly over `world` ranks: a slice of groups when world divides num_groups, else the one group
-    all of the rank's heads use (replicated on world / num_groups ranks; num_groups must divide world)."""
-    if num_groups % world == 0:
-        return split_range(num_groups, world, rank)
-    if world % num_groups:
-        raise ValueError(f"{num_groups} groups cannot be split or replicated over {world} ranks")
-    g = rank * num_groups // world
-    return range(g, g + 1)
-
-
-__all__ = ["TPGroup", "free_port", "group_share", "init_tp", "rank_device", "split_range"]
+__all__ = ["TPGroup", "free_port", "init_tp", "rank_device"]

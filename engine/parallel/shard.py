@@ -30,7 +30,7 @@ from engine.models.layers import MLP, GatedMLP
 from engine.models.mamba2 import Mamba2Mixer
 from engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
 from engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
-from engine.parallel.group import TPGroup, group_share, split_range
+from engine.parallel.group import TPGroup
 from engine.parallel.layers import (
     ParallelLMHead,
     SpanningGroupNorm,
@@ -41,11 +41,7 @@ from engine.parallel.layers import (
     take_cols,
     take_rows,
 )
-
-
-def _blocks(items: range, width: int, offset: int = 0) -> list[range]:
-    """Channel ranges [offset + i*width, offset + (i+1)*width) of items i (heads or groups)."""
-    return [range(offset + i * width, offset + (i + 1) * width) for i in items]
+from engine.parallel.partition import blocks, gdn_conv_channels, group_share, mamba_conv_channels, split_range
 
 
 def _need(count: int, what: str, tp: TPGroup) -> None:
@@ -59,10 +55,10 @@ def shard_attention(m: NemotronHAttention | Qwen3_5Attention, tp: TPGroup, gated
     heads = split_range(m.heads, tp.world, tp.rank)
     kv = group_share(m.kv_heads, tp.world, tp.rank)
     q_width = 2 * d if gated else d  # Qwen3.5: per head | query | gate |
-    take_rows(m.q_proj, index(_blocks(heads, q_width)))
-    take_rows(m.k_proj, index(_blocks(kv, d)))
-    take_rows(m.v_proj, index(_blocks(kv, d)))
-    row_parallel(m.o_proj, index(_blocks(heads, d)), tp)
+    take_rows(m.q_proj, index(blocks(heads, q_width)))
+    take_rows(m.k_proj, index(blocks(kv, d)))
+    take_rows(m.v_proj, index(blocks(kv, d)))
+    row_parallel(m.o_proj, index(blocks(heads, d)), tp)
     m.heads, m.kv_heads = len(heads), len(kv)
 
 
@@ -77,14 +73,6 @@ def _vector(p: nn.Parameter, rows: Any) -> nn.Parameter:
     return nn.Parameter(p.data[rows].contiguous(), requires_grad=False)
 
 
-def mamba_conv_channels(num_heads: int, head_dim: int, n_groups: int, state_size: int, heads: range,
-                        groups: range) -> list[range]:
-    """The conv channels (of conv_dim = | x | B | C |) a rank with these heads and groups holds, in order."""
-    inter, gn = num_heads * head_dim, n_groups * state_size
-    return (_blocks(heads, head_dim) + _blocks(groups, state_size, inter)
-            + _blocks(groups, state_size, inter + gn))
-
-
 def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_heads, "mamba_num_heads", tp)
@@ -92,7 +80,7 @@ def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     groups = group_share(c.n_groups, tp.world, tp.rank)
     inter = c.intermediate_size
     conv = mamba_conv_channels(c.num_heads, c.head_dim, c.n_groups, c.state_size, heads, groups)
-    gate = _blocks(heads, c.head_dim)
+    gate = blocks(heads, c.head_dim)
     xbc = [range(r.start + inter, r.stop + inter) for r in conv]
     dt = [range(inter + c.conv_dim + h, inter + c.conv_dim + h + 1) for h in heads]
     take_rows(m.in_proj, index(gate + xbc + dt))
@@ -109,14 +97,6 @@ def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     m.cfg = dataclasses.replace(c, num_heads=len(heads), n_groups=len(groups))
 
 
-def gdn_conv_channels(num_k_heads: int, head_k_dim: int, head_v_dim: int, k_heads: range, v_heads: range
-                      ) -> list[range]:
-    """The conv channels (of conv_dim = | q | k | v |) a rank with these key and value heads holds, in order."""
-    key_dim = num_k_heads * head_k_dim
-    return (_blocks(k_heads, head_k_dim) + _blocks(k_heads, head_k_dim, key_dim)
-            + _blocks(v_heads, head_v_dim, 2 * key_dim))
-
-
 def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_v_heads, "linear_num_value_heads", tp)
@@ -125,7 +105,7 @@ def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     conv = index(gdn_conv_channels(c.num_k_heads, c.head_k_dim, c.head_v_dim, k_heads, v_heads))
     take_rows(m.in_proj_qkv, conv)
     _conv(m.conv1d, conv)
-    values = index(_blocks(v_heads, c.head_v_dim))
+    values = index(blocks(v_heads, c.head_v_dim))
     take_rows(m.in_proj_z, values)
     vs = index([v_heads])
     take_rows(m.in_proj_b, vs)
@@ -217,4 +197,4 @@ def shard_model(model: Any, tp: TPGroup) -> Any:
     return model
 
 
-__all__ = ["gdn_conv_channels", "mamba_conv_channels", "shard_model"]
+__all__ = ["shard_model"]

@@ -111,7 +111,7 @@ def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[n
         from engine import LLM, SamplingParams
         llm = LLM(model={model_dir("qwen")!r}, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
         os.kill(llm.engine.followers.procs[0].pid, signal.SIGKILL)
-        time.sleep(3)
+        time.sleep(1.5)
         out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
         print("TOKENS", out[0].token_ids, flush=True)
     """)
