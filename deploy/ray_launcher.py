@@ -186,7 +186,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
     for role in roles:
         argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
-        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker}
+        tp = getattr(args, "tensor_parallel_size", 1)  # a worker's ranks: one actor, so one node
+        opts = {"num_cpus": num_cpus, "num_gpus": max(args.gpus_per_worker, tp) if args.gpus_per_worker else 0.0}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]

@@ -56,24 +56,38 @@ def attention_tensors(name: str, a: AttentionShape, tp: int) -> list[ShardedTens
 def mamba2_tensors(name: str, m: Mamba2Shape, tp: int) -> list[ShardedTensor]:
     conv_dim = m.num_heads * m.head_dim + 2 * m.n_groups * m.state_size
     heads = [split_range(m.num_heads, tp, r) for r in range(tp)]
-    conv = [flat(mamba_conv_channels(m.num_heads, m.head_dim, m.n_groups, m.state_size, heads[r],
-                                     group_share(m.n_groups, tp, r))) for r in range(tp)]
+    conv = [
+        flat(
+            mamba_conv_channels(
+                m.num_heads, m.head_dim, m.n_groups, m.state_size, heads[r], group_share(m.n_groups, tp, r)
+            )
+        )
+        for r in range(tp)
+    ]
     return [
         _tensor(f"{name}.conv", (m.layers, conv_dim, m.conv_kernel - 1), 1, m.conv_dtype, conv),
-        _tensor(f"{name}.ssm", (m.layers, m.num_heads, m.head_dim, m.state_size), 1, m.ssm_dtype,
-                [list(h) for h in heads]),
+        _tensor(
+            f"{name}.ssm", (m.layers, m.num_heads, m.head_dim, m.state_size), 1, m.ssm_dtype, [list(h) for h in heads]
+        ),
     ]
 
 
 def gdn_tensors(name: str, g: GDNShape, tp: int) -> list[ShardedTensor]:
     conv_dim = 2 * g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim
     values = [split_range(g.num_v_heads, tp, r) for r in range(tp)]
-    conv = [flat(gdn_conv_channels(g.num_k_heads, g.head_k_dim, g.head_v_dim, group_share(g.num_k_heads, tp, r),
-                                   values[r])) for r in range(tp)]
+    conv = [
+        flat(gdn_conv_channels(g.num_k_heads, g.head_k_dim, g.head_v_dim, group_share(g.num_k_heads, tp, r), values[r]))
+        for r in range(tp)
+    ]
     return [
         _tensor(f"{name}.conv", (g.layers, conv_dim, g.conv_kernel - 1), 1, g.conv_dtype, conv),
-        _tensor(f"{name}.ssm", (g.layers, g.num_v_heads, g.head_k_dim, g.head_v_dim), 1, "float32",
-                [list(v) for v in values]),
+        _tensor(
+            f"{name}.ssm",
+            (g.layers, g.num_v_heads, g.head_k_dim, g.head_v_dim),
+            1,
+            "float32",
+            [list(v) for v in values],
+        ),
     ]
 
 

@@ -51,8 +51,11 @@ class ShardedTensor:
 
     def describe(self) -> dict[str, str]:
         """What the handshake compares (the TP size and held indices may differ between P and D)."""
-        return {f"{self.name}.page_shape": str(self.page_shape), f"{self.name}.axis": str(self.axis),
-                f"{self.name}.dtype": self.dtype}
+        return {
+            f"{self.name}.page_shape": str(self.page_shape),
+            f"{self.name}.axis": str(self.axis),
+            f"{self.name}.dtype": self.dtype,
+        }
 
 
 class Piece(NamedTuple):
@@ -100,8 +103,9 @@ def plan_pieces(src: ShardedTensor, dst: ShardedTensor, dst_rank: int) -> list[P
     pieces = []
     for o in range(outer):
         for rank, src_pos, dst_pos, count in runs:
-            pieces.append(Piece(rank, (o * n_src[rank] + src_pos) * inner, (o * n_dst + dst_pos) * inner,
-                                count * inner))
+            pieces.append(
+                Piece(rank, (o * n_src[rank] + src_pos) * inner, (o * n_dst + dst_pos) * inner, count * inner)
+            )
     return _coalesce(sorted(pieces, key=lambda p: (p.src_rank, p.dst_offset)))
 
 
@@ -124,8 +128,11 @@ def _coalesce(pieces: list[Piece]) -> list[Piece]:
     for p in pieces:
         if out:
             q = out[-1]
-            if (q.src_rank == p.src_rank and q.src_offset + q.nbytes == p.src_offset
-                    and q.dst_offset + q.nbytes == p.dst_offset):
+            if (
+                q.src_rank == p.src_rank
+                and q.src_offset + q.nbytes == p.src_offset
+                and q.dst_offset + q.nbytes == p.dst_offset
+            ):
                 out[-1] = q._replace(nbytes=q.nbytes + p.nbytes)
                 continue
         out.append(p)

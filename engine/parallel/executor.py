@@ -164,8 +164,13 @@ class Followers:
         while not self.closing:
             for r, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.closing:
-                    log.error("tensor-parallel rank %d (pid %d) died (exit code %s): the worker exits so that it "
-                              "is restarted whole", r, p.pid, p.returncode)
+                    log.error(
+                        "tensor-parallel rank %d (pid %d) died (exit code %s): the worker exits so that it "
+                        "is restarted whole",
+                        r,
+                        p.pid,
+                        p.returncode,
+                    )
                     os._exit(RANK_DIED_EXIT_CODE)
             time.sleep(0.2)
 

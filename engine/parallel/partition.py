@@ -41,19 +41,20 @@ def flat(ranges: list[range]) -> list[int]:
     return [i for r in ranges for i in r]
 
 
-def mamba_conv_channels(num_heads: int, head_dim: int, n_groups: int, state_size: int, heads: range,
-                        groups: range) -> list[range]:
+def mamba_conv_channels(
+    num_heads: int, head_dim: int, n_groups: int, state_size: int, heads: range, groups: range
+) -> list[range]:
     """The conv channels (of conv_dim = | x | B | C |) a rank with these heads and groups holds, in order."""
     inter, gn = num_heads * head_dim, n_groups * state_size
     return blocks(heads, head_dim) + blocks(groups, state_size, inter) + blocks(groups, state_size, inter + gn)
 
 
-def gdn_conv_channels(num_k_heads: int, head_k_dim: int, head_v_dim: int, k_heads: range, v_heads: range
-                      ) -> list[range]:
+def gdn_conv_channels(
+    num_k_heads: int, head_k_dim: int, head_v_dim: int, k_heads: range, v_heads: range
+) -> list[range]:
     """The conv channels (of conv_dim = | q | k | v |) a rank with these key and value heads holds, in order."""
     key_dim = num_k_heads * head_k_dim
-    return (blocks(k_heads, head_k_dim) + blocks(k_heads, head_k_dim, key_dim)
-            + blocks(v_heads, head_v_dim, 2 * key_dim))
+    return blocks(k_heads, head_k_dim) + blocks(k_heads, head_k_dim, key_dim) + blocks(v_heads, head_v_dim, 2 * key_dim)
 
 
 __all__ = ["blocks", "flat", "gdn_conv_channels", "group_share", "mamba_conv_channels", "split_range"]

@@ -90,7 +90,7 @@ def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     norm_weight = m.norm.weight.data[index(gate)].contiguous()
     group_size = m.norm.group_size
     if c.n_groups % tp.world:  # a norm group spans several ranks' channels
-        m.norm = SpanningGroupNorm(norm_weight, group_size, c.n_groups, c.norm_eps, tp)
+        m.norm = SpanningGroupNorm(norm_weight, group_size, c.n_groups, c.norm_eps, tp)  # type: ignore[assignment]
     else:
         m.norm.weight = nn.Parameter(norm_weight, requires_grad=False)
     row_parallel(m.out_proj, index(gate), tp)
@@ -162,12 +162,16 @@ def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup) -> None:
     _shard_vocab(model, model.backbone, "embeddings", tp)
     a = model.args
     first_mamba = next((ly.mixer.cfg for ly in model.backbone.layers if isinstance(ly.mixer, Mamba2Mixer)), a.mamba)
-    model.args = dataclasses.replace(a, num_attention_heads=a.num_attention_heads // tp.world,
-                                     num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
-                                     mamba=first_mamba)
+    model.args = dataclasses.replace(
+        a,
+        num_attention_heads=a.num_attention_heads // tp.world,
+        num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
+        mamba=first_mamba,
+    )
 
 
 def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
+    layer: Any
     for layer in model.model.layers:
         if layer.layer_type == "linear_attention":
             shard_gdn(layer.linear_attn, tp)
@@ -176,10 +180,14 @@ def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
         shard_mlp(layer.mlp, tp)
     _shard_vocab(model, model.model, "embed_tokens", tp)
     a = model.args
-    first_gdn = next((ly.linear_attn.cfg for ly in model.model.layers if ly.layer_type == "linear_attention"), a.gdn)
-    model.args = dataclasses.replace(a, num_attention_heads=a.num_attention_heads // tp.world,
-                                     num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
-                                     gdn=first_gdn)
+    layers: list[Any] = list(model.model.layers)
+    first_gdn = next((ly.linear_attn.cfg for ly in layers if ly.layer_type == "linear_attention"), a.gdn)
+    model.args = dataclasses.replace(
+        a,
+        num_attention_heads=a.num_attention_heads // tp.world,
+        num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
+        gdn=first_gdn,
+    )
 
 
 def shard_model(model: Any, tp: TPGroup) -> Any:

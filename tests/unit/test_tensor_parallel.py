@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -22,10 +23,12 @@ from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MODELS = {
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # 2 query heads, 1 KV head; n_groups 1 < TP 2; MoE (4 experts, top 2) with a shared expert; an MLP
-    "nemotron_moe_kv1_g1": ("nemotron_h", {"hybrid_override_pattern": "M*E-M", "num_key_value_heads": 1,
-                                           "n_groups": 1}),
+    "nemotron_moe_kv1_g1": (
+        "nemotron_h",
+        {"hybrid_override_pattern": "M*E-M", "num_key_value_heads": 1, "n_groups": 1},
+    ),
     # 2 query heads, 1 KV head (gated attention), 2 GDN key heads / 4 value heads split
     "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
     # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE
@@ -33,7 +36,7 @@ MODELS = {
 }
 LENGTHS = [3, 40, 70]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-SETTINGS = {"max_num_batched_tokens": 48, "kv_cache_memory_bytes": 16 * 2**20, "max_model_len": 256}
+SETTINGS: dict[str, Any] = {"max_num_batched_tokens": 48, "kv_cache_memory_bytes": 16 * 2**20, "max_model_len": 256}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,8 @@ def _run(path: str, tp: int) -> tuple[list[tuple[list[int], list[float]]], dict[
     llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS)
     try:
         if tp > 1:
-            assert isinstance(llm.engine.model.lm_head, ParallelLMHead) and llm.engine.model.tp_size == tp
+            model: Any = llm.engine.model
+            assert isinstance(model.lm_head, ParallelLMHead) and model.tp_size == tp
         out = _rounds(llm)
         llm.engine.cache.check_integrity()
         return out, llm.kv_cache_info()
@@ -93,8 +97,20 @@ def test_generate_cli_tp2_matches_tp1(model_dir):  # type: ignore[no-untyped-def
     prompts = ["Hello, hybrid world", "tensor parallel"]
     llm = LLM(model=path, **SETTINGS)
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))]
-    argv = [sys.executable, "-m", "deploy.cli", "generate", "--model", path, "--tensor-parallel-size", "2",
-            "--max-tokens", "8", "--kv-cache-memory-bytes", str(SETTINGS["kv_cache_memory_bytes"])]
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "generate",
+        "--model",
+        path,
+        "--tensor-parallel-size",
+        "2",
+        "--max-tokens",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(SETTINGS["kv_cache_memory_bytes"]),
+    ]
     for p in prompts:
         argv += ["--prompt", p]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -115,8 +131,13 @@ def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[n
         out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
         print("TOKENS", out[0].token_ids, flush=True)
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert run.returncode == 70, run.stderr[-2000:]
     assert "TOKENS" not in run.stdout
     assert "died" in run.stderr

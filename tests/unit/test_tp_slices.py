@@ -27,8 +27,10 @@ def _models():  # type: ignore[no-untyped-def]
     for kv in (1, 2, 4):
         yield f"attn_kv{kv}", lambda tp, kv=kv: attention_tensors("g0", AttentionShape(2, 4, kv, 8, "bfloat16"), tp)
     for groups in (1, 2, 8):
-        yield f"mamba_g{groups}", lambda tp, g=groups: mamba2_tensors(
-            "g1", Mamba2Shape(2, 8, 4, g, 3, 4, "float32", "float32"), tp)
+        yield (
+            f"mamba_g{groups}",
+            lambda tp, g=groups: mamba2_tensors("g1", Mamba2Shape(2, 8, 4, g, 3, 4, "float32", "float32"), tp),
+        )
     for k in (1, 2, 4):
         yield f"gdn_k{k}", lambda tp, k=k: gdn_tensors("g1", GDNShape(2, k, 8, 4, 6, 4, "bfloat16"), tp)
 
@@ -57,20 +59,31 @@ def test_pieces_rebuild_the_d_rank_slice(model, tp_p, tp_d) -> None:  # type: ig
             want = _rank_page(full, d, rank)
             got = torch.full((want.numel() * want.element_size(),), 0xAB, dtype=torch.uint8)
             for p in plan_pieces(s, d, rank):
-                got[p.dst_offset:p.dst_offset + p.nbytes] = p_pages[p.src_rank][p.src_offset:p.src_offset + p.nbytes]
+                got[p.dst_offset : p.dst_offset + p.nbytes] = p_pages[p.src_rank][
+                    p.src_offset : p.src_offset + p.nbytes
+                ]
             assert torch.equal(got, _as_bytes(want)), f"{d.name} D rank {rank} of {tp_d} from P TP {tp_p}"
 
 
 def test_mamba_conv_parts_come_from_each_part() -> None:
     """TP 1 -> 2 with one B/C group: each D rank holds its half of x and ALL of B and C (replicated): rank 0 reads
     two runs (x[:16], then B and C), not the first half of conv_dim; rank 1's x tail and B, C happen to adjoin."""
-    shape = Mamba2Shape(layers=1, num_heads=8, head_dim=4, n_groups=1, state_size=3, conv_kernel=4,
-                        conv_dtype="float32", ssm_dtype="float32")
+    shape = Mamba2Shape(
+        layers=1,
+        num_heads=8,
+        head_dim=4,
+        n_groups=1,
+        state_size=3,
+        conv_kernel=4,
+        conv_dtype="float32",
+        ssm_dtype="float32",
+    )
     src, dst = mamba2_tensors("m", shape, 1)[0], mamba2_tensors("m", shape, 2)[0]
     assert dst.held[1] == tuple(range(16, 32)) + tuple(range(32, 35)) + tuple(range(35, 38))
     k1 = 3 * 4  # bytes per channel (K-1 floats)
-    runs = [[(p.src_offset // k1, p.dst_offset // k1, p.nbytes // k1) for p in plan_pieces(src, dst, r)]
-            for r in (0, 1)]
+    runs = [
+        [(p.src_offset // k1, p.dst_offset // k1, p.nbytes // k1) for p in plan_pieces(src, dst, r)] for r in (0, 1)
+    ]
     assert runs == [[(0, 0, 16), (32, 16, 6)], [(16, 0, 22)]]
     # at TP 4 -> 2 with 2 groups: x from two P ranks, B and C from the rank holding the group
     shape2 = Mamba2Shape(1, 8, 4, 2, 3, 4, "float32", "float32")
