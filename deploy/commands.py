@@ -21,18 +21,11 @@ def _model_max_len(model: str, override: int | None) -> int:
         return int(json.load(f).get("max_position_embeddings") or 4096)
 
 
-TP_PD_UNSUPPORTED = ("--tensor-parallel-size > 1 serves colocated workers only (worker --role colocated, serve "
-                     "--colocated): the prefill -> decode handoff does not move the pages of ranks other than 0 yet")
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     from worker.auth import load_cluster_token, load_tls
     from worker.bootstrap import WorkerOptions, run_worker
 
     cfg = engine_config_from_args(args)
-    if cfg.parallel.tensor_parallel_size > 1 and args.role != "colocated":
-        print(f"hybridpd worker: {TP_PD_UNSUPPORTED}", file=sys.stderr)
-        return 2
     try:
         token = load_cluster_token(args.cluster_token_file)
         tls = load_tls(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
@@ -96,8 +89,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.ray_launcher import serve
 
     config = engine_config_from_args(args)
-    if config.parallel.tensor_parallel_size > 1 and not args.colocated:
-        raise ConfigError(TP_PD_UNSUPPORTED)
     model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
         from engine.errors import ModelLoadError

@@ -155,6 +155,11 @@ def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]
 
 
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
+    if getattr(args, "tensor_parallel_size", 1) > 1 and not args.colocated:
+        from deploy.commands import ConfigError
+        from engine.config import TP_HANDOFF_UNSUPPORTED
+
+        raise ConfigError(TP_HANDOFF_UNSUPPORTED)
     import ray
 
     from proxy.config import ProxyConfig

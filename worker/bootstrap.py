@@ -143,6 +143,11 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
 
 
 def run_worker(config: EngineConfig, opts: WorkerOptions) -> int:
+    if config.parallel.tensor_parallel_size > 1 and opts.role != "colocated":
+        from engine.config import TP_HANDOFF_UNSUPPORTED
+
+        print(f"hybridpd worker: {TP_HANDOFF_UNSUPPORTED}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve_worker(config, opts))
     except KeyboardInterrupt:
