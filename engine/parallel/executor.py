@@ -78,7 +78,9 @@ class DiscardingSampler:
 
 
 def follow(runner: Any, tp: TPGroup) -> None:
-    """A follower's loop: execute rank 0's broadcast calls until it sends None."""
+    """A follower's loop: execute rank 0's broadcast calls until it sends None. A call that fails here may have
+    left rank 0 inside a collective this rank will never join: the follower exits, and rank 0's watchdog ends the
+    worker (restarted whole; fail closed rather than ranks out of step)."""
     runner.sampler = DiscardingSampler()
     while True:
         msg = tp.broadcast(None)
@@ -87,8 +89,9 @@ def follow(runner: Any, tp: TPGroup) -> None:
         name, args, kwargs = msg
         try:
             getattr(runner, name)(*args, **kwargs)
-        except Exception:  # rank 0 meets the same error in the same call and handles it (a failed step)
-            log.exception("tensor-parallel rank %d: %s failed", tp.rank, name)
+        except Exception:
+            log.exception("tensor-parallel rank %d: %s failed; exiting", tp.rank, name)
+            os._exit(RANK_DIED_EXIT_CODE)
 
 
 def rank_config(config: Any, rank: int) -> Any:
@@ -177,8 +180,21 @@ class Followers:
 
 def start_tensor_parallel(config: Any) -> Followers | None:
     """Rank 0 of a new worker: spawn ranks 1..tp-1 and join them (None at tensor_parallel_size 1)."""
-    if config.parallel.tensor_parallel_size <= 1:
+    world = config.parallel.tensor_parallel_size
+    if world <= 1:
         return None
+    device = config.model.device
+    if device.startswith("cuda"):
+        import torch
+
+        last = rank_device(device, world - 1)
+        if int(last.split(":")[1]) >= torch.cuda.device_count():
+            from engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"tensor_parallel_size={world} on {device} needs {last}, but {torch.cuda.device_count()} GPUs are "
+                "visible"
+            )
     return Followers(config)
 
 
