@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.parallel.group import TPGroup, free_port, init_tp, rank_device
@@ -38,6 +39,8 @@ BROADCAST_CALLS = frozenset({"execute", "copy_states", "zero_blocks", "zero_bloc
 """Runner methods that change the caches or run the model: every rank must run them, in the same order."""
 
 RANK_DIED_EXIT_CODE = 70
+ON_ALL = "<on_all>"
+"""The broadcast name of `LeaderRunner.on_all` (a function run on every rank, results gathered)."""
 
 
 class LeaderRunner:
@@ -59,6 +62,12 @@ class LeaderRunner:
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self._tp.broadcast((name, args, kwargs))
         return getattr(self._runner, name)(*args, **kwargs)
+
+    def on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(runner, rank, *args)` on every rank (fn a module-level function: it is pickled by name); returns
+        every rank's result in rank order."""
+        self._tp.broadcast((ON_ALL, (fn, args), {}))
+        return self._tp.gather_objects(fn(self._runner, 0, *args))
 
 
 class DiscardingSampler:
@@ -88,7 +97,11 @@ def follow(runner: Any, tp: TPGroup) -> None:
             return
         name, args, kwargs = msg
         try:
-            getattr(runner, name)(*args, **kwargs)
+            if name == ON_ALL:
+                fn, fn_args = args
+                tp.gather_objects(fn(runner, tp.rank, *fn_args))
+            else:
+                getattr(runner, name)(*args, **kwargs)
         except Exception:
             log.exception("tensor-parallel rank %d: %s failed; exiting", tp.rank, name)
             os._exit(RANK_DIED_EXIT_CODE)

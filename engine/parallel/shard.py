@@ -195,6 +195,7 @@ def shard_model(model: Any, tp: TPGroup) -> Any:
     ValueError when a head count cannot be split over tp.world ranks."""
     if tp.world == 1:
         return model
+    model.full_args = model.args  # the whole model's shapes (handoffs between TP sizes plan from these)
     if isinstance(model, NemotronHForCausalLM):
         shard_nemotron_h(model, tp)
     elif isinstance(model, Qwen3_5ForCausalLM):
