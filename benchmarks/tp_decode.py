@@ -12,9 +12,11 @@ after --warmup, wall clock, sampler included).
     all-reduce cost    = measured median NCCL all-reduce of [batch, hidden] x the all-reduces of one step
     bar                = TP 2 step <= 0.6 x TP 1 step at batch 64 (8B preset)
 
-The identity check (--identity) builds two tiny-but-wide models (NemotronH with Mamba-2, attention with 2 KV
-heads, MoE; Qwen3.5 with GDN), random dummy weights (identical on every GPU: same seed), and compares greedy tokens
-of `LLM(tensor_parallel_size=2, device="cuda", dtype="float32")` against TP 1.
+The identity checks (--identity) build two small models (NemotronH with Mamba-2, attention with 2 KV heads, MoE;
+Qwen3.5 with GDN), random dummy weights (identical on every GPU: same seed), and compare greedy tokens of
+`LLM(tensor_parallel_size=2, device=device, dtype="float32")` against TP 1, then P TP 1 -> D TP 2 and P TP 2 -> D
+TP 1 handoffs (engine export/import, the planned pieces moved through the ranks' control channel:
+engine.parallel.handoff, not NIXL) against the colocated TP 1 engine.
 
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py --identity --out out/tp_decode.json
 """
@@ -197,9 +199,8 @@ def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def identity_check(tp: int) -> list[dict[str, Any]]:
-    """Greedy tokens of LLM at TP `tp` vs TP 1, fp32 on CUDA (fast path, CUDA graphs), two families."""
-    from engine import LLM, SamplingParams
+def _identity_models() -> dict[str, str]:
+    """Two small dummy-weight checkpoint directories (config + tokenizer; weights drawn at load, same seed)."""
     from engine.models.checkpoint import nemotron_h_config, qwen3_5_config
     from engine.tokenizer import write_tokenizer_files
 
@@ -210,19 +211,31 @@ def identity_check(tp: int) -> list[dict[str, Any]]:
         ),
         "qwen3_5": ("Qwen3_5ForCausalLM", qwen3_5_config(hidden_size=256, num_hidden_layers=8)),
     }
-    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 37, 150, 600))]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    rows = []
+    paths = {}
     for family, (arch, cfg) in models.items():
-        path = tempfile.mkdtemp(prefix=f"tp-identity-{family}-")
+        path = paths[family] = tempfile.mkdtemp(prefix=f"tp-identity-{family}-")
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({**cfg, "architectures": [arch], "model_type": family}, f)
         write_tokenizer_files(path, cfg["vocab_size"], cfg["max_position_embeddings"])
+    return paths
+
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 37, 150, 600))]
+
+
+def identity_check(tp: int, device: str = "cuda") -> list[dict[str, Any]]:
+    """Greedy tokens of LLM at TP `tp` vs TP 1, fp32 on CUDA (fast path, CUDA graphs), two families."""
+    from engine import LLM, SamplingParams
+
+    prompts = PROMPTS
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    rows = []
+    for family, path in _identity_models().items():
         tokens = {}
         for size in (1, tp):
             llm = LLM(
                 path,
-                device="cuda",
+                device=device,
                 dtype="float32",
                 load_format="dummy",
                 tensor_parallel_size=size,
@@ -250,6 +263,78 @@ def identity_check(tp: int) -> list[dict[str, Any]]:
     return rows
 
 
+def hetero_check(pairs: list[tuple[int, int]], device: str = "cuda") -> list[dict[str, Any]]:
+    """P TP a -> D TP b handoffs (engine export/import, pieces planned by kvtransfer.tp_slices, moved through the
+    ranks' control channel: engine.parallel.handoff) against the colocated TP 1 engine, fp32 on CUDA."""
+    from engine import LLM, SamplingParams
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from engine.core import EngineCore
+    from engine.parallel.handoff import copy_import
+    from engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    rows = []
+    for family, path in _identity_models().items():
+        llm = LLM(
+            path, device=device, dtype="float32", load_format="dummy", kv_cache_memory_bytes=1 << 30, max_model_len=1024
+        )
+        want = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)]
+        del llm
+        gc.collect()
+
+        def core(size: int, path: str = path) -> EngineCore:
+            return EngineCore(
+                EngineConfig(
+                    model=ModelConfig(
+                        path=path, device=device, dtype="float32", load_format="dummy", max_model_len=1024
+                    ),
+                    cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
+                    parallel=ParallelConfig(tensor_parallel_size=size),
+                )
+            )
+
+        for tp_p, tp_d in pairs:
+            p, d = core(tp_p), core(tp_d)
+            same = 0
+            try:
+                for i, prompt in enumerate(PROMPTS):
+                    preq = p.add_request(f"r{i}", prompt, greedy, compute_target=len(prompt) - 1)
+                    while p.has_unfinished():
+                        p.step()
+                    exp = export_prefilled(p, preq)
+                    dreq = d.new_request(f"r{i}", prompt, greedy)
+                    imp = begin_import(
+                        d, dreq, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint)
+                    )
+                    assert imp is not None
+                    copy_import(p, d, imp)
+                    complete_import(d, dreq, imp)
+                    release_export(p, preq, exp)
+                    while d.has_unfinished():
+                        d.step()
+                    same += dreq.output_token_ids == want[i]
+                row = {
+                    "hetero": family,
+                    "p_tp": tp_p,
+                    "d_tp": tp_d,
+                    "dtype": "float32",
+                    "prompts_identical": same,
+                    "prompts": len(PROMPTS),
+                    "ok": same == len(PROMPTS),
+                }
+            except Exception as e:  # noqa: BLE001
+                row = {"hetero": family, "p_tp": tp_p, "d_tp": tp_d, "error": f"{type(e).__name__}: {e}"}
+            finally:
+                p.shutdown()
+                d.shutdown()
+                del p, d
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'preset':26} {'tp':>2} {'mode':5} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} "
@@ -258,7 +343,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     base = {(r["preset"], r["mode"]): r["step_ms"] for r in rows if r.get("tp") == 1 and "step_ms" in r}
     for r in rows:
         if "error" in r:
-            print(f"{r.get('preset', r.get('identity', '?')):26} {r.get('tp', ''):>2} FAILED {r['error'][:100]}")
+            what = r.get("preset", r.get("identity", r.get("hetero", "?")))
+            print(f"{what:26} {r.get('tp', ''):>2} FAILED {r['error'][:100]}")
         elif "step_ms" in r:
             vs = base.get((r["preset"], r["mode"]))
             ratio = f"  = {r['step_ms'] / vs:.2f} x TP 1" if vs and r["tp"] > 1 else ""
@@ -272,6 +358,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{r['preset']:26} {r['tp']:2d} prefill {r['prefill_tokens']} tokens: {r['prefill_ms']:.1f} ms, "
                 f"{r['rank_tflops']:.0f} TFLOP/s per GPU = {r['fraction_of_mm']:.2f} of torch.mm "
                 f"({r['mm_tflops']:.0f})"
+            )
+        elif "hetero" in r:
+            print(
+                f"hetero   {r['hetero']:10} P TP {r['p_tp']} -> D TP {r['d_tp']} fp32 vs colocated: "
+                f"{r['prompts_identical']}/{r['prompts']} prompts token-identical"
             )
         elif "identity" in r:
             print(
@@ -292,11 +383,12 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--prefill-steps", type=int, default=3)
     p.add_argument("--identity", action="store_true", help="also the fp32 TP 2 == TP 1 token check")
+    p.add_argument("--identity-device", default="cuda", help="cpu: the identity checks on gloo ranks (a smoke test)")
     p.add_argument("--job-timeout", type=float, default=240.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
-    for spec in args.jobs.split(","):
+    for spec in filter(None, args.jobs.split(",")):
         name, size = spec.rsplit(":", 1)
         job = {
             "preset": name,
@@ -312,7 +404,8 @@ def main() -> None:
         }
         rows += run_job(job, args.job_timeout)
     if args.identity:
-        rows += identity_check(2)
+        rows += identity_check(2, args.identity_device)
+        rows += hetero_check([(1, 2), (2, 1)], args.identity_device)
     print_table(rows)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
