@@ -14,7 +14,7 @@ after --warmup, wall clock, sampler included).
 
 The identity checks (--identity) build two small models (NemotronH with Mamba-2, attention with 2 KV heads, MoE;
 Qwen3.5 with GDN), random dummy weights (identical on every GPU: same seed), and compare greedy tokens of
-`LLM(tensor_parallel_size=2, device=device, dtype="float32")` against TP 1, then P TP 1 -> D TP 2 and P TP 2 -> D
+`LLM(tensor_parallel_size=2, device="cuda", dtype="float32")` against TP 1, then P TP 1 -> D TP 2 and P TP 2 -> D
 TP 1 handoffs (engine export/import, the planned pieces moved through the ranks' control channel:
 engine.parallel.handoff, not NIXL) against the colocated TP 1 engine.
 
