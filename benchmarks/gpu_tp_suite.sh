@@ -7,4 +7,4 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
-timeout 420 python3 benchmarks/tp_decode.py --identity --out "$OUT/tp_decode.json" 2>&1 | grep -v "^{" | tail -30
+timeout 470 python3 benchmarks/tp_decode.py --identity --job-timeout 150 --out "$OUT/tp_decode.json" 2>&1 | grep -v "^{" | tail -30
