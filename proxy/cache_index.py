@@ -76,9 +76,10 @@ class WorkerCacheIndex:
         self.synced = True
         self.updated_at = time.monotonic()
 
-    def apply(self, first_seq: int, events: Iterable[tuple[bool, int, bytes]]) -> bool:
-        """Apply a batch of (stored, group, hash) events whose first has sequence number `first_seq` + 1. Returns
-        False (and marks the index unsynced: the caller asks for a snapshot) when events were missed."""
+    def apply(self, first_seq: int, events: Iterable[tuple[bool, int, bytes]], count: int | None = None) -> bool:
+        """Apply a batch of (stored, group, hash) events whose first has sequence number `first_seq` + 1 (`count`:
+        how many the batch held, when some were left out). Returns False (and marks the index unsynced: the
+        caller asks for a snapshot) when events before the batch were missed."""
         if first_seq != self.seq:
             self.synced = False
         n = 0
@@ -89,7 +90,7 @@ class WorkerCacheIndex:
             else:
                 hashes.discard(h)
             n += 1
-        self.seq = first_seq + n
+        self.seq = first_seq + (n if count is None else count)
         self.events_applied += n
         self.updated_at = time.monotonic()
         return self.synced

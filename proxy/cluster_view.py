@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def _roles(cluster: Cluster) -> list[tuple[Role, str]]:
     pairs: list[tuple[Role, str]] = []
     if cluster.prefill is not None:
-        pairs += [("prefill", a) for a in cluster.prefill.addrs]
-    pairs += [("decode", a) for a in cluster.decode.addrs]
+        pairs += [("prefill", a) for a in cluster.prefill.members]
+    pairs += [("decode", a) for a in cluster.decode.members]
     return pairs
 
 
@@ -127,5 +127,13 @@ async def _probe_stats(cluster: Cluster, role: Role, addr: str) -> dict[str, Any
 async def cluster_info(cluster: Cluster) -> dict[str, Any]:
     cfg = cluster.config
     workers = await asyncio.gather(*(_probe_stats(cluster, r, a) for r, a in _roles(cluster)))
-    return {"model": cfg.model_name, "colocated": cfg.colocated, "routing": cfg.routing,
-            "max_model_len": cfg.max_model_len, "workers": list(workers)}
+    view = {m["address"]: m for m in cluster.membership.view()} if cluster.membership is not None else {}
+    for w in workers:
+        w["membership"] = view.get(w["address"])
+    out: dict[str, Any] = {"model": cfg.model_name, "colocated": cfg.colocated, "routing": cfg.routing,
+                           "max_model_len": cfg.max_model_len, "workers": list(workers)}
+    if cluster.placer is not None:
+        c = cluster.placer.costs
+        out["step_costs"] = {"prefill_token_s": c.prefill_token_s, "decode_token_s": c.decode_token_s,
+                             "handoff_s": c.handoff_s}
+    return out

@@ -30,6 +30,8 @@ class WorkerContext:
     cluster_token: str | None = None
     """Shared secret of the cluster (worker.auth): required on this worker's RPCs, sent on its calls to peers,
     and the key of the membership proof in GetTransferMetadata. None: an open development cluster."""
+    cache_event_hub: Any = None
+    """worker.cache_events.CacheEventHub, made by the first `CacheEvents` subscriber."""
     tls: Any = None
     """worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
 
@@ -74,3 +76,13 @@ class WorkerRpcs:
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
         return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
                                  worker_id=self.ctx.worker_id)
+
+    async def CacheEvents(self, request, context):  # type: ignore[no-untyped-def]
+        """The cache-event stream (worker/cache_events.py): one hub per worker, shared by every subscriber."""
+        from worker.cache_events import CacheEventHub
+
+        hub = getattr(self.ctx, "cache_event_hub", None)
+        if hub is None:
+            hub = self.ctx.cache_event_hub = CacheEventHub(self.ctx)
+        async for batch in hub.stream():
+            yield batch
