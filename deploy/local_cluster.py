@@ -92,11 +92,11 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
                   decode_env: dict[str, str] | None = None, cluster_token: str | None = None,
                   tls_env: dict[str, str] | None = None, prefill_args: list[str] | None = None,
-                  decode_args: list[str] | None = None) -> Cluster:
+                  decode_args: list[str] | None = None, proxy_args: list[str] | None = None) -> Cluster:
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
     workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
     runs over (mutual) TLS. `prefill_args` / `decode_args` are added to one role's workers only (e.g.
-    `--nixl-progress-thread` on P alone)."""
+    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy (e.g. `--routing cache_aware`)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
@@ -121,6 +121,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     name = os.path.basename(os.path.normpath(model))
     cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port),
            "--decode", *[w.info["address"] for w in decode]]
+    cmd += proxy_args or []
     if colocated:
         cmd.append("--colocated")
     else:

@@ -32,9 +32,11 @@ from starlette.types import Receive, Scope, Send
 
 from proxy import cluster_view
 from proxy.choices import Choices
+from proxy.cluster_routes import add_cluster_routes
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, bad_request
 from proxy.generation import Cluster, Delta, Generation, PreparedRequest
+from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import (
     ChatRequest,
@@ -45,10 +47,8 @@ from proxy.openai_schema import (
     parse_json_object,
     resolve_max_tokens,
 )
-from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
-from proxy.cluster_routes import add_cluster_routes
-from proxy.membership import Membership
 from proxy.placement import Placer
+from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
 from proxy.workers import Role, WorkerClients

@@ -12,6 +12,10 @@ compute:
 - `transfer_hit`: attention blocks only (`find_transfer_hit`): what a decode worker that pulls the prompt from a
   prefill worker does not pull (the pulled running states replace its own).
 
+Expectations: when the router sends a prompt to a worker it `expect`s the entries that worker will publish for
+it (its full blocks; the checkpoint it will keep), for `ttl_s`, so that the next request with the same prefix finds
+them before the worker's events arrive, or when they are lost. A real event for a hash replaces the expectation.
+
 Staleness: an index is *synced* after a snapshot; a gap in sequence numbers, a log overflow or a new worker epoch
 makes it unsynced until the next snapshot. Lost or reordered events only make a guess worse: the worker always
 decides its real hit. Tensor-free; owned by the proxy's event loop (no lock).
@@ -20,7 +24,7 @@ decides its real hit. Tensor-free; owned by the proxy's event loop (no lock).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.cache.hashing import append_block_hashes, extra_keys
@@ -60,6 +64,8 @@ class WorkerCacheIndex:
     updated_at: float = 0.0
     """time.monotonic() of the last snapshot or event batch."""
     events_applied: int = 0
+    expected: dict[int, dict[bytes, float]] = field(default_factory=dict)
+    """group -> hash -> time.monotonic() until which the router expects the worker to hold it (see `expect`)."""
 
     def __post_init__(self) -> None:
         for g in (*self.shape.attention_groups, *self.shape.recurrent_groups):
@@ -73,6 +79,7 @@ class WorkerCacheIndex:
         for g, hashes in groups.items():
             self.groups.setdefault(g, set()).update(hashes)
         self.seq = seq
+        self.expected = {}
         self.synced = True
         self.updated_at = time.monotonic()
 
@@ -85,6 +92,9 @@ class WorkerCacheIndex:
         n = 0
         for stored, group, h in events:
             hashes = self.groups.setdefault(group, set())
+            guess = self.expected.get(group)
+            if guess:
+                guess.pop(h, None)
             if stored:
                 hashes.add(h)
             else:
@@ -94,6 +104,31 @@ class WorkerCacheIndex:
         self.events_applied += n
         self.updated_at = time.monotonic()
         return self.synced
+
+    def expect(self, group_hashes: Mapping[int, Iterable[bytes]], ttl_s: float) -> None:
+        """The worker will soon hold these (it was just sent a prompt that makes them): count them as held for
+        `ttl_s` seconds unless an event says otherwise first."""
+        until = time.monotonic() + ttl_s
+        for group, hashes in group_hashes.items():
+            held, guess = self.groups.get(group, set()), self.expected.setdefault(group, {})
+            for h in hashes:
+                if h not in held:
+                    guess[h] = until
+        if sum(len(g) for g in self.expected.values()) > 1 << 16:
+            self._forget_expired()
+
+    def _forget_expired(self) -> None:
+        now = time.monotonic()
+        for group, guess in self.expected.items():
+            self.expected[group] = {h: t for h, t in guess.items() if t > now}
+
+    def _held(self, group: int) -> Callable[[bytes], bool]:
+        """`h in` the group's entries, expectations that have not expired included."""
+        held, guess = self.groups[group], self.expected.get(group)
+        if not guess:
+            return held.__contains__
+        now = time.monotonic()
+        return lambda h: h in held or guess.get(h, 0.0) > now
 
     def mark_stale(self) -> None:
         self.synced = False
@@ -109,10 +144,10 @@ class WorkerCacheIndex:
         bs = self.shape.block_size
         n = 0
         for group in self.shape.attention_groups:
-            held = self.groups[group]
+            held = self._held(group)
             run = 0
             for h in hashes[: max_tokens // bs]:
-                if h not in held:
+                if not held(h):
                     break
                 run += 1
             max_tokens = run * bs
@@ -121,10 +156,10 @@ class WorkerCacheIndex:
 
     def _checkpoint(self, group: int, hashes: Sequence[bytes], max_tokens: int) -> int:
         bs, align = self.shape.block_size, self.shape.align
-        held = self.groups[group]
+        held = self._held(group)
         b = min(max_tokens, len(hashes) * bs) // align * align
         while b > 0:
-            if hashes[b // bs - 1] in held:
+            if held(hashes[b // bs - 1]):
                 return b
             b -= align
         return 0

@@ -32,6 +32,9 @@ class RoutingWeights:
     """Starting estimate of the PD handoff: Generate sent -> first token (until measured)."""
     ewma: float = 0.2
     """Weight of each new measurement in the moving averages."""
+    expect_ttl_s: float = 10.0
+    """How long the router counts what it just sent a worker as cached there before the worker's events confirm
+    it (proxy/cache_index.py, expectations)."""
 
 
 @dataclass(frozen=True)

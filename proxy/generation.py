@@ -252,8 +252,11 @@ class Generation:
                 router.release(addr, tokens)
         elapsed = time.perf_counter() - t0
         self.cluster.metrics.prefill_rpc.observe(elapsed)
-        if self.cluster.placer is not None:
-            self.cluster.placer.costs.prefill_done(elapsed, tokens - 1 - resp.num_cached_tokens)
+        placer, placed_on = self.cluster.placer, self._s.placement
+        if placer is not None:
+            placer.costs.prefill_done(elapsed, tokens - 1 - resp.num_cached_tokens)
+            if placed_on is not None:
+                placer.expect(addr, placed_on.hashes, tokens, resp.params.checkpoint_num_tokens)
         self._s.prefilled = True
         self._s.prefill_epoch = resp.params.epoch
         self._s.lease_token = resp.params.lease_token
@@ -284,6 +287,10 @@ class Generation:
         if params is not None:
             req.params.CopyFrom(params)
         self._s.call = self.cluster.clients.generate(addr, req, timeout)
+        if self.cluster.placer is not None and placed is not None:
+            n = len(self.req.prompt_token_ids)  # D keeps P's checkpoint, or (computing itself) its prompt end's
+            ckpt = params.checkpoint_num_tokens if params is not None else n - 1
+            self.cluster.placer.expect(addr, placed.hashes, n, ckpt)
 
     async def _next_delta(self) -> Delta:
         """Read chunks until one carries tokens or a finish reason."""

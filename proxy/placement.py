@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 from proxy.cache_index import prompt_block_hashes
 from proxy.config import RoutingWeights
 from proxy.membership import Membership
@@ -64,6 +65,8 @@ class Placement:
     """Tokens D should find locally: its usable hit (skip-P) or its attention hit (PD)."""
     expected_prefill_hit: int = 0
     reason: str = ""
+    hashes: tuple[bytes, ...] = ()
+    """The prompt's block hashes (empty while no worker's index is usable)."""
 
 
 class Placer:
@@ -106,18 +109,32 @@ class Placer:
                 best_skip = (skip, addr, u_hit)
         assert best_pd is not None and best_skip is not None
         if self.prefill is None:  # colocated: D computes everything itself
-            return Placement(None, best_skip[1], best_skip[2], reason="colocated")
+            return Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=tuple(hashes))
         p_addr, p_cost, p_hit = self._best_prefill(hashes, n)
         remainder = n - 1 - best_skip[2]
         if w.skip_prefill != "never" and p_addr is not None:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
             pd_s = p_cost * self.costs.prefill_token_s + self.costs.handoff_s
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
-                return Placement(None, best_skip[1], best_skip[2],
+                return Placement(None, best_skip[1], best_skip[2], hashes=tuple(hashes),
                                  reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms")
         if p_addr is None:
             self.prefill.choose()  # raises NoWorkerError
-        return Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd")
+        return Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=tuple(hashes))
+
+    def expect(self, addr: str, hashes: tuple[bytes, ...], num_prompt_tokens: int, checkpoint_tokens: int) -> None:
+        """`addr` was sent the prompt: it will publish the full blocks of the N-1 tokens it computes or pulls, and
+        keep the recurrent checkpoint at `checkpoint_tokens` (0: none)."""
+        idx = self.membership.index(addr)
+        if idx is None or not hashes:
+            return
+        bs, align = idx.shape.block_size, idx.shape.align
+        blocks = hashes[: (num_prompt_tokens - 1) // bs]
+        boundary = checkpoint_tokens // align * align
+        ckpt = [hashes[boundary // bs - 1]] if 0 < boundary <= len(hashes) * bs else []
+        expected: dict[int, list[bytes]] = {g: list(blocks) for g in idx.shape.attention_groups}
+        expected.update({g: ckpt for g in idx.shape.recurrent_groups})
+        idx.expect(expected, self.w.expect_ttl_s)
 
     def _best_prefill(self, hashes: list[bytes], n: int) -> tuple[str | None, float, int]:
         assert self.prefill is not None
