@@ -106,3 +106,21 @@ def test_event_log_overflow_and_gaps_mark_the_index_stale() -> None:
     assert not index.synced
     index.load_snapshot("e", 3, {0: [b"y" * 16]})
     assert index.synced and index.apply(3, [(False, 0, b"y" * 16)]) and index.groups[0] == set()
+
+
+def test_usable_hit_needs_a_checkpoint_in_every_recurrent_group() -> None:
+    """Attention alone would rank worker a first (6 cached blocks vs 4); its state checkpoints end at block 3 in
+    one recurrent group and block 2 in the other, so b (4 blocks, checkpoints at 4 in both groups) serves more."""
+    shape = CacheShape(block_size=16, attention_groups=(0,), recurrent_groups=(1, 2), align=16)
+    hashes = prompt_block_hashes(list(range(200)), 16)
+    a, b = WorkerCacheIndex(shape), WorkerCacheIndex(shape)
+    a.load_snapshot("e", 0, {0: hashes[:6], 1: [hashes[2]], 2: [hashes[1], hashes[2]]})
+    b.load_snapshot("e", 0, {0: hashes[:4], 1: [hashes[3]], 2: [hashes[3]]})
+    assert (a.transfer_hit(hashes, 199), b.transfer_hit(hashes, 199)) == (96, 64)
+    assert (a.usable_hit(hashes, 200), b.usable_hit(hashes, 200)) == (48, 64)
+    assert b.usable_hit(hashes, 64) == 0  # capped at N-1 = 63: b's only checkpoints are at 64
+    assert a.usable_hit(hashes, 60) == 48
+    b.expect({0: hashes[4:6], 1: [hashes[5]], 2: [hashes[5]]}, ttl_s=60)
+    assert b.usable_hit(hashes, 200) == 96  # what the router just sent b counts until events arrive
+    b.apply(0, [(False, 1, hashes[5])])  # a real event replaces the expectation
+    assert b.usable_hit(hashes, 200) == 64
