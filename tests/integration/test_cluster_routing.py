@@ -76,7 +76,8 @@ def drain(url: str, addr: str, on: bool = True) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint_dir):  # type: ignore[no-untyped-def]
-    c = start_cluster(checkpoint_dir("nemotron_attn_mid"), num_decode=3, proxy_args=["--routing", "cache_aware"])
+    c = start_cluster(checkpoint_dir("nemotron_attn_mid"), num_decode=3, proxy_args=["--routing", "cache_aware"],
+                      worker_args=["--kv-cache-memory-bytes", str(32 * 2**20)])
     yield c
     c.stop()
 
@@ -136,6 +137,7 @@ def test_hits_hold_as_decode_workers_are_added_and_under_event_loss(cluster):  #
 
 
 def test_crash_and_join_take_effect_without_a_proxy_restart(cluster, checkpoint_dir):  # type: ignore[no-untyped-def]
+    t00 = time.monotonic()
     url, model = cluster.url, cluster.model_name
     prompts = prefix_heavy(seed=2)
     want = {tuple(p): t for p, t in zip(prompts, run(url, model, prompts, salt="ref"), strict=True)}
@@ -162,12 +164,11 @@ def test_crash_and_join_take_effect_without_a_proxy_restart(cluster, checkpoint_
     assert all(want[tuple(p)] == got for p, got in results), "a wrong answer after a decode worker was killed"
     assert moved_s <= 2.0, moved_s
     print(f"killed decode worker marked down after {moved_s:.2f} s")
-    # its supervisor restarts it on the same port (a new epoch): back in rotation, no proxy restart
+    # its supervisor restarts it on the same port (a new epoch) while a new worker starts and registers itself;
+    # both take part without a proxy restart
     old_epoch = members(url)[addr]["epoch"]
-    wait_for("the restarted worker up again", lambda: (m := members(url)[addr])["state"] == "up"
-             and m["epoch"] != old_epoch, timeout=120)
-
-    args = ["--role", "decode", "--model", cluster.model, "--register-with", url]
+    args = ["--role", "decode", "--model", cluster.model, "--register-with", url, "--kv-cache-memory-bytes",
+            str(32 * 2**20)]
     joined = WorkerProcess(args, env={"PYTHONPATH": os.getcwd()}, restart=False)
     try:
         t_ready = time.monotonic()
@@ -181,6 +182,9 @@ def test_crash_and_join_take_effect_without_a_proxy_restart(cluster, checkpoint_
         wait_for("traffic on the joined worker", got_traffic, timeout=5, interval=0.01)
         print(f"joined decode worker served its first request {time.monotonic() - t_ready:.2f} s after ready")
         assert members(url)[new_addr]["static"] is False
+        wait_for("the restarted worker up again", lambda: (m := members(url)[addr])["state"] == "up"
+                 and m["epoch"] != old_epoch, timeout=120)
+        assert members(url)[addr]["restarts"] >= 1
     finally:
         joined.stop()
     wait_for("the joined worker gone after it left", lambda: new_addr not in members(url), timeout=10)
