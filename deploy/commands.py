@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -91,6 +92,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     from deploy.ray_launcher import serve
 
+    for role in ("prefill", "decode"):
+        raw = getattr(args, f"{role}_resources", None)
+        try:
+            if raw is not None and not isinstance(json.loads(raw), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise ConfigError(f"--{role}-resources must be a JSON object of resource amounts: {e}") from None
     config = engine_config_from_args(args)
     model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -155,7 +163,13 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
     p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs Ray reserves per worker")
-    p.add_argument("--address", default=None, help="join an existing Ray cluster (default: start one locally)")
+    p.add_argument("--address", default=None,
+                   help="attach to a running Ray cluster ('auto' or HOST:PORT of its head; default: start a local "
+                        "one); workers then bind on the address of the node they land on")
+    p.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help="Ray custom resources each prefill worker needs, to place it on chosen nodes (e.g. "
+                        "'{\"prefill_node\": 1}' with `ray start --resources '{\"prefill_node\": 4}'` there)")
+    p.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for decode workers")
     p.add_argument("--host", default="127.0.0.1", help="interface the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="proxy port (checked before anything starts)")
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")

@@ -154,9 +154,31 @@ def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]
     return path
 
 
+def _placement(args: Any, role: str) -> dict[str, Any]:
+    """Ray actor options that pin a role to chosen nodes: `--prefill-resources` / `--decode-resources` (JSON custom
+    resources each worker of the role needs, e.g. {"prefill_node": 1}, given to nodes by `ray start --resources`)."""
+    import json
+
+    raw = getattr(args, f"{role}_resources", None)
+    return {"resources": json.loads(raw)} if raw else {}
+
+
+def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
+    """Workers register with the proxy (live membership): a worker an actor restarts elsewhere, on another node or
+    port, is routed to without a proxy restart. The proxy's address as the workers reach it."""
+    proxy_host = args.host
+    if proxy_host in ("0.0.0.0", "::", ""):
+        proxy_host = "127.0.0.1" if host == "127.0.0.1" else ray.util.get_node_ip_address()
+    elif host != "127.0.0.1" and proxy_host in ("127.0.0.1", "localhost"):
+        return []  # a loopback proxy is out of reach of other nodes: static membership only
+    netloc = f"[{proxy_host}]" if ":" in proxy_host else proxy_host
+    return ["--register-with", f"http://{netloc}:{args.port}"]
+
+
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
     import ray
 
+    from deploy.commands import routing_weights
     from proxy.config import ProxyConfig
     from proxy.server import run as run_proxy
     from worker.auth import TOKEN_ENV, load_cluster_token
@@ -184,9 +206,10 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     # third worker of a 2-core box waiting forever for a CPU that does not exist)
     total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+    register = _registration_argv(args, host, ray)
     for role in roles:
-        argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
-        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker}
+        argv = ["--role", "colocated" if args.colocated else role, *worker_argv, *register]
+        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
@@ -202,7 +225,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                           or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
-                          request_timeout_s=getattr(args, "request_timeout", 600.0))
+                          request_timeout_s=getattr(args, "request_timeout", 600.0),
+                          routing_weights=routing_weights(args))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)
