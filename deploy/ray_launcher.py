@@ -109,7 +109,8 @@ def _make_actor_class(ray: Any) -> Any:
             self.worker = WorkerProcess(argv, host=host)
 
         def info(self) -> dict[str, Any]:
-            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive()}
+            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
 
         def pid(self) -> int:
             return self.worker.proc.pid if self.worker.proc else -1
@@ -218,7 +219,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         for role, info in infos:
             node = info["address"].rsplit(":", 1)[0]
             print(f"worker {role:8s} grpc={info['address']} metrics=http://{node}:{info['metrics_port']}/metrics "
-                  f"epoch={info['epoch'][:8]}", flush=True)
+                  f"epoch={info['epoch'][:8]} node={info.get('node_id', '')[:12]}", flush=True)
         targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
