@@ -136,8 +136,7 @@ def test_hits_hold_as_decode_workers_are_added_and_under_event_loss(cluster):  #
     print(f"decode hit tokens with 30 % of cache events dropped: {hits_lossy:.0f} ({hits_lossy / hits_three:.2f})")
 
 
-def test_crash_and_join_take_effect_without_a_proxy_restart(cluster, checkpoint_dir):  # type: ignore[no-untyped-def]
-    t00 = time.monotonic()
+def test_crash_and_join_take_effect_without_a_proxy_restart(cluster):  # type: ignore[no-untyped-def]
     url, model = cluster.url, cluster.model_name
     prompts = prefix_heavy(seed=2)
     want = {tuple(p): t for p, t in zip(prompts, run(url, model, prompts, salt="ref"), strict=True)}
