@@ -37,8 +37,9 @@ from benchmarks.offline_throughput import SIZES  # noqa: E402
 from deploy.bench_serve import RequestSpec, run_load, summarize  # noqa: E402
 
 
-def prefix_heavy(rng: random.Random, num_prompts: int, prefix_len: int, suffix_len: int, reuse: int,
-                 output_len: int, vocab: int) -> list[RequestSpec]:
+def prefix_heavy(
+    rng: random.Random, num_prompts: int, prefix_len: int, suffix_len: int, reuse: int, output_len: int, vocab: int
+) -> list[RequestSpec]:
     """Prefixes of odd lengths in [prefix_len/2, 3*prefix_len/2], each used `reuse` times, shuffled."""
     specs = []
     for _ in range(max(1, num_prompts // reuse)):
@@ -54,8 +55,7 @@ def prefix_heavy(rng: random.Random, num_prompts: int, prefix_len: int, suffix_l
 def proxy_counters(url: str) -> dict[str, float]:
     """hybridpd_proxy_route_* counters of the proxy, summed per metric and path."""
     out: dict[str, float] = {}
-    for m in re.finditer(r'^(hybridpd_proxy_route_\w+)\{path="(\w+)"\} (\S+)$', httpx.get(f"{url}/metrics").text,
-                         re.M):
+    for m in re.finditer(r'^(hybridpd_proxy_route_\w+)\{path="(\w+)"\} (\S+)$', httpx.get(f"{url}/metrics").text, re.M):
         out[f"{m.group(1)}:{m.group(2)}"] = float(m.group(3))
     return out
 
@@ -66,8 +66,16 @@ def _delta(before: dict[str, float], after: dict[str, float], metric: str) -> di
 
 
 def run_rate(url: str, model: str, specs: list[RequestSpec], rate: float, args: argparse.Namespace) -> dict[str, Any]:
-    load = argparse.Namespace(max_concurrency=args.max_concurrency, seed=args.seed, request_rate=rate, quiet=True,
-                              stream=True, endpoint="completions", temperature=0.0, ignore_eos=True)
+    load = argparse.Namespace(
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        request_rate=rate,
+        quiet=True,
+        stream=True,
+        endpoint="completions",
+        temperature=0.0,
+        ignore_eos=True,
+    )
     before = proxy_counters(url)
 
     async def go() -> tuple[list[Any], float]:
@@ -78,17 +86,29 @@ def run_rate(url: str, model: str, specs: list[RequestSpec], rate: float, args: 
     results, duration = asyncio.run(go())
     after = proxy_counters(url)
     summary = summarize(results, duration)
-    good = [r for r in results if r.ok and r.ttft is not None and r.ttft <= args.slo_ttft and (
-        r.output_tokens <= 1 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= args.slo_tpot)]
+    good = [
+        r
+        for r in results
+        if r.ok
+        and r.ttft is not None
+        and r.ttft <= args.slo_ttft
+        and (r.output_tokens <= 1 or (r.e2e - r.ttft) / (r.output_tokens - 1) <= args.slo_tpot)
+    ]
     decisions = _delta(before, after, "hybridpd_proxy_route_decisions_total")
     hits = _delta(before, after, "hybridpd_proxy_route_real_hit_tokens_total")
     expected = _delta(before, after, "hybridpd_proxy_route_expected_hit_tokens_total")
     total = sum(decisions.values())
-    return {"rate": rate, "summary": summary, "goodput_rps": len(good) / duration if duration else 0.0,
-            "slo_attainment": len(good) / len(results) if results else 0.0,
-            "decode_hit_tokens": sum(hits.values()), "expected_hit_tokens": sum(expected.values()),
-            "prompt_tokens": sum(s.prompt_len for s in specs), "decisions": decisions,
-            "skip_prefill_fraction": decisions.get("skip_prefill", 0.0) / total if total else 0.0}
+    return {
+        "rate": rate,
+        "summary": summary,
+        "goodput_rps": len(good) / duration if duration else 0.0,
+        "slo_attainment": len(good) / len(results) if results else 0.0,
+        "decode_hit_tokens": sum(hits.values()),
+        "expected_hit_tokens": sum(expected.values()),
+        "prompt_tokens": sum(s.prompt_len for s in specs),
+        "decisions": decisions,
+        "skip_prefill_fraction": decisions.get("skip_prefill", 0.0) / total if total else 0.0,
+    }
 
 
 def parse_config(text: str) -> tuple[int, int, str]:
@@ -107,7 +127,8 @@ def model_and_args(args: argparse.Namespace, tmp: str) -> tuple[str, list[str]]:
         longest = 3 * args.prefix_len // 2 + args.suffix_len + args.output_len + 16
         wargs += ["--load-format", "dummy", "--max-model-len", str(longest)]
     else:
-        model = str(write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **SIZES[args.size]))
+        sizes: dict = SIZES[args.size]
+        model = str(write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **sizes))
     return model, wargs
 
 
@@ -148,24 +169,34 @@ def main(argv: list[str] | None = None) -> int:
             gpu = args.device != "cpu"
             share = [f"--gpu-memory-utilization={args.gpu_memory_utilization / max(1, n):.3f}" for n in (num_p, num_d)]
             t0 = time.time()
-            c = start_cluster(model, worker_args=wargs, num_prefill=num_p, num_decode=num_d,
-                              prefill_env={"CUDA_VISIBLE_DEVICES": gp} if gpu else None,
-                              decode_env={"CUDA_VISIBLE_DEVICES": gd} if gpu else None,
-                              prefill_args=share[:1] if gpu else None, decode_args=share[1:] if gpu else None,
-                              proxy_args=["--routing", routing])
+            c = start_cluster(
+                model,
+                worker_args=wargs,
+                num_prefill=num_p,
+                num_decode=num_d,
+                prefill_env={"CUDA_VISIBLE_DEVICES": gp} if gpu else None,
+                decode_env={"CUDA_VISIBLE_DEVICES": gd} if gpu else None,
+                prefill_args=share[:1] if gpu else None,
+                decode_args=share[1:] if gpu else None,
+                proxy_args=["--routing", routing],
+            )
             print(f"{text}: cluster up in {time.time() - t0:.0f} s", flush=True)
             try:
                 warm = prefix_heavy(random.Random(10_000 + k), 8, args.prefix_len, args.suffix_len, 2, 8, args.vocab)
                 run_rate(c.url, c.model_name, warm, 4.0, args)
                 for j, rate in enumerate(rates):
                     rng = random.Random(args.seed * 1000 + j)  # the same requests for every configuration
-                    specs = prefix_heavy(rng, args.num_prompts, args.prefix_len, args.suffix_len, args.reuse,
-                                         args.output_len, args.vocab)
+                    specs = prefix_heavy(
+                        rng, args.num_prompts, args.prefix_len, args.suffix_len, args.reuse, args.output_len, args.vocab
+                    )
                     row = run_rate(c.url, c.model_name, specs, rate, args)
                     row.update(config=text, routing=routing, prefill=num_p, decode=num_d)
                     rows.append(row)
-                    print(f"  rate {rate:g}: goodput {row['goodput_rps']:.2f} req/s, decode hits "
-                          f"{row['decode_hit_tokens']:.0f}, skip-P {row['skip_prefill_fraction']:.2f}", flush=True)
+                    print(
+                        f"  rate {rate:g}: goodput {row['goodput_rps']:.2f} req/s, decode hits "
+                        f"{row['decode_hit_tokens']:.0f}, skip-P {row['skip_prefill_fraction']:.2f}",
+                        flush=True,
+                    )
             finally:
                 c.stop()
     with open(args.out, "w") as f:
@@ -176,17 +207,41 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     base = {(r["decode"], r["rate"]): r for r in rows if r["routing"] == "round_robin"}
-    cols = ["config", "rate", "ok", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "goodput_rps", "vs_rr",
-            "decode_hit_tok", "hit_vs_rr", "skip_P"]
+    cols = [
+        "config",
+        "rate",
+        "ok",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "goodput_rps",
+        "vs_rr",
+        "decode_hit_tok",
+        "hit_vs_rr",
+        "skip_P",
+    ]
     print(" | ".join(cols))
     for r in rows:
         s, rr = r["summary"], base.get((r["decode"], r["rate"]))
         ratio = f"{r['goodput_rps'] / rr['goodput_rps']:.2f}x" if rr and rr["goodput_rps"] else "-"
         hit = f"{r['decode_hit_tokens'] / rr['decode_hit_tokens']:.2f}x" if rr and rr["decode_hit_tokens"] else "-"
-        print(" | ".join([r["config"], f"{r['rate']:g}", f"{s['completed']}/{s['completed'] + s['failed']}",
-                          f"{s['ttft_ms']['p50']:.0f}", f"{s['ttft_ms']['p99']:.0f}", f"{s['tpot_ms']['p50']:.1f}",
-                          f"{r['goodput_rps']:.2f}", ratio, f"{r['decode_hit_tokens']:.0f}", hit,
-                          f"{r['skip_prefill_fraction']:.2f}"]))
+        print(
+            " | ".join(
+                [
+                    r["config"],
+                    f"{r['rate']:g}",
+                    f"{s['completed']}/{s['completed'] + s['failed']}",
+                    f"{s['ttft_ms']['p50']:.0f}",
+                    f"{s['ttft_ms']['p99']:.0f}",
+                    f"{s['tpot_ms']['p50']:.1f}",
+                    f"{r['goodput_rps']:.2f}",
+                    ratio,
+                    f"{r['decode_hit_tokens']:.0f}",
+                    hit,
+                    f"{r['skip_prefill_fraction']:.2f}",
+                ]
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -118,10 +118,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded", "cache_aware"],
+    p.add_argument("--routing", default="round_robin",
+                   choices=["round_robin", "least_loaded", "cache_aware", "adaptive"],
                    help="how the proxy picks workers; cache_aware: by each worker's cached prefix (attention blocks "
                         "and recurrent checkpoints, from its cache events) and load, skipping the prefill worker "
-                        "when the decode worker's own prefill is cheaper")
+                        "when the decode worker's own prefill is cheaper; adaptive: the same")
     p.add_argument("--skip-prefill", default="auto", choices=["auto", "never", "always"],
                    help="cache_aware: when a decode worker prefills a prompt itself (auto: by the cost model)")
     p.add_argument("--routing-weights", default="", metavar="K=V,...",

@@ -122,10 +122,10 @@ class _Proxy:
                                                                                   "decode": decode}
         clients = WorkerClients(config.control_timeout_s, config.cluster_token)
         self.membership = membership = Membership(clients, routers, config.cache_event_drop_fraction)
-        placer = Placer(membership, prefill, decode, config.routing_weights) if config.routing == "cache_aware" \
-            else None
+        cost_aware = config.routing in ("cache_aware", "adaptive")
+        placer = Placer(membership, prefill, decode, config.routing_weights) if cost_aware else None
         self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode,
-                               metrics=ProxyMetrics(routers), membership=membership, placer=placer)
+                               metrics=ProxyMetrics({str(r): router for r, router in routers.items()}), membership=membership, placer=placer)
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")

@@ -26,16 +26,27 @@ log = logging.getLogger(__name__)
 
 
 def _shape(msg: pb.CacheShape) -> CacheShape:
-    return CacheShape(block_size=msg.block_size, attention_groups=tuple(msg.attention_groups),
-                      recurrent_groups=tuple(msg.recurrent_groups),
-                      align=msg.checkpoint_align or msg.block_size)
+    return CacheShape(
+        block_size=msg.block_size,
+        attention_groups=tuple(msg.attention_groups),
+        recurrent_groups=tuple(msg.recurrent_groups),
+        align=msg.checkpoint_align or msg.block_size,
+    )
 
 
 class CacheFeed:
     """Streams one worker's cache events into `index` until `stop()`."""
 
-    def __init__(self, clients: WorkerClients, role: Role, addr: str, on_up: Callable[[str, str], None],
-                 on_down: Callable[[str], None], drop_fraction: float = 0.0, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        clients: WorkerClients,
+        role: Role,
+        addr: str,
+        on_up: Callable[[str, str], None],
+        on_down: Callable[[str], None],
+        drop_fraction: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
         self.clients, self.role, self.addr = clients, role, addr
         self.index: WorkerCacheIndex | None = None
         self.connected = False
@@ -100,8 +111,11 @@ class CacheFeed:
                 if index is None or msg.epoch != index.epoch:
                     self.resyncs += 1
                     return  # restarted worker: reconnect for a snapshot of the new epoch
-                kept = [(e.stored, e.group, e.block_hash) for e in msg.events
-                        if not self._drop or self._rng.random() >= self._drop]
+                kept = [
+                    (e.stored, e.group, e.block_hash)
+                    for e in msg.events
+                    if not self._drop or self._rng.random() >= self._drop
+                ]
                 if not index.apply(msg.first_seq, kept, count=len(msg.events)):
                     self.resyncs += 1
                     return  # missed events: reconnect, the new stream starts with a snapshot

@@ -40,15 +40,17 @@ def _address(body: dict[str, Any]) -> str:
     return addr
 
 
-def add_cluster_routes(app: FastAPI, membership: Membership, cluster_token: str | None,
-                       check_api_key: Callable[[Request], None]) -> None:
+def add_cluster_routes(
+    app: FastAPI, membership: Membership, cluster_token: str | None, check_api_key: Callable[[Request], None]
+) -> None:
     def check_token(request: Request) -> None:
         if cluster_token is None:
             return
         given = request.headers.get(TOKEN_METADATA_KEY, "")
         if not secrets.compare_digest(given.encode(), cluster_token.encode()):
-            raise ApiError(401, f"invalid or missing cluster token (header {TOKEN_METADATA_KEY})",
-                           code="invalid_cluster_token")
+            raise ApiError(
+                401, f"invalid or missing cluster token (header {TOKEN_METADATA_KEY})", code="invalid_cluster_token"
+            )
 
     async def body_of(request: Request) -> dict[str, Any]:
         return parse_json_object(await request.body())
@@ -64,8 +66,9 @@ def add_cluster_routes(app: FastAPI, membership: Membership, cluster_token: str 
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_TTL_S:
             raise bad_request(f"'ttl_s' must be in (0, {MAX_TTL_S:g}]", param="ttl_s")
         try:
-            m = membership.register(role, _address(body), str(body.get("worker_id", ""))[:64],
-                                    str(body.get("epoch", ""))[:64], ttl)
+            m = membership.register(
+                role, _address(body), str(body.get("worker_id", ""))[:64], str(body.get("epoch", ""))[:64], ttl
+            )
         except ValueError as e:
             raise bad_request(str(e), param="role") from None
         return {"registered": True, "address": m.address, "state": "draining" if m.draining else "up"}

@@ -8,13 +8,18 @@ from typing import Literal
 
 from proxy.credentials import CLUSTER_TOKEN_ENV
 
-RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
+"""cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost); adaptive: the same (the name the
+goodput benchmark uses for a cluster that moves prefill work to decode workers when that is cheaper)."""
+ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "adaptive")
 
 SkipPrefill = Literal["auto", "never", "always"]
 
 
 @dataclass(frozen=True)
 class RoutingWeights:
+    """Costs and skip-prefill rule of the cache_aware policy (proxy/placement.py), in prompt-token units."""
+
     pull_token_cost: float = 0.25
     """A token D pulls, relative to a token P computes."""
     decode_running_cost: float = 16.0
@@ -84,8 +89,8 @@ class ProxyConfig:
     """Test knob: silently drop this share of the workers' cache events (lossy delivery)."""
 
     def __post_init__(self) -> None:
-        if self.routing not in ("round_robin", "least_loaded", "cache_aware"):
-            raise ValueError(f"routing must be 'round_robin', 'least_loaded' or 'cache_aware', got {self.routing!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if not self.decode_addrs and not self.dynamic_membership:
             raise ValueError("at least one decode worker address is required")
         if not self.colocated and not self.prefill_addrs and not self.dynamic_membership:

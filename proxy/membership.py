@@ -46,8 +46,13 @@ class Member:
 
 
 class Membership:
-    def __init__(self, clients: WorkerClients, routers: dict[Role, Router], event_drop_fraction: float = 0.0,
-                 expiry_interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        clients: WorkerClients,
+        routers: dict[Role, Router],
+        event_drop_fraction: float = 0.0,
+        expiry_interval_s: float = 0.25,
+    ) -> None:
         self.clients = clients
         self.routers = routers
         self.members: dict[str, Member] = {}
@@ -170,13 +175,23 @@ class Membership:
             idx = feed.index if feed is not None else None
             state = "draining" if m.draining else "down" if m.down else "up"
             entry: dict[str, Any] = {
-                "role": m.role, "address": m.address, "state": state, "static": m.static,
-                "worker_id": m.worker_id, "epoch": m.epoch, "restarts": m.restarts,
+                "role": m.role,
+                "address": m.address,
+                "state": state,
+                "static": m.static,
+                "worker_id": m.worker_id,
+                "epoch": m.epoch,
+                "restarts": m.restarts,
                 "lease_left_s": None if m.static else round(max(0.0, m.expires_at - now), 2),
-                "cache_index": None if idx is None else {
-                    "synced": idx.synced and bool(feed and feed.connected), "seq": idx.seq,
-                    "staleness_s": round(min(idx.staleness_s(), 1e9), 3), "hashes": idx.sizes(),
-                    "resyncs": feed.resyncs if feed else 0},
+                "cache_index": None
+                if idx is None
+                else {
+                    "synced": idx.synced and bool(feed and feed.connected),
+                    "seq": idx.seq,
+                    "staleness_s": round(min(idx.staleness_s(), 1e9), 3),
+                    "hashes": idx.sizes(),
+                    "resyncs": feed.resyncs if feed else 0,
+                },
             }
             out.append(entry)
         return out

@@ -32,6 +32,7 @@ from proxy.routing import Router
 
 log = logging.getLogger(__name__)
 
+
 class StepCosts:
     """Measured step costs (moving averages), seeded from the weights."""
 
@@ -70,8 +71,7 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, membership: Membership, prefill: Router | None, decode: Router,
-                 weights: RoutingWeights) -> None:
+    def __init__(self, membership: Membership, prefill: Router | None, decode: Router, weights: RoutingWeights) -> None:
         self.membership = membership
         self.prefill = prefill
         self.decode = decode
@@ -116,8 +116,13 @@ class Placer:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
             pd_s = p_cost * self.costs.prefill_token_s + self.costs.handoff_s
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
-                return Placement(None, best_skip[1], best_skip[2], hashes=tuple(hashes),
-                                 reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms")
+                return Placement(
+                    None,
+                    best_skip[1],
+                    best_skip[2],
+                    hashes=tuple(hashes),
+                    reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
+                )
         if p_addr is None:
             self.prefill.choose()  # raises NoWorkerError
         return Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=tuple(hashes))

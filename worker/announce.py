@@ -45,8 +45,17 @@ def _targets(url: str) -> list[str]:
 
 
 class Announcer:
-    def __init__(self, proxies: Sequence[str], role: str, address: str, worker_id: str, epoch: str,
-                 cluster_token: str | None, interval_s: float = 1.0, ttl_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        proxies: Sequence[str],
+        role: str,
+        address: str,
+        worker_id: str,
+        epoch: str,
+        cluster_token: str | None,
+        interval_s: float = 1.0,
+        ttl_s: float = 5.0,
+    ) -> None:
         self.proxies = list(proxies)
         self.body = {"role": role, "address": address, "worker_id": worker_id, "epoch": epoch, "ttl_s": ttl_s}
         self.headers = {"x-hybridpd-token": cluster_token} if cluster_token else {}
@@ -87,8 +96,10 @@ class Announcer:
         if self._client is None:
             return
         targets = [t for t, ok in self._ok.items() if ok]
-        leave = [self._client.request("DELETE", t, json={"address": self.body["address"]}, headers=self.headers)
-                 for t in targets]
+        leave = [
+            self._client.request("DELETE", t, json={"address": self.body["address"]}, headers=self.headers)
+            for t in targets
+        ]
         try:
             await asyncio.wait_for(asyncio.gather(*leave, return_exceptions=True), 1.0)
         except asyncio.TimeoutError:

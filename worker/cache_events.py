@@ -23,10 +23,12 @@ _QUEUE_LIMIT = 256
 
 
 def _shape(cache) -> pb.CacheShape:  # type: ignore[no-untyped-def]
-    return pb.CacheShape(block_size=cache.block_size,
-                         attention_groups=[m.group.group_id for m in cache.blocks],
-                         recurrent_groups=[m.group.group_id for m in cache.states],
-                         checkpoint_align=cache.states[0].align if cache.states else cache.block_size)
+    return pb.CacheShape(
+        block_size=cache.block_size,
+        attention_groups=[m.group.group_id for m in cache.blocks],
+        recurrent_groups=[m.group.group_id for m in cache.states],
+        checkpoint_align=cache.states[0].align if cache.states else cache.block_size,
+    )
 
 
 class CacheEventHub:
@@ -42,8 +44,13 @@ class CacheEventHub:
             return cache.events.seq, cache.cached_hashes(), _shape(cache)
 
         seq, groups, shape = await self.ctx.aengine.acall(take)
-        return pb.CacheEventBatch(epoch=self.ctx.epoch, first_seq=seq, snapshot=True, shape=shape,
-                                  groups=[pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in groups.items()])
+        return pb.CacheEventBatch(
+            epoch=self.ctx.epoch,
+            first_seq=seq,
+            snapshot=True,
+            shape=shape,
+            groups=[pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in groups.items()],
+        )
 
     def _log(self):  # type: ignore[no-untyped-def]
         return self.ctx.aengine.core.cache.events
@@ -57,8 +64,11 @@ class CacheEventHub:
                 continue
             if not events:
                 continue
-            batch = pb.CacheEventBatch(epoch=self.ctx.epoch, first_seq=first, events=[
-                pb.CacheEvent(stored=e.stored, group=e.group, block_hash=e.block_hash) for e in events])
+            batch = pb.CacheEventBatch(
+                epoch=self.ctx.epoch,
+                first_seq=first,
+                events=[pb.CacheEvent(stored=e.stored, group=e.group, block_hash=e.block_hash) for e in events],
+            )
             self._broadcast(batch)
         self._task = None
 
@@ -94,7 +104,7 @@ class CacheEventHub:
                 if end <= seen:
                     continue  # entirely inside the snapshot
                 if batch.first_seq < seen:  # partly: keep the events after the snapshot
-                    keep = batch.events[seen - batch.first_seq:]
+                    keep = batch.events[seen - batch.first_seq :]
                     batch = pb.CacheEventBatch(epoch=batch.epoch, first_seq=seen, events=keep)
                 seen = end
                 yield batch

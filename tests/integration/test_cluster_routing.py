@@ -50,15 +50,27 @@ def prefix_heavy(seed: int = 1) -> list[list[int]]:
 def decode_hits(url: str) -> float:
     """Prompt tokens the decode workers found in their own prefix caches (the proxy's route metric)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(r"^hybridpd_proxy_route_real_hit_tokens_total\{[^}]*\} (\S+)$",
-                                                      text, re.M))
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^hybridpd_proxy_route_real_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+    )
 
 
 def run(url: str, model: str, prompts: list[list[int]], salt: str) -> list[list[int]]:
     out = []
     for p in prompts:
-        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": model, "prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "cache_salt": salt})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": p,
+                "max_tokens": NEW,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_salt": salt,
+            },
+        )
         assert r.status_code == 200, r.text
         out.append(r.json()["choices"][0]["token_ids"])
     return out
@@ -76,17 +88,35 @@ def drain(url: str, addr: str, on: bool = True) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint_dir):  # type: ignore[no-untyped-def]
-    c = start_cluster(checkpoint_dir("nemotron_attn_mid"), num_decode=3, proxy_args=["--routing", "cache_aware"],
-                      worker_args=["--kv-cache-memory-bytes", str(32 * 2**20)])
+    c = start_cluster(
+        checkpoint_dir("nemotron_attn_mid"),
+        num_decode=3,
+        proxy_args=["--routing", "cache_aware"],
+        worker_args=["--kv-cache-memory-bytes", str(32 * 2**20)],
+    )
     yield c
     c.stop()
 
 
 def _second_proxy(c, extra: list[str]) -> tuple[subprocess.Popen, str]:  # type: ignore[no-untyped-def]
     port = free_port()
-    cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", c.model, "--port", str(port), "--routing",
-           "cache_aware", "--prefill", *[w.info["address"] for w in c.prefill],
-           "--decode", *[w.info["address"] for w in c.decode], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "proxy",
+        "--model",
+        c.model,
+        "--port",
+        str(port),
+        "--routing",
+        "cache_aware",
+        "--prefill",
+        *[w.info["address"] for w in c.prefill],
+        "--decode",
+        *[w.info["address"] for w in c.decode],
+        *extra,
+    ]
     log = open(os.path.join(tempfile.gettempdir(), f"hybridpd-proxy-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=c.extra["proxy_env"])
     url = f"http://127.0.0.1:{port}"
@@ -106,8 +136,11 @@ def test_hits_hold_as_decode_workers_are_added_and_under_event_loss(cluster):  #
     url, model = cluster.url, cluster.model_name
     prompts = prefix_heavy()
     d = [w.info["address"] for w in cluster.decode]
-    wait_for("synced cache indexes", lambda: all(
-        m["cache_index"] and m["cache_index"]["synced"] for m in members(url).values()), timeout=60)
+    wait_for(
+        "synced cache indexes",
+        lambda: all(m["cache_index"] and m["cache_index"]["synced"] for m in members(url).values()),
+        timeout=60,
+    )
 
     drain(url, d[1])
     drain(url, d[2])
@@ -154,8 +187,9 @@ def test_crash_and_join_take_effect_without_a_proxy_restart(cluster):  # type: i
         assert victim.proc is not None
         t_kill = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGKILL)
-        wait_for("the killed worker marked down", lambda: members(url)[addr]["state"] == "down", timeout=5,
-                 interval=0.05)
+        wait_for(
+            "the killed worker marked down", lambda: members(url)[addr]["state"] == "down", timeout=5, interval=0.05
+        )
         moved_s = time.monotonic() - t_kill
         for f in futures:
             f.result(timeout=120)
@@ -166,8 +200,16 @@ def test_crash_and_join_take_effect_without_a_proxy_restart(cluster):  # type: i
     # its supervisor restarts it on the same port (a new epoch) while a new worker starts and registers itself;
     # both take part without a proxy restart
     old_epoch = members(url)[addr]["epoch"]
-    args = ["--role", "decode", "--model", cluster.model, "--register-with", url, "--kv-cache-memory-bytes",
-            str(32 * 2**20)]
+    args = [
+        "--role",
+        "decode",
+        "--model",
+        cluster.model,
+        "--register-with",
+        url,
+        "--kv-cache-memory-bytes",
+        str(32 * 2**20),
+    ]
     joined = WorkerProcess(args, env={"PYTHONPATH": os.getcwd()}, restart=False)
     try:
         t_ready = time.monotonic()
@@ -181,8 +223,11 @@ def test_crash_and_join_take_effect_without_a_proxy_restart(cluster):  # type: i
         wait_for("traffic on the joined worker", got_traffic, timeout=5, interval=0.01)
         print(f"joined decode worker served its first request {time.monotonic() - t_ready:.2f} s after ready")
         assert members(url)[new_addr]["static"] is False
-        wait_for("the restarted worker up again", lambda: (m := members(url)[addr])["state"] == "up"
-                 and m["epoch"] != old_epoch, timeout=120)
+        wait_for(
+            "the restarted worker up again",
+            lambda: (m := members(url)[addr])["state"] == "up" and m["epoch"] != old_epoch,
+            timeout=120,
+        )
         assert members(url)[addr]["restarts"] >= 1
     finally:
         joined.stop()

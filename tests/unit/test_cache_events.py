@@ -23,10 +23,12 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def cache_shape(cache: HybridCacheManager) -> CacheShape:
-    return CacheShape(block_size=cache.block_size,
-                      attention_groups=tuple(m.group.group_id for m in cache.blocks),
-                      recurrent_groups=tuple(m.group.group_id for m in cache.states),
-                      align=cache.states[0].align if cache.states else cache.block_size)
+    return CacheShape(
+        block_size=cache.block_size,
+        attention_groups=tuple(m.group.group_id for m in cache.blocks),
+        recurrent_groups=tuple(m.group.group_id for m in cache.states),
+        align=cache.states[0].align if cache.states else cache.block_size,
+    )
 
 
 def replay(index: WorkerCacheIndex, log: CacheEventLog) -> set[int]:
@@ -56,8 +58,13 @@ def real_hit(llm: LLM, prompt: list[int], salt: str | None = None) -> tuple[int,
 
 @pytest.mark.parametrize("name", ["nemotron_attn_last", "qwen_attn_first"])
 def test_events_replay_to_the_snapshot_and_predict_the_hit(name, checkpoint_dir):  # type: ignore[no-untyped-def]
-    llm = LLM(model=checkpoint_dir(name), max_num_batched_tokens=64, kv_cache_memory_bytes=2**19, max_num_seqs=4,
-              max_model_len=256)
+    llm = LLM(
+        model=checkpoint_dir(name),
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=2**19,
+        max_num_seqs=4,
+        max_model_len=256,
+    )
     cache = llm.engine.cache
     shape = cache_shape(cache)
     assert shape.attention_groups and shape.recurrent_groups

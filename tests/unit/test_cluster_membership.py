@@ -24,7 +24,7 @@ def _members(s: LiveStack) -> dict[str, dict]:
     return {w["address"]: w["membership"] for w in s.http.get("/v1/cluster").json()["workers"]}
 
 
-def _register(s: LiveStack, addr: str, ttl: float = 5.0, **headers: str) -> int:
+def _register(s: LiveStack, addr: str, ttl: float = 5.0, headers: dict[str, str] | None = None) -> int:
     body = {"role": "decode", "address": addr, "worker_id": "w-new", "epoch": "e1", "ttl_s": ttl}
     return s.http.post("/v1/cluster/workers", json=body, headers=headers).status_code
 
@@ -51,8 +51,9 @@ def test_join_drain_leave_and_expiry_without_restart() -> None:
             r = s.http.request("DELETE", "/v1/cluster/workers", json={"address": new.address})
             assert r.json() == {"removed": True} and new.address not in _members(s)
             assert _register(s, new.address, ttl=0.3) == 200  # no renewal: dropped after its lease
-            wait_for("the expired registration removed", lambda: new.address not in _members(s), timeout=5,
-                     interval=0.05)
+            wait_for(
+                "the expired registration removed", lambda: new.address not in _members(s), timeout=5, interval=0.05
+            )
         finally:
             s.run(server.stop(grace=None))
 
@@ -81,8 +82,8 @@ def test_bad_registrations_are_4xx_json() -> None:
 def test_registration_needs_the_cluster_token() -> None:
     with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, cluster_token="secret") as s:
         assert _register(s, "127.0.0.1:1") == 401
-        assert _register(s, "127.0.0.1:1", **{"x-hybridpd-token": "wrong"}) == 401
-        assert _register(s, "127.0.0.1:1", **{"x-hybridpd-token": "secret"}) == 200
+        assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "wrong"}) == 401
+        assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "secret"}) == 200
 
 
 def _prefix_stack(weights: RoutingWeights) -> tuple[LiveStack, list[int]]:
@@ -98,9 +99,16 @@ def _prefix_stack(weights: RoutingWeights) -> tuple[LiveStack, list[int]]:
 def test_cache_aware_sends_a_prefix_to_the_worker_that_holds_it() -> None:
     s, prefix = _prefix_stack(RoutingWeights(skip_prefill="never"))
     with s:
-        wait_for("both cache indexes synced", lambda: all(
-            m["cache_index"] and m["cache_index"]["synced"] for a, m in _members(s).items()
-            if a in (s.decode[0].address, s.decode[1].address)), timeout=10, interval=0.05)
+        wait_for(
+            "both cache indexes synced",
+            lambda: all(
+                m["cache_index"] and m["cache_index"]["synced"]
+                for a, m in _members(s).items()
+                if a in (s.decode[0].address, s.decode[1].address)
+            ),
+            timeout=10,
+            interval=0.05,
+        )
         for tail in range(5):
             _complete(s, [*prefix, 200 + tail, 7])
         assert len(s.decode[1].generates) == 5 and not s.decode[0].generates
@@ -113,8 +121,12 @@ def test_cache_aware_sends_a_prefix_to_the_worker_that_holds_it() -> None:
 def test_skip_prefill_when_the_remainder_is_short() -> None:
     s, prefix = _prefix_stack(RoutingWeights(skip_max_tokens=8, prefill_token_s=1e-9, handoff_s=0.0))
     with s:
-        wait_for("the holder's index synced", lambda: (_members(s)[s.decode[1].address]["cache_index"] or {}).get(
-            "synced"), timeout=10, interval=0.05)
+        wait_for(
+            "the holder's index synced",
+            lambda: (_members(s)[s.decode[1].address]["cache_index"] or {}).get("synced"),
+            timeout=10,
+            interval=0.05,
+        )
         _complete(s, [*prefix, 200, 7])  # remainder 65 - 64 = 1 token <= 8: D computes it, no prefill
         _complete(s, [*prefix, *range(100, 130)])  # remainder 30 > 8, and P is estimated cheaper: PD
         first, second = s.decode[1].generates
@@ -125,8 +137,11 @@ def test_skip_prefill_when_the_remainder_is_short() -> None:
 def test_a_draining_worker_finishes_what_it_runs() -> None:
     with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, token_delay_s=0.05) as s:
         addr = s.decode[0].address
-        with s.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 10,
-                                                             "ignore_eos": True, "stream": True}) as r:
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [1, 2], "max_tokens": 10, "ignore_eos": True, "stream": True},
+        ) as r:
             time.sleep(0.1)
             assert s.http.post("/v1/cluster/drain", json={"address": addr}).status_code == 200
             body = "".join(r.iter_text())
