@@ -103,18 +103,32 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "epoch", "ready", "worker_id")
+    __slots__ = ("role", "model", "epoch", "ready", "worker_id", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     epoch: str
     ready: bool
     worker_id: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[str] = ..., ready: _Optional[bool] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[str] = ..., ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("drain",)
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    drain: bool
+    def __init__(self, drain: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -124,8 +124,9 @@ class _Proxy:
         self.membership = membership = Membership(clients, routers, config.cache_event_drop_fraction)
         cost_aware = config.routing in ("cache_aware", "adaptive")
         placer = Placer(membership, prefill, decode, config.routing_weights) if cost_aware else None
-        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode,
-                               metrics=ProxyMetrics({str(r): router for r, router in routers.items()}), membership=membership, placer=placer)
+        metrics = ProxyMetrics({str(role): router for role, router in routers.items()})
+        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode, metrics=metrics,
+                               membership=membership, placer=placer)
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")

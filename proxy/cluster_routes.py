@@ -67,7 +67,12 @@ def add_cluster_routes(
             raise bad_request(f"'ttl_s' must be in (0, {MAX_TTL_S:g}]", param="ttl_s")
         try:
             m = membership.register(
-                role, _address(body), str(body.get("worker_id", ""))[:64], str(body.get("epoch", ""))[:64], ttl
+                role,
+                _address(body),
+                str(body.get("worker_id", ""))[:64],
+                str(body.get("epoch", ""))[:64],
+                ttl,
+                draining=bool(body["draining"]) if isinstance(body.get("draining"), bool) else None,
             )
         except ValueError as e:
             raise bad_request(str(e), param="role") from None
@@ -83,8 +88,10 @@ def add_cluster_routes(
         check_api_key(request)
         body = await body_of(request)
         addr = _address(body)
+        on = bool(_field(body, "drain", bool, True))
         try:
-            m = membership.drain(addr, bool(_field(body, "drain", bool, True)))
+            m = membership.drain(addr, on)
         except KeyError:
             raise ApiError(404, f"no worker at {addr}", code="not_found") from None
-        return {"address": addr, "draining": m.draining}
+        told = await membership.tell_worker_draining(addr, on)  # so every other proxy learns it too
+        return {"address": addr, "draining": m.draining, "worker_told": told}

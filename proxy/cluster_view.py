@@ -40,8 +40,10 @@ async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, An
         h = await cluster.clients.health(role, addr)
     except grpc.aio.AioRpcError as err:
         return {"role": role, "address": addr, "ready": False, "error": f"{err.code().name}: {err.details()}"}
+    if cluster.membership is not None:
+        cluster.membership.worker_draining(addr, h.draining)
     return {"role": role, "address": addr, "ready": h.ready, "worker_id": h.worker_id, "epoch": h.epoch,
-            "model": h.model}
+            "model": h.model, "draining": h.draining}
 
 
 async def health(cluster: Cluster) -> tuple[bool, dict[str, Any]]:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from proxy.cache_feed import CacheFeed
 from proxy.cache_index import WorkerCacheIndex
 from proxy.routing import Router
@@ -37,12 +39,19 @@ class Member:
     static: bool
     worker_id: str = ""
     epoch: str = ""
-    draining: bool = False
+    drained_here: bool = False
+    """Drained through this proxy (`drain`)."""
+    drained_by_worker: bool = False
+    """The worker says it is drained (its registration or Health: drained through any proxy)."""
     down: bool = False
     expires_at: float = float("inf")
     """time.monotonic() after which a registered member is dropped unless renewed."""
     joined_at: float = field(default_factory=time.time)
     restarts: int = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.drained_here or self.drained_by_worker
 
 
 class Membership:
@@ -86,7 +95,8 @@ class Membership:
         feed.start()
 
     # -- changes ---------------------------------------------------------------------------------------------------
-    def register(self, role: Role, addr: str, worker_id: str, epoch: str, ttl_s: float) -> Member:
+    def register(self, role: Role, addr: str, worker_id: str, epoch: str, ttl_s: float,
+                 draining: bool | None = None) -> Member:
         """Add or renew a worker (a registration or heartbeat). Raises ValueError for a role the proxy has no
         router for (a prefill worker at a colocated proxy) or an address registered under the other role."""
         router = self.routers.get(role)
@@ -106,6 +116,8 @@ class Membership:
         m.worker_id, m.epoch = worker_id or m.worker_id, epoch or m.epoch
         if not m.static:
             m.expires_at = time.monotonic() + ttl_s
+        if draining is not None:
+            self.worker_draining(addr, draining)
         if m.down and m.epoch:  # a live worker renewing: routable again (its feed confirms it soon)
             self._set_down(m, False)
         return m
@@ -122,12 +134,33 @@ class Membership:
         return True
 
     def drain(self, addr: str, draining: bool = True) -> Member:
+        """Drain (or undrain) through this proxy; `worker_draining` hears what the worker says."""
         m = self.members.get(addr)
         if m is None:
             raise KeyError(addr)
-        m.draining = draining
+        m.drained_here = draining
+        if not draining:
+            m.drained_by_worker = False
         self._sync_router(m)
         return m
+
+    async def tell_worker_draining(self, addr: str, draining: bool) -> bool:
+        """Send the worker its drain state (it reports it to every proxy); False when it could not be told."""
+        m = self.members.get(addr)
+        if m is None:
+            return False
+        try:
+            await self.clients.drain_worker(m.role, addr, draining)
+        except grpc.aio.AioRpcError as err:
+            log.warning("Drain(%s) on %s failed: %s", draining, addr, err.code().name)
+            return False
+        return True
+
+    def worker_draining(self, addr: str, draining: bool) -> None:
+        m = self.members.get(addr)
+        if m is not None and m.drained_by_worker != draining:
+            m.drained_by_worker = draining
+            self._sync_router(m)
 
     def mark_down(self, addr: str) -> None:
         """A call to the worker failed as unreachable, or its feed broke: no new requests until it is back."""

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -48,6 +49,7 @@ class Announcer:
     def __init__(
         self,
         proxies: Sequence[str],
+        ctx: Any,
         role: str,
         address: str,
         worker_id: str,
@@ -57,6 +59,8 @@ class Announcer:
         ttl_s: float = 5.0,
     ) -> None:
         self.proxies = list(proxies)
+        self.ctx = ctx
+        """The worker's context: its `draining` flag goes with every registration."""
         self.body = {"role": role, "address": address, "worker_id": worker_id, "epoch": epoch, "ttl_s": ttl_s}
         self.headers = {"x-hybridpd-token": cluster_token} if cluster_token else {}
         self.interval_s = interval_s
@@ -80,7 +84,8 @@ class Announcer:
     async def _post(self, target: str) -> None:
         assert self._client is not None
         try:
-            r = await self._client.post(target, json=self.body, headers=self.headers)
+            body = {**self.body, "draining": bool(getattr(self.ctx, "draining", False))}
+            r = await self._client.post(target, json=body, headers=self.headers)
             ok, why = r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}"
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"

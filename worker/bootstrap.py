@@ -136,7 +136,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     if opts.register_with:
         from worker.announce import Announcer
 
-        announcer = Announcer(opts.register_with, role, ctx.address, ctx.worker_id, ctx.epoch, opts.cluster_token,
+        announcer = Announcer(opts.register_with, ctx, role, ctx.address, ctx.worker_id, ctx.epoch, opts.cluster_token,
                               opts.heartbeat_s, ttl_s=5 * opts.heartbeat_s)
         announcer.start()
     stop = asyncio.Event()

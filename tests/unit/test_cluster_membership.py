@@ -41,6 +41,7 @@ def test_join_drain_leave_and_expiry_without_restart() -> None:
             assert len(new.generates) == 2  # least loaded, idle: the two decode workers alternate
             r = s.http.post("/v1/cluster/drain", json={"address": new.address})
             assert r.status_code == 200 and r.json()["draining"] is True
+            assert r.json()["worker_told"] is False  # a fake worker has no Drain RPC: this proxy drains it alone
             for _ in range(3):
                 _complete(s, [1, 2, 3])
             assert len(new.generates) == 2 and _members(s)[new.address]["state"] == "draining"
