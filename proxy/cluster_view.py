@@ -72,6 +72,25 @@ class HealthMonitor:
         self._ok, self._body = await health(self.cluster)
         self._checked_at = time.time()
         self._first.set()
+        if self.cluster.placer is not None and self.cluster.membership is not None:
+            await self._refresh_room()
+
+    async def _refresh_room(self) -> None:
+        """The decode workers' room for new pages (cache_aware placement weighs it): per worker, the smallest
+        share of an attention pool that is free or holds evictable cache."""
+        membership = self.cluster.membership
+        assert membership is not None
+
+        async def one(addr: str) -> None:
+            try:
+                s = await self.cluster.clients.stats("decode", addr)
+            except grpc.aio.AioRpcError:
+                return
+            shares = [(p.free + p.cached) / p.total for p in s.pools if p.kind == "attention" and p.total > 0]
+            if shares:
+                membership.room[addr] = min(shares)
+
+        await asyncio.gather(*(one(a) for a in self.cluster.decode.members))
 
     async def _run(self) -> None:
         while True:

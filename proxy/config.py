@@ -24,6 +24,8 @@ class RoutingWeights:
     """A token D pulls, relative to a token P computes."""
     decode_running_cost: float = 16.0
     """A request in flight on D, in prompt tokens (spreads load when hits are equal)."""
+    decode_full_cost: float = 32.0
+    """A decode worker with no free or evictable attention page, in prompt tokens (scaled by the share in use)."""
     prefill_queue_cost: float = 1.0
     """A prompt token already in flight on P (its queue)."""
     decode_prefill_cost: float = 2.0

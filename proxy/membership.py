@@ -66,6 +66,8 @@ class Membership:
         self.routers = routers
         self.members: dict[str, Member] = {}
         self.feeds: dict[str, CacheFeed] = {}
+        self.room: dict[str, float] = {}
+        """Decode worker -> share of its attention pages free or evictable (last Stats; 1.0 until known)."""
         self._drop = event_drop_fraction
         self._expiry_interval_s = expiry_interval_s
         self._task: asyncio.Task[None] | None = None
@@ -127,6 +129,7 @@ class Membership:
         if m is None:
             return False
         self.routers[m.role].remove(addr)
+        self.room.pop(addr, None)
         feed = self.feeds.pop(addr, None)
         if feed is not None:
             self.clients.spawn(feed.stop())

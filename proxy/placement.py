@@ -5,6 +5,7 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 
     P  uncached tokens (prompt - its usable hit) + prefill_queue_cost x prompt tokens it has in flight
     D  pull_token_cost x (tokens to pull: N-1 - its attention hit) + decode_running_cost x requests in flight
+       + decode_full_cost x the share of its attention pages neither free nor evictable (its last Stats)
     D, skip-P   decode_prefill_cost x (N-1 - its usable hit, which needs a recurrent checkpoint) + the same load
 
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
@@ -100,7 +101,8 @@ class Placer:
             idx = self.membership.index(addr) if hashes else None
             t_hit = idx.transfer_hit(hashes, n - 1) if idx else 0
             u_hit = idx.usable_hit(hashes, n) if idx else 0
-            load = w.decode_running_cost * self.decode.in_flight(addr)
+            room = self.membership.room.get(addr, 1.0)
+            load = w.decode_running_cost * self.decode.in_flight(addr) + w.decode_full_cost * (1.0 - room)
             pd = w.pull_token_cost * (n - 1 - t_hit) + load
             skip = w.decode_prefill_cost * (n - 1 - u_hit) + load
             if best_pd is None or pd < best_pd[0]:  # strict: the first of equal costs in rotation order wins

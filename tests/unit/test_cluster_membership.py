@@ -150,3 +150,21 @@ def test_a_draining_worker_finishes_what_it_runs() -> None:
         assert len(s.decode[0].generates) == 1 and s.decode[0].generates[0].sampling_params.max_tokens == 10
         _complete(s, [1, 2, 3])
         assert len(s.decode[0].generates) == 1  # drained: the next request went elsewhere
+
+
+def test_placement_weighs_load_and_room_when_no_index_is_usable() -> None:
+    """No cache index (a stale or old worker): least loaded, then the one with room, never the full one."""
+    from types import SimpleNamespace
+
+    from proxy.placement import Placer
+    from proxy.routing import Router
+
+    decode = Router(["a", "b"], "cache_aware")
+    membership = SimpleNamespace(index=lambda addr: None, room={"a": 1.0, "b": 1.0})
+    placer = Placer(membership, None, decode, RoutingWeights())  # type: ignore[arg-type]
+    decode.take("a")
+    assert placer.place((1, 2, 3)).decode_addr == "b"  # a has a request in flight
+    decode.release("a")
+    membership.room["b"] = 0.0  # every page of b in use
+    assert placer.place((1, 2, 3)).decode_addr == "a"
+    assert placer.place((1, 2, 3)).prefill_addr is None  # colocated (no prefill router): D computes it
