@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from proto import hybridpd_pb2 as pb
 
@@ -82,7 +82,7 @@ class CacheEventHub:
                 batch_for_q = batch
             q.put_nowait(batch_for_q)
 
-    async def stream(self) -> AsyncIterator[pb.CacheEventBatch]:
+    async def stream(self) -> AsyncGenerator[pb.CacheEventBatch, None]:
         q: asyncio.Queue[pb.CacheEventBatch | None] = asyncio.Queue()
         if not self._subscribers:
             self._log().drain_from()  # nobody listened: what is queued is older than the snapshot below
