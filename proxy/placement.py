@@ -10,8 +10,9 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
 
-Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when
-the remainder is at most `skip_max_tokens`, or when D's estimated prefill time is below the PD path's estimate:
+Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
+prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, or when D's estimated
+prefill time is below the PD path's estimate:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
     pd_s   = P's cost x step.prefill_token_s + step.handoff_s
@@ -126,6 +127,8 @@ class Placer:
                     reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
                 )
         if p_addr is None:
+            if w.skip_prefill != "never":  # no prefill worker up: the decode worker computes the prompt itself
+                return Placement(None, best_skip[1], best_skip[2], hashes=tuple(hashes), reason="skip-P: no prefill")
             self.prefill.choose()  # raises NoWorkerError
         return Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=tuple(hashes))
 

@@ -168,3 +168,20 @@ def test_placement_weighs_load_and_room_when_no_index_is_usable() -> None:
     membership.room["b"] = 0.0  # every page of b in use
     assert placer.place((1, 2, 3)).decode_addr == "a"
     assert placer.place((1, 2, 3)).prefill_addr is None  # colocated (no prefill router): D computes it
+
+
+def test_with_every_prefill_worker_drained_decode_workers_prefill_themselves() -> None:
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, routing="cache_aware") as s:
+        assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
+        _complete(s, [1, 2, 3, 4, 5])
+        assert not s.prefill[0].prefills and not s.decode[0].generates[-1].HasField("params")
+    with LiveStack(
+        n_prefill=1,
+        n_decode=1,
+        model_name=MODEL,
+        routing="cache_aware",
+        routing_weights=RoutingWeights(skip_prefill="never"),
+    ) as s:
+        assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
