@@ -8,8 +8,10 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from deploy.engine_flags import engine_argv, engine_config_from_args
+from deploy.proxy_flags import add_proxy_limit_args, proxy_limits_from_args, serve_max_seqs
 from engine.errors import HybridPDError
 
 
@@ -69,6 +71,14 @@ def resolve_secrets(args: argparse.Namespace) -> tuple[str | None, str | None]:
         raise ConfigError(str(e)) from None
 
 
+def proxy_limits(args: argparse.Namespace, derived_max_seqs: int | None = None) -> dict[str, Any]:
+    """The proxy's admission, request-limit, key and HTTP settings from the flags (`deploy.proxy_flags`)."""
+    try:
+        return proxy_limits_from_args(args, derived_max_seqs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     from proxy.config import ProxyConfig
     from proxy.server import run
@@ -81,7 +91,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
                       model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=api_key,
                       max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
-                      request_timeout_s=args.request_timeout, cluster_token=token,
+                      request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args),
                       routing_weights=routing_weights(args),
                       cache_event_drop_fraction=args.cache_event_drop_fraction)
     run(cfg)
@@ -105,9 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from engine.errors import ModelLoadError
 
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
-    args.api_key, token = resolve_secrets(args)
-    if token:  # the proxy (ProxyConfig's default) and the workers read it from the environment
-        os.environ["HYBRIDPD_CLUSTER_TOKEN"] = token
+    args.api_key, args.cluster_token = resolve_secrets(args)  # serve hands them on (deploy/secret_files.py)
+    args.proxy_limits = proxy_limits(args, serve_max_seqs(args))  # checked before Ray starts
     return serve(args, engine_argv(config), model, _model_max_len(model, args.max_model_len))
 
 
@@ -163,7 +172,9 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     engine_args(p)
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
-    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs Ray reserves per worker")
+    p.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPUs Ray reserves per worker (default: 1 when --device is auto or cuda and the Ray cluster "
+                        "has a GPU per worker, else 0; Ray hides the GPUs from a worker that reserves none)")
     p.add_argument("--address", default=None,
                    help="attach to a running Ray cluster ('auto' or HOST:PORT of its head; default: start a local "
                         "one); workers then bind on the address of the node they land on")
@@ -180,6 +191,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take end to end; every worker call gets the time left")
     _secret_args(p)
+    add_proxy_limit_args(p)
     p.add_argument("--prometheus-targets", default=None, metavar="PATH",
                    help="Prometheus file_sd file listing the proxy and the workers' metrics ports, written once they "
                         "are up and removed at exit (default: deploy/prometheus/targets/serve-<port>.json, which "
@@ -242,6 +254,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--colocated", action="store_true", help="decode workers compute whole prompts (no prefill)")
     p.add_argument("--cache-event-drop-fraction", type=float, default=0.0, help=argparse.SUPPRESS)  # test knob
     _secret_args(p)
+    add_proxy_limit_args(p)
     p.add_argument("--cluster-token-file", default=None, metavar="PATH",
                    help="file holding the token sent to workers as gRPC metadata x-hybridpd-token (default: env "
                         "HYBRIDPD_CLUSTER_TOKEN_FILE, then HYBRIDPD_CLUSTER_TOKEN)")

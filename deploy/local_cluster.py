@@ -99,7 +99,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
     workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
     runs over (mutual) TLS. `prefill_args` / `decode_args` are added to one role's workers only (e.g.
-    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy (e.g. `--routing cache_aware`)."""
+    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy's command line (e.g. `--routing cache_aware`)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
@@ -116,11 +116,11 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     name = os.path.basename(os.path.normpath(model))
     cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port),
            "--decode", *[w.info["address"] for w in decode]]
-    cmd += proxy_args or []
     if colocated:
         cmd.append("--colocated")
     else:
         cmd += ["--prefill", *[w.info["address"] for w in prefill]]
+    cmd += proxy_args or []
     log_path = os.path.join(tempfile.gettempdir(), f"hybridpd-proxy-{port}.log")
     log = open(log_path, "w")
     proxy_env = {**os.environ, **env}

@@ -30,6 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, num_workers: int) -> float:
+    """`--gpus-per-worker`, or when not given: one GPU per worker where the engine may use CUDA (`--device auto`
+    or cuda) and the Ray cluster has one for every worker, else none (Ray sets CUDA_VISIBLE_DEVICES to nothing for
+    an actor that reserves no GPU, so `auto` would then run on the CPU)."""
+    if asked is not None:
+        return asked
+    wants_gpu = device == "auto" or device.startswith("cuda")
+    return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+
+
 class WorkerProcess:
     """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
     tests/launchers without Ray."""
@@ -177,27 +187,38 @@ def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
 
 
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
-    import ray
-
     from deploy.commands import routing_weights
+    from deploy.ray_local import LocalRay, prepare_local_ray
+    from deploy.secret_files import SecretFiles, scrub_secret_env
     from proxy.config import ProxyConfig
     from proxy.server import run as run_proxy
-    from worker.auth import TOKEN_ENV, load_cluster_token
+    from worker.auth import TOKEN_FILE_ENV
 
     host = "127.0.0.1" if args.address is None and not os.environ.get("RAY_ADDRESS") else "node"
     env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
-    if load_cluster_token() is None and args.address is None:
-        # a cluster of our own: its workers accept only calls that carry this token (the proxy here sends it)
-        os.environ[TOKEN_ENV] = env_vars[TOKEN_ENV] = secrets.token_hex(32)
+    token: str | None = getattr(args, "cluster_token", None)
+    scrub_secret_env()  # the proxy gets its secrets as arguments; no process started from here inherits them
+    secret_files = SecretFiles()
+    local_ray: LocalRay | None = None
+    if host == "127.0.0.1":
+        # a cluster of our own: its workers accept only calls that carry the token (the proxy here sends it); they
+        # read it from an in-memory file of this process, never from an environment variable (Ray logs those)
+        token = token or secrets.token_hex(32)
+        env_vars[TOKEN_FILE_ENV] = secret_files.add("cluster-token", token)
+        local_ray = prepare_local_ray(secret_files)  # loopback, private temp dir, Ray's own token in memory
+    elif token is None:
+        log.warning("joining a Ray cluster without a cluster token: give every node's workers one "
+                    "(HYBRIDPD_CLUSTER_TOKEN_FILE) and this serve the same (--cluster-token-file)")
     local = args.address is None
-    if local:  # a SIGKILLed driver must not leave Ray's daemons or the workers behind
+    if local:  # a SIGKILLed driver must not leave Ray's daemons, the workers or Ray's temp dir behind
         from deploy.reaper import start_orphan_reaper
 
-        start_orphan_reaper()
-    # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
-    node_ip: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}
-    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env_vars} if local else None, **node_ip)
+        start_orphan_reaper(remove=[local_ray.temp_dir] if local_ray else [])
+    import ray
+
+    ray.init(address=args.address, logging_level=logging.WARNING,
+             runtime_env={"env_vars": env_vars} if local else None,
+             **(local_ray.init_kwargs if local_ray else {"include_dashboard": False}))
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
@@ -207,10 +228,12 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     # third worker of a 2-core box waiting forever for a CPU that does not exist)
     total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+    gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
+                                   float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
     register = _registration_argv(args, host, ray)
     for role in roles:
         argv = ["--role", "colocated" if args.colocated else role, *worker_argv, *register]
-        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker, **_placement(args, role)}
+        opts = {"num_cpus": num_cpus, "num_gpus": gpus, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
@@ -226,8 +249,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                           or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
-                          request_timeout_s=getattr(args, "request_timeout", 600.0),
-                          routing_weights=routing_weights(args))
+                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,
+                          **getattr(args, "proxy_limits", {}), routing_weights=routing_weights(args))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)
@@ -242,4 +265,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
             except Exception:  # noqa: BLE001
                 pass
         ray.shutdown()
+        secret_files.close()
+        if local_ray is not None:
+            local_ray.close()
     return 0

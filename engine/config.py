@@ -18,6 +18,7 @@ from typing import Any, Literal
 from engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 Admission = Literal["reuse", "interval"]
 Eviction = Literal["value", "lru"]
 ZeroMode = Literal["auto", "on", "off"]
@@ -30,10 +31,10 @@ class ModelConfig:
     path: str
     """HF-format checkpoint directory (config.json, weights, tokenizer). LLM() and the hybridpd commands default to
     the built-in tiny model."""
-    dtype: Dtype = "float32"
-    """Weight and activation dtype."""
-    device: str = "cpu"
-    """cpu | cuda | cuda:N."""
+    dtype: DtypeSetting = "auto"
+    """Weight and activation dtype. auto: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. auto: cuda when a CUDA device is visible, else cpu."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings."""
     seed: int = 0
@@ -41,6 +42,9 @@ class ModelConfig:
     load_format: LoadFormat = "auto"
     """auto: read the checkpoint's weights. dummy: random weights drawn on the device from config.json alone (no
     weight files needed; vLLM's --load-format dummy), for benchmarks at full size."""
+    allow_reference_path: bool = False
+    """On CUDA, start on the slow reference path when the fast path's packages (fla-core: pip install
+    'hybridpd[gpu]') are missing, instead of refusing to start."""
 
 
 @dataclass(frozen=True)
@@ -117,12 +121,12 @@ class EngineConfig:
 
     def validate(self) -> None:
         m, c, s = self.model, self.cache, self.scheduler
-        if m.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
+        if m.dtype not in DTYPES and m.dtype != "auto":
+            raise InvalidRequestError(f"dtype must be auto or one of {DTYPES}, got {m.dtype!r}")
         if m.load_format not in typing.get_args(LoadFormat):
             raise InvalidRequestError(f"load_format must be auto|dummy, got {m.load_format!r}")
-        if not (m.device == "cpu" or m.device.startswith("cuda")):
-            raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
+        if not (m.device in ("auto", "cpu") or m.device.startswith("cuda")):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {m.device!r}")
         if c.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {c.block_size}")
         ci = c.resolved_checkpoint_interval()

@@ -69,7 +69,7 @@ class GroupStates(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., state_slot: _Optional[int] = ..., checkpoint_slot: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states", "mac")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class TransferParams(_message.Message):
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     prefill_address: str
@@ -96,7 +97,8 @@ class TransferParams(_message.Message):
     lease_token: str
     prompt_digest: bytes
     states: _containers.RepeatedCompositeFieldContainer[GroupStates]
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -286,16 +288,20 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "lease_token", "prompt_digest")
+    __slots__ = ("request_id", "epoch", "lease_token", "prompt_digest", "params", "pages_read")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_READ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: str
     lease_token: str
     prompt_digest: bytes
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    params: TransferParams
+    pages_read: _containers.RepeatedCompositeFieldContainer[GroupBlocks]
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[str] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., pages_read: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "reason")

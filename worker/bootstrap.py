@@ -95,8 +95,8 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
         metrics_port = srv.server_port
     ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
-                        metrics=WorkerMetrics(role, min_interval_s=0.002), cluster_token=opts.cluster_token,
-                        tls=opts.tls)
+                        metrics=WorkerMetrics(role, min_interval_s=0.002, slow_interval_s=0.25),
+                        cluster_token=opts.cluster_token, tls=opts.tls)
     if opts.enable_transfer and opts.role != "colocated":
         from kvtransfer.agent import AgentConfig, TransferAgent
         from kvtransfer.metrics import TransferMetrics
@@ -131,7 +131,9 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     await server.start()
     print(json.dumps({"event": "ready", "role": role, "address": ctx.address, "grpc_port": port,
                       "metrics_port": ctx.metrics_port, "worker_id": ctx.worker_id, "epoch": ctx.epoch,
-                      "pid": os.getpid(), "kv_cache": core.kv_cache_info()}), flush=True)
+                      "pid": os.getpid(), "kv_cache": core.kv_cache_info(), "device": str(core.device),
+                      "dtype": core.config.model.dtype, "fast_path": core.runner.fast_path,
+                      "cuda_graphs": core.runner.graphs is not None}), flush=True)
     announcer = None
     if opts.register_with:
         from worker.announce import Announcer
