@@ -17,6 +17,9 @@ suffixes, superseded turns, decode tails), so eviction runs throughout; the GiB 
   agentic        agent loops: system prompt + one of 4 long shared tool outputs (2,000) + a task; each step appends
                  the answer and a 300-token tool result; the next step arrives when the previous finished
   no_reuse       unique prompts (capacity: how many attention blocks running requests can hold)
+  chat_after_shared  workload shift: 1,000 few_shot requests, then multi_turn's chats in the same cache
+  prefix_shift   workload shift: current's shape (1,500 requests), then the same with 30 new prefixes
+                 (both: `phase` figures count the second part only, ratio to its first-reuse bound)
 
 Policies (all on the same one-arena control plane unless noted: the engine's plan, where a checkpoint slot is the
 memory of k attention blocks; `--no-arena` runs them on the byte budget with checkpoint ids outside it, as before):
@@ -192,8 +195,23 @@ def chat_after_shared(rng: random.Random, scale: float) -> Workload:
                     "chats in the same cache (phase figures: the chats)", measured_from=n)
 
 
+def prefix_shift(rng: random.Random, scale: float) -> Workload:
+    """A workload shift: `current`'s shape with 30 prefixes, then the same with 30 new ones in the same cache (the
+    phase figures count the second half): the first prefixes' popularity must age out."""
+    old, new = ([toks(rng, 2000) for _ in range(30)] for _ in range(2))
+    n = int(1500 * scale)
+    first = [Item(old[i % 30] + toks(rng, 500), 100) for i in range(n)]
+    second = [Item(new[i % 30] + toks(rng, 500), 100) for i in range(n)]
+    rng.shuffle(first)
+    rng.shuffle(second)
+    for it in second:
+        it.after = n - 1 - rng.randrange(min(64, n))
+    return Workload("prefix_shift", first + second, 10.0, "current's shape, then 30 new prefixes in the same cache "
+                    "(phase figures: the second half)", measured_from=n)
+
+
 WORKLOADS = {f.__name__: f for f in (current, system_prompt, few_shot, multi_turn, multi_turn_tight, agentic,
-                                     no_reuse, chat_after_shared)}
+                                     no_reuse, chat_after_shared, prefix_shift)}
 
 
 # -- the run -------------------------------------------------------------------------------------------------------

@@ -215,6 +215,7 @@ class Reclaimer:
                     continue
                 victim = lowest_state
                 if checkpoint and victim is not None and value and self._served(victim[1]):
+                    self.clock = max(self.clock, victim[2])  # the refused newcomer ranked below it: time moves on
                     victim = None  # a checkpoint that served a hit lately stays; the new, speculative one is skipped
             if victim is None:
                 if checkpoint:
