@@ -208,7 +208,7 @@ class HybridCacheManager:
 
         Counters: every group's queries grow by the request's tokens; each group's hits by what that group could
         serve on its own within the groups before it (attention: its left-to-right run; recurrent: its checkpoint
-        within the attention run), so a group that never hits (seed 004) shows up as such. The request uses the
+        within the attention run), so a group that never hits shows up as such. The request uses the
         agreed (shortest) length."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
@@ -339,11 +339,6 @@ class HybridCacheManager:
             self.admission.note(req.block_hashes[done:])
             self._noted[req.request_id] = len(req.block_hashes)
 
-    def plan_checkpoints(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
-        """Checkpoint slots of the lead recurrent group for the chunk (start, end]: [(num_tokens, slot)]."""
-        planned = self.plan_group_checkpoints(req, start, end)
-        return planned[self.states[0].group.group_id] if self.states else []
-
     def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
         """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
         written by the runner this step. Every group gets a slot for the same boundaries."""
@@ -414,18 +409,8 @@ class HybridCacheManager:
         """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
         return {m.group.group_id: m.take_copies() for m in self.states}
 
-    def take_state_copies(self) -> list[tuple[int, int]]:
-        """The lead recurrent group's restores (drains every group's)."""
-        copies = self.take_group_state_copies()
-        return copies[self.states[0].group.group_id] if self.states else []
-
     def take_group_fresh_blocks(self) -> dict[int, list[int]]:
         return {m.group.group_id: m.take_fresh_blocks() for m in self.blocks}
-
-    def take_fresh_blocks(self) -> list[int]:
-        """The chain group's fresh blocks (drains every attention group's)."""
-        fresh = self.take_group_fresh_blocks()
-        return fresh[self.blocks[0].group.group_id] if self.blocks else []
 
     # -- after a step --------------------------------------------------------------------------------------------
     def on_step_done(self, computed: list[Request]) -> None:
@@ -588,14 +573,6 @@ class HybridCacheManager:
             m.pool.free([ckpt.slots[m.group.group_id]])
 
     # -- views for the runner ------------------------------------------------------------------------------------
-    def block_ids(self, req_id: str) -> list[int]:
-        """The chain group's block table."""
-        return self.blocks[0].req_blocks.get(req_id, []) if self.blocks else []
-
-    def state_slot(self, req_id: str) -> int:
-        """The lead recurrent group's running slot."""
-        return self.states[0].running_slot.get(req_id, PAD_SLOT_ID) if self.states else PAD_SLOT_ID
-
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Attention group id -> the request's block table in that group."""
         tables = {}

@@ -498,9 +498,6 @@ class Reclaimer:
             return None
         return best_pool, best[2], best[0]  # type: ignore[return-value]
 
-    def evictable_bytes(self) -> int:
-        return sum(len(self.queues[id(p)]) * self.unit_bytes[id(p)] for p in self.leaders)
-
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
         """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""

@@ -27,6 +27,11 @@ GROUPS = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, MAMBA, (1, 2))]
 BLOCK, STATE = 64, 160
 P = list(range(100, 112))
 
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
+
 
 def make(budget: int = 10_000, policy: CachePolicy | None = None, blocks: int = 64, slots: int = 16,
          max_num_seqs: int = 2, groups: list[CacheGroup] = GROUPS) -> Scheduler:
@@ -49,7 +54,7 @@ def serve(s: Scheduler, rid: str, tokens: list[int], max_tokens: int = 1) -> tup
 
 
 def boundaries(outs: list[SchedulerOutput]) -> list[int]:
-    return [b for o in outs for q in o.seqs for b, _ in q.checkpoints]
+    return [b for o in outs for q in o.seqs for b, _ in lead(q.group_checkpoints)]
 
 
 def test_group_page_sizes() -> None:
