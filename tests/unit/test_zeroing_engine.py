@@ -127,9 +127,9 @@ def record_zeroed(runner) -> list[list[int]]:  # type: ignore[no-untyped-def]
     calls: list[list[int]] = []
     zero = runner.zero_blocks
 
-    def spy(block_ids):  # type: ignore[no-untyped-def]
+    def spy(block_ids, group_id):  # type: ignore[no-untyped-def]
         calls.append(list(block_ids))
-        return zero(block_ids)
+        return zero(block_ids, group_id)
 
     runner.zero_blocks = spy
     return calls
