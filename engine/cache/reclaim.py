@@ -215,7 +215,8 @@ class Reclaimer:
                     continue
                 victim = lowest_state
                 if checkpoint and victim is not None and value and self._served(victim[1]):
-                    self.clock = max(self.clock, victim[2])  # the refused newcomer ranked below it: time moves on
+                    if self._stale(victim[1]):  # kept on an old hit: the refused newcomer ranked below it,
+                        self.clock = max(self.clock, victim[2])  # so time moves on (old popularity ages out)
                     victim = None  # a checkpoint that served a hit lately stays; the new, speculative one is skipped
             if victim is None:
                 if checkpoint:
@@ -262,6 +263,12 @@ class Reclaimer:
         if last is None or h in self.demoted:
             return False
         return self.num_states_cached - last <= self.served_window
+
+    def _stale(self, slot: int) -> bool:
+        """The checkpoint in `slot` was last restored more than one turnover of the checkpoint ids ago."""
+        h = self.state.block_hash[slot] if self.state is not None else None
+        last = self.last_hit.get(h) if h is not None else None
+        return last is not None and SERVED_TURNOVERS * (self.num_states_cached - last) > self.served_window
 
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
         """The range whose cached blocks to evict for a checkpoint: among those with no referenced block (the
