@@ -117,6 +117,60 @@ class HybridCacheManager:
         arena = layout.arena
         if arena is not None and layout.budget_bytes is None and layout.policy is None:
             raise ValueError("an arena layout needs a budget or a policy (its pools are policy-driven)")
+        self._build_managers(groups, layout)
+        self.managers: list[GroupManager] = [*self.blocks, *self.states]
+        """Every group, attention first: the coordinator loops over these and never asks for a kind."""
+        self._block_gids = [(m, m.group.group_id) for m in self.blocks]
+        self._state_gids = [(m, m.group.group_id) for m in self.states]
+        self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
+        """(manager, its group id) in `managers` order, for the per-step loops."""
+        self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
+        """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
+        self._alloc_order: list[tuple[GroupManager, int]] = (
+            self._gids if arena is None else [*self._state_gids, *self._block_gids])
+        """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
+        imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
+        self.overlay: Overlay | None = None
+        if arena is not None and self.states:
+            self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
+                                   [m.pool for m in self.states])  # type: ignore[misc]
+        self.reclaimer = self._build_reclaimer(layout)
+        self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
+        """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
+        `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
+        self._covers: dict[str, int] = {}
+        """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
+        through `allocate`, `free` and `quarantine`, which refresh or drop it."""
+        self._targets: dict[str, list[int]] = {}
+        """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
+        self._noted: dict[str, int] = {}
+        """request -> how many of its block hashes the admission has seen."""
+        self._reserved: dict[int, int] = {}
+        """checkpoint slot reserved for a pull (lead group's id) -> its boundary (tokens)."""
+        self.quarantined: list[str] = []
+        """Holders of pages a transfer could not cancel (see `quarantine`)."""
+        self.counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters() for g in groups}
+        self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
+                                                            for g in groups}
+
+    def _build_reclaimer(self, layout: PoolLayout) -> Reclaimer | None:
+        """The budget's Reclaimer (None without budget and policy: each pool evicts LRU on its own)."""
+        if layout.budget_bytes is None and layout.policy is None:
+            return None
+        budget = layout.budget_bytes
+        if budget is None:
+            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
+        rc = Reclaimer([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.eviction,
+                       self.policy.alpha, layout.block_size, self.overlay)
+        if self.blocks:
+            self.blocks[0].reclaimer = rc
+        if self.states:
+            self.states[0].reclaimer = rc
+        return rc
+
+    def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
+        """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""
+        arena = layout.arena
         for g in groups:
             pool: BlockPool
             if g.is_attention:
@@ -136,52 +190,6 @@ class HybridCacheManager:
                 lead = self.states[0].pool if self.states else None
                 self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
             self.pools[g.group_id] = pool
-        self.managers: list[GroupManager] = [*self.blocks, *self.states]
-        """Every group, attention first: the coordinator loops over these and never asks for a kind."""
-        self._block_gids = [(m, m.group.group_id) for m in self.blocks]
-        self._state_gids = [(m, m.group.group_id) for m in self.states]
-        self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
-        """(manager, its group id) in `managers` order, for the per-step loops."""
-        self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
-        """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
-        self._alloc_order: list[tuple[GroupManager, int]] = (
-            self._gids if arena is None else [*self._state_gids, *self._block_gids])
-        """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
-        imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
-        self.overlay: Overlay | None = None
-        if arena is not None and self.states:
-            self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
-                                   [m.pool for m in self.states])  # type: ignore[misc]
-        self.reclaimer: Reclaimer | None = None
-        if layout.budget_bytes is not None or layout.policy is not None:
-            budget = layout.budget_bytes
-            if budget is None:
-                budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-            self.reclaimer = Reclaimer(
-                [m.pool for m in self.blocks], [m.pool for m in self.states],
-                budget, self.policy.eviction, self.policy.alpha, layout.block_size, self.overlay,
-            )
-            if self.blocks:
-                self.blocks[0].reclaimer = self.reclaimer
-            if self.states:
-                self.states[0].reclaimer = self.reclaimer
-        self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
-        """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
-        `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
-        self._covers: dict[str, int] = {}
-        """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
-        through `allocate`, `free` and `quarantine`, which refresh or drop it."""
-        self._targets: dict[str, list[int]] = {}
-        """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
-        self._noted: dict[str, int] = {}
-        """request -> how many of its block hashes the admission has seen."""
-        self._reserved: dict[int, int] = {}
-        """checkpoint slot reserved for a pull (lead group's id) -> its boundary (tokens)."""
-        self.quarantined: list[str] = []
-        """Holders of pages a transfer could not cancel (see `quarantine`)."""
-        self.counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters() for g in groups}
-        self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
-                                                            for g in groups}
 
     @property
     def attention(self) -> AttentionManager | None:
