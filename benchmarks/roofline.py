@@ -161,33 +161,69 @@ def count_kernels(fn) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return {"gpu_kernels": kernels, "kernel_launches": launches, "graph_launches": graphs}
 
 
-def build_runner(name: str, dtype: str, max_batch: int, max_ctx: int, fast_path: bool = True
-                 ):  # type: ignore[no-untyped-def]
-    """(model, runner, shape, blocks per sequence) for a preset with random weights on the GPU, its caches sized
-    for `max_batch` sequences of `max_ctx` tokens with distinct blocks and slots."""
+def build_runner(name: str, dtype: str, max_batch: int, max_ctx: int, fast_path: bool = True,
+                 reserve: int = 6 << 30):  # type: ignore[no-untyped-def]
+    """(model, runner, shape, plan) for a preset with random weights on the GPU, its caches sized for `max_batch`
+    sequences of `max_ctx` tokens with distinct blocks and slots, or for what the GPU holds after the weights
+    (`fits` tells which batches then run)."""
     family, overrides = preset(name)
     torch.manual_seed(0)
     model = random_engine_model(family, dtype, "cuda", seed=0, **overrides)
     groups = group_layers(model.cache_specs(BLOCK))
     blocks_per_seq = -(-max_ctx // BLOCK)
     probe = plan_capacity(groups, 1 << 40, max_batch, 0, max_ctx, 256)
-    budget = (max_batch + 1) * probe.bytes_per_state + (max_batch * blocks_per_seq + 2) * probe.bytes_per_block
-    plan = plan_capacity(groups, budget, max_batch, 0, max_ctx, 256)
+    budget, slots = fit_cache(probe.bytes_per_state, probe.bytes_per_block, max_batch, blocks_per_seq, reserve,
+                              name)
+    plan = plan_capacity(groups, budget, slots, 0, max_ctx, 256)
+    print(json.dumps({"preset": name, "weights_gib": torch.cuda.memory_allocated() / 2**30,
+                      "cache_gib": budget / 2**30, "state_slots": slots, "attention_blocks": plan.attention_blocks,
+                      "max_concurrency": {c: fits(plan, 10**9, c) for c in (1024, 8192, max_ctx)}}), flush=True)
     runner = ModelRunner(model, groups, plan, len(model.args.layer_types), torch.device("cuda"),
                          zero_fresh_blocks=False, fast_path=fast_path)
-    return model, runner, describe(model, groups), blocks_per_seq
+    return model, runner, describe(model, groups), plan
+
+
+def fit_cache(bytes_per_state: int, bytes_per_block: int, max_batch: int, blocks_per_seq: int, reserve: int,
+              name: str) -> tuple[int, int]:
+    """(cache bytes, state slots): enough for `max_batch` sequences of `blocks_per_seq` blocks, or what the GPU has
+    left after the weights (less `reserve` for activations) when that is less. Raises when not even one sequence
+    of the longest context fits, with the numbers."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    room = free - reserve
+    one = 2 * bytes_per_state + (blocks_per_seq + 2) * bytes_per_block
+    if room < one:
+        raise RuntimeError(f"{name} does not fit: weights take {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
+                           f"{free / 2**30:.1f} GiB are free, {reserve / 2**30:.1f} GiB are kept for activations and "
+                           f"one sequence of {blocks_per_seq * BLOCK} tokens needs {one / 2**30:.2f} GiB of cache")
+    want = (max_batch + 1) * bytes_per_state + (max_batch * blocks_per_seq + 2) * bytes_per_block
+    if want <= room:
+        return want, max_batch
+    slots = max(1, min(max_batch, (room - (blocks_per_seq + 2) * bytes_per_block) // max(bytes_per_state, 1) - 1))
+    return room, int(slots)
+
+
+def fits(plan, batch: int, ctx: int) -> int:  # type: ignore[no-untyped-def]
+    """How many of `batch` sequences of `ctx` tokens the runner's caches hold (distinct blocks and slots)."""
+    return min(batch, plan.state_slots_running or batch, (plan.attention_blocks - 1) // -(-ctx // BLOCK))
 
 
 def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> list[dict]:  # type: ignore[type-arg]
     max_b, max_ctx = max(args.batches), max(args.contexts + [args.prefill_tokens])
-    model, runner, shape, blocks_per_seq = build_runner(name, args.dtype, max_b, max_ctx, not args.reference)
+    model, runner, shape, plan = build_runner(name, args.dtype, max_b, max_ctx, not args.reference,
+                                              int(args.reserve_gib * 2**30))
     params = {f"r{i}": SamplingParams(max_tokens=1, temperature=0) for i in range(max_b)}
     params["p0"] = SamplingParams(max_tokens=1, temperature=0)
     rows = []
     graphs = runner.graphs
     for ctx, b, mode in [(c, b, m) for c in args.contexts for b in args.batches for m in args.modes]:
+        if fits(plan, b, ctx) < b:
+            rows.append({"preset": name, "mode": mode, "batch": b, "context": ctx,
+                         "skipped": f"does not fit: the cache left after weights holds {fits(plan, b, ctx)}"})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         runner.graphs = graphs if mode == "graph" else None
-        out = decode_output(b, ctx, blocks_per_seq)
+        out = decode_output(b, ctx, -(-ctx // BLOCK))
         step = functools.partial(runner.execute, out, params)
         times = timed(step, args.warmup, args.steps)
         med = statistics.median(times)
@@ -200,7 +236,7 @@ def run_preset(name: str, args: argparse.Namespace, bw: float, mm: float) -> lis
         rows.append(row)
         print(json.dumps(row), flush=True)
     runner.graphs = graphs
-    if args.prefill_tokens:
+    if args.prefill_tokens and fits(plan, 1, args.prefill_tokens):
         out = prefill_output(args.prefill_tokens)
         times = timed(functools.partial(runner.execute, out, params), 1, args.prefill_steps)
         med = statistics.median(times)
@@ -230,6 +266,8 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true", help="count kernels of one step (batch 1 and 64)")
     p.add_argument("--reference", action="store_true", help="run the reference path instead of the fast path")
     p.add_argument("--modes", default="graph,eager", help="decode with CUDA graphs (graph) and/or without (eager)")
+    p.add_argument("--reserve-gib", type=float, default=6.0,
+                   help="GPU memory kept for activations when the cache is sized from what the weights leave")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -250,6 +288,8 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"{r['preset']:26} FAILED {r['error'][:90]}")
+        elif "skipped" in r:
+            print(f"{r['preset']:26} {r['mode']:5} {r['batch']:5d} {r['context']:5d} skipped: {r['skipped']}")
         elif "batch" in r:
             k = f"{r['gpu_kernels']} ({r['kernel_launches']} launches, {r['graph_launches']} graphs)" \
                 if "gpu_kernels" in r else ""

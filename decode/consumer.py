@@ -3,9 +3,12 @@
     admit(params) --checks--> allocate_for_transfer --> [pulling] --poll: DONE--> [committing] --P says held-->
         |  lease expired (no time left to pull)            |                         |   zero tail, publish blocks/
         |  prompt digest != params' (foreign params)       |                         |   checkpoint, scheduler.
+        |  malformed (unsigned, wrong groups or pages)     |                         |
         v                                                  |                         |   add_transferred (at N-1)
     policy: recompute locally (default) or fail            +--poll: FAILED-----------+--P says no (lease expired,
-                                                                                         wrong prompt/token), or
+                                                                                         wrong prompt/token, params
+                                                                                         altered, other pages
+                                                                                         read), or
                                                                                          Commit unreachable
                                                                                      --> discard, recompute / fail
 Fail closed: pulled pages are used (scheduled, hashed into the prefix cache) only after P's Commit confirmed that
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from decode.params_check import params_problem
 from engine.core import EngineCore
 from engine.request import Request
 from engine.transfer import (
@@ -53,6 +57,8 @@ class PendingPull:
     params: pb.TransferParams
     digest: bytes
     """D's own digest of the request's first `num_external` prompt tokens: what Commit presents to P."""
+    pages_read: dict[int, tuple[int, ...]]
+    """P's page ids this pull reads, by group (attention blocks past D's hit; recurrent slots): Commit names them."""
     committing: bool = False
     posted_at: float = 0.0
     """perf_counter() when the READ was posted, and when a poll saw it done (hybridpd_kv_handoff_seconds)."""
@@ -111,12 +117,18 @@ class Consumer:
         digest = prompt_digest(req.prompt_token_ids, n_ext, req.cache_salt)
         if digest != tp.prompt_digest:
             return self._refuse(core, req, "prompt_mismatch", "transfer params were computed for another prompt")
+        problem = params_problem(core, req, tp)
+        if problem is not None:
+            return self._refuse(core, req, "bad_params", problem)
         time_left = float(tp.lease_expiry_unix) - self.clock() - self.lease_margin_s
         if time_left <= 0:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
         pull_timeout = min(self.timeout_s, time_left)
-        imp = begin_import(core, req, source_of(tp, recurrent_group_ids(core)),
-                           deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
+        try:
+            imp = begin_import(core, req, source_of(tp, recurrent_group_ids(core)),
+                               deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
+        except ValueError as e:  # the params do not name the pages this request needs: nothing was kept
+            return self._refuse(core, req, "bad_params", str(e))
         if imp is None:  # no room to receive now: compute it here when room frees up
             log.info("request %s: no cache room to receive %d tokens; computing locally", req.request_id, n_ext)
             schedule_local(core, req)
@@ -130,7 +142,8 @@ class Consumer:
             log.warning("request %s: pull refused (%s)", req.request_id, e)
             self._undo(core, req, reusable=True)
             return self._fallback(core, req, str(e))
-        self.pending[req.request_id] = PendingPull(req, handle, tp, digest, posted_at=time.perf_counter())
+        read = {**imp.src_blocks, **imp.src_state_slots}
+        self.pending[req.request_id] = PendingPull(req, handle, tp, digest, read, posted_at=time.perf_counter())
         return "pulling"
 
     def poll(self, core: EngineCore) -> None:

@@ -12,7 +12,7 @@ import time
 import grpc
 
 from decode.consumer import Consumer, PendingPull
-from engine.async_engine import OutputDelta
+from engine.async_engine import OutputDelta, take_pending
 from engine.core import EngineCore
 from engine.transfer import schedule_local
 from kvtransfer.binding import new_nonce, verify_membership
@@ -120,10 +120,12 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _start_commit(self, p: PendingPull) -> None:
         """Step thread: a pull's READ is DONE; ask P (on the event loop) whether its lease was still held."""
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._commit(p.req.request_id, p.params, p.digest), self._loop)
+        asyncio.run_coroutine_threadsafe(self._commit(p.req.request_id, p.params, p.digest, p.pages_read), self._loop)
 
-    async def _commit(self, rid: str, tp: pb.TransferParams, digest: bytes) -> None:
-        req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest)
+    async def _commit(self, rid: str, tp: pb.TransferParams, digest: bytes, read: dict[int, tuple[int, ...]]) -> None:
+        req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest,
+                               params=tp, pages_read=[pb.GroupBlocks(group_id=g, block_ids=ids)
+                                                      for g, ids in read.items()])
         address = self._peers.get((tp.worker_id, tp.epoch), (None, tp.prefill_address))[1]
         t0 = time.perf_counter()
         try:
@@ -173,7 +175,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         try:
             await run_engine_call(self.ctx, context, admit)
             while True:
-                delta: OutputDelta = await q.get()
+                delta: OutputDelta = take_pending(q, await q.get())
                 text = delta.text
                 finished = delta.finish_reason is not None
                 end = len(text) if finished else max(sent_text, len(text) - max(0, max_stop - 1))

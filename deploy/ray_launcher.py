@@ -30,6 +30,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, num_workers: int) -> float:
+    """`--gpus-per-worker`, or when not given: one GPU per worker where the engine may use CUDA (`--device auto`
+    or cuda) and the Ray cluster has one for every worker, else none (Ray sets CUDA_VISIBLE_DEVICES to nothing for
+    an actor that reserves no GPU, so `auto` would then run on the CPU)."""
+    if asked is not None:
+        return asked
+    wants_gpu = device == "auto" or device.startswith("cuda")
+    return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+
+
 class WorkerProcess:
     """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
     tests/launchers without Ray."""
@@ -109,7 +119,8 @@ def _make_actor_class(ray: Any) -> Any:
             self.worker = WorkerProcess(argv, host=host)
 
         def info(self) -> dict[str, Any]:
-            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive()}
+            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
 
         def pid(self) -> int:
             return self.worker.proc.pid if self.worker.proc else -1
@@ -154,27 +165,65 @@ def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]
     return path
 
 
-def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
-    import ray
+def _placement(args: Any, role: str) -> dict[str, Any]:
+    """Ray actor options that pin a role to chosen nodes: `--prefill-resources` / `--decode-resources` (JSON custom
+    resources each worker of the role needs, e.g. {"prefill_node": 1}, given to nodes by `ray start --resources`)."""
+    import json
 
+    raw = getattr(args, f"{role}_resources", None)
+    return {"resources": json.loads(raw)} if raw else {}
+
+
+def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
+    """Workers register with the proxy (live membership): a worker an actor restarts elsewhere, on another node or
+    port, is routed to without a proxy restart. The proxy's address as the workers reach it."""
+    proxy_host = args.host
+    if proxy_host in ("0.0.0.0", "::", ""):
+        proxy_host = "127.0.0.1" if host == "127.0.0.1" else ray.util.get_node_ip_address()
+    elif host != "127.0.0.1" and proxy_host in ("127.0.0.1", "localhost"):
+        return []  # a loopback proxy is out of reach of other nodes: static membership only
+    netloc = f"[{proxy_host}]" if ":" in proxy_host else proxy_host
+    return ["--register-with", f"http://{netloc}:{args.port}"]
+
+
+def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
+    if getattr(args, "tensor_parallel_size", 1) > 1 and not args.colocated:
+        from deploy.commands import ConfigError
+        from engine.config import TP_HANDOFF_UNSUPPORTED
+
+        raise ConfigError(TP_HANDOFF_UNSUPPORTED)
+    from deploy.commands import routing_weights
+    from deploy.ray_local import LocalRay, prepare_local_ray
+    from deploy.secret_files import SecretFiles, scrub_secret_env
     from proxy.config import ProxyConfig
     from proxy.server import run as run_proxy
-    from worker.auth import TOKEN_ENV, load_cluster_token
+    from worker.auth import TOKEN_FILE_ENV
 
     host = "127.0.0.1" if args.address is None and not os.environ.get("RAY_ADDRESS") else "node"
     env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
-    if load_cluster_token() is None and args.address is None:
-        # a cluster of our own: its workers accept only calls that carry this token (the proxy here sends it)
-        os.environ[TOKEN_ENV] = env_vars[TOKEN_ENV] = secrets.token_hex(32)
+    token: str | None = getattr(args, "cluster_token", None)
+    scrub_secret_env()  # the proxy gets its secrets as arguments; no process started from here inherits them
+    secret_files = SecretFiles()
+    local_ray: LocalRay | None = None
+    if host == "127.0.0.1":
+        # a cluster of our own: its workers accept only calls that carry the token (the proxy here sends it); they
+        # read it from an in-memory file of this process, never from an environment variable (Ray logs those)
+        token = token or secrets.token_hex(32)
+        env_vars[TOKEN_FILE_ENV] = secret_files.add("cluster-token", token)
+        local_ray = prepare_local_ray(secret_files)  # loopback, private temp dir, Ray's own token in memory
+    elif token is None:
+        log.warning("joining a Ray cluster without a cluster token: give every node's workers one "
+                    "(HYBRIDPD_CLUSTER_TOKEN_FILE) and this serve the same (--cluster-token-file)")
     local = args.address is None
-    if local:  # a SIGKILLed driver must not leave Ray's daemons or the workers behind
+    if local:  # a SIGKILLed driver must not leave Ray's daemons, the workers or Ray's temp dir behind
         from deploy.reaper import start_orphan_reaper
 
-        start_orphan_reaper()
-    # a Ray of our own listens where the rest of serve does (loopback by default), not on every interface
-    node_ip: dict[str, Any] = {"_node_ip_address": "127.0.0.1"} if local and host == "127.0.0.1" else {}
-    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": env_vars} if local else None, **node_ip)
+        start_orphan_reaper(remove=[local_ray.temp_dir] if local_ray else [])
+    import ray
+
+    ray.init(address=args.address, logging_level=logging.WARNING,
+             runtime_env={"env_vars": env_vars} if local else None,
+             **(local_ray.init_kwargs if local_ray else {"include_dashboard": False}))
     actor_cls = _make_actor_class(ray)
     roles = ["decode"] * args.num_decode if args.colocated else \
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
@@ -184,9 +233,13 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     # third worker of a 2-core box waiting forever for a CPU that does not exist)
     total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+    gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
+                                   float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
+    register = _registration_argv(args, host, ray)
     for role in roles:
-        argv = ["--role", "colocated" if args.colocated else role, *worker_argv]
-        opts = {"num_cpus": num_cpus, "num_gpus": args.gpus_per_worker}
+        argv = ["--role", "colocated" if args.colocated else role, *worker_argv, *register]
+        tp = getattr(args, "tensor_parallel_size", 1)  # a worker's ranks: one actor, so one node
+        opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
@@ -195,14 +248,15 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         for role, info in infos:
             node = info["address"].rsplit(":", 1)[0]
             print(f"worker {role:8s} grpc={info['address']} metrics=http://{node}:{info['metrics_port']}/metrics "
-                  f"epoch={info['epoch'][:8]}", flush=True)
+                  f"epoch={info['epoch'][:8]} node={info.get('node_id', '')[:12]}", flush=True)
         targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
                           or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
-                          request_timeout_s=getattr(args, "request_timeout", 600.0))
+                          request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,
+                          **getattr(args, "proxy_limits", {}), routing_weights=routing_weights(args))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)
@@ -217,4 +271,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
             except Exception:  # noqa: BLE001
                 pass
         ray.shutdown()
+        secret_files.close()
+        if local_ray is not None:
+            local_ray.close()
     return 0

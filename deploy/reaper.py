@@ -6,18 +6,21 @@ snapshots the driver's descendants from /proc every half second (Ray's daemons a
 their `hybridpd worker` processes); once the pipe reports EOF (the driver is gone, however it died) it sends
 SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later.
 
-After a clean exit (Ctrl-C: Ray shut down, workers stopped) the snapshot's processes are already gone and the reaper
-just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
+Then it removes the paths it was given (`remove`: the serve's private Ray temp dir), which hold Ray's session logs
+and sockets. After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's processes
+are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 POLL_S = 0.5
@@ -69,7 +72,7 @@ def _signal_all(known: dict[int, str | None], sig: int) -> int:
     return sent
 
 
-def watch(driver_pid: int, fd: int) -> None:
+def watch(driver_pid: int, fd: int, remove: Sequence[str] = ()) -> None:
     known: dict[int, str | None] = {}
     while True:
         ready, _, _ = select.select([fd], [], [], POLL_S)
@@ -83,14 +86,17 @@ def watch(driver_pid: int, fd: int) -> None:
         while time.monotonic() < deadline and any(_start_time(p) == t for p, t in known.items() if t is not None):
             time.sleep(0.1)
         _signal_all(known, signal.SIGKILL)
+    for path in remove:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def start_orphan_reaper() -> subprocess.Popen | None:
-    """Spawn the reaper for this process (call once, before starting anything it should clean up)."""
+def start_orphan_reaper(remove: Sequence[str] = ()) -> subprocess.Popen | None:
+    """Spawn the reaper for this process (call once, before starting anything it should clean up); `remove`:
+    directories to delete once this process and its descendants are gone."""
     if not sys.platform.startswith("linux"):
         return None
     read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.reaper", str(os.getpid()), str(read_fd)],
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.reaper", str(os.getpid()), str(read_fd), *remove],
                             pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
     os.close(read_fd)
     os.set_inheritable(write_fd, False)  # only this process holds it: its death is the EOF
@@ -101,4 +107,4 @@ def start_orphan_reaper() -> subprocess.Popen | None:
 _keep: list[int] = []
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), int(sys.argv[2]))
+    watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

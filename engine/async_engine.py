@@ -15,6 +15,7 @@ Idle (nothing scheduled), the step thread sleeps on an event that `call()` sets,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -50,6 +51,26 @@ class OutputDelta:
     num_cached_tokens: int
     num_external_tokens: int
 
+    def then(self, later: OutputDelta) -> OutputDelta:
+        """This delta and the next one as one (a stream that fell behind sends one message for both)."""
+        return dataclasses.replace(
+            later, token_ids=self.token_ids + later.token_ids, logprobs=self.logprobs + later.logprobs,
+            top_logprobs=self.top_logprobs + later.top_logprobs)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, OutputDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
+def take_pending(q: asyncio.Queue, first: OutputDelta) -> OutputDelta:
+    """`first` merged with every delta already waiting in `q` (up to and including an end): one stream message
+    instead of one per token when the reader is slower than the steps."""
+    delta = first
+    while delta.finish_reason is None and not q.empty():
+        delta = delta.then(q.get_nowait())
+    return delta
+
 
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
@@ -60,6 +81,8 @@ class AsyncEngine:
         self.hooks: list[Callable[[EngineCore], None]] = []
         self.on_finished: list[Callable[[Request], None]] = []
         self._finished: list[Request] = []  # ended by EngineCore.finish, not yet delivered (step thread only)
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputDelta]]] = {}
+        """Deltas published on the step thread, not yet handed to their loops (`_flush`)."""
         core.finish_listeners.append(self._on_finish)
         # seconds the idle loop waits between hook runs; a hook owner with work in flight (a KV pull) shortens it
         self.idle_wait: Callable[[], float | None] = lambda: 0.005
@@ -135,7 +158,7 @@ class AsyncEngine:
             num_external_tokens=req.external_computed_tokens,
         )
         loop, q = entry
-        loop.call_soon_threadsafe(q.put_nowait, delta)
+        self._outbox.setdefault(loop, []).append((q, delta))  # sent by `_flush`, one wake-up of the loop per step
         if req.is_finished:
             self._emitted.pop(req.request_id, None)
 
@@ -144,11 +167,25 @@ class AsyncEngine:
 
     def _deliver_finished(self) -> None:
         """Every request `EngineCore.finish` ended since the last call (step, engine call or hook alike): its last
-        tokens and its end go to its stream, then to the finish callbacks (P's waiting Prefill RPCs)."""
+        tokens and its end go to its stream, then to the finish callbacks (P's waiting Prefill RPCs). Then every
+        delta published since the last flush goes out."""
         while self._finished:
             batch, self._finished = self._finished, []
             for req in batch:
                 self._deliver(req)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the published deltas to their streams: one `call_soon_threadsafe` per event loop (a wake-up of that
+        thread, a write to its self-pipe) for the whole step, not one per request."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed (shutdown): nobody is reading these streams any more
+                log.debug("event loop closed: %d deltas dropped", len(items))
 
     def _deliver(self, req: Request) -> None:
         """One ended request: its stream, then the finish callbacks."""

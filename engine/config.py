@@ -18,6 +18,7 @@ from typing import Any, Literal
 from engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 Admission = Literal["reuse", "interval"]
 Eviction = Literal["value", "lru"]
 ZeroMode = Literal["auto", "on", "off"]
@@ -30,10 +31,10 @@ class ModelConfig:
     path: str
     """HF-format checkpoint directory (config.json, weights, tokenizer). LLM() and the hybridpd commands default to
     the built-in tiny model."""
-    dtype: Dtype = "float32"
-    """Weight and activation dtype."""
-    device: str = "cpu"
-    """cpu | cuda | cuda:N."""
+    dtype: DtypeSetting = "auto"
+    """Weight and activation dtype. auto: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. auto: cuda when a CUDA device is visible, else cpu."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings."""
     seed: int = 0
@@ -41,6 +42,9 @@ class ModelConfig:
     load_format: LoadFormat = "auto"
     """auto: read the checkpoint's weights. dummy: random weights drawn on the device from config.json alone (no
     weight files needed; vLLM's --load-format dummy), for benchmarks at full size."""
+    allow_reference_path: bool = False
+    """On CUDA, start on the slow reference path when the fast path's packages (fla-core: pip install
+    'hybridpd[gpu]') are missing, instead of refusing to start."""
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks (GPUs) one worker spreads the model over: attention, Mamba-2 and Gated-DeltaNet heads, MLP and expert
+    intermediates and the vocabulary are split; rank r runs on cuda:N+r (CPU: gloo processes)."""
+
+
+TP_HANDOFF_UNSUPPORTED = (
+    "--tensor-parallel-size > 1 serves colocated workers only (worker --role colocated, serve --colocated): the "
+    "prefill -> decode handoff does not move the pages of ranks other than 0 yet")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_settings(cls, path: str, **settings: Any) -> EngineConfig:
@@ -117,12 +134,12 @@ class EngineConfig:
 
     def validate(self) -> None:
         m, c, s = self.model, self.cache, self.scheduler
-        if m.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {m.dtype!r}")
+        if m.dtype not in DTYPES and m.dtype != "auto":
+            raise InvalidRequestError(f"dtype must be auto or one of {DTYPES}, got {m.dtype!r}")
         if m.load_format not in typing.get_args(LoadFormat):
             raise InvalidRequestError(f"load_format must be auto|dummy, got {m.load_format!r}")
-        if not (m.device == "cpu" or m.device.startswith("cuda")):
-            raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {m.device!r}")
+        if not (m.device in ("auto", "cpu") or m.device.startswith("cuda")):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {m.device!r}")
         if c.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {c.block_size}")
         ci = c.resolved_checkpoint_interval()
@@ -137,6 +154,9 @@ class EngineConfig:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.parallel.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be >= 1, got {self.parallel.tensor_parallel_size}")
 
 
 def config_sections(root: type = EngineConfig) -> dict[str, type]:

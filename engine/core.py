@@ -8,20 +8,25 @@ Ownership: one thread calls add_request/step/abort (workers serialise calls onto
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.cache.coordinator import HybridCacheManager
-from engine.cache.planner import CapacityPlan, plan_capacity
+from engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
 from engine.cache.specs import group_layers
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import require_fast_path, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
+from engine.parallel.executor import LeaderRunner, start_tensor_parallel
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import shard_model
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -37,37 +42,64 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
 @dataclass
 class StepStats:
+    """Monotonic counters of the step loop. Step times are wall clock of `EngineCore.step` (schedule, execute with
+    sampling, update): by kind, "decode" (every scheduled sequence computes one token) or "prefill" (any prompt
+    chunk), so a router's cost model can read seconds per token of each kind (worker metrics export them)."""
+
     num_steps: int = 0
     num_scheduled_tokens: int = 0
+    step_seconds: dict[str, float] = field(default_factory=lambda: {"decode": 0.0, "prefill": 0.0})
+    steps: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0})
+    step_tokens: dict[str, int] = field(default_factory=lambda: {"decode": 0, "prefill": 0})
+
+    def record(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        if not num_seqs:
+            return
+        kind = "decode" if num_tokens == num_seqs else "prefill"
+        self.step_seconds[kind] += seconds
+        self.steps[kind] += 1
+        self.step_tokens[kind] += num_tokens
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
+        spawns the followers when config.parallel.tensor_parallel_size > 1."""
         from engine.models.registry import load_model, read_model_config
 
         config.validate()
+        config = resolve_auto(config)
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
+        require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
+        self.followers = start_tensor_parallel(config) if tp is None else None
+        self.tp = self.followers.tp if self.followers is not None else tp
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
+        if self.tp is not None:
+            shard_model(self.model, self.tp)
         model_max = int(hf_config.get("max_position_embeddings") or 4096)
         self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
+        self._memory_note = ""
+        """On CUDA: the share, weights and activation reserve the cache budget was derived from (for errors)."""
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
-        if self.plan.attention_blocks and self.plan.token_capacity < self.max_model_len:
-            raise InvalidRequestError(
-                f"the KV cache holds {self.plan.token_capacity} tokens, fewer than max_model_len="
-                f"{self.max_model_len}: raise kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len"
-            )
+        if self.tp is not None and len(set(self.tp.gather_objects(self.plan.log_line()))) != 1:
+            raise RuntimeError("tensor-parallel ranks planned different caches; block ids would not agree")
+        sc = self.config.scheduler  # max_num_seqs may have been lowered to what the memory holds
         self.cache = HybridCacheManager(self.groups, self.plan.layout(), cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.cache)
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
+        if self.followers is not None:
+            self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
         self.tokenizer = self._load_tokenizer(mc.path)
@@ -99,13 +131,36 @@ class EngineCore:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
+        if self.tp is not None:  # one plan for every rank: the budget all of them can hold
+            budget = self.tp.agree_min(budget)
         # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
         # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
-        return plan_capacity(
-            self.groups, budget, sc.max_num_seqs, cc.num_checkpoint_slots, self.max_model_len,
-            cc.resolved_checkpoint_interval(),
-            policy=cc.cache_policy(),
-        )
+        def plan(num_seqs: int) -> CapacityPlan | None:
+            """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
+            try:
+                p = plan_capacity(self.groups, budget, num_seqs, cc.num_checkpoint_slots, self.max_model_len,
+                                  cc.resolved_checkpoint_interval(), policy=cc.cache_policy())
+            except CapacityError:
+                return None
+            return None if p.attention_blocks and p.token_capacity < self.max_model_len else p
+
+        fitted = fit_running_seqs(plan, sc.max_num_seqs)
+        if fitted is None:
+            one = plan_capacity(self.groups, 1 << 50, 1, 0, self.max_model_len, cc.resolved_checkpoint_interval())
+            need = one.bytes_per_state * 2 + (-(-self.max_model_len // one.block_size) + 2) * one.bytes_per_block
+            raise InvalidRequestError(
+                f"the model does not fit: one request of max_model_len={self.max_model_len} tokens needs "
+                f"{need / 2**20:.1f} MiB of cache ({one.bytes_per_state / 2**20:.1f} MiB recurrent state, "
+                f"{one.bytes_per_token} B/token of attention KV), the cache budget is {budget / 2**20:.1f} MiB"
+                f"{self._memory_note}: raise gpu_memory_utilization / kv_cache_memory_bytes, lower max_model_len, "
+                f"or use more GPUs")
+        if fitted.state_slots_running and fitted.state_slots_running < sc.max_num_seqs:
+            log.warning("max_num_seqs lowered from %d to %d: the cache budget (%.1f MiB%s) holds that many running "
+                        "requests with room for one of max_model_len=%d", sc.max_num_seqs,
+                        fitted.state_slots_running, budget / 2**20, self._memory_note, self.max_model_len)
+            self.config = dataclasses.replace(
+                self.config, scheduler=dataclasses.replace(sc, max_num_seqs=fitted.state_slots_running))
+        return fitted
 
     def _cuda_budget(self) -> int:
         """This instance may use gpu_memory_utilization * total (vLLM's meaning: other processes on the GPU are
@@ -126,8 +181,16 @@ class EngineCore:
         hidden = int(getattr(self.model, "hidden_size", 4096))
         activation = 16 * tokens * hidden * 4 + self.vocab_estimate() * 4 * min(tokens, 1024)
         budget = share - weights - activation
+        self._memory_note = (f"; of the {share / 2**30:.1f} GiB share of the GPU, weights take {weights / 2**30:.1f}"
+                             f" GiB and activations are reserved {activation / 2**30:.1f} GiB")
+        log.info("GPU memory: share %.1f GiB (gpu_memory_utilization %.2f of %.1f GiB), weights %.1f GiB, "
+                 "activation reserve %.1f GiB, cache budget %.1f GiB", share / 2**30,
+                 self.config.cache.gpu_memory_utilization, total / 2**30, weights / 2**30, activation / 2**30,
+                 budget / 2**30)
         if budget <= 0:
-            raise InvalidRequestError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+            raise InvalidRequestError(f"the model does not fit: no GPU memory left for the cache{self._memory_note}"
+                                      f": raise gpu_memory_utilization, lower max_num_batched_tokens, or use more "
+                                      f"GPUs")
         return budget
 
     def vocab_estimate(self) -> int:
@@ -262,6 +325,7 @@ class EngineCore:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
         if self.scheduler.importing:
             self.expire_imports()
+        t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
         params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
         try:
@@ -269,8 +333,6 @@ class EngineCore:
         except Exception:
             self.cache.on_step_failed()
             raise
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += out.num_tokens
         advanced = self.scheduler.update_from_output(out, sampled)
         for rid, top in self.runner.sampler.take_top_logprobs().items():
             if rid in self.scheduler.requests:
@@ -282,6 +344,7 @@ class EngineCore:
                 reason = self.check_stop(req)
                 if reason is not None:
                     self.finish(req, reason)
+        self.stats.record(len(out.seqs), out.num_tokens, time.perf_counter() - t0)
         return advanced
 
     def check_stop(self, req: Request) -> str | None:
@@ -354,6 +417,12 @@ class EngineCore:
         """(running, waiting) requests of the scheduler."""
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel follower ranks, if any (a later engine in this process may start its own)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""
         info = self.plan.as_dict()
@@ -367,6 +436,31 @@ class EngineCore:
             info["checkpoint_bytes_held"] = len(overlay.held) * self.plan.arena.slot_stride
             info["checkpoint_ranges_free"] = overlay.num_free_ranges
         return info
+
+
+def fit_running_seqs(plan: Callable[[int], CapacityPlan | None], max_num_seqs: int) -> CapacityPlan | None:
+    """The plan for the most running requests (at most `max_num_seqs`) whose reserved recurrent states still leave
+    room for one request of max_model_len; None when even one does not fit. `plan(n)` is monotone: more running
+    states leave less for attention."""
+    best = plan(max_num_seqs)
+    if best is not None:
+        return best
+    lo, hi = 0, max_num_seqs - 1  # invariant: plan(lo) fits or lo == 0; plan(hi + 1) does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(mid) is not None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return plan(lo) if lo >= 1 else None
+
+
+def resolve_auto(config: EngineConfig) -> EngineConfig:
+    """The config with `device` / `dtype` "auto" replaced by what this machine runs (engine/device.py)."""
+    mc = config.model
+    device = resolve_device(mc.device)
+    model = dataclasses.replace(mc, device=device, dtype=resolve_dtype(mc.dtype, device))  # type: ignore[arg-type]
+    return dataclasses.replace(config, model=model)
 
 
 def _num_layers(model: object, specs: dict) -> int:

@@ -13,9 +13,11 @@ from engine.core import EngineCore
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, registry: CollectorRegistry | None = None, min_interval_s: float = 0.0) -> None:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, min_interval_s: float = 0.0,
+                 slow_interval_s: float = 0.0) -> None:
         """`min_interval_s`: `update` does nothing when called again sooner (the workers' step hooks run every
-        0.1-0.5 ms while a transfer is in flight; a scrape every few seconds needs far less)."""
+        0.1-0.5 ms while a transfer is in flight; a scrape every few seconds needs far less). `slow_interval_s`:
+        the same for the pools' figures that cost a scan (see `update`)."""
         from prometheus_client import REGISTRY
 
         reg = registry if registry is not None else REGISTRY
@@ -40,9 +42,18 @@ class WorkerMetrics:
         self.admitted = Counter("hybridpd_prefix_cache_checkpoints_admitted",
                                 "Recurrent-state checkpoints admitted to the prefix cache", ["role"], registry=reg)
         self.admitted.labels(role)
+        # step times by kind (decode-only steps vs steps with a prompt chunk): seconds per token for a router's
+        # cost model, and the engine's own step to set against the client's TPOT (benchmarks/goodput.py)
+        k = ["role", "kind"]
+        self.step_seconds = Counter("hybridpd_engine_step_seconds", "Wall time of engine steps", k, registry=reg)
+        self.steps = Counter("hybridpd_engine_steps", "Engine steps", k, registry=reg)
+        self.step_tokens = Counter("hybridpd_engine_step_tokens", "Tokens computed by engine steps", k, registry=reg)
+        self._step_seconds: dict[str, float] = {}
         self._last: dict[tuple[str, str], int] = {}
         self.min_interval_s = min_interval_s
-        self._updated_at = float("-inf")
+        self.slow_interval_s = slow_interval_s
+        self._updated_at = self._full_at = float("-inf")
+        self._full_at_steps = -1
 
     def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
         last = self._last.get((key, group), 0)
@@ -52,11 +63,17 @@ class WorkerMetrics:
         self._last[(key, group)] = value
 
     def update(self, core: EngineCore, extra_waiting: int = 0) -> None:
-        """Step thread only."""
+        """Step thread only. The pools' byte and eviction figures (`cache_stats`, a scan of every page: ~5-12 ms on
+        a 65k-block pool) are read at most every `slow_interval_s` while the engine is busy, and once more when it
+        goes idle after steps, so a scrape of an idle worker always sees its final state."""
         now = time.monotonic()
-        if now - self._updated_at < self.min_interval_s:
+        idle_after_steps = not core.has_unfinished() and core.stats.num_steps != self._full_at_steps
+        if now - self._updated_at < self.min_interval_s and not idle_after_steps:
             return
         self._updated_at = now
+        if idle_after_steps or now - self._full_at >= self.slow_interval_s:
+            self._full_at, self._full_at_steps = now, core.stats.num_steps
+            self._update_pools(core)
         cache = core.cache
         for kind, c in cache.counters.items():
             self._inc(self.queries, "q", kind, c.queries)
@@ -67,6 +84,12 @@ class WorkerMetrics:
         for kind, u in cache.usage().items():
             self.usage.labels(self.role, kind).set(u)
         self._inc(self.zeroed, "z", "", core.runner.num_zeroed_blocks)
+        self._export_steps(core)
+        self.running.labels(self.role).set(len(core.scheduler.running))
+        self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)
+
+    def _update_pools(self, core: EngineCore) -> None:
+        cache = core.cache
         stats = cache.cache_stats()
         for kind in cache.labels.values():  # the kind name, or kind:id where a model repeats a kind
             s = stats.get(kind)
@@ -76,5 +99,13 @@ class WorkerMetrics:
                 self.cache_bytes.labels(self.role, kind, "cached").set(s["bytes_cached"])
                 self._inc(self.evictions, "ev", kind, int(s["evictions"]))
         self._inc(self.admitted, "adm", "", int(stats.get("checkpoints_admitted", 0)))  # type: ignore[call-overload]
-        self.running.labels(self.role).set(len(core.scheduler.running))
-        self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)
+
+    def _export_steps(self, core: EngineCore) -> None:
+        st = core.stats
+        for kind, seconds in st.step_seconds.items():
+            last = self._step_seconds.get(kind, 0.0)
+            if seconds > last:
+                self.step_seconds.labels(self.role, kind).inc(seconds - last)
+            self._step_seconds[kind] = seconds
+            self._inc(self.steps, "steps", kind, st.steps[kind])
+            self._inc(self.step_tokens, "step_tokens", kind, st.step_tokens[kind])

@@ -2,8 +2,10 @@
 
 Ownership: P's engine pins a finished prompt's blocks/slots (its cache manager keeps their ref counts) and records
 them here with `grant`. They are unpinned by exactly one of:
-  * `commit(request_id, epoch, token, digest)`: D's READ completed; the answer tells D whether the lease was still
-    held (its pages pinned for the whole READ) and granted for the same prompt. D uses the data only then.
+  * `commit(request_id, epoch, token, digest, ...)`: D's READ completed; the answer tells D whether the lease was
+    still held (its pages pinned for the whole READ), granted for the same prompt, presented with the params P
+    issued unaltered (their MAC, checked by the caller) and whether D read only pages those params offered. D uses
+    the data only then.
   * `release(request_id, epoch, token)`: D gave up (NIXL notice, token required) or the proxy's gRPC `Release`;
   * `reap(now)`: the lease expired (D died, froze or never came); counted in hybridpd_kv_lease_expired_total.
 Both return the `Lease`s whose pages the caller must now free; the table never frees anything itself.
@@ -27,6 +29,31 @@ DEFAULT_LEASE_S = 30.0
 
 
 @dataclass(frozen=True)
+class Offer:
+    """The pages a lease's transfer params name, by group. Attention groups: block ids in sequence order (D reads a
+    suffix: the blocks past its own prefix hit). Recurrent groups: (running state slot, checkpoint slot if one is
+    offered); D reads the running state, then the checkpoint or not."""
+
+    blocks: Mapping[int, tuple[int, ...]]
+    states: Mapping[int, tuple[int, ...]]
+
+    def allows(self, pages_read: Mapping[int, Sequence[int]]) -> bool:
+        """Whether `pages_read` (P's ids D read, by group) are exactly such pages: nothing outside the offer, every
+        recurrent group's running state read."""
+        if not set(pages_read) <= set(self.blocks) | set(self.states):
+            return False
+        for gid, offered in self.blocks.items():
+            read = tuple(pages_read.get(gid, ()))
+            if read != offered[len(offered) - len(read):]:
+                return False
+        for gid, (running, *checkpoint) in self.states.items():
+            read = tuple(pages_read.get(gid, ()))
+            if not read or read[0] != running or read[1:] not in ((), tuple(checkpoint)):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
 class Lease:
     """Pages pinned for `request_id`: {group id: block or slot ids}. `expires_at` is in the table's clock."""
 
@@ -38,10 +65,13 @@ class Lease:
     """Random per lease (kvtransfer.binding.new_lease_token): Commit and release notices must present it."""
     prompt_digest: bytes = b""
     """kvtransfer.binding.prompt_digest of the tokens P computed: Commit must present the same."""
+    offer: Offer | None = None
+    """The pages the transfer params name (None: not checked at Commit)."""
 
 
 class CommitRefused(Exception):
-    """Commit answered "no": `reason` is unknown_lease | stale_epoch | token_mismatch | prompt_mismatch."""
+    """Commit answered "no": `reason` is unknown_lease | stale_epoch | token_mismatch | params_forged |
+    prompt_mismatch | pages_mismatch."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -93,7 +123,7 @@ class LeaseTable:
 
     @_locked
     def grant(self, request_id: str, pages_by_group: Mapping[int, Sequence[int]], ttl_s: float | None = None,
-              *, token: str = "", prompt_digest: bytes = b"") -> Lease:
+              *, token: str = "", prompt_digest: bytes = b"", offer: Offer | None = None) -> Lease:
         """Record pinned pages of a finished prompt. A request id may hold one lease at a time."""
         if request_id in self._leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
@@ -105,6 +135,7 @@ class LeaseTable:
             now + (self.ttl_s if ttl_s is None else ttl_s),
             token,
             prompt_digest,
+            offer,
         )
         self._leases[request_id] = lease
         return lease
@@ -124,10 +155,13 @@ class LeaseTable:
         return lease
 
     @_locked
-    def commit(self, request_id: str, epoch: str, token: str, prompt_digest: bytes) -> Lease:
+    def commit(self, request_id: str, epoch: str, token: str, prompt_digest: bytes, *, params_authentic: bool = True,
+               pages_read: Mapping[int, Sequence[int]] | None = None) -> Lease:
         """D's READ of this lease's pages completed: end the lease and return it (the caller frees its pages) if it
-        is still held, was granted under `epoch` and `token`, for a prompt with `prompt_digest`. Else raise
-        CommitRefused. A lease presented with the right token but another prompt is ended too (that pull is void)."""
+        is still held, was granted under `epoch` and `token`, the params D pulled by are P's own unaltered
+        (`params_authentic`: the caller checked their MAC), for a prompt with `prompt_digest`, and D read only
+        pages of the lease's offer (`pages_read`, required when the lease has one). Else raise CommitRefused. A
+        lease presented with the right token but anything else wrong is ended too (that pull is void)."""
         if epoch != self.epoch:
             raise CommitRefused("stale_epoch")
         lease = self._leases.get(request_id)
@@ -137,8 +171,12 @@ class LeaseTable:
             raise CommitRefused("token_mismatch")  # not ended: the caller does not own this lease
         del self._leases[request_id]
         self.released_total += 1
+        if not params_authentic:
+            raise CommitRefused("params_forged")
         if lease.prompt_digest != prompt_digest:
             raise CommitRefused("prompt_mismatch")
+        if lease.offer is not None and (pages_read is None or not lease.offer.allows(pages_read)):
+            raise CommitRefused("pages_mismatch")
         return lease
 
     @_locked

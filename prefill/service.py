@@ -21,9 +21,9 @@ from engine.transfer import (
     release_export,
     schedule_local,
 )
-from kvtransfer.binding import new_lease_token, prompt_digest
+from kvtransfer.binding import new_lease_token, new_mac_key, params_mac, prompt_digest, verify_params_mac
 from kvtransfer.errors import StaleEpochError
-from kvtransfer.lease import CommitRefused, LeaseTable
+from kvtransfer.lease import CommitRefused, LeaseTable, Offer
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.progress import TransferProgress, interval_from_env
 from proto import hybridpd_pb2 as pb
@@ -42,6 +42,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self.tmetrics = TransferMetrics("prefill")
         # wall clock: lease expiry travels to D and the proxy as unix time
         self.leases = LeaseTable(ctx.epoch, lease_seconds, clock=time.time, metrics=self.tmetrics)
+        self._mac_key = new_mac_key()
+        """Signs the transfer params this process issues (kvtransfer.binding.params_mac); never leaves it."""
         self.held: dict[str, tuple[Request, Export]] = {}
         """request id -> (prefilled request holding its caches, what it exports). Step thread only."""
         self.max_pinned_fraction = max_pinned_fraction
@@ -89,13 +91,21 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 
     def _commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
         """Any thread (the event loop: the answer does not wait for the engine step). D's READ completed: was the
-        lease still held (pages pinned throughout) for this prompt? Whoever ends a lease frees its pages on the
-        step thread: here, by a call queued to it."""
+        lease still held (pages pinned throughout) for this prompt, were the params D pulled by ours unaltered,
+        and did D read only the pages they offer? Whoever ends a lease frees its pages on the step thread: here,
+        by a call queued to it."""
         rid = request.request_id
+        tp = request.params
+        authentic = (request.HasField("params") and verify_params_mac(self._mac_key, rid, tp)
+                     and tp.lease_token == request.lease_token and tp.epoch == request.epoch)
+        read = {int(g.group_id): tuple(int(i) for i in g.block_ids) for g in request.pages_read}
+        if len(read) != len(request.pages_read):
+            read = {-1: ()}  # a group named twice: not what any offer allows
         try:
-            lease = self.leases.commit(rid, request.epoch, request.lease_token, request.prompt_digest)
+            lease = self.leases.commit(rid, request.epoch, request.lease_token, request.prompt_digest,
+                                       params_authentic=authentic, pages_read=read)
         except CommitRefused as e:
-            if e.reason == "prompt_mismatch":  # the lease was ended: its pages go back
+            if e.reason not in ("stale_epoch", "unknown_lease", "token_mismatch"):  # the lease was ended
                 self.ctx.aengine.call(lambda c: self._free(rid))
             self.tmetrics.transfer_failed(f"commit_{e.reason}")
             log.warning("commit of %s refused: %s", rid, e.reason)
@@ -156,7 +166,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         n = exp.num_tokens
         digest = prompt_digest(req.prompt_token_ids, n, req.cache_salt)
         self.held[req.request_id] = (req, exp)
-        lease = self.leases.grant(req.request_id, exp.pinned, token=new_lease_token(), prompt_digest=digest)
+        lease = self.leases.grant(req.request_id, exp.pinned, token=new_lease_token(), prompt_digest=digest,
+                                  offer=offer_of(exp))
         if self.progress is not None:
             self.progress.wake()
         now = time.perf_counter()
@@ -172,6 +183,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             num_prompt_tokens=req.num_prompt_tokens, lease_expiry_unix=lease.expires_at,
             lease_token=lease.token, prompt_digest=digest,
         ))
+        params.mac = params_mac(self._mac_key, req.request_id, params)
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
                                   num_cached_tokens=max(req.num_cached_tokens, 0))
         loop, fut = waiter
@@ -266,6 +278,13 @@ def transfer_params(exp: Export) -> pb.TransferParams:
         checkpoint_slot=states[0].checkpoint_slot if states else 0,
         checkpoint_num_tokens=ckpt.num_tokens if ckpt else 0, num_computed_tokens=exp.num_tokens,
     )
+
+
+def offer_of(exp: Export) -> Offer:
+    """The pages `transfer_params(exp)` names, as the lease checks them at Commit."""
+    ckpt = exp.checkpoint
+    states = {gid: (slot, ckpt.slots[gid]) if ckpt else (slot,) for gid, slot in exp.state_slots.items()}
+    return Offer({gid: tuple(ids) for gid, ids in exp.blocks.items()}, states)
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

@@ -1,8 +1,9 @@
 """The cluster token: a shared secret every internal gRPC call carries as metadata `x-hybridpd-token`.
 
 Where it comes from (first found): `--cluster-token-file PATH`, env `HYBRIDPD_CLUSTER_TOKEN_FILE`, env
-`HYBRIDPD_CLUSTER_TOKEN`. `hybridpd serve` makes a random one for its own workers when none is given. A worker
-with a token refuses every RPC without it (UNAUTHENTICATED); a worker without one accepts all and says so at start.
+`HYBRIDPD_CLUSTER_TOKEN`. `hybridpd serve` makes a random one for its own workers when none is given, and hands it
+to them as HYBRIDPD_CLUSTER_TOKEN_FILE, the path of an in-memory file (deploy/secret_files.py). A worker with a token
+refuses every RPC without it (UNAUTHENTICATED); a worker without one accepts all and says so at start.
 
 TLS (below): with a certificate and key (`--tls-cert-file/--tls-key-file`, env HYBRIDPD_TLS_CERT_FILE/_KEY_FILE)
 workers serve gRPC over TLS; with a CA (`--tls-ca-file`, HYBRIDPD_TLS_CA_FILE) they also require client

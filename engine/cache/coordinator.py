@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from engine.cache.admission import Admission, CachePolicy
 from engine.cache.arena import ArenaLayout
 from engine.cache.block_pool import BlockPool
+from engine.cache.events import CacheEventLog
 from engine.cache.hashing import append_block_hashes, extra_keys
 from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
 from engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
@@ -118,6 +119,10 @@ class HybridCacheManager:
         if arena is not None and layout.budget_bytes is None and layout.policy is None:
             raise ValueError("an arena layout needs a budget or a policy (its pools are policy-driven)")
         self._build_managers(groups, layout)
+        self.events = CacheEventLog()
+        """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
+        for gid, p in self.pools.items():
+            p.events, p.event_group = self.events, gid
         self.managers: list[GroupManager] = [*self.blocks, *self.states]
         """Every group, attention first: the coordinator loops over these and never asks for a kind."""
         self._block_gids = [(m, m.group.group_id) for m in self.blocks]
@@ -620,6 +625,11 @@ class HybridCacheManager:
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""
         return {m.group.group_id: m.req_pages(req_id) for m in self.managers}
+
+    def cached_hashes(self) -> dict[int, set[bytes]]:
+        """Group id -> the hashes a hit search finds now (attention: named blocks; recurrent: checkpoint boundaries):
+        what replaying every event of `events` gives. The cache-event stream's resync snapshot."""
+        return {gid: set(p.cached) for gid, p in self.pools.items()}
 
     # -- observability -------------------------------------------------------------------------------------------
     def usage(self) -> dict[str, float]:

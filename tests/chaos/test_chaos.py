@@ -4,7 +4,9 @@ CPU) while a driver injects faults. The bar: **no HTTP 200 with wrong tokens**, 
 Faults: SIGSTOP of the decode worker past P's lease (the issue-12 freeze) and of the prefill worker, SIGKILL of the
 prefill worker (restarted by its supervisor with a new epoch) and of the proxy (started again), half of D's NIXL
 notifications dropped (HYBRIDPD_FAULT_DROP_NOTICE_RATE), and hostile calls straight to the workers: forged params
-(another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token or none.
+(another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token or none, and a token
+holder altering P's signed params (another prompt's pages under a lease, one field at random) or committing pages
+its lease never offered.
 
 Prints one JSON line of figures (requests, faults, wrong 200s, errors, leaked pages, recovery) and writes it to
 $HYBRIDPD_CHAOS_REPORT when set. Sized to run in about a minute on 2 cores (20 s of load);
@@ -31,6 +33,7 @@ from kvtransfer.binding import prompt_digest
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
 from tests.oracle import random_prompts
+from tests.support.param_attacks import ALTERATIONS, with_pages_of
 
 pytestmark = pytest.mark.slow
 NEW = 6
@@ -81,10 +84,12 @@ class Load:
 
 
 class Faults:
-    def __init__(self, c: Cluster, prompts: list[list[int]]) -> None:
-        self.c, self.prompts = c, prompts
+    def __init__(self, c: Cluster, prompts: list[list[int]], expected: list[list[int]]) -> None:
+        self.c, self.prompts, self.expected = c, prompts, expected
         self.injected: dict[str, int] = {}
         self.hostile_accepted = 0
+        self.hostile_wrong = 0
+        """Hostile Generate calls whose tokens were not the prompt's own."""
         self.recovery_s: list[float] = []
 
     def _count(self, name: str) -> None:
@@ -139,8 +144,42 @@ class Faults:
                 if p.Commit(replay, timeout=10, metadata=md).committed:
                     self.hostile_accepted += 1
                 self._count("replayed_commit")
+                self._altered_params(p, d, rng, rid)
         except grpc.RpcError:
             self._count("hostile_call_failed")  # e.g. P frozen or restarting meanwhile: an error is fine
+
+    def _altered_params(self, p: pb_grpc.PrefillServiceStub, d: pb_grpc.DecodeServiceStub, rng: random.Random,
+                        rid: str) -> None:
+        """A token holder alters P's params: another prompt's pages under this lease, or one field at random; and
+        calls P's Commit itself naming pages its lease never offered. Accepted = D used pulled tokens (the stream's
+        num_external_cached_tokens) or P committed."""
+        md = self.c.grpc_metadata
+        i, j = sorted(rng.sample(range(len(self.prompts)), 2), key=lambda k: len(self.prompts[k]))
+        x, y = self.prompts[i], self.prompts[j]  # y the longer: its pages fill every block of x's params
+
+        def prefill(r: str, prompt: list[int]) -> pb.TransferParams:
+            return p.Prefill(pb.PrefillRequest(request_id=r, prompt_token_ids=prompt, sampling_params=_sp()),
+                             timeout=30, metadata=md).params
+
+        tp_x, tp_y, tp_z = prefill(f"{rid}-x", x), prefill(f"{rid}-y", y), prefill(f"{rid}-z", x)
+        field = pb.TransferParams()
+        field.CopyFrom(tp_z)
+        ALTERATIONS[rng.choice(sorted(ALTERATIONS))](field)
+        for r, altered in ((f"{rid}-x", with_pages_of(tp_x, tp_y)), (f"{rid}-z", field)):
+            req = pb.GenerateRequest(request_id=r, prompt_token_ids=x, sampling_params=_sp(), params=altered)
+            chunks = list(d.Generate(req, timeout=60, metadata=md))
+            self.hostile_accepted += any(ch.num_external_cached_tokens > 0 for ch in chunks)
+            self.hostile_wrong += [t for ch in chunks for t in ch.token_ids] != self.expected[i]
+            self._count("altered_params")
+        commit = pb.CommitRequest(request_id=f"{rid}-y", epoch=tp_y.epoch, lease_token=tp_y.lease_token,
+                                  prompt_digest=tp_y.prompt_digest, params=tp_y,
+                                  pages_read=[pb.GroupBlocks(group_id=g.group_id, block_ids=list(h.block_ids))
+                                              for g, h in zip(tp_y.groups, tp_x.groups, strict=True)])
+        self.hostile_accepted += p.Commit(commit, timeout=10, metadata=md).committed
+        self._count("commit_of_other_pages")
+        for r, tp in ((f"{rid}-x", tp_x), (f"{rid}-y", tp_y), (f"{rid}-z", tp_z)):
+            p.Release(pb.ReleaseRequest(request_id=r, epoch=tp.epoch, lease_token=tp.lease_token), timeout=10,
+                      metadata=md)
 
 
 def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore[no-untyped-def]
@@ -154,7 +193,7 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
     c = start_cluster(model, worker_args=["--checkpoint-interval", "32", "--lease-seconds", str(LEASE_S),
                                           "--pull-timeout", "2"], cluster_token="chaos-token",
                       decode_env={"HYBRIDPD_FAULT_DROP_NOTICE_RATE": "0.5"})
-    load, faults = Load(c, prompts, expected), Faults(c, prompts)
+    load, faults = Load(c, prompts, expected), Faults(c, prompts, expected)
     rng = random.Random(7)
     try:
         with ThreadPoolExecutor(4) as pool:
@@ -191,18 +230,22 @@ def test_no_wrong_answer_under_faults(checkpoint_dir, tmp_path):  # type: ignore
             assert all(pool.integrity_ok for pool in stats.pools), stats
             leaked += sum(pool.in_use for pool in stats.pools) + stats.leases_pinned
         refused = {r: c.metric(c.decode[0], "hybridpd_kv_transfer_failures_total", role="decode", reason=r)
-                   for r in ("lease_expired", "prompt_mismatch", "lease_lost", "timeout", "stale_epoch")}
+                   for r in ("lease_expired", "prompt_mismatch", "bad_params", "lease_lost", "timeout", "stale_epoch")}
+        refused_p = {r: c.metric(c.prefill[0], "hybridpd_kv_transfer_failures_total", role="prefill", reason=r)
+                     for r in ("commit_params_forged", "commit_pages_mismatch", "commit_prompt_mismatch")}
         report = {"requests": load.sent, "ok": load.ok, "wrong_200": load.wrong, "errors": load.errors,
                   "error_statuses": load.statuses,
                   "faults": faults.injected, "hostile_calls_accepted": faults.hostile_accepted,
+                  "hostile_wrong_tokens": faults.hostile_wrong,
                   "leaked_pages_after_idle": leaked, "restart_s": [round(s, 1) for s in faults.recovery_s],
-                  "decode_refusals": refused}
+                  "decode_refusals": refused, "prefill_commit_refusals": refused_p}
         print(json.dumps(report))
         if os.environ.get("HYBRIDPD_CHAOS_REPORT"):
             with open(os.environ["HYBRIDPD_CHAOS_REPORT"], "w") as f:
                 json.dump(report, f, indent=1)
         assert load.wrong == 0, report
-        assert faults.hostile_accepted == 0, report
+        assert faults.hostile_accepted == 0 and faults.hostile_wrong == 0, report
+        assert faults.injected.get("altered_params", 0) + faults.injected.get("hostile_call_failed", 0) > 0, report
         assert leaked == 0, report
         assert load.ok > 0 and sum(faults.injected.values()) >= 3, report
         # and the cluster answers correctly again soon after the storm (the proxy reconnects to restarted workers)

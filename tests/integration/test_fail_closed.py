@@ -4,6 +4,8 @@
   and answers (and caches) the right tokens;
 - cache poisoning: Generate(prompt A, params of prompt B), with B's digest and with a digest forged to match A ->
   refused before the pull, or pulled and refused by P's Commit; A's later requests are right;
+- altered pages: Generate(A, A's params carrying B's block ids and slots) -> P's Commit finds its signature broken,
+  D recomputes, and three later requests for A through the proxy are right;
 - the cluster token over mutual TLS: plaintext fails; without the token every worker RPC (Prefill, Release, Generate,
   Abort, Stats) is UNAUTHENTICATED;
   with it the proxy serves requests end to end.
@@ -28,6 +30,7 @@ from kvtransfer.binding import prompt_digest
 from proto import hybridpd_pb2 as pb
 from proto import hybridpd_pb2_grpc as pb_grpc
 from tests.oracle import random_prompts
+from tests.support.param_attacks import with_pages_of
 
 pytestmark = pytest.mark.slow
 NEW = 8
@@ -112,8 +115,20 @@ def test_stale_lease_and_forged_params_never_give_wrong_tokens(checkpoint_dir): 
         forged.prompt_digest = prompt_digest(a, len(a) - 1)
         assert _generate(c, "b2", a, forged) == expected[1]
         assert _failures(c, "decode", "lease_lost") == 1
-        assert _failures(c, "prefill", "commit_prompt_mismatch") == 1
+        assert _failures(c, "prefill", "commit_params_forged") == 1  # P's signature no longer matches
         assert _generate(c, "a-later", a, None) == expected[1]
+
+        # altered pages: A's params (signed by P) carrying B's block ids and state slots. D pulls B's KV; P's Commit
+        # finds its signature broken; D recomputes A. Later requests for A through the proxy are right.
+        tp_a, tp_b = _prefill(c, "A", a), _prefill(c, "B", b)
+        assert _generate(c, "A", a, with_pages_of(tp_a, tp_b)) == expected[1]
+        assert _failures(c, "prefill", "commit_params_forged") == 2
+        assert _failures(c, "decode", "lease_lost") == 2
+        for _ in range(3):
+            r = httpx.post(f"{c.url}/v1/completions", json={"model": c.model_name, "prompt": a, "max_tokens": NEW,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[1], r.text
+        assert _generate(c, "B", b, tp_b) == expected[2]  # B's own lease was left alone
 
         # nothing stays pinned or leaked once the leases are over
         deadline = time.time() + 10

@@ -33,6 +33,8 @@ from openai import OpenAI
 from deploy.prometheus.targets import TARGETS_DIR, targets_from_cluster
 from deploy.ray_launcher import free_port
 from tests.polling import wait_for
+from tests.support.proc_sockets import listeners, tree
+from tests.support.secret_scan import scan
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +85,7 @@ class Serve:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.marker = marker
+        self.ray_root = env["RAY_TMPDIR"]
         exe = Path(sys.executable).with_name("hybridpd")  # the console script (DESIGN.md contract)
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "deploy.cli"]
         with open(log, "wb") as out:
@@ -252,11 +255,18 @@ def test_serve_openai_client_restart_and_sigint(checkpoint_dir: Callable[[str], 
     text2, ids2, _ = _complete(client, card.id)
     assert (text2, ids2) == (text, ids), "output after the decode worker's restart differs"
 
-    # Ctrl-C: the proxy, the workers and Ray stop
+    # Ctrl-C: the proxy, the workers and Ray stop; Ray's temp dir goes too, and no file holds the cluster token
+    (worker,) = _workers(serve.marker, "prefill")
+    token_file = next(kv.split(b"=", 1)[1] for kv in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+                      if kv.startswith(b"HYBRIDPD_CLUSTER_TOKEN_FILE="))
+    token = Path(token_file.decode()).read_text().strip()
     exit_s = serve.interrupt()
     assert serve.proc.returncode == 0, serve.log_tail()
     serve.assert_nothing_left()
     assert not targets.exists(), "the targets file outlived the cluster"
+    assert not os.listdir(serve.ray_root), "Ray's temp dir outlived serve"
+    found = scan({"cluster_token": token}, [serve.ray_root, str(serve.log), tempfile.gettempdir()])
+    assert found.total_hits() == 0, found.hits
     print(f"\nserve: healthy after {startup_s:.0f} s, decode worker back after {restart_s:.0f} s, "
           f"exit {exit_s:.1f} s after SIGINT")
 
@@ -278,6 +288,9 @@ def test_serve_builtin_model(start_serve: Callable[[list[str], str], Serve], tmp
     assert len(ids) == MAX_TOKENS
     workers = _workers(serve.marker)
     assert len(workers) == 2 and all(str(model) in cmd for cmd in workers.values()), workers
+    # --host 127.0.0.1 (the default): every socket of the whole process tree, Ray's included, is on loopback
+    off = [x for x in listeners(tree(serve.proc.pid)) if not x.on_loopback()]
+    assert not off, off
     # SIGKILL of the driver (no cleanup of its own): its orphan reaper takes Ray and the workers down
     t0 = time.time()
     serve.proc.kill()

@@ -148,3 +148,54 @@ def test_membership_proof_needs_the_token_and_covers_the_nonce() -> None:
     assert not verify_membership("other", nonce, "w1", "e1", b"meta", proof)
     assert not verify_membership("secret", new_nonce(), "w1", "e1", b"meta", proof)  # a replayed answer
     assert not verify_membership("secret", nonce, "w1", "e1", b"other-meta", proof)
+
+
+def test_commit_refuses_forged_params_and_pages_outside_the_offer_and_ends_the_lease() -> None:
+    from kvtransfer.lease import CommitRefused, Offer
+
+    t, _, _ = table()
+    offer = Offer(blocks={0: (4, 5, 6)}, states={1: (2, 9)})
+    for rid, kwargs, reason in (
+        ("r1", {"params_authentic": False, "pages_read": {0: (5, 6), 1: (2,)}}, "params_forged"),
+        ("r2", {"pages_read": {0: (4, 6), 1: (2,)}}, "pages_mismatch"),  # a block of another position
+        ("r3", {"pages_read": {0: (5, 6), 1: (9,)}}, "pages_mismatch"),  # the checkpoint, not the running state
+        ("r4", {"pages_read": {0: (5, 6), 1: (2,), 3: (1,)}}, "pages_mismatch"),  # a group not offered
+        ("r5", {"pages_read": {0: (6,)}}, "pages_mismatch"),  # a recurrent group's state not read
+        ("r6", {}, "pages_mismatch"),  # nothing said about what was read
+    ):
+        t.grant(rid, {0: [4, 5, 6], 1: [2, 9]}, token="tok", offer=offer)
+        with pytest.raises(CommitRefused) as e:
+            t.commit(rid, "e1", "tok", b"", **kwargs)  # type: ignore[arg-type]
+        assert e.value.reason == reason and rid not in t, rid
+    for read in ({0: (4, 5, 6), 1: (2, 9)}, {0: (6,), 1: (2,)}, {1: (2, 9)}):  # suffixes past D's own hit
+        t.grant("ok", {0: [4, 5, 6], 1: [2, 9]}, token="tok", offer=offer)
+        assert t.commit("ok", "e1", "tok", b"", pages_read=read).request_id == "ok"
+    t.check_integrity()
+
+
+def test_params_mac_covers_every_field_and_the_request_id() -> None:
+    from kvtransfer.binding import new_mac_key, params_mac, verify_params_mac
+    from proto import hybridpd_pb2 as pb
+
+    key = new_mac_key()
+    tp = pb.TransferParams(worker_id="w", epoch="e", prefill_address="p:1", state_slot=3, num_computed_tokens=40,
+                           num_prompt_tokens=41, lease_expiry_unix=1.5e9, checkpoint_slot=7,
+                           checkpoint_num_tokens=32, lease_token="tok", prompt_digest=b"d" * 32,
+                           groups=[pb.GroupBlocks(group_id=1, block_ids=[4, 5, 6])],
+                           states=[pb.GroupStates(group_id=0, state_slot=3, checkpoint_slot=7)])
+    tp.mac = params_mac(key, "r1", tp)
+    assert verify_params_mac(key, "r1", tp)
+    assert not verify_params_mac(key, "r2", tp) and not verify_params_mac(new_mac_key(), "r1", tp)
+    fields = [f.name for f in pb.TransferParams.DESCRIPTOR.fields if f.name != "mac"]
+    for name in fields:
+        altered = pb.TransferParams()
+        altered.CopyFrom(tp)
+        if name == "groups":
+            altered.groups[0].block_ids[0] = 9
+        elif name == "states":
+            altered.states[0].checkpoint_slot = 8
+        else:
+            value = getattr(tp, name)
+            setattr(altered, name, value + (b"x" if isinstance(value, bytes) else "x" if isinstance(value, str) else 1))
+        assert not verify_params_mac(key, "r1", altered), name
+    assert len(fields) == 13  # a new TransferParams field must be added to the MAC (kvtransfer.binding)

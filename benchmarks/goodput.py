@@ -1,0 +1,523 @@
+"""Goodput per GPU of PD versus colocated serving on the same GPUs, behind the same proxy (DistServe's experiment).
+
+    python benchmarks/goodput.py --preset nemotron-h-8b --gpus 0,1 --workloads long --out-dir out/goodput
+    python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 1,2 --duration 3      # smoke run, tiny model
+
+For each configuration (`CONFIGS`: N colocated replicas behind least-loaded routing; 1P1D; the adaptive policy
+when the proxy offers it) the script starts the workers and the proxy as plain processes (`hybridpd worker` /
+`hybridpd proxy`, no Ray), warms them up (kernel compilation and CUDA-graph capture happen there, never in a
+measured run), measures latencies at low load (one request at a time: TTFT, TPOT, and the decode worker's own
+decode step from its `hybridpd_engine_step_seconds` counters), then sweeps open-loop arrival rates (Poisson or
+bursty, benchmarks/goodput_workloads.py) for each workload. SLO attainment, goodput and the table come from
+benchmarks/goodput_report.py. Writes goodput.json (+ PNGs with matplotlib) to --out-dir and prints the table last.
+
+Rates are requests per second to the whole cluster; every configuration uses the same GPUs, so goodput per GPU is
+the figure to compare. A sweep stops early at a rate where even the loose SLO's attainment is below --stop-below,
+and the whole run skips what would start after --deadline-s (recorded as skipped). The run records the device,
+the workers' path (fast / reference) and package versions, and refuses to measure a CUDA worker on the reference
+path unless --allow-reference-path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.goodput_report import Outcome, config_goodput, plot, summarize_rate, table, write_json  # noqa: E402
+from benchmarks.goodput_workloads import LONGEST, WORKLOADS, Req, Shape, arrival_times  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A way to use the GPUs: `num_prefill` P workers on the first GPUs, `num_decode` D (or colocated) workers on
+    the next; `routing` is the proxy's --routing. `num_decode` None: one colocated replica per GPU."""
+
+    name: str
+    num_prefill: int
+    num_decode: int | None
+    colocated: bool
+    routing: str
+
+    def decode_count(self, num_gpus: int) -> int:
+        return self.num_decode if self.num_decode is not None else num_gpus
+
+    def num_gpus(self, num_gpus: int) -> int:
+        return self.num_prefill + self.decode_count(num_gpus)
+
+
+CONFIGS = {
+    "colocated": ClusterConfig("colocated", 0, None, True, "least_loaded"),
+    "1p1d": ClusterConfig("1p1d", 1, 1, False, "least_loaded"),
+    "adaptive": ClusterConfig("adaptive", 1, 1, False, "adaptive"),
+}
+"""Add a configuration here (and name it in --configs). One whose routing the proxy does not offer is skipped."""
+
+
+def proxy_routings() -> tuple[str, ...]:
+    from proxy.config import RoutingPolicy
+
+    return typing.get_args(RoutingPolicy)
+
+
+# -- the cluster -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    prefill: list[Any]
+    decode: list[Any]
+    proxy: subprocess.Popen
+    url: str
+    model_name: str
+
+    def stop(self) -> None:
+        self.proxy.terminate()
+        try:
+            self.proxy.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proxy.kill()
+        for w in self.prefill + self.decode:
+            w.stop()
+
+
+def launch(
+    cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[str], on_cuda: bool, max_model_len: int
+) -> Running:
+    from deploy.local_cluster import _wait_healthy
+    from deploy.ray_launcher import WorkerProcess, free_port
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    n_dec = cfg.decode_count(len(gpus))
+    roles = ["prefill"] * cfg.num_prefill + ["colocated" if cfg.colocated else "decode"] * n_dec
+    if on_cuda and len(roles) > len(gpus):
+        raise SystemExit(f"{cfg.name} needs {len(roles)} GPUs, --gpus names {len(gpus)}")
+
+    def start(i: int) -> Any:
+        wenv = {**env, **({"CUDA_VISIBLE_DEVICES": gpus[i]} if on_cuda else {})}
+        return WorkerProcess(
+            ["--role", roles[i], "--model", model, *worker_args], env=wenv, restart=False, ready_timeout_s=600
+        )
+
+    with ThreadPoolExecutor(len(roles)) as pool:  # start-up (weights, cache) of every worker at once
+        futures = [pool.submit(start, i) for i in range(len(roles))]
+        workers = []
+        errors = []
+        for f in futures:
+            try:
+                workers.append(f.result())
+            except Exception as e:  # noqa: BLE001 - reported after the others are stopped
+                errors.append(e)
+    if errors:
+        for w in workers:
+            w.stop()
+        raise RuntimeError(f"{cfg.name}: a worker did not start: {errors[0]}")
+    prefill, decode = workers[: cfg.num_prefill], workers[cfg.num_prefill :]
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "proxy",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--routing",
+        cfg.routing,
+        "--max-model-len",
+        str(max_model_len),
+        "--decode",
+        *[w.info["address"] for w in decode],
+    ]
+    cmd += ["--colocated"] if cfg.colocated else ["--prefill", *[w.info["address"] for w in prefill]]
+    log = open(os.path.join(tempfile.gettempdir(), f"hybridpd-goodput-proxy-{port}.log"), "w")
+    proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    if not _wait_healthy(url, proxy, 180):
+        proxy.kill()
+        for w in workers:
+            w.stop()
+        raise RuntimeError(f"{cfg.name}: the proxy did not become healthy (log {log.name})")
+    return Running(prefill, decode, proxy, url, os.path.basename(os.path.normpath(model)))
+
+
+def scrape(worker: Any, name: str, **labels: str) -> float:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{worker.info['metrics_port']}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def decode_step_totals(workers: list[Any]) -> tuple[float, float]:
+    """(seconds, steps) of decode-only steps over the decode (or colocated) workers so far."""
+    return (
+        sum(scrape(w, "hybridpd_engine_step_seconds_total", kind="decode") for w in workers),
+        sum(scrape(w, "hybridpd_engine_steps_total", kind="decode") for w in workers),
+    )
+
+
+def wait_idle(workers: list[Any], timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if all(
+            scrape(w, "hybridpd_num_requests_running") + scrape(w, "hybridpd_num_requests_waiting") == 0
+            for w in workers
+        ):
+            return
+        time.sleep(0.5)
+
+
+# -- the client --------------------------------------------------------------------------------------------------
+
+CLIENT = SimpleNamespace(endpoint="completions", temperature=0.0, ignore_eos=True, stream=True)
+
+
+def outcome(res: Any) -> Outcome:
+    tpot = None
+    if res.ok and res.ttft is not None:
+        tpot = (res.e2e - res.ttft) / (res.output_tokens - 1) if res.output_tokens > 1 else 0.0
+    return Outcome(res.ok and res.ttft is not None, res.ttft, tpot, res.output_tokens)
+
+
+async def open_loop(
+    url: str, model: str, reqs: list[Req], times: list[float], drain_s: float
+) -> tuple[list[Outcome], float]:
+    """Send each request at its arrival time whatever the others do; wait up to `drain_s` after the last arrival,
+    then give up on the rest (counted as misses). Returns the outcomes and the seconds from start to the end."""
+    import httpx
+
+    from deploy.bench_serve import RequestSpec, send_one
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for req, at in zip(reqs, times, strict=True):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            spec = RequestSpec(req.prompt, len(req.prompt), req.max_tokens)
+            tasks.append(asyncio.create_task(send_one(client, CLIENT, model, spec)))  # type: ignore[arg-type]
+        done, pending = await asyncio.wait(tasks, timeout=drain_s)
+        for t in pending:
+            t.cancel()
+        elapsed = time.perf_counter() - t0
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    return [outcome(t.result()) if t in done else Outcome(False, None, None, 0) for t in tasks], elapsed
+
+
+async def one_at_a_time(url: str, model: str, reqs: list[Req]) -> list[Outcome]:
+    out = []
+    for r in reqs:
+        got, _ = await open_loop(url, model, [r], [0.0], drain_s=600)
+        out += got
+    return out
+
+
+# -- the experiment ----------------------------------------------------------------------------------------------
+
+
+def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> None:
+    """Two requests alone (prefill and batch-1 decode compile), then a burst whose batch shrinks through every
+    decode graph size as its requests end; prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
+    rng = random.Random(args.seed + 999)
+    n = args.warmup_requests + 2
+    # staggered lengths: the burst's requests end one after another, so its batch passes through every size
+    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // n) for i, r in enumerate(make(rng, n))]
+    asyncio.run(one_at_a_time(run.url, run.model_name, reqs[:2]))
+    if reqs[2:]:
+        asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
+    wait_idle(run.prefill + run.decode)
+
+
+def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.goodput_report import percentile
+
+    reqs = [
+        Req(r.prompt, min(r.max_tokens, args.low_load_max_tokens))
+        for r in make(random.Random(args.seed + 7), args.low_load)
+    ]
+    s0, n0 = decode_step_totals(run.decode)
+    got = asyncio.run(one_at_a_time(run.url, run.model_name, reqs))
+    time.sleep(0.1)
+    wait_idle(run.decode, 10)
+    s1, n1 = decode_step_totals(run.decode)
+    ok = [o for o in got if o.ok]
+    step_ms = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    tpot_p50 = 1e3 * percentile([o.tpot_s for o in ok if o.tpot_s is not None and o.output_tokens > 1], 0.5)
+    return {
+        "requests": len(got),
+        "completed": len(ok),
+        "ttft_p50_ms": 1e3 * percentile([o.ttft_s for o in ok if o.ttft_s is not None], 0.5),
+        "tpot_p50_ms": tpot_p50,
+        "decode_step_ms": step_ms,
+        "tpot_over_step": tpot_p50 / step_ms if step_ms else None,
+    }
+
+
+def sweep(
+    run: Running, make: Any, args: argparse.Namespace, arrival: str, deadline: float
+) -> tuple[list[dict[str, Any]], list[float]]:
+    rows, skipped = [], []
+    for i, rate in enumerate(args.rates):
+        if time.time() + args.duration > deadline:
+            skipped.append(rate)
+            continue
+        rng = random.Random(args.seed * 1000 + i)
+        times = arrival_times(rng, rate, args.duration, arrival)
+        reqs = make(rng, len(times))
+        s0, n0 = decode_step_totals(run.decode)
+        got, elapsed = asyncio.run(open_loop(run.url, run.model_name, reqs, times, args.drain))
+        row = summarize_rate(rate, got, elapsed)
+        wait_idle(run.prefill + run.decode, 60)
+        s1, n1 = decode_step_totals(run.decode)
+        # the decode workers' decode-only steps at this load (steps with a prompt chunk excluded: colocated TPOT
+        # also waits for those, so its ratio is higher by design)
+        row["decode_step_ms"] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+        row["tpot_over_step"] = row["tpot_ms"]["p50"] / row["decode_step_ms"] if row["decode_step_ms"] else None
+        row["samples"] = {"ttft_s": [o.ttft_s for o in got], "tpot_s": [o.tpot_s for o in got]}
+        rows.append(row)
+        att = row["attainment"]
+        print(
+            f"  rate {rate:g}/s: {row['completed']}/{row['sent']} done, attainment tight "
+            f"{att['tight']['both']:.2f} loose {att['loose']['both']:.2f}, TTFT p50 {row['ttft_ms']['p50']:.0f} "
+            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms, D decode step {row['decode_step_ms'] or 0:.1f} ms",
+            flush=True,
+        )
+        if att["loose"]["both"] < args.stop_below:
+            skipped += args.rates[i + 1 :]
+            break
+    return rows, skipped
+
+
+def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+    for pkg in ("torch", "triton", "nixl", "fla-core", "grpcio", "transformers"):
+        try:
+            env[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            env[pkg] = None
+    try:
+        env["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        env["commit"] = None
+    if on_cuda:  # from nvidia-smi: no CUDA context in this process (the workers get the whole GPU)
+        try:
+            names = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.splitlines()
+            by_index = dict(line.split(", ", 1) for line in names if ", " in line)
+            env["gpus"] = [by_index.get(g.strip(), "?") for g in args.gpus.split(",")]
+        except (OSError, subprocess.SubprocessError):
+            env["gpus"] = None
+    return env
+
+
+def check_path(run: Running, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The workers' device / dtype / path (from their ready line). A CUDA worker on the reference path ends the
+    run unless --allow-reference-path."""
+    infos = [
+        {k: w.info.get(k) for k in ("role", "device", "dtype", "fast_path", "cuda_graphs")}
+        for w in run.prefill + run.decode
+    ]
+    slow = [i for i in infos if str(i["device"]).startswith("cuda") and not i["fast_path"]]
+    if slow and not args.allow_reference_path:
+        run.stop()
+        raise SystemExit(
+            "a CUDA worker runs the reference path (fla-core missing?): not measuring it "
+            "(--allow-reference-path to measure anyway)"
+        )
+    return infos
+
+
+def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[str, list[str], int, int]:
+    from benchmarks.offline_throughput import PATTERN, SIZES
+    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+
+    longest = max(shape.n(LONGEST[w]) for w in args.workloads) + 64
+    wargs = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(longest),
+    ]
+    if args.model:
+        model = args.model
+    elif args.preset:
+        model = write_preset_checkpoint(f"{tmp}/model", args.preset, weights=False)
+        wargs += ["--load-format", "dummy"]
+    else:
+        overrides = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}
+        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)  # type: ignore[arg-type]
+    if args.kv_cache_memory_bytes:
+        wargs += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    elif args.device != "cpu":
+        wargs += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.allow_reference_path:
+        wargs.append("--allow-reference-path")
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = int(json.load(f).get("vocab_size", 256))
+    return model, wargs + list(args.worker_arg or []), longest, vocab
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: --preset or --family/--size)")
+    ap.add_argument("--preset", default=None, help="full-size shape (engine.models.checkpoint.PRESETS), dummy weights")
+    ap.add_argument("--family", default="nemotron_h")
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--gpus", default="0,1", help="CUDA devices the configurations share (in order)")
+    ap.add_argument("--configs", default="colocated,1p1d,adaptive", help=f"of {sorted(CONFIGS)}")
+    ap.add_argument("--workloads", default="long", help=f"of {sorted(WORKLOADS)}")
+    ap.add_argument("--arrivals", default="poisson", help="poisson,bursty")
+    ap.add_argument("--rates", default="1,2,3,4,6", help="requests/s to the whole cluster, ascending")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
+    ap.add_argument("--drain", type=float, default=20.0, help="seconds to wait for requests after the last arrival")
+    ap.add_argument("--stop-below", type=float, default=0.5, help="stop a sweep once loose attainment falls below")
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="skip what would start after this many seconds")
+    ap.add_argument("--warmup-requests", type=int, default=48)
+    ap.add_argument("--low-load", type=int, default=6, help="requests sent one at a time before the sweep (0: off)")
+    ap.add_argument("--low-load-max-tokens", type=int, default=64)
+    ap.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (CPU: ~0.01)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    ap.add_argument(
+        "--worker-arg",
+        action="append",
+        default=None,
+        help="an extra worker flag (repeatable; --worker-arg=--enforce-eager)",
+    )
+    ap.add_argument("--allow-reference-path", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="goodput_out")
+    args = ap.parse_args(argv)
+    args.rates = sorted(float(r) for r in args.rates.split(","))
+    args.configs = [c for c in args.configs.split(",") if c]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.arrivals = [a for a in args.arrivals.split(",") if a]
+    for name, known in (("configs", CONFIGS), ("workloads", WORKLOADS)):
+        bad = [x for x in getattr(args, name) if x not in known]
+        if bad:
+            ap.error(f"unknown {name}: {bad} (known: {sorted(known)})")
+    if args.device == "auto" or args.dtype == "auto":
+        from engine.device import resolve_device, resolve_dtype
+
+        args.device = resolve_device(args.device)
+        args.dtype = resolve_dtype(args.dtype, args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    deadline = start + args.deadline_s
+    on_cuda = args.device.startswith("cuda")
+    gpus = args.gpus.split(",")
+    shape_scale = args.len_scale
+    doc: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items()},
+        "environment": environment(args, on_cuda),
+        "results": [],
+        "skipped": [],
+    }
+    routings = proxy_routings()
+    with tempfile.TemporaryDirectory() as tmp:
+        model, wargs, longest, vocab = model_and_args(args, tmp, Shape(256, shape_scale))
+        shape = Shape(vocab, shape_scale)
+        runnable = []
+        for name in args.configs:
+            if CONFIGS[name].routing in routings:
+                runnable.append(name)
+            else:
+                print(
+                    f"{name}: skipped (the proxy has no --routing {CONFIGS[name].routing}; it offers {list(routings)})"
+                )
+                doc["skipped"].append({"config": name, "why": f"proxy routing {CONFIGS[name].routing!r} not available"})
+        for i, name in enumerate(runnable):
+            cfg = CONFIGS[name]
+            share = time.time() + (deadline - time.time()) / (len(runnable) - i)  # each configuration its share
+            if time.time() + 60 > deadline:
+                doc["skipped"].append({"config": name, "why": "deadline"})
+                continue
+            print(f"== {name}: starting", flush=True)
+            run = launch(cfg, model, gpus, wargs, on_cuda, longest)
+            try:
+                workers = check_path(run, args)
+                n_gpus = cfg.num_gpus(len(gpus))
+                for wl in args.workloads:
+                    make = WORKLOADS[wl](shape)
+                    warm_up(run, make, args, shape)
+                    low = low_load(run, make, args) if args.low_load else None
+                    for arrival in args.arrivals:
+                        print(f"== {name} / {wl} / {arrival}", flush=True)
+                        rows, skipped = sweep(run, make, args, arrival, share)
+                        doc["results"].append(
+                            {
+                                "config": name,
+                                "workload": wl,
+                                "arrival": arrival,
+                                "num_gpus": n_gpus,
+                                "workers": workers,
+                                "low_load": low,
+                                "rates": rows,
+                                "skipped_rates": skipped,
+                                "goodput": config_goodput(rows, n_gpus) if rows else {},
+                            }
+                        )
+            finally:
+                run.stop()
+    doc["elapsed_s"] = time.time() - start
+    os.makedirs(args.out_dir, exist_ok=True)
+    doc["plots"] = plot(doc["results"], args.out_dir)
+    write_json(os.path.join(args.out_dir, "goodput.json"), doc)
+    print(
+        f"\ndevice {doc['environment'].get('gpus') or 'cpu'}, {args.dtype}, elapsed {doc['elapsed_s']:.0f} s, "
+        f"JSON {os.path.join(args.out_dir, 'goodput.json')}"
+    )
+    print(table(doc["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

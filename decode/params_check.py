@@ -1,0 +1,51 @@
+"""What D checks in transfer params before it pulls anything (step thread; tensor-free).
+
+D cannot check P's MAC (the key never leaves P): P's Commit does, after the READ and before D uses a byte of it.
+What D can check up front it does, so that malformed or altered params cost no READ: the params are signed at all,
+name this prompt's length, exactly this model's groups, as many blocks per attention group as the tokens need, no
+page twice, and a checkpoint that is consistent. The prompt digest and the lease's expiry are checked by the
+consumer itself (decode/consumer.py)."""
+
+from __future__ import annotations
+
+from engine.core import EngineCore
+from engine.request import Request
+from engine.transfer import export_pages_needed, recurrent_group_ids
+from kvtransfer.binding import MAC_BYTES
+from proto import hybridpd_pb2 as pb
+
+
+def _distinct(ids: list[int]) -> bool:
+    return len(set(ids)) == len(ids) and all(i >= 0 for i in ids)
+
+
+def params_problem(core: EngineCore, req: Request, tp: pb.TransferParams) -> str | None:
+    """Why these params cannot be P's for `req` (a short phrase), or None when nothing visible from here is wrong."""
+    n = int(tp.num_computed_tokens)
+    if len(tp.mac) != MAC_BYTES:
+        return "unsigned params"
+    if tp.num_prompt_tokens != req.num_prompt_tokens:
+        return f"params name a prompt of {tp.num_prompt_tokens} tokens, this one has {req.num_prompt_tokens}"
+    need = export_pages_needed(core, n)
+    named = [int(g.group_id) for g in tp.groups]
+    if sorted(named) != sorted(need):
+        return f"params name attention groups {named}, the model has {sorted(need)}"
+    for g in tp.groups:
+        ids = [int(b) for b in g.block_ids]
+        if len(ids) != need[g.group_id] or not _distinct(ids):
+            return f"group {g.group_id}: {len(ids)} block ids for {n} tokens (want {need[g.group_id]} distinct)"
+    recurrent = sorted(recurrent_group_ids(core))
+    states = [int(s.group_id) for s in tp.states]
+    if tp.states and sorted(states) != recurrent:
+        return f"params name recurrent groups {states}, the model has {recurrent}"
+    slots = [(int(s.state_slot), int(s.checkpoint_slot)) for s in tp.states]
+    if any(s < 0 or c < 0 or (c and c == s) for s, c in slots):
+        return "a recurrent group's state and checkpoint slots are not two distinct slots"
+    named_checkpoint = [c != 0 for _, c in slots]
+    if slots and (
+        any(named_checkpoint) != all(named_checkpoint) or any(named_checkpoint) != (tp.checkpoint_num_tokens > 0)
+    ):
+        return "a checkpoint named in some groups only, or without its token count"
+    if not 0 <= tp.checkpoint_num_tokens <= n:
+        return f"checkpoint at {tp.checkpoint_num_tokens} tokens, past the {n} transferred"
+    return None

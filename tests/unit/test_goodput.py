@@ -1,0 +1,155 @@
+"""benchmarks/goodput.py: SLO attainment and goodput arithmetic, the workloads and arrival processes, and one tiny
+end-to-end run on CPU (1P1D behind the proxy, real workers)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from benchmarks.goodput_report import SLOS, Outcome, attainment, config_goodput, goodput, meets, table
+from benchmarks.goodput_workloads import WORKLOADS, Shape, arrival_times
+
+TIGHT, LOOSE = SLOS
+
+
+def test_meets_needs_both_targets_and_completion() -> None:
+    assert meets(Outcome(True, 0.9, 0.024, 10), TIGHT)
+    assert not meets(Outcome(True, 1.1, 0.010, 10), TIGHT)  # TTFT
+    assert not meets(Outcome(True, 0.5, 0.030, 10), TIGHT)  # TPOT
+    assert meets(Outcome(True, 0.5, 0.030, 10), TIGHT, tpot=False)
+    assert not meets(Outcome(False, None, None, 0), LOOSE)  # a failed request is a miss
+    assert meets(Outcome(True, 1.5, 0.050, 10), LOOSE)
+
+
+def test_attainment_counts_failures_as_misses() -> None:
+    got = [Outcome(True, 0.1, 0.01, 5)] * 9 + [Outcome(False, None, None, 0)]
+    assert attainment(got, TIGHT) == pytest.approx(0.9)
+
+
+def test_goodput_is_the_last_rate_of_the_passing_prefix() -> None:
+    assert goodput([(1, 1.0), (2, 0.95), (4, 0.5), (6, 0.95)]) == {
+        "measured": 2,
+        "interpolated": pytest.approx(2 + 2 * (0.95 - 0.9) / (0.95 - 0.5)),
+    }
+    assert goodput([(1, 0.5), (2, 0.99)])["measured"] == 0  # the lowest rate failed: no goodput
+    assert goodput([(3, 0.99), (1, 1.0)])["measured"] == 3  # order of the points does not matter
+
+
+def test_config_goodput_per_gpu() -> None:
+    rows = [{"rate": r, "attainment": {s.name: {"both": a} for s in SLOS}} for r, a in ((2, 1.0), (4, 0.92), (6, 0.3))]
+    g = config_goodput(rows, num_gpus=2)
+    assert g["tight"]["measured"] == 4 and g["tight"]["per_gpu"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workloads_stay_in_their_documented_ranges(name: str) -> None:
+    reqs = WORKLOADS[name](Shape(vocab=1000))(random.Random(0), 200)
+    lens = [len(r.prompt) for r in reqs]
+    outs = [r.max_tokens for r in reqs]
+    assert all(0 <= t < 1000 for r in reqs[:5] for t in r.prompt)
+    if name == "long":
+        assert 2048 <= min(lens) and max(lens) <= 8192 and 128 <= min(outs) and max(outs) <= 256
+    elif name == "chat":
+        assert 32 <= min(lens) and max(lens) <= 6000 and 16 <= min(outs) and max(outs) <= 1024
+        assert statistics.median(lens) < statistics.mean(lens)  # heavy right tail
+    else:  # every request shares the system prompt; later turns extend earlier ones
+        assert all(r.prompt[:1024] == reqs[0].prompt[:1024] for r in reqs)
+        assert sum(any(o.prompt == r.prompt[: len(o.prompt)] for o in reqs[:i]) for i, r in enumerate(reqs)) > 100
+
+
+@pytest.mark.parametrize("process", ["poisson", "bursty"])
+def test_arrivals_have_the_asked_mean_rate(process: str) -> None:
+    times = arrival_times(random.Random(1), rate=20.0, duration_s=200.0, process=process)
+    assert len(times) / 200.0 == pytest.approx(20.0, rel=0.1) and times == sorted(times) and times[-1] < 200
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    cv = statistics.pstdev(gaps) / statistics.mean(gaps)
+    assert cv == pytest.approx(1.0 if process == "poisson" else 2.0, rel=0.2)
+
+
+def test_table_has_one_row_per_result() -> None:
+    res = [
+        {
+            "workload": "long",
+            "arrival": "poisson",
+            "config": c,
+            "num_gpus": 2,
+            "goodput": {"tight": {"measured": 1.0, "per_gpu": 0.5}, "loose": {"measured": 2.0, "per_gpu": 1.0}},
+            "low_load": {"ttft_p50_ms": 10.0, "tpot_p50_ms": 5.0, "decode_step_ms": 4.0, "tpot_over_step": 1.25},
+        }
+        for c in ("colocated", "1p1d")
+    ]
+    lines = table(res).splitlines()
+    assert len(lines) == 4 and "1.00 (0.50)" in lines[2] and "1.25" in lines[3]
+
+
+@pytest.mark.slow
+def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks import goodput
+
+    out = tmp_path / "gp"
+    rc = goodput.main(
+        [
+            "--device",
+            "cpu",
+            "--len-scale",
+            "0.01",
+            "--rates",
+            "3",
+            "--duration",
+            "1.5",
+            "--drain",
+            "30",
+            "--warmup-requests",
+            "0",
+            "--low-load",
+            "2",
+            "--low-load-max-tokens",
+            "4",
+            "--gpus",
+            "0",
+            "--configs",
+            "1p1d,adaptive",
+            "--workloads",
+            "long",
+            "--out-dir",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads((out / "goodput.json").read_text())
+    by = {r["config"]: r for r in doc["results"]}
+    assert "1p1d" in by  # (colocated runs the same code with one role; adaptive when the proxy offers it)
+    for r in by.values():
+        assert r["rates"][0]["sent"] >= 1 and r["rates"][0]["completed"] == r["rates"][0]["sent"]
+        assert r["low_load"]["completed"] == 2 and r["low_load"]["decode_step_ms"] > 0
+        assert r["workers"][0]["device"] == "cpu" and r["workers"][0]["dtype"] == "float32"
+    assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
+    assert doc["environment"]["torch"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("| long | poisson |")  # the table is printed last
+
+
+def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks import goodput
+
+    stopped = []
+
+    def running(fast: bool) -> goodput.Running:
+        w = SimpleNamespace(
+            info={"role": "decode", "device": "cuda:0", "dtype": "bfloat16", "fast_path": fast, "cuda_graphs": fast}
+        )
+        run = goodput.Running([], [w], None, "", "m")  # type: ignore[arg-type]
+        run.stop = lambda: stopped.append(1)  # type: ignore[method-assign]
+        return run
+
+    with pytest.raises(SystemExit, match="reference path"):
+        goodput.check_path(running(False), SimpleNamespace(allow_reference_path=False))  # type: ignore[arg-type]
+    assert stopped == [1]  # the cluster is stopped before refusing
+    told = goodput.check_path(running(False), SimpleNamespace(allow_reference_path=True))  # type: ignore[arg-type]
+    assert told[0]["fast_path"] is False
+    assert goodput.check_path(running(True), SimpleNamespace(allow_reference_path=False))[0]["device"] == "cuda:0"  # type: ignore[arg-type]
