@@ -17,6 +17,9 @@ suffixes, superseded turns, decode tails), so eviction runs throughout; the GiB 
   agentic        agent loops: system prompt + one of 4 long shared tool outputs (2,000) + a task; each step appends
                  the answer and a 300-token tool result; the next step arrives when the previous finished
   no_reuse       unique prompts (capacity: how many attention blocks running requests can hold)
+  chat_after_shared  workload shift: 1,000 few_shot requests, then multi_turn's chats in the same cache
+  prefix_shift   workload shift: current's shape (1,500 requests), then the same with 30 new prefixes
+                 (both: `phase` figures count the second part only, ratio to its first-reuse bound)
 
 Policies (all on the same one-arena control plane unless noted: the engine's plan, where a checkpoint slot is the
 memory of k attention blocks; `--no-arena` runs them on the byte budget with checkpoint ids outside it, as before):
@@ -96,6 +99,8 @@ class Workload:
     items: list[Item]
     budget_gib: float
     notes: str = ""
+    measured_from: int = 0
+    """Index of the first request the phase figures (`phase_ratio`) count (0: the whole workload)."""
 
 
 # -- token streams -------------------------------------------------------------------------------------------------
@@ -133,15 +138,16 @@ def few_shot(rng: random.Random, scale: float) -> Workload:
     return Workload("few_shot", items, 6.0, "8 x 3,000-token few-shot prefixes + unique 50-150, 30 decode")
 
 
-def chains(rng: random.Random, starts: list[list[int]], steps: int, extra: object, out_len: tuple[int, int]
-           ) -> list[Item]:
+def chains(rng: random.Random, starts: list[list[int]], steps: int, extra: object, out_len: tuple[int, int],
+           first_index: int = 0) -> list[Item]:
     """Closed-loop sessions: step t+1's prompt = step t's prompt + its answer + extra(rng); it arrives when step t
-    finished. Sessions interleave (indices are assigned in a shuffled start order)."""
+    finished. Sessions interleave (indices are assigned in a shuffled start order). `first_index`: the workload
+    index of the first item (answers are a function of it; `after` holds workload indices)."""
     items: list[Item] = []
     for start in starts:
         prompt, prev = start, None
         for _ in range(steps):
-            i = len(items)
+            i = first_index + len(items)
             n_out = rng.randint(*out_len)
             items.append(Item(prompt, n_out, prev))
             prompt = prompt + answer(len(prompt), i, n_out) + extra(rng)  # type: ignore[operator]
@@ -173,8 +179,39 @@ def no_reuse(rng: random.Random, scale: float) -> Workload:
     return Workload("no_reuse", items, 20.0, "unique 500-3,000-token prompts, 50 decode (the issue's 20 GiB)")
 
 
+def chat_after_shared(rng: random.Random, scale: float) -> Workload:
+    """A workload shift: a shared-prefix phase (few-shot prefixes, hits on their checkpoints) and then, in the same
+    cache, multi-turn chats; the phase figures count the chats only (alone, multi_turn reaches 1.00)."""
+    shots = [toks(rng, 3000) for _ in range(8)]
+    first = [Item(rng.choice(shots) + toks(rng, rng.randint(50, 150)), 30) for _ in range(int(1000 * scale))]
+    starts = [toks(rng, rng.randint(100, 600)) for _ in range(int(160 * scale))]
+    n = len(first)
+    chats = chains(rng, starts, 6, lambda r: toks(r, r.randint(50, 300)), (50, 250), first_index=n)
+    tail = list(range(max(0, n - 64), n))  # a chat starts when one of the phase's last requests finished
+    for it in chats:
+        if it.after is None:
+            it.after = tail[rng.randrange(len(tail))]
+    return Workload("chat_after_shared", first + chats, 18.0, "1,000 few_shot requests, then multi_turn's 160 "
+                    "chats in the same cache (phase figures: the chats)", measured_from=n)
+
+
+def prefix_shift(rng: random.Random, scale: float) -> Workload:
+    """A workload shift: `current`'s shape with 30 prefixes, then the same with 30 new ones in the same cache (the
+    phase figures count the second half): the first prefixes' popularity must age out."""
+    old, new = ([toks(rng, 2000) for _ in range(30)] for _ in range(2))
+    n = int(1500 * scale)
+    first = [Item(old[i % 30] + toks(rng, 500), 100) for i in range(n)]
+    second = [Item(new[i % 30] + toks(rng, 500), 100) for i in range(n)]
+    rng.shuffle(first)
+    rng.shuffle(second)
+    for it in second:
+        it.after = n - 1 - rng.randrange(min(64, n))
+    return Workload("prefix_shift", first + second, 10.0, "current's shape, then 30 new prefixes in the same cache "
+                    "(phase figures: the second half)", measured_from=n)
+
+
 WORKLOADS = {f.__name__: f for f in (current, system_prompt, few_shot, multi_turn, multi_turn_tight, agentic,
-                                     no_reuse)}
+                                     no_reuse, chat_after_shared, prefix_shift)}
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -187,6 +224,8 @@ class Theoretical:
     ends: set[bytes] = field(default_factory=set)
     hits: int = 0
     reachable: int = 0
+    per_request: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """request id -> (theoretical hit tokens, first-reuse bound tokens)."""
 
     def admit(self, req: Request) -> None:
         cap = (req.num_prompt_tokens - 1) // BS
@@ -197,6 +236,7 @@ class Theoretical:
                 best = n
         self.hits += n * BS
         self.reachable += best * BS
+        self.per_request[req.request_id] = (n * BS, best * BS)
 
     def computed_upto(self, req: Request) -> None:
         hashes = req.block_hashes[: req.num_computed_tokens // BS]
@@ -289,7 +329,19 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         "arena": cache.cache_stats().get("arena"),
     }
     out_["ratio"] = out_["hit_rate"] / out_["theoretical"] if out_["theoretical"] else 1.0  # type: ignore[operator]
+    if w.measured_from:
+        out_["phase"] = phase_figures(reqs[w.measured_from :], theo)
     return out_
+
+
+def phase_figures(reqs: list[Request], theo: Theoretical) -> dict[str, float]:
+    """Hit rate, theoretical and first-reuse bound of `reqs` alone, and ratio = hit rate / first-reuse bound."""
+    prompt = sum(r.num_prompt_tokens for r in reqs)
+    hits = sum(max(r.num_cached_tokens, 0) for r in reqs)
+    bound = sum(theo.per_request[r.request_id][1] for r in reqs)
+    theoretical = sum(theo.per_request[r.request_id][0] for r in reqs)
+    return {"hit_rate": hits / prompt, "theoretical": theoretical / prompt, "first_reuse_bound": bound / prompt,
+            "ratio_to_bound": hits / bound if bound else 1.0}
 
 
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
@@ -316,7 +368,7 @@ def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: 
             n += step
         else:
             step //= 2
-    held = sum(len(cache.block_ids(r.request_id)) for r in [*small, big])
+    held = sum(len(cache.block_tables(r.request_id)[0][1]) for r in [*small, big])
     optimum = (budget - max_num_seqs * STATE_BYTES) // BLOCK_BYTES
     cache.check_integrity()
     return {"blocks_held": held, "optimum_blocks": optimum, "ratio": held / optimum}
@@ -368,6 +420,10 @@ def main() -> None:
             print(f"{name:14s} {pol:6s} hit {r['hit_rate']:.4f} theo {r['theoretical']:.4f} "
                   f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} us/seq-step {r['us_per_seq_step']:.2f} "
                   f"evict {r['evictions']} ckpts {r['checkpoints_admitted']}", flush=True)
+            if "phase" in r:
+                ph = r["phase"]
+                print(f"{'':14s} {pol:6s} phase: hit {ph['hit_rate']:.4f} bound {ph['first_reuse_bound']:.4f} "  # type: ignore[index]
+                      f"ratio to bound {ph['ratio_to_bound']:.4f}", flush=True)  # type: ignore[index]
         if name == "no_reuse":
             for pol in policies:
                 if "error" in results[name][pol]:  # type: ignore[operator]

@@ -90,7 +90,7 @@ def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     t = statistics.median(times)
     gen = args.num_prompts * args.output_len
     steps = llm.engine.stats.num_steps
-    zeroer_launches = getattr(runner.zeroer, "launches", None)
+    zeroer_launches = runner.zero_launches
     del llm, runner, outs  # free this model's caches before the next size allocates its share of the GPU
     import gc
 

@@ -118,16 +118,17 @@ def decode_output(batch: int, ctx: int, blocks_per_seq: int) -> SchedulerOutput:
         nb = -(-ctx // BLOCK)
         first = 1 + i * blocks_per_seq
         seqs.append(ScheduledSeq(request_id=f"r{i}", num_computed_tokens=ctx - 1, token_ids=(7 + i % 200,),
-                                 block_ids=tuple(range(first, first + nb)), state_slot=1 + i, checkpoints=(),
-                                 sample=True))
-    return SchedulerOutput(seqs=tuple(seqs), state_copies=(), fresh_blocks=(), preempted=())
+                                 sample=True, group_block_ids=((0, tuple(range(first, first + nb))),),
+                                 group_state_slots=((1, 1 + i),), group_checkpoints=((1, ()),)))
+    return SchedulerOutput(seqs=tuple(seqs), preempted=())
 
 
 def prefill_output(tokens: int) -> SchedulerOutput:
     nb = -(-tokens // BLOCK)
     seq = ScheduledSeq(request_id="p0", num_computed_tokens=0, token_ids=tuple(i % 250 for i in range(tokens)),
-                       block_ids=tuple(range(1, 1 + nb)), state_slot=1, checkpoints=(), sample=True)
-    return SchedulerOutput(seqs=(seq,), state_copies=(), fresh_blocks=(), preempted=())
+                       sample=True, group_block_ids=((0, tuple(range(1, 1 + nb))),), group_state_slots=((1, 1),),
+                       group_checkpoints=((1, ()),))
+    return SchedulerOutput(seqs=(seq,), preempted=())
 
 
 def timed(fn, warmup: int, steps: int) -> list[float]:  # type: ignore[no-untyped-def]

@@ -69,7 +69,7 @@ class ModelRunner:
         self.views = GroupViews.of(groups, num_layers)
         """Which view (block tables and state slots of which groups) each layer reads: engine.models.batch."""
         self._group_zeroers: dict[int, Any] = {}
-        """One BlockZeroer per attention group, made on first use, when there are several (else `zeroer`)."""
+        """One BlockZeroer per attention group, made on first use."""
         self.graphs = None
         """CUDA graphs of decode-only steps (engine.models.cuda_graphs); off with enforce_eager or off the GPU."""
         if self.fast_path and device.type == "cuda" and not enforce_eager:
@@ -80,11 +80,6 @@ class ModelRunner:
                                        plan.block_size, self.conv_width, device, self.views)
         self.sampler = Sampler(device, seed)
         self.zero_fresh_blocks = zero_fresh_blocks
-        self.zeroer = None
-        if self.attention_tensors:
-            from engine.kernels.zero_blocks import BlockZeroer
-
-            self.zeroer = BlockZeroer(self.attention_tensors)
         self.num_zeroed_blocks = 0
         self.num_graph_checkpoints = 0
         """Checkpoints saved after decode graph replays (`_graph_checkpoints`)."""
@@ -106,38 +101,37 @@ class ModelRunner:
             self.caches[layer] = StateCache(conv[:, i], ssm[:, i])
 
     # -- per step ------------------------------------------------------------------------------------------------
-    def copy_states(self, copies: tuple[tuple[int, int], ...], group_id: int | None = None) -> None:
-        """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors; None: every recurrent
-        tensor (a model with one recurrent group)."""
+    def copy_states(self, copies: tuple[tuple[int, int], ...], group_id: int) -> None:
+        """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for t in self.state_tensors if group_id is None else self.group_tensors[group_id]:
+        for t in self.group_tensors[group_id]:
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def zero_blocks(self, block_ids: tuple[int, ...], group_id: int | None = None) -> int:
-        """Zero fresh blocks of one attention group (None: every attention tensor, a model with one attention
-        group): one launch per group that has any."""
-        if not block_ids or not self.zero_fresh_blocks or self.zeroer is None:
+    def zero_blocks(self, block_ids: tuple[int, ...], group_id: int) -> int:
+        """Zero fresh blocks of one attention group: one launch."""
+        if not block_ids or not self.zero_fresh_blocks:
             return 0
-        zeroer: Any = self.zeroer
-        if group_id is not None:
-            zeroer = self._group_zeroers.get(group_id)
-            if zeroer is None:
-                from engine.kernels.zero_blocks import BlockZeroer
+        zeroer = self._group_zeroers.get(group_id)
+        if zeroer is None:
+            from engine.kernels.zero_blocks import BlockZeroer
 
-                zeroer = self._group_zeroers[group_id] = BlockZeroer(list(self.group_tensors[group_id]))
-        n = zeroer.zero(list(block_ids))
+            zeroer = self._group_zeroers[group_id] = BlockZeroer(list(self.group_tensors[group_id]))
+        n: int = zeroer.zero(list(block_ids))
         self.num_zeroed_blocks += n
         return n
 
-    def zero_block_tail(self, block_id: int, start: int, group_id: int | None = None) -> None:
-        """Zero token positions [start, block_size) of one attention block in every layer of its group (None:
-        every attention tensor, a model with one attention group): the unfilled tail of the last block a
-        transfer wrote (its bytes came from the producer and are not trusted)."""
-        tensors = self.attention_tensors if group_id is None else self.group_tensors[group_id]
-        for kv in tensors:  # [blocks, layers, 2, block_size, ...]
+    @property
+    def zero_launches(self) -> int:
+        """Zeroing kernel launches so far, every attention group."""
+        return sum(getattr(z, "launches", 0) for z in self._group_zeroers.values())
+
+    def zero_block_tail(self, block_id: int, start: int, group_id: int) -> None:
+        """Zero token positions [start, block_size) of one attention block in every layer of its group: the
+        unfilled tail of the last block a transfer wrote (its bytes came from the producer and are not trusted)."""
+        for kv in self.group_tensors[group_id]:  # [blocks, layers, 2, block_size, ...]
             kv[block_id, :, :, start:].zero_()
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
@@ -177,16 +171,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """Run one step; returns {request_id: (token, logprob)} for the sequences that sample."""
-        if len(out.group_state_copies) > 1:  # several recurrent groups: each its own slots
-            for gid, copies in out.group_state_copies:
-                self.copy_states(copies, gid)
-        else:
-            self.copy_states(out.state_copies)
-        if len(out.group_fresh_blocks) > 1:  # several attention groups: each its own blocks
-            for gid, fresh in out.group_fresh_blocks:
-                self.zero_blocks(fresh, gid)
-        else:
-            self.zero_blocks(out.fresh_blocks)
+        for gid, copies in out.group_state_copies:
+            self.copy_states(copies, gid)
+        for gid, fresh in out.group_fresh_blocks:
+            self.zero_blocks(fresh, gid)
         if out.is_empty:
             return {}
         if self.fast_path:
@@ -238,8 +226,7 @@ class ModelRunner:
             pairs = tuple((slot, dst) for s, slot in zip(seqs, views.state_slots(seqs, k), strict=True)
                           for _, dst in views.checkpoints(s, k))
             if pairs:
-                gid = None if len(self.state_tensors) <= 2 else seqs[0].group_state_slots[k][0]
-                self.copy_states(pairs, gid)
+                self.copy_states(pairs, seqs[0].group_state_slots[k][0])
                 self.num_graph_checkpoints += len(pairs)
 
     def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams],

@@ -17,10 +17,9 @@ frees or quarantines its pages and schedules it locally or ends it); `finish` en
                                       |  --drop_import--> (recompute: add_request at 0 | end)
                                       +-- finish (abort, deadline, error) ---------------------------------^
 
-The runner reads, per sequence, one block table and one state slot per group (`group_block_ids`,
-`group_state_slots`, `group_checkpoints`; `SchedulerOutput.group_state_copies`); `block_ids`, `state_slot`,
-`checkpoints` and `state_copies` are the first attention group's / the lead recurrent group's (all of them for a
-model with one group of each kind).
+The runner reads, per sequence, one block table per attention group and one state slot and checkpoint list per
+recurrent group (`group_block_ids`, `group_state_slots`, `group_checkpoints`; per step `group_state_copies` and
+`group_fresh_blocks`): tuples of (group id, value) in group order, the same shape for every group.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cache.coordinator import HybridCacheManager, PrefixHit
-from engine.cache.specs import PAD_SLOT_ID
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
 
@@ -51,24 +49,22 @@ def _remove(queue: list[Request] | deque[Request], req: Request) -> bool:
 @dataclass(slots=True)
 class ScheduledSeq:
     """One request's part of a step. Read-only by convention: not frozen, because a frozen dataclass's __init__
-    cost 2.1 us against 0.8 us, once per request per step (benchmarks/cache_manager.py times this path)."""
+    costs about 2.5x as much, once per request per step."""
 
     request_id: str
     num_computed_tokens: int
     """Tokens already cached before this step."""
     token_ids: tuple[int, ...]
     """The tokens computed this step (positions num_computed_tokens ...)."""
-    block_ids: tuple[int, ...]
-    state_slot: int
-    checkpoints: tuple[tuple[int, int], ...]
     sample: bool
     """True when this chunk reaches the request's last known token: the runner samples the next one."""
     group_block_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    """(attention group id, block table) for every attention group; block_ids is the first one's."""
+    """(attention group id, block table) for every attention group."""
     group_state_slots: tuple[tuple[int, int], ...] = ()
-    """(recurrent group id, running slot) for every recurrent group; state_slot is the first one's."""
+    """(recurrent group id, running slot) for every recurrent group."""
     group_checkpoints: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    """(recurrent group id, checkpoints) for every recurrent group (same boundaries, each group's own slots)."""
+    """(recurrent group id, ((num_tokens, checkpoint slot), ...)) for every recurrent group (the same boundaries,
+    each group's own slots)."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -82,15 +78,12 @@ class ScheduledSeq:
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
-    state_copies: tuple[tuple[int, int], ...]
-    """(src slot, dst slot) recurrent-state copies to run before the forward (checkpoint restores)."""
-    fresh_blocks: tuple[int, ...]
-    """Attention blocks allocated this step (to zero before first use). Drained every step."""
     preempted: tuple[str, ...]
     group_state_copies: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    """(recurrent group id, (src, dst) copies) for every recurrent group; state_copies is the first one's."""
+    """(recurrent group id, ((src slot, dst slot), ...)) for every recurrent group: state copies to run before the
+    forward (checkpoint restores)."""
     group_fresh_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    """(attention group id, fresh blocks) for every attention group; fresh_blocks is the first one's."""
+    """(attention group id, blocks allocated this step) for every attention group: to zero before first use."""
 
     @property
     def num_tokens(self) -> int:
@@ -240,8 +233,6 @@ class Scheduler:
         fresh = self.cache.take_group_fresh_blocks()
         return SchedulerOutput(
             seqs=tuple(seqs),
-            state_copies=tuple(next(iter(copies.values()), ())),
-            fresh_blocks=tuple(next(iter(fresh.values()), ())),
             preempted=tuple(preempted),
             group_state_copies=tuple((gid, tuple(c)) for gid, c in copies.items()),
             group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
@@ -254,15 +245,11 @@ class Scheduler:
         rid = req.request_id
         blocks, slots = cache.seq_tables(rid)
         ckpts = cache.checkpoint_plan(req, start, end)
-        # Positional (fields in declaration order): with 10 keywords the call costs 0.86 us against 0.34 us
-        # (CPython 3.11), once per request per step: 8 % of a decode step of benchmarks/cache_manager.py.
+        # Positional (fields in declaration order): keywords cost about 2.5x as much, once per request per step.
         return ScheduledSeq(
             rid,  # request_id
             start,  # num_computed_tokens
             tuple(req.token_slice(start, end)),  # token_ids
-            blocks[0][1] if blocks else (),  # block_ids
-            slots[0][1] if slots else PAD_SLOT_ID,  # state_slot
-            ckpts[0][1] if ckpts else (),  # checkpoints
             req.compute_target is None and end == req.num_tokens,  # sample
             blocks,  # group_block_ids
             slots,  # group_state_slots

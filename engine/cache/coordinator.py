@@ -118,25 +118,7 @@ class HybridCacheManager:
         arena = layout.arena
         if arena is not None and layout.budget_bytes is None and layout.policy is None:
             raise ValueError("an arena layout needs a budget or a policy (its pools are policy-driven)")
-        for g in groups:
-            pool: BlockPool
-            if g.is_attention:
-                name = f"group{g.group_id}:attention"
-                if arena is not None and arena.state_bytes:
-                    pool = ArenaAttentionPool(layout.attention_blocks, name, g.page_bytes_all_layers)
-                else:
-                    pool = BlockPool(layout.attention_blocks, name, g.page_bytes_all_layers)
-                lead = self.blocks[0].pool if self.blocks else None
-                self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
-            else:
-                name = f"group{g.group_id}:{g.kind}"
-                if arena is not None:
-                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, g.page_bytes_all_layers)
-                else:
-                    pool = BlockPool(layout.state_slots, name, g.page_bytes_all_layers)
-                lead = self.states[0].pool if self.states else None
-                self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
-            self.pools[g.group_id] = pool
+        self._build_managers(groups, layout)
         self.events = CacheEventLog()
         """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
         for gid, p in self.pools.items():
@@ -157,19 +139,7 @@ class HybridCacheManager:
         if arena is not None and self.states:
             self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
                                    [m.pool for m in self.states])  # type: ignore[misc]
-        self.reclaimer: Reclaimer | None = None
-        if layout.budget_bytes is not None or layout.policy is not None:
-            budget = layout.budget_bytes
-            if budget is None:
-                budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-            self.reclaimer = Reclaimer(
-                [m.pool for m in self.blocks], [m.pool for m in self.states],
-                budget, self.policy.eviction, self.policy.alpha, layout.block_size, self.overlay,
-            )
-            if self.blocks:
-                self.blocks[0].reclaimer = self.reclaimer
-            if self.states:
-                self.states[0].reclaimer = self.reclaimer
+        self.reclaimer = self._build_reclaimer(layout)
         self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
         """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
         `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
@@ -187,6 +157,44 @@ class HybridCacheManager:
         self.counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters() for g in groups}
         self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
                                                             for g in groups}
+
+    def _build_reclaimer(self, layout: PoolLayout) -> Reclaimer | None:
+        """The budget's Reclaimer (None without budget and policy: each pool evicts LRU on its own)."""
+        if layout.budget_bytes is None and layout.policy is None:
+            return None
+        budget = layout.budget_bytes
+        if budget is None:
+            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
+        rc = Reclaimer([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.eviction,
+                       self.policy.alpha, layout.block_size, self.overlay)
+        if self.blocks:
+            self.blocks[0].reclaimer = rc
+        if self.states:
+            self.states[0].reclaimer = rc
+        return rc
+
+    def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
+        """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""
+        arena = layout.arena
+        for g in groups:
+            pool: BlockPool
+            if g.is_attention:
+                name = f"group{g.group_id}:attention"
+                if arena is not None and arena.state_bytes:
+                    pool = ArenaAttentionPool(layout.attention_blocks, name, g.page_bytes_all_layers)
+                else:
+                    pool = BlockPool(layout.attention_blocks, name, g.page_bytes_all_layers)
+                lead = self.blocks[0].pool if self.blocks else None
+                self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
+            else:
+                name = f"group{g.group_id}:{g.kind}"
+                if arena is not None:
+                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, g.page_bytes_all_layers)
+                else:
+                    pool = BlockPool(layout.state_slots, name, g.page_bytes_all_layers)
+                lead = self.states[0].pool if self.states else None
+                self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
+            self.pools[g.group_id] = pool
 
     @property
     def attention(self) -> AttentionManager | None:
@@ -213,7 +221,7 @@ class HybridCacheManager:
 
         Counters: every group's queries grow by the request's tokens; each group's hits by what that group could
         serve on its own within the groups before it (attention: its left-to-right run; recurrent: its checkpoint
-        within the attention run), so a group that never hits (seed 004) shows up as such. The request uses the
+        within the attention run), so a group that never hits shows up as such. The request uses the
         agreed (shortest) length."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
@@ -344,11 +352,6 @@ class HybridCacheManager:
             self.admission.note(req.block_hashes[done:])
             self._noted[req.request_id] = len(req.block_hashes)
 
-    def plan_checkpoints(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
-        """Checkpoint slots of the lead recurrent group for the chunk (start, end]: [(num_tokens, slot)]."""
-        planned = self.plan_group_checkpoints(req, start, end)
-        return planned[self.states[0].group.group_id] if self.states else []
-
     def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
         """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
         written by the runner this step. Every group gets a slot for the same boundaries."""
@@ -419,18 +422,8 @@ class HybridCacheManager:
         """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
         return {m.group.group_id: m.take_copies() for m in self.states}
 
-    def take_state_copies(self) -> list[tuple[int, int]]:
-        """The lead recurrent group's restores (drains every group's)."""
-        copies = self.take_group_state_copies()
-        return copies[self.states[0].group.group_id] if self.states else []
-
     def take_group_fresh_blocks(self) -> dict[int, list[int]]:
         return {m.group.group_id: m.take_fresh_blocks() for m in self.blocks}
-
-    def take_fresh_blocks(self) -> list[int]:
-        """The chain group's fresh blocks (drains every attention group's)."""
-        fresh = self.take_group_fresh_blocks()
-        return fresh[self.blocks[0].group.group_id] if self.blocks else []
 
     # -- after a step --------------------------------------------------------------------------------------------
     def on_step_done(self, computed: list[Request]) -> None:
@@ -593,14 +586,6 @@ class HybridCacheManager:
             m.pool.free([ckpt.slots[m.group.group_id]])
 
     # -- views for the runner ------------------------------------------------------------------------------------
-    def block_ids(self, req_id: str) -> list[int]:
-        """The chain group's block table."""
-        return self.blocks[0].req_blocks.get(req_id, []) if self.blocks else []
-
-    def state_slot(self, req_id: str) -> int:
-        """The lead recurrent group's running slot."""
-        return self.states[0].running_slot.get(req_id, PAD_SLOT_ID) if self.states else PAD_SLOT_ID
-
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Attention group id -> the request's block table in that group."""
         tables = {}

@@ -233,7 +233,6 @@ class RecurrentManager:
         self.pool = pool
         self.block_size = block_size
         self.align = align
-        self.interval = align  # pre-v2 name, still read by callers
         self.leader = leader
         """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
         self.reclaimer: Reclaimer | None = None

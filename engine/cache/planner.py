@@ -20,7 +20,7 @@ Separate pools (no policy; the pre-v2 plan): checkpoint slots are reserved up fr
     state_slots      = 1 (null) + max_num_seqs (running) + num_checkpoint_slots
     attention_blocks = floor((budget - state_slots * bytes_per_state) / bytes_per_block)     (block 0 = null)
 
-Each pool keeps its natural page size: no padding to a common page, no inflated block size (seeds 001, 003).
+Each pool keeps its natural page size: no padding to a common page, no inflated block size.
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ and when there is none `make_room` evicts the lowest-priority checkpoint (its ra
 lowest page of all; else the range with no referenced block whose eviction loses least, priced per byte like a
 page (the remaining worth, priority - clock, of its blocks, the subtrees below them and the checkpoints they name:
 `_pick_range`), when it is cheaper than the lowest checkpoint (`_evict_range`: a block takes its cached
-descendants with it, a chain below it being unreachable); else that checkpoint, unless it has served hits: then
-the new checkpoint (admission's guess) is skipped, as it is when nothing can go (`num_checkpoints_skipped`). When
+descendants with it, a chain below it being unreachable); else that checkpoint, unless it served a hit recently
+(within the last `served_window` checkpoints cached: popularity ages out): then the new checkpoint (admission's
+guess) is skipped, as it is when nothing can go (`num_checkpoints_skipped`). When
 attention is short, evicting a checkpoint frees k blocks, so both queues are candidates.
 
 The "lru" policy (the baselines) queues every unreferenced cached page by release order, across both pools, with
@@ -62,6 +63,10 @@ RANGE_CANDIDATES = 4
 """Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
 MAX_RANGE_SUBTREE = 128
 """Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
+SERVED_TURNOVERS = 4
+"""How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids (cached
+checkpoints counted). On `current` (benchmarks/cache_manager.py) 4 and 8 keep every decision, 2 loses 0.6 % of the
+hits: recurring prefixes are restored about every 400-2,200 checkpoints there."""
 _NO_JUMP = b"/no jump/"
 """`_jump.get` default (compared by identity; never a block hash, which is 16 bytes)."""
 
@@ -111,8 +116,14 @@ class Reclaimer:
         self.children: dict[bytes, int] = {}
         self.tokens: dict[bytes, int] = {}
         """Prefix length (tokens) at the end of the block / at the checkpoint named by a hash."""
-        self.hits: dict[bytes, int] = {}
-        """Times a cached page named by a hash was taken by a request (restored / reused)."""
+        self.last_hit: dict[bytes, int] = {}
+        """hash -> `num_states_cached` when a request last took its cached page (a restore / a reuse)."""
+        self.num_states_cached = 0
+        """Checkpoints cached so far: the clock that ages a checkpoint's hits (see `_served`)."""
+        self.served_window = SERVED_TURNOVERS * (overlay.num_ranges if overlay is not None
+                                                 else (state[0].capacity if state else 0))
+        """A checkpoint that served a hit within the last this many checkpoints cached outranks a new one; older
+        hits no longer count (a workload shift ages them out)."""
         self.demoted: set[bytes] = set()
         """Checkpoints a deeper one on the same unbranched path supersedes: valued 0 (recency only)."""
         self.block_size = block_size
@@ -204,7 +215,9 @@ class Reclaimer:
                     continue
                 victim = lowest_state
                 if checkpoint and victim is not None and value and self._served(victim[1]):
-                    victim = None  # a checkpoint that served hits stays; the new, speculative one is skipped
+                    if self._stale(victim[1]):  # kept on an old hit: the refused newcomer ranked below it,
+                        self.clock = max(self.clock, victim[2])  # so time moves on (old popularity ages out)
+                    victim = None  # a checkpoint that served a hit lately stays; the new, speculative one is skipped
             if victim is None:
                 if checkpoint:
                     self.num_checkpoints_skipped += 1
@@ -242,9 +255,20 @@ class Reclaimer:
         return v
 
     def _served(self, slot: int) -> bool:
-        """The lead state pool's cached checkpoint in `slot` was restored at least once."""
+        """The lead state pool's cached checkpoint in `slot` was restored within the last `served_window`
+        checkpoints cached, and no deeper checkpoint of the request that restored it has superseded it since
+        (`demote`: a chat turn's restored state, once the turn saved its own, serves nobody)."""
         h = self.state.block_hash[slot] if self.state is not None else None
-        return h is not None and self.hits.get(h, 0) > 0
+        last = self.last_hit.get(h) if h is not None else None
+        if last is None or h in self.demoted:
+            return False
+        return self.num_states_cached - last <= self.served_window
+
+    def _stale(self, slot: int) -> bool:
+        """The checkpoint in `slot` was last restored more than one turnover of the checkpoint ids ago."""
+        h = self.state.block_hash[slot] if self.state is not None else None
+        last = self.last_hit.get(h) if h is not None else None
+        return last is not None and SERVED_TURNOVERS * (self.num_states_cached - last) > self.served_window
 
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
         """The range whose cached blocks to evict for a checkpoint: among those with no referenced block (the
@@ -481,9 +505,6 @@ class Reclaimer:
             return None
         return best_pool, best[2], best[0]  # type: ignore[return-value]
 
-    def evictable_bytes(self) -> int:
-        return sum(len(self.queues[id(p)]) * self.unit_bytes[id(p)] for p in self.leaders)
-
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
         """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
@@ -556,7 +577,7 @@ class Reclaimer:
         if not in_attn and not in_state:
             self._jump.pop(h, None)
             self.tokens.pop(h, None)
-            self.hits.pop(h, None)
+            self.last_hit.pop(h, None)
             self.demoted.discard(h)
 
     # -- events from the pools and the managers ---------------------------------------------------------------
@@ -578,7 +599,7 @@ class Reclaimer:
         self.base.pop((id(pool), page), None)
         h = pool.block_hash[page]
         if h is not None and self.policy == "value" and (pool is self.state or self.state is None):
-            self.hits[h] = self.hits.get(h, 0) + 1  # a restore (or, attention-only, a block reuse)
+            self.last_hit[h] = self.num_states_cached  # a restore (or, attention-only, a block reuse)
             self.demoted.discard(h)  # restored: a real reuse point after all
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
@@ -620,6 +641,7 @@ class Reclaimer:
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
         self.tokens[h] = tokens
+        self.num_states_cached += 1
         if self.policy == "value":
             if self.children.get(h):
                 self._structure_changed()  # a checkpoint mid-chain

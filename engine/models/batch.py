@@ -89,9 +89,8 @@ class ForwardBatch:
 @dataclass(frozen=True)
 class GroupViews:
     """Which view of a step each layer reads (see the module docstring). Built once by the runner from its cache
-    groups. View 0 reads a scheduled sequence's `block_ids`, `state_slot` and `checkpoints` (the first groups');
-    view k >= 1 reads entry k of its `group_block_ids`, `group_state_slots` and `group_checkpoints` (the
-    scheduler lists every group of a kind, in group order)."""
+    groups. View k reads entry k of a scheduled sequence's `group_block_ids`, `group_state_slots` and
+    `group_checkpoints` (the scheduler lists every group of a kind, in group order)."""
 
     layer_views: tuple[int, ...] = ()
     """View of each layer; empty with a single view."""
@@ -120,24 +119,18 @@ class GroupViews:
 
     def block_ids(self, seqs: Sequence[Any], k: int) -> list[tuple[int, ...]]:
         """Each ScheduledSeq's block table in view k's attention group (() where the view has none)."""
-        if k == 0:
-            return [s.block_ids for s in seqs]
         if not self.attention[k]:
             return [()] * len(seqs)
         return [s.group_block_ids[k][1] for s in seqs]
 
     def state_slots(self, seqs: Sequence[Any], k: int) -> list[int]:
         """Each ScheduledSeq's running slot in view k's recurrent group (PAD_SLOT_ID where the view has none)."""
-        if k == 0:
-            return [s.state_slot for s in seqs]
         if not self.recurrent[k]:
             return [PAD_SLOT_ID] * len(seqs)
         return [s.group_state_slots[k][1] for s in seqs]
 
     def checkpoints(self, s: Any, k: int) -> tuple[tuple[int, int], ...]:
         """A ScheduledSeq's checkpoints (num_tokens, slot) in view k's recurrent group."""
-        if k == 0:
-            return s.checkpoints  # type: ignore[no-any-return]
         return s.group_checkpoints[k][1] if self.recurrent[k] else ()  # type: ignore[no-any-return]
 
 

@@ -136,12 +136,10 @@ class DecodeGraphs:
         return None
 
     def can_run(self, seqs) -> bool:  # type: ignore[no-untyped-def]
-        if not (0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 for s in seqs)
-                and max(len(s.block_ids) for s in seqs) <= self.table.shape[1]
-                and (not self.conv_width or all(s.state_slot > 0 for s in seqs))):
+        if not (0 < len(seqs) <= self.buckets[-1] and all(len(s.token_ids) == 1 for s in seqs)):
             return False
         views = self.views
-        for k in range(1, views.count):  # several groups of a kind: every group's ids must fit too
+        for k in range(views.count):  # every group's ids must fit
             if views.attention[k] and max(map(len, views.block_ids(seqs, k))) > self.table.shape[1]:
                 return False
             if views.recurrent[k] and min(views.state_slots(seqs, k)) <= 0:

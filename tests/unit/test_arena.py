@@ -30,7 +30,7 @@ from engine.cache.arena import ArenaLayout, page_bytes
 from engine.cache.coordinator import HybridCacheManager
 from engine.cache.managers import cdiv
 from engine.cache.planner import plan_capacity
-from engine.cache.specs import NULL_BLOCK_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from engine.config import SchedulerConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -43,6 +43,11 @@ ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float
 GROUPS = [CacheGroup(0, ATTN, (0, 3)), CacheGroup(1, GDN, (1, 2, 4))]
 B = page_bytes(GROUPS[:1])  # 128
 K = cdiv(page_bytes(GROUPS[1:]), B)  # 4
+
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
 
 
 def arena_budget(max_num_seqs: int, blocks: int) -> int:
@@ -92,7 +97,7 @@ def test_no_reuse_run_keeps_the_optimum_capacity() -> None:
     n = 0
     while cache.allocate(big, n + BS):
         n += BS
-    assert len(cache.block_ids("big")) + 1 == blocks - 1  # every block but the null one
+    assert len(lead(cache.block_tables("big"))) + 1 == blocks - 1  # every block but the null one
     assert cache.overlay.held == set()
     cache.check_integrity()
 
@@ -175,25 +180,25 @@ class ArenaHarness(Harness):
     def simulate(self, out: SchedulerOutput) -> None:
         """Harness.simulate, with every write clobbering what shares its memory."""
         sh = self.shadow
-        for src, dst in out.state_copies:
+        for src, dst in lead(out.group_state_copies):
             sh.state[dst] = sh.state[src]
             self.clobber_blocks_of(dst)
         for s in out.seqs:
             req = self.sched.requests[s.request_id]
             toks, salt = tuple(req.all_token_ids), req.cache_salt
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            for i, b in enumerate(s.block_ids[: cdiv(start, BS)]):
+            for i, b in enumerate(lead(s.group_block_ids)[: cdiv(start, BS)]):
                 assert sh.attn.get(b) == (salt, toks[: min(start, (i + 1) * BS)]), (s.request_id, i, b)
             for i in range(start // BS, cdiv(end, BS)):
-                sh.attn[s.block_ids[i]] = (salt, toks[: min(end, (i + 1) * BS)])
-                self.clobber_slot_over(s.block_ids[i])
+                sh.attn[lead(s.group_block_ids)[i]] = (salt, toks[: min(end, (i + 1) * BS)])
+                self.clobber_slot_over(lead(s.group_block_ids)[i])
             if start > 0:
-                assert sh.state.get(s.state_slot) == (salt, toks[:start]), s.request_id
-            for b, slot in s.checkpoints:
+                assert sh.state.get(lead(s.group_state_slots, PAD_SLOT_ID)) == (salt, toks[:start]), s.request_id
+            for b, slot in lead(s.group_checkpoints):
                 sh.state[slot] = (salt, toks[:b])
                 self.clobber_blocks_of(slot)
-            sh.state[s.state_slot] = (salt, toks[:end])
-            self.clobber_blocks_of(s.state_slot)
+            sh.state[lead(s.group_state_slots, PAD_SLOT_ID)] = (salt, toks[:end])
+            self.clobber_blocks_of(lead(s.group_state_slots, PAD_SLOT_ID))
 
     def check_holders(self) -> None:
         """Ref counts == holders (+ the arena's own), and no held checkpoint slot shares memory with a block that is

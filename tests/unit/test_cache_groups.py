@@ -179,12 +179,6 @@ class Side:
                 assert slot not in (NULL_BLOCK_ID, PAD_SLOT_ID)
             bounds = {tuple(b for b, _ in c) for _, c in s.group_checkpoints}
             assert len(bounds) <= 1, "recurrent groups checkpoint different boundaries"
-            # the single-group fields the runner reads today are the first group's
-            if s.group_block_ids:
-                assert s.block_ids == s.group_block_ids[0][1]
-            if s.group_state_slots:
-                assert s.state_slot == s.group_state_slots[0][1]
-                assert s.checkpoints == s.group_checkpoints[0][1]
 
     def check(self, pins: Counter[tuple[int, int]]) -> None:
         """Integrity, and ref count == holders (requests, quarantine holders, exported checkpoints) per page."""

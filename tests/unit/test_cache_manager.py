@@ -30,6 +30,11 @@ ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float
 MAMBA = RecurrentStateSpec("mamba2", (4, 3), "float32", (2, 4), "float32")
 A = list(range(100, 120))  # a 20-token prompt
 
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
+
 
 def make(
     kinds: str = "hybrid",
@@ -57,8 +62,8 @@ def add(s: Scheduler, rid: str, tokens: list[int], max_tokens: int = 1, salt: st
 def step(s: Scheduler) -> SchedulerOutput:
     """One engine step without a model: schedule, pretend it ran, sample token 7, finish at max_tokens."""
     out = s.schedule()
-    assert s.cache.take_fresh_blocks() == []  # drained into the output every step
-    assert s.cache.take_state_copies() == []
+    assert all(not v for v in s.cache.take_group_fresh_blocks().values())  # drained into the output every step
+    assert all(not v for v in s.cache.take_group_state_copies().values())
     advanced = s.update_from_output(out, {q.request_id: (7, 0.0) for q in out.seqs if q.sample})
     for req in advanced:
         if len(req.output_token_ids) >= req.sampling_params.max_tokens:
@@ -100,11 +105,11 @@ def test_cold_request_gets_fresh_blocks_slot_and_checkpoints() -> None:
     req, (out,) = serve(s, "a", A)
     assert req.num_cached_tokens == 0
     (seq,) = out.seqs
-    assert seq.block_ids == (1, 2, 3, 4, 5)
-    assert out.fresh_blocks == (1, 2, 3, 4, 5)
-    assert seq.state_slot == 1
-    assert seq.checkpoints == ((8, 2), (16, 3))
-    assert out.state_copies == ()
+    assert lead(seq.group_block_ids) == (1, 2, 3, 4, 5)
+    assert lead(out.group_fresh_blocks) == (1, 2, 3, 4, 5)
+    assert lead(seq.group_state_slots, PAD_SLOT_ID) == 1
+    assert lead(seq.group_checkpoints) == ((8, 2), (16, 3))
+    assert lead(out.group_state_copies) == ()
     assert seq.sample and seq.num_computed_tokens == 0 and len(seq.token_ids) == 20
     # published: all 5 full attention blocks, both checkpoints; freed tail first
     assert [attn_pool(s).lookup(h) for h in req.block_hashes] == [1, 2, 3, 4, 5]
@@ -123,11 +128,11 @@ def test_repeated_prompt_hits_largest_checkpoint_and_copies_state() -> None:
     assert req.num_cached_tokens == 16
     (seq,) = out.seqs
     assert seq.num_computed_tokens == 16 and seq.token_ids == (116, 117, 118, 119)
-    assert seq.block_ids == (1, 2, 3, 4, 6)
-    assert out.fresh_blocks == (6,)  # hits are not fresh
-    assert seq.state_slot == 1
-    assert out.state_copies == ((3, 1),)  # checkpoint 16 -> running slot
-    assert seq.checkpoints == ()  # nothing new to checkpoint in (16, 20]
+    assert lead(seq.group_block_ids) == (1, 2, 3, 4, 6)
+    assert lead(out.group_fresh_blocks) == (6,)  # hits are not fresh
+    assert lead(seq.group_state_slots, PAD_SLOT_ID) == 1
+    assert lead(out.group_state_copies) == ((3, 1),)  # checkpoint 16 -> running slot
+    assert lead(seq.group_checkpoints) == ()  # nothing new to checkpoint in (16, 20]
     assert seq.has_initial_state
     assert counters(s) == {"attention": (40, 16), "mamba2": (40, 16)}
     # block 6 recomputed tokens 16..19, which block 5 already names: it stays unnamed and, once freed, is the
@@ -142,10 +147,10 @@ def test_shared_prefix_hits_the_common_checkpoint() -> None:
     req, (out,) = serve(s, "b", A[:12] + [1, 2, 3, 4, 5, 6, 7, 8])
     # common prefix 12 tokens = 3 attention blocks; largest checkpoint <= 12 is 8 (slot 2)
     assert req.num_cached_tokens == 8
-    assert out.seqs[0].block_ids == (1, 2, 6, 7, 8)
-    assert out.fresh_blocks == (6, 7, 8)
-    assert out.state_copies == ((2, 1),)
-    assert out.seqs[0].checkpoints == ((16, 4),)  # b's own boundary 16 differs from a's
+    assert lead(out.seqs[0].group_block_ids) == (1, 2, 6, 7, 8)
+    assert lead(out.group_fresh_blocks) == (6, 7, 8)
+    assert lead(out.group_state_copies) == ((2, 1),)
+    assert lead(out.seqs[0].group_checkpoints) == ((16, 4),)  # b's own boundary 16 differs from a's
     assert counters(s) == {"attention": (40, 12), "mamba2": (40, 8)}
 
 
@@ -153,12 +158,12 @@ def test_hit_is_capped_at_n_minus_one() -> None:
     s = make()
     prompt = A[:16]
     first, (out1,) = serve(s, "a", prompt)
-    assert out1.seqs[0].checkpoints == ((8, 2), (16, 3))
+    assert lead(out1.seqs[0].group_checkpoints) == ((8, 2), (16, 3))
     assert attn_pool(s).lookup(first.block_hashes[3]) == 4  # all 16 tokens are cached ...
     again, (out2,) = serve(s, "b", prompt)
     assert again.num_cached_tokens == 8  # ... but the last token must be computed: 15 -> 12 -> checkpoint 8
     assert out2.seqs[0].token_ids == tuple(prompt[8:])
-    assert out2.state_copies == ((2, 1),)
+    assert lead(out2.group_state_copies) == ((2, 1),)
     assert counters(s) == {"attention": (32, 12), "mamba2": (32, 8)}
 
 
@@ -182,7 +187,8 @@ def test_prefix_caching_off_never_hits_and_never_checkpoints() -> None:
     s = Scheduler(SchedulerConfig(2, 64), cache)
     serve(s, "a", A)
     req, (out,) = serve(s, "b", A)
-    assert req.num_cached_tokens == 0 and out.seqs[0].checkpoints == () and out.state_copies == ()
+    assert req.num_cached_tokens == 0 and lead(out.seqs[0].group_checkpoints) == ()
+    assert lead(out.group_state_copies) == ()
     assert attn_pool(s).cached == {} and state_pool(s).cached == {}
 
 
@@ -192,12 +198,12 @@ def test_checkpoints_planned_within_chunks_and_published_after_the_step() -> Non
     req = add(s, "a", A)
     sp = state_pool(s)
     out = s.schedule()
-    assert out.seqs[0].checkpoints == ()
+    assert lead(out.seqs[0].group_checkpoints) == ()
     step_done(s, out)
 
     out = s.schedule()
     assert out.seqs[0].token_ids == tuple(A[6:12])
-    assert out.seqs[0].checkpoints == ((8, 2),)
+    assert lead(out.seqs[0].group_checkpoints) == ((8, 2),)
     h8 = req.block_hashes[1]
     assert sp.lookup(h8) is None  # not written yet: not visible to hits
     assert sp.ref_cnt[2] == 1 and 2 not in sp.free_block_ids()  # protected until the step ran
@@ -205,10 +211,10 @@ def test_checkpoints_planned_within_chunks_and_published_after_the_step() -> Non
     assert sp.lookup(h8) == 2 and sp.ref_cnt[2] == 0 and sp.free_block_ids()[-1] == 2  # published, evictable
 
     out = s.schedule()
-    assert out.seqs[0].checkpoints == ((16, 3),)
+    assert lead(out.seqs[0].group_checkpoints) == ((16, 3),)
     step_done(s, out)
     out = s.schedule()
-    assert out.seqs[0].checkpoints == () and out.seqs[0].sample
+    assert lead(out.seqs[0].group_checkpoints) == () and out.seqs[0].sample
     step_done(s, out)
     assert req.is_finished
     assert sp.lookup(req.block_hashes[3]) == 3
@@ -225,7 +231,7 @@ def step_done(s: Scheduler, out: SchedulerOutput) -> None:
 def test_checkpoints_during_decode() -> None:
     s = make()
     req, outs = serve(s, "a", A, max_tokens=6)  # 20 prompt + 5 computed outputs -> boundary 24 while decoding
-    assert [o.seqs[0].checkpoints for o in outs] == [((8, 2), (16, 3)), (), (), (), ((24, 4),), ()]
+    assert [lead(o.seqs[0].group_checkpoints) for o in outs] == [((8, 2), (16, 3)), (), (), (), ((24, 4),), ()]
     assert state_pool(s).lookup(req.block_hashes[5]) == 4
 
 
@@ -235,7 +241,7 @@ def test_restored_checkpoint_protected_until_the_copy_ran() -> None:
     sp = state_pool(s)
     add(s, "b", A)
     out = s.schedule()
-    assert out.state_copies == ((3, 1),)
+    assert lead(out.group_state_copies) == ((3, 1),)
     assert sp.ref_cnt[3] == 1 and 3 not in sp.free_block_ids()
     assert sp.lookup(s.requests["b"].block_hashes[3]) == 3  # still named
     step_done(s, out)
@@ -250,8 +256,8 @@ def test_checkpoints_are_evictable_lru() -> None:
     assert sp.free_block_ids() == [1, 2, 3]  # running slot 1 (free) first, then ckpt 8 -> 2, ckpt 16 -> 3
     b, (out,) = serve(s, "b", list(range(200, 220)))
     # b's running slot takes the free slot 1; its checkpoints evict a's, oldest first
-    assert out.seqs[0].state_slot == 1
-    assert out.seqs[0].checkpoints == ((8, 2), (16, 3))
+    assert lead(out.seqs[0].group_state_slots, PAD_SLOT_ID) == 1
+    assert lead(out.seqs[0].group_checkpoints) == ((8, 2), (16, 3))
     assert sp.lookup(a.block_hashes[1]) is None and sp.lookup(a.block_hashes[3]) is None
     assert sp.num_evictions == 2
     again, _ = serve(s, "c", A)
@@ -262,7 +268,7 @@ def test_checkpoints_are_evictable_lru() -> None:
 def test_no_checkpoint_when_pool_is_full() -> None:
     s = make(state_slots=2, max_num_seqs=1)  # null + 1 running slot, no checkpoint room
     _, (out,) = serve(s, "a", A)
-    assert out.seqs[0].checkpoints == ()
+    assert lead(out.seqs[0].group_checkpoints) == ()
     again, _ = serve(s, "b", A)
     assert again.num_cached_tokens == 0
 
@@ -274,7 +280,7 @@ def test_fresh_blocks_drained_every_step_and_exclude_hits() -> None:
     add(s, "b", A, max_tokens=3)
     add(s, "c", A[:12] + [9] * 8)
     outs = run(s)
-    fresh = [o.fresh_blocks for o in outs]
+    fresh = [lead(o.group_fresh_blocks) for o in outs]
     # step 1: b (hit 16, blocks 1..4 reused) computes 16..19 -> 6; c (hit 8, blocks 1, 2 reused) 8..9 -> 7
     # step 2: b decodes token 20 -> 8; c computes 10..14 -> 9.   step 3: b token 21; c 15..19 -> 10
     assert fresh == [(6, 7), (8, 9), (10,)]
@@ -284,7 +290,7 @@ def test_fresh_blocks_drained_every_step_and_exclude_hits() -> None:
         assert not hits & set(f)
         assert not set(seen) & set(f)  # each fresh block reported once (no block was freed and reallocated)
         seen.extend(f)
-    assert s.cache.take_fresh_blocks() == []
+    assert all(not v for v in s.cache.take_group_fresh_blocks().values())
 
 
 # -- counters: seed 004's shape --------------------------------------------------------------------------------------
@@ -303,7 +309,7 @@ def test_recurrent_hits_zero_when_runner_drops_checkpoint_plans(monkeypatch: pyt
     monkeypatch.setattr(s.cache, "checkpoint_plan", lambda req, start, end: ())
     serve(s, "a", A)
     again, (out,) = serve(s, "b", A)
-    assert again.num_cached_tokens == 0 and out.state_copies == ()
+    assert again.num_cached_tokens == 0 and lead(out.group_state_copies) == ()
     assert counters(s) == {"attention": (40, 16), "mamba2": (40, 0)}
 
 
@@ -313,7 +319,8 @@ def test_attention_only_hits_full_blocks_capped_at_n_minus_one() -> None:
     serve(s, "a", A)
     req, (out,) = serve(s, "b", A)
     assert req.num_cached_tokens == 16
-    assert out.seqs[0].state_slot == PAD_SLOT_ID and out.seqs[0].checkpoints == () and out.state_copies == ()
+    assert out.seqs[0].group_state_slots == () and out.seqs[0].group_checkpoints == ()
+    assert out.group_state_copies == ()
     short, _ = serve(s, "c", A[:16])
     assert short.num_cached_tokens == 12  # no checkpoint alignment, only the N-1 cap
     odd, _ = serve(s, "d", A[:10])
@@ -325,10 +332,11 @@ def test_attention_only_hits_full_blocks_capped_at_n_minus_one() -> None:
 def test_recurrent_only_hits_checkpoints() -> None:
     s = make("recurrent")
     _, (out,) = serve(s, "a", A)
-    assert out.seqs[0].block_ids == () and out.fresh_blocks == ()
-    assert out.seqs[0].state_slot == 1 and out.seqs[0].checkpoints == ((8, 2), (16, 3))
+    assert lead(out.seqs[0].group_block_ids) == () and lead(out.group_fresh_blocks) == ()
+    assert lead(out.seqs[0].group_state_slots) == 1
+    assert lead(out.seqs[0].group_checkpoints) == ((8, 2), (16, 3))
     req, (out,) = serve(s, "b", A)
-    assert req.num_cached_tokens == 16 and out.state_copies == ((3, 1),)
+    assert req.num_cached_tokens == 16 and lead(out.group_state_copies) == ((3, 1),)
     short, _ = serve(s, "c", A[:16])
     assert short.num_cached_tokens == 8
     assert counters(s) == {"mamba2": (56, 24)}
@@ -406,11 +414,9 @@ def test_token_slice_spans_prompt_and_outputs() -> None:
 def test_scheduled_seq_fields_in_the_order_the_scheduler_passes_them() -> None:
     """Scheduler._schedule_seq builds ScheduledSeq positionally (keywords cost 2.5x per request per step)."""
     assert [f.name for f in dataclasses.fields(ScheduledSeq)] == [
-        "request_id", "num_computed_tokens", "token_ids", "block_ids", "state_slot", "checkpoints", "sample",
+        "request_id", "num_computed_tokens", "token_ids", "sample",
         "group_block_ids", "group_state_slots", "group_checkpoints"]
     s = make()
     _, (out,) = serve(s, "a", A)
     seq = out.seqs[0]
     assert seq.request_id == "a" and seq.num_computed_tokens == 0 and seq.token_ids == tuple(A) and seq.sample
-    assert seq.block_ids == seq.group_block_ids[0][1] and seq.state_slot == seq.group_state_slots[0][1]
-    assert seq.checkpoints == seq.group_checkpoints[0][1]

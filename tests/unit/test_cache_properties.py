@@ -38,6 +38,11 @@ ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float
 GDN = RecurrentStateSpec("gated_deltanet", (6, 3), "bfloat16", (2, 4, 4), "float32")
 PREFIXES = [list(range(1000, 1024)), list(range(2000, 2013)), [5] * 20]  # shared prefixes (one repetitive)
 
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
+
 
 @dataclass(frozen=True)
 class ReqSpec:
@@ -189,7 +194,8 @@ class Harness:
     def one_step(self) -> None:
         waiting = {r.request_id for r in self.sched.waiting}
         out = self.sched.schedule()
-        assert self.cache.take_fresh_blocks() == [] and self.cache.take_state_copies() == []
+        assert all(not v for v in self.cache.take_group_fresh_blocks().values())
+        assert all(not v for v in self.cache.take_group_state_copies().values())
         self.check_schedule(out, waiting)
         self.simulate(out)
         sampled = {
@@ -214,12 +220,12 @@ class Harness:
         ids = [s.request_id for s in out.seqs]
         assert len(ids) == len(set(ids))
         attn, rec = self.cache.attention, self.cache.recurrent
-        fresh = set(out.fresh_blocks)
-        assert len(fresh) == len(out.fresh_blocks)
+        fresh = set(lead(out.group_fresh_blocks))
+        assert len(fresh) == len(lead(out.group_fresh_blocks))
         if attn is not None:
             for b in fresh:
                 assert b != NULL_BLOCK_ID and attn.pool.ref_cnt[b] == 1 and attn.pool.block_hash[b] is None
-        copies = dict((dst, src) for src, dst in out.state_copies)
+        copies = dict((dst, src) for src, dst in lead(out.group_state_copies))
         ckpt_slots: list[int] = []
         for s in out.seqs:
             req = self.sched.requests[s.request_id]
@@ -230,23 +236,23 @@ class Harness:
             if admitted:
                 self.check_hit(req, s, start, fresh, copies)
             else:
-                assert s.state_slot not in copies
+                assert lead(s.group_state_slots, PAD_SLOT_ID) not in copies
             if attn is not None:
-                assert list(s.block_ids) == attn.req_blocks[s.request_id]
-                assert len(s.block_ids) == cdiv(end, BS)
-                for b in s.block_ids[start // BS :]:  # written this step: private and not named
+                assert list(lead(s.group_block_ids)) == attn.req_blocks[s.request_id]
+                assert len(lead(s.group_block_ids)) == cdiv(end, BS)
+                for b in lead(s.group_block_ids)[start // BS :]:  # written this step: private and not named
                     assert attn.pool.ref_cnt[b] == 1 and attn.pool.block_hash[b] is None, (b, s)
             else:
-                assert s.block_ids == ()
+                assert lead(s.group_block_ids) == ()
             if rec is not None:
-                assert s.state_slot not in (NULL_BLOCK_ID, PAD_SLOT_ID)
-                for b, slot in s.checkpoints:
+                assert lead(s.group_state_slots, PAD_SLOT_ID) not in (NULL_BLOCK_ID, PAD_SLOT_ID)
+                for b, slot in lead(s.group_checkpoints):
                     assert start < b <= end and b % self.cache.admission.align == 0
                     assert rec.pool.ref_cnt[slot] == 1 and rec.pool.block_hash[slot] is None
                     ckpt_slots.append(slot)
             else:
-                assert s.state_slot == PAD_SLOT_ID and s.checkpoints == ()
-        running = [self.cache.state_slot(r.request_id) for r in self.sched.running]
+                assert lead(s.group_state_slots, PAD_SLOT_ID) == PAD_SLOT_ID and lead(s.group_checkpoints) == ()
+        running = [slot for r in self.sched.running for slot in self.cache.group_state_slots(r.request_id).values()]
         assert len(set(ckpt_slots)) == len(ckpt_slots) and not set(ckpt_slots) & set(running)
         assert set(copies) <= set(running)
 
@@ -258,7 +264,7 @@ class Harness:
         assert hit % BS == 0
         if not self.t.caching:
             assert hit == 0
-        slot = self.cache.state_slot(req.request_id)
+        slot = lead(tuple(self.cache.group_state_slots(req.request_id).items()), PAD_SLOT_ID)
         if rec is not None:
             assert hit % self.cache.admission.align == 0
             if hit:
@@ -275,23 +281,23 @@ class Harness:
 
     def simulate(self, out: SchedulerOutput) -> None:
         sh = self.shadow
-        for src, dst in out.state_copies:  # copies run before the forward
+        for src, dst in lead(out.group_state_copies):  # copies run before the forward
             sh.state[dst] = sh.state[src]
         for s in out.seqs:
             req = self.sched.requests[s.request_id]
             toks, salt = tuple(req.all_token_ids), req.cache_salt
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             if self.cache.attention is not None:
-                for i, b in enumerate(s.block_ids[: cdiv(start, BS)]):  # what attention reads
+                for i, b in enumerate(lead(s.group_block_ids)[: cdiv(start, BS)]):  # what attention reads
                     assert sh.attn.get(b) == (salt, toks[: min(start, (i + 1) * BS)]), (s.request_id, i, b)
                 for i in range(start // BS, cdiv(end, BS)):
-                    sh.attn[s.block_ids[i]] = (salt, toks[: min(end, (i + 1) * BS)])
+                    sh.attn[lead(s.group_block_ids)[i]] = (salt, toks[: min(end, (i + 1) * BS)])
             if self.cache.recurrent is not None:
                 if start > 0:  # the state the recurrent layers continue from
-                    assert sh.state.get(s.state_slot) == (salt, toks[:start]), s.request_id
-                for b, slot in s.checkpoints:
+                    assert sh.state.get(lead(s.group_state_slots, PAD_SLOT_ID)) == (salt, toks[:start]), s.request_id
+                for b, slot in lead(s.group_checkpoints):
                     sh.state[slot] = (salt, toks[:b])
-                sh.state[s.state_slot] = (salt, toks[:end])
+                sh.state[lead(s.group_state_slots, PAD_SLOT_ID)] = (salt, toks[:end])
 
     def check_hashes(self, advanced: list[Request]) -> None:
         """Every block a step filled is hashed right after it (so it is named and hittable), with the right value."""

@@ -27,6 +27,11 @@ GROUPS = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, MAMBA, (1, 2))]
 BLOCK, STATE = 64, 160
 P = list(range(100, 112))
 
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
+
 
 def make(budget: int = 10_000, policy: CachePolicy | None = None, blocks: int = 64, slots: int = 16,
          max_num_seqs: int = 2, groups: list[CacheGroup] = GROUPS) -> Scheduler:
@@ -49,7 +54,7 @@ def serve(s: Scheduler, rid: str, tokens: list[int], max_tokens: int = 1) -> tup
 
 
 def boundaries(outs: list[SchedulerOutput]) -> list[int]:
-    return [b for o in outs for q in o.seqs for b, _ in q.checkpoints]
+    return [b for o in outs for q in o.seqs for b, _ in lead(q.group_checkpoints)]
 
 
 def test_group_page_sizes() -> None:
@@ -168,7 +173,7 @@ def test_a_restored_checkpoint_outlives_an_unused_one_of_equal_value() -> None:
     q = rc.queues[id(rec.pool)]
     ha, hb = _hash(s, P + [1], 3), _hash(s, list(range(300, 313)), 3)
     sa, sb = rec.pool.lookup(ha), rec.pool.lookup(hb)
-    assert sa is not None and sb is not None and rc.hits[ha] == 1
+    assert sa is not None and sb is not None and ha in rc.last_hit
     rank = {page: (p, seq) for p, seq, page in q._heap if q._live.get(page) == seq}
     assert rank[sa] > rank[sb]  # same value; the restore re-released a's state later (recency)
     assert q.peek()[2] != sa  # type: ignore[index]
@@ -254,8 +259,9 @@ def test_superseded_checkpoints_on_an_unbranched_path_keep_only_recency() -> Non
     t2, outs = serve(s, "t2", t1.all_token_ids + [50, 51, 52], max_tokens=6)  # restores 20, rolling end 28
     assert t2.num_cached_tokens == 20 and boundaries(outs) == [24, 28]
     assert end1 in rc.demoted and rc._value(rec.pool, end1) == 0.0  # turn 2 went on past it: recency only
+    assert not rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored by t2, then superseded
     assert t1.block_hashes[3 - 1] in rc.demoted  # turn 1's prompt end, superseded by turn 1's own end
     # a checkpoint two requests branched from is a branch point: never demoted, and a restore undoes a demotion
     serve(s, "b", t1.all_token_ids[:20] + [9, 9, 9], max_tokens=1)
-    assert end1 not in rc.demoted and rc.hits[end1] == 2
+    assert end1 not in rc.demoted and rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored, recent
     s.cache.check_integrity()

@@ -22,8 +22,8 @@ BS = 16
 def _seq(rid: str, ctx: int, first_block: int, slot: int) -> ScheduledSeq:
     nb = -(-ctx // BS)
     return ScheduledSeq(request_id=rid, num_computed_tokens=ctx - 1, token_ids=(ctx % 97,),
-                        block_ids=tuple(range(first_block, first_block + nb)), state_slot=slot, checkpoints=(),
-                        sample=True)
+                        sample=True, group_block_ids=((0, tuple(range(first_block, first_block + nb))),),
+                        group_state_slots=((1, slot),), group_checkpoints=((1, ()),))
 
 
 def test_upload_equals_build_varlen_across_steps() -> None:
@@ -50,7 +50,7 @@ def test_upload_equals_build_varlen_across_steps() -> None:
         assert torch.equal(graphs.slots[:b], m.rec_decode.slots)
         assert torch.equal(graphs.has_init[:b], m.rec_decode.has_init)
         for i, s in enumerate(seqs):  # entries past a row's own blocks are never read (context length bounds)
-            n = len(s.block_ids)
+            n = len(s.group_block_ids[0][1])
             assert torch.equal(graphs.table[i, :n], m.block_table[i, :n])
         assert (graphs.slot_mapping[len(seqs):b] == PAD_SLOT_ID).all() and (graphs.ctx_len[len(seqs):b] == 0).all()
         assert set(graphs.inputs[0].table_rows) == set(live)  # finished requests' rows are dropped
@@ -59,8 +59,9 @@ def test_upload_equals_build_varlen_across_steps() -> None:
 def _split_seq(rid: str, ctx: int, first_block: int, slot: int) -> ScheduledSeq:
     """Two attention groups (ids 0, 1) and two recurrent groups (2, 3), each group with its own ids."""
     s = _seq(rid, ctx, first_block, slot)
-    other = tuple(b + 7 for b in s.block_ids)
-    return replace(s, group_block_ids=((0, s.block_ids), (1, other)), group_state_slots=((2, slot), (3, slot + 90)),
+    first = s.group_block_ids[0][1]
+    other = tuple(b + 7 for b in first)
+    return replace(s, group_block_ids=((0, first), (1, other)), group_state_slots=((2, slot), (3, slot + 90)),
                    group_checkpoints=((2, ()), (3, ())))
 
 
@@ -80,7 +81,7 @@ def test_upload_of_every_view_equals_build_varlen_views() -> None:
             assert m.rec_decode is not None
             assert torch.equal(v.slot_mapping[:b], m.slot_mapping) and torch.equal(v.slots[:b], m.rec_decode.slots)
             for i, s in enumerate(seqs):
-                n = len(s.block_ids)
+                n = len(s.group_block_ids[0][1])
                 assert torch.equal(v.table[i, :n], m.block_table[i, :n])
         assert torch.equal(graphs.ctx_len[:b], metas[1].ctx_len)
         assert torch.equal(graphs.positions[:b], metas[1].positions)

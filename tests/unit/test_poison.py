@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cache.specs import PAD_SLOT_ID
 from tests.oracle import reference_set
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,6 +40,11 @@ NEW_TOKENS = 16
 FAMILIES = ["nemotron_attn_mid", "qwen_attn_first"]
 POISONS = {"nan": float("nan"), "1e30": 1e30}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +102,13 @@ class Poisoner:
         return advanced
 
     def execute(self, out, params):  # type: ignore[no-untyped-def]
-        self.fresh_blocks += len(out.fresh_blocks)
-        self.fresh_blocks_poisoned += sum(b in self.blocks for b in out.fresh_blocks)
+        self.fresh_blocks += len(lead(out.group_fresh_blocks))
+        self.fresh_blocks_poisoned += sum(b in self.blocks for b in lead(out.group_fresh_blocks))
         for s in out.seqs:
             if s.request_id not in self._started:  # first chunk: the running slot was just allocated
                 self._started.add(s.request_id)
                 self.new_slots += 1
-                self.new_slots_poisoned += s.state_slot in self.slots
+                self.new_slots_poisoned += lead(s.group_state_slots, PAD_SLOT_ID) in self.slots
         return self._execute(out, params)
 
 

@@ -128,7 +128,7 @@ BS = 16
 def _decode_seq(rid: str, computed: int, blocks: tuple[tuple[int, ...], ...], slots: tuple[int, ...]) -> ScheduledSeq:
     """One decode token; `blocks` per attention group (ids 0, 1), `slots` per recurrent group (ids 2, 3)."""
     return ScheduledSeq(request_id=rid, num_computed_tokens=computed, token_ids=(computed % 200 + 3,),
-                        block_ids=blocks[0], state_slot=slots[0], checkpoints=(), sample=True,
+                        sample=True,
                         group_block_ids=((0, blocks[0]), (1, blocks[1])),
                         group_state_slots=((2, slots[0]), (3, slots[1])), group_checkpoints=((2, ()), (3, ())))
 
@@ -198,4 +198,4 @@ def test_graph_padded_rows_leave_every_groups_states_untouched(model_path) -> No
 
 
 def _output(seqs: list[ScheduledSeq]) -> SchedulerOutput:
-    return SchedulerOutput(seqs=tuple(seqs), state_copies=(), fresh_blocks=(), preempted=())
+    return SchedulerOutput(seqs=tuple(seqs), preempted=())

@@ -14,7 +14,8 @@ from engine.scheduler import ScheduledSeq
 
 def _seq(rid, computed, n, blocks, slot, ckpts=()):  # type: ignore[no-untyped-def]
     return ScheduledSeq(request_id=rid, num_computed_tokens=computed, token_ids=tuple(range(100, 100 + n)),
-                        block_ids=tuple(blocks), state_slot=slot, checkpoints=tuple(ckpts), sample=True)
+                        sample=True, group_block_ids=((0, tuple(blocks)),), group_state_slots=((1, slot),),
+                        group_checkpoints=((1, tuple(ckpts)),))
 
 
 def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-def]

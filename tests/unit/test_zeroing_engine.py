@@ -35,6 +35,11 @@ FAMILIES = ["nemotron_attn_mid", "qwen_attn_first"]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 BLOCK = 16
 
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
+    return pairs[0][1] if pairs else empty
+
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -122,9 +127,9 @@ def record_zeroed(runner) -> list[list[int]]:  # type: ignore[no-untyped-def]
     calls: list[list[int]] = []
     zero = runner.zero_blocks
 
-    def spy(block_ids):  # type: ignore[no-untyped-def]
+    def spy(block_ids, group_id):  # type: ignore[no-untyped-def]
         calls.append(list(block_ids))
-        return zero(block_ids)
+        return zero(block_ids, group_id)
 
     runner.zero_blocks = spy
     return calls
@@ -200,7 +205,7 @@ def test_prefix_hits_are_not_zeroed(name, checkpoint_dir, reference, whole_block
         for s in out.seqs:
             req = scheduler.requests[s.request_id]
             if s.num_computed_tokens == req.num_cached_tokens > 0:  # the step that admitted it with its hit
-                hit_blocks.update(s.block_ids[: s.num_computed_tokens // BLOCK])
+                hit_blocks.update(lead(s.group_block_ids)[: s.num_computed_tokens // BLOCK])
         return out
 
     scheduler.schedule = spy_schedule
@@ -244,10 +249,11 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
 
     def fake_execute(out, params):  # type: ignore[no-untyped-def]
         assert not cache.attention.fresh_blocks, "fresh block ids were not drained by the schedule"
-        assert len(out.fresh_blocks) <= bound
-        seen[0] += len(out.fresh_blocks)
-        seen[1] = max(seen[1], len(out.fresh_blocks))
-        runner.zero_blocks(out.fresh_blocks)  # the real gate: a no-op with zeroing off
+        assert len(lead(out.group_fresh_blocks)) <= bound
+        seen[0] += len(lead(out.group_fresh_blocks))
+        seen[1] = max(seen[1], len(lead(out.group_fresh_blocks)))
+        for gid, fresh in out.group_fresh_blocks:
+            runner.zero_blocks(fresh, gid)  # the real gate: a no-op with zeroing off
         return {s.request_id: (3 + len(s.token_ids) % 200, -1.0) for s in out.seqs if s.sample}
 
     runner.execute = fake_execute
