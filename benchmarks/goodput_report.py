@@ -247,6 +247,18 @@ def bars(results: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+def handoff_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Where a PD request's low-load TTFT went: the workers' handoff phase means (P: queue, prefill, lease; D:
+    handshake, admit, pull, commit, resume, total), one line per PD configuration and workload."""
+    out = []
+    for r in results:
+        phases = (r.get("low_load") or {}).get("handoff_ms") or {}
+        if phases:
+            cells = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+            out.append(f"{r['workload']}/{r['arrival']} {r['config']} low-load handoff ms: {cells}")
+    return out
+
+
 def _ok(passed: bool) -> str:
     return "PASS" if passed else "FAIL"
 
@@ -273,6 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for line in bars(doc["results"]):
             print("  " + line)
+        for line in handoff_lines(doc["results"]):
+            print("  " + line)
+        for skip in doc.get("skipped", []):
+            print(f"  {skip['config']}: {skip['why']}")
         print(table(doc["results"]))
     return 0
 

@@ -127,9 +127,24 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
         assert r["low_load"]["completed"] == 2 and r["low_load"]["decode_step_ms"] > 0
         assert r["workers"][0]["device"] == "cpu" and r["workers"][0]["dtype"] == "float32"
     assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
+    phases = by["1p1d"]["low_load"]["handoff_ms"]  # where PD's low-load TTFT went
+    assert phases["decode/total"] > 0 and phases["prefill/prefill"] > 0 and phases["decode/commit_rpc"] > 0
+    assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
+    if "adaptive" not in by:  # never silently: the run says why
+        assert any(s["config"] == "adaptive" and "NOT RUN" in s["why"] for s in doc["skipped"])
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("| long | poisson |")  # the table is printed last
+
+
+def test_adaptive_uses_the_routing_the_proxy_offers() -> None:
+    from benchmarks.goodput import CONFIGS, resolve_routing
+
+    alternatives = CONFIGS["adaptive"].routing
+    assert resolve_routing(alternatives, ("round_robin", "least_loaded", "cache_aware")) == "cache_aware"
+    assert resolve_routing(alternatives, ("least_loaded", "adaptive")) == "adaptive"
+    assert resolve_routing(alternatives, ("round_robin", "least_loaded")) is None
+    assert resolve_routing("least_loaded", ("least_loaded",)) == "least_loaded"
 
 
 def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
