@@ -316,7 +316,19 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
     ]
     s0, n0 = decode_step_totals(run.decode)
     h0 = handoff_totals(run)
-    got = asyncio.run(one_at_a_time(run.url, run.model_name, reqs))
+    got: list[Outcome] = []
+    per_request = []
+    for r in reqs:  # one at a time, each with its own phases (PD - colocated per prompt length: the report)
+        before = handoff_totals(run)
+        got += asyncio.run(one_at_a_time(run.url, run.model_name, [r]))
+        ttft = got[-1].ttft_s
+        per_request.append(
+            {
+                "prompt_tokens": len(r.prompt),
+                "ttft_ms": None if ttft is None else 1e3 * ttft,
+                "handoff_ms": handoff_means(before, handoff_totals(run)),
+            }
+        )
     time.sleep(0.1)
     wait_idle(run.decode, 10)
     s1, n1 = decode_step_totals(run.decode)
@@ -332,6 +344,7 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
         "decode_step_ms": step_ms,
         "tpot_over_step": tpot_p50 / step_ms if step_ms else None,
         "handoff_ms": phases,
+        "per_request": per_request,
     }
 
 
