@@ -32,11 +32,11 @@ run() {  # name, deadline seconds, goodput args...
   echo "$name: exit $? ($(left) s of the budget left)"; grep -E "^(==|  rate)" "$OUT/$name.log" | tail -24
 }
 # 3 configurations x (start, 32 warm-up requests, 6 at low load, 7 rates x 7 s): ~110 s each
-run nemotron_long $(( $(left) - 170 > 340 ? 340 : $(left) - 170 )) --preset nemotron-h-8b --workloads long \
+run nemotron_long $(( $(left) - 180 > 320 ? 320 : $(left) - 180 )) --preset nemotron-h-8b --workloads long \
   --gpus 0,1 --configs colocated,1p1d,adaptive --rates "${RATES:-1,2,2.5,3,3.5,4,5}" --duration "${DURATION:-7}" \
   --warmup-requests 32 --low-load 6
 if [ "$(left)" -gt 120 ]; then  # Nemotron-3-Nano-30B-A3B: ~59 GiB of bf16 weights, the rest of an 80 GB GPU for cache
-  dl=$(( $(left) - 30 > 180 ? 180 : $(left) - 30 ))
+  dl=$(( $(left) - 20 > 170 ? 170 : $(left) - 20 ))
   timeout "$dl" env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/roofline.py --presets nemotron-3-nano-30b-a3b \
     --batches 1,64 --contexts 1024,8192 --modes graph --prefill-tokens 4096 --steps 5 \
     --out "$OUT/roofline_30b.json" > "$OUT/roofline_30b.log" 2>&1 &
