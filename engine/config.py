@@ -102,10 +102,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks (GPUs) one worker spreads the model over: attention, Mamba-2 and Gated-DeltaNet heads, MLP and expert
+    intermediates and the vocabulary are split; rank r runs on cuda:N+r (CPU: gloo processes)."""
+
+
+TP_HANDOFF_UNSUPPORTED = (
+    "--tensor-parallel-size > 1 serves colocated workers only (worker --role colocated, serve --colocated): the "
+    "prefill -> decode handoff does not move the pages of ranks other than 0 yet")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_settings(cls, path: str, **settings: Any) -> EngineConfig:
@@ -141,6 +154,9 @@ class EngineConfig:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.parallel.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be >= 1, got {self.parallel.tensor_parallel_size}")
 
 
 def config_sections(root: type = EngineConfig) -> dict[str, type]:

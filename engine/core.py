@@ -24,6 +24,9 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import require_fast_path, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
+from engine.parallel.executor import LeaderRunner, start_tensor_parallel
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import shard_model
 from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -61,7 +64,9 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
+        spawns the followers when config.parallel.tensor_parallel_size > 1."""
         from engine.models.registry import load_model, read_model_config
 
         config.validate()
@@ -71,7 +76,11 @@ class EngineCore:
         require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
+        self.followers = start_tensor_parallel(config) if tp is None else None
+        self.tp = self.followers.tp if self.followers is not None else tp
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
+        if self.tp is not None:
+            shard_model(self.model, self.tp)
         model_max = int(hf_config.get("max_position_embeddings") or 4096)
         self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)
@@ -81,12 +90,16 @@ class EngineCore:
         """On CUDA: the share, weights and activation reserve the cache budget was derived from (for errors)."""
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
+        if self.tp is not None and len(set(self.tp.gather_objects(self.plan.log_line()))) != 1:
+            raise RuntimeError("tensor-parallel ranks planned different caches; block ids would not agree")
         sc = self.config.scheduler  # max_num_seqs may have been lowered to what the memory holds
         self.cache = HybridCacheManager(self.groups, self.plan.layout(), cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.cache)
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
+        if self.followers is not None:
+            self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
         self.tokenizer = self._load_tokenizer(mc.path)
@@ -118,6 +131,8 @@ class EngineCore:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
+        if self.tp is not None:  # one plan for every rank: the budget all of them can hold
+            budget = self.tp.agree_min(budget)
         # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
         # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
         def plan(num_seqs: int) -> CapacityPlan | None:
@@ -401,6 +416,12 @@ class EngineCore:
     def queue_lengths(self) -> tuple[int, int]:
         """(running, waiting) requests of the scheduler."""
         return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel follower ranks, if any (a later engine in this process may start its own)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
 
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""

@@ -36,6 +36,10 @@ class LLM:
         self.engine = EngineCore(config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel ranks (nothing to do at tensor_parallel_size 1)."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer

@@ -4,11 +4,13 @@
     GET  /v1/models, GET /v1/cluster                   (auth applies to every /v1/* route)
     GET  /health, GET /metrics                          (no auth: probes and Prometheus)
 
-Per request: read body (413 past max_body_bytes) -> `openai_schema` -> tokenize (worker thread) -> one
-`Generation` per choice (`choices.Choices`) -> `responses`. A client that disconnects (while we wait on the
-workers, or mid-stream) gets its request aborted on the workers. `/health` answers from the `HealthMonitor`'s
-cache (worker details only with the API key). Every 5xx is counted in `hybridpd_requests_total{status="error"}`
-and sent with `Connection: close`; a stream that fails after its 200 ends with an error event, then `[DONE]`.
+Per request: read body (413 past max_body_bytes) -> `openai_schema` -> `request_limits` -> tokenize (worker
+thread) -> `admission` (a Ticket, or 400/429/503) -> one `Generation` per choice (`choices.Choices`) ->
+`responses`; the Ticket is released when the request ends, however it ends. A client that disconnects (while
+it waits for admission or the workers, or mid-stream) gets its request aborted on the workers. `/health`
+answers from the `HealthMonitor`'s cache (worker details only with the API key). Every 5xx is counted in
+`hybridpd_requests_total{status="error"}` and sent with `Connection: close`; a stream that fails after its 200
+ends with an error event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,27 +29,32 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from proxy import cluster_view
+from proxy.admission import Admission, Demand, Tenant, Ticket
+from proxy.api_keys import ApiKey, find_key
+from proxy.body_parser import BodyParser
 from proxy.choices import Choices
+from proxy.cluster_routes import add_cluster_routes
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, bad_request
 from proxy.generation import Cluster, Delta, Generation, PreparedRequest
+from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
     resolve_max_tokens,
 )
+from proxy.placement import Placer
+from proxy.request_limits import check_request_limits
 from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
-from proxy.workers import WorkerClients
+from proxy.workers import Role, WorkerClients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,10 +86,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                        code="request_too_large")
     buf = bytearray()
-    async for part in request.stream():
-        buf += part
-        if len(buf) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        async for part in request.stream():
+            buf += part
+            if len(buf) > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    except ClientDisconnect:  # gone, or dropped by the body deadline (proxy.http_guard): nobody reads the answer
+        raise ApiError(408, "the client closed the connection before sending the whole body",
+                       code="request_timeout") from None
     return bytes(buf)
 
 
@@ -106,35 +116,76 @@ async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
+class _Held:
+    """A request's choices and its admission ticket: prompts stop counting as queued once every choice has output;
+    `close()` (idempotent) ends the choices and gives the budget back, crediting unused max_tokens to the key."""
+
+    def __init__(self, choices: Choices, ticket: Ticket) -> None:
+        self.choices = choices
+        self.ticket = ticket
+
+    async def start(self) -> list[Delta]:
+        first = await self.choices.start()
+        self.ticket.prompts_done()
+        return first
+
+    async def collect(self) -> list[list[Delta]]:
+        deltas = [[d] for d in await self.start()]
+        async for i, d in self.choices.rest():
+            deltas[i].append(d)
+        return deltas
+
+    def close(self) -> None:
+        self.choices.close()
+        gens = self.choices.gens
+        self.ticket.release(sum((g.req.sampling.max_tokens or 0) - g.usage.completion_tokens for g in gens))
+
+
 class _Proxy:
     """Request handling shared by the endpoints; one per app."""
 
     def __init__(self, config: ProxyConfig, tokenizer: PromptTokenizer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        prefill = None if config.colocated else Router(config.prefill_addrs, config.routing)
-        decode = Router(config.decode_addrs, config.routing)
-        routers = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
+        dynamic = config.dynamic_membership
+        prefill = None if config.colocated else Router(config.prefill_addrs, config.routing, dynamic)
+        decode = Router(config.decode_addrs, config.routing, dynamic)
+        routers: dict[Role, Router] = {"decode": decode} if prefill is None else {"prefill": prefill,
+                                                                                  "decode": decode}
         clients = WorkerClients(config.control_timeout_s, config.cluster_token)
-        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode,
-                               metrics=ProxyMetrics(routers))
+        self.membership = membership = Membership(clients, routers, config.cache_event_drop_fraction)
+        cost_aware = config.routing in ("cache_aware", "adaptive")
+        placer = Placer(membership, prefill, decode, config.routing_weights) if cost_aware else None
+        metrics = ProxyMetrics({str(role): router for role, router in routers.items()})
+        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode, metrics=metrics,
+                               membership=membership, placer=placer)
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
+        self.bodies = BodyParser(config.model_name, config.request_limits)  # big bodies in a helper process
+        self.admission = Admission(config, self.cluster.metrics.registry)
+        self.keys = config.api_keys + ((ApiKey("api-key", config.api_key),) if config.api_key is not None else ())
 
     # -- input -------------------------------------------------------------------------------------------------
 
-    def authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        if key is None:
-            return True
+    def presented_key(self, request: Request) -> ApiKey | None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+        return find_key(self.keys, token.strip()) if scheme.lower() == "bearer" else None
+
+    def authorized(self, request: Request) -> bool:
+        return not self.keys or self.presented_key(request) is not None
 
     def check_auth(self, request: Request) -> None:
         if not self.authorized(request):
             raise ApiError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
+
+    def tenant(self, request: Request) -> Tenant:
+        """Who shares the budget: the API key's name, or the client's address when no keys are configured."""
+        key = self.presented_key(request) if self.keys else None
+        if key is not None:
+            return self.admission.tenant(f"key:{key.name}", key)
+        return self.admission.tenant(f"client:{request.client.host if request.client else '?'}", None)
 
     def _require_tokenizer(self, what: str) -> PromptTokenizer:
         if self.tokenizer is None:
@@ -196,8 +247,28 @@ class _Proxy:
     async def parse(self, request: Request, chat: bool) -> CompletionRequest | ChatRequest:
         try:
             self.check_auth(request)
-            body = parse_json_object(await _read_body(request, self.config.max_body_bytes))
-            return parse_chat(body, self.config.model_name) if chat else parse_completion(body, self.config.model_name)
+            req = await self.bodies.parse(await _read_body(request, self.config.max_body_bytes), chat)
+            check_request_limits(req, self.config.request_limits)
+        except ApiError as err:
+            if err.code == "limit_exceeded":
+                self.admission.count_rejection("request_limits")
+            self._count(err)
+            raise
+        try:  # n x prompts that can never fit: refused before tokenization
+            key = self.presented_key(request) if self.keys else None
+            self.admission.check_seqs(key, len(getattr(req, "prompts", (None,))) * req.n)
+        except ApiError as err:
+            self._count(err)
+            raise
+        return req
+
+    async def admit(self, request: Request, prepared: list[PreparedRequest]) -> Ticket:
+        """Hold the budget for `prepared` (waiting briefly if need be); 400 / 429 / 503 ApiError otherwise."""
+        demand = Demand(seqs=len(prepared),
+                        prompt_tokens=sum(len(p.prompt_token_ids) for p in prepared if p.counts_prompt),
+                        reserved_tokens=sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or 0) for p in prepared))
+        try:
+            return await _until_disconnected(request, self.admission.admit(self.tenant(request), demand))
         except ApiError as err:
             self._count(err)
             raise
@@ -232,29 +303,34 @@ class _Proxy:
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs,
                                       self.visible_text, echo=echoes if any(echoes) else ())
-        choices = Choices([Generation(self.cluster, p, arrival) for p in prepared])
-        if req.stream.stream:
-            return await self._stream(request, choices, fmt, req.stream)
         try:
-            deltas = await _until_disconnected(request, choices.collect())
+            ticket = await self.admit(request, prepared)
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = Choices([Generation(self.cluster, p, arrival) for p in prepared])
+        held = _Held(choices, ticket)
+        if req.stream.stream:
+            return await self._stream(request, held, fmt, req.stream)
+        try:
+            deltas = await _until_disconnected(request, held.collect())
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
-            choices.close()
+            held.close()
         return JSONResponse(fmt.full(deltas, choices.usages))
 
-    async def _stream(self, request: Request, choices: Choices, fmt: CompletionFormatter | ChatFormatter,
+    async def _stream(self, request: Request, held: _Held, fmt: CompletionFormatter | ChatFormatter,
                       opts: StreamOptions) -> Response:
         """Wait for every choice's first output before answering, so early failures get a real status code."""
         try:
-            first = await _until_disconnected(request, choices.start())
+            first = await _until_disconnected(request, held.start())
         except _ClientGone:
-            choices.close()
+            held.close()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
-            choices.close()
+            held.close()
             raise
-        return _SSEResponse(self._events(choices, fmt, first, opts), on_close=choices.close)
+        return _SSEResponse(self._events(held.choices, fmt, first, opts), on_close=held.close)
 
     async def _events(self, choices: Choices, fmt: CompletionFormatter | ChatFormatter, first: list[Delta],
                       opts: StreamOptions) -> AsyncIterator[str]:
@@ -294,13 +370,17 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        membership = proxy.membership
+        await membership.start()
         await proxy.monitor.start(first_wait_s=min(2.0, config.control_timeout_s))
         try:
             yield
         finally:
             await proxy.monitor.stop()
+            await membership.stop()
             await proxy.cluster.clients.close()
             proxy.pool.shutdown(wait=False, cancel_futures=True)
+            proxy.bodies.close()
 
     app = FastAPI(title="hybridpd proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = proxy
@@ -349,6 +429,8 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
     async def cluster(request: Request) -> dict[str, Any]:
         proxy.check_auth(request)
         return await cluster_view.cluster_info(proxy.cluster)
+
+    add_cluster_routes(app, proxy.membership, config.cluster_token, proxy.check_auth)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -6,9 +6,114 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.api_keys import ApiKey
 from proxy.credentials import CLUSTER_TOKEN_ENV
 
-RoutingPolicy = Literal["round_robin", "least_loaded"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
+"""cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost); adaptive: the same (the name the
+goodput benchmark uses for a cluster that moves prefill work to decode workers when that is cheaper)."""
+ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "adaptive")
+
+SkipPrefill = Literal["auto", "never", "always"]
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Costs and skip-prefill rule of the cache_aware policy (proxy/placement.py), in prompt-token units."""
+
+    pull_token_cost: float = 0.25
+    """A token D pulls, relative to a token P computes."""
+    decode_running_cost: float = 16.0
+    """A request in flight on D, in prompt tokens (spreads load when hits are equal)."""
+    decode_full_cost: float = 32.0
+    """A decode worker with no free or evictable attention page, in prompt tokens (scaled by the share in use)."""
+    prefill_queue_cost: float = 1.0
+    """A prompt token already in flight on P (its queue)."""
+    decode_prefill_cost: float = 2.0
+    """A token D computes itself (skip-P), relative to one P computes: it also delays D's running decodes."""
+    skip_prefill: SkipPrefill = "auto"
+    skip_max_tokens: int = 0
+    """Skip P whenever D's uncached remainder is at most this many tokens (0: the cost model alone decides)."""
+    prefill_token_s: float = 2e-4
+    """Starting estimate of P's seconds per computed token (until measured)."""
+    handoff_s: float = 0.02
+    """Starting estimate of the PD handoff: Generate sent -> first token (until measured)."""
+    ewma: float = 0.2
+    """Weight of each new measurement in the moving averages."""
+    expect_ttl_s: float = 10.0
+    """How long the router counts what it just sent a worker as cached there before the worker's events confirm
+    it (proxy/cache_index.py, expectations)."""
+
+
+DEFAULT_SEQS_PER_DECODE_WORKER = 256
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request shape limits, each a 400 naming the field when exceeded (checked before any worker sees it)."""
+
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    max_prompts: int = 256
+    """Prompts in one completion request (the schema's own ceiling is 256; this may only lower it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
+                     "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The global budget of admitted work and how it is shared between tenants (`proxy.admission`).
+
+    `max_num_seqs`: sequences (choices) in flight across the cluster; None: DEFAULT_SEQS_PER_DECODE_WORKER per
+    decode worker. `max_queued_prompt_tokens`: prompt tokens admitted and not yet past their first output token
+    (waiting for or in prefill, pinned on P); None: 64 x max_model_len per prefill worker (per decode worker when
+    colocated). `max_tokens_in_flight`: sum over admitted sequences of prompt + max_tokens (the KV they may grow
+    to); None: no such budget. A request that can never fit one of them is a 400; one that does not fit now waits
+    up to `queue_timeout_s` in a queue of at most `max_waiting` requests, then gets 503 + Retry-After.
+    `max_tenant_share`: the fraction of each budget one tenant (API key, or client address without keys) may
+    hold, so one tenant cannot starve the others."""
+
+    max_num_seqs: int | None = None
+    max_queued_prompt_tokens: int | None = None
+    max_tokens_in_flight: int | None = None
+    max_waiting: int = 64
+    queue_timeout_s: float = 2.0
+    max_tenant_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_queued_prompt_tokens", "max_tokens_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_waiting < 0 or self.queue_timeout_s < 0:
+            raise ValueError("max_waiting and queue_timeout_s must be >= 0")
+        if not 0.0 < self.max_tenant_share <= 1.0:
+            raise ValueError(f"max_tenant_share must be in (0, 1], got {self.max_tenant_share}")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Connection hardening (`proxy.http_guard`): a client that has not sent a request's headers within
+    `header_timeout_s` (from connect or from the previous response) or its body within `body_timeout_s` (from the
+    end of the headers) is dropped; at most `max_connections` open connections (more are closed on accept); an
+    idle keep-alive connection is closed after `keep_alive_timeout_s`."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1000
+    keep_alive_timeout_s: int = 5
+
+    def __post_init__(self) -> None:
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
+            raise ValueError("header_timeout_s, body_timeout_s and keep_alive_timeout_s must be > 0")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 @dataclass(frozen=True)
@@ -21,6 +126,7 @@ class ProxyConfig:
     it only token-id prompts are accepted. `api_key` set: every `/v1/*` request needs `Authorization: Bearer KEY`
     (and `/health` shows worker details only with it). `cluster_token` is sent with every worker RPC as metadata
     `x-hybridpd-token` (default: env HYBRIDPD_CLUSTER_TOKEN; `proxy.credentials` resolves files and env).
+    `admission`, `request_limits` and `http` bound what clients can make the cluster and the proxy hold.
     """
 
     prefill_addrs: tuple[str, ...] = ()
@@ -49,13 +155,25 @@ class ProxyConfig:
     retry_after_s: int = 1
     """`Retry-After` (seconds) of a 503 sent when every prefill worker answered RESOURCE_EXHAUSTED."""
     cluster_token: str | None = field(default_factory=lambda: os.environ.get(CLUSTER_TOKEN_ENV) or None, repr=False)
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    """Several client keys, each with its own limits (`proxy.api_keys`); `api_key` above counts as one more."""
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
+    http: HttpLimits = field(default_factory=HttpLimits)
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
+    """Costs and skip-prefill rule of the cache_aware policy (proxy/placement.py)."""
+    dynamic_membership: bool = True
+    """Workers may register (`POST /v1/cluster/workers`, with the cluster token) and leave at run time; the static
+    addresses above may then be empty."""
+    cache_event_drop_fraction: float = 0.0
+    """Test knob: silently drop this share of the workers' cache events (lossy delivery)."""
 
     def __post_init__(self) -> None:
-        if self.routing not in ("round_robin", "least_loaded"):
-            raise ValueError(f"routing must be 'round_robin' or 'least_loaded', got {self.routing!r}")
-        if not self.decode_addrs:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not self.decode_addrs and not self.dynamic_membership:
             raise ValueError("at least one decode worker address is required")
-        if not self.colocated and not self.prefill_addrs:
+        if not self.colocated and not self.prefill_addrs and not self.dynamic_membership:
             raise ValueError("at least one prefill worker address is required (or colocated=True)")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

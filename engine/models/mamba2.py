@@ -88,6 +88,12 @@ class GroupGatedRMSNorm(nn.Module):
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.float() * groups.view(x.shape)
 
+    def forward_fused(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The same in one kernel, cast to `dtype` (fast path)."""
+        from engine.kernels.fused import gated_group_norm
+
+        return gated_group_norm(y, gate, self.weight, self.group_size, self.eps, dtype)
+
 
 def ssd_segment(
     x: torch.Tensor,
@@ -148,12 +154,8 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
         if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
-            from engine.kernels.fused import gated_group_norm
-
             y = mamba2_mixer(self, xbc, dt, cache, meta)
-            n = self.norm
-            return self.out_proj(gated_group_norm(y.view(hidden.shape[0], -1), gate, n.weight, n.group_size, n.eps,
-                                                  hidden.dtype))
+            return self.out_proj(self.norm.forward_fused(y.view(hidden.shape[0], -1), gate, hidden.dtype))
         y = torch.zeros(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)

@@ -14,6 +14,7 @@ import httpx
 import uvicorn
 
 from proxy.config import ProxyConfig
+from proxy.http_guard import uvicorn_config
 from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import FakeDecodeWorker, FakePrefillWorker, serve_fake
 
@@ -67,8 +68,9 @@ class LiveStack:
         self.config = ProxyConfig(prefill_addrs=tuple(w.address for w in self.prefill) + extra,
                                   decode_addrs=tuple(w.address for w in self.decode), port=port, **overrides)
         self.app = create_app(self.config, tokenizer=self.tokenizer)
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
-                                                      lifespan="on"))
+        self._uvicorn = uvicorn.Server(uvicorn_config(self.app, self.config.http, self.app.state.proxy.admission
+                                                      .count_rejection, host="127.0.0.1", port=port,
+                                                      log_level="warning", lifespan="on"))
         self.url = f"http://127.0.0.1:{port}"
         self._serve_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:

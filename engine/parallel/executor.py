@@ -1,0 +1,222 @@
+"""Running one worker's ranks: rank 0 runs the EngineCore (scheduler, cache manager, sampler: the control plane
+is unchanged) and broadcasts every runner call that touches the caches or runs the model; ranks 1.. run only
+their EngineCore's runner, executing what rank 0 broadcasts.
+
+    rank 0 (the caller's process)                 ranks 1..tp-1 (spawned processes)
+    EngineCore.step -> LeaderRunner.execute(out)  follow(): loop { msg = broadcast(); runner.<name>(*args) }
+        broadcast (name, args) on the gloo group           same model forward on its head slice
+        runner.execute(out) on its head slice              collectives meet rank 0's inside the forward
+
+Every rank builds the same cache plan (same budget: the minimum over ranks, engine.core; same per-rank page
+shapes), so block ids and state slots mean the same pages everywhere. Sampling happens on rank 0 only (every rank
+has all logits; followers discard theirs).
+
+Faults: a follower that dies leaves rank 0 inside a collective that may never return (NCCL), so rank 0's watchdog
+ends the whole process (exit code 70): the worker is restarted whole and no request gets a wrong token. Followers
+exit when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.parallel.group import TPGroup, free_port, init_tp, rank_device
+
+log = logging.getLogger("hybridpd.tp")
+
+BROADCAST_CALLS = frozenset({"execute", "copy_states", "zero_blocks", "zero_block_tail"})
+"""Runner methods that change the caches or run the model: every rank must run them, in the same order."""
+
+RANK_DIED_EXIT_CODE = 70
+ON_ALL = "<on_all>"
+"""The broadcast name of `LeaderRunner.on_all` (a function run on every rank, results gathered)."""
+
+
+class LeaderRunner:
+    """Rank 0's ModelRunner: the calls in BROADCAST_CALLS go to every rank, everything else is rank 0's runner."""
+
+    def __init__(self, runner: Any, tp: TPGroup) -> None:
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_tp", tp)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._runner, name)
+        if name in BROADCAST_CALLS:
+            return functools.partial(self._call, name)
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in BROADCAST_CALLS:  # a wrapper of a broadcast call (a test's spy) wraps the whole call
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._runner, name, value)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self._tp.broadcast((name, args, kwargs))
+        return getattr(self._runner, name)(*args, **kwargs)
+
+    def on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(runner, rank, *args)` on every rank (fn a module-level function: it is pickled by name); returns
+        every rank's result in rank order."""
+        self._tp.broadcast((ON_ALL, (fn, args), {}))
+        return self._tp.gather_objects(fn(self._runner, 0, *args))
+
+
+class DiscardingSampler:
+    """A follower's sampler: rank 0 samples; the followers' tokens are never read."""
+
+    def bind(self, *_: Any) -> None:
+        pass
+
+    def forget(self, _rid: str) -> None:
+        pass
+
+    def take_top_logprobs(self) -> dict[str, Any]:
+        return {}
+
+    def sample(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> tuple[list[int], list[float]]:
+        return [0] * len(rids), [0.0] * len(rids)
+
+
+def follow(runner: Any, tp: TPGroup) -> None:
+    """A follower's loop: execute rank 0's broadcast calls until it sends None. A call that fails here may have
+    left rank 0 inside a collective this rank will never join: the follower exits, and rank 0's watchdog ends the
+    worker (restarted whole; fail closed rather than ranks out of step)."""
+    runner.sampler = DiscardingSampler()
+    while True:
+        msg = tp.broadcast(None)
+        if msg is None:
+            return
+        name, args, kwargs = msg
+        try:
+            if name == ON_ALL:
+                fn, fn_args = args
+                tp.gather_objects(fn(runner, tp.rank, *fn_args))
+            else:
+                getattr(runner, name)(*args, **kwargs)
+        except Exception:
+            log.exception("tensor-parallel rank %d: %s failed; exiting", tp.rank, name)
+            os._exit(RANK_DIED_EXIT_CODE)
+
+
+def rank_config(config: Any, rank: int) -> Any:
+    """The engine config of `rank`: its own device (cuda:N+rank)."""
+    device = rank_device(config.model.device, rank)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+
+
+def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> None:
+    """Entry point of a spawned rank: join the group, build the same engine on its slice, follow rank 0."""
+    from engine.core import EngineCore
+
+    _exit_when_gone(leader_pid)
+    config = rank_config(config, rank)
+    world = config.parallel.tensor_parallel_size
+    tp = init_tp(rank, world, init_method, config.model.device)
+    core = EngineCore(config, tp=tp)
+    follow(core.runner, tp)
+
+
+def _exit_when_gone(pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="tp-leader-watch", daemon=True).start()
+
+
+class Followers:
+    """Rank 0's handle on ranks 1..tp-1: starts them (`python -m engine.parallel.executor`, the config pickled on
+    stdin: no re-import of the caller's main module), joins the group with them, watches them."""
+
+    def __init__(self, config: Any) -> None:
+        world = config.parallel.tensor_parallel_size
+        init = f"tcp://127.0.0.1:{free_port()}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if not config.model.device.startswith("cuda"):  # CPU ranks share the cores: no spinning thread pools
+            env.setdefault("OMP_NUM_THREADS", "1")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for r in range(1, world):
+            proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.executor"], stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps((config, r, init, os.getpid())))
+            proc.stdin.close()
+            self.procs.append(proc)
+        self.closing = False
+        atexit.register(self._closing)
+        threading.Thread(target=self._watch, name="tp-followers-watch", daemon=True).start()
+        self.tp = init_tp(0, world, init, rank_config(config, 0).model.device)
+
+    def _closing(self) -> None:
+        self.closing = True
+
+    def close(self) -> None:
+        """Stop the followers (they leave their loop and exit on their own), leave the group (a new engine may
+        start in this process)."""
+        import torch.distributed as dist
+
+        if self.closing:
+            return
+        self.closing = True
+        try:
+            self.tp.broadcast(None)
+        except Exception:  # a follower already gone: nothing left to stop
+            log.warning("tensor-parallel followers did not take the stop message")
+        dist.destroy_process_group()
+
+    def _watch(self) -> None:
+        while not self.closing:
+            for r, p in enumerate(self.procs, start=1):
+                if p.poll() is not None and not self.closing:
+                    log.error(
+                        "tensor-parallel rank %d (pid %d) died (exit code %s): the worker exits so that it "
+                        "is restarted whole",
+                        r,
+                        p.pid,
+                        p.returncode,
+                    )
+                    os._exit(RANK_DIED_EXIT_CODE)
+            time.sleep(0.2)
+
+
+def start_tensor_parallel(config: Any) -> Followers | None:
+    """Rank 0 of a new worker: spawn ranks 1..tp-1 and join them (None at tensor_parallel_size 1)."""
+    world = config.parallel.tensor_parallel_size
+    if world <= 1:
+        return None
+    device = config.model.device
+    if device.startswith("cuda"):
+        import torch
+
+        last = rank_device(device, world - 1)
+        if int(last.split(":")[1]) >= torch.cuda.device_count():
+            from engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"tensor_parallel_size={world} on {device} needs {last}, but {torch.cuda.device_count()} GPUs are "
+                "visible"
+            )
+    return Followers(config)
+
+
+__all__ = ["BROADCAST_CALLS", "Followers", "LeaderRunner", "follow", "follower_main", "start_tensor_parallel"]
+
+
+if __name__ == "__main__":  # a follower rank, started by Followers
+    logging.basicConfig(level=logging.WARNING)
+    follower_main(*pickle.loads(sys.stdin.buffer.read()))

@@ -1,0 +1,95 @@
+"""The tensor-parallel process group of one worker and the few collectives the model and the executor use.
+
+Ranks are processes on one host: rank r of a worker on `cuda:N` runs on `cuda:N+r`; on CPU every rank runs on the
+CPU. Tensors move over `group` (NCCL on CUDA, gloo on CPU); Python objects (the step each rank executes) move over
+`control`, a gloo group in both cases, so broadcasting a step never touches the GPU stream.
+Ownership: `init_tp` is called once per process before the model is loaded; the group lives as long as the process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """One rank's view of its worker's tensor-parallel group."""
+
+    rank: int
+    world: int
+    group: Any  # torch.distributed ProcessGroup for tensors
+    control: Any  # gloo ProcessGroup for objects
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns x."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dim, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def all_gather_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Stack every rank's x along a new first dim, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's value (the cache budget all ranks can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's obj on every rank (others pass None)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of `rank` for a worker configured on `device`: cuda:N -> cuda:N+rank; cpu stays cpu."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{base + rank}"
+
+
+def init_tp(rank: int, world: int, init_method: str, device: str, timeout_s: float = 600.0) -> TPGroup:
+    """Join the worker's group (blocks until all `world` ranks joined). NCCL on CUDA, gloo on CPU."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    group = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else group
+    return TPGroup(rank, world, group, control)
+
+
+__all__ = ["TPGroup", "free_port", "init_tp", "rank_device"]

@@ -1,0 +1,209 @@
+"""Cut a loaded model down to one tensor-parallel rank's slice, in place (weights are sliced, not copied twice).
+
+What each rank holds (H heads, KV key/value heads, G Mamba groups, Kh GDN key heads split over tp ranks):
+
+    attention      query heads [r*H/tp, (r+1)*H/tp); KV heads: a slice when tp divides KV, else the one KV head
+                   its query heads use (replicated, tp a multiple of KV); o_proj row-parallel
+    Mamba-2        heads [r*H/tp, ...) with their gate, x conv channels, dt, A, D, norm weights; B and C groups
+                   split like KV heads (a slice, or the one group replicated); out_proj row-parallel. The
+                   conv channels of a rank, per part of conv_dim = | x (H*P) | B (G*N) | C (G*N) |:
+                       x: [h*P, (h+1)*P) for its heads h;  B: H*P + [g*N, (g+1)*N);  C: H*P + G*N + [g*N, ...)
+    Gated DeltaNet value heads split, key heads split or replicated; conv | q (Kh*dk) | k (Kh*dk) | v (Hv*dv) |
+                   cut the same way per part; out_proj row-parallel
+    MLP / MoE      intermediate split (every expert and the shared expert); one all-reduce per MLP / MoE block;
+                   the router is replicated
+    embedding      vocabulary rows split (engine.parallel.layers); LM head gathers the logits
+
+The model's `args` become the rank's (local head counts), so `cache_specs` gives each rank the cache of its slice
+and every rank plans the same number of blocks and slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from engine.models.gated_deltanet import GatedDeltaNet
+from engine.models.layers import MLP, GatedMLP
+from engine.models.mamba2 import Mamba2Mixer
+from engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
+from engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import (
+    ParallelLMHead,
+    SpanningGroupNorm,
+    VocabParallelEmbedding,
+    all_reduce_output,
+    index,
+    row_parallel,
+    take_cols,
+    take_rows,
+)
+from engine.parallel.partition import blocks, gdn_conv_channels, group_share, mamba_conv_channels, split_range
+
+
+def _need(count: int, what: str, tp: TPGroup) -> None:
+    if count % tp.world:
+        raise ValueError(f"{what}={count} is not divisible by tensor_parallel_size={tp.world}")
+
+
+def shard_attention(m: NemotronHAttention | Qwen3_5Attention, tp: TPGroup, gated: bool) -> None:
+    d = m.head_dim
+    _need(m.heads, "num_attention_heads", tp)
+    heads = split_range(m.heads, tp.world, tp.rank)
+    kv = group_share(m.kv_heads, tp.world, tp.rank)
+    q_width = 2 * d if gated else d  # Qwen3.5: per head | query | gate |
+    take_rows(m.q_proj, index(blocks(heads, q_width)))
+    take_rows(m.k_proj, index(blocks(kv, d)))
+    take_rows(m.v_proj, index(blocks(kv, d)))
+    row_parallel(m.o_proj, index(blocks(heads, d)), tp)
+    m.heads, m.kv_heads = len(heads), len(kv)
+
+
+def _conv(conv: nn.Conv1d, channels: Any) -> None:
+    conv.weight = nn.Parameter(conv.weight.data[channels].contiguous(), requires_grad=False)
+    if conv.bias is not None:
+        conv.bias = nn.Parameter(conv.bias.data[channels].contiguous(), requires_grad=False)
+    conv.in_channels = conv.out_channels = conv.groups = int(channels.numel())
+
+
+def _vector(p: nn.Parameter, rows: Any) -> nn.Parameter:
+    return nn.Parameter(p.data[rows].contiguous(), requires_grad=False)
+
+
+def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
+    c = m.cfg
+    _need(c.num_heads, "mamba_num_heads", tp)
+    heads = split_range(c.num_heads, tp.world, tp.rank)
+    groups = group_share(c.n_groups, tp.world, tp.rank)
+    inter = c.intermediate_size
+    conv = mamba_conv_channels(c.num_heads, c.head_dim, c.n_groups, c.state_size, heads, groups)
+    gate = blocks(heads, c.head_dim)
+    xbc = [range(r.start + inter, r.stop + inter) for r in conv]
+    dt = [range(inter + c.conv_dim + h, inter + c.conv_dim + h + 1) for h in heads]
+    take_rows(m.in_proj, index(gate + xbc + dt))
+    _conv(m.conv1d, index(conv))
+    hs = index([heads])
+    m.dt_bias, m.A_log, m.D = _vector(m.dt_bias, hs), _vector(m.A_log, hs), _vector(m.D, hs)
+    norm_weight = m.norm.weight.data[index(gate)].contiguous()
+    group_size = m.norm.group_size
+    if c.n_groups % tp.world:  # a norm group spans several ranks' channels
+        m.norm = SpanningGroupNorm(norm_weight, group_size, c.n_groups, c.norm_eps, tp)  # type: ignore[assignment]
+    else:
+        m.norm.weight = nn.Parameter(norm_weight, requires_grad=False)
+    row_parallel(m.out_proj, index(gate), tp)
+    m.cfg = dataclasses.replace(c, num_heads=len(heads), n_groups=len(groups))
+
+
+def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
+    c = m.cfg
+    _need(c.num_v_heads, "linear_num_value_heads", tp)
+    v_heads = split_range(c.num_v_heads, tp.world, tp.rank)
+    k_heads = group_share(c.num_k_heads, tp.world, tp.rank)
+    conv = index(gdn_conv_channels(c.num_k_heads, c.head_k_dim, c.head_v_dim, k_heads, v_heads))
+    take_rows(m.in_proj_qkv, conv)
+    _conv(m.conv1d, conv)
+    values = index(blocks(v_heads, c.head_v_dim))
+    take_rows(m.in_proj_z, values)
+    vs = index([v_heads])
+    take_rows(m.in_proj_b, vs)
+    take_rows(m.in_proj_a, vs)
+    m.dt_bias, m.A_log = _vector(m.dt_bias, vs), _vector(m.A_log, vs)
+    row_parallel(m.out_proj, values, tp)
+    m.cfg = dataclasses.replace(c, num_k_heads=len(k_heads), num_v_heads=len(v_heads))
+
+
+def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup) -> None:
+    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces)."""
+    _need(down.in_features, "intermediate_size", tp)
+    cols = index([split_range(down.in_features, tp.world, tp.rank)])
+    for lin in up:
+        take_rows(lin, cols)
+    take_cols(down, cols, tp)
+
+
+def shard_mlp(m: MLP | GatedMLP, tp: TPGroup) -> None:
+    ups = [m.gate_proj, m.up_proj] if isinstance(m, GatedMLP) else [m.up_proj]
+    _split_mlp(ups, m.down_proj, tp)
+    all_reduce_output(m.down_proj, tp)
+
+
+def shard_moe(m: NemotronHMoE, tp: TPGroup) -> None:
+    """Tensor parallelism inside every expert: each rank computes its slice of every routed and the shared expert
+    (and fc2_latent_proj, linear, on the partial sum); the block's output is reduced once."""
+    for e in [*m.experts, m.shared_experts]:
+        _split_mlp([e.up_proj], e.down_proj, tp)
+    if m.latent and m.fc2_latent_proj.bias is not None and not tp.is_leader:
+        m.fc2_latent_proj.bias.data.zero_()
+    all_reduce_output(m, tp)
+
+
+def _shard_vocab(model: Any, embed_owner: nn.Module, embed_name: str, tp: TPGroup) -> None:
+    full = getattr(embed_owner, embed_name)
+    tied = model.lm_head.weight.data_ptr() == full.weight.data_ptr()
+    embedding = VocabParallelEmbedding(full, tp)
+    setattr(embed_owner, embed_name, embedding)
+    model.lm_head = ParallelLMHead(model.lm_head, tp, embedding if tied else None)
+
+
+def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup) -> None:
+    for layer in model.backbone.layers:
+        mixer = layer.mixer
+        if isinstance(mixer, Mamba2Mixer):
+            shard_mamba(mixer, tp)
+        elif isinstance(mixer, NemotronHAttention):
+            shard_attention(mixer, tp, gated=False)
+        elif isinstance(mixer, NemotronHMoE):
+            shard_moe(mixer, tp)
+        elif isinstance(mixer, MLP):
+            shard_mlp(mixer, tp)
+    _shard_vocab(model, model.backbone, "embeddings", tp)
+    a = model.args
+    first_mamba = next((ly.mixer.cfg for ly in model.backbone.layers if isinstance(ly.mixer, Mamba2Mixer)), a.mamba)
+    model.args = dataclasses.replace(
+        a,
+        num_attention_heads=a.num_attention_heads // tp.world,
+        num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
+        mamba=first_mamba,
+    )
+
+
+def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
+    layer: Any
+    for layer in model.model.layers:
+        if layer.layer_type == "linear_attention":
+            shard_gdn(layer.linear_attn, tp)
+        else:
+            shard_attention(layer.self_attn, tp, gated=True)
+        shard_mlp(layer.mlp, tp)
+    _shard_vocab(model, model.model, "embed_tokens", tp)
+    a = model.args
+    layers: list[Any] = list(model.model.layers)
+    first_gdn = next((ly.linear_attn.cfg for ly in layers if ly.layer_type == "linear_attention"), a.gdn)
+    model.args = dataclasses.replace(
+        a,
+        num_attention_heads=a.num_attention_heads // tp.world,
+        num_key_value_heads=len(group_share(a.num_key_value_heads, tp.world, tp.rank)),
+        gdn=first_gdn,
+    )
+
+
+def shard_model(model: Any, tp: TPGroup) -> Any:
+    """Cut `model` (as loaded by engine.models.registry) to rank tp.rank's slice, in place; returns it. Raises
+    ValueError when a head count cannot be split over tp.world ranks."""
+    if tp.world == 1:
+        return model
+    model.full_args = model.args  # the whole model's shapes (handoffs between TP sizes plan from these)
+    if isinstance(model, NemotronHForCausalLM):
+        shard_nemotron_h(model, tp)
+    elif isinstance(model, Qwen3_5ForCausalLM):
+        shard_qwen3_5(model, tp)
+    else:
+        raise ValueError(f"tensor parallelism does not support {type(model).__name__}")
+    model.tp_rank, model.tp_size = tp.rank, tp.world
+    return model
+
+
+__all__ = ["shard_model"]

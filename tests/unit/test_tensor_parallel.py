@@ -1,0 +1,143 @@
+"""Tensor parallelism on CPU (gloo ranks): TP 2 and TP 4 give the same greedy tokens as TP 1 in fp32.
+
+The models are chosen so that every splitting rule runs: a single KV head (replicated on every rank), a Mamba
+group count below the TP size (B/C replicated, the gated norm's groups spanning ranks), a Mamba group count the TP
+size divides (B/C split), Gated-DeltaNet key heads split, MoE experts cut inside, an MLP, a vocabulary split.
+Prompts are chunked (small token budget, prefill mixed with decode), and a second round reuses the first round's
+prefixes (cached blocks and recurrent checkpoints restored: state copies broadcast to every rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.parallel.layers import ParallelLMHead
+from tests.oracle import random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # 2 query heads, 1 KV head; n_groups 1 < TP 2; MoE (4 experts, top 2) with a shared expert; an MLP
+    "nemotron_moe_kv1_g1": (
+        "nemotron_h",
+        {"hybrid_override_pattern": "M*E-M", "num_key_value_heads": 1, "n_groups": 1},
+    ),
+    # 2 query heads, 1 KV head (gated attention), 2 GDN key heads / 4 value heads split
+    "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
+    # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE
+    "nemotron_tp4": ("nemotron_h", {"hybrid_override_pattern": "M*EM-", "num_attention_heads": 4, "head_dim": 16}),
+}
+LENGTHS = [3, 40, 70]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SETTINGS: dict[str, Any] = {"max_num_batched_tokens": 48, "kv_cache_memory_bytes": 16 * 2**20, "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from engine.models.checkpoint import write_random_checkpoint
+
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            family, overrides = MODELS[name]
+            made[name] = write_random_checkpoint(str(tmp_path_factory.mktemp(name)), family, seed=0, **overrides)
+        return made[name]
+
+    return get
+
+
+def _rounds(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    prompts = random_prompts(LENGTHS, 500, seed=3)
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    again = [prompts[-1] + [7, 8, 9]]  # a prefix hit: cached blocks and state checkpoints
+    second = llm.generate(prompt_token_ids=again, sampling_params=GREEDY)
+    return [(o.token_ids, o.logprobs) for o in first + second]
+
+
+def _run(path: str, tp: int) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
+    llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS)
+    try:
+        if tp > 1:
+            model: Any = llm.engine.model
+            assert isinstance(model.lm_head, ParallelLMHead) and model.tp_size == tp
+        out = _rounds(llm)
+        llm.engine.cache.check_integrity()
+        return out, llm.kv_cache_info()
+    finally:
+        llm.shutdown()
+
+
+def assert_same(tp1, tpn) -> None:  # type: ignore[no-untyped-def]
+    for i, ((toks1, lps1), (toksn, lpsn)) in enumerate(zip(tp1, tpn, strict=True)):
+        assert toksn == toks1, f"request {i}: greedy tokens differ"
+        assert max(abs(a - b) for a, b in zip(lps1, lpsn, strict=True)) < 1e-4, f"request {i}: logprobs differ"
+
+
+@pytest.mark.parametrize(("name", "tp"), [("nemotron_moe_kv1_g1", 2), ("qwen", 2), ("nemotron_tp4", 4)])
+def test_tp_matches_tp1(name, tp, model_dir):  # type: ignore[no-untyped-def]
+    path = model_dir(name)
+    ref, info1 = _run(path, 1)
+    got, info_n = _run(path, tp)
+    assert_same(ref, got)
+    # each rank holds its slice of every recurrent state (and of every page, unless KV heads are replicated)
+    assert info_n["bytes_per_state"] < info1["bytes_per_state"]
+    assert info_n["bytes_per_token"] <= info1["bytes_per_token"]
+
+
+def test_generate_cli_tp2_matches_tp1(model_dir):  # type: ignore[no-untyped-def]
+    path = model_dir("nemotron_moe_kv1_g1")
+    prompts = ["Hello, hybrid world", "tensor parallel"]
+    llm = LLM(model=path, **SETTINGS)
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))]
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "generate",
+        "--model",
+        path,
+        "--tensor-parallel-size",
+        "2",
+        "--max-tokens",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(SETTINGS["kv_cache_memory_bytes"]),
+    ]
+    for p in prompts:
+        argv += ["--prompt", p]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = [json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.startswith("{")]
+    assert got == want
+
+
+def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[no-untyped-def]
+    """A follower rank killed: rank 0 exits (code 70, restarted whole by its launcher) before any token of the
+    next request comes out."""
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from engine import LLM, SamplingParams
+        llm = LLM(model={model_dir("qwen")!r}, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
+        os.kill(llm.engine.followers.procs[0].pid, signal.SIGKILL)
+        time.sleep(1.5)
+        out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
+        print("TOKENS", out[0].token_ids, flush=True)
+    """)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 70, run.stderr[-2000:]
+    assert "TOKENS" not in run.stdout
+    assert "died" in run.stderr
