@@ -572,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "config": name,
                                 "workload": wl,
                                 "arrival": arrival,
+                                "routing": cfg.routing,
                                 "num_gpus": n_gpus,
                                 "workers": workers,
                                 "low_load": low,

@@ -126,13 +126,16 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
         assert r["rates"][0]["sent"] >= 1 and r["rates"][0]["completed"] == r["rates"][0]["sent"]
         assert r["low_load"]["completed"] == 2 and r["low_load"]["decode_step_ms"] > 0
         assert r["workers"][0]["device"] == "cpu" and r["workers"][0]["dtype"] == "float32"
+    assert by["1p1d"]["routing"] == "least_loaded"
     assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
     phases = by["1p1d"]["low_load"]["handoff_ms"]  # where PD's low-load TTFT went
     assert phases["decode/total"] > 0 and phases["prefill/prefill"] > 0 and phases["decode/commit_rpc"] > 0
     assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
     one = by["1p1d"]["low_load"]["per_request"]
     assert len(one) == 2 and all(r["prompt_tokens"] > 0 and r["handoff_ms"]["decode/total"] > 0 for r in one)
-    if "adaptive" not in by:  # never silently: the run says why
+    if "adaptive" in by:
+        assert by["adaptive"]["routing"] in ("cache_aware", "adaptive")
+    else:  # never silently: the run says why
         assert any(s["config"] == "adaptive" and "NOT RUN" in s["why"] for s in doc["skipped"])
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
