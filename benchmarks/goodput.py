@@ -295,15 +295,21 @@ async def one_at_a_time(url: str, model: str, reqs: list[Req]) -> list[Outcome]:
 
 
 def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> None:
-    """Two requests alone (prefill and batch-1 decode compile), then a burst whose batch shrinks through every
-    decode graph size as its requests end; prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
+    """Two rounds of uncapped prompts of the workload, one per decode worker at once (prefill, the handoff and
+    batch-1 decode at long contexts: whatever is compiled or set up at the first use of a length happens here, not
+    in the low-load figures), then a burst whose batch shrinks through every decode graph size as its requests
+    end, its prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
     rng = random.Random(args.seed + 999)
-    n = args.warmup_requests + 2
+    n = args.warmup_requests
+    width = max(1, len(run.decode))
+    full = sorted(make(rng, 2 * width), key=lambda r: -len(r.prompt))
+    for i in range(0, len(full), width):
+        burst = [Req(r.prompt, 4) for r in full[i : i + width]]
+        asyncio.run(open_loop(run.url, run.model_name, burst, [0.0] * len(burst), drain_s=300))
     # staggered lengths: the burst's requests end one after another, so its batch passes through every size
-    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // n) for i, r in enumerate(make(rng, n))]
-    asyncio.run(one_at_a_time(run.url, run.model_name, reqs[:2]))
-    if reqs[2:]:
-        asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
+    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // max(n, 1)) for i, r in enumerate(make(rng, n))]
+    if reqs:
+        asyncio.run(open_loop(run.url, run.model_name, reqs, [0.0] * len(reqs), drain_s=300))
     wait_idle(run.prefill + run.decode)
 
 
