@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.metadata
 import os
 import random
@@ -62,15 +63,21 @@ class ClusterConfig:
 CONFIGS = {
     "colocated": ClusterConfig("colocated", 0, None, True, "least_loaded"),
     "1p1d": ClusterConfig("1p1d", 1, 1, False, "least_loaded"),
-    "adaptive": ClusterConfig("adaptive", 1, 1, False, "adaptive"),
+    "adaptive": ClusterConfig("adaptive", 1, 1, False, "cache_aware|adaptive"),
 }
-"""Add a configuration here (and name it in --configs). One whose routing the proxy does not offer is skipped."""
+"""Add a configuration here (and name it in --configs). `routing` may list alternatives ("a|b"): the first the
+proxy offers is used. One whose routing the proxy does not offer is not run, and says so in the table."""
 
 
 def proxy_routings() -> tuple[str, ...]:
     from proxy.config import RoutingPolicy
 
     return typing.get_args(RoutingPolicy)
+
+
+def resolve_routing(routing: str, offered: tuple[str, ...]) -> str | None:
+    """The first of `routing`'s "|"-separated alternatives that the proxy offers; None when it offers none."""
+    return next((r for r in routing.split("|") if r in offered), None)
 
 
 # -- the cluster -------------------------------------------------------------------------------------------------
@@ -156,9 +163,13 @@ def launch(
 
 
 def scrape(worker: Any, name: str, **labels: str) -> float:
+    return scrape_url(f"http://127.0.0.1:{worker.info['metrics_port']}/metrics", name, **labels)
+
+
+def scrape_url(url: str, name: str, **labels: str) -> float:
     import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{worker.info['metrics_port']}/metrics", timeout=10).text
+    text = httpx.get(url, timeout=10).text
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
@@ -173,6 +184,54 @@ def decode_step_totals(workers: list[Any]) -> tuple[float, float]:
         sum(scrape(w, "hybridpd_engine_step_seconds_total", kind="decode") for w in workers),
         sum(scrape(w, "hybridpd_engine_steps_total", kind="decode") for w in workers),
     )
+
+
+HANDOFF_PHASES = {
+    "prefill": ("queue", "prefill", "lease"),
+    "decode": ("handshake", "admit", "pull", "commit", "resume", "total"),
+}
+
+
+PROXY_PHASES = {"ttft": "hybridpd_time_to_first_token_seconds", "prefill_rpc": "hybridpd_proxy_prefill_seconds"}
+
+
+def handoff_totals(run: Running) -> dict[str, tuple[float, float]]:
+    """{"role/phase": (seconds, count)} so far: the proxy's TTFT and P.Prefill call, and (PD) the workers'
+    hybridpd_kv_handoff_seconds. Proxy TTFT - prefill_rpc - decode/total = the proxy's hops to D and back."""
+    out = {}
+    for ph, metric in PROXY_PHASES.items():
+        out[f"proxy/{ph}"] = (
+            scrape_url(f"{run.url}/metrics", f"{metric}_sum"),
+            scrape_url(f"{run.url}/metrics", f"{metric}_count"),
+        )
+    for role, workers in (("prefill", run.prefill), ("decode", run.decode)):
+        if not run.prefill:
+            break
+        if role == "decode":  # the Commit RPC alone (its phase also holds the hops to and from the step thread)
+            for key, metric in (
+                ("commit_rpc", "hybridpd_kv_transfer_commit_seconds"),
+                ("descriptors_per_pull", "hybridpd_kv_transfer_descriptors"),
+            ):
+                out[f"decode/{key}"] = (
+                    sum(scrape(w, f"{metric}_sum", role="decode") for w in workers),
+                    sum(scrape(w, f"{metric}_count", role="decode") for w in workers),
+                )
+        for ph in HANDOFF_PHASES[role]:
+            out[f"{role}/{ph}"] = (
+                sum(scrape(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph) for w in workers),
+                sum(scrape(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph) for w in workers),
+            )
+    return out
+
+
+def handoff_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """{"role/phase": mean ms (a count for descriptors_per_pull)} of the requests between two `handoff_totals`
+    readings."""
+    return {
+        k: (1 if "descriptors" in k else 1e3) * (s - before[k][0]) / (n - before[k][1])
+        for k, (s, n) in after.items()
+        if n > before[k][1]
+    }
 
 
 def wait_idle(workers: list[Any], timeout_s: float = 60.0) -> None:
@@ -236,15 +295,21 @@ async def one_at_a_time(url: str, model: str, reqs: list[Req]) -> list[Outcome]:
 
 
 def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> None:
-    """Two requests alone (prefill and batch-1 decode compile), then a burst whose batch shrinks through every
-    decode graph size as its requests end; prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
+    """Two rounds of uncapped prompts of the workload, one per decode worker at once (prefill, the handoff and
+    batch-1 decode at long contexts: whatever is compiled or set up at the first use of a length happens here, not
+    in the low-load figures), then a burst whose batch shrinks through every decode graph size as its requests
+    end, its prompts capped at 2,048 tokens (the step budget's chunks are the same)."""
     rng = random.Random(args.seed + 999)
-    n = args.warmup_requests + 2
+    n = args.warmup_requests
+    width = max(1, len(run.decode))
+    full = sorted(make(rng, 2 * width), key=lambda r: -len(r.prompt))
+    for i in range(0, len(full), width):
+        burst = [Req(r.prompt, 4) for r in full[i : i + width]]
+        asyncio.run(open_loop(run.url, run.model_name, burst, [0.0] * len(burst), drain_s=300))
     # staggered lengths: the burst's requests end one after another, so its batch passes through every size
-    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // n) for i, r in enumerate(make(rng, n))]
-    asyncio.run(one_at_a_time(run.url, run.model_name, reqs[:2]))
-    if reqs[2:]:
-        asyncio.run(open_loop(run.url, run.model_name, reqs[2:], [0.0] * (len(reqs) - 2), drain_s=300))
+    reqs = [Req(r.prompt[: shape.n(2048)], 2 + (i * 64) // max(n, 1)) for i, r in enumerate(make(rng, n))]
+    if reqs:
+        asyncio.run(open_loop(run.url, run.model_name, reqs, [0.0] * len(reqs), drain_s=300))
     wait_idle(run.prefill + run.decode)
 
 
@@ -256,10 +321,24 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
         for r in make(random.Random(args.seed + 7), args.low_load)
     ]
     s0, n0 = decode_step_totals(run.decode)
-    got = asyncio.run(one_at_a_time(run.url, run.model_name, reqs))
+    h0 = handoff_totals(run)
+    got: list[Outcome] = []
+    per_request = []
+    for r in reqs:  # one at a time, each with its own phases (PD - colocated per prompt length: the report)
+        before = handoff_totals(run)
+        got += asyncio.run(one_at_a_time(run.url, run.model_name, [r]))
+        ttft = got[-1].ttft_s
+        per_request.append(
+            {
+                "prompt_tokens": len(r.prompt),
+                "ttft_ms": None if ttft is None else 1e3 * ttft,
+                "handoff_ms": handoff_means(before, handoff_totals(run)),
+            }
+        )
     time.sleep(0.1)
     wait_idle(run.decode, 10)
     s1, n1 = decode_step_totals(run.decode)
+    phases = handoff_means(h0, handoff_totals(run))
     ok = [o for o in got if o.ok]
     step_ms = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
     tpot_p50 = 1e3 * percentile([o.tpot_s for o in ok if o.tpot_s is not None and o.output_tokens > 1], 0.5)
@@ -270,6 +349,8 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
         "tpot_p50_ms": tpot_p50,
         "decode_step_ms": step_ms,
         "tpot_over_step": tpot_p50 / step_ms if step_ms else None,
+        "handoff_ms": phases,
+        "per_request": per_request,
     }
 
 
@@ -467,15 +548,15 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape(vocab, shape_scale)
         runnable = []
         for name in args.configs:
-            if CONFIGS[name].routing in routings:
-                runnable.append(name)
+            routing = resolve_routing(CONFIGS[name].routing, routings)
+            if routing is not None:
+                runnable.append(dataclasses.replace(CONFIGS[name], routing=routing))
             else:
-                print(
-                    f"{name}: skipped (the proxy has no --routing {CONFIGS[name].routing}; it offers {list(routings)})"
-                )
-                doc["skipped"].append({"config": name, "why": f"proxy routing {CONFIGS[name].routing!r} not available"})
-        for i, name in enumerate(runnable):
-            cfg = CONFIGS[name]
+                why = f"NOT RUN: the proxy has no --routing {CONFIGS[name].routing} (it offers {list(routings)})"
+                print(f"== {name}: {why}", flush=True)
+                doc["skipped"].append({"config": name, "why": why})
+        for i, cfg in enumerate(runnable):
+            name = cfg.name
             share = time.time() + (deadline - time.time()) / (len(runnable) - i)  # each configuration its share
             if time.time() + 60 > deadline:
                 doc["skipped"].append({"config": name, "why": "deadline"})
@@ -497,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "config": name,
                                 "workload": wl,
                                 "arrival": arrival,
+                                "routing": cfg.routing,
                                 "num_gpus": n_gpus,
                                 "workers": workers,
                                 "low_load": low,

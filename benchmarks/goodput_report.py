@@ -247,6 +247,33 @@ def bars(results: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+def handoff_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Where a PD request's low-load TTFT went: the workers' handoff phase means (P: queue, prefill, lease; D:
+    handshake, admit, pull, commit, resume, total), one line per PD configuration and workload."""
+    out = []
+    colocated = {(r["workload"], r["arrival"]): r for r in results if r["config"] == "colocated"}
+    for r in results:
+        low = r.get("low_load") or {}
+        phases = low.get("handoff_ms") or {}
+        if not phases:
+            continue
+        tag = f"{r['workload']}/{r['arrival']} {r['config']}"
+        out.append(f"{tag} low-load handoff ms: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+        base = ((colocated.get((r["workload"], r["arrival"])) or {}).get("low_load") or {}).get("per_request") or []
+        for i, one in enumerate(low.get("per_request") or []):
+            other = base[i] if i < len(base) and base[i]["prompt_tokens"] == one["prompt_tokens"] else None
+            if one["ttft_ms"] is None:
+                continue
+            vs = (
+                ""
+                if other is None or other["ttft_ms"] is None
+                else (f" vs colocated {other['ttft_ms']:.1f} ({one['ttft_ms'] - other['ttft_ms']:+.1f})")
+            )
+            cells = ", ".join(f"{k} {v:.1f}" for k, v in one["handoff_ms"].items())
+            out.append(f"  {one['prompt_tokens']} prompt tokens: TTFT {one['ttft_ms']:.1f} ms{vs}; {cells}")
+    return out
+
+
 def _ok(passed: bool) -> str:
     return "PASS" if passed else "FAIL"
 
@@ -273,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for line in bars(doc["results"]):
             print("  " + line)
+        for line in handoff_lines(doc["results"]):
+            print("  " + line)
+        for skip in doc.get("skipped", []):
+            print(f"  {skip['config']}: {skip['why']}")
         print(table(doc["results"]))
     return 0
 

@@ -293,17 +293,18 @@ def fill_random_weights(model: Any, cls: Any, family: str, config: Any, dtype: s
     """Materialise a meta-device engine model on `device` with random weights drawn there (random_engine_model's
     rules; `load_format="dummy"`). `config` needs the attributes _init_value reads (an HF config or a namespace)."""
     from engine.models.layers import torch_dtype
+    from engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
 
-    model.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    want = torch_dtype(dtype)
+    target = torch.device(device)
+    # final dtypes first, on meta: to_empty would otherwise allocate every weight in the dtype the modules were built
+    # with (fp32), twice the bf16 weights (a 59 GiB model then ran an 80 GB GPU out of memory while loading)
+    cast_meta(model, cls.keep_fp32, torch_dtype(dtype))
+    require_room(weight_bytes(model), free_device_bytes(target))
+    model.to_empty(device=target)
+    g = torch.Generator(device=target).manual_seed(seed)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        value = _init_value(name, t, family, config, g)
-        dtype = torch.float32 if cls.keep_fp32(name) else want
-        if t.dtype == dtype:
-            t.copy_(value)  # into the storage to_empty made: no second copy of the weights on the device
-        else:
-            t.data = value.to(dtype)
+        value = _init_value(name, t, family, config, g)  # fp32, one tensor at a time
+        t.copy_(value)  # into the storage to_empty made: no second copy of the weights on the device
         del value
 
 

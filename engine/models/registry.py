@@ -131,6 +131,10 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     if load_format == "dummy":
         _fill_dummy(model, cls, arch, cfg, dtype, target)
     else:
+        from engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
+
+        cast_meta(model, cls.keep_fp32, torch_dtype(dtype))  # what the weights will take, checked before reading any
+        require_room(weight_bytes(model), free_device_bytes(target))
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         loaded = _read_weights(root, cls, expected, torch_dtype(dtype), target)
         _tie_or_fail(model, cls, loaded, expected, path)

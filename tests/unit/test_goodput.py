@@ -126,10 +126,53 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
         assert r["rates"][0]["sent"] >= 1 and r["rates"][0]["completed"] == r["rates"][0]["sent"]
         assert r["low_load"]["completed"] == 2 and r["low_load"]["decode_step_ms"] > 0
         assert r["workers"][0]["device"] == "cpu" and r["workers"][0]["dtype"] == "float32"
+    assert by["1p1d"]["routing"] == "least_loaded"
     assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
+    phases = by["1p1d"]["low_load"]["handoff_ms"]  # where PD's low-load TTFT went
+    assert phases["decode/total"] > 0 and phases["prefill/prefill"] > 0 and phases["decode/commit_rpc"] > 0
+    assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
+    one = by["1p1d"]["low_load"]["per_request"]
+    assert len(one) == 2 and all(r["prompt_tokens"] > 0 and r["handoff_ms"]["decode/total"] > 0 for r in one)
+    if "adaptive" in by:
+        assert by["adaptive"]["routing"] in ("cache_aware", "adaptive")
+    else:  # never silently: the run says why
+        assert any(s["config"] == "adaptive" and "NOT RUN" in s["why"] for s in doc["skipped"])
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("| long | poisson |")  # the table is printed last
+
+
+def test_handoff_lines_compare_each_prompt_with_colocated() -> None:
+    from benchmarks.goodput_report import handoff_lines
+
+    def low(ttfts, phases):  # type: ignore[no-untyped-def]
+        return {
+            "handoff_ms": phases,
+            "per_request": [{"prompt_tokens": n, "ttft_ms": t, "handoff_ms": phases} for n, t in ttfts],
+        }
+
+    results = [
+        {"workload": "long", "arrival": "poisson", "config": "colocated", "low_load": low([(2000, 100.0)], {})},
+        {
+            "workload": "long",
+            "arrival": "poisson",
+            "config": "1p1d",
+            "low_load": low([(2000, 130.5)], {"decode/pull": 4.0}),
+        },
+    ]
+    lines = handoff_lines(results)
+    assert lines[0] == "long/poisson 1p1d low-load handoff ms: decode/pull 4.0"
+    assert lines[1] == "  2000 prompt tokens: TTFT 130.5 ms vs colocated 100.0 (+30.5); decode/pull 4.0"
+
+
+def test_adaptive_uses_the_routing_the_proxy_offers() -> None:
+    from benchmarks.goodput import CONFIGS, resolve_routing
+
+    alternatives = CONFIGS["adaptive"].routing
+    assert resolve_routing(alternatives, ("round_robin", "least_loaded", "cache_aware")) == "cache_aware"
+    assert resolve_routing(alternatives, ("least_loaded", "adaptive")) == "adaptive"
+    assert resolve_routing(alternatives, ("round_robin", "least_loaded")) is None
+    assert resolve_routing("least_loaded", ("least_loaded",)) == "least_loaded"
 
 
 def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
