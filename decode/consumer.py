@@ -137,6 +137,7 @@ class Consumer:
         spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, src_blocks=imp.src_blocks,
                         dst_blocks=imp.dst_blocks, src_state_slots=imp.src_state_slots,
                         dst_state_slots=imp.dst_state_slots, lease_token=tp.lease_token, notify_done=False)
+        handle: PullHandle | TPPullHandle
         try:
             if isinstance(peer, TPPeer):  # either side runs tensor-parallel: every D rank pulls its slice
                 handle = start_tp_pull(core, peer, spec, timeout_s=pull_timeout, policy=self.policy,

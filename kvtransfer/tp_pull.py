@@ -86,14 +86,16 @@ def start_rank_agent(runner: Any, rank: int, setup: dict[str, Any]) -> bytes | s
 
         layout = rank_layout(runner.group_tensors, setup["groups"], setup["model_id"], setup["checkpoint_interval"])
         name = setup["name"] if rank == 0 else f"{setup['name']}.r{rank}"
-        agent = TransferAgent(name, layout, setup["epoch"], config=setup["agent_config"],
-                              metrics=TransferMetrics(setup["role"]))
+        agent = TransferAgent(
+            name, layout, setup["epoch"], config=setup["agent_config"], metrics=TransferMetrics(setup["role"])
+        )
         progress = None
         interval = interval_from_env(layout.device_type)
         if rank > 0 and interval is not None and not agent.config.progress_thread:
             # a follower's agent is progressed by nothing else between its pulls' checks (P: never): a light thread
-            progress = TransferProgress(agent.poll_releases, lambda: True, interval_s=max(interval, 1e-3),
-                                        name=f"nixl-progress-r{rank}")
+            progress = TransferProgress(
+                agent.poll_releases, lambda: True, interval_s=max(interval, 1e-3), name=f"nixl-progress-r{rank}"
+            )
         _RANK = _RankState(agent, sharded_tensors(runner.model, setup["groups"], setup["world"]), progress)
         return agent.local_metadata()
     except Exception as e:  # noqa: BLE001 - reported by rank 0, never raised on a follower
@@ -107,16 +109,28 @@ def start_agents(core: Any, name: str, epoch: str, model_id: str, agent_config: 
     from engine.parallel.handoff import on_ranks
 
     world = core.tp.world if core.tp is not None else 1
-    setup = {"groups": list(core.groups), "model_id": model_id, "checkpoint_interval": core.plan.checkpoint_interval,
-             "name": name, "epoch": epoch, "agent_config": agent_config, "role": role, "world": world}
+    setup = {
+        "groups": list(core.groups),
+        "model_id": model_id,
+        "checkpoint_interval": core.plan.checkpoint_interval,
+        "name": name,
+        "epoch": epoch,
+        "agent_config": agent_config,
+        "role": role,
+        "world": world,
+    }
     blobs = on_ranks(core, start_rank_agent, setup)
     bad = [b for b in blobs if isinstance(b, str)]
     if bad:
         raise TransferError("tensor-parallel transfer agents: " + "; ".join(bad))
     assert _RANK is not None
     kinds = ",".join(f"{g.group_id}:{'attention' if g.is_attention else g.kind}" for g in core.groups)
-    extra = {"model_id": model_id, "checkpoint_interval": str(core.plan.checkpoint_interval), "groups": kinds,
-             "block_size": str(core.plan.block_size)}
+    extra = {
+        "model_id": model_id,
+        "checkpoint_interval": str(core.plan.checkpoint_interval),
+        "groups": kinds,
+        "block_size": str(core.plan.block_size),
+    }
     return _RANK.agent, TPLayout(world, tuple(blobs), _RANK.tensors, extra)
 
 
@@ -151,8 +165,12 @@ def load_rank_peer(runner: Any, rank: int, key: tuple[str, str], blob: bytes) ->
                     if p not in handles:
                         handles[p] = st.agent.add_peer(peer.rank_blobs[p], same_layout=False)
                     remote = _region(handles[p].layout, gid, t.name)
-                    by_rank[p] = (remote, np.asarray([(q.src_offset, q.dst_offset, q.nbytes) for q in pieces],
-                                                     dtype=np.int64).reshape(-1, 3))
+                    by_rank[p] = (
+                        remote,
+                        np.asarray([(q.src_offset, q.dst_offset, q.nbytes) for q in pieces], dtype=np.int64).reshape(
+                            -1, 3
+                        ),
+                    )
                 entries.append((local, by_rank))
             groups[gid] = entries
         st.peers[key] = _PeerPlan(handles, groups)
@@ -174,16 +192,22 @@ def _rows(plan: _PeerPlan, pairs: dict[int, tuple[list[int], list[int]]]) -> dic
                 src_addr = remote.base_addr + s * remote.page_stride + pieces[None, :, 0]
                 dst_addr = local.base_addr + d * local.page_stride + pieces[None, :, 1]
                 size = np.broadcast_to(pieces[None, :, 2], src_addr.shape)
-                for parts, addr, dev in ((src_parts, src_addr, remote.device_id), (dst_parts, dst_addr,
-                                                                                   local.device_id)):
+                for parts, addr, dev in (
+                    (src_parts, src_addr, remote.device_id),
+                    (dst_parts, dst_addr, local.device_id),
+                ):
                     parts.setdefault(p, []).append(
-                        np.stack([addr.ravel(), size.ravel(), np.full(addr.size, dev, dtype=np.int64)], axis=1))
-    return {p: (np.concatenate(src_parts[p]).astype(np.uint64), np.concatenate(dst_parts[p]).astype(np.uint64))
-            for p in src_parts}
+                        np.stack([addr.ravel(), size.ravel(), np.full(addr.size, dev, dtype=np.int64)], axis=1)
+                    )
+    return {
+        p: (np.concatenate(src_parts[p]).astype(np.uint64), np.concatenate(dst_parts[p]).astype(np.uint64))
+        for p in src_parts
+    }
 
 
-def start_rank_pull(runner: Any, rank: int, key: tuple[str, str], pull_id: str,
-                    pairs: dict[int, tuple[list[int], list[int]]]) -> tuple[str, int, int]:
+def start_rank_pull(
+    runner: Any, rank: int, key: tuple[str, str], pull_id: str, pairs: dict[int, tuple[list[int], list[int]]]
+) -> tuple[str, int, int]:
     """On every D rank: post one READ per P rank. Returns (status DONE | PROC | ERR..., bytes, descriptors)."""
     st = _RANK
     if st is None or key not in st.peers:
@@ -251,8 +275,11 @@ class TPPullHandle:
         self._t0 = time.perf_counter()
         self._deadline = time.monotonic() + timeout_s
         self._result: PullResult | None = None
-        pairs = {gid: (list(src), list(spec.dst_blocks[gid] if gid in spec.dst_blocks else spec.dst_state_slots[gid]))
-                 for gid, src in {**spec.src_blocks, **spec.src_state_slots}.items() if len(src)}
+        pairs = {
+            gid: (list(src), list(spec.dst_blocks[gid] if gid in spec.dst_blocks else spec.dst_state_slots[gid]))
+            for gid, src in {**spec.src_blocks, **spec.src_state_slots}.items()
+            if len(src)
+        }
         started = on_ranks(core, start_rank_pull, peer.key, self.pull_id, pairs)
         self.nbytes = sum(b for _, b, _ in started)
         self.descriptors = sum(n for _, _, n in started)
@@ -289,8 +316,16 @@ class TPPullHandle:
         reusable = all(self._on_ranks(self.core, forget_rank_pull, self.pull_id))
         seconds = time.perf_counter() - self._t0
         done = state is PullState.DONE
-        self._result = PullResult(self.spec.request_id, state, self.policy,  # type: ignore[arg-type]
-                                  self.nbytes if done else 0, self.descriptors, seconds, reason, reusable)
+        self._result = PullResult(
+            self.spec.request_id,
+            state,
+            self.policy,  # type: ignore[arg-type]
+            self.nbytes if done else 0,
+            self.descriptors,
+            seconds,
+            reason,
+            reusable,
+        )
         if self.metrics is not None:
             if done:
                 self.metrics.transfer_done({"tp": self.nbytes}, seconds, self.descriptors)
@@ -298,8 +333,9 @@ class TPPullHandle:
                 self.metrics.transfer_failed(reason or REASON_NIXL)
 
 
-def start_tp_pull(core: Any, peer: TPPeer, spec: PullSpec, *, timeout_s: float, policy: str,
-                  metrics: Any = None) -> TPPullHandle:
+def start_tp_pull(
+    core: Any, peer: TPPeer, spec: PullSpec, *, timeout_s: float, policy: str, metrics: Any = None
+) -> TPPullHandle:
     """Load the peer on every D rank (first pull from it) and post every rank's READs. Raises StaleEpochError
     for params of another epoch, TransferError when a rank cannot load the peer (nothing was posted)."""
     from engine.parallel.handoff import on_ranks

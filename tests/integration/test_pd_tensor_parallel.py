@@ -39,24 +39,36 @@ def _tp(n: int) -> list[str]:
 def tp_cluster(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     name, tp_p, tp_d = request.param
     model = _model(tmp_path_factory, name)
-    c = start_cluster(model, worker_args=WORKER, prefill_args=_tp(tp_p), decode_args=_tp(tp_d),
-                      decode_env={"OMP_NUM_THREADS": "1"}, prefill_env={"OMP_NUM_THREADS": "1"})
+    c = start_cluster(
+        model,
+        worker_args=WORKER,
+        prefill_args=_tp(tp_p),
+        decode_args=_tp(tp_d),
+        decode_env={"OMP_NUM_THREADS": "1"},
+        prefill_env={"OMP_NUM_THREADS": "1"},
+    )
     yield c
     c.stop()
 
 
 def _handoff_failures(cluster) -> float:  # type: ignore[no-untyped-def]
     text = httpx.get(f"http://127.0.0.1:{cluster.decode[0].info['metrics_port']}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("hybridpd_kv_transfer_failures_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("hybridpd_kv_transfer_failures_total{")
+    )
 
 
 def test_pd_between_tp_sizes_matches_colocated(tp_cluster) -> None:  # type: ignore[no-untyped-def]
     prompts = random_prompts(LENGTHS, vocab=256, seed=7)
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model=tp_cluster.model, checkpoint_interval=32, block_size=16,
-                                     kv_cache_memory_bytes=8 * 2**20).generate(prompt_token_ids=prompts,
-                                                                               sampling_params=greedy)]
+    want = [
+        o.token_ids
+        for o in LLM(
+            model=tp_cluster.model, checkpoint_interval=32, block_size=16, kv_cache_memory_bytes=8 * 2**20
+        ).generate(prompt_token_ids=prompts, sampling_params=greedy)
+    ]
     for prompt, tokens in zip(prompts, want, strict=True):
         body = complete(tp_cluster, prompt, NEW)
         assert body["choices"][0]["token_ids"] == tokens, f"{len(prompt)}-token prompt: PD output differs"
