@@ -70,7 +70,12 @@ def test_connect_accepts_other_tp_sizes_and_keeps_nixl_handshake_at_tp1() -> Non
     peer = _connect(_layout(2), _layout(1))
     assert isinstance(peer, TPPeer) and peer.key == ("p1", "e1")
     added: list[bytes] = []
-    agent = SimpleNamespace(add_peer=lambda blob: added.append(blob) or "nixl-peer")
+
+    def add_peer(blob: bytes) -> str:
+        added.append(blob)
+        return "nixl-peer"
+
+    agent = SimpleNamespace(add_peer=add_peer)
     assert _connect(_layout(1), _layout(1), agent) == "nixl-peer" and added == [b"blob"]
     with pytest.raises(CompatibilityError, match="no tensor-parallel layout"):
         _connect(_layout(2), None)  # a P that publishes no layout cannot serve a TP 2 D
