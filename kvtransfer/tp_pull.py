@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .descriptors import check_pairs
 from .errors import StaleEpochError, TransferError
 from .pull import REASON_CANCELLED, REASON_NIXL, REASON_TIMEOUT, PullResult, PullSpec, PullState
 from .tp_handshake import TPLayout
@@ -180,18 +181,27 @@ def load_rank_peer(runner: Any, rank: int, key: tuple[str, str], blob: bytes) ->
         return f"rank {rank}: {e!r}"
 
 
-def _rows(plan: _PeerPlan, pairs: dict[int, tuple[list[int], list[int]]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """(src rows, dst rows) of (addr, len, device) per P rank for every page pair of every group."""
+def _rows(
+    plan: _PeerPlan, layout: Any, pairs: dict[int, tuple[list[int], list[int]]]
+) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+    """(src rows, dst rows) of (addr, len, device) per P rank for every page pair of every group, and the bytes
+    per group kind. Raises ValueError for ids that would corrupt a cache (kvtransfer.descriptors.check_pairs)."""
     src_parts: dict[int, list[np.ndarray]] = {}
     dst_parts: dict[int, list[np.ndarray]] = {}
+    nbytes: dict[str, int] = {}
     for gid, (src_ids, dst_ids) in pairs.items():
+        if gid not in plan.groups:
+            raise ValueError(f"unknown group {gid}")
         s = np.asarray(src_ids, dtype=np.int64)[:, None]
         d = np.asarray(dst_ids, dtype=np.int64)[:, None]
         for local, by_rank in plan.groups[gid]:
             for p, (remote, pieces) in by_rank.items():
+                check_pairs(src_ids, dst_ids, remote.num_pages, local.num_pages, f"group {gid}")
                 src_addr = remote.base_addr + s * remote.page_stride + pieces[None, :, 0]
                 dst_addr = local.base_addr + d * local.page_stride + pieces[None, :, 1]
                 size = np.broadcast_to(pieces[None, :, 2], src_addr.shape)
+                kind = layout.kind(gid)
+                nbytes[kind] = nbytes.get(kind, 0) + int(size.sum())
                 for parts, addr, dev in (
                     (src_parts, src_addr, remote.device_id),
                     (dst_parts, dst_addr, local.device_id),
@@ -199,29 +209,30 @@ def _rows(plan: _PeerPlan, pairs: dict[int, tuple[list[int], list[int]]]) -> dic
                     parts.setdefault(p, []).append(
                         np.stack([addr.ravel(), size.ravel(), np.full(addr.size, dev, dtype=np.int64)], axis=1)
                     )
-    return {
+    rows = {
         p: (np.concatenate(src_parts[p]).astype(np.uint64), np.concatenate(dst_parts[p]).astype(np.uint64))
         for p in src_parts
     }
+    return rows, nbytes
 
 
 def start_rank_pull(
     runner: Any, rank: int, key: tuple[str, str], pull_id: str, pairs: dict[int, tuple[list[int], list[int]]]
-) -> tuple[str, int, int]:
-    """On every D rank: post one READ per P rank. Returns (status DONE | PROC | ERR..., bytes, descriptors)."""
+) -> tuple[str, dict[str, int], int]:
+    """On every D rank: post one READ per P rank. Returns (status DONE | PROC | ERR..., bytes per group kind,
+    descriptors)."""
     st = _RANK
     if st is None or key not in st.peers:
-        return f"ERR rank {rank}: peer not loaded", 0, 0
+        return f"ERR rank {rank}: peer not loaded", {}, 0
     plan, xfers = st.peers[key], st.pulls.setdefault(pull_id, [])
     try:
-        rows = _rows(plan, pairs)
-        nbytes = sum(int(src[:, 1].sum()) for src, _ in rows.values())
+        rows, nbytes = _rows(plan, st.agent.layout, pairs)
         ndesc = sum(len(src) for src, _ in rows.values())
         for p, (src, dst) in rows.items():
             xfers.append(st.agent.make_read_rows(plan.handles[p], src, dst))
         statuses = [st.agent.post(x) for x in xfers]
-    except Exception as e:  # noqa: BLE001 - NIXL errors (peer gone)
-        return f"ERR rank {rank}: {e!r}", 0, 0
+    except Exception as e:  # noqa: BLE001 - bad ids, NIXL errors (peer gone)
+        return f"ERR rank {rank}: {e!r}", {}, 0
     return _merge(statuses), nbytes, ndesc
 
 
@@ -281,7 +292,11 @@ class TPPullHandle:
             if len(src)
         }
         started = on_ranks(core, start_rank_pull, peer.key, self.pull_id, pairs)
-        self.nbytes = sum(b for _, b, _ in started)
+        self.bytes_by_kind: dict[str, int] = {}
+        for _, by_kind, _ in started:
+            for kind, n in by_kind.items():
+                self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + n
+        self.nbytes = sum(self.bytes_by_kind.values())
         self.descriptors = sum(n for _, _, n in started)
         self._on([s for s, _, _ in started])
 
@@ -328,7 +343,7 @@ class TPPullHandle:
         )
         if self.metrics is not None:
             if done:
-                self.metrics.transfer_done({"tp": self.nbytes}, seconds, self.descriptors)
+                self.metrics.transfer_done(self.bytes_by_kind, seconds, self.descriptors)
             else:
                 self.metrics.transfer_failed(reason or REASON_NIXL)
 
