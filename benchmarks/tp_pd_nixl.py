@@ -36,8 +36,17 @@ def check_pair(family: str, path: str, tp_p: int, tp_d: int, device: str) -> dic
     from deploy.local_cluster import complete, start_cluster
     from engine import LLM, SamplingParams
 
-    common = ["--dtype", "float32", "--checkpoint-interval", "64", "--kv-cache-memory-bytes", str(256 * 2**20)]
-    llm = LLM(model=path, device=device, dtype="float32", checkpoint_interval=64, kv_cache_memory_bytes=256 * 2**20)
+    common = ["--dtype", "float32", "--load-format", "dummy", "--max-model-len", "1024", "--checkpoint-interval", "64"]
+    common += ["--kv-cache-memory-bytes", str(256 * 2**20)]
+    llm = LLM(
+        model=path,
+        device=device,
+        dtype="float32",
+        load_format="dummy",
+        max_model_len=1024,
+        checkpoint_interval=64,
+        kv_cache_memory_bytes=256 * 2**20,
+    )
     greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)]
     llm.shutdown()

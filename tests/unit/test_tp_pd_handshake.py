@@ -5,6 +5,7 @@ handshake. Also serve's per-role TP sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -87,3 +88,60 @@ def test_serve_tp_per_role() -> None:
     assert with_tensor_parallel(argv, 4)[-2:] == ["--tensor-parallel-size", "4"]
     args = SimpleNamespace(tensor_parallel_size=2, prefill_tp=None, decode_tp=1)
     assert role_tensor_parallel(args) == {"prefill": 2, "decode": 1}
+
+
+class _Ranks:
+    """Stands in for the ranks' control channel: each call returns every rank's scripted answer."""
+
+    def __init__(self, checks: list[list[str]], start: list[str]) -> None:
+        self.checks, self.start, self.calls = checks, start, []  # type: ignore[var-annotated]
+
+    def __call__(self, core: object, fn: object, *args: object) -> Sequence[object]:
+        from kvtransfer import tp_pull
+
+        self.calls.append(fn)
+        if fn is tp_pull.start_rank_pull:
+            return [(s, {"attention": 100}, 3) for s in self.start]
+        if fn is tp_pull.check_rank_pull:
+            return self.checks.pop(0)
+        if fn is tp_pull.forget_rank_pull:
+            return [True] * len(self.start)
+        raise AssertionError(fn)
+
+
+def _tp_pull(monkeypatch: pytest.MonkeyPatch, ranks: _Ranks, timeout_s: float = 10.0) -> object:
+    from engine.parallel import handoff
+    from kvtransfer.pull import PullSpec
+    from kvtransfer.tp_pull import TPPullHandle
+
+    monkeypatch.setattr(handoff, "on_ranks", ranks)
+    spec = PullSpec("r1", "e1", src_blocks={0: [3, 4]}, dst_blocks={0: [5, 6]})
+    return TPPullHandle(None, TPPeer("p1", "e1", b""), spec, timeout_s, "recompute", None)
+
+
+def test_tp_pull_is_done_only_when_every_rank_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtransfer.pull import PullState
+    from kvtransfer.tp_pull import forget_rank_pull
+
+    ranks = _Ranks([["DONE", "PROC"], ["DONE", "DONE"]], ["PROC", "PROC"])
+    h = _tp_pull(monkeypatch, ranks)
+    assert h.poll() is PullState.PENDING  # type: ignore[attr-defined]
+    assert h.poll() is PullState.DONE  # type: ignore[attr-defined]
+    assert h.result.nbytes == 200 and h.result.dst_reusable  # type: ignore[attr-defined]
+    assert ranks.calls[-1] is forget_rank_pull  # every rank's READs released
+
+
+@pytest.mark.parametrize(
+    ("start", "reason"), [(["DONE", "ERR rank 1: peer gone"], "nixl_error"), (["PROC", "PROC"], "timeout")]
+)
+def test_a_failure_on_any_rank_or_the_deadline_fails_the_whole_pull(
+    monkeypatch: pytest.MonkeyPatch, start: list[str], reason: str
+) -> None:
+    from kvtransfer.pull import PullState
+    from kvtransfer.tp_pull import forget_rank_pull
+
+    ranks = _Ranks([["DONE", "PROC"]], start)
+    h = _tp_pull(monkeypatch, ranks, timeout_s=0.0)
+    assert h.poll() is PullState.FAILED  # type: ignore[attr-defined]
+    assert h.result.reason == reason and h.result.nbytes == 0  # type: ignore[attr-defined]
+    assert ranks.calls[-1] is forget_rank_pull
