@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -39,7 +40,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
                          model_name=args.model_name, cluster_token=token, tls=tls,
                          prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction,
-                         nixl_progress_thread=args.nixl_progress_thread)
+                         nixl_progress_thread=args.nixl_progress_thread,
+                         register_with=tuple(args.register_with or ()), heartbeat_s=args.heartbeat)
     return run_worker(cfg, opts)
 
 
@@ -89,7 +91,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
                       model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=api_key,
                       max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
-                      request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args))
+                      request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args),
+                      routing_weights=routing_weights(args),
+                      cache_event_drop_fraction=args.cache_event_drop_fraction)
     run(cfg)
     return 0
 
@@ -98,6 +102,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     from deploy.ray_launcher import serve
 
+    for role in ("prefill", "decode"):
+        raw = getattr(args, f"{role}_resources", None)
+        try:
+            if raw is not None and not isinstance(json.loads(raw), dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            raise ConfigError(f"--{role}-resources must be a JSON object of resource amounts: {e}") from None
     config = engine_config_from_args(args)
     model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -113,6 +124,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from deploy.bench_serve import main as bench_main
 
     return bench_main(args.bench_args)
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default="round_robin",
+                   choices=["round_robin", "least_loaded", "cache_aware", "adaptive"],
+                   help="how the proxy picks workers; cache_aware: by each worker's cached prefix (attention blocks "
+                        "and recurrent checkpoints, from its cache events) and load, skipping the prefill worker "
+                        "when the decode worker's own prefill is cheaper; adaptive: the same")
+    p.add_argument("--skip-prefill", default="auto", choices=["auto", "never", "always"],
+                   help="cache_aware: when a decode worker prefills a prompt itself (auto: by the cost model)")
+    p.add_argument("--routing-weights", default="", metavar="K=V,...",
+                   help="cache_aware costs, e.g. 'pull_token_cost=0.25,decode_running_cost=16,skip_max_tokens=64' "
+                        "(fields of proxy.config.RoutingWeights)")
+
+
+def routing_weights(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """RoutingWeights from --skip-prefill and --routing-weights (a ConfigError names a bad field)."""
+    import dataclasses
+
+    from proxy.config import RoutingWeights
+
+    fields = {f.name: f for f in dataclasses.fields(RoutingWeights)}
+    values: dict[str, object] = {"skip_prefill": args.skip_prefill}
+    for item in filter(None, (s.strip() for s in args.routing_weights.split(","))):
+        key, _, raw = item.partition("=")
+        if key not in fields or key == "skip_prefill":
+            raise ConfigError(f"--routing-weights: unknown field {key!r} (known: {', '.join(sorted(fields))})")
+        try:
+            values[key] = int(raw) if key == "skip_max_tokens" else float(raw)
+        except ValueError:
+            raise ConfigError(f"--routing-weights: {key}={raw!r} is not a number") from None
+    return RoutingWeights(**values)  # type: ignore[arg-type]
 
 
 def _secret_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +175,13 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPUs Ray reserves per worker (default: 1 when --device is auto or cuda and the Ray cluster "
                         "has a GPU per worker, else 0; Ray hides the GPUs from a worker that reserves none)")
-    p.add_argument("--address", default=None, help="join an existing Ray cluster (default: start one locally)")
+    p.add_argument("--address", default=None,
+                   help="attach to a running Ray cluster ('auto' or HOST:PORT of its head; default: start a local "
+                        "one); workers then bind on the address of the node they land on")
+    p.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help="Ray custom resources each prefill worker needs, to place it on chosen nodes (e.g. "
+                        "'{\"prefill_node\": 1}' with `ray start --resources '{\"prefill_node\": 4}'` there)")
+    p.add_argument("--decode-resources", default=None, metavar="JSON", help="the same for decode workers")
     p.add_argument("--host", default="127.0.0.1", help="interface the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="proxy port (checked before anything starts)")
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
@@ -141,8 +190,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); P and D may "
                         "differ, the handoff moves each D rank's head slices from the P ranks that hold them")
-    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
-                   help="how the proxy picks workers")
+    _routing_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use in requests and /v1/models (none: the checkpoint directory's name)")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -181,6 +229,11 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
                    help="run NIXL's progress thread (it busy-polls a core even when idle; default: off, the worker's "
                         "step loop progresses transfers while leases or pulls are in flight). Not on a decode worker "
                         "with GPU caches: one aborted inside UCX on an H200 (kvtransfer/README.md)")
+    p.add_argument("--register-with", action="append", default=None, metavar="URL",
+                   help="proxy to register with (http://host:port; repeatable; a host resolving to several "
+                        "addresses registers with each): the proxy routes to this worker from then on, renewed "
+                        "every --heartbeat seconds, dropped 5 heartbeats after the last")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between registrations (default: 1)")
     p.add_argument("--tls-cert-file", default=None,
                    help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
                         "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")
@@ -192,18 +245,19 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
 
     p = sub.add_parser("proxy", help="run the OpenAI-compatible proxy as a plain process")
     p.add_argument("--prefill", nargs="+", default=[], metavar="ADDR", help="prefill workers' gRPC host:port")
-    p.add_argument("--decode", nargs="+", required=True, metavar="ADDR", help="decode workers' gRPC host:port")
+    p.add_argument("--decode", nargs="*", default=[], metavar="ADDR",
+                   help="decode workers' gRPC host:port (static members; others may register at run time)")
     p.add_argument("--model", default=None, help="checkpoint dir (tokenizer, max length)")
     p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
                    help="model name clients send (default: the --model directory name, else 'hybridpd')")
     p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="port (checked before anything starts)")
-    p.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
-                   help="how to pick workers")
+    _routing_args(p)
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from arrival to the last token; every worker call gets what is left")
     p.add_argument("--colocated", action="store_true", help="decode workers compute whole prompts (no prefill)")
+    p.add_argument("--cache-event-drop-fraction", type=float, default=0.0, help=argparse.SUPPRESS)  # test knob
     _secret_args(p)
     add_proxy_limit_args(p)
     p.add_argument("--cluster-token-file", default=None, metavar="PATH",

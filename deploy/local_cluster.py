@@ -84,8 +84,11 @@ class Cluster:
             self.proxy.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proxy.kill()
-        for w in self.prefill + self.decode:
-            w.stop()
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = self.prefill + self.decode
+        with ThreadPoolExecutor(max(1, len(workers))) as pool:
+            list(pool.map(lambda w: w.stop(), workers))
 
 
 def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
@@ -96,25 +99,17 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
     workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
     runs over (mutual) TLS. `prefill_args` / `decode_args` are added to one role's workers only (e.g.
-    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy's command line."""
+    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy's command line (e.g. `--routing cache_aware`)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
         env["HYBRIDPD_CLUSTER_TOKEN"] = cluster_token
     env.update(tls_env or {})
-    started: list[WorkerProcess] = []
-    try:
-        for _ in range(0 if colocated else num_prefill):
-            started.append(WorkerProcess(["--role", "prefill", *args, *(prefill_args or [])],
-                                         env={**env, **(prefill_env or {})}))
-        for _ in range(num_decode):
-            started.append(WorkerProcess(["--role", "colocated" if colocated else "decode", *args,
-                                          *([] if colocated else (decode_args or []))],
-                                         env={**env, **(decode_env or {})}))
-    except Exception:
-        for w in started:
-            w.stop()
-        raise
+    specs = [(["--role", "prefill", *args, *(prefill_args or [])], {**env, **(prefill_env or {})})
+             for _ in range(0 if colocated else num_prefill)]
+    specs += [(["--role", "colocated" if colocated else "decode", *args, *([] if colocated else (decode_args or []))],
+               {**env, **(decode_env or {})}) for _ in range(num_decode)]
+    started = _start_workers(specs)
     prefill = started[: 0 if colocated else num_prefill]
     decode = started[len(prefill):]
     port = free_port()
@@ -140,6 +135,23 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
         raise RuntimeError(f"proxy did not become healthy; its log ({log_path}):\n{tail}")
     return Cluster(model, prefill, decode, proxy, url, name, cluster_token=cluster_token, tls_env=dict(tls_env or {}),
                    extra={"proxy_cmd": cmd, "proxy_env": proxy_env, "proxy_log": log_path})
+
+
+def _start_workers(specs: list[tuple[list[str], dict[str, str]]]) -> list[WorkerProcess]:
+    """Start the workers concurrently (each loads its model while the others do), in `specs` order; if one fails,
+    stop those that started and raise its error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(specs))) as pool:
+        futures = [pool.submit(WorkerProcess, argv, env=env) for argv, env in specs]
+        errors = [f.exception() for f in futures]
+    started = [f.result() for f, e in zip(futures, errors, strict=True) if e is None]
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        for w in started:
+            w.stop()
+        raise failed
+    return started
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:

@@ -119,7 +119,8 @@ def _make_actor_class(ray: Any) -> Any:
             self.worker = WorkerProcess(argv, host=host)
 
         def info(self) -> dict[str, Any]:
-            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive()}
+            return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
 
         def pid(self) -> int:
             return self.worker.proc.pid if self.worker.proc else -1
@@ -188,8 +189,30 @@ def with_tensor_parallel(worker_argv: list[str], tp: int) -> list[str]:
     return [*out, "--tensor-parallel-size", str(tp)] if tp > 1 else out
 
 
+def _placement(args: Any, role: str) -> dict[str, Any]:
+    """Ray actor options that pin a role to chosen nodes: `--prefill-resources` / `--decode-resources` (JSON custom
+    resources each worker of the role needs, e.g. {"prefill_node": 1}, given to nodes by `ray start --resources`)."""
+    import json
+
+    raw = getattr(args, f"{role}_resources", None)
+    return {"resources": json.loads(raw)} if raw else {}
+
+
+def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
+    """Workers register with the proxy (live membership): a worker an actor restarts elsewhere, on another node or
+    port, is routed to without a proxy restart. The proxy's address as the workers reach it."""
+    proxy_host = args.host
+    if proxy_host in ("0.0.0.0", "::", ""):
+        proxy_host = "127.0.0.1" if host == "127.0.0.1" else ray.util.get_node_ip_address()
+    elif host != "127.0.0.1" and proxy_host in ("127.0.0.1", "localhost"):
+        return []  # a loopback proxy is out of reach of other nodes: static membership only
+    netloc = f"[{proxy_host}]" if ":" in proxy_host else proxy_host
+    return ["--register-with", f"http://{netloc}:{args.port}"]
+
+
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
     role_tp = role_tensor_parallel(args)
+    from deploy.commands import routing_weights
     from deploy.ray_local import LocalRay, prepare_local_ray
     from deploy.secret_files import SecretFiles, scrub_secret_env
     from proxy.config import ProxyConfig
@@ -232,10 +255,11 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
     gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
                                    float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
+    register = _registration_argv(args, host, ray)
     for role in roles:
         tp = role_tp[role]  # a worker's ranks: one actor, so one node
-        argv = ["--role", "colocated" if args.colocated else role, *with_tensor_parallel(worker_argv, tp)]
-        opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0}
+        argv = ["--role", "colocated" if args.colocated else role, *with_tensor_parallel(worker_argv, tp), *register]
+        opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
@@ -244,7 +268,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         for role, info in infos:
             node = info["address"].rsplit(":", 1)[0]
             print(f"worker {role:8s} grpc={info['address']} metrics=http://{node}:{info['metrics_port']}/metrics "
-                  f"epoch={info['epoch'][:8]}", flush=True)
+                  f"epoch={info['epoch'][:8]} node={info.get('node_id', '')[:12]}", flush=True)
         targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
@@ -252,7 +276,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
                           request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,
-                          **getattr(args, "proxy_limits", {}))
+                          **getattr(args, "proxy_limits", {}), routing_weights=routing_weights(args))
         print(f"proxy: http://{args.host}:{args.port}/v1 (model {cfg.model_name}); cluster view: "
               f"http://{args.host}:{args.port}/v1/cluster", flush=True)
         run_proxy(cfg)

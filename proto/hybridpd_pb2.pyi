@@ -105,18 +105,32 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "epoch", "ready", "worker_id")
+    __slots__ = ("role", "model", "epoch", "ready", "worker_id", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     epoch: str
     ready: bool
     worker_id: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[str] = ..., ready: _Optional[bool] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., epoch: _Optional[str] = ..., ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("drain",)
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    drain: bool
+    def __init__(self, drain: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -170,6 +184,56 @@ class StatsResponse(_message.Message):
     metrics_port: int
     memory_bytes: _containers.ScalarMap[str, int]
     def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("stored", "group", "block_hash")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    group: int
+    block_hash: bytes
+    def __init__(self, stored: _Optional[bool] = ..., group: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class GroupHashes(_message.Message):
+    __slots__ = ("group", "block_hashes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, group: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CacheShape(_message.Message):
+    __slots__ = ("block_size", "attention_groups", "recurrent_groups", "checkpoint_align")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RECURRENT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ALIGN_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    attention_groups: _containers.RepeatedScalarFieldContainer[int]
+    recurrent_groups: _containers.RepeatedScalarFieldContainer[int]
+    checkpoint_align: int
+    def __init__(self, block_size: _Optional[int] = ..., attention_groups: _Optional[_Iterable[int]] = ..., recurrent_groups: _Optional[_Iterable[int]] = ..., checkpoint_align: _Optional[int] = ...) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("epoch", "first_seq", "events", "snapshot", "groups", "shape")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    first_seq: int
+    events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
+    snapshot: bool
+    groups: _containers.RepeatedCompositeFieldContainer[GroupHashes]
+    shape: CacheShape
+    def __init__(self, epoch: _Optional[str] = ..., first_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[GroupHashes, _Mapping]]] = ..., shape: _Optional[_Union[CacheShape, _Mapping]] = ...) -> None: ...
 
 class TransferMetadataRequest(_message.Message):
     __slots__ = ("nonce",)

@@ -67,6 +67,16 @@ class PrefillServiceStub:
                 request_serializer=proto_dot_hybridpd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_hybridpd__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/hybridpd.v1.PrefillService/CacheEvents',
+                request_serializer=proto_dot_hybridpd__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_hybridpd__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/hybridpd.v1.PrefillService/Drain',
+                request_serializer=proto_dot_hybridpd__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_hybridpd__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -110,6 +120,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +164,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_hybridpd__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_hybridpd__pb2.StatsResponse.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=proto_dot_hybridpd__pb2.CacheEventsRequest.FromString,
+                    response_serializer=proto_dot_hybridpd__pb2.CacheEventBatch.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_hybridpd__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_hybridpd__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +350,60 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridpd.v1.PrefillService/CacheEvents',
+            proto_dot_hybridpd__pb2.CacheEventsRequest.SerializeToString,
+            proto_dot_hybridpd__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.v1.PrefillService/Drain',
+            proto_dot_hybridpd__pb2.DrainRequest.SerializeToString,
+            proto_dot_hybridpd__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Contract for Generate: once D has the request (the stream is open), D owns P's lease: it releases it after its
@@ -355,6 +441,16 @@ class DecodeServiceStub:
                 '/hybridpd.v1.DecodeService/Stats',
                 request_serializer=proto_dot_hybridpd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_hybridpd__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/hybridpd.v1.DecodeService/CacheEvents',
+                request_serializer=proto_dot_hybridpd__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_hybridpd__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/hybridpd.v1.DecodeService/Drain',
+                request_serializer=proto_dot_hybridpd__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_hybridpd__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -394,6 +490,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -421,6 +529,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_hybridpd__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_hybridpd__pb2.StatsResponse.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=proto_dot_hybridpd__pb2.CacheEventsRequest.FromString,
+                    response_serializer=proto_dot_hybridpd__pb2.CacheEventBatch.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_hybridpd__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_hybridpd__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -561,6 +679,60 @@ class DecodeService:
             '/hybridpd.v1.DecodeService/Stats',
             proto_dot_hybridpd__pb2.StatsRequest.SerializeToString,
             proto_dot_hybridpd__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridpd.v1.DecodeService/CacheEvents',
+            proto_dot_hybridpd__pb2.CacheEventsRequest.SerializeToString,
+            proto_dot_hybridpd__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.v1.DecodeService/Drain',
+            proto_dot_hybridpd__pb2.DrainRequest.SerializeToString,
+            proto_dot_hybridpd__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

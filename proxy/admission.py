@@ -71,7 +71,8 @@ class Caps:
     def from_config(cls, cfg: ProxyConfig) -> Caps:
         lim = cfg.admission
         token_workers = len(cfg.decode_addrs) if cfg.colocated else len(cfg.prefill_addrs)
-        return cls(seqs=lim.max_num_seqs or DEFAULT_SEQS_PER_DECODE_WORKER * len(cfg.decode_addrs),
+        # static workers only: with workers registering at run time (none listed) the defaults count one per role
+        return cls(seqs=lim.max_num_seqs or DEFAULT_SEQS_PER_DECODE_WORKER * max(1, len(cfg.decode_addrs)),
                    prompt_tokens=lim.max_queued_prompt_tokens
                    or _QUEUED_PROMPT_TOKENS_PER_WORKER * cfg.max_model_len * max(1, token_workers),
                    reserved_tokens=lim.max_tokens_in_flight)

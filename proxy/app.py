@@ -37,9 +37,11 @@ from proxy.admission import Admission, Demand, Tenant, Ticket
 from proxy.api_keys import ApiKey, find_key
 from proxy.body_parser import BodyParser
 from proxy.choices import Choices
+from proxy.cluster_routes import add_cluster_routes
 from proxy.config import ProxyConfig
 from proxy.errors import ApiError, bad_request
 from proxy.generation import Cluster, Delta, Generation, PreparedRequest
+from proxy.membership import Membership
 from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import (
     ChatRequest,
@@ -47,11 +49,12 @@ from proxy.openai_schema import (
     StreamOptions,
     resolve_max_tokens,
 )
+from proxy.placement import Placer
 from proxy.request_limits import check_request_limits
 from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from proxy.routing import Router
 from proxy.tokenization import PromptTokenizer
-from proxy.workers import WorkerClients
+from proxy.workers import Role, WorkerClients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,12 +147,18 @@ class _Proxy:
     def __init__(self, config: ProxyConfig, tokenizer: PromptTokenizer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        prefill = None if config.colocated else Router(config.prefill_addrs, config.routing)
-        decode = Router(config.decode_addrs, config.routing)
-        routers = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
+        dynamic = config.dynamic_membership
+        prefill = None if config.colocated else Router(config.prefill_addrs, config.routing, dynamic)
+        decode = Router(config.decode_addrs, config.routing, dynamic)
+        routers: dict[Role, Router] = {"decode": decode} if prefill is None else {"prefill": prefill,
+                                                                                  "decode": decode}
         clients = WorkerClients(config.control_timeout_s, config.cluster_token)
-        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode,
-                               metrics=ProxyMetrics(routers))
+        self.membership = membership = Membership(clients, routers, config.cache_event_drop_fraction)
+        cost_aware = config.routing in ("cache_aware", "adaptive")
+        placer = Placer(membership, prefill, decode, config.routing_weights) if cost_aware else None
+        metrics = ProxyMetrics({str(role): router for role, router in routers.items()})
+        self.cluster = Cluster(config=config, clients=clients, prefill=prefill, decode=decode, metrics=metrics,
+                               membership=membership, placer=placer)
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
@@ -361,11 +370,14 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        membership = proxy.membership
+        await membership.start()
         await proxy.monitor.start(first_wait_s=min(2.0, config.control_timeout_s))
         try:
             yield
         finally:
             await proxy.monitor.stop()
+            await membership.stop()
             await proxy.cluster.clients.close()
             proxy.pool.shutdown(wait=False, cancel_futures=True)
             proxy.bodies.close()
@@ -417,6 +429,8 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
     async def cluster(request: Request) -> dict[str, Any]:
         proxy.check_auth(request)
         return await cluster_view.cluster_info(proxy.cluster)
+
+    add_cluster_routes(app, proxy.membership, config.cluster_token, proxy.check_auth)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 def _roles(cluster: Cluster) -> list[tuple[Role, str]]:
     pairs: list[tuple[Role, str]] = []
     if cluster.prefill is not None:
-        pairs += [("prefill", a) for a in cluster.prefill.addrs]
-    pairs += [("decode", a) for a in cluster.decode.addrs]
+        pairs += [("prefill", a) for a in cluster.prefill.members]
+    pairs += [("decode", a) for a in cluster.decode.members]
     return pairs
 
 
@@ -40,8 +40,10 @@ async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, An
         h = await cluster.clients.health(role, addr)
     except grpc.aio.AioRpcError as err:
         return {"role": role, "address": addr, "ready": False, "error": f"{err.code().name}: {err.details()}"}
+    if cluster.membership is not None:
+        cluster.membership.worker_draining(addr, h.draining)
     return {"role": role, "address": addr, "ready": h.ready, "worker_id": h.worker_id, "epoch": h.epoch,
-            "model": h.model}
+            "model": h.model, "draining": h.draining}
 
 
 async def health(cluster: Cluster) -> tuple[bool, dict[str, Any]]:
@@ -70,6 +72,25 @@ class HealthMonitor:
         self._ok, self._body = await health(self.cluster)
         self._checked_at = time.time()
         self._first.set()
+        if self.cluster.placer is not None and self.cluster.membership is not None:
+            await self._refresh_room()
+
+    async def _refresh_room(self) -> None:
+        """The decode workers' room for new pages (cache_aware placement weighs it): per worker, the smallest
+        share of an attention pool that is free or holds evictable cache."""
+        membership = self.cluster.membership
+        assert membership is not None
+
+        async def one(addr: str) -> None:
+            try:
+                s = await self.cluster.clients.stats("decode", addr)
+            except grpc.aio.AioRpcError:
+                return
+            shares = [(p.free + p.cached) / p.total for p in s.pools if p.kind == "attention" and p.total > 0]
+            if shares:
+                membership.room[addr] = min(shares)
+
+        await asyncio.gather(*(one(a) for a in self.cluster.decode.members))
 
     async def _run(self) -> None:
         while True:
@@ -127,5 +148,13 @@ async def _probe_stats(cluster: Cluster, role: Role, addr: str) -> dict[str, Any
 async def cluster_info(cluster: Cluster) -> dict[str, Any]:
     cfg = cluster.config
     workers = await asyncio.gather(*(_probe_stats(cluster, r, a) for r, a in _roles(cluster)))
-    return {"model": cfg.model_name, "colocated": cfg.colocated, "routing": cfg.routing,
-            "max_model_len": cfg.max_model_len, "workers": list(workers)}
+    view = {m["address"]: m for m in cluster.membership.view()} if cluster.membership is not None else {}
+    for w in workers:
+        w["membership"] = view.get(w["address"])
+    out: dict[str, Any] = {"model": cfg.model_name, "colocated": cfg.colocated, "routing": cfg.routing,
+                           "max_model_len": cfg.max_model_len, "workers": list(workers)}
+    if cluster.placer is not None:
+        c = cluster.placer.costs
+        out["step_costs"] = {"prefill_token_s": c.prefill_token_s, "decode_token_s": c.decode_token_s,
+                             "handoff_s": c.handoff_s}
+    return out

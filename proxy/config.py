@@ -9,7 +9,42 @@ from typing import Literal
 from proxy.api_keys import ApiKey
 from proxy.credentials import CLUSTER_TOKEN_ENV
 
-RoutingPolicy = Literal["round_robin", "least_loaded"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
+"""cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost); adaptive: the same (the name the
+goodput benchmark uses for a cluster that moves prefill work to decode workers when that is cheaper)."""
+ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "adaptive")
+
+SkipPrefill = Literal["auto", "never", "always"]
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    """Costs and skip-prefill rule of the cache_aware policy (proxy/placement.py), in prompt-token units."""
+
+    pull_token_cost: float = 0.25
+    """A token D pulls, relative to a token P computes."""
+    decode_running_cost: float = 16.0
+    """A request in flight on D, in prompt tokens (spreads load when hits are equal)."""
+    decode_full_cost: float = 32.0
+    """A decode worker with no free or evictable attention page, in prompt tokens (scaled by the share in use)."""
+    prefill_queue_cost: float = 1.0
+    """A prompt token already in flight on P (its queue)."""
+    decode_prefill_cost: float = 2.0
+    """A token D computes itself (skip-P), relative to one P computes: it also delays D's running decodes."""
+    skip_prefill: SkipPrefill = "auto"
+    skip_max_tokens: int = 0
+    """Skip P whenever D's uncached remainder is at most this many tokens (0: the cost model alone decides)."""
+    prefill_token_s: float = 2e-4
+    """Starting estimate of P's seconds per computed token (until measured)."""
+    handoff_s: float = 0.02
+    """Starting estimate of the PD handoff: Generate sent -> first token (until measured)."""
+    ewma: float = 0.2
+    """Weight of each new measurement in the moving averages."""
+    expect_ttl_s: float = 10.0
+    """How long the router counts what it just sent a worker as cached there before the worker's events confirm
+    it (proxy/cache_index.py, expectations)."""
+
+
 DEFAULT_SEQS_PER_DECODE_WORKER = 256
 
 
@@ -125,13 +160,20 @@ class ProxyConfig:
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     http: HttpLimits = field(default_factory=HttpLimits)
+    routing_weights: RoutingWeights = field(default_factory=RoutingWeights)
+    """Costs and skip-prefill rule of the cache_aware policy (proxy/placement.py)."""
+    dynamic_membership: bool = True
+    """Workers may register (`POST /v1/cluster/workers`, with the cluster token) and leave at run time; the static
+    addresses above may then be empty."""
+    cache_event_drop_fraction: float = 0.0
+    """Test knob: silently drop this share of the workers' cache events (lossy delivery)."""
 
     def __post_init__(self) -> None:
-        if self.routing not in ("round_robin", "least_loaded"):
-            raise ValueError(f"routing must be 'round_robin' or 'least_loaded', got {self.routing!r}")
-        if not self.decode_addrs:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not self.decode_addrs and not self.dynamic_membership:
             raise ValueError("at least one decode worker address is required")
-        if not self.colocated and not self.prefill_addrs:
+        if not self.colocated and not self.prefill_addrs and not self.dynamic_membership:
             raise ValueError("at least one prefill worker address is required (or colocated=True)")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

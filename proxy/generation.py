@@ -20,9 +20,11 @@ capacity, the request is shed with 503 and `Retry-After` (all down: 503 worker_u
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,8 +33,14 @@ from proxy.config import ProxyConfig
 from proxy.errors import ApiError, from_rpc_error, timeout_error
 from proxy.metrics import ProxyMetrics
 from proxy.openai_schema import SamplingOptions
-from proxy.routing import Router
+from proxy.routing import NoWorkerError, Router
 from proxy.workers import WorkerClients
+
+if TYPE_CHECKING:
+    from proxy.membership import Membership
+    from proxy.placement import Placement, Placer
+
+log = logging.getLogger(__name__)
 
 # Prefill answers after which another prefill worker is tried: at its lease cap, or down (the request holds nothing
 # on a worker that is unreachable or died, and a new worker gets a fresh request under the same id).
@@ -48,6 +56,10 @@ class Cluster:
     prefill: Router | None  # None when colocated
     decode: Router
     metrics: ProxyMetrics
+    membership: Membership | None = None
+    """Live members, their cache indexes and up/down state (proxy/membership.py); None in bare test clusters."""
+    placer: Placer | None = None
+    """Cache- and cost-aware placement (routing policy cache_aware); None: the routers' own policy."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,9 @@ class _State:
     decode_addr: str | None = None
     call: grpc.aio.UnaryStreamCall | None = None
     got_chunk: bool = False
+    placement: Placement | None = None
+    generate_sent: float = 0.0
+    decode_tried: tuple[str, ...] = ()  # decode workers that were unreachable for this request
     finished: bool = False
     status: str | None = None  # metrics status, set once
     prefill_released: bool = False  # P.Release sent (at most once)
@@ -172,9 +187,22 @@ class Generation:
         return self._s.finished
 
     async def start(self) -> Delta:
-        params = None if self.cluster.prefill is None else await self._prefill(self.cluster.prefill)
+        placement = self._place()
+        skip = placement is not None and placement.prefill_addr is None
+        params = None if self.cluster.prefill is None or skip else await self._prefill(self.cluster.prefill)
         self._open_generate(params)
         return await self._next_delta()
+
+    def _place(self) -> Placement | None:
+        placer = self.cluster.placer
+        if placer is None:
+            return None
+        try:
+            p = placer.place(self.req.prompt_token_ids, self.req.cache_salt, self._s.decode_tried)
+        except NoWorkerError:
+            return None  # the routers raise it again with the proper error
+        self._s.placement = p
+        return p
 
     async def rest(self) -> AsyncIterator[Delta]:
         while not self._s.finished:
@@ -193,9 +221,17 @@ class Generation:
                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         cfg = self.cluster.config
         refused: set[str] = set()
+        placed = self._s.placement.prefill_addr if self._s.placement is not None else None
+        tokens = len(self.req.prompt_token_ids)
         while True:
             timeout = min(cfg.prefill_timeout_s, self._remaining("a prefill worker"))
-            addr = router.acquire(exclude=refused)
+            try:
+                if placed is not None and placed not in refused and router.is_routable(placed):
+                    addr = router.take(placed, tokens)
+                else:
+                    addr = router.acquire(exclude=refused, tokens=tokens)
+            except NoWorkerError:
+                raise self._fail(ApiError(503, "no prefill worker is available", code="worker_unavailable")) from None
             self._s.prefill_addr = addr
             t0 = time.perf_counter()
             try:
@@ -213,8 +249,14 @@ class Generation:
                     503, f"every prefill worker is at capacity ({err.details()}); retry later",
                     code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
             finally:
-                router.release(addr)
-        self.cluster.metrics.prefill_rpc.observe(time.perf_counter() - t0)
+                router.release(addr, tokens)
+        elapsed = time.perf_counter() - t0
+        self.cluster.metrics.prefill_rpc.observe(elapsed)
+        placer, placed_on = self.cluster.placer, self._s.placement
+        if placer is not None:
+            placer.costs.prefill_done(elapsed, tokens - 1 - resp.num_cached_tokens)
+            if placed_on is not None:
+                placer.expect(addr, placed_on.hashes, tokens, resp.params.checkpoint_num_tokens)
         self._s.prefilled = True
         self._s.prefill_epoch = resp.params.epoch
         self._s.lease_token = resp.params.lease_token
@@ -227,13 +269,28 @@ class Generation:
 
     def _open_generate(self, params: pb.TransferParams | None) -> None:
         timeout = self._remaining("a decode worker")
-        addr = self.cluster.decode.acquire()
+        decode, placed = self.cluster.decode, self._s.placement
+        try:
+            if placed is not None and placed.decode_addr not in self._s.decode_tried and decode.is_routable(
+                    placed.decode_addr):
+                addr = decode.take(placed.decode_addr)
+            else:
+                addr = decode.acquire(exclude=self._s.decode_tried)
+        except NoWorkerError:
+            self._release_prefill()
+            raise self._fail(ApiError(503, "no decode worker is available", code="worker_unavailable")) from None
         self._s.decode_addr = addr
+        self._s.decode_slot_released = False
+        self._s.generate_sent = time.perf_counter()
         req = pb.GenerateRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
                                  sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         if params is not None:
             req.params.CopyFrom(params)
         self._s.call = self.cluster.clients.generate(addr, req, timeout)
+        if self.cluster.placer is not None and placed is not None:
+            n = len(self.req.prompt_token_ids)  # D keeps P's checkpoint, or (computing itself) its prompt end's
+            ckpt = params.checkpoint_num_tokens if params is not None else n - 1
+            self.cluster.placer.expect(addr, placed.hashes, n, ckpt)
 
     async def _next_delta(self) -> Delta:
         """Read chunks until one carries tokens or a finish reason."""
@@ -244,6 +301,8 @@ class Generation:
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
+                    if err.code() == grpc.StatusCode.UNAVAILABLE and self._retry_decode():
+                        continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
                 raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "
@@ -257,6 +316,25 @@ class Generation:
             if delta.token_ids or delta.finish_reason:
                 return delta
 
+    def _retry_decode(self) -> bool:
+        """D was unreachable before sending anything: send the request (without P's params: D computes the prompt
+        itself) to another decode worker. False when there is none left to try."""
+        s, cluster = self._s, self.cluster
+        assert s.decode_addr is not None
+        failed = s.decode_addr  # (its cache-event feed breaks too: membership marks it down for everyone)
+        s.decode_tried = (*s.decode_tried, failed)
+        if not [a for a in cluster.decode.addrs if a not in s.decode_tried]:
+            return False
+        log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
+                    self.req.request_id)
+        if s.call is not None:
+            s.call.cancel()
+        s.decode_slot_released = True
+        cluster.decode.release(failed)
+        s.placement = None
+        self._open_generate(None)
+        return True
+
     def _absorb(self, chunk: pb.GenerateChunk) -> Delta:
         now = time.perf_counter()
         n = len(chunk.token_ids)
@@ -265,6 +343,7 @@ class Generation:
             if self._t.first_token is None:
                 self._t.first_token = now
                 m.ttft.observe(now - self._t.arrival)
+                self._first_token_routed(chunk, now)
             else:
                 assert self._t.last_token is not None
                 for _ in range(n):
@@ -279,6 +358,24 @@ class Generation:
         if finish is not None:
             self._finish(now)
         return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk))
+
+    def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
+        """Record the routing decision against what D really found, and feed the measured step costs."""
+        s, cluster = self._s, self.cluster
+        real_hit = chunk.num_cached_tokens - chunk.num_external_cached_tokens
+        path = "colocated" if cluster.prefill is None else "pd" if s.prefilled else "skip_prefill"
+        expected = s.placement.expected_hit if s.placement is not None else 0
+        cluster.metrics.route(path, expected, real_hit)
+        placer = cluster.placer
+        if placer is not None:
+            elapsed = now - s.generate_sent
+            if path == "pd":
+                placer.costs.handoff_done(elapsed)
+            elif path == "skip_prefill":
+                placer.costs.local_prefill_done(elapsed, chunk.num_prompt_tokens - chunk.num_cached_tokens)
+        log.debug("route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)", self.req.request_id, path,
+                  s.prefill_addr if s.prefilled else "-", s.decode_addr, expected, real_hit,
+                  s.placement.reason if s.placement is not None else cluster.config.routing)
 
     def _finish(self, now: float) -> None:
         self._s.finished = True

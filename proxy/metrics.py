@@ -72,7 +72,21 @@ class ProxyMetrics:
                                      registry=r)
         self.prefill_cached_tokens = Counter("hybridpd_proxy_prefill_cached_tokens_total",
                                              "Prompt tokens the prefill worker found in its prefix cache", registry=r)
+        self.route_decisions = Counter("hybridpd_proxy_route_decisions_total",
+                                       "Requests by path: pd, skip_prefill (D prefilled it itself), colocated",
+                                       ["path"], registry=r)
+        self.route_expected_hit = Counter("hybridpd_proxy_route_expected_hit_tokens_total",
+                                          "Prompt tokens the router expected the chosen decode worker to hold",
+                                          ["path"], registry=r)
+        self.route_real_hit = Counter("hybridpd_proxy_route_real_hit_tokens_total",
+                                      "Prompt tokens the chosen decode worker found in its own prefix cache",
+                                      ["path"], registry=r)
         r.register(_InFlightCollector(routers))
+
+    def route(self, path: str, expected_hit: int, real_hit: int) -> None:
+        self.route_decisions.labels(path=path).inc()
+        self.route_expected_hit.labels(path=path).inc(expected_hit)
+        self.route_real_hit.labels(path=path).inc(real_hit)
 
     def count(self, status: str) -> None:
         self.requests.labels(status=status).inc()

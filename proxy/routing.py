@@ -1,6 +1,9 @@
-"""Worker selection: round robin, or least loaded by the proxy's own count of in-flight requests per worker.
+"""Worker selection within one role: round robin, or least loaded by the proxy's own in-flight counts.
 
-One `Router` per role (prefill, decode). The event loop is the only thread that touches it, so no lock.
+One `Router` per role (prefill, decode). Its members change at run time (proxy/membership.py adds, drains and
+removes workers); a removed or draining worker gets no new request but keeps its in-flight count until each of its
+requests is released. Cache- and cost-aware placement across both roles lives in proxy/placement.py and picks
+among `Router.addrs`. The event loop is the only thread that touches it, so no lock.
 Ownership: `acquire()` counts a request against the chosen worker; the caller must `release()` it exactly once.
 """
 
@@ -11,26 +14,77 @@ from collections.abc import Collection, Sequence
 from proxy.config import RoutingPolicy
 
 
+class NoWorkerError(RuntimeError):
+    """No worker of the role is routable now (none registered, all draining or down)."""
+
+
 class Router:
-    """Chooses among `addrs`.
+    """Chooses among the routable members.
 
     round_robin:  addrs[0], addrs[1], ..., wrapping around, whatever the load.
     least_loaded: the worker with the fewest in-flight requests; ties go round robin (the first tied worker at or
                   after the rotating cursor), so an idle cluster still spreads sequential requests.
+    (cache_aware routes like least_loaded here; proxy/placement.py chooses by cost before asking.)
+
+    `dynamic`: members come and go (membership); it may then start empty.
     """
 
-    def __init__(self, addrs: Sequence[str], policy: RoutingPolicy = "round_robin") -> None:
-        if not addrs:
+    def __init__(self, addrs: Sequence[str], policy: RoutingPolicy = "round_robin", dynamic: bool = False) -> None:
+        if not addrs and not dynamic:
             raise ValueError("Router needs at least one address")
         if len(set(addrs)) != len(addrs):
             raise ValueError(f"duplicate worker addresses: {list(addrs)}")
-        self.addrs: tuple[str, ...] = tuple(addrs)
         self.policy = policy
-        self._in_flight = dict.fromkeys(self.addrs, 0)
+        self._members: list[str] = list(addrs)
+        self._blocked: set[str] = set()
+        """Members that get no new request (draining, or down until they are heard from again)."""
+        self._in_flight = dict.fromkeys(self._members, 0)
+        self._tokens = dict.fromkeys(self._members, 0)
         self._cursor = 0
 
+    # -- membership ------------------------------------------------------------------------------------------------
+    @property
+    def addrs(self) -> tuple[str, ...]:
+        """The routable members, in join order."""
+        return tuple(a for a in self._members if a not in self._blocked)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every member, routable or not."""
+        return tuple(self._members)
+
+    def add(self, addr: str) -> None:
+        if addr not in self._members:
+            self._members.append(addr)
+        self._in_flight.setdefault(addr, 0)
+        self._tokens.setdefault(addr, 0)
+        self._blocked.discard(addr)
+
+    def remove(self, addr: str) -> None:
+        if addr in self._members:
+            self._members.remove(addr)
+        self._blocked.discard(addr)
+        if not self._in_flight.get(addr):
+            self._in_flight.pop(addr, None)
+            self._tokens.pop(addr, None)
+
+    def block(self, addr: str, blocked: bool = True) -> None:
+        """Take a member out of rotation (draining, down) or put it back."""
+        if blocked:
+            self._blocked.add(addr)
+        elif addr in self._members:
+            self._blocked.discard(addr)
+
+    def is_routable(self, addr: str) -> bool:
+        return addr in self._members and addr not in self._blocked
+
+    # -- load ------------------------------------------------------------------------------------------------------
     def in_flight(self, addr: str) -> int:
-        return self._in_flight[addr]
+        return self._in_flight.get(addr, 0)
+
+    def tokens_in_flight(self, addr: str) -> int:
+        """Prompt tokens of the worker's in-flight requests that the caller counted (`acquire(tokens=...)`)."""
+        return self._tokens.get(addr, 0)
 
     def snapshot(self) -> dict[str, int]:
         """In-flight requests per worker (a copy)."""
@@ -38,25 +92,50 @@ class Router:
 
     def choose(self, exclude: Collection[str] = ()) -> str:
         """The next worker under the policy, skipping `exclude` unless it holds every worker (advances the cursor;
-        does not count the request)."""
-        n = len(self.addrs)
-        order = [self.addrs[(self._cursor + i) % n] for i in range(n)]
+        does not count the request). Raises NoWorkerError when no member is routable."""
+        addrs = self.addrs
+        n = len(addrs)
+        if not n:
+            raise NoWorkerError("no worker is available")
+        start = self._cursor % n
+        order = [addrs[(start + i) % n] for i in range(n)]
         order = [a for a in order if a not in exclude] or order
-        if self.policy == "least_loaded":
+        if self.policy == "round_robin":
+            chosen = order[0]
+        else:
             fewest = min(self._in_flight[a] for a in order)
             chosen = next(a for a in order if self._in_flight[a] == fewest)
-        else:
-            chosen = order[0]
-        self._cursor = (self.addrs.index(chosen) + 1) % n
+        self._cursor = (addrs.index(chosen) + 1) % n
         return chosen
 
-    def acquire(self, exclude: Collection[str] = ()) -> str:
+    def rotation(self, addrs: Sequence[str]) -> list[str]:
+        """`addrs` starting at the rotating cursor: a cost-based chooser that keeps the first of equal costs spreads
+        them round robin (`take` advances the cursor past its choice)."""
+        k = self._cursor % len(addrs) if addrs else 0
+        return [*addrs[k:], *addrs[:k]]
+
+    def acquire(self, exclude: Collection[str] = (), tokens: int = 0) -> str:
         """Choose a worker (not in `exclude` where possible) and count one in-flight request on it."""
         addr = self.choose(exclude)
         self._in_flight[addr] += 1
+        self._tokens[addr] += tokens
         return addr
 
-    def release(self, addr: str) -> None:
-        if self._in_flight[addr] <= 0:
+    def take(self, addr: str, tokens: int = 0) -> str:
+        """Count one in-flight request (of `tokens` prompt tokens) on `addr`, chosen elsewhere; the rotation moves
+        past it."""
+        addrs = self.addrs
+        if addr in addrs:
+            self._cursor = (addrs.index(addr) + 1) % len(addrs)
+        self._in_flight[addr] = self._in_flight.get(addr, 0) + 1
+        self._tokens[addr] = self._tokens.get(addr, 0) + tokens
+        return addr
+
+    def release(self, addr: str, tokens: int = 0) -> None:
+        if self._in_flight.get(addr, 0) <= 0:
             raise RuntimeError(f"release of {addr} without a matching acquire")
         self._in_flight[addr] -= 1
+        self._tokens[addr] = max(0, self._tokens.get(addr, 0) - tokens)
+        if not self._in_flight[addr] and addr not in self._members:
+            self._in_flight.pop(addr)
+            self._tokens.pop(addr, None)

@@ -74,6 +74,14 @@ class WorkerClients:
         return await self._stub(role, addr).Stats(pb.StatsRequest(), timeout=self.control_timeout_s,
                                                   metadata=self.metadata)
 
+    async def drain_worker(self, role: Role, addr: str, drain: bool) -> pb.DrainResponse:
+        return await self._stub(role, addr).Drain(pb.DrainRequest(drain=drain), timeout=self.control_timeout_s,
+                                                  metadata=self.metadata)
+
+    def cache_events(self, role: Role, addr: str) -> grpc.aio.UnaryStreamCall:
+        """The worker's cache-event stream (a snapshot, then batches); open until cancelled."""
+        return self._stub(role, addr).CacheEvents(pb.CacheEventsRequest(), metadata=self.metadata)
+
     async def prefill_call(self, addr: str, req: pb.PrefillRequest, timeout: float) -> pb.PrefillResponse:
         """P.Prefill with a deadline of `timeout` seconds."""
         return await self.prefill(addr).Prefill(req, timeout=timeout, metadata=self.metadata)

@@ -37,6 +37,8 @@ class WorkerOptions:
     prefill_peers: tuple[str, ...] = ()  # decode: pull only from these P addresses (empty: any that proves the token)
     max_pinned_fraction: float = 0.5  # prefill: pages pinned for transfers, at most this share of each pool
     nixl_progress_thread: bool = False  # NIXL's own progress thread (busy-polls a core); off: the step loop polls
+    register_with: tuple[str, ...] = ()  # proxy URLs to register with (worker/announce.py); empty: static only
+    heartbeat_s: float = 1.0  # registration renewal period (a registration expires after 5 of them)
 
 
 def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
@@ -130,12 +132,21 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                       "pid": os.getpid(), "kv_cache": core.kv_cache_info(), "device": str(core.device),
                       "dtype": core.config.model.dtype, "fast_path": core.runner.fast_path,
                       "cuda_graphs": core.runner.graphs is not None}), flush=True)
+    announcer = None
+    if opts.register_with:
+        from worker.announce import Announcer
+
+        announcer = Announcer(opts.register_with, ctx, role, ctx.address, ctx.worker_id, ctx.epoch, opts.cluster_token,
+                              opts.heartbeat_s, ttl_s=5 * opts.heartbeat_s)
+        announcer.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down %s worker", role)
+    if announcer is not None:
+        await announcer.stop()
     await server.stop(grace=2.0)
     aengine.shutdown()
     if ctx.agent is not None:

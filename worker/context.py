@@ -30,6 +30,10 @@ class WorkerContext:
     cluster_token: str | None = None
     """Shared secret of the cluster (worker.auth): required on this worker's RPCs, sent on its calls to peers,
     and the key of the membership proof in GetTransferMetadata. None: an open development cluster."""
+    draining: bool = False
+    """Set by the Drain RPC: proxies route no new requests here (worker/announce.py reports it)."""
+    cache_event_hub: Any = None
+    """worker.cache_events.CacheEventHub, made by the first `CacheEvents` subscriber."""
     tls: Any = None
     """worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
     tp_layout: Any = None
@@ -76,4 +80,19 @@ class WorkerRpcs:
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
         return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
-                                 worker_id=self.ctx.worker_id)
+                                 worker_id=self.ctx.worker_id, draining=self.ctx.draining)
+
+    async def Drain(self, request, context) -> pb.DrainResponse:  # type: ignore[no-untyped-def]
+        """Mark this worker drained (or not): its registrations and Health tell every proxy."""
+        self.ctx.draining = request.drain
+        return pb.DrainResponse(draining=self.ctx.draining)
+
+    async def CacheEvents(self, request, context):  # type: ignore[no-untyped-def]
+        """The cache-event stream (worker/cache_events.py): one hub per worker, shared by every subscriber."""
+        from worker.cache_events import CacheEventHub
+
+        hub = getattr(self.ctx, "cache_event_hub", None)
+        if hub is None:
+            hub = self.ctx.cache_event_hub = CacheEventHub(self.ctx)
+        async for batch in hub.stream():
+            yield batch

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
 
+from engine.cache.events import CacheEventLog
 from engine.cache.specs import NULL_BLOCK_ID
 
 
@@ -44,6 +45,11 @@ class PoolListener(Protocol):
 
 
 class BlockPool:
+    events: CacheEventLog | None = None
+    """Set by the cache manager: every hash that becomes findable (`cache`) or stops being findable is reported."""
+    event_group: int = 0
+    """The pool's cache group id in those events."""
+
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"{name}: a pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
@@ -183,6 +189,8 @@ class BlockPool:
             return False
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(self.event_group, block_hash)
         return True
 
     def rename(self, src: int, dst: int) -> None:
@@ -224,6 +232,8 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self.cached.get(h) == block_id:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.removed(self.event_group, h)
             if count:
                 self.num_evictions += 1
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from engine.cache.admission import Admission, CachePolicy
 from engine.cache.arena import ArenaLayout
 from engine.cache.block_pool import BlockPool
+from engine.cache.events import CacheEventLog
 from engine.cache.hashing import append_block_hashes, extra_keys
 from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
 from engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
@@ -136,6 +137,10 @@ class HybridCacheManager:
                 lead = self.states[0].pool if self.states else None
                 self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
             self.pools[g.group_id] = pool
+        self.events = CacheEventLog()
+        """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
+        for gid, p in self.pools.items():
+            p.events, p.event_group = self.events, gid
         self.managers: list[GroupManager] = [*self.blocks, *self.states]
         """Every group, attention first: the coordinator loops over these and never asks for a kind."""
         self._block_gids = [(m, m.group.group_id) for m in self.blocks]
@@ -635,6 +640,11 @@ class HybridCacheManager:
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""
         return {m.group.group_id: m.req_pages(req_id) for m in self.managers}
+
+    def cached_hashes(self) -> dict[int, set[bytes]]:
+        """Group id -> the hashes a hit search finds now (attention: named blocks; recurrent: checkpoint boundaries):
+        what replaying every event of `events` gives. The cache-event stream's resync snapshot."""
+        return {gid: set(p.cached) for gid, p in self.pools.items()}
 
     # -- observability -------------------------------------------------------------------------------------------
     def usage(self) -> dict[str, float]:

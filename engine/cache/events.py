@@ -68,3 +68,12 @@ class CacheEventLog:
             self._events.clear()
             self.overflowed = False
             return events, lost
+
+    def drain_from(self) -> tuple[int, list[CacheEvent], bool]:
+        """`drain` with the sequence number just before the first returned event: (first_seq, events, overflowed);
+        the events are numbered first_seq + 1, first_seq + 2, ..."""
+        with self._lock:
+            events, lost = list(self._events), self.overflowed
+            self._events.clear()
+            self.overflowed = False
+            return self.seq - len(events), events, lost

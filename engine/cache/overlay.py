@@ -211,6 +211,8 @@ class ArenaAttentionPool(BlockPool):
         self.block_hash[block_id] = None
         if self.cached.get(h) == block_id:
             del self.cached[h]
+            if self.events is not None:
+                self.events.removed(self.event_group, h)
         if count:
             self.num_evictions += 1
         if self.ref_cnt[block_id] == 0:

@@ -130,6 +130,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.cancelled: list[str] = []
         self.running: set[str] = set()
         self._abort_requested: set[str] = set()
+        self.cache_snapshot: dict[int, set[bytes]] | None = None
 
     def _outputs(self, request: pb.GenerateRequest) -> list[int]:
         rev = list(reversed(request.prompt_token_ids))
@@ -190,6 +191,16 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             last = i == len(outputs) - 1
             finish = ("length" if len(outputs) == sp.max_tokens else "stop") if last else ""
             yield chunk(i, [tok], text, finish)
+
+    async def CacheEvents(self, request: pb.CacheEventsRequest, context: grpc.aio.ServicerContext) -> Any:
+        """With `cache_snapshot` set ({group: hashes}, block size 16, group 0 attention, 1 recurrent): that snapshot,
+        then nothing (the stream stays open). Unset: UNIMPLEMENTED, as a worker without cache events."""
+        if self.cache_snapshot is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no cache events")
+        shape = pb.CacheShape(block_size=16, attention_groups=[0], recurrent_groups=[1], checkpoint_align=16)
+        yield pb.CacheEventBatch(epoch="fake-epoch", first_seq=0, snapshot=True, shape=shape, groups=[
+            pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()])
+        await asyncio.Event().wait()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         self.aborts.append(request.request_id)

@@ -351,6 +351,11 @@ def test_worker_group_runs_one_hybridpd_worker(role: str) -> None:
     worker_cmd = (f"exec hybridpd worker --role {role} --model {values['model']['path']} --host 0.0.0.0 "
                   f"--port {ports['workerGrpc']} --metrics-port {ports['workerMetrics']}")
     assert worker_cmd in script
+    # live membership: the worker registers with every proxy pod (headless Service) under its pod IP
+    members = f"http://{values['proxy']['membersService']}:{ports['proxy']}"
+    assert f'--advertise-host "$POD_IP" --register-with {members}' in script
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert container["image"] == values["image"]
     # one GPU per worker pod, requested and limited
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -392,14 +397,17 @@ def test_helm_template_matches_and_validates(service_monitor: bool) -> None:
                 "--set", f"serviceMonitor.enabled={str(service_monitor).lower()}")
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["Deployment", "RayCluster", "Service", "Service", "Service"]
+    expected = ["Deployment", "RayCluster", "Service", "Service", "Service", "Service"]
     assert kinds == sorted(expected + (["ServiceMonitor"] if service_monitor else []))
     (cluster,) = [d for d in docs if d["kind"] == "RayCluster"]
     assert cluster == default_raycluster(), "render_raycluster() no longer matches templates/raycluster.yaml"
     assert schema_errors(cluster) == []
     name = fullname(load_values())
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    assert set(services) == {f"{name}-proxy", f"{name}-prefill", f"{name}-decode"}
+    members = load_values()["proxy"]["membersService"]
+    assert set(services) == {f"{name}-proxy", f"{name}-prefill", f"{name}-decode", members}
+    assert services[members]["spec"]["clusterIP"] == "None"  # every proxy pod's address: workers register with each
+    assert services[members]["spec"]["selector"] == services[f"{name}-proxy"]["spec"]["selector"]
     for role in ROLES:
         svc = services[f"{name}-{role}"]
         assert svc["spec"]["clusterIP"] == "None"
@@ -407,9 +415,11 @@ def test_helm_template_matches_and_validates(service_monitor: bool) -> None:
         assert svc["metadata"]["labels"]["hybridpd.io/job"] == f"hybridpd-{role}"
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    grpc = load_values()["ports"]["workerGrpc"]
-    assert args[args.index("--prefill") + 1] == f"{name}-prefill.{NAMESPACE}.svc:{grpc}"
-    assert args[args.index("--decode") + 1] == f"{name}-decode.{NAMESPACE}.svc:{grpc}"
+    # no static worker list (one address per headless Service name would pin one pod per role): workers register;
+    # the proxy loads the tokenizer from the model volume
+    assert "--prefill" not in args and "--decode" not in args
+    assert args[args.index("--model") + 1] == load_values()["model"]["path"]
+    assert args[args.index("--routing") + 1] == "cache_aware"
 
 
 def test_helm_template_with_overrides() -> None:

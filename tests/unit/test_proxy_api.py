@@ -236,8 +236,9 @@ def test_colocated_sends_no_params() -> None:
 
 
 def test_proxy_imports_neither_torch_nor_engine() -> None:
-    """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors)."""
-    shared = ("engine", "engine.errors", "engine.chat_template")
+    """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors), and
+    the block hashing every worker uses (the router's cache index hashes prompts the same way)."""
+    shared = ("engine", "engine.errors", "engine.chat_template", "engine.cache", "engine.cache.hashing")
     code = ("import sys, proxy.app, proxy.server, tests.support.live_stack; "
             f"bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine') and m not in {shared!r}]; "
             "assert not bad, bad")

@@ -40,9 +40,3 @@ helm.sh/chart: {{ include "hybridpd.chart" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
-
-{{/* DNS name of a role's headless worker Service, with the gRPC port: what the proxy dials. */}}
-{{- define "hybridpd.workerAddress" -}}
-{{- $ctx := index . 0 }}{{- $role := index . 1 }}
-{{- printf "%s-%s.%s.svc:%v" (include "hybridpd.fullname" $ctx) $role $ctx.Release.Namespace $ctx.Values.ports.workerGrpc }}
-{{- end }}

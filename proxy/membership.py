@@ -1,0 +1,233 @@
+"""Live cluster membership: which workers the proxy routes to, changed at run time without a restart.
+
+One mechanism for every deployment: workers *register* with each proxy they are given (`POST
+/v1/cluster/workers`, the cluster token as `x-hybridpd-token`) and renew the registration every heartbeat; a
+registration expires after its `ttl_s` (a crashed worker stops renewing). Static workers (`--prefill` / `--decode`)
+are members from the start and never expire. Every member has a cache-event feed (proxy/cache_feed.py); a broken
+feed or a failed call marks the worker *down* at once (no new requests) until its feed reconnects; a new epoch
+(worker restarted) is taken from its registration or its feed's snapshot. `drain(addr)` takes a worker out of
+rotation while its running requests finish.
+
+    states: up -> down (feed broke / call failed) -> up (feed back)
+            up | down -> draining (drain) -> up (undrain) | gone (deregister / expiry)
+
+Ownership: the app owns one `Membership`; event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from proxy.cache_feed import CacheFeed
+from proxy.cache_index import WorkerCacheIndex
+from proxy.routing import Router
+from proxy.workers import Role, WorkerClients
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    role: Role
+    address: str
+    static: bool
+    worker_id: str = ""
+    epoch: str = ""
+    drained_here: bool = False
+    """Drained through this proxy (`drain`)."""
+    drained_by_worker: bool = False
+    """The worker says it is drained (its registration or Health: drained through any proxy)."""
+    down: bool = False
+    expires_at: float = float("inf")
+    """time.monotonic() after which a registered member is dropped unless renewed."""
+    joined_at: float = field(default_factory=time.time)
+    restarts: int = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.drained_here or self.drained_by_worker
+
+
+class Membership:
+    def __init__(
+        self,
+        clients: WorkerClients,
+        routers: dict[Role, Router],
+        event_drop_fraction: float = 0.0,
+        expiry_interval_s: float = 0.25,
+    ) -> None:
+        self.clients = clients
+        self.routers = routers
+        self.members: dict[str, Member] = {}
+        self.feeds: dict[str, CacheFeed] = {}
+        self.room: dict[str, float] = {}
+        """Decode worker -> share of its attention pages free or evictable (last Stats; 1.0 until known)."""
+        self._drop = event_drop_fraction
+        self._expiry_interval_s = expiry_interval_s
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._started = True
+        for role, router in self.routers.items():
+            for addr in router.members:
+                self.members[addr] = Member(role, addr, static=True)
+                self._start_feed(role, addr)
+        self._task = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(f.stop() for f in self.feeds.values()), return_exceptions=True)
+        self.feeds.clear()
+
+    def _start_feed(self, role: Role, addr: str) -> None:
+        if not self._started or addr in self.feeds:
+            return
+        feed = CacheFeed(self.clients, role, addr, self._feed_up, self.mark_down, self._drop)
+        self.feeds[addr] = feed
+        feed.start()
+
+    # -- changes ---------------------------------------------------------------------------------------------------
+    def register(self, role: Role, addr: str, worker_id: str, epoch: str, ttl_s: float,
+                 draining: bool | None = None) -> Member:
+        """Add or renew a worker (a registration or heartbeat). Raises ValueError for a role the proxy has no
+        router for (a prefill worker at a colocated proxy) or an address registered under the other role."""
+        router = self.routers.get(role)
+        if router is None:
+            raise ValueError(f"this proxy routes no {role} workers")
+        m = self.members.get(addr)
+        if m is not None and m.role != role:
+            raise ValueError(f"{addr} is a {m.role} worker here, not {role}")
+        if m is None:
+            m = self.members[addr] = Member(role, addr, static=False)
+            log.info("%s worker %s joined (epoch %s)", role, addr, epoch[:8])
+            router.add(addr)
+            self._start_feed(role, addr)
+        elif epoch and m.epoch and epoch != m.epoch:
+            m.restarts += 1
+            log.info("%s worker %s restarted (epoch %s -> %s)", role, addr, m.epoch[:8], epoch[:8])
+        m.worker_id, m.epoch = worker_id or m.worker_id, epoch or m.epoch
+        if not m.static:
+            m.expires_at = time.monotonic() + ttl_s
+        if draining is not None:
+            self.worker_draining(addr, draining)
+        if m.down and m.epoch:  # a live worker renewing: routable again (its feed confirms it soon)
+            self._set_down(m, False)
+        return m
+
+    def deregister(self, addr: str) -> bool:
+        m = self.members.pop(addr, None)
+        if m is None:
+            return False
+        self.routers[m.role].remove(addr)
+        self.room.pop(addr, None)
+        feed = self.feeds.pop(addr, None)
+        if feed is not None:
+            self.clients.spawn(feed.stop())
+        log.info("%s worker %s left", m.role, addr)
+        return True
+
+    def drain(self, addr: str, draining: bool = True) -> Member:
+        """Drain (or undrain) through this proxy; `worker_draining` hears what the worker says."""
+        m = self.members.get(addr)
+        if m is None:
+            raise KeyError(addr)
+        m.drained_here = draining
+        if not draining:
+            m.drained_by_worker = False
+        self._sync_router(m)
+        return m
+
+    async def tell_worker_draining(self, addr: str, draining: bool) -> bool:
+        """Send the worker its drain state (it reports it to every proxy); False when it could not be told."""
+        m = self.members.get(addr)
+        if m is None:
+            return False
+        try:
+            await self.clients.drain_worker(m.role, addr, draining)
+        except grpc.aio.AioRpcError as err:
+            log.warning("Drain(%s) on %s failed: %s", draining, addr, err.code().name)
+            return False
+        return True
+
+    def worker_draining(self, addr: str, draining: bool) -> None:
+        m = self.members.get(addr)
+        if m is not None and m.drained_by_worker != draining:
+            m.drained_by_worker = draining
+            self._sync_router(m)
+
+    def mark_down(self, addr: str) -> None:
+        """A call to the worker failed as unreachable, or its feed broke: no new requests until it is back."""
+        m = self.members.get(addr)
+        if m is not None and not m.down:
+            log.warning("%s worker %s is down", m.role, addr)
+            self._set_down(m, True)
+
+    def _feed_up(self, addr: str, epoch: str) -> None:
+        m = self.members.get(addr)
+        if m is None:
+            return
+        if m.epoch and epoch != m.epoch:
+            m.restarts += 1
+        m.epoch = epoch
+        if m.down:
+            log.info("%s worker %s is up", m.role, addr)
+            self._set_down(m, False)
+
+    def _set_down(self, m: Member, down: bool) -> None:
+        m.down = down
+        self._sync_router(m)
+
+    def _sync_router(self, m: Member) -> None:
+        self.routers[m.role].block(m.address, m.draining or m.down)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._expiry_interval_s)
+            now = time.monotonic()
+            for addr in [a for a, m in self.members.items() if m.expires_at < now]:
+                log.warning("worker %s stopped renewing its registration: removed", addr)
+                self.deregister(addr)
+
+    # -- views -----------------------------------------------------------------------------------------------------
+    def index(self, addr: str) -> WorkerCacheIndex | None:
+        feed = self.feeds.get(addr)
+        return feed.usable() if feed is not None else None
+
+    def view(self) -> list[dict[str, Any]]:
+        out = []
+        now = time.monotonic()
+        for m in self.members.values():
+            feed = self.feeds.get(m.address)
+            idx = feed.index if feed is not None else None
+            state = "draining" if m.draining else "down" if m.down else "up"
+            entry: dict[str, Any] = {
+                "role": m.role,
+                "address": m.address,
+                "state": state,
+                "static": m.static,
+                "worker_id": m.worker_id,
+                "epoch": m.epoch,
+                "restarts": m.restarts,
+                "lease_left_s": None if m.static else round(max(0.0, m.expires_at - now), 2),
+                "cache_index": None
+                if idx is None
+                else {
+                    "synced": idx.synced and bool(feed and feed.connected),
+                    "seq": idx.seq,
+                    "staleness_s": round(min(idx.staleness_s(), 1e9), 3),
+                    "hashes": idx.sizes(),
+                    "resyncs": feed.resyncs if feed else 0,
+                },
+            }
+            out.append(entry)
+        return out

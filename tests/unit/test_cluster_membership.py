@@ -1,0 +1,187 @@
+"""Live membership and cache-aware placement through the real proxy with FAKE workers (no model): register,
+heartbeat expiry, drain, leave, bad registrations; routing to the decode worker whose cache holds the prefix, and
+skip-prefill when its remainder is short."""
+
+from __future__ import annotations
+
+import time
+
+from proxy.cache_index import prompt_block_hashes
+from proxy.config import RoutingWeights
+from tests.polling import wait_for
+from tests.support.fake_workers import FakeDecodeWorker, serve_fake
+from tests.support.live_stack import LiveStack
+
+MODEL = "tiny"
+
+
+def _complete(s: LiveStack, prompt: list[int]) -> None:
+    r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def _members(s: LiveStack) -> dict[str, dict]:
+    return {w["address"]: w["membership"] for w in s.http.get("/v1/cluster").json()["workers"]}
+
+
+def _register(s: LiveStack, addr: str, ttl: float = 5.0, headers: dict[str, str] | None = None) -> int:
+    body = {"role": "decode", "address": addr, "worker_id": "w-new", "epoch": "e1", "ttl_s": ttl}
+    return s.http.post("/v1/cluster/workers", json=body, headers=headers).status_code
+
+
+def test_join_drain_leave_and_expiry_without_restart() -> None:
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, routing="least_loaded") as s:
+        new = FakeDecodeWorker("fake-decode-new")
+        server = s.run(serve_fake(new))
+        try:
+            assert _register(s, new.address) == 200
+            assert _members(s)[new.address]["static"] is False
+            for _ in range(4):
+                _complete(s, [1, 2, 3])
+            assert len(new.generates) == 2  # least loaded, idle: the two decode workers alternate
+            r = s.http.post("/v1/cluster/drain", json={"address": new.address})
+            assert r.status_code == 200 and r.json()["draining"] is True
+            assert r.json()["worker_told"] is False  # a fake worker has no Drain RPC: this proxy drains it alone
+            for _ in range(3):
+                _complete(s, [1, 2, 3])
+            assert len(new.generates) == 2 and _members(s)[new.address]["state"] == "draining"
+            s.http.post("/v1/cluster/drain", json={"address": new.address, "drain": False})
+            _complete(s, [1, 2, 3])
+            _complete(s, [1, 2, 3])
+            assert len(new.generates) == 3
+            r = s.http.request("DELETE", "/v1/cluster/workers", json={"address": new.address})
+            assert r.json() == {"removed": True} and new.address not in _members(s)
+            assert _register(s, new.address, ttl=0.3) == 200  # no renewal: dropped after its lease
+            wait_for(
+                "the expired registration removed", lambda: new.address not in _members(s), timeout=5, interval=0.05
+            )
+        finally:
+            s.run(server.stop(grace=None))
+
+
+BAD_REGISTRATIONS = [
+    {"role": "decode", "address": "nohost"},
+    {"role": "oracle", "address": "h:1"},
+    {"role": "decode", "address": "h:1", "ttl_s": 0},
+    {"role": "decode", "address": "h:1", "ttl_s": "5"},
+    {"role": "decode", "address": "h:99999"},
+    {"address": "h:1"},
+]
+
+
+def test_bad_registrations_are_4xx_json() -> None:
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL) as s:
+        for body in BAD_REGISTRATIONS:
+            r = s.http.post("/v1/cluster/workers", json=body)
+            assert r.status_code == 400 and r.json()["error"]["message"], body
+        r = s.http.post("/v1/cluster/workers", content=b"{not json")
+        assert r.status_code == 400
+        r = s.http.post("/v1/cluster/drain", json={"address": "h:1"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_registration_needs_the_cluster_token() -> None:
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, cluster_token="secret") as s:
+        assert _register(s, "127.0.0.1:1") == 401
+        assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "wrong"}) == 401
+        assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "secret"}) == 200
+
+
+def _prefix_stack(weights: RoutingWeights) -> tuple[LiveStack, list[int]]:
+    """Two fake decode workers; the second holds the blocks and checkpoints of a 64-token prefix."""
+    s = LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing="cache_aware", routing_weights=weights)
+    prefix = list(range(10, 74))
+    hashes = set(prompt_block_hashes(prefix, 16))
+    s.decode[0].cache_snapshot = {0: set(), 1: set()}
+    s.decode[1].cache_snapshot = {0: hashes, 1: hashes}
+    return s, prefix
+
+
+def test_cache_aware_sends_a_prefix_to_the_worker_that_holds_it() -> None:
+    s, prefix = _prefix_stack(RoutingWeights(skip_prefill="never"))
+    with s:
+        wait_for(
+            "both cache indexes synced",
+            lambda: all(
+                m["cache_index"] and m["cache_index"]["synced"]
+                for a, m in _members(s).items()
+                if a in (s.decode[0].address, s.decode[1].address)
+            ),
+            timeout=10,
+            interval=0.05,
+        )
+        for tail in range(5):
+            _complete(s, [*prefix, 200 + tail, 7])
+        assert len(s.decode[1].generates) == 5 and not s.decode[0].generates
+        assert all(g.HasField("params") for g in s.decode[1].generates)  # skip-P off: P prefilled each
+        _complete(s, [1, 2, 3, 4])  # no cached prefix anywhere: by load and rotation
+        metrics = s.http.get("/metrics").text
+        assert 'hybridpd_proxy_route_decisions_total{path="pd"} 6.0' in metrics
+
+
+def test_skip_prefill_when_the_remainder_is_short() -> None:
+    s, prefix = _prefix_stack(RoutingWeights(skip_max_tokens=8, prefill_token_s=1e-9, handoff_s=0.0))
+    with s:
+        wait_for(
+            "the holder's index synced",
+            lambda: (_members(s)[s.decode[1].address]["cache_index"] or {}).get("synced"),
+            timeout=10,
+            interval=0.05,
+        )
+        _complete(s, [*prefix, 200, 7])  # remainder 65 - 64 = 1 token <= 8: D computes it, no prefill
+        _complete(s, [*prefix, *range(100, 130)])  # remainder 30 > 8, and P is estimated cheaper: PD
+        first, second = s.decode[1].generates
+        assert not first.HasField("params") and second.HasField("params")
+        assert len(s.prefill[0].prefills) == 1
+
+
+def test_a_draining_worker_finishes_what_it_runs() -> None:
+    with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, token_delay_s=0.05) as s:
+        addr = s.decode[0].address
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [1, 2], "max_tokens": 10, "ignore_eos": True, "stream": True},
+        ) as r:
+            time.sleep(0.1)
+            assert s.http.post("/v1/cluster/drain", json={"address": addr}).status_code == 200
+            body = "".join(r.iter_text())
+        assert body.rstrip().endswith("[DONE]") and '"finish_reason":"length"' in body.replace(" ", "")
+        assert len(s.decode[0].generates) == 1 and s.decode[0].generates[0].sampling_params.max_tokens == 10
+        _complete(s, [1, 2, 3])
+        assert len(s.decode[0].generates) == 1  # drained: the next request went elsewhere
+
+
+def test_placement_weighs_load_and_room_when_no_index_is_usable() -> None:
+    """No cache index (a stale or old worker): least loaded, then the one with room, never the full one."""
+    from types import SimpleNamespace
+
+    from proxy.placement import Placer
+    from proxy.routing import Router
+
+    decode = Router(["a", "b"], "cache_aware")
+    membership = SimpleNamespace(index=lambda addr: None, room={"a": 1.0, "b": 1.0})
+    placer = Placer(membership, None, decode, RoutingWeights())  # type: ignore[arg-type]
+    decode.take("a")
+    assert placer.place((1, 2, 3)).decode_addr == "b"  # a has a request in flight
+    decode.release("a")
+    membership.room["b"] = 0.0  # every page of b in use
+    assert placer.place((1, 2, 3)).decode_addr == "a"
+    assert placer.place((1, 2, 3)).prefill_addr is None  # colocated (no prefill router): D computes it
+
+
+def test_with_every_prefill_worker_drained_decode_workers_prefill_themselves() -> None:
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, routing="cache_aware") as s:
+        assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
+        _complete(s, [1, 2, 3, 4, 5])
+        assert not s.prefill[0].prefills and not s.decode[0].generates[-1].HasField("params")
+    with LiveStack(
+        n_prefill=1,
+        n_decode=1,
+        model_name=MODEL,
+        routing="cache_aware",
+        routing_weights=RoutingWeights(skip_prefill="never"),
+    ) as s:
+        assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
