@@ -30,6 +30,7 @@ import numpy as np
 
 from .descriptors import check_pairs
 from .errors import StaleEpochError, TransferError
+from .notify import encode_release
 from .pull import REASON_CANCELLED, REASON_NIXL, REASON_TIMEOUT, PullResult, PullSpec, PullState
 from .tp_handshake import TPLayout
 from .tp_slices import plan_peer
@@ -346,6 +347,22 @@ class TPPullHandle:
                 self.metrics.transfer_done(self.bytes_by_kind, seconds, self.descriptors)
             else:
                 self.metrics.transfer_failed(reason or REASON_NIXL)
+        if not done:
+            release_early(self.peer.key, self.spec)
+
+
+def release_early(key: tuple[str, str], spec: PullSpec) -> bool:
+    """Rank 0, after a failed pull: a best-effort release notice (ok=0) to P's rank 0, whose lease table then frees
+    the pinned pages before the lease expires (as the TP 1 path does). False when it could not be sent."""
+    st = _RANK
+    handle = st.peers[key].handles.get(0) if st is not None and key in st.peers else None
+    if handle is None or st is None:
+        return False
+    try:
+        notice = encode_release(spec.request_id, spec.src_epoch, False, spec.lease_token)
+    except ValueError:  # an epoch or token no notice can carry: the lease expires on its own
+        return False
+    return bool(st.agent.send_notif(handle, notice))
 
 
 def start_tp_pull(
