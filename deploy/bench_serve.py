@@ -305,21 +305,21 @@ def _json_safe(obj: Any) -> Any:
 
 
 def print_report(summary: dict[str, Any], workers: dict[str, Any]) -> None:
-    print(f"{'completed / failed':<34}{summary['completed']} / {summary['failed']}")
-    print(f"{'duration (s)':<34}{summary['duration_s']:.2f}")
-    print(f"{'request throughput (req/s)':<34}{summary['request_throughput']:.2f}")
-    print(f"{'output throughput (tok/s)':<34}{summary['output_throughput']:.1f}")
-    print(f"{'total token throughput (tok/s)':<34}{summary['total_token_throughput']:.1f}")
+    print(f"{'completed / failed':<38}{summary['completed']} / {summary['failed']}")
+    print(f"{'duration (s)':<38}{summary['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<38}{summary['request_throughput']:.2f}")
+    print(f"{'output throughput (tok/s)':<38}{summary['output_throughput']:.1f}")
+    print(f"{'total token throughput (tok/s)':<38}{summary['total_token_throughput']:.1f}")
     print(f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = summary[key]
         print(f"{key[:-3].upper():<12}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}{s['p99']:>10.2f}")
-    print(f"{'cached prompt (usage cached_tokens)':<34}{100 * summary['usage_cached_token_rate']:.1f}%")
-    print(f"{'pulled from prefill (usage)':<34}{100 * summary['usage_transferred_token_rate']:.1f}%")
-    print(f"{'prefix hit (prefill, usage)':<34}{100 * summary['usage_prefill_cached_token_rate']:.1f}%")
+    print(f"{'cached prompt (usage cached_tokens)':<38}{100 * summary['usage_cached_token_rate']:.1f}%")
+    print(f"{'pulled from prefill (usage)':<38}{100 * summary['usage_transferred_token_rate']:.1f}%")
+    print(f"{'prefix hit (prefill, usage)':<38}{100 * summary['usage_prefill_cached_token_rate']:.1f}%")
     for role, c in workers.items():
         rate = "n/a" if c["hit_rate"] is None else f"{100 * c['hit_rate']:.1f}%"
-        print(f"{'prefix hit (' + role + ' metrics)':<34}{rate}  ({c['hits']:.0f} / {c['queries']:.0f} tokens)")
+        print(f"{'prefix hit (' + role + ' metrics)':<38}{rate}  ({c['hits']:.0f} / {c['queries']:.0f} tokens)")
     for err in summary["errors"]:
         print(f"error: {err}", file=sys.stderr)
 
@@ -332,31 +332,39 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridpd bench serve", description=__doc__.split("\n\n")[0],
+    from deploy.cli_parser import SuggestingParser
+
+    p = SuggestingParser(prog="hybridpd bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=_HelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the proxy's URL")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="which OpenAI endpoint the requests go to")
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
-    p.add_argument("--api-key", default=os.environ.get("HYBRIDPD_API_KEY"))
-    p.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--prefix-len", type=int, default=256)
-    p.add_argument("--suffix-len", type=int, default=32)
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: env HYBRIDPD_API_KEY)")
+    p.add_argument("--dataset", choices=["random", "prefix-repetition"], default="random",
+                   help="random token prompts, or a few shared prefixes with unique suffixes")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=256, help="random: prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=64, help="random: output tokens")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths drawn from [len * (1 - r), len * (1 + r)]")
+    p.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: shared prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=32, help="prefix-repetition: unique suffix tokens")
+    p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
     p.add_argument("--output-len", type=int, default=32, help="prefix-repetition output tokens")
     p.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn from [0, V); default: "
                    "/v1/models vocab_size, else 256")
-    p.add_argument("--request-rate", type=float, default=float("inf"))
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let EOS end requests early (default: generate exactly the requested tokens)")
-    p.add_argument("--no-stream", dest="stream", action="store_false")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second (Poisson arrivals); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (none: no limit)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the requested tokens (--no-ignore-eos: let EOS end requests early)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream responses (TTFT and ITL need it)")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt and length draws")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--per-request", action="store_true", help="include every request's record in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary table is still printed)")
@@ -364,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _amain(args: argparse.Namespace) -> int:
+    args.api_key = args.api_key or os.environ.get("HYBRIDPD_API_KEY")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
@@ -398,7 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--num-prompts must be >= 1")
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
-    return asyncio.run(_amain(args))
+    try:
+        return asyncio.run(_amain(args))
+    except (httpx.ConnectError, httpx.HTTPStatusError) as e:
+        print(f"hybridpd bench serve: error: cannot reach the server at {args.base_url}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

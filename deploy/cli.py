@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from deploy.cli_parser import SuggestingParser
 from deploy.engine_flags import add_engine_args, engine_config_from_args
 from engine.errors import HybridPDError
 
@@ -71,7 +72,7 @@ def _with_defaults(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridpd", description="Disaggregated prefill/decode for hybrid LLMs")
+    parser = SuggestingParser(prog="hybridpd", description="Disaggregated prefill/decode for hybrid LLMs")
     parser.add_argument("--version", action="version", version=f"hybridpd {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _with_defaults(sub)

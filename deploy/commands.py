@@ -49,6 +49,12 @@ class ConfigError(HybridPDError):
     """Bad serving configuration found before anything started (busy port, unreadable secret file)."""
 
 
+def check_chat_template(value: str | None) -> None:
+    """--chat-template: a readable file, or template text (holding `{{` or `{%`)."""
+    if value is not None and not os.path.isfile(value) and "{{" not in value and "{%" not in value:
+        raise ConfigError(f"--chat-template {value!r}: no such file (nor Jinja template text)")
+
+
 def check_port_free(host: str, port: int) -> None:
     """Refuse at once (before Ray or any worker starts) when host:port cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -84,12 +90,25 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from proxy.server import run
 
     check_port_free(args.host, args.port)
+    check_chat_template(args.chat_template)
     api_key, token = resolve_secrets(args)
+    if args.model:
+        from engine.model_source import looks_like_model_id, resolve_model
+
+        if args.served_model_name is None and looks_like_model_id(args.model):
+            args.served_model_name = args.model
+        args.model = resolve_model(args.model)
+    if args.tokenizer:
+        from engine.model_source import resolve_model
+
+        args.tokenizer = resolve_model(args.tokenizer)
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
     cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
-                      model_name=model_name, tokenizer_path=args.model, routing=args.routing, api_key=api_key,
+                      model_name=model_name, tokenizer_path=args.tokenizer or args.model,
+                      chat_template=args.chat_template,
+                      routing=args.routing, api_key=api_key,
                       max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
                       request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args),
                       routing_weights=routing_weights(args),
@@ -99,7 +118,19 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.trust_remote_code:
+        raise ConfigError("--trust-remote-code is refused: hybridpd never runs code from a model repository; "
+                          "NemotronH and Qwen3.5 are implemented here, so drop the flag")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    from engine.model_source import looks_like_model_id
+
+    if args.served_model_name is None and args.model and looks_like_model_id(args.model):
+        args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
+    check_chat_template(args.chat_template)
     from deploy.ray_launcher import serve
 
     for role in ("prefill", "decode"):
@@ -117,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
     args.api_key, args.cluster_token = resolve_secrets(args)  # serve hands them on (deploy/secret_files.py)
     args.proxy_limits = proxy_limits(args, serve_max_seqs(args))  # checked before Ray starts
+    args.tokenizer = config.model.tokenizer  # resolved (a model id's cache snapshot): the proxy's tokenizer too
     return serve(args, engine_argv(config), model, _model_max_len(model, args.max_model_len))
 
 
@@ -169,7 +201,13 @@ def _secret_args(p: argparse.ArgumentParser) -> None:
 def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[[argparse.ArgumentParser], None]
                          ) -> None:
     p = sub.add_parser("serve", help="start Ray, prefill + decode workers and the OpenAI proxy")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory or Hugging Face model id, as vLLM's `serve MODEL` (same as --model)")
     engine_args(p)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template (a file, or the template text) the proxy uses instead of the model's")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: hybridpd runs no code from a model repository (both families are built in)")
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
     p.add_argument("--gpus-per-worker", type=float, default=None,
@@ -251,6 +289,10 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
                    help="model name clients send (default: the --model directory name, else 'hybridpd')")
     p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template (a file, or the template text) used instead of the model's")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer and chat template directory (or Hugging Face id), when not --model's")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="port (checked before anything starts)")
     _routing_args(p)

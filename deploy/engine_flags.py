@@ -111,6 +111,11 @@ def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
     for section, cls in config_sections(root).items():
         if values[section].get("path", "") is None:
             values[section]["path"] = default_model()
+        for key in ("path", "tokenizer"):  # a Hugging Face model id: its snapshot in the local cache
+            if values[section].get(key):
+                from engine.model_source import resolve_model
+
+                values[section][key] = resolve_model(values[section][key])
         sections[section] = cls(**values[section])
     return root(**sections)
 

@@ -117,6 +117,10 @@ def _make_actor_class(ray: Any) -> Any:
             if host == "node":  # joined a multi-node cluster: bind on the node this actor landed on
                 host = ray.util.get_node_ip_address()
             self.worker = WorkerProcess(argv, host=host)
+            self.role = argv[argv.index("--role") + 1] if "--role" in argv else "worker"
+
+        def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this: "(prefill worker pid=...)"
+            return f"{self.role} worker"
 
         def info(self) -> dict[str, Any]:
             return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
@@ -238,7 +242,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     if local:  # a SIGKILLed driver must not leave Ray's daemons, the workers or Ray's temp dir behind
         from deploy.reaper import start_orphan_reaper
 
-        start_orphan_reaper(remove=[local_ray.temp_dir] if local_ray else [])
+        stale = _targets_path(args)  # a SIGKILLed serve leaves its Prometheus targets: the reaper removes them
+        start_orphan_reaper(remove=([local_ray.temp_dir] if local_ray else []) + ([str(stale)] if stale else []))
     import ray
 
     ray.init(address=args.address, logging_level=logging.WARNING,
@@ -272,7 +277,9 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         targets = _write_prometheus_targets(args, infos)
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
-                          or os.path.basename(os.path.normpath(model_path)), tokenizer_path=model_path,
+                          or os.path.basename(os.path.normpath(model_path)),
+                          tokenizer_path=getattr(args, "tokenizer", None) or model_path,
+                          chat_template=getattr(args, "chat_template", None),
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,
                           request_timeout_s=getattr(args, "request_timeout", 600.0), cluster_token=token,

@@ -6,9 +6,10 @@ snapshots the driver's descendants from /proc every half second (Ray's daemons a
 their `hybridpd worker` processes); once the pipe reports EOF (the driver is gone, however it died) it sends
 SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later.
 
-Then it removes the paths it was given (`remove`: the serve's private Ray temp dir), which hold Ray's session logs
-and sockets. After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's processes
-are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
+Then it removes the paths it was given (`remove`: the serve's private Ray temp dir, which holds Ray's session logs
+and sockets, and its Prometheus targets file deploy/prometheus/targets/serve-<port>.json, so a SIGKILL leaves no
+stale targets behind). After a clean exit (Ctrl-C: Ray shut down, workers stopped, the dir removed) the snapshot's
+processes are already gone and the reaper just exits. Linux only (/proc); elsewhere `start_orphan_reaper` does nothing.
 """
 
 from __future__ import annotations
@@ -86,13 +87,16 @@ def watch(driver_pid: int, fd: int, remove: Sequence[str] = ()) -> None:
         while time.monotonic() < deadline and any(_start_time(p) == t for p, t in known.items() if t is not None):
             time.sleep(0.1)
         _signal_all(known, signal.SIGKILL)
-    for path in remove:
-        shutil.rmtree(path, ignore_errors=True)
+    for path in remove:  # directories (the Ray temp dir) and files (the Prometheus targets file serve writes)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            Path(path).unlink(missing_ok=True)
 
 
 def start_orphan_reaper(remove: Sequence[str] = ()) -> subprocess.Popen | None:
     """Spawn the reaper for this process (call once, before starting anything it should clean up); `remove`:
-    directories to delete once this process and its descendants are gone."""
+    directories and files to delete once this process and its descendants are gone."""
     if not sys.platform.startswith("linux"):
         return None
     read_fd, write_fd = os.pipe()

@@ -45,7 +45,7 @@ class ChatTemplateError(InvalidRequestError):
 
 def render_fallback(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     """The fallback chat format: `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n`."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
     return text + (FALLBACK_GENERATION_PROMPT if add_generation_prompt else "")
 
 
@@ -121,8 +121,11 @@ class ChatTemplate:
         """Whether rendered text already holds its special tokens (encode it with add_special_tokens=False)."""
         return self.has_template
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` ([{"role", "content", ...}]). Raises ChatTemplateError."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of `messages` ([{"role", "content", ...}]; an assistant's `tool_calls` and a tool
+        message's `tool_call_id` as transformers passes them) with `tools` (OpenAI tool objects, or None) as the
+        template's `tools` variable. The fallback format has no place for tools. Raises ChatTemplateError."""
         if not messages:
             raise ChatTemplateError("cannot apply the chat template to no messages")
         if self._compiled is None:
@@ -130,7 +133,8 @@ class ChatTemplate:
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return str(self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
-                                             tools=None, documents=None, **self.special_tokens))
+                                             tools=list(tools) if tools else None, documents=None,
+                                             **self.special_tokens))
         except Exception as e:  # the template's raise_exception(), sandbox violations, any other template bug
             raise ChatTemplateError(str(e) or type(e).__name__) from None
 

@@ -45,6 +45,9 @@ class ModelConfig:
     allow_reference_path: bool = False
     """On CUDA, start on the slow reference path when the fast path's packages (fla-core: pip install
     'hybridpd[gpu]') are missing, instead of refusing to start."""
+    tokenizer: str | None = None
+    """Directory (or Hugging Face model id) of the tokenizer and chat template, when not the checkpoint's (vLLM's
+    --tokenizer). None: the checkpoint directory."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,8 @@ class CacheConfig:
     """Reuse the cached KV blocks and recurrent-state checkpoints of earlier prompts with the same prefix."""
     checkpoint_admission: Admission | None = None
     """Where recurrent-state checkpoints are saved. "reuse": branch points, prompt ends, request ends (plus the
-    interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens (pre-v2).
-    None: "interval" when checkpoint_interval is set (configs written for v1 keep their meaning), else "reuse"."""
+    interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens, LRU eviction
+    (vLLM's policy). None: "interval" when checkpoint_interval is set, else "reuse"."""
     checkpoint_interval: int | None = None
     """Tokens between (fallback) checkpoints; a multiple of block_size. None: off (0) for "reuse", the largest
     multiple of block_size not above 256 for "interval"."""

@@ -31,6 +31,7 @@ from engine.request import Request, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured.matchers import StructuredOutputs
 
 if TYPE_CHECKING:
     from engine.transfer import Import
@@ -102,8 +103,12 @@ class EngineCore:
             self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
-        self.tokenizer = self._load_tokenizer(mc.path)
+        self.tokenizer = self._load_tokenizer(mc.tokenizer or mc.path)
         self.runner.sampler.bind(self.scheduler.requests.get, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            self.scheduler.requests.get)
+        """Grammar cache + one matcher per constrained request (engine.structured); masks applied by the sampler."""
+        self.runner.sampler.bind_constraint(self.structured.apply)
         policy = cc.cache_policy()
         log.info(
             "engine: model %s, %s on %s, block size %d, prefix caching %s, checkpoints %s%s, eviction %s, "
@@ -230,6 +235,8 @@ class EngineCore:
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
+        if params.structured is not None:  # compiled here, once per spec: a malformed one is refused up front
+            self.structured.check(params.structured)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
@@ -253,6 +260,7 @@ class EngineCore:
             free_caches = self._give_back_import(req)
         self.scheduler.finish(req, reason, free_caches=free_caches)
         self.runner.sampler.forget(req.request_id)
+        self.structured.forget(req.request_id)
         for listener in self.finish_listeners:
             listener(req)
 
@@ -342,6 +350,8 @@ class EngineCore:
                 self.finish(req, "prefilled", free_caches=False)
             elif req.request_id in sampled:
                 reason = self.check_stop(req)
+                if reason is None and req.sampling_params.structured is not None and not self.structured.accept(req):
+                    reason = "stop"  # the grammar is complete (its end reached, e.g. the JSON object closed)
                 if reason is not None:
                     self.finish(req, reason)
         self.stats.record(len(out.seqs), out.num_tokens, time.perf_counter() - t0)

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=...).generate(prompts, sampling_params) -> list[RequestOutput]`."""
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params) -> list[RequestOutput]`, and
+`LLM.chat(messages, sampling_params)` (vLLM's: the model's chat template, then generate)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class LLM:
                 from engine.default_model import default_model_path
 
                 model = default_model_path()
+            else:  # a Hugging Face model id: its snapshot in the local cache (downloaded if allowed)
+                from engine.model_source import resolve_model
+
+                model = resolve_model(model)
             config = EngineConfig.from_settings(model, **settings)
         self.config = config
         self.engine = EngineCore(config)
@@ -64,6 +69,9 @@ class LLM:
             raise InvalidRequestError(f"{len(params)} sampling params for {len(token_lists)} prompts")
         for ids in token_lists:  # validate everything before anything runs
             self.engine.validate_prompt(ids)
+        for p in params:
+            if p.structured is not None:
+                self.engine.structured.check(p.structured)
         reqs = [
             self.engine.add_request(f"offline-{next(self._ids)}", ids, p)
             for ids, p in zip(token_lists, params, strict=True)
@@ -71,6 +79,26 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         return [self.engine.make_output(r) for r in reqs]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, rendered by the model's chat template
+        (with `tools`, OpenAI tool objects, when given) and generated; one RequestOutput per conversation."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer: chat needs one")
+        if not messages:
+            raise InvalidRequestError("chat needs at least one message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        ids = [tok.encode(tok.chat_template.render(list(c), add_generation_prompt, tools=tools),
+                          add_special_tokens=not tok.chat_template.carries_special_tokens)
+               for c in conversations]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
 
     def _tokenize(
         self, prompts: str | Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None

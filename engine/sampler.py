@@ -5,6 +5,8 @@
          +- repetition / presence / frequency penalties   (rows that ask; token history from the request)
          +- logit_bias                                    (one scatter over every biased (row, token))
          +- min_tokens: EOS and stop_token_ids -> -inf     (rows still short of min_tokens)
+         +- structured output: tokens the row's grammar does not allow -> -inf (one bitmask per step,
+         |                     engine.structured.matchers)
          |
          +- greedy rows: argmax
          +- other rows:  / temperature -> top-k and top-p (one descending sort) -> exponential race
@@ -49,6 +51,11 @@ class Sampler:
         self._lookup: Callable[[str], _History | None] = lambda rid: None
         self._eos: tuple[int, ...] = ()
         self._top: dict[str, TopLogprobs] = {}
+        self._constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None] | None = None
+
+    def bind_constraint(self, constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None]) -> None:
+        """`constrain(logits, request ids, params)` masks, in place, what each structured row may not sample."""
+        self._constrain = constrain
 
     def bind(self, lookup: Callable[[str], _History | None], eos_token_ids: Sequence[int]) -> None:
         self._lookup = lookup
@@ -93,7 +100,8 @@ class Sampler:
         return torch.tensor([p.greedy for p in params], device=self.device)
 
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        """Penalties, logit bias and min_tokens masking; returns `logits` itself when no row asks for any."""
+        """Penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself when no row asks
+        for any."""
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         x = logits
         if rows:
@@ -114,6 +122,9 @@ class Sampler:
         if mask_rows:
             x = x.clone() if x is logits else x
             x[self._t(mask_rows), self._t(mask_ids)] = float("-inf")
+        if self._constrain is not None and any(p.structured_output is not None for p in params):
+            x = x.clone() if x is logits else x
+            self._constrain(x, rids, params)
         return x
 
     def _t(self, values: list[int]) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,12 @@ class SamplingParams:
     divided by it when positive, multiplied when negative; 1 = off), `min_tokens` (EOS and stop_token_ids masked,
     stop strings not checked, until that many tokens), `logit_bias` ({token id: bias} added to the logits),
     `logprobs` (return the chosen token's logprob; always computed) with `top_logprobs` alternatives per step.
-    Penalties and biases shape sampling; the returned logprobs are those of the raw model distribution."""
+    Penalties and biases shape sampling; the returned logprobs are those of the raw model distribution.
+
+    `structured_output` (engine.structured): the output must match a JSON schema, regex, choice, grammar or a
+    tool-call format; tokens the grammar does not allow next are masked, and generation stops when the grammar is
+    complete. Also accepted as a dict `{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ...}`,
+    `{"json_object": True}` (vLLM's StructuredOutputsParams fields)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,8 +45,10 @@ class SamplingParams:
     """Given as a dict (vLLM) or pairs; stored as sorted (token id, bias) pairs (hashable)."""
     include_stop_str_in_output: bool = False
     top_logprobs: int = 0
+    structured_output: StructuredOutput | Mapping[str, object] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "structured_output", _structured(self.structured_output))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -93,6 +101,10 @@ class SamplingParams:
                 raise bad(f"logit_bias values must be in [-100, 100], got {b!r}")
 
     @property
+    def structured(self) -> StructuredOutput | None:
+        return self.structured_output  # type: ignore[return-value]
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -100,3 +112,27 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+
+
+def _structured(v: object) -> StructuredOutput | None:
+    """A StructuredOutput from itself or from vLLM's dict spelling (exactly one of json / regex / choice /
+    grammar / json_object)."""
+    import json
+
+    if v is None or isinstance(v, StructuredOutput):
+        return v
+    if not isinstance(v, Mapping):
+        raise InvalidRequestError(f"invalid sampling parameter: structured_output must be a StructuredOutput or a "
+                                  f"dict, got {type(v).__name__}")
+    given = {k: x for k, x in v.items() if x is not None and x is not False}
+    if len(given) != 1:
+        raise InvalidRequestError("invalid sampling parameter: structured_output needs exactly one of json, regex, "
+                                  f"choice, grammar, json_object; got {sorted(given)}")
+    (kind, value), = given.items()
+    if kind == "json":
+        return StructuredOutput("json", value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(value) if isinstance(value, list | tuple) else value))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(str(kind), value if isinstance(value, str) else json.dumps(value))

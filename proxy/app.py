@@ -2,7 +2,8 @@
 
     POST /v1/completions, POST /v1/chat/completions   (stream or not; `stream_options.include_usage`)
     GET  /v1/models, GET /v1/cluster                   (auth applies to every /v1/* route)
-    GET  /health, GET /metrics                          (no auth: probes and Prometheus)
+    POST /tokenize, POST /detokenize                   (vLLM's shapes; auth applies)
+    GET  /health, GET /metrics, GET /version            (no auth: probes, Prometheus, the package version)
 
 Per request: read body (413 past max_body_bytes) -> `openai_schema` -> `request_limits` -> tokenize (worker
 thread) -> `admission` (a Ticket, or 400/429/503) -> one `Generation` per choice (`choices.Choices`) ->
@@ -47,6 +48,8 @@ from proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
+    parse_chat,
+    parse_json_object,
     resolve_max_tokens,
 )
 from proxy.placement import Placer
@@ -57,6 +60,23 @@ from proxy.tokenization import PromptTokenizer
 from proxy.workers import Role, WorkerClients
 
 log = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    """The installed hybridpd distribution's version (`GET /version`)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hybridpd")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def _check_model_name(body: dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served}'.", param="model",
+                       code="model_not_found")
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
@@ -210,11 +230,11 @@ class _Proxy:
         """(token ids, echo text) per prompt. Worker thread."""
         if isinstance(req, ChatRequest):
             tok = self._require_tokenizer("chat messages")
-            text = tok.render_chat(req.messages)
+            text = tok.render_chat(req.messages, list(req.tools.tools) if req.tools is not None else None)
             if len(text) > tok.max_chars(self.config.max_model_len):
                 raise bad_request("the messages hold more tokens than this model's maximum context length of "
                                   f"{self.config.max_model_len}", param="messages", code="context_length_exceeded")
-            return [(tuple(tok.encode_chat(req.messages)), "")]
+            return [(tuple(tok.encode_rendered(text)), text)]  # chat: the rendered prompt in the echo slot
         out = []
         for p in req.prompts:
             if isinstance(p, str):
@@ -232,13 +252,18 @@ class _Proxy:
         single = len(getattr(req, "prompts", (None,))) * req.n == 1
         prepared: list[PreparedRequest] = []
         echoes: list[str] = []
+        base = req.sampling
         for ids, echo in self._prompt_ids(req):
+            if isinstance(req, ChatRequest):
+                if req.tools is not None and req.tools.constrained:  # required / named: the calls' grammar
+                    base = dataclasses.replace(base, structured=req.tools.structured_request(echo))
+                echo = ""
             max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len)
             for j in range(req.n):
                 seed = req.sampling.seed
                 if seed is not None:  # sample j gets seed + j (seed - j at the top of the int64 range)
                     seed = seed + j if seed + j < 2**63 else seed - j
-                sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens, seed=seed)
+                sampling = dataclasses.replace(base, max_tokens=max_tokens, seed=seed)
                 rid = base_id if single else f"{base_id}-{len(prepared)}"
                 prepared.append(PreparedRequest(rid, ids, sampling, req.cache_salt, counts_prompt=j == 0))
                 echoes.append(echo)
@@ -278,6 +303,38 @@ class _Proxy:
             err.counted = True
             self.cluster.metrics.count("invalid" if err.status < 500 else "error")
 
+    # -- /tokenize, /detokenize (vLLM's shapes; worker thread) -------------------------------------------------
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """{"prompt": text, "add_special_tokens"} or {"messages", "tools", "add_generation_prompt"} ->
+        {"count", "max_model_len", "tokens", "token_strs"}."""
+        _check_model_name(body, self.config.model_name)
+        tok = self._require_tokenizer("/tokenize")
+        strs = body.get("return_token_strs")
+        if "messages" in body:
+            req = parse_chat({"messages": body["messages"], "tools": body.get("tools")}, self.config.model_name)
+            ids = tok.encode_rendered(tok.render_chat(req.messages, list(req.tools.tools) if req.tools else None))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("'prompt' (a string) or 'messages' is required", param="prompt")
+            if len(prompt) > tok.max_chars(self.config.max_model_len) * 4:
+                raise bad_request("'prompt' is too long to tokenize", param="prompt")
+            special = body.get("add_special_tokens", True)
+            ids = tok.encode(prompt) if special is not False else tok.encode_plain(prompt)
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": list(ids),
+                "token_strs": [tok.token_text(t) for t in ids] if strs is True else None}
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """{"tokens": [ids]} -> {"prompt": text}."""
+        _check_model_name(body, self.config.model_name)
+        tok = self._require_tokenizer("/detokenize")
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_request("'tokens' must be a list of token ids", param="tokens")
+        if ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):
+            raise bad_request(f"'tokens' holds an id outside the vocabulary (size {tok.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(ids)}
+
     # -- output ------------------------------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
@@ -299,7 +356,8 @@ class _Proxy:
         logprobs = req.sampling.logprobs
         fmt: CompletionFormatter | ChatFormatter
         if chat:
-            fmt = ChatFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs, self.visible_text)
+            fmt = ChatFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs, self.visible_text,
+                                tools=req.tools if isinstance(req, ChatRequest) else None)
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs,
                                       self.visible_text, echo=echoes if any(echoes) else ())
@@ -365,7 +423,7 @@ class _Proxy:
 def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
     """Build the proxy app. `tokenizer` overrides loading one from `config.tokenizer_path`."""
     if tokenizer is None and config.tokenizer_path is not None:
-        tokenizer = PromptTokenizer.from_dir(config.tokenizer_path)
+        tokenizer = PromptTokenizer.from_dir(config.tokenizer_path, chat_template=config.chat_template)
     proxy = _Proxy(config, tokenizer)
 
     @asynccontextmanager
@@ -424,6 +482,23 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
         if proxy.tokenizer is not None:
             card["vocab_size"] = proxy.tokenizer.vocab_size
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        proxy.check_auth(request)
+        body = parse_json_object(await _read_body(request, config.max_body_bytes))
+        result = await asyncio.get_running_loop().run_in_executor(proxy.pool, proxy.tokenize, body)
+        return JSONResponse(result)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        proxy.check_auth(request)
+        body = parse_json_object(await _read_body(request, config.max_body_bytes))
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(proxy.pool, proxy.detokenize, body))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.get("/v1/cluster")
     async def cluster(request: Request) -> dict[str, Any]:

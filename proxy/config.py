@@ -133,6 +133,9 @@ class ProxyConfig:
     decode_addrs: tuple[str, ...] = ()
     model_name: str = "hybridpd"
     tokenizer_path: str | None = None
+    chat_template: str | None = None
+    """A Jinja chat template (a file path, or the template text itself) used instead of the model's (vLLM's
+    --chat-template)."""
     routing: RoutingPolicy = "round_robin"
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 * 1024 * 1024

@@ -123,6 +123,8 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
         value = getattr(s, name)
         if value is not None:
             setattr(msg, name, value)
+    if s.structured is not None:
+        msg.structured_output.kind, msg.structured_output.spec = s.structured
     return msg
 
 

@@ -11,7 +11,9 @@ Semantics follow vLLM's OpenAI server: `n` samples per prompt, `logprobs` (compl
 chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2], `repetition_penalty` > 0 (1 = off),
 `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `stop` + `include_stop_str_in_output`, a list of
 prompts, `echo` (completions, without logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`),
-`user` (accepted, unused).
+`user` (accepted, unused). Structured output (`response_format`, `structured_outputs`, `guided_*`:
+proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages and assistant
+`tool_calls` in the history: proxy.tools) on chat; structured output on completions too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ApiError, bad_request
+from proxy.structured import Structured, parse_structured
+from proxy.tools import ToolSpec, history_message, parse_tools
 
 _INT64_MAX = 2**63 - 1
 MAX_N = 128
@@ -52,6 +56,8 @@ class SamplingOptions:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
+    structured: Structured | None = None
+    """(kind, spec) the output must match (engine.structured.spec), compiled by the first worker."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,14 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str
+    content: str | None
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Tool fields passed to the chat template: an assistant's `tool_calls`, a tool message's `tool_call_id`."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the chat template sees: an assistant's tool-call message without content gets "" (templates
+        concatenate `message['content']`)."""
+        return {"role": self.role, "content": "" if self.content is None else self.content, **dict(self.extra)}
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class ChatRequest:
     stream: StreamOptions
     cache_salt: str = ""
     n: int = 1
+    tools: ToolSpec | None = None
 
 
 def _is_none(v: Any) -> bool:
@@ -103,16 +117,8 @@ def _falsy(v: Any) -> bool:
 # Parameter -> "this value is a no-op default" predicate. Anything else is rejected, naming the parameter.
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _is_none,
-    "tools": _falsy,
     "functions": _falsy,
     "function_call": lambda v: v is None or v == "none",
-    "tool_choice": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "guided_json": _is_none,
-    "guided_regex": _is_none,
-    "guided_choice": _is_none,
-    "guided_grammar": _is_none,
-    "structured_outputs": _is_none,
     "audio": _is_none,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_none,
@@ -120,11 +126,11 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
 _UNSUPPORTED_COMPLETION = {
     "best_of": lambda v: v is None or v == 1,
     "suffix": _falsy,
+    "tools": _falsy,
+    "tool_choice": lambda v: v is None or v == "none",
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {}
-_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs")
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -240,10 +246,7 @@ def _check_unsupported(body: dict[str, Any], table: dict[str, Callable[[Any], bo
     bad = sorted(name for name, is_default in table.items() if name in body and not is_default(body[name]))
     if bad:
         names = ", ".join(f"'{n}'" for n in bad)
-        extra = ""
-        if any(n in _STRUCTURED for n in bad):
-            extra = " (structured output - JSON schema, regex, grammar, choice - is not supported by this server)"
-        raise bad_request(f"unsupported parameter(s): {names}{extra}", param=bad[0], code="unsupported_parameter")
+        raise bad_request(f"unsupported parameter(s): {names}", param=bad[0], code="unsupported_parameter")
 
 
 def _check_model(f: _Fields, served: str) -> str:
@@ -326,6 +329,7 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
         min_tokens=min_tokens,
         logit_bias=_logit_bias(f),
         include_stop_str_in_output=bool(f.get_bool("include_stop_str_in_output")),
+        structured=parse_structured(f.body),
     )
 
 
@@ -435,10 +439,12 @@ def _messages(v: Any) -> tuple[ChatMessage, ...]:
         if not isinstance(role, str) or role not in _CHAT_ROLES:
             raise bad_request(f"'{where}.role' must be one of {sorted(_CHAT_ROLES)}, got {str(role)[:40]!r}",
                               param=f"{where}.role")
-        if m.get("tool_calls"):
-            raise bad_request(f"'{where}.tool_calls' is not supported", param=f"{where}.tool_calls",
-                              code="unsupported_parameter")
-        out.append(ChatMessage(role=role, content=_content(m.get("content"), f"{where}.content")))
+        extra = history_message(m, where)
+        content = m.get("content")
+        if content is None and "tool_calls" in extra:
+            out.append(ChatMessage(role=role, content=None, extra=tuple(extra.items())))
+            continue
+        out.append(ChatMessage(role=role, content=_content(content, f"{where}.content"), extra=tuple(extra.items())))
     return tuple(out)
 
 
@@ -452,13 +458,19 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
     max_tokens = max_completion if max_completion is not None else f.get_int("max_tokens", lo=1)
     logprobs, top = _chat_logprobs(f)
     f.get_str("user")
+    tools = parse_tools(body)
+    sampling = _sampling(f, max_tokens, logprobs, top)
+    if tools is not None and tools.constrained and sampling.structured is not None:
+        raise bad_request("'tool_choice' required or a named function cannot be combined with a structured output "
+                          "constraint", param="tool_choice")
     return ChatRequest(
         model=model,
         messages=_messages(body.get("messages")),
-        sampling=_sampling(f, max_tokens, logprobs, top),
+        sampling=sampling,
         stream=_stream(f),
         cache_salt=_cache_salt(f),
         n=n,
+        tools=tools,
     )
 
 

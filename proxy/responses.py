@@ -9,6 +9,10 @@ Logprobs (when asked for):
                is the character offset in the choice's text (echoed prompt included): special tokens the text
                skips add nothing, and offsets are exact at every delta boundary.
   chat:        `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+Tool calls (chat with `tools`, tool_choice not "none"): the text is parsed (proxy.tools): `message.tool_calls`
+[{id, type, function: {name, arguments}}] and the text before the first call as `content`; streamed, a call is
+one `tool_calls` delta (index, id, type, name and its whole arguments) once it closes. finish_reason "tool_calls"
+when the model called a tool (a named tool_choice keeps "stop", as OpenAI does).
 Usage: OpenAI's fields plus `hybridpd: {prefill_cached_tokens, transferred_tokens, decode_local_cached_tokens}`.
 `prompt_tokens_details.cached_tokens` counts prompt tokens that came from a prefix cache where the prompt was
 computed (see `generation.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
@@ -21,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.generation import Delta, Usage
+from proxy.tools import ToolSpec, ToolStream, parse_output
 
 DONE = "data: [DONE]\n\n"
 
@@ -153,6 +158,16 @@ class ChatFormatter(_Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, tools: ToolSpec | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools if tools is not None and tools.parses else None
+        self._streams: dict[int, ToolStream] = {}
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        if called and reason == "stop" and self.tools is not None and self.tools.choice != "named":
+            return "tool_calls"
+        return reason
+
     def _entry(self, tid: int, lp: float | None) -> dict[str, Any]:
         text = self.token_text(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
@@ -176,16 +191,31 @@ class ChatFormatter(_Formatter):
         return self._with_usage(self._envelope(self.object_chunk, [choice]), None, include_usage)
 
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
-        delta = {"content": d.text} if d.text or not d.finish_reason else {}
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": d.finish_reason}
+        if self.tools is None:
+            delta: dict[str, Any] = {"content": d.text} if d.text or not d.finish_reason else {}
+            finish = d.finish_reason
+        else:
+            stream = self._streams.setdefault(index, ToolStream(self.tools))
+            content, calls = stream.feed(d.text, final=d.finish_reason is not None)
+            delta = {"content": content} if content or not (d.finish_reason or calls) else {}
+            if calls:
+                delta["tool_calls"] = calls
+            finish = self._finish_reason(d.finish_reason, stream.num_calls > 0)
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": finish}
         return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
 
     def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
         out = []
         for index, deltas in enumerate(choices):
-            message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+            text = "".join(d.text for d in deltas)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = deltas[-1].finish_reason
+            if self.tools is not None:
+                message["content"], calls = parse_output(text, self.tools)
+                message["tool_calls"] = calls
+                finish = self._finish_reason(finish, bool(calls))
             out.append({"index": index, "message": message, "logprobs": self._logprobs(deltas),
-                        "finish_reason": deltas[-1].finish_reason})
+                        "finish_reason": finish})
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)
         return body

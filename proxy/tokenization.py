@@ -38,7 +38,18 @@ def render_fallback(messages: Sequence[ChatMessage]) -> str:
 
 
 def _plain(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [m.as_dict() for m in messages]
+
+
+def _template(root: Path, override: str | None) -> chat_template.ChatTemplate:
+    if override is None:
+        return chat_template.ChatTemplate.from_dir(root)
+    path = Path(override)
+    source = path.read_text(encoding="utf-8") if path.is_file() else override
+    if source is override and "{{" not in source and "{%" not in source:
+        raise FileNotFoundError(f"chat template {override!r}: no such file (nor template text)")
+    config = chat_template.read_json(root / "tokenizer_config.json")
+    return chat_template.ChatTemplate(source, chat_template.special_tokens(config))
 
 
 class PromptTokenizer:
@@ -50,13 +61,14 @@ class PromptTokenizer:
         self._template = template if template is not None else chat_template.ChatTemplate(None)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> PromptTokenizer:
-        """Load `tokenizer.json` and the chat template (if any) from a model directory."""
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> PromptTokenizer:
+        """Load `tokenizer.json` and the chat template (if any) from a model directory; `chat_template` (a file,
+        or the template text itself when no such file exists) replaces the model's."""
         root = Path(model_dir)
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
-        return cls(Tokenizer.from_file(str(tok_file)), chat_template.ChatTemplate.from_dir(root))
+        return cls(Tokenizer.from_file(str(tok_file)), _template(root, chat_template))
 
     @property
     def vocab_size(self) -> int:
@@ -73,6 +85,10 @@ class PromptTokenizer:
         """A completion prompt, with the tokenizer's special-token rules (e.g. a BOS post-processor)."""
         return self._encode(text, True)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Without special tokens (`/tokenize` with add_special_tokens false)."""
+        return self._encode(text, False)
+
     def max_chars(self, num_tokens: int) -> int:
         """An upper bound on the characters `num_tokens` tokens can cover: the longest token (added tokens
         included) times 4 (for normalizers that fold several characters into one), times num_tokens, plus slack.
@@ -82,15 +98,20 @@ class PromptTokenizer:
             self._longest_token = max((len(t) for t in vocab), default=1)
         return num_tokens * self._longest_token * 4 + 1024
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """The chat prompt text: the model's template, else the fallback format. A template error is a 400."""
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The chat prompt text: the model's template (given `tools`, OpenAI tool objects), else the fallback
+        format. A template error is a 400."""
         try:
-            return self._template.render(_plain(messages))
+            return self._template.render(_plain(messages), tools=tools)
         except chat_template.ChatTemplateError as exc:  # jinja2 errors and the template's own raise_exception()
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return self._encode(self.render_chat(messages), not self._template.carries_special_tokens)
+        return self.encode_rendered(self.render_chat(messages))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of `render_chat`'s text."""
+        return self._encode(text, not self._template.carries_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (for logprobs); may be a replacement character for a partial UTF-8 byte."""

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -86,7 +87,11 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     from proto import hybridpd_pb2_grpc as pb_grpc
     from worker.context import WorkerContext
 
+    t_load = time.monotonic()
+    log.info("%s worker: loading weights from %s (%s on %s)", opts.role, config.model.path, config.model.dtype,
+             config.model.device)
     core = EngineCore(config)
+    log.info("%s worker: model loaded and KV cache allocated in %.1f s", opts.role, time.monotonic() - t_load)
     model_name = opts.model_name or os.path.basename(os.path.normpath(config.model.path))
     role = "decode" if opts.role == "colocated" else opts.role
     worker_id, epoch = uuid.uuid4().hex[:12], uuid.uuid4().hex

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from proto import hybridpd_pb2 as pb
 
 
@@ -25,6 +26,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias={int(k): float(v) for k, v in p.logit_bias.items()} or None,
         include_stop_str_in_output=bool(p.include_stop_str_in_output),
         top_logprobs=int(p.top_logprobs) if p.logprobs else 0,
+        structured_output=(StructuredOutput(p.structured_output.kind, p.structured_output.spec)
+                           if p.HasField("structured_output") else None),
     )
 
 

@@ -75,3 +75,23 @@ def test_clean_exit_then_reaper_exits() -> None:
     # the driver's own children outlive a clean exit here (it did not stop them): the reaper still ends them,
     # and ends itself
     assert _wait_gone(procs, 10) == set()
+
+
+def test_sigkilled_driver_leaves_no_stale_targets_file(tmp_path: Path) -> None:
+    """`serve` writes deploy/prometheus/targets/serve-<port>.json and removes it at exit; after a SIGKILL the reaper
+    removes it."""
+    targets = tmp_path / "serve-8123.json"
+    targets.write_text("[]")
+    repo = Path(__file__).resolve().parents[2]
+    code = (f"import time; from deploy.reaper import start_orphan_reaper; start_orphan_reaper([{str(targets)!r}]); "
+            "print('ready', flush=True); time.sleep(300)")
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo)
+    assert driver.stdout is not None and driver.stdout.readline().strip() == "ready"
+    assert targets.exists()
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and targets.exists():
+        time.sleep(0.1)
+    assert not targets.exists()

@@ -69,10 +69,14 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias", None),
     (CMPL, cmpl(logit_bias={"100000": 1}), 400, "logit_bias", None),
     (CMPL, cmpl(logit_bias=[1]), 400, "logit_bias", None),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), 400,
-     "response_format", "unsupported_parameter"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, "tools[0].function.name", None),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice", None),
+    (CMPL, cmpl(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format.json_schema", None),
+    (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
+    (CHAT, chat(guided_regex="a", guided_choice=["a"]), 400, "guided_choice", None),
+    (CHAT, chat(structured_outputs={"choice": "a"}), 400, "structured_outputs.choice", None),
     (CMPL, cmpl(echo=True, logprobs=1), 400, "echo", "unsupported_parameter"),
     (CMPL, cmpl(presence_penalty=2.5), 400, "presence_penalty", None),
     (CMPL, cmpl(frequency_penalty="1"), 400, "frequency_penalty", None),
@@ -104,7 +108,9 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages[0].content[0]", None),
-    (CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400, "messages[0].role", None),
+    (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", None),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]), 400,
+     "messages[0].tool_calls", None),
     (CHAT, chat(messages=["hi"]), 400, "messages[0]", None),
     (CHAT, chat(messages=[{"role": "user", "content": "x" * 40}]), 400, "prompt", "context_length_exceeded"),
     (CMPL, [1, 2], 400, None, "invalid_json"),
@@ -138,8 +144,8 @@ def test_unsupported_params_are_all_named(stack: LiveStack) -> None:
     r = post(stack, CMPL, cmpl(best_of=3, suffix="x"))
     assert r.status_code == 400 and "'best_of'" in r.json()["error"]["message"]
     assert "'suffix'" in r.json()["error"]["message"]
-    r = post(stack, CHAT, chat(guided_regex="a+"))
-    assert r.status_code == 400 and "structured output" in r.json()["error"]["message"]
+    r = post(stack, CHAT, chat(structured_outputs={"structural_tag": "{}"}))
+    assert r.status_code == 400 and "'structured_outputs.structural_tag'" in r.json()["error"]["message"]
 
 
 def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
