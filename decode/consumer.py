@@ -43,6 +43,7 @@ from engine.transfer import (
 )
 from kvtransfer.binding import prompt_digest
 from kvtransfer.pull import PullHandle, PullSpec, PullState, start_pull
+from kvtransfer.tp_pull import TPPeer, TPPullHandle, start_tp_pull
 from proto import hybridpd_pb2 as pb
 
 log = logging.getLogger("hybridpd.decode")
@@ -53,7 +54,7 @@ class PendingPull:
     """The transport side of one import (the Import itself is in `core.scheduler.importing`)."""
 
     req: Request
-    handle: PullHandle
+    handle: PullHandle | TPPullHandle
     params: pb.TransferParams
     digest: bytes
     """D's own digest of the request's first `num_external` prompt tokens: what Commit presents to P."""
@@ -136,8 +137,13 @@ class Consumer:
         spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, src_blocks=imp.src_blocks,
                         dst_blocks=imp.dst_blocks, src_state_slots=imp.src_state_slots,
                         dst_state_slots=imp.dst_state_slots, lease_token=tp.lease_token, notify_done=False)
+        handle: PullHandle | TPPullHandle
         try:
-            handle = start_pull(peer, spec, timeout_s=pull_timeout, policy=self.policy)  # type: ignore[arg-type]
+            if isinstance(peer, TPPeer):  # either side runs tensor-parallel: every D rank pulls its slice
+                handle = start_tp_pull(core, peer, spec, timeout_s=pull_timeout, policy=self.policy,
+                                       metrics=self.metrics)
+            else:
+                handle = start_pull(peer, spec, timeout_s=pull_timeout, policy=self.policy)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - stale epoch, bad ids: same policy as a failed pull
             log.warning("request %s: pull refused (%s)", req.request_id, e)
             self._undo(core, req, reusable=True)

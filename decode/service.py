@@ -105,16 +105,36 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                     log.warning("prefill worker at %s is %s/%s, params name %s/%s (restarted?): recomputing",
                                 tp.prefill_address, md.worker_id, md.epoch, tp.worker_id, tp.epoch)
                     return None
-                if token and not verify_membership(token, nonce, md.worker_id, md.epoch, md.agent_metadata,
-                                                   md.proof):
+                if token and not verify_membership(token, nonce, md.worker_id, md.epoch,
+                                                   md.agent_metadata + md.tp_layout, md.proof):
                     self._unknown_peer(tp, "it cannot prove it holds the cluster token")
                     return None
-                peer = await asyncio.to_thread(agent.add_peer, md.agent_metadata)
+                peer = await asyncio.to_thread(self._connect, md)
             except Exception as e:  # noqa: BLE001 - unreachable, incompatible, corrupted metadata
                 log.warning("handshake with prefill worker %s failed: %s", tp.prefill_address, e)
                 return None
             self._peers[key] = (peer, tp.prefill_address)
             return peer
+
+    def _connect(self, md: pb.TransferMetadata):  # type: ignore[no-untyped-def]
+        """The peer handle for P's handshake: NIXL's own (both TP 1) or a TPPeer whose ranks' layouts were checked
+        against ours (kvtransfer/tp_pull.py). Raises CompatibilityError naming the differences."""
+        from kvtransfer.errors import CompatibilityError
+        from kvtransfer.tp_handshake import TPLayout, problems
+        from kvtransfer.tp_pull import TPPeer
+
+        mine = self.ctx.tp_layout
+        peer_tp = TPLayout.decode(md.tp_layout) if md.tp_layout else None
+        if mine is None or ((peer_tp is None or peer_tp.tp_size == 1) and mine.tp_size == 1):
+            return self.ctx.agent.add_peer(md.agent_metadata)
+        if peer_tp is None:
+            raise CompatibilityError(f"prefill worker {md.worker_id} publishes no tensor-parallel layout and this "
+                                     f"decode worker runs {mine.tp_size} ranks")
+        bad = problems(mine, peer_tp)
+        if bad:
+            raise CompatibilityError(f"prefill worker {md.worker_id} (tp {peer_tp.tp_size}) cannot hand off to this "
+                                     f"decode worker (tp {mine.tp_size}): " + "; ".join(bad))
+        return TPPeer(md.worker_id, md.epoch, md.tp_layout)
 
     # -- commit: step thread -> event loop -> step thread -----------------------------------------------------------
     def _start_commit(self, p: PendingPull) -> None:

@@ -223,6 +223,11 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--host", default="127.0.0.1", help="interface the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="proxy port (checked before anything starts)")
     p.add_argument("--colocated", action="store_true", help="serve without disaggregation (for comparison)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); P and D may "
+                        "differ, the handoff moves each D rank's head slices from the P ranks that hold them")
     _routing_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use in requests and /v1/models (none: the checkpoint directory's name)")

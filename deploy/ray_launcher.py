@@ -169,6 +169,30 @@ def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]
     return path
 
 
+def role_tensor_parallel(args: Any) -> dict[str, int]:
+    """Ranks per worker of each role: --prefill-tp / --decode-tp, each defaulting to --tensor-parallel-size."""
+    from deploy.commands import ConfigError
+
+    both = getattr(args, "tensor_parallel_size", 1)
+    out = {"prefill": getattr(args, "prefill_tp", None) or both, "decode": getattr(args, "decode_tp", None) or both}
+    if min(out.values()) < 1:
+        raise ConfigError(f"tensor-parallel sizes must be >= 1, got {out}")
+    return out
+
+
+def with_tensor_parallel(worker_argv: list[str], tp: int) -> list[str]:
+    """`worker_argv` with its --tensor-parallel-size replaced by `tp`."""
+    out, skip = [], False
+    for a in worker_argv:
+        if skip:
+            skip = False
+        elif a == "--tensor-parallel-size":
+            skip = True
+        elif not a.startswith("--tensor-parallel-size="):
+            out.append(a)
+    return [*out, "--tensor-parallel-size", str(tp)] if tp > 1 else out
+
+
 def _placement(args: Any, role: str) -> dict[str, Any]:
     """Ray actor options that pin a role to chosen nodes: `--prefill-resources` / `--decode-resources` (JSON custom
     resources each worker of the role needs, e.g. {"prefill_node": 1}, given to nodes by `ray start --resources`)."""
@@ -191,11 +215,7 @@ def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
 
 
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
-    if getattr(args, "tensor_parallel_size", 1) > 1 and not args.colocated:
-        from deploy.commands import ConfigError
-        from engine.config import TP_HANDOFF_UNSUPPORTED
-
-        raise ConfigError(TP_HANDOFF_UNSUPPORTED)
+    role_tp = role_tensor_parallel(args)
     from deploy.commands import routing_weights
     from deploy.ray_local import LocalRay, prepare_local_ray
     from deploy.secret_files import SecretFiles, scrub_secret_env
@@ -242,8 +262,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                                    float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
     register = _registration_argv(args, host, ray)
     for role in roles:
-        argv = ["--role", "colocated" if args.colocated else role, *worker_argv, *register]
-        tp = getattr(args, "tensor_parallel_size", 1)  # a worker's ranks: one actor, so one node
+        tp = role_tp[role]  # a worker's ranks: one actor, so one node
+        argv = ["--role", "colocated" if args.colocated else role, *with_tensor_parallel(worker_argv, tp), *register]
         opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:

@@ -111,11 +111,6 @@ class ParallelConfig:
     intermediates and the vocabulary are split; rank r runs on cuda:N+r (CPU: gloo processes)."""
 
 
-TP_HANDOFF_UNSUPPORTED = (
-    "--tensor-parallel-size > 1 serves colocated workers only (worker --role colocated, serve --colocated): the "
-    "prefill -> decode handoff does not move the pages of ranks other than 0 yet")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig

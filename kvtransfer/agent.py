@@ -190,11 +190,13 @@ class TransferAgent:
         """Versioned, checksummed handshake blob (see metadata.py). Precomputed: safe from any thread."""
         return self._metadata
 
-    def add_peer(self, metadata: bytes) -> PeerHandle:
+    def add_peer(self, metadata: bytes, *, same_layout: bool = True) -> PeerHandle:
         """Load a peer's handshake blob. Idempotent for the same worker and epoch; a new epoch of a known worker
-        replaces the old peer. Raises MetadataError / ProtocolMismatchError / CompatibilityError."""
+        replaces the old peer. Raises MetadataError / ProtocolMismatchError / CompatibilityError. With
+        `same_layout` False the layouts may differ (a rank of a worker of another TP size: the caller checked the
+        two workers' kvtransfer.tp_handshake layouts instead)."""
         meta = md_codec.decode(metadata)
-        if meta.layout.compat_hash != self.layout.compat_hash:
+        if same_layout and meta.layout.compat_hash != self.layout.compat_hash:
             diffs = self.layout.diff(meta.layout) or ["fingerprints equal but hashes differ"]
             raise CompatibilityError(f"worker {meta.worker!r} has an incompatible cache layout: " + "; ".join(diffs))
         with self._lock:
@@ -271,6 +273,17 @@ class TransferAgent:
             local = self._nixl.get_xfer_descs(byte_descs(plan, "dst"), _mem_type(self.layout))
             remote = self._nixl.get_xfer_descs(byte_descs(plan, "src"), _mem_type(peer.layout))
             return self._nixl.initialize_xfer("READ", local, remote, peer.agent_name, notif)
+
+    def make_read_rows(self, peer: PeerHandle, src_rows: Any, dst_rows: Any) -> Any:
+        """Create (not post) one READ of raw (addr, len, device id) rows, the peer's `src_rows` into our
+        `dst_rows` (kvtransfer.tp_pull: byte pieces of pages), with no notification."""
+        with self._lock:
+            self._check_open()
+            if not peer.valid:
+                raise UnknownPeerError(f"peer {peer.worker!r} epoch {peer.epoch!r} was removed or replaced")
+            local = self._nixl.get_xfer_descs(dst_rows, _mem_type(self.layout))
+            remote = self._nixl.get_xfer_descs(src_rows, _mem_type(peer.layout))
+            return self._nixl.initialize_xfer("READ", local, remote, peer.agent_name, b"")
 
     def post(self, handle: Any) -> str:
         """Post a READ made by `make_read`: "DONE" | "PROC" | "ERR". With UCX's CMA transport (CPU, same host)

@@ -252,18 +252,20 @@ class TransferMetadataRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class TransferMetadata(_message.Message):
-    __slots__ = ("agent_metadata", "worker_id", "epoch", "compat_hash", "proof")
+    __slots__ = ("agent_metadata", "worker_id", "epoch", "compat_hash", "proof", "tp_layout")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    TP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     worker_id: str
     epoch: str
     compat_hash: str
     proof: bytes
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    tp_layout: bytes
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., compat_hash: _Optional[str] = ..., proof: _Optional[bytes] = ..., tp_layout: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt")

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -42,17 +43,9 @@ class WorkerOptions:
 
 
 def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
-    from kvtransfer.layout import CacheLayout, GroupTensors
+    from kvtransfer.tp_pull import rank_layout
 
-    groups = []
-    for g in core.groups:
-        tensors = core.runner.group_tensors[g.group_id]  # stacked: [pages, layers, ...] per cache kind
-        entry = tensors[0] if g.is_attention else tensors
-        kind = "attention" if g.is_attention else g.kind
-        groups.append(GroupTensors(g.group_id, kind, [entry], g.layer_ids, stacked=True))
-    extra = {f"spec.{g.group_id}": repr(g.spec) for g in core.groups}
-    extra["checkpoint_interval"] = str(core.plan.checkpoint_interval)
-    return CacheLayout.from_tensors(groups, model_id=model_id, extra=extra)
+    return rank_layout(core.runner.group_tensors, core.groups, model_id, core.plan.checkpoint_interval)
 
 
 def _is_loopback(host: str) -> bool:
@@ -62,6 +55,27 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _start_agents(core, opts: WorkerOptions, name: str, epoch: str, model_name: str, role: str):  # type: ignore[no-untyped-def]
+    """One NIXL agent per rank over its caches; returns rank 0's agent and the worker's TP layout (handshake)."""
+    from kvtransfer.agent import AgentConfig
+    from kvtransfer.tp_pull import start_agents
+
+    if _is_loopback(opts.host) and "UCX_NET_DEVICES" not in os.environ:
+        # UCX's TCP transport listens on every interface by default: keep it where the worker was told to be
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    # No NIXL progress thread by default: it busy-polls a core per worker even when idle (28-35 % of a core per
+    # worker on the loaded dev box). The step loops progress the agents instead, only while work is in flight:
+    # D polls its pulls every 100 us, P polls (serving READs over TCP, taking notices) every 0.5 ms while it
+    # holds leases (followers' agents: kvtransfer/tp_pull.py). On GPUs the thread also slowed D's pulls 2-3x on an
+    # H200 (docs/BENCHMARKS.md). Trade-off: over UCX/TCP (CPU, no RDMA) a busy P serves READs only between its
+    # steps; --nixl-progress-thread restores the thread for that case.
+    if opts.nixl_progress_thread and role == "decode" and core.device.type == "cuda":
+        log.warning("--nixl-progress-thread on a decode worker with GPU caches: on an H200 such a worker "
+                    "aborted inside UCX on its first handoff when UCX staged the READs through host memory "
+                    "(kvtransfer/README.md, Progress thread)")
+    return start_agents(core, name, epoch, model_name, AgentConfig(progress_thread=opts.nixl_progress_thread), role)
 
 
 async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
@@ -78,9 +92,13 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
              config.model.device)
     core = EngineCore(config)
     log.info("%s worker: model loaded and KV cache allocated in %.1f s", opts.role, time.monotonic() - t_load)
-    aengine = AsyncEngine(core)
     model_name = opts.model_name or os.path.basename(os.path.normpath(config.model.path))
     role = "decode" if opts.role == "colocated" else opts.role
+    worker_id, epoch = uuid.uuid4().hex[:12], uuid.uuid4().hex
+    agent, tp_layout = None, None
+    if opts.enable_transfer and opts.role != "colocated":  # before the step thread: the ranks' channel is free
+        agent, tp_layout = _start_agents(core, opts, f"{role}-{worker_id}", epoch, model_name, role)
+    aengine = AsyncEngine(core)
     from worker.auth import TokenInterceptor
 
     interceptors = [TokenInterceptor(opts.cluster_token)] if opts.cluster_token else []
@@ -101,28 +119,8 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     ctx = WorkerContext(role=role, aengine=aengine, model_name=model_name,
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
                         metrics=WorkerMetrics(role, min_interval_s=0.002, slow_interval_s=0.25),
-                        cluster_token=opts.cluster_token, tls=opts.tls)
-    if opts.enable_transfer and opts.role != "colocated":
-        from kvtransfer.agent import AgentConfig, TransferAgent
-        from kvtransfer.metrics import TransferMetrics
-
-        if _is_loopback(opts.host) and "UCX_NET_DEVICES" not in os.environ:
-            # UCX's TCP transport listens on every interface by default: keep it where the worker was told to be
-            os.environ["UCX_NET_DEVICES"] = "lo"
-        layout = build_layout(core, model_name)
-        # No NIXL progress thread by default: it busy-polls a core per worker even when idle (28-35 % of a core per
-        # worker on the loaded dev box). The step loops progress the agents instead, only while work is in flight:
-        # D polls its pulls every 100 us, P polls (serving READs over TCP, taking notices) every 0.5 ms while it
-        # holds leases. On GPUs the thread also slowed D's pulls 2-3x on an H200 (docs/BENCHMARKS.md). Trade-off:
-        # over UCX/TCP (CPU, no RDMA) a busy P serves READs only between its steps; --nixl-progress-thread restores
-        # the thread for that case.
-        if opts.nixl_progress_thread and role == "decode" and layout.device_type == "cuda":
-            log.warning("--nixl-progress-thread on a decode worker with GPU caches: on an H200 such a worker "
-                           "aborted inside UCX on its first handoff when UCX staged the READs through host memory "
-                           "(kvtransfer/README.md, Progress thread)")
-        agent_config = AgentConfig(progress_thread=opts.nixl_progress_thread)
-        ctx.agent = TransferAgent(f"{role}-{ctx.worker_id}", layout, ctx.epoch, config=agent_config,
-                                  metrics=TransferMetrics(role))
+                        cluster_token=opts.cluster_token, tls=opts.tls, worker_id=worker_id, epoch=epoch,
+                        agent=agent, tp_layout=tp_layout)
     if role == "prefill":
         from prefill.service import PrefillServicer
 
@@ -161,11 +159,6 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
 
 
 def run_worker(config: EngineConfig, opts: WorkerOptions) -> int:
-    if config.parallel.tensor_parallel_size > 1 and opts.role != "colocated":
-        from engine.config import TP_HANDOFF_UNSUPPORTED
-
-        print(f"hybridpd worker: {TP_HANDOFF_UNSUPPORTED}", file=sys.stderr)
-        return 2
     try:
         asyncio.run(serve_worker(config, opts))
     except KeyboardInterrupt:

@@ -36,6 +36,8 @@ class WorkerContext:
     """worker.cache_events.CacheEventHub, made by the first `CacheEvents` subscriber."""
     tls: Any = None
     """worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
+    tp_layout: Any = None
+    """kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
 
     @property
     def core(self):  # type: ignore[no-untyped-def]
@@ -68,11 +70,12 @@ class WorkerRpcs:
 
         agent, ctx = self.ctx.agent, self.ctx
         meta = agent.local_metadata() if agent is not None else b""
-        proof = membership_proof(ctx.cluster_token, request.nonce, ctx.worker_id, ctx.epoch, meta) \
+        tp_layout = ctx.tp_layout.encode() if ctx.tp_layout is not None else b""
+        proof = membership_proof(ctx.cluster_token, request.nonce, ctx.worker_id, ctx.epoch, meta + tp_layout) \
             if ctx.cluster_token and request.nonce else b""
         return pb.TransferMetadata(
             agent_metadata=meta, worker_id=ctx.worker_id, epoch=ctx.epoch,
-            compat_hash=agent.layout.compat_hash if agent is not None else "", proof=proof,
+            compat_hash=agent.layout.compat_hash if agent is not None else "", proof=proof, tp_layout=tp_layout,
         )
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]

@@ -29,11 +29,15 @@ from kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces
 def cache_tensors(core: Any) -> dict[int, list[ShardedTensor]]:
     """Every cache group's tensors (in the runner's order: attention (kv,), recurrent (conv, ssm)) as ShardedTensors
     of the engine's TP size, from the whole model's shapes."""
-    model = core.model
+    return sharded_tensors(core.model, core.groups, core.tp.world if core.tp is not None else 1)
+
+
+def sharded_tensors(model: Any, groups: Any, tp: int) -> dict[int, list[ShardedTensor]]:
+    """`cache_tensors` from a model (any rank's: the whole model's shapes are kept in `full_args`), its cache
+    groups and the TP size."""
     a = getattr(model, "full_args", model.args)
-    tp = core.tp.world if core.tp is not None else 1
     out: dict[int, list[ShardedTensor]] = {}
-    for g in core.groups:
+    for g in groups:
         n, spec, name = len(g.layer_ids), g.spec, f"g{g.group_id}"
         if isinstance(spec, FullAttentionSpec):
             shape = AttentionShape(n, spec.block_size, a.num_key_value_heads, a.head_dim, spec.dtype)
@@ -117,4 +121,4 @@ def copy_import(src_core: Any, dst_core: Any, imp: Any) -> None:
             on_ranks(dst_core, write_pages, gid, list(dst_map[gid]), payload)
 
 
-__all__ = ["cache_tensors", "copy_import", "on_ranks"]
+__all__ = ["cache_tensors", "copy_import", "on_ranks", "sharded_tensors"]
