@@ -14,11 +14,13 @@ per peer pair.
 The functions named `*_rank_*` run on each rank through `LeaderRunner.on_all` (the ranks' control channel, so
 they are called from rank 0's step thread only); they never raise (an exception on a follower would end it):
 errors come back as strings. P's side is unchanged but for its followers' agents: leases, Commit and the MAC'd
-params live on rank 0, and block ids are the same on every rank.
+params live on rank 0, and block ids are the same on every rank. What progresses each rank's agent (a follower's
+is touched only by rank 0's commands, and a P follower's must answer D's READs): `rank_progress`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -75,6 +77,30 @@ def rank_layout(group_tensors: Any, groups: Any, model_id: str, checkpoint_inter
     return CacheLayout.from_tensors(out, model_id=model_id, extra=extra)
 
 
+def rank_progress(
+    rank: int, role: str, device_type: str, config: Any, interval: float | None
+) -> tuple[Any, float | None]:
+    """What progresses rank `rank`'s agent: (its AgentConfig, the interval of a light TransferProgress thread or
+    None). `interval` is kvtransfer.progress.interval_from_env for the cache's device.
+
+    Rank 0 is left as configured: its services progress it (P: the lease hook and step loop; D: the pulls' polls),
+    the TP 1 path. A follower's agent is touched only by rank 0's commands, so:
+      * a light thread when one is allowed (DRAM caches, or HYBRIDPD_TRANSFER_PROGRESS_S set), as before;
+      * else (VRAM) on P, NIXL's own progress thread: nothing else ever progresses a P follower, whose agent must
+        answer D's connection setup and READs (with none, every pull from it timed out on two H100s). NIXL's
+        thread on a GPU P is the configuration seen to work (kvtransfer.progress.interval_from_env);
+      * else (VRAM) on D, nothing more: its READs advance in check_rank_pull, which rank 0's poll runs on the
+        follower's own command loop while a pull is in flight (NIXL's thread on a GPU D aborted inside UCX).
+    """
+    if rank == 0 or config.progress_thread:
+        return config, None
+    if interval is not None:
+        return config, max(interval, 1e-3)
+    if role == "prefill":
+        return dataclasses.replace(config, progress_thread=True), None
+    return config, None
+
+
 def start_rank_agent(runner: Any, rank: int, setup: dict[str, Any]) -> bytes | str:
     """On every rank at worker start: register this rank's caches with its own NIXL agent. Returns the agent's
     handshake blob (or an error string)."""
@@ -88,15 +114,14 @@ def start_rank_agent(runner: Any, rank: int, setup: dict[str, Any]) -> bytes | s
 
         layout = rank_layout(runner.group_tensors, setup["groups"], setup["model_id"], setup["checkpoint_interval"])
         name = setup["name"] if rank == 0 else f"{setup['name']}.r{rank}"
-        agent = TransferAgent(
-            name, layout, setup["epoch"], config=setup["agent_config"], metrics=TransferMetrics(setup["role"])
+        config, interval = rank_progress(
+            rank, setup["role"], layout.device_type, setup["agent_config"], interval_from_env(layout.device_type)
         )
+        agent = TransferAgent(name, layout, setup["epoch"], config=config, metrics=TransferMetrics(setup["role"]))
         progress = None
-        interval = interval_from_env(layout.device_type)
-        if rank > 0 and interval is not None and not agent.config.progress_thread:
-            # a follower's agent is progressed by nothing else between its pulls' checks (P: never): a light thread
+        if interval is not None:
             progress = TransferProgress(
-                agent.poll_releases, lambda: True, interval_s=max(interval, 1e-3), name=f"nixl-progress-r{rank}"
+                agent.poll_releases, lambda: True, interval_s=interval, name=f"nixl-progress-r{rank}"
             )
         _RANK = _RankState(agent, sharded_tensors(runner.model, setup["groups"], setup["world"]), progress)
         return agent.local_metadata()
@@ -382,4 +407,12 @@ def start_tp_pull(
     return TPPullHandle(core, peer, spec, timeout_s, policy, metrics)
 
 
-__all__ = ["TPPeer", "TPPullHandle", "rank_layout", "start_agents", "start_rank_agent", "start_tp_pull"]
+__all__ = [
+    "TPPeer",
+    "TPPullHandle",
+    "rank_layout",
+    "rank_progress",
+    "start_agents",
+    "start_rank_agent",
+    "start_tp_pull",
+]
