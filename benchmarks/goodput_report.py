@@ -52,18 +52,20 @@ def attainment(outcomes: Sequence[Outcome], slo: Slo, ttft: bool = True, tpot: b
 
 def goodput(points: Sequence[tuple[float, float]], target: float = TARGET) -> dict[str, float]:
     """points: (rate, attainment) of one configuration and SLO. {"measured", "interpolated"} in req/s (0: even the
-    lowest rate failed)."""
-    measured, interpolated = 0.0, 0.0
+    lowest rate failed), and "lower_bound" 1.0 when no swept rate failed: the sweep never reached the knee (it ended
+    or its later rates were skipped), so the true goodput is at least "measured" and may be much higher."""
+    measured, interpolated, lower_bound = 0.0, 0.0, 1.0
     prev: tuple[float, float] | None = None
     for rate, att in sorted(points):
         if att < target:
             if prev is not None:
                 r0, a0 = prev
                 interpolated = r0 + (rate - r0) * (a0 - target) / (a0 - att) if a0 > att else r0
+            lower_bound = 0.0
             break
         measured = interpolated = rate
         prev = (rate, att)
-    return {"measured": measured, "interpolated": interpolated}
+    return {"measured": measured, "interpolated": interpolated, "lower_bound": lower_bound if points else 0.0}
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -149,7 +151,10 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 def _cell(g: dict[str, Any], slo: str) -> str:
     x = g.get(slo)
-    return "n/a" if x is None else f"{x['measured']:.2f} ({x['per_gpu']:.2f})"
+    if x is None:
+        return "n/a"
+    more = ">=" if x.get("lower_bound") else ""  # no swept rate failed: the knee lies beyond the sweep
+    return f"{more}{x['measured']:.2f} ({more}{x['per_gpu']:.2f})"
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -282,7 +287,13 @@ def _ratio(label: str, num: dict[str, float], den: dict[str, float], bar: float)
     a, b = num["per_gpu"], den["per_gpu"]
     if b == 0:
         return f"{label} = {a:.2f} / 0 (colocated met no swept rate; sweep lower rates)"
-    return f"{label} = {a:.2f} / {b:.2f} = {a / b:.2f}x (bar >= {bar:g}x): {_ok(a / b >= bar)}"
+    verdict = _ok(a / b >= bar)
+    # A goodput whose sweep never failed is only a lower bound: a pass against a lower-bound denominator, or a fail
+    # with a lower-bound numerator, says nothing.
+    if (verdict == "PASS" and den.get("lower_bound")) or (verdict == "FAIL" and num.get("lower_bound")):
+        verdict = "INCONCLUSIVE (a sweep ended before its knee: extend the rates)"
+    shown = [f">={x:.2f}" if g.get("lower_bound") else f"{x:.2f}" for x, g in ((a, num), (b, den))]
+    return f"{label} = {shown[0]} / {shown[1]} = {a / b:.2f}x (bar >= {bar:g}x): {verdict}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n{path}: {env.get('gpus') or 'cpu'}, {env.get('date_utc')}, commit {str(env.get('commit'))[:10]}, "
             f"torch {env.get('torch')}, fla-core {env.get('fla-core')}, elapsed {doc.get('elapsed_s', 0):.0f} s"
         )
+        for r in doc["results"]:  # recomputed from the rows: runs written before "lower_bound" existed lack it
+            if r.get("rates"):
+                r["goodput"] = config_goodput(r["rates"], r["num_gpus"])
+            if r.get("skipped_rates"):
+                print(f"  {r['config']}/{r['workload']}: rates {r['skipped_rates']} not run (deadline)")
         for line in bars(doc["results"]):
             print("  " + line)
         for line in handoff_lines(doc["results"]):

@@ -33,9 +33,24 @@ def test_goodput_is_the_last_rate_of_the_passing_prefix() -> None:
     assert goodput([(1, 1.0), (2, 0.95), (4, 0.5), (6, 0.95)]) == {
         "measured": 2,
         "interpolated": pytest.approx(2 + 2 * (0.95 - 0.9) / (0.95 - 0.5)),
+        "lower_bound": 0.0,
     }
     assert goodput([(1, 0.5), (2, 0.99)])["measured"] == 0  # the lowest rate failed: no goodput
     assert goodput([(3, 0.99), (1, 1.0)])["measured"] == 3  # order of the points does not matter
+    assert goodput([(3, 0.99), (1, 1.0)])["lower_bound"] == 1.0  # no swept rate failed: only a lower bound
+
+
+def test_a_ratio_against_a_truncated_sweep_is_inconclusive() -> None:
+    from benchmarks.goodput_report import _ratio
+
+    full = {"per_gpu": 2.0, "lower_bound": 0.0}
+    truncated = {"per_gpu": 1.0, "lower_bound": 1.0}
+    assert _ratio("x", full, truncated, 1.0).endswith("INCONCLUSIVE (a sweep ended before its knee: extend the rates)")
+    assert _ratio("x", truncated, full, 1.0).startswith("x = >=1.00 / 2.00") and "INCONCLUSIVE" in _ratio(
+        "x", truncated, full, 1.0
+    )
+    assert _ratio("x", full, {"per_gpu": 1.0, "lower_bound": 0.0}, 1.0).endswith("PASS")
+    assert _ratio("x", {"per_gpu": 1.0, "lower_bound": 0.0}, truncated, 2.0).endswith("FAIL")
 
 
 def test_config_goodput_per_gpu() -> None:
