@@ -46,6 +46,7 @@ from engine.core import EngineCore
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured.matchers import StructuredOutputs
 from engine.transfer import (
     Export,
     Import,
@@ -99,6 +100,7 @@ def control_plane_core(cache: HybridCacheManager, scheduler: Scheduler) -> Engin
     core = object.__new__(EngineCore)
     core.cache, core.scheduler, core.runner = cache, scheduler, FakeRunner()  # type: ignore[assignment]
     core.finish_listeners, core.transfer_canceller = [], None
+    core.structured = StructuredOutputs(None, 0, (), lambda _: None)  # no constrained requests here
     core.now = 0.0  # type: ignore[attr-defined]
     core.clock = lambda: core.now  # type: ignore[attr-defined]
     return core
