@@ -126,7 +126,7 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
             "--gpus",
             "0",
             "--configs",
-            "1p1d,adaptive",
+            "1p1d",  # one cluster: cache-aware routing has its own integration tests (CI time)
             "--workloads",
             "long",
             "--out-dir",
@@ -148,10 +148,6 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
     assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
     one = by["1p1d"]["low_load"]["per_request"]
     assert len(one) == 2 and all(r["prompt_tokens"] > 0 and r["handoff_ms"]["decode/total"] > 0 for r in one)
-    if "adaptive" in by:
-        assert by["adaptive"]["routing"] in ("cache_aware", "adaptive")
-    else:  # never silently: the run says why
-        assert any(s["config"] == "adaptive" and "NOT RUN" in s["why"] for s in doc["skipped"])
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("| long | poisson |")  # the table is printed last
