@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="admission_attack.json")
     args = ap.parse_args(argv)
 
-    from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.deploy.local_cluster import start_cluster
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         overrides: dict[str, Any] = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}

@@ -60,15 +60,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cache.admission import CachePolicy  # noqa: E402
-from engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
-from engine.cache.hashing import extend_block_hashes  # noqa: E402
-from engine.cache.planner import plan_capacity  # noqa: E402
-from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from hybridpd.engine.cache.admission import CachePolicy  # noqa: E402
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
+from hybridpd.engine.cache.hashing import extend_block_hashes  # noqa: E402
+from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
+from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
+from hybridpd.engine.config import SchedulerConfig  # noqa: E402
+from hybridpd.engine.request import Request  # noqa: E402
+from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
+from hybridpd.engine.scheduler import Scheduler  # noqa: E402
 
 VOCAB = 150_000
 BS = 16

@@ -14,9 +14,9 @@ import json
 import statistics
 
 import torch
+from hybridpd.engine.kernels import recurrent_step as rs
 
 from benchmarks.roofline import copy_bandwidth
-from engine.kernels import recurrent_step as rs
 
 
 def median_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def attention_rows(B: int, contexts: list[int], tiles: list[tuple[int, int, int]
                    ) -> list[dict]:  # type: ignore[type-arg]
     """Decode attention (one query token per sequence) over a paged cache: the prefill kernel's path (one program
     per sequence and KV head) against the split-KV kernels, with the default and fixed numbers of key ranges."""
-    from engine.kernels import paged_attention as pa
+    from hybridpd.engine.kernels import paged_attention as pa
 
     dev, bs, out = "cuda", 16, []
     for name, (H, KVH, D) in {"nemotron-h-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}.items():

@@ -16,9 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.models.checkpoint import write_random_checkpoint  # noqa: E402
+from hybridpd.engine import LLM, SamplingParams  # noqa: E402
+from hybridpd.engine.models.checkpoint import write_random_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ MODELS = {
 
 
 def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: int):  # type: ignore[no-untyped-def]
-    from engine import LLM, SamplingParams
+    from hybridpd.engine import LLM, SamplingParams
 
     llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
               max_model_len=512, checkpoint_interval=32)
@@ -51,7 +51,8 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default="diag_precision.json")
     args = ap.parse_args()
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
+
     from tests.oracle import hf_greedy, hf_model, random_prompts, score_under
 
     prompts = random_prompts(LENGTHS, vocab=256, seed=1)

@@ -70,7 +70,7 @@ proxy offers is used. One whose routing the proxy does not offer is not run, and
 
 
 def proxy_routings() -> tuple[str, ...]:
-    from proxy.config import RoutingPolicy
+    from hybridpd.proxy.config import RoutingPolicy
 
     return typing.get_args(RoutingPolicy)
 
@@ -104,8 +104,8 @@ class Running:
 def launch(
     cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[str], on_cuda: bool, max_model_len: int
 ) -> Running:
-    from deploy.local_cluster import _wait_healthy
-    from deploy.ray_launcher import WorkerProcess, free_port
+    from hybridpd.deploy.local_cluster import _wait_healthy
+    from hybridpd.deploy.ray_launcher import WorkerProcess, free_port
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     n_dec = cfg.decode_count(len(gpus))
@@ -137,7 +137,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "deploy.cli",
+        "hybridpd.deploy.cli",
         "proxy",
         "--model",
         model,
@@ -263,8 +263,7 @@ async def open_loop(
     """Send each request at its arrival time whatever the others do; wait up to `drain_s` after the last arrival,
     then give up on the rest (counted as misses). Returns the outcomes and the seconds from start to the end."""
     import httpx
-
-    from deploy.bench_serve import RequestSpec, send_one
+    from hybridpd.deploy.bench_serve import RequestSpec, send_one
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
@@ -444,8 +443,9 @@ def check_path(run: Running, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[str, list[str], int, int]:
+    from hybridpd.engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+
     from benchmarks.offline_throughput import PATTERN, SIZES
-    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     longest = max(shape.n(LONGEST[w]) for w in args.workloads) + 64
     wargs = [
@@ -522,7 +522,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if bad:
             ap.error(f"unknown {name}: {bad} (known: {sorted(known)})")
     if args.device == "auto" or args.dtype == "auto":
-        from engine.device import resolve_device, resolve_dtype
+        from hybridpd.engine.device import resolve_device, resolve_dtype
 
         args.device = resolve_device(args.device)
         args.dtype = resolve_dtype(args.dtype, args.device)

@@ -22,9 +22,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
-
-from proto import hybridpd_pb2 as pb  # noqa: E402
-from proto import hybridpd_pb2_grpc as pb_grpc  # noqa: E402
+from hybridpd.proto import hybridpd_pb2 as pb  # noqa: E402
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def _hist(c, w, name: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -41,8 +40,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.deploy.local_cluster import start_cluster
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
+
     from tests.oracle import random_prompts
 
     model = args.model or str(write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0))

@@ -23,11 +23,11 @@ PHASES = ("new_request", "digest", "begin_import", "complete_import", "first_ste
 
 
 def measure(model: str, n: int, requests: int, device: str) -> dict[str, float]:
-    from engine import SamplingParams
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.core import EngineCore
-    from engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
-    from kvtransfer.binding import prompt_digest
+    from hybridpd.engine import SamplingParams
+    from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from hybridpd.engine.core import EngineCore
+    from hybridpd.engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
+    from hybridpd.kvtransfer.binding import prompt_digest
 
     def core() -> EngineCore:
         return EngineCore(
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     print("prompt tokens | " + " | ".join(f"{k} ms" for k in PHASES))
     with tempfile.TemporaryDirectory() as tmp:

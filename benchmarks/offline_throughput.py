@@ -31,9 +31,8 @@ PATTERN = {"nemotron_h": {"pattern": "M-M*-M-M-"}, "qwen3_5": {}}
 
 def run_one(family: str, size: str, args: argparse.Namespace, tmp: str) -> dict:
     import torch
-
-    from engine import LLM, SamplingParams
-    from engine.models.checkpoint import PRESETS, preset, write_preset_checkpoint, write_random_checkpoint
+    from hybridpd.engine import LLM, SamplingParams
+    from hybridpd.engine.models.checkpoint import PRESETS, preset, write_preset_checkpoint, write_random_checkpoint
 
     if size in PRESETS:
         family = preset(size)[0]

@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from deploy.bench_serve import main as bench_main
-    from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+    from hybridpd.deploy.bench_serve import main as bench_main
+    from hybridpd.deploy.local_cluster import start_cluster
+    from hybridpd.engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     results = []
     warmup = args.concurrency if args.warmup_prompts is None else args.warmup_prompts

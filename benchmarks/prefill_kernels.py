@@ -14,9 +14,9 @@ import json
 
 import torch
 import torch.nn.functional as F
+from hybridpd.engine.kernels.paged_attention import attention_config, launch_attention
 
 from benchmarks.decode_kernels import median_ms
-from engine.kernels.paged_attention import attention_config, launch_attention
 
 SHAPES = {"nemotron-3-nano-30b-a3b": (32, 2, 128), "nemotron-h-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}
 

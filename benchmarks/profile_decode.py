@@ -17,9 +17,9 @@ import json
 import statistics
 
 import torch
+from hybridpd.engine.sampling_params import SamplingParams
 
 from benchmarks.roofline import build_runner, copy_bandwidth, decode_output, prefill_output, timed
-from engine.sampling_params import SamplingParams
 
 
 def kernel_table(fn, ops: list | None = None) -> tuple[float, list[tuple[str, int, float]]]:  # type: ignore[no-untyped-def]

@@ -28,13 +28,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from engine.cache.planner import plan_capacity
-from engine.cache.specs import FullAttentionSpec, group_layers
-from engine.models.checkpoint import preset, random_engine_model
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.specs import FullAttentionSpec, group_layers
+from hybridpd.engine.models.checkpoint import preset, random_engine_model
+from hybridpd.engine.runner import ModelRunner
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 BLOCK = 16
 

@@ -33,8 +33,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hybridpd.deploy.bench_serve import RequestSpec, run_load, summarize  # noqa: E402
+
 from benchmarks.offline_throughput import SIZES  # noqa: E402
-from deploy.bench_serve import RequestSpec, run_load, summarize  # noqa: E402
 
 
 def prefix_heavy(
@@ -119,7 +120,7 @@ def parse_config(text: str) -> tuple[int, int, str]:
 
 
 def model_and_args(args: argparse.Namespace, tmp: str) -> tuple[str, list[str]]:
-    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     wargs = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max(args.max_concurrency, 8))]
     if args.preset:
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="routing.json")
     args = ap.parse_args(argv)
 
-    from deploy.local_cluster import start_cluster
+    from hybridpd.deploy.local_cluster import start_cluster
 
     rows: list[dict[str, Any]] = []
     gp, gd = (args.gpus.split(",") + ["0"])[:2]

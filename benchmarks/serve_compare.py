@@ -23,7 +23,7 @@ from benchmarks.offline_throughput import PATTERN, SIZES  # noqa: E402
 
 
 def bench(url: str, model: str, dataset: str, args: argparse.Namespace, out: str) -> dict:
-    from deploy.bench_serve import main as bench_main
+    from hybridpd.deploy.bench_serve import main as bench_main
 
     argv = [
         "--base-url",
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="serve_compare.json")
     args = ap.parse_args(argv)
 
-    from deploy.local_cluster import start_cluster
-    from engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+    from hybridpd.deploy.local_cluster import start_cluster
+    from hybridpd.engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

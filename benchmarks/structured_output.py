@@ -46,7 +46,7 @@ def _sync(device: str) -> None:
 def _run(llm: Any, batch: int, steps: int, warmup: int, structured: bool, device: str
          ) -> tuple[list[float], list[float]]:
     """(wall seconds, process CPU seconds) of each timed step."""
-    from engine import SamplingParams
+    from hybridpd.engine import SamplingParams
 
     core = llm.engine
     so = {"json": SCHEMA} if structured else None
@@ -72,9 +72,8 @@ def _run(llm: Any, batch: int, steps: int, warmup: int, structured: bool, device
 def _mask_cost(llm: Any, batch: int, repeats: int, device: str) -> float:
     """Seconds of StructuredOutputs.apply + accept for `batch` constrained rows, median of `repeats`."""
     import torch
-
-    from engine import SamplingParams
-    from engine.structured.matchers import StructuredOutputs
+    from hybridpd.engine import SamplingParams
+    from hybridpd.engine.structured.matchers import StructuredOutputs
 
     core = llm.engine
     reqs = {f"m-{i}": _Req(f"m-{i}") for i in range(batch)}
@@ -123,7 +122,7 @@ def main() -> None:
     ap.add_argument("--out", default="structured_output.json", help="where the JSON results go")
     args = ap.parse_args()
 
-    from engine import LLM
+    from hybridpd.engine import LLM
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
               max_num_seqs=max(args.batch, 8),

@@ -51,9 +51,9 @@ from benchmarks.roofline import (  # noqa: E402
 
 def sharded_random_model(name: str, dtype: str, device: str, tp: Any) -> Any:
     """A preset's engine model cut to `tp`'s rank (None: whole), random weights drawn on `device` for its slice."""
-    from engine.models.checkpoint import fill_random_weights, hf_config, preset
-    from engine.models.registry import ARCHITECTURES
-    from engine.parallel.shard import shard_model
+    from hybridpd.engine.models.checkpoint import fill_random_weights, hf_config, preset
+    from hybridpd.engine.models.registry import ARCHITECTURES
+    from hybridpd.engine.parallel.shard import shard_model
 
     family, overrides = preset(name)
     config = hf_config(family, **overrides)
@@ -68,9 +68,9 @@ def sharded_random_model(name: str, dtype: str, device: str, tp: Any) -> Any:
 
 
 def _runner(model: Any, device: str, batch: int, ctx: int) -> tuple[Any, int, Any]:
-    from engine.cache.planner import plan_capacity
-    from engine.cache.specs import group_layers
-    from engine.runner import ModelRunner
+    from hybridpd.engine.cache.planner import plan_capacity
+    from hybridpd.engine.cache.specs import group_layers
+    from hybridpd.engine.runner import ModelRunner
 
     groups = group_layers(model.cache_specs(BLOCK))
     blocks_per_seq = -(-ctx // BLOCK)
@@ -104,8 +104,8 @@ def _all_reduce_ms(tp: Any, batch: int, hidden: int, dtype: torch.dtype) -> floa
 
 def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
     """One rank of one job: build, time decode (graph and eager) and prefill, rank 0 reports rows on `queue`."""
-    from engine.parallel.group import init_tp
-    from engine.sampling_params import SamplingParams
+    from hybridpd.engine.parallel.group import init_tp
+    from hybridpd.engine.sampling_params import SamplingParams
 
     world, device = job["tp"], f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -177,8 +177,7 @@ def _key(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
-
-    from engine.parallel.group import free_port
+    from hybridpd.engine.parallel.group import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -201,8 +200,8 @@ def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
 
 def _identity_models() -> dict[str, str]:
     """Two small dummy-weight checkpoint directories (config + tokenizer; weights drawn at load, same seed)."""
-    from engine.models.checkpoint import nemotron_h_config, qwen3_5_config
-    from engine.tokenizer import write_tokenizer_files
+    from hybridpd.engine.models.checkpoint import nemotron_h_config, qwen3_5_config
+    from hybridpd.engine.tokenizer import write_tokenizer_files
 
     models = {
         "nemotron_h": (
@@ -225,7 +224,7 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((
 
 def identity_check(tp: int, device: str = "cuda") -> list[dict[str, Any]]:
     """Greedy tokens of LLM at TP `tp` vs TP 1, fp32 on CUDA (fast path, CUDA graphs), two families."""
-    from engine import LLM, SamplingParams
+    from hybridpd.engine import LLM, SamplingParams
 
     prompts = PROMPTS
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -266,11 +265,11 @@ def identity_check(tp: int, device: str = "cuda") -> list[dict[str, Any]]:
 def hetero_check(pairs: list[tuple[int, int]], device: str = "cuda") -> list[dict[str, Any]]:
     """P TP a -> D TP b handoffs (engine export/import, pieces planned by kvtransfer.tp_slices, moved through the
     ranks' control channel: engine.parallel.handoff) against the colocated TP 1 engine, fp32 on CUDA."""
-    from engine import LLM, SamplingParams
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-    from engine.core import EngineCore
-    from engine.parallel.handoff import copy_import
-    from engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
+    from hybridpd.engine import LLM, SamplingParams
+    from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from hybridpd.engine.core import EngineCore
+    from hybridpd.engine.parallel.handoff import copy_import
+    from hybridpd.engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
 
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     rows = []

@@ -33,8 +33,8 @@ def _flags(device: str, tp: int) -> list[str]:
 
 
 def check_pair(family: str, path: str, tp_p: int, tp_d: int, device: str) -> dict[str, Any]:
-    from deploy.local_cluster import complete, start_cluster
-    from engine import LLM, SamplingParams
+    from hybridpd.deploy.local_cluster import complete, start_cluster
+    from hybridpd.engine import LLM, SamplingParams
 
     common = ["--dtype", "float32", "--load-format", "dummy", "--max-model-len", "1024", "--checkpoint-interval", "64"]
     common += ["--kv-cache-memory-bytes", str(256 * 2**20)]

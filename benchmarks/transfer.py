@@ -47,9 +47,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from hybridpd.kvtransfer import AgentConfig, CacheLayout, PullSpec, PullState, TransferAgent, start_pull  # noqa: E402
+from hybridpd.kvtransfer.descriptors import plan_pull  # noqa: E402
 
-from kvtransfer import AgentConfig, CacheLayout, PullSpec, PullState, TransferAgent, start_pull  # noqa: E402
-from kvtransfer.descriptors import plan_pull  # noqa: E402
 from tests.support.kvtransfer_harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer  # noqa: E402
 
 SEED = 11
@@ -188,7 +188,7 @@ def ipc_copy_ms(sc: Scenario, shared: list[Any], dst_dev: str, repeats: int) -> 
 
 
 def plan_pull_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    from kvtransfer.descriptors import coalesce
+    from hybridpd.kvtransfer.descriptors import coalesce
 
     return [tuple(r) for r in coalesce(src, dst)]  # type: ignore[misc]
 

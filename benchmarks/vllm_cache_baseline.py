@@ -298,7 +298,7 @@ def profile_ours(names: list[str], args: argparse.Namespace, top: int = 25) -> N
         r = cm.run(cm.WORKLOADS[n](random.Random(args.seed), args.scale), "ours", args)
         st = pstats.Stats(pr)
         total = st.total_tt
-        print(f"{n}: engine from {sys.modules['engine.cache.coordinator'].__file__}; hit {r['hit_rate']:.4f}; "
+        print(f"{n}: engine from {sys.modules['hybridpd.engine.cache.coordinator'].__file__}; hit {r['hit_rate']:.4f}; "
               f"profiled {total:.2f} s in the timed calls")
         for (f, line, fn), (_, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
             print(f"  {tt / total * 100:5.1f}% self  {ct / total * 100:5.1f}% cum  {nc:9d} calls  "

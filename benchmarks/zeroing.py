@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels.zero_blocks import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockZeroer  # noqa: E402
+from hybridpd.engine.kernels.zero_blocks import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockZeroer  # noqa: E402
 
 SLEEP_CYCLES = 2_000_000  # ~1 ms at H100/H200 clocks: covers the host side of one timed call
 

@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from decode.params_check import params_problem
-from engine.core import EngineCore
-from engine.request import Request
-from engine.transfer import (
+from hybridpd.decode.params_check import params_problem
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request
+from hybridpd.engine.transfer import (
     Checkpoint,
     ImportSource,
     abort_import,
@@ -41,10 +41,10 @@ from engine.transfer import (
     recurrent_group_ids,
     schedule_local,
 )
-from kvtransfer.binding import prompt_digest
-from kvtransfer.pull import PullHandle, PullSpec, PullState, start_pull
-from kvtransfer.tp_pull import TPPeer, TPPullHandle, start_tp_pull
-from proto import hybridpd_pb2 as pb
+from hybridpd.kvtransfer.binding import prompt_digest
+from hybridpd.kvtransfer.pull import PullHandle, PullSpec, PullState, start_pull
+from hybridpd.kvtransfer.tp_pull import TPPeer, TPPullHandle, start_tp_pull
+from hybridpd.proto import hybridpd_pb2 as pb
 
 log = logging.getLogger("hybridpd.decode")
 

@@ -8,11 +8,11 @@ consumer itself (decode/consumer.py)."""
 
 from __future__ import annotations
 
-from engine.core import EngineCore
-from engine.request import Request
-from engine.transfer import export_pages_needed, recurrent_group_ids
-from kvtransfer.binding import MAC_BYTES
-from proto import hybridpd_pb2 as pb
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request
+from hybridpd.engine.transfer import export_pages_needed, recurrent_group_ids
+from hybridpd.kvtransfer.binding import MAC_BYTES
+from hybridpd.proto import hybridpd_pb2 as pb
 
 
 def _distinct(ids: list[int]) -> bool:

@@ -10,18 +10,17 @@ import logging
 import time
 
 import grpc
-
-from decode.consumer import Consumer, PendingPull
-from engine.async_engine import OutputDelta, take_pending
-from engine.core import EngineCore
-from engine.transfer import schedule_local
-from kvtransfer.binding import new_nonce, verify_membership
-from kvtransfer.progress import TransferProgress, interval_from_env
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.auth import open_channel, token_metadata
-from worker.context import WorkerContext, WorkerRpcs, run_engine_call
-from worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.decode.consumer import Consumer, PendingPull
+from hybridpd.engine.async_engine import OutputDelta, take_pending
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.transfer import schedule_local
+from hybridpd.kvtransfer.binding import new_nonce, verify_membership
+from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
+from hybridpd.worker.auth import open_channel, token_metadata
+from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
+from hybridpd.worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.decode")
 
@@ -119,9 +118,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _connect(self, md: pb.TransferMetadata):  # type: ignore[no-untyped-def]
         """The peer handle for P's handshake: NIXL's own (both TP 1) or a TPPeer whose ranks' layouts were checked
         against ours (kvtransfer/tp_pull.py). Raises CompatibilityError naming the differences."""
-        from kvtransfer.errors import CompatibilityError
-        from kvtransfer.tp_handshake import TPLayout, problems
-        from kvtransfer.tp_pull import TPPeer
+        from hybridpd.kvtransfer.errors import CompatibilityError
+        from hybridpd.kvtransfer.tp_handshake import TPLayout, problems
+        from hybridpd.kvtransfer.tp_pull import TPPeer
 
         mine = self.ctx.tp_layout
         peer_tp = TPLayout.decode(md.tp_layout) if md.tp_layout else None

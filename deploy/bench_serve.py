@@ -1,8 +1,8 @@
 """`hybridpd bench serve`: a load generator against the proxy's OpenAI API (httpx async; no torch).
 
-    python -m deploy.bench_serve --base-url http://127.0.0.1:8000 --dataset random \
+    python -m hybridpd.deploy.bench_serve --base-url http://127.0.0.1:8000 --dataset random \
         --random-input-len 512 --random-output-len 64 --num-prompts 200 --max-concurrency 16 --out run.json
-    python -m deploy.bench_serve --dataset prefix-repetition --prefix-len 1024 --suffix-len 64 \
+    python -m hybridpd.deploy.bench_serve --dataset prefix-repetition --prefix-len 1024 --suffix-len 64 \
         --num-prefixes 4 --num-prompts 100 --request-rate 8
 
 Datasets (prompts are token ids on /v1/completions, so lengths are exact; on /v1/chat/completions they are text
@@ -332,7 +332,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deploy.cli_parser import SuggestingParser
+    from hybridpd.deploy.cli_parser import SuggestingParser
 
     p = SuggestingParser(prog="hybridpd bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=_HelpFormatter)

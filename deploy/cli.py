@@ -12,19 +12,19 @@ import os
 import sys
 from typing import Any
 
-from deploy.cli_parser import SuggestingParser
-from deploy.engine_flags import add_engine_args, engine_config_from_args
-from engine.errors import HybridPDError
+from hybridpd.deploy.cli_parser import SuggestingParser
+from hybridpd.deploy.engine_flags import add_engine_args, engine_config_from_args
+from hybridpd.engine.errors import HybridPDError
 
 FAMILIES = ("nemotron_h", "qwen3_5")
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     overrides = json.loads(args.overrides) if args.overrides else {}
     if args.preset:
-        from engine.models.checkpoint import preset
+        from hybridpd.engine.models.checkpoint import preset
 
         args.family, base = preset(args.preset)
         overrides = {**base, **overrides}
@@ -37,8 +37,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from hybridpd.engine.llm import LLM
+    from hybridpd.engine.sampling_params import SamplingParams
 
     llm = LLM(config=engine_config_from_args(args))  # every engine flag, as `worker` and `serve` pass them
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
 
-    from deploy import commands
+    from hybridpd.deploy import commands
 
     commands.add_serving_commands(sub, add_engine_args)
     return parser

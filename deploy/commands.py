@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from deploy.engine_flags import engine_argv, engine_config_from_args
-from deploy.proxy_flags import add_proxy_limit_args, proxy_limits_from_args, serve_max_seqs
-from engine.errors import HybridPDError
+from hybridpd.deploy.engine_flags import engine_argv, engine_config_from_args
+from hybridpd.deploy.proxy_flags import add_proxy_limit_args, proxy_limits_from_args, serve_max_seqs
+from hybridpd.engine.errors import HybridPDError
 
 
 def _model_max_len(model: str, override: int | None) -> int:
@@ -25,8 +25,8 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from worker.auth import load_cluster_token, load_tls
-    from worker.bootstrap import WorkerOptions, run_worker
+    from hybridpd.worker.auth import load_cluster_token, load_tls
+    from hybridpd.worker.bootstrap import WorkerOptions, run_worker
 
     cfg = engine_config_from_args(args)
     try:
@@ -68,7 +68,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def resolve_secrets(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """(API key, cluster token) from --api-key-file / env / --api-key and --cluster-token-file / env."""
-    from proxy.credentials import resolve_api_key, resolve_cluster_token
+    from hybridpd.proxy.credentials import resolve_api_key, resolve_cluster_token
 
     try:
         return (resolve_api_key(args.api_key_file, args.api_key),
@@ -86,20 +86,20 @@ def proxy_limits(args: argparse.Namespace, derived_max_seqs: int | None = None) 
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from proxy.config import ProxyConfig
-    from proxy.server import run
+    from hybridpd.proxy.config import ProxyConfig
+    from hybridpd.proxy.server import run
 
     check_port_free(args.host, args.port)
     check_chat_template(args.chat_template)
     api_key, token = resolve_secrets(args)
     if args.model:
-        from engine.model_source import looks_like_model_id, resolve_model
+        from hybridpd.engine.model_source import looks_like_model_id, resolve_model
 
         if args.served_model_name is None and looks_like_model_id(args.model):
             args.served_model_name = args.model
         args.model = resolve_model(args.model)
     if args.tokenizer:
-        from engine.model_source import resolve_model
+        from hybridpd.engine.model_source import resolve_model
 
         args.tokenizer = resolve_model(args.tokenizer)
     name = args.served_model_name
@@ -125,13 +125,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ConfigError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    from engine.model_source import looks_like_model_id
+    from hybridpd.engine.model_source import looks_like_model_id
 
     if args.served_model_name is None and args.model and looks_like_model_id(args.model):
         args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     check_chat_template(args.chat_template)
-    from deploy.ray_launcher import serve
+    from hybridpd.deploy.ray_launcher import serve
 
     for role in ("prefill", "decode"):
         raw = getattr(args, f"{role}_resources", None)
@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
-        from engine.errors import ModelLoadError
+        from hybridpd.engine.errors import ModelLoadError
 
         raise ModelLoadError(f"{model}: not a checkpoint directory (no config.json)")
     args.api_key, args.cluster_token = resolve_secrets(args)  # serve hands them on (deploy/secret_files.py)
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from deploy.bench_serve import main as bench_main
+    from hybridpd.deploy.bench_serve import main as bench_main
 
     return bench_main(args.bench_args)
 
@@ -175,7 +175,7 @@ def routing_weights(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """RoutingWeights from --skip-prefill and --routing-weights (a ConfigError names a bad field)."""
     import dataclasses
 
-    from proxy.config import RoutingWeights
+    from hybridpd.proxy.config import RoutingWeights
 
     fields = {f.name: f for f in dataclasses.fields(RoutingWeights)}
     values: dict[str, object] = {"skip_prefill": args.skip_prefill}

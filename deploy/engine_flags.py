@@ -22,7 +22,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import EngineConfig, config_sections, field_docs
+from hybridpd.engine.config import EngineConfig, config_sections, field_docs
 
 FLAG_NAMES = {("model", "path"): "model", ("cache", "enable_prefix_caching"): "prefix-caching"}
 """Flags not spelled like their field (`--model`, `--prefix-caching` / `--no-prefix-caching`)."""
@@ -96,7 +96,7 @@ def add_engine_args(parser: argparse.ArgumentParser, flags: tuple[EngineFlag, ..
 
 
 def default_model() -> str:
-    from engine.default_model import default_model_path
+    from hybridpd.engine.default_model import default_model_path
 
     return default_model_path()
 
@@ -113,7 +113,7 @@ def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
             values[section]["path"] = default_model()
         for key in ("path", "tokenizer"):  # a Hugging Face model id: its snapshot in the local cache
             if values[section].get(key):
-                from engine.model_source import resolve_model
+                from hybridpd.engine.model_source import resolve_model
 
                 values[section][key] = resolve_model(values[section][key])
         sections[section] = cls(**values[section])

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
-
-from deploy.ray_launcher import WorkerProcess, free_port
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
+from hybridpd.deploy.ray_launcher import WorkerProcess, free_port
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 
 
 @dataclass
@@ -48,7 +47,7 @@ class Cluster:
     @property
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         """Metadata a direct worker RPC needs (the cluster token, when the cluster has one)."""
-        from worker.auth import token_metadata
+        from hybridpd.worker.auth import token_metadata
 
         return token_metadata(self.cluster_token)
 
@@ -114,7 +113,7 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
     decode = started[len(prefill):]
     port = free_port()
     name = os.path.basename(os.path.normpath(model))
-    cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "hybridpd.deploy.cli", "proxy", "--model", model, "--port", str(port),
            "--decode", *[w.info["address"] for w in decode]]
     if colocated:
         cmd.append("--colocated")

@@ -53,8 +53,8 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
 
 def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | None = None) -> dict[str, Any]:
     """`ProxyConfig` keyword arguments; raises ValueError for a bad value or keys file."""
-    from proxy.api_keys import load_keys_file
-    from proxy.config import AdmissionLimits, HttpLimits, RequestLimits
+    from hybridpd.proxy.api_keys import load_keys_file
+    from hybridpd.proxy.config import AdmissionLimits, HttpLimits, RequestLimits
 
     keys = () if args.api_keys_file is None else load_keys_file(args.api_keys_file, args.key_max_concurrency,
                                                                   args.key_tokens_per_minute)

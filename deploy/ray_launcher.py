@@ -62,7 +62,7 @@ class WorkerProcess:
         self._watch.start()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", *self.argv],
+        self.proc = subprocess.Popen([sys.executable, "-m", "hybridpd.deploy.cli", "worker", *self.argv],
                                      stdout=subprocess.PIPE, stderr=None, text=True, env=self.env)
         deadline = time.time() + self.ready_timeout_s
         assert self.proc.stdout is not None
@@ -138,7 +138,7 @@ def _make_actor_class(ray: Any) -> Any:
 def _targets_path(args: Any) -> Path | None:
     """Where to write the Prometheus file_sd targets: `--prometheus-targets`, else `serve-<port>.json` beside
     deploy/prometheus/prometheus.yml (which reads targets/*.json); None for `--prometheus-targets none`."""
-    from deploy.prometheus.targets import TARGETS_DIR
+    from hybridpd.deploy.prometheus.targets import TARGETS_DIR
 
     chosen = getattr(args, "prometheus_targets", None)
     if chosen is None:
@@ -149,7 +149,7 @@ def _targets_path(args: Any) -> Path | None:
 def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]) -> Path | None:
     """The proxy and every worker's metrics endpoint as file_sd targets (deploy/prometheus/targets/README.md), in the
     shape `GET /v1/cluster` would give. Best effort: a failure to write is logged, never fatal."""
-    from deploy.prometheus.targets import targets_from_cluster, write_targets
+    from hybridpd.deploy.prometheus.targets import targets_from_cluster, write_targets
 
     path = _targets_path(args)
     if path is None:
@@ -171,7 +171,7 @@ def _write_prometheus_targets(args: Any, infos: list[tuple[str, dict[str, Any]]]
 
 def role_tensor_parallel(args: Any) -> dict[str, int]:
     """Ranks per worker of each role: --prefill-tp / --decode-tp, each defaulting to --tensor-parallel-size."""
-    from deploy.commands import ConfigError
+    from hybridpd.deploy.commands import ConfigError
 
     both = getattr(args, "tensor_parallel_size", 1)
     out = {"prefill": getattr(args, "prefill_tp", None) or both, "decode": getattr(args, "decode_tp", None) or both}
@@ -216,12 +216,12 @@ def _registration_argv(args: Any, host: str, ray: Any) -> list[str]:
 
 def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int) -> int:
     role_tp = role_tensor_parallel(args)
-    from deploy.commands import routing_weights
-    from deploy.ray_local import LocalRay, prepare_local_ray
-    from deploy.secret_files import SecretFiles, scrub_secret_env
-    from proxy.config import ProxyConfig
-    from proxy.server import run as run_proxy
-    from worker.auth import TOKEN_FILE_ENV
+    from hybridpd.deploy.commands import routing_weights
+    from hybridpd.deploy.ray_local import LocalRay, prepare_local_ray
+    from hybridpd.deploy.secret_files import SecretFiles, scrub_secret_env
+    from hybridpd.proxy.config import ProxyConfig
+    from hybridpd.proxy.server import run as run_proxy
+    from hybridpd.worker.auth import TOKEN_FILE_ENV
 
     host = "127.0.0.1" if args.address is None and not os.environ.get("RAY_ADDRESS") else "node"
     env_vars = {"PYTHONPATH": os.pathsep.join(sys.path)}
@@ -240,7 +240,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
                     "(HYBRIDPD_CLUSTER_TOKEN_FILE) and this serve the same (--cluster-token-file)")
     local = args.address is None
     if local:  # a SIGKILLed driver must not leave Ray's daemons, the workers or Ray's temp dir behind
-        from deploy.reaper import start_orphan_reaper
+        from hybridpd.deploy.reaper import start_orphan_reaper
 
         stale = _targets_path(args)  # a SIGKILLed serve leaves its Prometheus targets: the reaper removes them
         start_orphan_reaper(remove=([local_ray.temp_dir] if local_ray else []) + ([str(stale)] if stale else []))

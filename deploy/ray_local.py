@@ -28,7 +28,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from deploy.secret_files import SecretFiles, private_ray_dir, sweep_stale_ray_dirs
+from hybridpd.deploy.secret_files import SecretFiles, private_ray_dir, sweep_stale_ray_dirs
 
 log = logging.getLogger("hybridpd.serve")
 

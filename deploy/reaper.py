@@ -1,10 +1,10 @@
 """Orphan reaper: when `hybridpd serve` dies without cleaning up (SIGKILL, OOM kill), kill what it started.
 
-`start_orphan_reaper()` runs in the driver before Ray starts. It spawns `python -m deploy.reaper`, a tiny process
-outside the driver's process tree, holding the read end of a pipe whose write end only the driver holds. The reaper
-snapshots the driver's descendants from /proc every half second (Ray's daemons and agents, the worker actors and
-their `hybridpd worker` processes); once the pipe reports EOF (the driver is gone, however it died) it sends
-SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later.
+`start_orphan_reaper()` runs in the driver before Ray starts. It spawns `python -m hybridpd.deploy.reaper`, a
+tiny process outside the driver's process tree, holding the read end of a pipe whose write end only the driver
+holds. The reaper snapshots the driver's descendants from /proc every half second (Ray's daemons and agents, the
+worker actors and their `hybridpd worker` processes); once the pipe reports EOF (the driver is gone, however it
+died) it sends SIGTERM to every process of the last snapshot that still runs, then SIGKILL to the survivors 3 s later.
 
 Then it removes the paths it was given (`remove`: the serve's private Ray temp dir, which holds Ray's session logs
 and sockets, and its Prometheus targets file deploy/prometheus/targets/serve-<port>.json, so a SIGKILL leaves no
@@ -100,7 +100,7 @@ def start_orphan_reaper(remove: Sequence[str] = ()) -> subprocess.Popen | None:
     if not sys.platform.startswith("linux"):
         return None
     read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.reaper", str(os.getpid()), str(read_fd), *remove],
+    proc = subprocess.Popen([sys.executable, "-m", "hybridpd.deploy.reaper", str(os.getpid()), str(read_fd), *remove],
                             pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
     os.close(read_fd)
     os.set_inheritable(write_fd, False)  # only this process holds it: its death is the EOF

@@ -16,10 +16,9 @@ the engine's life; the transfer agent registers their spans (overlapping views m
 from __future__ import annotations
 
 import torch
-
-from engine.cache.planner import CapacityPlan
-from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.models.layers import TORCH_DTYPES
+from hybridpd.engine.cache.planner import CapacityPlan
+from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.models.layers import TORCH_DTYPES
 
 ARENA_ALIGN = 16
 

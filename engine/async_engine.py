@@ -24,8 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core import EngineCore
-from engine.request import Request
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request
 
 log = logging.getLogger("hybridpd.async_engine")
 

@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from engine.errors import InvalidRequestError
+from hybridpd.engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
@@ -90,7 +90,7 @@ class CacheConfig:
         return max(self.block_size, (256 // self.block_size) * self.block_size)
 
     def cache_policy(self):  # type: ignore[no-untyped-def]  # -> engine.cache.admission.CachePolicy
-        from engine.cache.admission import CachePolicy
+        from hybridpd.engine.cache.admission import CachePolicy
 
         return CachePolicy(self.resolved_admission(), self.eviction, self.resolved_checkpoint_interval(),
                            self.eviction_alpha)

@@ -16,25 +16,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-
-from engine.cache.coordinator import HybridCacheManager
-from engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
-from engine.cache.specs import group_layers
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.device import require_fast_path, resolve_device, resolve_dtype
-from engine.errors import InvalidRequestError
-from engine.parallel.executor import LeaderRunner, start_tensor_parallel
-from engine.parallel.group import TPGroup
-from engine.parallel.shard import shard_model
-from engine.request import Request, RequestOutput
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured.matchers import StructuredOutputs
+from hybridpd.engine.cache.coordinator import HybridCacheManager
+from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
+from hybridpd.engine.cache.specs import group_layers
+from hybridpd.engine.config import EngineConfig
+from hybridpd.engine.detokenizer import IncrementalDetokenizer
+from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dtype
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
+from hybridpd.engine.parallel.group import TPGroup
+from hybridpd.engine.parallel.shard import shard_model
+from hybridpd.engine.request import Request, RequestOutput
+from hybridpd.engine.runner import ModelRunner
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
+from hybridpd.engine.structured.matchers import StructuredOutputs
 
 if TYPE_CHECKING:
-    from engine.transfer import Import
+    from hybridpd.engine.transfer import Import
 
 log = logging.getLogger("hybridpd.engine")
 
@@ -68,7 +67,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
         spawns the followers when config.parallel.tensor_parallel_size > 1."""
-        from engine.models.registry import load_model, read_model_config
+        from hybridpd.engine.models.registry import load_model, read_model_config
 
         config.validate()
         config = resolve_auto(config)
@@ -204,7 +203,7 @@ class EngineCore:
     @staticmethod
     def _load_tokenizer(path: str):  # type: ignore[no-untyped-def]
         try:
-            from engine.tokenizer import Tokenizer
+            from hybridpd.engine.tokenizer import Tokenizer
 
             return Tokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer still serves token ids

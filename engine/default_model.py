@@ -18,7 +18,7 @@ def default_model_path() -> str:
     path = default_model_dir()
     if (path / "config.json").exists():
         return str(path)
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"

@@ -36,7 +36,7 @@ def missing_fast_path_packages() -> list[str]:
 def require_fast_path(device: str, allow_reference_path: bool) -> None:
     """On CUDA, refuse (InvalidRequestError, naming the packages) to start an engine that would fall back to the
     reference path (2-3x slower), unless allowed."""
-    from engine.errors import InvalidRequestError
+    from hybridpd.engine.errors import InvalidRequestError
 
     missing = missing_fast_path_packages() if device.startswith("cuda") else []
     if missing and not allow_reference_path:

@@ -7,11 +7,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import InvalidRequestError
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from hybridpd.engine.config import EngineConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.request import RequestOutput
+from hybridpd.engine.sampling_params import SamplingParams
 
 
 class LLM:
@@ -29,11 +29,11 @@ class LLM:
                 raise InvalidRequestError("LLM(model=..., config=...): the model path is the config's")
         else:
             if model is None:
-                from engine.default_model import default_model_path
+                from hybridpd.engine.default_model import default_model_path
 
                 model = default_model_path()
             else:  # a Hugging Face model id: its snapshot in the local cache (downloaded if allowed)
-                from engine.model_source import resolve_model
+                from hybridpd.engine.model_source import resolve_model
 
                 model = resolve_model(model)
             config = EngineConfig.from_settings(model, **settings)

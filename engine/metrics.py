@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import time
 
+from hybridpd.engine.core import EngineCore
 from prometheus_client import CollectorRegistry, Counter, Gauge
-
-from engine.core import EngineCore
 
 
 class WorkerMetrics:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from engine.errors import ModelLoadError
+from hybridpd.engine.errors import ModelLoadError
 
 SERVING_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "additional_chat_templates/*"]
 

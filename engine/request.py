@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from hybridpd.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,7 +45,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     detokenizer: Any = None
-    """engine.detokenizer.IncrementalDetokenizer of the output, made on first use (EngineCore._decoded)."""
+    """hybridpd.engine.detokenizer.IncrementalDetokenizer of the output, made on first use (EngineCore._decoded)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hash of every *full* block of all_token_ids (see engine.cache.hashing)."""
 

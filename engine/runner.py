@@ -13,15 +13,14 @@ import os
 from typing import Any
 
 import torch
-
-from engine.arena import allocate_caches
-from engine.cache.planner import CapacityPlan
-from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
-from engine.models.batch import ForwardBatch, GroupViews, SeqInfo
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from hybridpd.engine.arena import allocate_caches
+from hybridpd.engine.cache.planner import CapacityPlan
+from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
+from hybridpd.engine.models.batch import ForwardBatch, GroupViews, SeqInfo
+from hybridpd.engine.sampler import Sampler
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import SchedulerOutput
 
 
 def _fast_path_default(device: torch.device) -> bool:
@@ -73,7 +72,7 @@ class ModelRunner:
         self.graphs = None
         """CUDA graphs of decode-only steps (engine.models.cuda_graphs); off with enforce_eager or off the GPU."""
         if self.fast_path and device.type == "cuda" and not enforce_eager:
-            from engine.models.cuda_graphs import DecodeGraphs
+            from hybridpd.engine.models.cuda_graphs import DecodeGraphs
 
             max_blocks = -(-plan.max_model_len // plan.block_size) if plan.block_size else 1
             self.graphs = DecodeGraphs(model, self.caches, max(1, plan.state_slots_running), max_blocks,
@@ -116,7 +115,7 @@ class ModelRunner:
             return 0
         zeroer = self._group_zeroers.get(group_id)
         if zeroer is None:
-            from engine.kernels.zero_blocks import BlockZeroer
+            from hybridpd.engine.kernels.zero_blocks import BlockZeroer
 
             zeroer = self._group_zeroers[group_id] = BlockZeroer(list(self.group_tensors[group_id]))
         n: int = zeroer.zero(list(block_ids))
@@ -191,7 +190,7 @@ class ModelRunner:
 
     def _execute_fast(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """The batched path: metadata built vectorised and uploaded once, one forward, logits of sampled rows."""
-        from engine.models.varlen import build_varlen_views
+        from hybridpd.engine.models.varlen import build_varlen_views
 
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):

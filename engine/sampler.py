@@ -26,8 +26,7 @@ from itertools import chain
 from typing import Protocol
 
 import torch
-
-from engine.sampling_params import SamplingParams
+from hybridpd.engine.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
 

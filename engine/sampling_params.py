@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.structured.spec import StructuredOutput
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.structured.spec import StructuredOutput
 
 
 @dataclass(frozen=True)

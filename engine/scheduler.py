@@ -28,12 +28,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.cache.coordinator import HybridCacheManager, PrefixHit
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PrefixHit
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.transfer import Import
+    from hybridpd.engine.transfer import Import
 
 
 def _remove(queue: list[Request] | deque[Request], req: Request) -> bool:

@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridpd.engine.chat_template import ChatTemplate, read_json, token_text
+from hybridpd.engine.errors import ModelLoadError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
-
-from engine.chat_template import ChatTemplate, read_json, token_text
-from engine.errors import ModelLoadError
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")

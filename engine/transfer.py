@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.cache.coordinator import ReservedCheckpoint
-from engine.core import EngineCore
-from engine.request import Request
+from hybridpd.engine.cache.coordinator import ReservedCheckpoint
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request
 
 FALLBACKS = ("recompute", "fail")
 

@@ -64,7 +64,7 @@ class Lease:
     token: str = ""
     """Random per lease (kvtransfer.binding.new_lease_token): Commit and release notices must present it."""
     prompt_digest: bytes = b""
-    """kvtransfer.binding.prompt_digest of the tokens P computed: Commit must present the same."""
+    """hybridpd.kvtransfer.binding.prompt_digest of the tokens P computed: Commit must present the same."""
     offer: Offer | None = None
     """The pages the transfer params name (None: not checked at Commit)."""
 

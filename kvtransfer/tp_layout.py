@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.parallel.partition import flat, gdn_conv_channels, group_share, mamba_conv_channels, split_range
-from kvtransfer.tp_slices import ShardedTensor
+from hybridpd.engine.parallel.partition import flat, gdn_conv_channels, group_share, mamba_conv_channels, split_range
+from hybridpd.kvtransfer.tp_slices import ShardedTensor
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

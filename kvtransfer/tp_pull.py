@@ -106,7 +106,7 @@ def start_rank_agent(runner: Any, rank: int, setup: dict[str, Any]) -> bytes | s
     handshake blob (or an error string)."""
     global _RANK
     try:
-        from engine.parallel.handoff import sharded_tensors
+        from hybridpd.engine.parallel.handoff import sharded_tensors
 
         from .agent import TransferAgent
         from .metrics import TransferMetrics
@@ -133,7 +133,7 @@ def start_rank_agent(runner: Any, rank: int, setup: dict[str, Any]) -> bytes | s
 def start_agents(core: Any, name: str, epoch: str, model_id: str, agent_config: Any, role: str) -> tuple[Any, TPLayout]:
     """Rank 0, before its step thread starts: one agent per rank. Returns rank 0's agent and the worker's
     TPLayout. Raises TransferError when a rank could not register its caches."""
-    from engine.parallel.handoff import on_ranks
+    from hybridpd.engine.parallel.handoff import on_ranks
 
     world = core.tp.world if core.tp is not None else 1
     setup = {
@@ -304,7 +304,7 @@ class TPPullHandle:
     """The pull of one request on every D rank: `poll()` from the step thread, like kvtransfer.pull.PullHandle."""
 
     def __init__(self, core: Any, peer: TPPeer, spec: PullSpec, timeout_s: float, policy: str, metrics: Any) -> None:
-        from engine.parallel.handoff import on_ranks
+        from hybridpd.engine.parallel.handoff import on_ranks
 
         self._on_ranks = on_ranks
         self.core, self.peer, self.spec, self.policy, self.metrics = core, peer, spec, policy, metrics
@@ -395,7 +395,7 @@ def start_tp_pull(
 ) -> TPPullHandle:
     """Load the peer on every D rank (first pull from it) and post every rank's READs. Raises StaleEpochError
     for params of another epoch, TransferError when a rank cannot load the peer (nothing was posted)."""
-    from engine.parallel.handoff import on_ranks
+    from hybridpd.engine.parallel.handoff import on_ranks
 
     if spec.src_epoch != peer.epoch:
         raise StaleEpochError(f"request {spec.request_id!r} names epoch {spec.src_epoch!r}; live is {peer.epoch!r}")

@@ -10,10 +10,9 @@ import logging
 import time
 
 import grpc
-
-from engine.core import EngineCore
-from engine.request import Request
-from engine.transfer import (
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request
+from hybridpd.engine.transfer import (
     Export,
     export_pages_needed,
     export_prefilled,
@@ -21,15 +20,15 @@ from engine.transfer import (
     release_export,
     schedule_local,
 )
-from kvtransfer.binding import new_lease_token, new_mac_key, params_mac, prompt_digest, verify_params_mac
-from kvtransfer.errors import StaleEpochError
-from kvtransfer.lease import CommitRefused, LeaseTable, Offer
-from kvtransfer.metrics import TransferMetrics
-from kvtransfer.progress import TransferProgress, interval_from_env
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
-from worker.context import WorkerContext, WorkerRpcs, run_engine_call
-from worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.kvtransfer.binding import new_lease_token, new_mac_key, params_mac, prompt_digest, verify_params_mac
+from hybridpd.kvtransfer.errors import StaleEpochError
+from hybridpd.kvtransfer.lease import CommitRefused, LeaseTable, Offer
+from hybridpd.kvtransfer.metrics import TransferMetrics
+from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
+from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
+from hybridpd.worker.convert import sampling_params_from_proto, stats_response
 
 log = logging.getLogger("hybridpd.prefill")
 

@@ -4,7 +4,7 @@
 import grpc
 import warnings
 
-from proto import hybridpd_pb2 as proto_dot_hybridpd__pb2
+from hybridpd.proto import hybridpd_pb2 as proto_dot_hybridpd__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

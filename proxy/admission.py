@@ -25,13 +25,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from hybridpd.proxy.api_keys import ApiKey
+from hybridpd.proxy.config import DEFAULT_SEQS_PER_DECODE_WORKER, ProxyConfig
+from hybridpd.proxy.errors import ApiError, bad_request
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from proxy.api_keys import ApiKey
-from proxy.config import DEFAULT_SEQS_PER_DECODE_WORKER, ProxyConfig
-from proxy.errors import ApiError, bad_request
 
 REJECTION_REASONS = ("never_fits", "queue_full", "queue_timeout", "key_concurrency", "key_tokens_per_minute",
                      "request_limits", "connection_cap", "header_timeout", "body_timeout")

@@ -29,22 +29,18 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
-
-from proxy import cluster_view
-from proxy.admission import Admission, Demand, Tenant, Ticket
-from proxy.api_keys import ApiKey, find_key
-from proxy.body_parser import BodyParser
-from proxy.choices import Choices
-from proxy.cluster_routes import add_cluster_routes
-from proxy.config import ProxyConfig
-from proxy.errors import ApiError, bad_request
-from proxy.generation import Cluster, Delta, Generation, PreparedRequest
-from proxy.membership import Membership
-from proxy.metrics import ProxyMetrics
-from proxy.openai_schema import (
+from hybridpd.proxy import cluster_view
+from hybridpd.proxy.admission import Admission, Demand, Tenant, Ticket
+from hybridpd.proxy.api_keys import ApiKey, find_key
+from hybridpd.proxy.body_parser import BodyParser
+from hybridpd.proxy.choices import Choices
+from hybridpd.proxy.cluster_routes import add_cluster_routes
+from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.errors import ApiError, bad_request
+from hybridpd.proxy.generation import Cluster, Delta, Generation, PreparedRequest
+from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.openai_schema import (
     ChatRequest,
     CompletionRequest,
     StreamOptions,
@@ -52,12 +48,15 @@ from proxy.openai_schema import (
     parse_json_object,
     resolve_max_tokens,
 )
-from proxy.placement import Placer
-from proxy.request_limits import check_request_limits
-from proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
-from proxy.routing import Router
-from proxy.tokenization import PromptTokenizer
-from proxy.workers import Role, WorkerClients
+from hybridpd.proxy.placement import Placer
+from hybridpd.proxy.request_limits import check_request_limits
+from hybridpd.proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
+from hybridpd.proxy.routing import Router
+from hybridpd.proxy.tokenization import PromptTokenizer
+from hybridpd.proxy.workers import Role, WorkerClients
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 

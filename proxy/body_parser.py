@@ -19,10 +19,10 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from proxy.config import RequestLimits
-from proxy.errors import ApiError
-from proxy.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json_object
-from proxy.request_limits import check_body_limits
+from hybridpd.proxy.config import RequestLimits
+from hybridpd.proxy.errors import ApiError
+from hybridpd.proxy.openai_schema import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json_object
+from hybridpd.proxy.request_limits import check_body_limits
 
 INLINE_BYTES = 64 * 1024  # parsed on the event loop: well under a millisecond
 

@@ -17,10 +17,9 @@ import random
 from collections.abc import Callable
 
 import grpc
-
-from proto import hybridpd_pb2 as pb
-from proxy.cache_index import CacheShape, WorkerCacheIndex
-from proxy.workers import Role, WorkerClients
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proxy.cache_index import CacheShape, WorkerCacheIndex
+from hybridpd.proxy.workers import Role, WorkerClients
 
 log = logging.getLogger(__name__)
 

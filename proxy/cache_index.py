@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.cache.hashing import append_block_hashes, extra_keys
+from hybridpd.engine.cache.hashing import append_block_hashes, extra_keys
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
-from proxy.generation import Delta, Generation, Usage
+from hybridpd.proxy.generation import Delta, Generation, Usage
 
 T = TypeVar("T")
 _END = object()

@@ -16,11 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-
-from proxy.credentials import TOKEN_METADATA_KEY
-from proxy.errors import ApiError, bad_request
-from proxy.membership import Membership
-from proxy.openai_schema import parse_json_object
+from hybridpd.proxy.credentials import TOKEN_METADATA_KEY
+from hybridpd.proxy.errors import ApiError, bad_request
+from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.openai_schema import parse_json_object
 
 MAX_TTL_S = 300.0
 

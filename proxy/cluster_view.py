@@ -15,9 +15,8 @@ import time
 from typing import Any
 
 import grpc
-
-from proxy.generation import Cluster
-from proxy.workers import Role
+from hybridpd.proxy.generation import Cluster
+from hybridpd.proxy.workers import Role
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.api_keys import ApiKey
-from proxy.credentials import CLUSTER_TOKEN_ENV
+from hybridpd.proxy.api_keys import ApiKey
+from hybridpd.proxy.credentials import CLUSTER_TOKEN_ENV
 
 RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
 """cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost); adaptive: the same (the name the

@@ -27,18 +27,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
-
-from proto import hybridpd_pb2 as pb
-from proxy.config import ProxyConfig
-from proxy.errors import ApiError, from_rpc_error, timeout_error
-from proxy.metrics import ProxyMetrics
-from proxy.openai_schema import SamplingOptions
-from proxy.routing import NoWorkerError, Router
-from proxy.workers import WorkerClients
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.errors import ApiError, from_rpc_error, timeout_error
+from hybridpd.proxy.metrics import ProxyMetrics
+from hybridpd.proxy.openai_schema import SamplingOptions
+from hybridpd.proxy.routing import NoWorkerError, Router
+from hybridpd.proxy.workers import WorkerClients
 
 if TYPE_CHECKING:
-    from proxy.membership import Membership
-    from proxy.placement import Placement, Placer
+    from hybridpd.proxy.membership import Membership
+    from hybridpd.proxy.placement import Placement, Placer
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,8 @@ from typing import Any
 
 import h11
 import uvicorn
+from hybridpd.proxy.config import HttpLimits
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-from proxy.config import HttpLimits
 
 RejectHook = Callable[[str], None]
 

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
-from proxy.cache_feed import CacheFeed
-from proxy.cache_index import WorkerCacheIndex
-from proxy.routing import Router
-from proxy.workers import Role, WorkerClients
+from hybridpd.proxy.cache_feed import CacheFeed
+from hybridpd.proxy.cache_index import WorkerCacheIndex
+from hybridpd.proxy.routing import Router
+from hybridpd.proxy.workers import Role, WorkerClients
 
 log = logging.getLogger(__name__)
 

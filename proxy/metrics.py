@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from hybridpd.proxy.routing import Router
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from proxy.routing import Router
 
 REQUEST_STATUSES = ("success", "invalid", "error", "aborted")
 

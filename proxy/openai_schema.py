@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import ApiError, bad_request
-from proxy.structured import Structured, parse_structured
-from proxy.tools import ToolSpec, history_message, parse_tools
+from hybridpd.proxy.errors import ApiError, bad_request
+from hybridpd.proxy.structured import Structured, parse_structured
+from hybridpd.proxy.tools import ToolSpec, history_message, parse_tools
 
 _INT64_MAX = 2**63 - 1
 MAX_N = 128

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from proxy.cache_index import prompt_block_hashes
-from proxy.config import RoutingWeights
-from proxy.membership import Membership
-from proxy.routing import Router
+from hybridpd.proxy.cache_index import prompt_block_hashes
+from hybridpd.proxy.config import RoutingWeights
+from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.routing import Router
 
 log = logging.getLogger(__name__)
 

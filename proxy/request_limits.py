@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.config import RequestLimits
-from proxy.errors import ApiError, bad_request
-from proxy.openai_schema import ChatRequest, CompletionRequest
+from hybridpd.proxy.config import RequestLimits
+from hybridpd.proxy.errors import ApiError, bad_request
+from hybridpd.proxy.openai_schema import ChatRequest, CompletionRequest
 
 
 def _too_many(what: str, count: int, limit: int, param: str) -> ApiError:

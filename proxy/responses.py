@@ -24,8 +24,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proxy.generation import Delta, Usage
-from proxy.tools import ToolSpec, ToolStream, parse_output
+from hybridpd.proxy.generation import Delta, Usage
+from hybridpd.proxy.tools import ToolSpec, ToolStream, parse_output
 
 DONE = "data: [DONE]\n\n"
 

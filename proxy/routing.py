@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from proxy.config import RoutingPolicy
+from hybridpd.proxy.config import RoutingPolicy
 
 
 class NoWorkerError(RuntimeError):

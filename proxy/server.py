@@ -7,10 +7,9 @@ keep-alive timeout of `config.http`; what it drops is counted in `hybridpd_admis
 from __future__ import annotations
 
 import uvicorn
-
-from proxy.app import create_app
-from proxy.config import ProxyConfig
-from proxy.http_guard import uvicorn_config
+from hybridpd.proxy.app import create_app
+from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.http_guard import uvicorn_config
 
 
 def run(config: ProxyConfig, log_level: str = "info") -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.errors import bad_request
+from hybridpd.proxy.errors import bad_request
 
 Structured = tuple[str, str]
 _IGNORED_OPTIONS = frozenset({"disable_fallback", "disable_any_whitespace", "disable_additional_properties",

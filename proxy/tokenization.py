@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridpd.engine import chat_template
+from hybridpd.proxy.errors import bad_request
+from hybridpd.proxy.openai_schema import ChatMessage
 from tokenizers import Tokenizer
-
-from engine import chat_template
-from proxy.errors import bad_request
-from proxy.openai_schema import ChatMessage
 
 
 def render_fallback(messages: Sequence[ChatMessage]) -> str:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import bad_request
+from hybridpd.proxy.errors import bad_request
 
 TOOL_FORMAT = "qwen_3_5"
 """xgrammar's name of the XML tool-call format (engine.structured.tools)."""

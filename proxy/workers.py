@@ -16,10 +16,9 @@ from collections.abc import Coroutine
 from typing import Any, Literal
 
 import grpc
-
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
-from proxy.credentials import token_metadata, worker_channel_credentials
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
+from hybridpd.proxy.credentials import token_metadata, worker_channel_credentials
 
 log = logging.getLogger(__name__)
 

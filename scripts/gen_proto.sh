@@ -5,7 +5,7 @@
 #   scripts/gen_proto.sh --check  regenerate into a temp dir and diff; exit 1 if the committed stubs are stale
 #
 # protoc runs with the repository root as include path, so the generated gRPC module imports
-# `from proto import hybridpd_pb2`. Python: $PYTHON, else .venv/bin/python, else python3 (needs grpcio-tools).
+# `from proto import hybridpd_pb2`, rewritten to `from hybridpd.proto import hybridpd_pb2` (the installed name). Python: $PYTHON, else .venv/bin/python, else python3 (needs grpcio-tools).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +26,8 @@ generate() {  # generate <include_root> <out_root>
   for f in "$2"/proto/*_pb2.py "$2"/proto/*_pb2_grpc.py "$2"/proto/*_pb2.pyi; do
     { echo "# ruff: noqa"; cat "$f"; } >"$f.tmp" && mv "$f.tmp" "$f"
   done
+  # The stubs are installed as `hybridpd.proto` (setup.py): the gRPC module imports its messages from there.
+  sed -i 's/^from proto import /from hybridpd.proto import /' "$2"/proto/*_pb2_grpc.py
 }
 
 case "${1:-}" in

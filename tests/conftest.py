@@ -21,7 +21,7 @@ CHECKPOINTS = {
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     cache: dict[str, str] = {}
 

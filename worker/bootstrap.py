@@ -15,8 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-
-from engine.config import EngineConfig
+from hybridpd.engine.config import EngineConfig
 
 log = logging.getLogger("hybridpd.worker")
 
@@ -43,7 +42,7 @@ class WorkerOptions:
 
 
 def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
-    from kvtransfer.tp_pull import rank_layout
+    from hybridpd.kvtransfer.tp_pull import rank_layout
 
     return rank_layout(core.runner.group_tensors, core.groups, model_id, core.plan.checkpoint_interval)
 
@@ -59,8 +58,8 @@ def _is_loopback(host: str) -> bool:
 
 def _start_agents(core, opts: WorkerOptions, name: str, epoch: str, model_name: str, role: str):  # type: ignore[no-untyped-def]
     """One NIXL agent per rank over its caches; returns rank 0's agent and the worker's TP layout (handshake)."""
-    from kvtransfer.agent import AgentConfig
-    from kvtransfer.tp_pull import start_agents
+    from hybridpd.kvtransfer.agent import AgentConfig
+    from hybridpd.kvtransfer.tp_pull import start_agents
 
     if _is_loopback(opts.host) and "UCX_NET_DEVICES" not in os.environ:
         # UCX's TCP transport listens on every interface by default: keep it where the worker was told to be
@@ -79,13 +78,12 @@ def _start_agents(core, opts: WorkerOptions, name: str, epoch: str, model_name: 
 
 
 async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
+    from hybridpd.engine.async_engine import AsyncEngine
+    from hybridpd.engine.core import EngineCore
+    from hybridpd.engine.metrics import WorkerMetrics
+    from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
+    from hybridpd.worker.context import WorkerContext
     from prometheus_client import start_http_server
-
-    from engine.async_engine import AsyncEngine
-    from engine.core import EngineCore
-    from engine.metrics import WorkerMetrics
-    from proto import hybridpd_pb2_grpc as pb_grpc
-    from worker.context import WorkerContext
 
     t_load = time.monotonic()
     log.info("%s worker: loading weights from %s (%s on %s)", opts.role, config.model.path, config.model.dtype,
@@ -99,7 +97,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     if opts.enable_transfer and opts.role != "colocated":  # before the step thread: the ranks' channel is free
         agent, tp_layout = _start_agents(core, opts, f"{role}-{worker_id}", epoch, model_name, role)
     aengine = AsyncEngine(core)
-    from worker.auth import TokenInterceptor
+    from hybridpd.worker.auth import TokenInterceptor
 
     interceptors = [TokenInterceptor(opts.cluster_token)] if opts.cluster_token else []
     if not opts.cluster_token:
@@ -107,7 +105,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                     "to anyone who can reach %s:%s", opts.host, opts.port)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 2**20)], interceptors=interceptors)
     if opts.tls is not None:
-        from worker.auth import server_credentials
+        from hybridpd.worker.auth import server_credentials
 
         port = server.add_secure_port(f"{opts.host}:{opts.port}", server_credentials(opts.tls))  # type: ignore[arg-type]
     else:
@@ -122,12 +120,12 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                         cluster_token=opts.cluster_token, tls=opts.tls, worker_id=worker_id, epoch=epoch,
                         agent=agent, tp_layout=tp_layout)
     if role == "prefill":
-        from prefill.service import PrefillServicer
+        from hybridpd.prefill.service import PrefillServicer
 
         pb_grpc.add_PrefillServiceServicer_to_server(
             PrefillServicer(ctx, opts.lease_seconds, opts.max_pinned_fraction), server)
     else:
-        from decode.service import DecodeServicer
+        from hybridpd.decode.service import DecodeServicer
 
         pb_grpc.add_DecodeServiceServicer_to_server(
             DecodeServicer(ctx, opts.transfer_policy, opts.pull_timeout_s, opts.prefill_peers), server)
@@ -139,7 +137,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                       "cuda_graphs": core.runner.graphs is not None}), flush=True)
     announcer = None
     if opts.register_with:
-        from worker.announce import Announcer
+        from hybridpd.worker.announce import Announcer
 
         announcer = Announcer(opts.register_with, ctx, role, ctx.address, ctx.worker_id, ctx.epoch, opts.cluster_token,
                               opts.heartbeat_s, ttl_s=5 * opts.heartbeat_s)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator
 
-from proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
-from engine.metrics import WorkerMetrics
-from proto import hybridpd_pb2 as pb
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.metrics import WorkerMetrics
+from hybridpd.proto import hybridpd_pb2 as pb
 
 
 @dataclass
@@ -23,7 +22,7 @@ class WorkerContext:
     address: str
     metrics_port: int = 0
     agent: Any = None
-    """kvtransfer.agent.TransferAgent, or None when transfers are off (colocated)."""
+    """hybridpd.kvtransfer.agent.TransferAgent, or None when transfers are off (colocated)."""
     metrics: WorkerMetrics | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -33,11 +32,11 @@ class WorkerContext:
     draining: bool = False
     """Set by the Drain RPC: proxies route no new requests here (worker/announce.py reports it)."""
     cache_event_hub: Any = None
-    """worker.cache_events.CacheEventHub, made by the first `CacheEvents` subscriber."""
+    """hybridpd.worker.cache_events.CacheEventHub, made by the first `CacheEvents` subscriber."""
     tls: Any = None
-    """worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
+    """hybridpd.worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
     tp_layout: Any = None
-    """kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
+    """hybridpd.kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
 
     @property
     def core(self):  # type: ignore[no-untyped-def]
@@ -66,7 +65,7 @@ class WorkerRpcs:
     ctx: WorkerContext
 
     async def GetTransferMetadata(self, request, context) -> pb.TransferMetadata:  # type: ignore[no-untyped-def]
-        from kvtransfer.binding import membership_proof
+        from hybridpd.kvtransfer.binding import membership_proof
 
         agent, ctx = self.ctx.agent, self.ctx
         meta = agent.local_metadata() if agent is not None else b""
@@ -89,7 +88,7 @@ class WorkerRpcs:
 
     async def CacheEvents(self, request, context):  # type: ignore[no-untyped-def]
         """The cache-event stream (worker/cache_events.py): one hub per worker, shared by every subscriber."""
-        from worker.cache_events import CacheEventHub
+        from hybridpd.worker.cache_events import CacheEventHub
 
         hub = getattr(self.ctx, "cache_event_hub", None)
         if hub is None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.structured.spec import StructuredOutput
-from proto import hybridpd_pb2 as pb
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.structured.spec import StructuredOutput
+from hybridpd.proto import hybridpd_pb2 as pb
 
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec, dtype_bytes
+from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec, dtype_bytes
 
 PART_ALIGN = 16
 

@@ -28,8 +28,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol
 
-from engine.cache.events import CacheEventLog
-from engine.cache.specs import NULL_BLOCK_ID
+from hybridpd.engine.cache.events import CacheEventLog
+from hybridpd.engine.cache.specs import NULL_BLOCK_ID
 
 
 class PoolExhaustedError(RuntimeError):

@@ -25,16 +25,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.cache.admission import Admission, CachePolicy
-from engine.cache.arena import ArenaLayout
-from engine.cache.block_pool import BlockPool
-from engine.cache.events import CacheEventLog
-from engine.cache.hashing import append_block_hashes, extra_keys
-from engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
-from engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
-from engine.cache.reclaim import Reclaimer
-from engine.cache.specs import PAD_SLOT_ID, CacheGroup
-from engine.request import Request
+from hybridpd.engine.cache.admission import Admission, CachePolicy
+from hybridpd.engine.cache.arena import ArenaLayout
+from hybridpd.engine.cache.block_pool import BlockPool
+from hybridpd.engine.cache.events import CacheEventLog
+from hybridpd.engine.cache.hashing import append_block_hashes, extra_keys
+from hybridpd.engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
+from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
+from hybridpd.engine.cache.reclaim import Reclaimer
+from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup
+from hybridpd.engine.request import Request
 
 
 @dataclass

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.cache.block_pool import BlockPool
-from engine.cache.reclaim import Reclaimer
-from engine.cache.specs import CacheGroup
+from hybridpd.engine.cache.block_pool import BlockPool
+from hybridpd.engine.cache.reclaim import Reclaimer
+from hybridpd.engine.cache.specs import CacheGroup
 
 
 def cdiv(a: int, b: int) -> int:

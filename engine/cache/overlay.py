@@ -29,8 +29,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from engine.cache.arena import ArenaLayout
-from engine.cache.block_pool import BlockPool, PoolExhaustedError
+from hybridpd.engine.cache.arena import ArenaLayout
+from hybridpd.engine.cache.block_pool import BlockPool, PoolExhaustedError
 
 PICK_SAMPLE = 32
 """Ranges with free blocks an allocation compares (the best of a sample: the full scan cost as much as the rest

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cache.admission import CachePolicy
-from engine.cache.arena import ArenaLayout, plan_arena
-from engine.cache.coordinator import PoolLayout
-from engine.cache.managers import cdiv
-from engine.cache.specs import CacheGroup
+from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.arena import ArenaLayout, plan_arena
+from hybridpd.engine.cache.coordinator import PoolLayout
+from hybridpd.engine.cache.managers import cdiv
+from hybridpd.engine.cache.specs import CacheGroup
 
 
 class CapacityError(ValueError):

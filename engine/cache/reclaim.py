@@ -50,11 +50,11 @@ import heapq
 import itertools
 from typing import TYPE_CHECKING
 
-from engine.cache.block_pool import BlockPool
-from engine.cache.eviction import EvictionQueue, ValueModel
+from hybridpd.engine.cache.block_pool import BlockPool
+from hybridpd.engine.cache.eviction import EvictionQueue, ValueModel
 
 if TYPE_CHECKING:
-    from engine.cache.overlay import Overlay
+    from hybridpd.engine.cache.overlay import Overlay
 
 POLICIES = ("value", "lru")
 MAX_ANCHOR_WALK = 64

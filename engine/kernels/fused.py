@@ -209,7 +209,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     assert x.stride(2) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride() and rot % 2 == 0 and rot <= D
     if x.dtype not in (torch.float32, torch.bfloat16):  # fp16: the reference's torch ops (no rounding helper here)
-        from engine.models.layers import apply_rotary
+        from hybridpd.engine.models.layers import apply_rotary
 
         return apply_rotary(x, cos, sin)
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from engine.kernels.fused import sigmoid, silu, softplus
+from hybridpd.engine.kernels.fused import sigmoid, silu, softplus
 
 TILES = {"mamba": (32, 8), "gdn": (64, 4)}
 """(block of P / V columns, num_warps) per decode kernel: the fastest of benchmarks/decode_kernels.py's choices on an

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from engine.cache.specs import CacheSpec
-from engine.models.batch import ForwardBatch
+from hybridpd.engine.cache.specs import CacheSpec
+from hybridpd.engine.models.batch import ForwardBatch
 
 
 @dataclass

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
 
 if TYPE_CHECKING:
-    from engine.cache.specs import CacheGroup
+    from hybridpd.engine.cache.specs import CacheGroup
 
 
 @dataclass
@@ -67,7 +66,7 @@ class ForwardBatch:
     seqs: list[SeqInfo]
     block_size: int
     varlen: Any = None
-    """engine.models.varlen.VarlenMetadata on the batched fast path (then `seqs` is empty), else None."""
+    """hybridpd.engine.models.varlen.VarlenMetadata on the batched fast path (then `seqs` is empty), else None."""
     views: list[ForwardBatch] = field(default_factory=list)
     """Views 1.. (see GroupViews): the same tokens with the other groups' slot mapping and seqs (or varlen)."""
     layer_views: tuple[int, ...] = ()

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from engine.tokenizer import write_tokenizer_files
+from hybridpd.engine.tokenizer import write_tokenizer_files
 
 FAMILIES = ("nemotron_h", "qwen3_5")
 
@@ -275,7 +274,7 @@ def random_engine_model(family: str, dtype: str, device: str, seed: int = 0, **o
     """The engine's own model of `family`, built directly on `device` with random weights drawn there by the same
     rules as write_random_checkpoint (not the same values: a device generator). For benchmarks at full size, where
     writing and reading a 16-32 GB fp32 checkpoint would dominate; never for correctness against transformers."""
-    from engine.models.registry import ARCHITECTURES
+    from hybridpd.engine.models.registry import ARCHITECTURES
 
     config = hf_config(family, **overrides)
     cfg = config.to_dict()
@@ -292,8 +291,8 @@ def fill_random_weights(model: Any, cls: Any, family: str, config: Any, dtype: s
                         seed: int = 0) -> None:
     """Materialise a meta-device engine model on `device` with random weights drawn there (random_engine_model's
     rules; `load_format="dummy"`). `config` needs the attributes _init_value reads (an HF config or a namespace)."""
-    from engine.models.layers import torch_dtype
-    from engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
+    from hybridpd.engine.models.layers import torch_dtype
+    from hybridpd.engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
 
     target = torch.device(device)
     # final dtypes first, on meta: to_empty would otherwise allocate every weight in the dtype the modules were built

@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import SINGLE_VIEW, ForwardBatch, GroupViews
-from engine.models.varlen import RecurrentDecodeRows, VarlenMetadata
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.models.batch import SINGLE_VIEW, ForwardBatch, GroupViews
+from hybridpd.engine.models.varlen import RecurrentDecodeRows, VarlenMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 

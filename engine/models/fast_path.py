@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from engine.models.base import StateCache
-from engine.models.layers import relu2 as relu2_reference
-from engine.models.varlen import RecurrentPrefill, VarlenMetadata
+from hybridpd.engine.models.base import StateCache
+from hybridpd.engine.models.layers import relu2 as relu2_reference
+from hybridpd.engine.models.varlen import RecurrentPrefill, VarlenMetadata
 
 SILU = ("silu", "swish")
 """Activations the decode kernels apply themselves (others run in torch between the two kernels)."""
@@ -36,10 +35,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
               scale: float) -> torch.Tensor:
     """Paged attention for either metadata kind (reference per-sequence code for StepMetadata)."""
     if not isinstance(meta, VarlenMetadata):
-        from engine.models.layers import paged_attention
+        from hybridpd.engine.models.layers import paged_attention
 
         return paged_attention(q, k, v, kv_cache, meta, scale)
-    from engine.kernels.paged_attention import paged_attention_varlen, write_kv
+    from hybridpd.engine.kernels.paged_attention import paged_attention_varlen, write_kv
 
     write_kv(k, v, kv_cache, meta.slot_mapping)
     return paged_attention_varlen(q, kv_cache, meta.q_start, meta.q_len, meta.ctx_len, meta.block_table,
@@ -55,7 +54,7 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
     """Causal depthwise conv of every prefill token (xbc's dtype, fp32 accumulation; silu'd with `act`),
     continuing each sequence's conv state; writes the conv state at every cut into its slots. Returns [P, C] in
     pre.rows order."""
-    from engine.kernels.recurrent_step import conv_varlen
+    from hybridpd.engine.kernels.recurrent_step import conv_varlen
 
     C, K = weight.shape
     ext = xbc.new_empty(pre.ext_size, C)
@@ -135,7 +134,7 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
                  ) -> torch.Tensor:
     """y [T, H, P] fp32 (with the D skip) of a Mamba2Mixer for every token; updates the state slots. xbc and dt
     are the raw in_proj slices (strided rows)."""
-    from engine.kernels.recurrent_step import conv_step, mamba_decode
+    from hybridpd.engine.kernels.recurrent_step import conv_step, mamba_decode
 
     cfg = mixer.cfg
     T = xbc.shape[0]
@@ -172,8 +171,7 @@ def _mamba_prefill_cuda(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, g_all: 
                         pre: RecurrentPrefill) -> torch.Tensor:
     """fla-core's chunked SSD over the prefill tokens, its inputs and the D skip from two Triton kernels."""
     from fla.ops.simple_gla import chunk_simple_gla
-
-    from engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
+    from hybridpd.engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
 
     cfg = mixer.cfg
     q, k, v = mamba_chunk_inputs(xa, dtp, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size)
@@ -194,7 +192,7 @@ def _mamba_prefill_cuda(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, g_all: 
 def _mamba_prefill_reference(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, A: torch.Tensor, cache: StateCache,
                              pre: RecurrentPrefill) -> torch.Tensor:
     """CPU (tests of this path): the same rounds with the reference scan, sequence by sequence."""
-    from engine.models.mamba2 import ssd_segment
+    from hybridpd.engine.models.mamba2 import ssd_segment
 
     cfg = mixer.cfg
     x, B, C = _mamba_split(cfg, xa)
@@ -228,7 +226,7 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
               meta: VarlenMetadata) -> torch.Tensor:
     """core output [T, Hv, V] fp32 of a GatedDeltaNet for every token; updates the state slots. qkv, a and b are
     the raw in_proj outputs (strided rows)."""
-    from engine.kernels.recurrent_step import conv_step, gdn_decode
+    from hybridpd.engine.kernels.recurrent_step import conv_step, gdn_decode
 
     cfg = mixer.cfg
     T = qkv.shape[0]
@@ -251,7 +249,7 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
 
         def call(r, init):  # type: ignore[no-untyped-def]
             if not qkv.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
-                from engine.models.gated_deltanet import gdn_segment
+                from hybridpd.engine.models.gated_deltanet import gdn_segment
 
                 rep = cfg.num_v_heads // cfg.num_k_heads
                 qr, kr = (t[r.rows].repeat_interleave(rep, dim=1) for t in (q, k))
@@ -270,7 +268,7 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
 
 def _gdn_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activated conv output -> q, k [n, Hk, K] (L2-normalised, q scaled; not expanded to Hv), v [n, Hv, V]."""
-    from engine.models.gated_deltanet import l2norm
+    from hybridpd.engine.models.gated_deltanet import l2norm
 
     n = xc.shape[0]
     q, k, v = xc.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -286,7 +284,7 @@ def _gdn_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def relu2_fast(x: torch.Tensor) -> torch.Tensor:
     """layers.relu2 in one Triton pass on CUDA (same bits), the torch ops elsewhere."""
     if x.is_cuda and x.is_contiguous():
-        from engine.kernels.fused import relu2
+        from hybridpd.engine.kernels.fused import relu2
 
         return relu2(x)
     return relu2_reference(x)
@@ -310,7 +308,7 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, then each token's k
     outputs gathered back, weighted and summed in fp32 (one kernel). x [T, in] bf16; weights fp32 / idx [T, k].
     Returns [T, in] in x's dtype."""
-    from engine.kernels.fused import moe_combine
+    from hybridpd.engine.kernels.fused import moe_combine
 
     T, top = idx.shape
     flat = idx.reshape(-1)

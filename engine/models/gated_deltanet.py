@@ -21,12 +21,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.cache.specs import RecurrentStateSpec
-from engine.models.base import StateCache
-from engine.models.fast_path import gdn_mixer
-from engine.models.layers import (
+from hybridpd.engine.cache.specs import RecurrentStateSpec
+from hybridpd.engine.models.base import StateCache
+from hybridpd.engine.models.fast_path import gdn_mixer
+from hybridpd.engine.models.layers import (
     RecurrentDecode,
     RecurrentSeq,
     StepMetadata,
@@ -39,7 +37,8 @@ from engine.models.layers import (
     segsum,
     to_chunks,
 )
-from engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.varlen import VarlenMetadata
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         n = hidden.shape[0]
         if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
-            from engine.kernels.fused import gated_head_norm
+            from hybridpd.engine.kernels.fused import gated_head_norm
 
             if self.in_proj_all is None:
                 self.fuse()

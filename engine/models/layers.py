@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.models.batch import ForwardBatch
 from torch import nn
-
-from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import ForwardBatch
 
 # ----------------------------------------------------------------------------------------------------------------
 # dtypes and activations
@@ -180,7 +179,7 @@ class GatedMLP(nn.Module):
         """The same with one GEMM for gate and up and one kernel for silu(gate) * up (fast path)."""
         if self.gate_up is None or not self.fused_silu:
             return self.forward(x)
-        from engine.kernels.fused import silu_mul
+        from hybridpd.engine.kernels.fused import silu_mul
 
         return self.down_proj(silu_mul(F.linear(x, self.gate_up)))
 

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.cache.specs import RecurrentStateSpec
-from engine.models.base import StateCache
-from engine.models.fast_path import mamba2_mixer
-from engine.models.layers import (
+from hybridpd.engine.cache.specs import RecurrentStateSpec
+from hybridpd.engine.models.base import StateCache
+from hybridpd.engine.models.fast_path import mamba2_mixer
+from hybridpd.engine.models.layers import (
     RecurrentDecode,
     RecurrentSeq,
     StepMetadata,
@@ -34,7 +32,8 @@ from engine.models.layers import (
     segsum,
     to_chunks,
 )
-from engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.varlen import VarlenMetadata
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class GroupGatedRMSNorm(nn.Module):
 
     def forward_fused(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The same in one kernel, cast to `dtype` (fast path)."""
-        from engine.kernels.fused import gated_group_norm
+        from hybridpd.engine.kernels.fused import gated_group_norm
 
         return gated_group_norm(y, gate, self.weight, self.group_size, self.eps, dtype)
 

@@ -15,12 +15,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.cache.specs import CacheSpec, FullAttentionSpec
-from engine.models.base import AttentionCache, LayerCache, StateCache
-from engine.models.batch import ForwardBatch
-from engine.models.fast_path import (
+from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
+from hybridpd.engine.models.base import AttentionCache, LayerCache, StateCache
+from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.fast_path import (
     attention,
     grouped_moe_available,
     moe_routed,
@@ -28,9 +26,10 @@ from engine.models.fast_path import (
     relu2_fast,
     stack_experts,
 )
-from engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata, relu2
-from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
-from engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata, relu2
+from hybridpd.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+from hybridpd.engine.models.varlen import VarlenMetadata
+from torch import nn
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -301,7 +300,7 @@ class NemotronHForCausalLM(nn.Module):
         metas = layer_metadata(batch, device, len(self.backbone.layers))
         h = self.backbone.embeddings(batch.input_ids.to(device))
         if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
-            from engine.kernels.fused import rms_norm
+            from hybridpd.engine.kernels.fused import rms_norm
 
             x = None
             for i, layer in enumerate(self.backbone.layers):

@@ -18,14 +18,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from engine.cache.specs import CacheSpec, FullAttentionSpec
-from engine.models.base import AttentionCache, LayerCache, StateCache
-from engine.models.batch import ForwardBatch
-from engine.models.fast_path import attention
-from engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from engine.models.layers import (
+from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
+from hybridpd.engine.models.base import AttentionCache, LayerCache, StateCache
+from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.fast_path import attention
+from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from hybridpd.engine.models.layers import (
     GatedMLP,
     RotaryEmbedding,
     StepMetadata,
@@ -34,7 +32,8 @@ from engine.models.layers import (
     fuse_linears,
     layer_metadata,
 )
-from engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.varlen import VarlenMetadata
+from torch import nn
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -159,7 +158,7 @@ class Qwen3_5Attention(nn.Module):
         n = h.shape[0]
         fast = isinstance(meta, VarlenMetadata) and self.qkv is not None
         if fast:  # fast path: one GEMM, fused norms, rope and output gate
-            from engine.kernels.fused import rms_norm
+            from hybridpd.engine.kernels.fused import rms_norm
 
             qg, k, v = F.linear(h, self.qkv).split(
                 [2 * self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
@@ -174,8 +173,8 @@ class Qwen3_5Attention(nn.Module):
             v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
         cos, sin = rope
         if fast:
-            from engine.kernels.fused import rope as rope_kernel
-            from engine.kernels.fused import sigmoid_gate
+            from hybridpd.engine.kernels.fused import rope as rope_kernel
+            from hybridpd.engine.kernels.fused import sigmoid_gate
 
             q, k = rope_kernel(q, cos, sin), rope_kernel(k, cos, sin)
             out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
@@ -257,7 +256,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids.to(device))
         rope = self.rotary.cos_sin(metas[0].positions, h.dtype)
         if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
-            from engine.kernels.fused import rms_norm
+            from hybridpd.engine.kernels.fused import rms_norm
 
             x = None
             for i, layer in enumerate(self.model.layers):

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hybridpd.engine.errors import ModelLoadError
+from hybridpd.engine.models.base import CausalLM
+from hybridpd.engine.models.layers import torch_dtype
+from hybridpd.engine.models.nemotron_h import NemotronHForCausalLM
+from hybridpd.engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from safetensors import safe_open
-
-from engine.errors import ModelLoadError
-from engine.models.base import CausalLM
-from engine.models.layers import torch_dtype
-from engine.models.nemotron_h import NemotronHForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     if load_format == "dummy":
         _fill_dummy(model, cls, arch, cfg, dtype, target)
     else:
-        from engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
+        from hybridpd.engine.models.weights_fit import cast_meta, free_device_bytes, require_room, weight_bytes
 
         cast_meta(model, cls.keep_fp32, torch_dtype(dtype))  # what the weights will take, checked before reading any
         require_room(weight_bytes(model), free_device_bytes(target))
@@ -149,7 +148,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
 def _fill_dummy(model: Any, cls: ModelClass, arch: str, cfg: dict[str, Any], dtype: str, device: torch.device) -> None:
     from types import SimpleNamespace
 
-    from engine.models.checkpoint import fill_random_weights
+    from hybridpd.engine.models.checkpoint import fill_random_weights
 
     nested = cfg.get("text_config")
     text: dict[str, Any] = nested if isinstance(nested, dict) else cfg

@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import SINGLE_VIEW, GroupViews
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
 
 
 @dataclass

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from engine.errors import ModelLoadError
+from hybridpd.engine.errors import ModelLoadError
 
 
 def cast_meta(model: Any, keep_fp32: Callable[[str], bool], dtype: torch.dtype) -> None:

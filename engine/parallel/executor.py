@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.parallel.group import TPGroup, free_port, init_tp, rank_device
+from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_device
 
 log = logging.getLogger("hybridpd.tp")
 
@@ -118,7 +118,7 @@ def rank_config(config: Any, rank: int) -> Any:
 
 def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> None:
     """Entry point of a spawned rank: join the group, build the same engine on its slice, follow rank 0."""
-    from engine.core import EngineCore
+    from hybridpd.engine.core import EngineCore
 
     _exit_when_gone(leader_pid)
     config = rank_config(config, rank)
@@ -141,8 +141,8 @@ def _exit_when_gone(pid: int) -> None:
 
 
 class Followers:
-    """Rank 0's handle on ranks 1..tp-1: starts them (`python -m engine.parallel.executor`, the config pickled on
-    stdin: no re-import of the caller's main module), joins the group with them, watches them."""
+    """Rank 0's handle on ranks 1..tp-1: starts them (`python -m hybridpd.engine.parallel.executor`, the config
+    pickled on stdin: no re-import of the caller's main module), joins the group with them, watches them."""
 
     def __init__(self, config: Any) -> None:
         world = config.parallel.tensor_parallel_size
@@ -152,7 +152,8 @@ class Followers:
             env.setdefault("OMP_NUM_THREADS", "1")
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(1, world):
-            proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.executor"], stdin=subprocess.PIPE, env=env)
+            cmd = [sys.executable, "-m", "hybridpd.engine.parallel.executor"]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps((config, r, init, os.getpid())))
             proc.stdin.close()
@@ -205,7 +206,7 @@ def start_tensor_parallel(config: Any) -> Followers | None:
 
         last = rank_device(device, world - 1)
         if int(last.split(":")[1]) >= torch.cuda.device_count():
-            from engine.errors import InvalidRequestError
+            from hybridpd.engine.errors import InvalidRequestError
 
             raise InvalidRequestError(
                 f"tensor_parallel_size={world} on {device} needs {last}, but {torch.cuda.device_count()} GPUs are "

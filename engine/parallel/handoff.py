@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from engine.cache.specs import FullAttentionSpec
-from engine.parallel.executor import LeaderRunner
-from kvtransfer.tp_layout import (
+from hybridpd.engine.cache.specs import FullAttentionSpec
+from hybridpd.engine.parallel.executor import LeaderRunner
+from hybridpd.kvtransfer.tp_layout import (
     AttentionShape,
     GDNShape,
     Mamba2Shape,
@@ -23,7 +22,7 @@ from kvtransfer.tp_layout import (
     gdn_tensors,
     mamba2_tensors,
 )
-from kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces
+from hybridpd.kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces
 
 
 def cache_tensors(core: Any) -> dict[int, list[ShardedTensor]]:

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from hybridpd.engine.parallel.group import TPGroup
 from torch import nn
-
-from engine.parallel.group import TPGroup
 
 
 def take_rows(linear: nn.Linear, rows: torch.Tensor) -> None:

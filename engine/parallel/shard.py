@@ -23,15 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import nn
-
-from engine.models.gated_deltanet import GatedDeltaNet
-from engine.models.layers import MLP, GatedMLP
-from engine.models.mamba2 import Mamba2Mixer
-from engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
-from engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
-from engine.parallel.group import TPGroup
-from engine.parallel.layers import (
+from hybridpd.engine.models.gated_deltanet import GatedDeltaNet
+from hybridpd.engine.models.layers import MLP, GatedMLP
+from hybridpd.engine.models.mamba2 import Mamba2Mixer
+from hybridpd.engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
+from hybridpd.engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
+from hybridpd.engine.parallel.group import TPGroup
+from hybridpd.engine.parallel.layers import (
     ParallelLMHead,
     SpanningGroupNorm,
     VocabParallelEmbedding,
@@ -41,7 +39,8 @@ from engine.parallel.layers import (
     take_cols,
     take_rows,
 )
-from engine.parallel.partition import blocks, gdn_conv_channels, group_share, mamba_conv_channels, split_range
+from hybridpd.engine.parallel.partition import blocks, gdn_conv_channels, group_share, mamba_conv_channels, split_range
+from torch import nn
 
 
 def _need(count: int, what: str, tp: TPGroup) -> None:

@@ -15,6 +15,6 @@ INVALID_ARGUMENT, which the proxy answers with a 400 naming the problem.
 
 from __future__ import annotations
 
-from engine.structured.spec import KINDS, StructuredOutput
+from hybridpd.engine.structured.spec import KINDS, StructuredOutput
 
 __all__ = ["KINDS", "StructuredOutput"]

@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import InvalidRequestError
-from engine.structured.spec import StructuredOutput
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.structured.spec import StructuredOutput
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
 
@@ -92,7 +92,7 @@ class GrammarCache:
             return c.compile_grammar(choice_grammar(_json(spec.spec, "choice list")))
         if spec.kind == "grammar":
             return self._grammar(spec.spec)
-        from engine.structured.tools import tool_call_tag
+        from hybridpd.engine.structured.tools import tool_call_tag
 
         return c.compile_structural_tag(tool_call_tag(_json(spec.spec, "tool-call request")))
 

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.structured.spec import StructuredOutput
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.structured.spec import StructuredOutput
 
 log = logging.getLogger("hybridpd.structured")
 _JSON_KINDS = frozenset({"json", "json_object"})
@@ -64,7 +63,7 @@ class StructuredOutputs:
         if self._grammars is None:
             if self._tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer and this worker has none")
-            from engine.structured.grammar import GrammarCache, tokenizer_info
+            from hybridpd.engine.structured.grammar import GrammarCache, tokenizer_info
 
             info = tokenizer_info(self._tokenizer.backend, self.vocab_size, self.eos_token_ids)
             self._grammars = GrammarCache(info)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from hybridpd.engine.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from hybridpd.engine.errors import InvalidRequestError
 
 FORMATS = ("qwen_3_5",)
 CALL_BEGIN = "<tool_call>\n<function={name}>\n"

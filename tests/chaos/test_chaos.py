@@ -26,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
+from hybridpd.deploy.local_cluster import Cluster, start_cluster
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.kvtransfer.binding import prompt_digest
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 
-from deploy.local_cluster import Cluster, start_cluster
-from engine import LLM, SamplingParams
-from kvtransfer.binding import prompt_digest
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
 from tests.oracle import random_prompts
 from tests.support.param_attacks import ALTERATIONS, with_pages_of
 

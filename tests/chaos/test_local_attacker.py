@@ -51,7 +51,7 @@ def _environ(pid: int) -> dict[bytes, bytes]:
 
 
 def _program(command: str) -> str:
-    """'python -m deploy.cli worker ...' -> 'deploy.cli worker'; '/.../raylet --x' -> 'raylet'."""
+    """'python -m hybridpd.deploy.cli worker ...' -> 'hybridpd.deploy.cli worker'; '/.../raylet --x' -> 'raylet'."""
     parts = command.split()
     words = [os.path.basename(p) for p in parts[1:] if not p.startswith("-")][:2]
     first = os.path.basename(parts[0]) if parts else "?"

@@ -13,8 +13,8 @@ split_groups.py): decode graphs with one set of static buffers per group view, a
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_model, random_prompts, score_under
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +76,7 @@ def test_fast_path_bf16_as_precise_as_reference(name, checkpoint_dir):  # type: 
 
 def test_fast_path_moe_bf16_as_precise_as_reference(tmp_path):  # type: ignore[no-untyped-def]
     """MoE through grouped GEMMs inside the decode graphs against the reference expert loop."""
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     assert_bf16_fast_as_precise(write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0,
                                                         hybrid_override_pattern="M*ME"))

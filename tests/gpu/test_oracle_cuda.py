@@ -12,8 +12,8 @@ correct bf16 implementations differ by that much from each other, so the old bou
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, hf_model, random_prompts, score_under
 
 pytestmark = pytest.mark.gpu

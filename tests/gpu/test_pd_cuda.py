@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.integration.cluster import complete, start_cluster
 from tests.oracle import random_prompts
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 from tests.unit.test_poison import POISONS, Poisoner
 

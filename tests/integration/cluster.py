@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from deploy.local_cluster import Cluster, complete, start_cluster
+from hybridpd.deploy.local_cluster import Cluster, complete, start_cluster
 
 __all__ = ["Cluster", "complete", "start_cluster"]

@@ -28,9 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from hybridpd.deploy.ray_launcher import WorkerProcess, free_port
+from hybridpd.engine import LLM, SamplingParams
 
-from deploy.ray_launcher import WorkerProcess, free_port
-from engine import LLM, SamplingParams
 from tests.integration.cluster import start_cluster
 from tests.polling import wait_for
 
@@ -104,7 +104,7 @@ def _second_proxy(c, extra: list[str]) -> tuple[subprocess.Popen, str]:  # type:
     cmd = [
         sys.executable,
         "-m",
-        "deploy.cli",
+        "hybridpd.deploy.cli",
         "proxy",
         "--model",
         c.model,

@@ -17,9 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
-
-from kvtransfer import (
+from hybridpd.kvtransfer import (
     AgentConfig,
     CacheLayout,
     CompatibilityError,
@@ -33,8 +31,10 @@ from kvtransfer import (
     UnknownPeerError,
     start_pull,
 )
-from kvtransfer import metadata as md_codec
-from kvtransfer.layout import compat_hash
+from hybridpd.kvtransfer import metadata as md_codec
+from hybridpd.kvtransfer.layout import compat_hash
+from prometheus_client import CollectorRegistry
+
 from tests.support.kvtransfer_harness import ATTN_GROUP, STATE_GROUP, ToyCacheSpec, make_caches, serve_producer
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import asyncio
 
 import httpx
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.integration.cluster import complete, start_cluster
 from tests.oracle import hf_greedy, random_prompts
 

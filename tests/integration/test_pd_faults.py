@@ -10,11 +10,11 @@ import time
 
 import grpc
 import pytest
+from hybridpd.deploy.local_cluster import start_cluster
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 
-from deploy.local_cluster import start_cluster
-from engine import LLM, SamplingParams
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.integration.cluster import complete, start_cluster
 from tests.oracle import random_prompts
 
@@ -25,7 +25,7 @@ WORKER = ["--checkpoint-interval", "32", "--block-size", "16", "--kv-cache-memor
 
 
 def _model(tmp_path_factory: pytest.TempPathFactory, name: str) -> str:
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     family, overrides = MODELS[name]
     return write_random_checkpoint(str(tmp_path_factory.mktemp(name)), family, seed=0, **overrides)

@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from hybridpd.deploy.prometheus.targets import targets_from_cluster, write_targets
+from hybridpd.deploy.ray_launcher import free_port
 
-from deploy.prometheus.targets import targets_from_cluster, write_targets
-from deploy.ray_launcher import free_port
 from tests.integration.cluster import Cluster, complete, start_cluster
 from tests.polling import wait_for
 

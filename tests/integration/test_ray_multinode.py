@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hybridpd.deploy.ray_launcher import free_port
+from hybridpd.engine import LLM, SamplingParams
 
-from deploy.ray_launcher import free_port
-from engine import LLM, SamplingParams
 from tests.integration.test_serve_ray import REPO, Serve, _processes
 from tests.oracle import random_prompts
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 import pytest
+from hybridpd.deploy.prometheus.targets import TARGETS_DIR, targets_from_cluster
+from hybridpd.deploy.ray_launcher import free_port
 from openai import OpenAI
 
-from deploy.prometheus.targets import TARGETS_DIR, targets_from_cluster
-from deploy.ray_launcher import free_port
 from tests.polling import wait_for
 from tests.support.proc_sockets import listeners, tree
 from tests.support.secret_scan import scan
@@ -72,9 +72,9 @@ def _processes(marker: str) -> dict[int, str]:
 
 
 def _workers(marker: str, role: str | None = None) -> dict[int, str]:
-    """`hybridpd worker` processes (the launcher runs `python -m deploy.cli worker`) of this test."""
+    """`hybridpd worker` processes (the launcher runs `python -m hybridpd.deploy.cli worker`) of this test."""
     return {pid: cmd for pid, cmd in _processes(marker).items()
-            if "deploy.cli worker" in cmd and (role is None or f"--role {role} " in f"{cmd} ")}
+            if "hybridpd.deploy.cli worker" in cmd and (role is None or f"--role {role} " in f"{cmd} ")}
 
 
 class Serve:
@@ -87,7 +87,7 @@ class Serve:
         self.marker = marker
         self.ray_root = env["RAY_TMPDIR"]
         exe = Path(sys.executable).with_name("hybridpd")  # the console script (DESIGN.md contract)
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "deploy.cli"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "hybridpd.deploy.cli"]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([*cmd, "serve", *args, "--port", str(self.port)], stdout=out,
                                          stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -192,7 +192,7 @@ def _decode_epoch(serve: Serve) -> str | None:
 
 def test_serve_openai_client_restart_and_sigint(checkpoint_dir: Callable[[str], str],
                                                 start_serve: Callable[[list[str], str], Serve], tmp_path: Path) -> None:
-    from engine import LLM, SamplingParams
+    from hybridpd.engine import LLM, SamplingParams
 
     model = tmp_path / "nemotron"  # the served model's name is the directory's
     model.symlink_to(checkpoint_dir("nemotron_attn_mid"), target_is_directory=True)

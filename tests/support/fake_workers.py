@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from proto import hybridpd_pb2 as pb
-from proto import hybridpd_pb2_grpc as pb_grpc
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 
 FAKE_BLOCK = 4
 

@@ -8,13 +8,12 @@ required to be within a few bf16 steps."""
 from __future__ import annotations
 
 import torch
-
-from engine.kernels.fused import gated_group_norm, gated_head_norm, moe_combine, relu2, rms_norm, silu_mul
-from engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
-from engine.models.gated_deltanet import GatedRMSNorm
-from engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
-from engine.models.layers import relu2 as relu2_reference
-from engine.models.mamba2 import GroupGatedRMSNorm
+from hybridpd.engine.kernels.fused import gated_group_norm, gated_head_norm, moe_combine, relu2, rms_norm, silu_mul
+from hybridpd.engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
+from hybridpd.engine.models.gated_deltanet import GatedRMSNorm
+from hybridpd.engine.models.layers import RMSNorm, ZeroCenteredRMSNorm
+from hybridpd.engine.models.layers import relu2 as relu2_reference
+from hybridpd.engine.models.mamba2 import GroupGatedRMSNorm
 
 GEN = torch.Generator().manual_seed(0)
 DEVICE = "cpu"
@@ -144,9 +143,9 @@ def check_mamba_chunk_inputs_and_skip(dtype: torch.dtype) -> None:
 def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
     """conv_step(act) + mamba_decode against Mamba2Mixer's reference decode (dt rounding, clamp, D skip), with
     rows that are a subset of the batch (the others stay zero) and one row starting from zeros."""
-    from engine.kernels.recurrent_step import conv_step, mamba_decode
-    from engine.models.layers import causal_conv_step
-    from engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+    from hybridpd.engine.kernels.recurrent_step import conv_step, mamba_decode
+    from hybridpd.engine.models.layers import causal_conv_step
+    from hybridpd.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
     cfg = Mamba2Config(hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=16, conv_kernel=4,
                        chunk_size=8, use_bias=False, use_conv_bias=True, activation="silu", norm_eps=1e-5,
@@ -189,9 +188,9 @@ def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
 def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
     """conv_step(act) + gdn_decode against GatedDeltaNet's reference decode (q/k l2 norms, GQA, beta in the model
     dtype, g in fp32)."""
-    from engine.kernels.recurrent_step import conv_step, gdn_decode
-    from engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-    from engine.models.layers import causal_conv_step
+    from hybridpd.engine.kernels.recurrent_step import conv_step, gdn_decode
+    from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+    from hybridpd.engine.models.layers import causal_conv_step
 
     cfg = GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
                               conv_kernel=4, activation="silu", norm_eps=1e-6)
@@ -231,8 +230,8 @@ def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
 def check_conv_varlen_matches_reference_chunks(dtype: torch.dtype) -> None:
     """conv_varlen over two sequences in one extended buffer (state rows, then tokens) against the reference
     causal_conv_chunk of each sequence, pre-activation and with silu."""
-    from engine.kernels.recurrent_step import conv_varlen
-    from engine.models.layers import causal_conv_chunk
+    from hybridpd.engine.kernels.recurrent_step import conv_varlen
+    from hybridpd.engine.models.layers import causal_conv_chunk
 
     C, K, lens = 40, 4, (7, 3)
     w, b = rand(C, K, dtype=dtype), rand(C, dtype=dtype)
@@ -268,7 +267,7 @@ def check_paged_attention_across_key_tiles(dtype: torch.dtype) -> None:
 
 
 def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
-    from engine.kernels.paged_attention import paged_attention_varlen
+    from hybridpd.engine.kernels.paged_attention import paged_attention_varlen
 
     H, KVH, D, bs = 4, 2, 32, 16
     n_blocks = sum(-(-c // bs) for _, c in seqs) + 3
@@ -304,8 +303,8 @@ def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
 def check_rope_partial_on_strided_heads(dtype: torch.dtype) -> None:
     """fused.rope against layers.apply_rotary: partial rotary (a quarter of the head, as Qwen3.5), rows strided as
     the q chunk of Qwen3.5's q projection."""
-    from engine.kernels.fused import rope
-    from engine.models.layers import RotaryEmbedding, apply_rotary
+    from hybridpd.engine.kernels.fused import rope
+    from hybridpd.engine.models.layers import RotaryEmbedding, apply_rotary
 
     T, H, D = 5, 3, 32
     x = rand(T, H, 2 * D, dtype=dtype)[..., :D]  # the q half of [q | gate], as the model chunks it
@@ -315,7 +314,7 @@ def check_rope_partial_on_strided_heads(dtype: torch.dtype) -> None:
 
 def check_sigmoid_gate(dtype: torch.dtype) -> None:
     """fused.sigmoid_gate against out * torch.sigmoid(gate) with the gate a strided chunk of a wider row."""
-    from engine.kernels.fused import sigmoid_gate
+    from hybridpd.engine.kernels.fused import sigmoid_gate
 
     n, H, W = 4, 6, 40
     gate = rand(n, H, 2 * W, dtype=dtype, scale=3.0)[..., W:]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.agent import AgentConfig, TransferAgent
-from kvtransfer.layout import GroupTensors
+from hybridpd.kvtransfer.agent import AgentConfig, TransferAgent
+from hybridpd.kvtransfer.layout import GroupTensors
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,7 @@ def serve_producer(
     epoch: str | None = None,
 ) -> None:
     """Child-process entry of a producer (P). Runs until told to stop or the pipe closes."""
-    from kvtransfer.layout import CacheLayout
+    from hybridpd.kvtransfer.layout import CacheLayout
 
     groups = make_caches(spec, seed)
     agent = TransferAgent(name, CacheLayout.from_tensors(groups, model_id=spec.model_id), epoch, config=config)

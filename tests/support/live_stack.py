@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 import grpc
 import httpx
 import uvicorn
+from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.http_guard import uvicorn_config
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from proxy.config import ProxyConfig
-from proxy.http_guard import uvicorn_config
-from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import FakeDecodeWorker, FakePrefillWorker, serve_fake
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ class LiveStack:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> None:
-        from proxy.app import create_app
+        from hybridpd.proxy.app import create_app
 
         workers: list[FakePrefillWorker | FakeDecodeWorker] = [*self.prefill, *self.decode]
         for w in workers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from proto import hybridpd_pb2 as pb
+from hybridpd.proto import hybridpd_pb2 as pb
 
 
 def with_pages_of(tp: pb.TransferParams, other: pb.TransferParams) -> pb.TransferParams:

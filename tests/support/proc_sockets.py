@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from deploy.reaper import descendants
+from hybridpd.deploy.reaper import descendants
 
 LOOPBACK = ("127.0.0.1", "::1")
 

@@ -60,7 +60,7 @@ class ProxyProcess:
         self._run(self._start_fakes())
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "deploy.cli", "proxy", "--port", str(port), "--prefill",
+        cmd = [sys.executable, "-m", "hybridpd.deploy.cli", "proxy", "--port", str(port), "--prefill",
                *(w.address for w in self.prefill), "--decode", *(w.address for w in self.decode), *self.flags]
         env = {**os.environ, "PYTHONPATH": str(REPO), **self.env}
         env.pop("HYBRIDPD_API_KEY", None)

@@ -22,8 +22,8 @@ from dataclasses import replace
 from typing import Any
 from unittest import mock
 
-from engine.cache.specs import CacheGroup, CacheSpec, group_layers
-from engine.scheduler import SchedulerOutput
+from hybridpd.engine.cache.specs import CacheGroup, CacheSpec, group_layers
+from hybridpd.engine.scheduler import SchedulerOutput
 
 
 def split_group_layers(specs: dict[int, CacheSpec]) -> list[CacheGroup]:
@@ -39,7 +39,7 @@ def split_group_layers(specs: dict[int, CacheSpec]) -> list[CacheGroup]:
 @contextmanager
 def split_cache_groups() -> Iterator[None]:
     """EngineCores built inside get split groups (EngineCore reads its groups from `group_layers`)."""
-    with mock.patch("engine.core.group_layers", split_group_layers):
+    with mock.patch("hybridpd.engine.core.group_layers", split_group_layers):
         yield
 
 
@@ -98,7 +98,7 @@ def permute_rider_pages(llm: Any) -> None:
 def split_llm(**kwargs: Any) -> Any:
     """`LLM(**kwargs)` with each kind's layers split into two cache groups whose pages live at different indices
     (`permute_rider_pages`)."""
-    from engine import LLM
+    from hybridpd.engine import LLM
 
     with split_cache_groups():
         llm = LLM(**kwargs)

@@ -7,14 +7,13 @@ import asyncio
 from typing import Any
 
 import pytest
+from hybridpd.proxy.admission import Admission, Demand, Ticket
+from hybridpd.proxy.api_keys import ApiKey, find_key, parse_keys
+from hybridpd.proxy.config import AdmissionLimits, ProxyConfig, RequestLimits
+from hybridpd.proxy.errors import ApiError
+from hybridpd.proxy.openai_schema import parse_completion
+from hybridpd.proxy.request_limits import check_body_limits, check_request_limits
 from prometheus_client import CollectorRegistry
-
-from proxy.admission import Admission, Demand, Ticket
-from proxy.api_keys import ApiKey, find_key, parse_keys
-from proxy.config import AdmissionLimits, ProxyConfig, RequestLimits
-from proxy.errors import ApiError
-from proxy.openai_schema import parse_completion
-from proxy.request_limits import check_body_limits, check_request_limits
 
 
 def make(**limits: Any) -> Admission:
@@ -213,9 +212,9 @@ def test_request_limits() -> None:
 
 
 def test_cli_flags_reach_the_proxy_config(tmp_path: Any) -> None:
-    from deploy.cli import build_parser
-    from deploy.commands import ConfigError, proxy_limits
-    from deploy.proxy_flags import serve_max_seqs
+    from hybridpd.deploy.cli import build_parser
+    from hybridpd.deploy.commands import ConfigError, proxy_limits
+    from hybridpd.deploy.proxy_flags import serve_max_seqs
 
     keys = tmp_path / "keys"
     keys.write_text("alice sk-a max_concurrency=4\nbob sk-b\n")

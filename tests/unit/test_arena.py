@@ -21,20 +21,20 @@ from collections import Counter
 
 import pytest
 import torch
+from hybridpd.engine.arena import allocate_caches
+from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.arena import ArenaLayout, page_bytes
+from hybridpd.engine.cache.coordinator import HybridCacheManager
+from hybridpd.engine.cache.managers import cdiv
+from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.arena import allocate_caches
-from engine.cache.admission import CachePolicy
-from engine.cache.arena import ArenaLayout, page_bytes
-from engine.cache.coordinator import HybridCacheManager
-from engine.cache.managers import cdiv
-from engine.cache.planner import plan_capacity
-from engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 from tests.support.overlay_spy import spy_overlay
 from tests.unit.test_cache_properties import BS, GDN, Harness, ReqSpec, Trace, req_specs
 
@@ -287,8 +287,8 @@ def test_views_share_one_arena_and_a_checkpoint_write_lands_on_its_blocks() -> N
 
 
 def test_transfer_layout_registers_the_arena_once_with_the_right_pages() -> None:
-    from kvtransfer.agent import registration_spans
-    from kvtransfer.layout import CacheLayout, GroupTensors
+    from hybridpd.kvtransfer.agent import registration_spans
+    from hybridpd.kvtransfer.layout import CacheLayout, GroupTensors
 
     seqs, blocks = 2, 5 * K
     plan = plan_capacity(GROUPS, arena_budget(seqs, blocks), seqs, None, 64, 0, policy=CachePolicy())

@@ -8,8 +8,8 @@ transformers and a cache-off engine, and prefix hits still happen (restoring che
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 from tests.support.overlay_spy import spy_overlay
 

@@ -7,8 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
-from engine.async_engine import AsyncEngine
+from hybridpd.engine.async_engine import AsyncEngine
 
 
 class IdleCore:

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError, ModelLoadError
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,8 @@ def test_generation_stops_at_max_model_len(llm):  # type: ignore[no-untyped-def]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "hybridpd.deploy.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_clear_errors(tmp_path):  # type: ignore[no-untyped-def]

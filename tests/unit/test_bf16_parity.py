@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 
 LENGTHS = [1, 33, 129, 300]

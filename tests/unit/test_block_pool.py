@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
-from engine.cache.block_pool import BlockPool, PoolExhaustedError
-from engine.cache.specs import NULL_BLOCK_ID
+from hybridpd.engine.cache.block_pool import BlockPool, PoolExhaustedError
+from hybridpd.engine.cache.specs import NULL_BLOCK_ID
 
 H = [bytes([i]) * 16 for i in range(16)]  # distinct fake block hashes
 

@@ -8,8 +8,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from engine.cache.events import CacheEventLog
-from worker.cache_events import CacheEventHub
+from hybridpd.engine.cache.events import CacheEventLog
+from hybridpd.worker.cache_events import CacheEventHub
 
 
 class _Cache:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.cache.coordinator import HybridCacheManager
-from engine.cache.events import CacheEventLog
-from proxy.cache_index import CacheShape, WorkerCacheIndex, prompt_block_hashes
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.coordinator import HybridCacheManager
+from hybridpd.engine.cache.events import CacheEventLog
+from hybridpd.proxy.cache_index import CacheShape, WorkerCacheIndex, prompt_block_hashes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

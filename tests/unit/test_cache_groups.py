@@ -25,15 +25,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from engine.cache.admission import CachePolicy
-from engine.cache.arena import page_bytes
-from engine.cache.coordinator import HybridCacheManager
-from engine.cache.managers import cdiv
-from engine.cache.planner import plan_capacity
-from engine.cache.specs import (
+from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.arena import page_bytes
+from hybridpd.engine.cache.coordinator import HybridCacheManager
+from hybridpd.engine.cache.managers import cdiv
+from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.specs import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
     CacheSpec,
@@ -41,13 +38,13 @@ from engine.cache.specs import (
     RecurrentStateSpec,
     group_layers,
 )
-from engine.config import SchedulerConfig
-from engine.core import EngineCore
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured.matchers import StructuredOutputs
-from engine.transfer import (
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.request import Request, RequestStatus
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
+from hybridpd.engine.structured.matchers import StructuredOutputs
+from hybridpd.engine.transfer import (
     Export,
     Import,
     ImportSource,
@@ -58,6 +55,8 @@ from engine.transfer import (
     release_export,
     schedule_local,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -563,10 +562,10 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
 def test_transfer_params_carry_every_group_and_read_the_one_group_format() -> None:
     """TransferParams round trip: per attention group blocks, per recurrent group state + checkpoint slots
     (`states`, field 14); params from an older P (fields 5 and 10 only) are read as the only recurrent group's."""
-    from decode.consumer import source_of
-    from engine.transfer import Checkpoint
-    from prefill.service import transfer_params
-    from proto import hybridpd_pb2 as pb
+    from hybridpd.decode.consumer import source_of
+    from hybridpd.engine.transfer import Checkpoint
+    from hybridpd.prefill.service import transfer_params
+    from hybridpd.proto import hybridpd_pb2 as pb
 
     exp = Export("r", 11, {0: (3, 4, 5), 1: (7, 8, 9)}, {2: 6, 3: 2}, Checkpoint(8, {2: 4, 3: 5}), {})
     tp = pb.TransferParams.FromString(transfer_params(exp).SerializeToString())

@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from engine.cache.coordinator import HybridCacheManager, PoolLayout
-from engine.cache.hashing import extend_block_hashes, extra_keys, hash_block
-from engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
+from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys, hash_block
+from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 BS, INTERVAL = 4, 8
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")

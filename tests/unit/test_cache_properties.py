@@ -20,18 +20,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
+from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys
+from hybridpd.engine.cache.managers import cdiv
+from hybridpd.engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine.cache.admission import CachePolicy
-from engine.cache.coordinator import HybridCacheManager, PoolLayout
-from engine.cache.hashing import extend_block_hashes, extra_keys
-from engine.cache.managers import cdiv
-from engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")

@@ -9,16 +9,15 @@ Block 4 tokens; an attention block costs 32 bytes, a Mamba-2 state 160 bytes (= 
 from __future__ import annotations
 
 import pytest
-
-from engine.cache.admission import Admission, CachePolicy, SeenHashes
-from engine.cache.coordinator import HybridCacheManager, PoolLayout
-from engine.cache.planner import plan_capacity
-from engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.errors import InvalidRequestError
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from hybridpd.engine.cache.admission import Admission, CachePolicy, SeenHashes
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
+from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")  # 64 B/layer

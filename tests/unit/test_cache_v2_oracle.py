@@ -11,8 +11,8 @@ engine, and the hits land where the reuse admission put checkpoints (default con
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

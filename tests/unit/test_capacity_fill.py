@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.specs import FullAttentionSpec, RecurrentStateSpec
 
-from engine import LLM, SamplingParams
-from engine.cache.specs import FullAttentionSpec, RecurrentStateSpec
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

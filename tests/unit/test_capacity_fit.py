@@ -4,10 +4,9 @@ with the numbers."""
 from __future__ import annotations
 
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.core import fit_running_seqs
-from engine.errors import InvalidRequestError
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.core import fit_running_seqs
+from hybridpd.engine.errors import InvalidRequestError
 
 
 def test_fit_finds_the_largest_batch_that_leaves_room() -> None:

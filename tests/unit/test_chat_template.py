@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from engine.chat_template import ChatTemplate, ChatTemplateError, render_fallback
-from engine.tokenizer import Tokenizer, write_tokenizer_files
-from proxy.errors import ApiError
-from proxy.openai_schema import ChatMessage
-from proxy.tokenization import PromptTokenizer
+from hybridpd.engine.chat_template import ChatTemplate, ChatTemplateError, render_fallback
+from hybridpd.engine.tokenizer import Tokenizer, write_tokenizer_files
+from hybridpd.proxy.errors import ApiError
+from hybridpd.proxy.openai_schema import ChatMessage
+from hybridpd.proxy.tokenization import PromptTokenizer
 
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "hi"}],

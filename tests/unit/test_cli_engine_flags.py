@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from deploy import cli, commands, engine_flags
-from engine.config import CacheConfig, EngineConfig, ModelConfig, config_sections, field_docs
+from hybridpd.deploy import cli, commands, engine_flags
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, config_sections, field_docs
 
 # the flag spellings documented before the flags were generated (a contract), each at a non-default value
 FLAGS = ["--dtype", "bfloat16", "--device", "cpu", "--block-size", "32", "--max-model-len", "1024",
@@ -185,7 +184,7 @@ def test_generate_passes_every_flag(monkeypatch: pytest.MonkeyPatch, tmp_path, t
             seen.append(config)
             raise Stop
 
-    monkeypatch.setattr("engine.llm.LLM", FakeLLM)
+    monkeypatch.setattr("hybridpd.engine.llm.LLM", FakeLLM)
     with pytest.raises(Stop):
         cli.main(["generate", "--model", str(tmp_path), "--prompt", "x", *flags])
     _check(seen[0], str(tmp_path), want)
@@ -195,13 +194,14 @@ def test_generate_passes_every_flag(monkeypatch: pytest.MonkeyPatch, tmp_path, t
 def test_worker_and_serve_pass_every_flag(monkeypatch: pytest.MonkeyPatch, tmp_path, table: str) -> None:  # type: ignore[no-untyped-def]
     flags, want = (FLAGS, WANT) if table == "documented" else (_generated_argv(_all_other()), _all_other())
     seen: list[EngineConfig] = []
-    monkeypatch.setattr("worker.bootstrap.run_worker", lambda cfg, opts: seen.append(cfg) or 0)
+    monkeypatch.setattr("hybridpd.worker.bootstrap.run_worker", lambda cfg, opts: seen.append(cfg) or 0)
     assert cli.main(["worker", "--role", "decode", "--model", str(tmp_path), *flags]) == 0
     _check(seen[0], str(tmp_path), want)
 
     # serve: the worker command line it gives each actor carries the same flags
     served: list[list[str]] = []
-    monkeypatch.setattr("deploy.ray_launcher.serve", lambda args, argv, model, max_len: served.append(argv) or 0)
+    fake = lambda args, argv, model, max_len: served.append(argv) or 0  # noqa: E731
+    monkeypatch.setattr("hybridpd.deploy.ray_launcher.serve", fake)
     (tmp_path / "config.json").write_text("{}")
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 0
     assert cli.main(["worker", "--role", "prefill", *served[0]]) == 0
@@ -220,7 +220,7 @@ def test_worker_command_line_round_trips_any_config() -> None:
 
 
 def test_llm_takes_every_field_by_keyword(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import llm
+    from hybridpd.engine import llm
 
     seen: list[EngineConfig] = []
     monkeypatch.setattr(llm, "EngineCore", lambda cfg: seen.append(cfg))

@@ -6,8 +6,7 @@ import socket
 import time
 
 import pytest
-
-from deploy.cli import build_parser, main
+from hybridpd.deploy.cli import build_parser, main
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

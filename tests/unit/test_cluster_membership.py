@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 
-from proxy.cache_index import prompt_block_hashes
-from proxy.config import RoutingWeights
+from hybridpd.proxy.cache_index import prompt_block_hashes
+from hybridpd.proxy.config import RoutingWeights
+
 from tests.polling import wait_for
 from tests.support.fake_workers import FakeDecodeWorker, serve_fake
 from tests.support.live_stack import LiveStack
@@ -156,8 +157,8 @@ def test_placement_weighs_load_and_room_when_no_index_is_usable() -> None:
     """No cache index (a stale or old worker): least loaded, then the one with room, never the full one."""
     from types import SimpleNamespace
 
-    from proxy.placement import Placer
-    from proxy.routing import Router
+    from hybridpd.proxy.placement import Placer
+    from hybridpd.proxy.routing import Router
 
     decode = Router(["a", "b"], "cache_aware")
     membership = SimpleNamespace(index=lambda addr: None, room={"a": 1.0, "b": 1.0})

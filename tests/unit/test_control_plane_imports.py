@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import engine.cache
+from hybridpd import engine
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = sorted(
-    [f"engine.cache.{m.name}" for m in pkgutil.iter_modules(engine.cache.__path__)]
-    + ["engine.cache", "engine.scheduler", "engine.request", "engine.config"]
+    [f"hybridpd.engine.cache.{m.name}" for m in pkgutil.iter_modules(engine.cache.__path__)]
+    + ["hybridpd.engine.cache", "hybridpd.engine.scheduler", "hybridpd.engine.request", "hybridpd.engine.config"]
 )
 
 PROBE = """
@@ -27,7 +27,7 @@ print(json.dumps(heavy))
 
 def test_control_plane_modules_are_listed() -> None:
     for name in ("block_pool", "coordinator", "hashing", "managers", "planner", "specs"):
-        assert f"engine.cache.{name}" in CONTROL_PLANE
+        assert f"hybridpd.engine.cache.{name}" in CONTROL_PLANE
 
 
 def test_control_plane_imports_no_torch() -> None:

@@ -26,8 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from deploy.prometheus.targets import targets_from_cluster, write_targets
+from hybridpd.deploy.prometheus.targets import targets_from_cluster, write_targets
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "hybridpd.json"

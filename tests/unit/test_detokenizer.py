@@ -5,11 +5,10 @@ at its end; and each step decodes a bounded window, not the whole output (counte
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine.detokenizer import WINDOW, IncrementalDetokenizer
+from hybridpd.engine.tokenizer import Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine.detokenizer import WINDOW, IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine import device as dev
-from engine.config import EngineConfig
-from engine.core import resolve_auto
-from engine.errors import InvalidRequestError
+from hybridpd.engine import device as dev
+from hybridpd.engine.config import EngineConfig
+from hybridpd.engine.core import resolve_auto
+from hybridpd.engine.errors import InvalidRequestError
 
 
 def test_auto_is_cpu_float32_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,7 +36,7 @@ def test_cuda_without_fla_refuses_naming_the_package(monkeypatch: pytest.MonkeyP
 
 
 def test_llm_defaults_to_auto_and_runs_float32_on_cpu() -> None:
-    from engine import LLM
+    from hybridpd.engine import LLM
 
     llm = LLM(kv_cache_memory_bytes=16 * 2**20)
     assert (llm.config.model.device, llm.config.model.dtype) == ("auto", "auto")
@@ -51,7 +50,7 @@ def test_bad_device_is_still_refused() -> None:
 
 
 def test_serve_reserves_a_gpu_per_worker_when_the_cluster_has_them() -> None:
-    from deploy.ray_launcher import default_gpus_per_worker
+    from hybridpd.deploy.ray_launcher import default_gpus_per_worker
 
     assert default_gpus_per_worker(None, "auto", cluster_gpus=2.0, num_workers=2) == 1.0
     assert default_gpus_per_worker(None, "cuda:0", cluster_gpus=4.0, num_workers=2) == 1.0

@@ -7,8 +7,8 @@ cache too small for the whole batch (preemption must happen, and does)."""
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
 
-from engine import LLM, SamplingParams
 from tests.oracle import hf_greedy, random_prompts, reference_set
 
 LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]

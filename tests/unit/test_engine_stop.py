@@ -3,7 +3,7 @@ the token kept; max_tokens gives "length"."""
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from hybridpd.engine import LLM, SamplingParams
 
 
 def test_stop_string_and_stop_token(checkpoint_dir):  # type: ignore[no-untyped-def]

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core import EngineCore
-from engine.transfer import (
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.transfer import (
     Import,
     ImportSource,
     abort_import,
@@ -20,6 +19,7 @@ from engine.transfer import (
     release_export,
     schedule_local,
 )
+
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-if "engine.kernels.paged_attention" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+if "hybridpd.engine.kernels.paged_attention" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
     pytest.skip("Triton kernels already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from hybridpd.engine import LLM, SamplingParams  # noqa: E402
+from hybridpd.engine.cache.specs import PAD_SLOT_ID  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.cache.specs import PAD_SLOT_ID  # noqa: E402
 from tests.oracle import random_prompts  # noqa: E402
 
 pytest.importorskip("triton")
@@ -30,7 +30,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     def get(name: str) -> str:
         family, overrides = CASES[name]
@@ -61,7 +61,7 @@ def test_fast_path_matches_reference_fp32(name, model_path, one_torch_thread):  
 
 
 def test_decode_kernels_skip_pad_rows():  # type: ignore[no-untyped-def]
-    from engine.kernels.recurrent_step import conv_step, gdn_decode, mamba_decode
+    from hybridpd.engine.kernels.recurrent_step import conv_step, gdn_decode, mamba_decode
 
     g = torch.Generator().manual_seed(0)
     slots = torch.tensor([2, PAD_SLOT_ID, 1])
@@ -99,8 +99,8 @@ def test_grouped_moe_matches_expert_loop():  # type: ignore[no-untyped-def]
     on CPU (torch._grouped_mm has a CPU kernel here; the GPU runs it in the CUDA graph)."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm not available")
-    from engine.models.checkpoint import random_engine_model
-    from engine.models.fast_path import moe_routed
+    from hybridpd.engine.models.checkpoint import random_engine_model
+    from hybridpd.engine.models.fast_path import moe_routed
 
     model = random_engine_model("nemotron_h", "bfloat16", "cpu", pattern="E", hidden_size=64, n_routed_experts=8,
                                 num_experts_per_tok=3)

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-KERNEL_MODULES = ("engine.kernels.paged_attention", "engine.kernels.fused", "engine.kernels.recurrent_step",
-                  "engine.kernels.recurrent_prefill")
+KERNEL_MODULES = ("hybridpd.engine.kernels.paged_attention", "hybridpd.engine.kernels.fused",
+                  "hybridpd.engine.kernels.recurrent_step",
+                  "hybridpd.engine.kernels.recurrent_prefill")
 if any(m in sys.modules for m in KERNEL_MODULES) and not os.environ.get("TRITON_INTERPRET"):
     pytest.skip("Triton kernels already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"

@@ -9,12 +9,11 @@ import random
 from dataclasses import replace
 
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import GroupViews
-from engine.models.cuda_graphs import DecodeGraphs
-from engine.models.varlen import build_varlen, build_varlen_views
-from engine.scheduler import ScheduledSeq
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.models.batch import GroupViews
+from hybridpd.engine.models.cuda_graphs import DecodeGraphs
+from hybridpd.engine.models.varlen import build_varlen, build_varlen_views
+from hybridpd.engine.scheduler import ScheduledSeq
 
 BS = 16
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvtransfer import descriptors
-from kvtransfer.descriptors import (
+from hybridpd.kvtransfer import descriptors
+from hybridpd.kvtransfer.descriptors import (
     PullPlan,
     Run,
     byte_descs,
@@ -21,7 +20,7 @@ from kvtransfer.descriptors import (
     region_offsets,
     split_plan,
 )
-from kvtransfer.layout import CacheLayout, Region
+from hybridpd.kvtransfer.layout import CacheLayout, Region
 
 
 def layout(base: int, attn_pages: int = 40, slots: int = 6, stride_pad: int = 0) -> CacheLayout:

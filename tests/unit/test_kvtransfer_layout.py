@@ -7,12 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from kvtransfer import CacheLayout, GroupTensors, MetadataError, ProtocolMismatchError
-from kvtransfer.agent import registration_spans
-from kvtransfer.layout import PROTOCOL_VERSION, Region
-from kvtransfer.metadata import WorkerMetadata, decode, encode
-from kvtransfer.notify import ReleaseNotice, decode_release, encode_release
+from hybridpd.kvtransfer import CacheLayout, GroupTensors, MetadataError, ProtocolMismatchError
+from hybridpd.kvtransfer.agent import registration_spans
+from hybridpd.kvtransfer.layout import PROTOCOL_VERSION, Region
+from hybridpd.kvtransfer.metadata import WorkerMetadata, decode, encode
+from hybridpd.kvtransfer.notify import ReleaseNotice, decode_release, encode_release
 
 
 def caches(blocks: int = 10, slots: int = 4, dtype: torch.dtype = torch.float32, block_size: int = 16) -> list:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hybridpd.kvtransfer import LeaseTable, StaleEpochError, TransferMetrics
 from prometheus_client import CollectorRegistry
-
-from kvtransfer import LeaseTable, StaleEpochError, TransferMetrics
 
 
 class Clock:
@@ -83,8 +82,8 @@ def test_metrics_families_are_shared_per_registry() -> None:
 
 
 def test_commit_succeeds_only_for_a_held_lease_of_the_same_epoch_token_and_prompt() -> None:
-    from kvtransfer.binding import prompt_digest
-    from kvtransfer.lease import CommitRefused
+    from hybridpd.kvtransfer.binding import prompt_digest
+    from hybridpd.kvtransfer.lease import CommitRefused
 
     t, clock, _ = table(ttl=30.0)
     digest = prompt_digest([5, 6, 7, 8], 3, "tenant")
@@ -128,7 +127,7 @@ def test_release_with_a_wrong_lease_token_is_ignored() -> None:
 
 
 def test_prompt_digest_binds_tokens_count_and_salt() -> None:
-    from kvtransfer.binding import prompt_digest
+    from hybridpd.kvtransfer.binding import prompt_digest
 
     base = prompt_digest([1, 2, 3, 4], 3)
     assert base == prompt_digest([1, 2, 3, 99], 3)  # only the first n tokens count
@@ -140,7 +139,7 @@ def test_prompt_digest_binds_tokens_count_and_salt() -> None:
 
 
 def test_membership_proof_needs_the_token_and_covers_the_nonce() -> None:
-    from kvtransfer.binding import membership_proof, new_nonce, verify_membership
+    from hybridpd.kvtransfer.binding import membership_proof, new_nonce, verify_membership
 
     nonce = new_nonce()
     proof = membership_proof("secret", nonce, "w1", "e1", b"meta")
@@ -151,7 +150,7 @@ def test_membership_proof_needs_the_token_and_covers_the_nonce() -> None:
 
 
 def test_commit_refuses_forged_params_and_pages_outside_the_offer_and_ends_the_lease() -> None:
-    from kvtransfer.lease import CommitRefused, Offer
+    from hybridpd.kvtransfer.lease import CommitRefused, Offer
 
     t, _, _ = table()
     offer = Offer(blocks={0: (4, 5, 6)}, states={1: (2, 9)})
@@ -174,8 +173,8 @@ def test_commit_refuses_forged_params_and_pages_outside_the_offer_and_ends_the_l
 
 
 def test_params_mac_covers_every_field_and_the_request_id() -> None:
-    from kvtransfer.binding import new_mac_key, params_mac, verify_params_mac
-    from proto import hybridpd_pb2 as pb
+    from hybridpd.kvtransfer.binding import new_mac_key, params_mac, verify_params_mac
+    from hybridpd.proto import hybridpd_pb2 as pb
 
     key = new_mac_key()
     tp = pb.TransferParams(worker_id="w", epoch="e", prefill_address="p:1", state_slot=3, num_computed_tokens=40,

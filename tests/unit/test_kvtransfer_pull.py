@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hybridpd.kvtransfer import CacheLayout, PullSpec, PullState, Region, StaleEpochError, TransferMetrics, start_pull
+from hybridpd.kvtransfer.notify import decode_release
 from prometheus_client import CollectorRegistry
-
-from kvtransfer import CacheLayout, PullSpec, PullState, Region, StaleEpochError, TransferMetrics, start_pull
-from kvtransfer.notify import decode_release
 
 
 def layout(base: int) -> CacheLayout:
@@ -177,7 +176,7 @@ def test_notice_after_done_keeps_the_notice_off_the_read() -> None:
 
 @pytest.mark.parametrize("kwargs", [{"parallel_reads": 0}, {"num_workers": -1}])
 def test_agent_config_refuses_nonsense(kwargs: dict[str, int]) -> None:
-    from kvtransfer import AgentConfig
+    from hybridpd.kvtransfer import AgentConfig
 
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         AgentConfig(**kwargs)  # type: ignore[arg-type]

@@ -4,10 +4,9 @@ weights drawn on the device, with exactly the parameters a real checkpoint gives
 from __future__ import annotations
 
 import pytest
-
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.models.checkpoint import write_random_checkpoint
-from engine.models.registry import load_model
+from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
+from hybridpd.engine.models.checkpoint import write_random_checkpoint
+from hybridpd.engine.models.registry import load_model
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
@@ -29,7 +28,7 @@ def test_dummy_matches_real_parameters(tmp_path, family):
 
 
 def test_dummy_engine_generates(tmp_path):
-    from engine import LLM, SamplingParams
+    from hybridpd.engine import LLM, SamplingParams
 
     path = write_random_checkpoint(tmp_path / "m", "nemotron_h", weights=False)
     llm = LLM(model=path, load_format="dummy")
@@ -38,7 +37,7 @@ def test_dummy_engine_generates(tmp_path):
 
 
 def test_bad_load_format_is_refused(tmp_path):
-    from engine import LLM
+    from hybridpd.engine import LLM
 
     with pytest.raises(InvalidRequestError, match="load_format"):
         LLM(model=write_random_checkpoint(tmp_path / "m", "nemotron_h", weights=False), load_format="safetensor")

@@ -5,10 +5,9 @@ times are exported by kind."""
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry
-
-from engine import LLM, SamplingParams
-from engine.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

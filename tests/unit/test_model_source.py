@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from engine.errors import ModelLoadError
-from engine.model_source import looks_like_model_id, resolve_model
+from hybridpd.engine.errors import ModelLoadError
+from hybridpd.engine.model_source import looks_like_model_id, resolve_model
 
 
 def _fake_cache(home: Path, repo: str, src: str) -> Path:
@@ -27,7 +26,7 @@ def _fake_cache(home: Path, repo: str, src: str) -> Path:
 
 
 def test_model_id_from_the_local_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.default_model import default_model_path
+    from hybridpd.engine.default_model import default_model_path
 
     snap = _fake_cache(tmp_path / "hf", "acme/tiny-hybrid", default_model_path())
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -46,7 +45,7 @@ def test_model_id_from_the_local_cache_offline(tmp_path: Path, monkeypatch: pyte
 
 def test_serve_positional_model_and_remote_code_refusal(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "deploy.cli", *a], capture_output=True, text=True,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hybridpd.deploy.cli", *a], capture_output=True, text=True,  # noqa: E731
                                     env=env, timeout=120)
     r = run("serve", "some-org/missing-model", "--port", "0")
     assert r.returncode == 2 and "some-org/missing-model" in r.stderr and "Traceback" not in r.stderr
@@ -59,9 +58,9 @@ def test_serve_positional_model_and_remote_code_refusal(tmp_path: Path) -> None:
 
 
 def test_chat_template_override(tmp_path: Path) -> None:
-    from engine.default_model import default_model_path
-    from proxy.openai_schema import ChatMessage
-    from proxy.tokenization import PromptTokenizer
+    from hybridpd.engine.default_model import default_model_path
+    from hybridpd.proxy.openai_schema import ChatMessage
+    from hybridpd.proxy.tokenization import PromptTokenizer
 
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}<go>")
@@ -70,7 +69,7 @@ def test_chat_template_override(tmp_path: Path) -> None:
     inline = PromptTokenizer.from_dir(default_model_path(), chat_template="{{ messages[0].content }}!")
     assert inline.render_chat([ChatMessage("user", "hi")]) == "hi!"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "proxy", "--decode", "127.0.0.1:1", "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "hybridpd.deploy.cli", "proxy", "--decode", "127.0.0.1:1", "--port", "0",
                         "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True, env=env,
                        timeout=60)
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
@@ -79,9 +78,9 @@ def test_chat_template_override(tmp_path: Path) -> None:
 def test_tokenizer_elsewhere(tmp_path: Path) -> None:
     """--tokenizer / ModelConfig.tokenizer: the engine reads its tokenizer (and chat template) from another
     directory; the flag reaches workers through the engine flags."""
-    from deploy.engine_flags import engine_argv
-    from engine import LLM
-    from engine.default_model import default_model_path
+    from hybridpd.deploy.engine_flags import engine_argv
+    from hybridpd.engine import LLM
+    from hybridpd.engine.default_model import default_model_path
 
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()

@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID, FullAttentionSpec
-from engine.errors import ModelLoadError
-from engine.models.base import AttentionCache, LayerCache, StateCache
-from engine.models.batch import ForwardBatch, SeqInfo
-from engine.models.checkpoint import write_random_checkpoint
-from engine.models.layers import torch_dtype
-from engine.models.registry import load_model, read_model_config
-from engine.tokenizer import Tokenizer
+from hybridpd.engine.cache.specs import PAD_SLOT_ID, FullAttentionSpec
+from hybridpd.engine.errors import ModelLoadError
+from hybridpd.engine.models.base import AttentionCache, LayerCache, StateCache
+from hybridpd.engine.models.batch import ForwardBatch, SeqInfo
+from hybridpd.engine.models.checkpoint import write_random_checkpoint
+from hybridpd.engine.models.layers import torch_dtype
+from hybridpd.engine.models.registry import load_model, read_model_config
+from hybridpd.engine.tokenizer import Tokenizer
 
 BS = 16
 NUM_BLOCKS = 64

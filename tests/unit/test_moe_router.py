@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.models.checkpoint import hf_config
-from engine.models.nemotron_h import NemotronHArgs, NemotronHRouter
+from hybridpd.engine.models.checkpoint import hf_config
+from hybridpd.engine.models.nemotron_h import NemotronHArgs, NemotronHRouter
 
 
 @pytest.mark.parametrize(("n_group", "topk_group"), [(1, 1), (4, 2), (4, 4)])

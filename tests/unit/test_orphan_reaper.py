@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 
 DRIVER = """
 import subprocess, sys, time
-from deploy.reaper import start_orphan_reaper
+from hybridpd.deploy.reaper import start_orphan_reaper
 start_orphan_reaper()
 child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
     "subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"])
@@ -35,7 +35,7 @@ def _alive(pid: int) -> bool:
 
 
 def _descendants(pid: int) -> set[int]:
-    from deploy.reaper import descendants
+    from hybridpd.deploy.reaper import descendants
 
     return descendants(pid)
 

@@ -17,21 +17,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import hybridpd.decode.consumer as consumer_mod
 import pytest
 import torch
+from hybridpd.decode.service import DecodeServicer
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.kvtransfer.binding import prompt_digest
+from hybridpd.kvtransfer.pull import PullResult, PullState
+from hybridpd.prefill.service import PrefillServicer
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.worker.context import WorkerContext
 
-import decode.consumer as consumer_mod
-from decode.service import DecodeServicer
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core import EngineCore
-from kvtransfer.binding import prompt_digest
-from kvtransfer.pull import PullResult, PullState
-from prefill.service import PrefillServicer
-from proto import hybridpd_pb2 as pb
 from tests.oracle import random_prompts
-from worker.context import WorkerContext
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NEW = 6

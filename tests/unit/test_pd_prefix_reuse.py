@@ -10,11 +10,10 @@ import random
 
 import pytest
 import torch
-
-from engine import SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.core import EngineCore
-from engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
+from hybridpd.engine import SamplingParams
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BS, PREFIX, SUFFIX = 16, 64, 24  # N - 1 = 87: P's prompt-end checkpoint at 80, past the branch point at 64

@@ -12,14 +12,13 @@ layers under-reports attention capacity by two orders of magnitude and crashes w
 from __future__ import annotations
 
 import pytest
-
-from engine.cache.coordinator import HybridCacheManager
-from engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
-from engine.cache.specs import CacheGroup, CacheSpec, FullAttentionSpec, RecurrentStateSpec, group_layers
-from engine.config import SchedulerConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from hybridpd.engine.cache.coordinator import HybridCacheManager
+from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
+from hybridpd.engine.cache.specs import CacheGroup, CacheSpec, FullAttentionSpec, RecurrentStateSpec, group_layers
+from hybridpd.engine.config import SchedulerConfig
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler
 
 GiB = 2**30
 

@@ -28,9 +28,9 @@ import math
 
 import pytest
 import torch
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
 
-from engine import LLM, SamplingParams
-from engine.cache.specs import PAD_SLOT_ID
 from tests.oracle import reference_set
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

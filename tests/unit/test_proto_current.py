@@ -18,8 +18,8 @@ def test_generated_stubs_are_current() -> None:
 
 
 def test_stubs_import_from_package() -> None:
-    from proto import hybridpd_pb2 as pb
-    from proto import hybridpd_pb2_grpc as pb_grpc
+    from hybridpd.proto import hybridpd_pb2 as pb
+    from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 
     assert pb.DESCRIPTOR.package == "hybridpd.v1"
     assert {s for s in pb.DESCRIPTOR.services_by_name} == {"PrefillService", "DecodeService"}
@@ -27,7 +27,7 @@ def test_stubs_import_from_package() -> None:
 
 
 def test_presence_and_round_trip() -> None:
-    from proto import hybridpd_pb2 as pb
+    from hybridpd.proto import hybridpd_pb2 as pb
 
     sp = pb.SamplingParams(max_tokens=4)
     assert not sp.HasField("temperature") and not sp.HasField("seed")

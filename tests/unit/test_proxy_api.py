@@ -14,8 +14,8 @@ from pathlib import Path
 
 import openai
 import pytest
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from proxy.tokenization import PromptTokenizer
 from tests.polling import wait_for
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
@@ -238,8 +238,10 @@ def test_colocated_sends_no_params() -> None:
 def test_proxy_imports_neither_torch_nor_engine() -> None:
     """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors), and
     the block hashing every worker uses (the router's cache index hashes prompts the same way)."""
-    shared = ("engine", "engine.errors", "engine.chat_template", "engine.cache", "engine.cache.hashing")
-    code = ("import sys, proxy.app, proxy.server, tests.support.live_stack; "
-            f"bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine') and m not in {shared!r}]; "
+    shared = ("hybridpd.engine", "hybridpd.engine.errors", "hybridpd.engine.chat_template",
+              "hybridpd.engine.cache", "hybridpd.engine.cache.hashing")
+    code = ("import sys, hybridpd.proxy.app, hybridpd.proxy.server, tests.support.live_stack; "
+            "bad = [m for m in sys.modules if (m.split('.')[0] == 'torch' or m.startswith('hybridpd.engine')) "
+            f"and m not in {shared!r}]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

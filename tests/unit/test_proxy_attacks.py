@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hybridpd.proxy.config import HttpLimits
 
-from proxy.config import HttpLimits
 from tests.support.attack import AttackReport, Limits, Observer, flood
 from tests.support.flood_client import abandon_streams
 from tests.support.live_stack import LiveStack

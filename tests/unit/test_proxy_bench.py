@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hybridpd.deploy import bench_serve
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from deploy import bench_serve
-from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 

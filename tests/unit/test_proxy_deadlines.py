@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
+from hybridpd.proxy.credentials import resolve_api_key, resolve_cluster_token
 
-from proxy.credentials import resolve_api_key, resolve_cluster_token
 from tests.support.fake_workers import Failure
 from tests.support.live_stack import LiveStack
 

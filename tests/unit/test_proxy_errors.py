@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 

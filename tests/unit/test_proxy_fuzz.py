@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hybridpd.proxy.tokenization import PromptTokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 

@@ -8,8 +8,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from proxy.tokenization import PromptTokenizer
 from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 
@@ -121,8 +121,8 @@ def test_later_samples_of_a_prompt_start_after_the_first_has_its_first_token() -
     import asyncio
     from types import SimpleNamespace
 
-    from proxy.choices import Choices
-    from proxy.generation import Delta
+    from hybridpd.proxy.choices import Choices
+    from hybridpd.proxy.generation import Delta
 
     events: list[str] = []
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hybridpd.proxy.routing import Router
 
-from proxy.routing import Router
 from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hybridpd.proxy.errors import ApiError
+from hybridpd.proxy.openai_schema import ChatMessage
+from hybridpd.proxy.tokenization import PromptTokenizer, render_fallback
 
-from proxy.errors import ApiError
-from proxy.openai_schema import ChatMessage
-from proxy.tokenization import PromptTokenizer, render_fallback
 from tests.support.fake_workers import write_fake_tokenizer
 
 MSGS = (ChatMessage("system", "Be terse."), ChatMessage("user", "Hi"))

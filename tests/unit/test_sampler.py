@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.sampler import Sampler
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.sampler import Sampler
 
 V = 50
 

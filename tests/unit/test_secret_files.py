@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from deploy.secret_files import SecretFiles, private_ray_dir, scrub_secret_env, sweep_stale_ray_dirs
+from hybridpd.deploy.secret_files import SecretFiles, private_ray_dir, scrub_secret_env, sweep_stale_ray_dirs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd, /proc")
 
@@ -55,7 +54,7 @@ def test_private_ray_dirs_of_dead_serves_are_swept(tmp_path: Path, monkeypatch: 
 
 
 def test_the_reaper_removes_what_it_was_given_once_the_driver_is_gone(tmp_path: Path) -> None:
-    from deploy.reaper import watch
+    from hybridpd.deploy.reaper import watch
 
     leftover = tmp_path / "hpd1-x" / "r"
     leftover.mkdir(parents=True)

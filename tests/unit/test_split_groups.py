@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-if "engine.kernels.paged_attention" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+if "hybridpd.engine.kernels.paged_attention" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
     pytest.skip("Triton kernels already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from hybridpd.engine import LLM, SamplingParams  # noqa: E402
+from hybridpd.engine.cache.specs import PAD_SLOT_ID  # noqa: E402
+from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.cache.specs import PAD_SLOT_ID  # noqa: E402
-from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from tests.oracle import hf_greedy, random_prompts  # noqa: E402
 from tests.support.split_groups import split_llm  # noqa: E402
 
@@ -52,7 +52,7 @@ full blocks of 16)."""
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     @functools.cache
     def get(name: str) -> str:
@@ -134,9 +134,9 @@ def _decode_seq(rid: str, computed: int, blocks: tuple[tuple[int, ...], ...], sl
 
 
 def test_graph_padded_rows_leave_every_groups_states_untouched(model_path) -> None:  # type: ignore[no-untyped-def]
-    from engine.models.batch import ForwardBatch
-    from engine.models.cuda_graphs import DecodeGraphs
-    from engine.models.varlen import build_varlen_views
+    from hybridpd.engine.models.batch import ForwardBatch
+    from hybridpd.engine.models.cuda_graphs import DecodeGraphs
+    from hybridpd.engine.models.varlen import build_varlen_views
 
     llm = split_llm(model=model_path("qwen"), **ENGINE)
     runner = llm.engine.runner

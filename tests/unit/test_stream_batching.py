@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.async_engine import OutputDelta, take_pending
+from hybridpd.engine.async_engine import OutputDelta, take_pending
 
 
 def _delta(tok: int, text: str, finish: str | None = None) -> OutputDelta:

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
-
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.structured import StructuredOutput
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.structured import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -94,8 +93,7 @@ def test_matcher_follows_the_output_after_a_recompute(llm: LLM) -> None:
     """The grammar state is "the output so far": when a request's output changes under its matcher (a recompute
     that restarts it, a replay on another worker), the matcher is rebuilt from the output before the next mask."""
     import torch
-
-    from engine.structured.matchers import StructuredOutputs
+    from hybridpd.engine.structured.matchers import StructuredOutputs
 
     core = llm.engine
     tok = core.tokenizer

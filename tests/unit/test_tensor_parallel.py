@@ -16,9 +16,9 @@ import textwrap
 from typing import Any
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.parallel.layers import ParallelLMHead
 
-from engine import LLM, SamplingParams
-from engine.parallel.layers import ParallelLMHead
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,7 +41,7 @@ SETTINGS: dict[str, Any] = {"max_num_batched_tokens": 48, "kv_cache_memory_bytes
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     made: dict[str, str] = {}
 
@@ -100,7 +100,7 @@ def test_generate_cli_tp2_matches_tp1(model_dir):  # type: ignore[no-untyped-def
     argv = [
         sys.executable,
         "-m",
-        "deploy.cli",
+        "hybridpd.deploy.cli",
         "generate",
         "--model",
         path,
@@ -124,7 +124,7 @@ def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[n
     next request comes out."""
     script = textwrap.dedent(f"""
         import os, signal, time
-        from engine import LLM, SamplingParams
+        from hybridpd.engine import LLM, SamplingParams
         llm = LLM(model={model_dir("qwen")!r}, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
         os.kill(llm.engine.followers.procs[0].pid, signal.SIGKILL)
         time.sleep(1.5)

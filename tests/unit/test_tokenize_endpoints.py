@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hybridpd.proxy.tokenization import PromptTokenizer
 
-from proxy.tokenization import PromptTokenizer
 from tests.support.live_stack import LiveStack
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[LiveStack]:
-    from engine.default_model import default_model_path
+    from hybridpd.engine.default_model import default_model_path
 
     with LiveStack(tokenizer=PromptTokenizer.from_dir(default_model_path()), api_key="k") as s:
         yield s

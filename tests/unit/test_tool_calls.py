@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from engine.chat_template import ChatTemplate
-from proxy.errors import ApiError
-from proxy.openai_schema import parse_chat
-from proxy.tools import ToolStream, parse_output, parse_tools
+from hybridpd.engine.chat_template import ChatTemplate
+from hybridpd.proxy.errors import ApiError
+from hybridpd.proxy.openai_schema import parse_chat
+from hybridpd.proxy.tools import ToolStream, parse_output, parse_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from hybridpd.engine.core import EngineCore
+from hybridpd.engine.parallel.handoff import cache_tensors, copy_import
+from hybridpd.engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
 
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.core import EngineCore
-from engine.parallel.handoff import cache_tensors, copy_import
-from engine.transfer import ImportSource, begin_import, complete_import, export_prefilled, release_export
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,7 +43,7 @@ def _run(core: EngineCore) -> None:
 
 @pytest.mark.parametrize(("name", "tp_p", "tp_d"), [("nemotron", 1, 2), ("nemotron", 2, 1), ("qwen", 1, 2)])
 def test_handoff_between_tp_sizes_matches_colocated(tmp_path, name, tp_p, tp_d) -> None:  # type: ignore[no-untyped-def]
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     family, overrides = MODELS[name]
     model = write_random_checkpoint(str(tmp_path), family, seed=0, **overrides)

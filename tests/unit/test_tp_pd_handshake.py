@@ -9,14 +9,13 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
-
-from decode.service import DecodeServicer
-from deploy.ray_launcher import role_tensor_parallel, with_tensor_parallel
-from kvtransfer.errors import CompatibilityError, MetadataError
-from kvtransfer.tp_handshake import TPLayout, problems
-from kvtransfer.tp_layout import AttentionShape, Mamba2Shape, attention_tensors, mamba2_tensors
-from kvtransfer.tp_pull import TPPeer
-from proto import hybridpd_pb2 as pb
+from hybridpd.decode.service import DecodeServicer
+from hybridpd.deploy.ray_launcher import role_tensor_parallel, with_tensor_parallel
+from hybridpd.kvtransfer.errors import CompatibilityError, MetadataError
+from hybridpd.kvtransfer.tp_handshake import TPLayout, problems
+from hybridpd.kvtransfer.tp_layout import AttentionShape, Mamba2Shape, attention_tensors, mamba2_tensors
+from hybridpd.kvtransfer.tp_pull import TPPeer
+from hybridpd.proto import hybridpd_pb2 as pb
 
 EXTRA = {"model_id": "m", "checkpoint_interval": "32", "groups": "0:attention,1:mamba2", "block_size": "16"}
 
@@ -97,7 +96,7 @@ class _Ranks:
         self.checks, self.start, self.calls = checks, start, []  # type: ignore[var-annotated]
 
     def __call__(self, core: object, fn: object, *args: object) -> Sequence[object]:
-        from kvtransfer import tp_pull
+        from hybridpd.kvtransfer import tp_pull
 
         self.calls.append(fn)
         if fn is tp_pull.start_rank_pull:
@@ -110,9 +109,9 @@ class _Ranks:
 
 
 def _tp_pull(monkeypatch: pytest.MonkeyPatch, ranks: _Ranks, timeout_s: float = 10.0) -> object:
-    from engine.parallel import handoff
-    from kvtransfer.pull import PullSpec
-    from kvtransfer.tp_pull import TPPullHandle
+    from hybridpd.engine.parallel import handoff
+    from hybridpd.kvtransfer.pull import PullSpec
+    from hybridpd.kvtransfer.tp_pull import TPPullHandle
 
     monkeypatch.setattr(handoff, "on_ranks", ranks)
     spec = PullSpec("r1", "e1", src_blocks={0: [3, 4]}, dst_blocks={0: [5, 6]})
@@ -120,8 +119,8 @@ def _tp_pull(monkeypatch: pytest.MonkeyPatch, ranks: _Ranks, timeout_s: float = 
 
 
 def test_tp_pull_is_done_only_when_every_rank_is(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtransfer.pull import PullState
-    from kvtransfer.tp_pull import forget_rank_pull
+    from hybridpd.kvtransfer.pull import PullState
+    from hybridpd.kvtransfer.tp_pull import forget_rank_pull
 
     ranks = _Ranks([["DONE", "PROC"], ["DONE", "DONE"]], ["PROC", "PROC"])
     h = _tp_pull(monkeypatch, ranks)
@@ -137,8 +136,8 @@ def test_tp_pull_is_done_only_when_every_rank_is(monkeypatch: pytest.MonkeyPatch
 def test_a_failure_on_any_rank_or_the_deadline_fails_the_whole_pull(
     monkeypatch: pytest.MonkeyPatch, start: list[str], reason: str
 ) -> None:
-    from kvtransfer.pull import PullState
-    from kvtransfer.tp_pull import forget_rank_pull
+    from hybridpd.kvtransfer.pull import PullState
+    from hybridpd.kvtransfer.tp_pull import forget_rank_pull
 
     ranks = _Ranks([["DONE", "PROC"]], start)
     h = _tp_pull(monkeypatch, ranks, timeout_s=0.0)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.parallel.handoff import on_ranks
 
-from engine import LLM, SamplingParams
-from engine.parallel.handoff import on_ranks
 from tests.oracle import random_prompts
 from tests.unit.test_poison import Poisoner, holds_poison
 

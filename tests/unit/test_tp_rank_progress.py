@@ -14,9 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from kvtransfer import tp_pull
-from kvtransfer.agent import AgentConfig
+from hybridpd.kvtransfer import tp_pull
+from hybridpd.kvtransfer.agent import AgentConfig
 
 
 @dataclass
@@ -40,9 +39,9 @@ class _FakeAgent:
 
 def _start(monkeypatch: pytest.MonkeyPatch, rank: int, role: str, device: str, config: AgentConfig) -> Any:
     """start_rank_agent on `rank` with fake caches and agent; returns this process's rank state."""
-    from engine.parallel import handoff
-    from kvtransfer import agent as agent_mod
-    from kvtransfer import metrics
+    from hybridpd.engine.parallel import handoff
+    from hybridpd.kvtransfer import agent as agent_mod
+    from hybridpd.kvtransfer import metrics
 
     monkeypatch.delenv("HYBRIDPD_TRANSFER_PROGRESS_S", raising=False)
     monkeypatch.setattr(tp_pull, "_RANK", None)

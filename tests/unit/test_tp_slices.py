@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvtransfer.tp_layout import (
+from hybridpd.kvtransfer.tp_layout import (
     AttentionShape,
     GDNShape,
     Mamba2Shape,
@@ -17,7 +16,7 @@ from kvtransfer.tp_layout import (
     gdn_tensors,
     mamba2_tensors,
 )
-from kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_peer, plan_pieces
+from hybridpd.kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_peer, plan_pieces
 
 PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -12,9 +12,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.proto import hybridpd_pb2 as pb
 
-from engine import LLM, SamplingParams
-from proto import hybridpd_pb2 as pb
 from tests.oracle import random_prompts
 from tests.support.param_attacks import ALTERATIONS, with_pages_of
 from tests.unit.test_pd_handoff import MODEL, NEW, Pair, generate, make_pair, prefill, settle

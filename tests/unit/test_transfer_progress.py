@@ -18,16 +18,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hybridpd.engine.async_engine import AsyncEngine
+from hybridpd.engine.core import EngineCore
+from hybridpd.kvtransfer.notify import ReleaseNotice
+from hybridpd.kvtransfer.progress import TransferProgress
+from hybridpd.prefill.service import PrefillServicer
+from hybridpd.proto import hybridpd_pb2 as pb
+from hybridpd.worker.context import WorkerContext
 
-from engine.async_engine import AsyncEngine
-from engine.core import EngineCore
-from kvtransfer.notify import ReleaseNotice
-from kvtransfer.progress import TransferProgress
-from prefill.service import PrefillServicer
-from proto import hybridpd_pb2 as pb
 from tests.oracle import random_prompts
 from tests.unit.test_pd_handoff import MODEL, FakeContext, _config
-from worker.context import WorkerContext
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -92,7 +92,7 @@ def test_progress_thread_polls_only_while_active_and_hands_notices_over() -> Non
 def test_the_thread_is_on_for_dram_caches_and_off_for_vram_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 a decode worker progressed outside its step thread aborted inside UCX (kvtransfer/progress.py):
     VRAM agents get no thread by default; the variable still sets it (or turns it off) explicitly."""
-    from kvtransfer.progress import DEFAULT_INTERVAL_S, interval_from_env
+    from hybridpd.kvtransfer.progress import DEFAULT_INTERVAL_S, interval_from_env
 
     monkeypatch.delenv("HYBRIDPD_TRANSFER_PROGRESS_S", raising=False)
     assert interval_from_env("cpu") == DEFAULT_INTERVAL_S

@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from kvtransfer.agent import UCX_GPU_DEFAULTS, apply_ucx_defaults
+from hybridpd.kvtransfer.agent import UCX_GPU_DEFAULTS, apply_ucx_defaults
 
 KEY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 

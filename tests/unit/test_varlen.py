@@ -1,15 +1,14 @@
-"""engine.models.varlen.build_varlen: the fast path's per-step metadata, exact index values on a tiny step."""
+"""hybridpd.engine.models.varlen.build_varlen: the fast path's per-step metadata, exact index values on a tiny step."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import torch
-
-from engine.cache.specs import PAD_SLOT_ID
-from engine.models.batch import GroupViews
-from engine.models.varlen import build_varlen, build_varlen_views
-from engine.scheduler import ScheduledSeq
+from hybridpd.engine.cache.specs import PAD_SLOT_ID
+from hybridpd.engine.models.batch import GroupViews
+from hybridpd.engine.models.varlen import build_varlen, build_varlen_views
+from hybridpd.engine.scheduler import ScheduledSeq
 
 
 def _seq(rid, computed, n, blocks, slot, ckpts=()):  # type: ignore[no-untyped-def]

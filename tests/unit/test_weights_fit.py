@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-
-from engine.errors import ModelLoadError
-from engine.models import weights_fit
-from engine.models.checkpoint import hf_config, preset, write_random_checkpoint
-from engine.models.registry import ARCHITECTURES, load_model
+from hybridpd.engine.errors import ModelLoadError
+from hybridpd.engine.models import weights_fit
+from hybridpd.engine.models.checkpoint import hf_config, preset, write_random_checkpoint
+from hybridpd.engine.models.registry import ARCHITECTURES, load_model
 
 
 def _meta_model(name: str):  # type: ignore[no-untyped-def]

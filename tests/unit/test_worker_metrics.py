@@ -5,10 +5,10 @@ registry."""
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.metrics import WorkerMetrics
 from prometheus_client import CollectorRegistry
 
-from engine import LLM, SamplingParams
-from engine.metrics import WorkerMetrics
 from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

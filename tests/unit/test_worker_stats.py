@@ -4,8 +4,8 @@ split live)."""
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
-from worker.convert import stats_response
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.worker.convert import stats_response
 
 
 def test_stats_report_the_live_memory_split() -> None:

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.kernels.zero_blocks import BlockZeroer, block_major_segment
+from hybridpd.engine.kernels.zero_blocks import BlockZeroer, block_major_segment
 
 NUM_BLOCKS = 40
 CALLS: list[list[int]] = [

@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 import random
 
+import hybridpd.engine.models.layers as layers
 import pytest
 import torch
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.models.layers import StepMetadata
 
-import engine.models.layers as layers
-from engine import LLM, SamplingParams
-from engine.models.layers import StepMetadata
 from tests.oracle import random_prompts, reference_set
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -279,7 +279,7 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
 
 def test_auto_is_off_without_recurrent_layers(tmp_path):  # type: ignore[no-untyped-def]
     """A pure-attention NemotronH ("*-*-"): auto leaves zeroing off (nothing zeroed), ids are still drained."""
-    from engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     path = write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0, hybrid_override_pattern="*-*-")
     llm = LLM(model=path, kv_cache_memory_bytes=2**20, max_model_len=128, max_num_batched_tokens=16)
