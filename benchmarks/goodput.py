@@ -26,18 +26,18 @@ import dataclasses
 import importlib.metadata
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
 import time
 import typing
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hybridpd.deploy.local_cluster import Cluster, scrape_metric, start_cluster  # noqa: E402
+
 from benchmarks.goodput_report import Outcome, config_goodput, plot, summarize_rate, table, write_json  # noqa: E402
 from benchmarks.goodput_workloads import LONGEST, WORKLOADS, Req, Shape, arrival_times  # noqa: E402
 
@@ -83,99 +83,29 @@ def resolve_routing(routing: str, offered: tuple[str, ...]) -> str | None:
 # -- the cluster -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Running:
-    prefill: list[Any]
-    decode: list[Any]
-    proxy: subprocess.Popen
-    url: str
-    model_name: str
-
-    def stop(self) -> None:
-        self.proxy.terminate()
-        try:
-            self.proxy.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proxy.kill()
-        for w in self.prefill + self.decode:
-            w.stop()
-
-
 def launch(
     cfg: ClusterConfig, model: str, gpus: list[str], worker_args: list[str], on_cuda: bool, max_model_len: int
-) -> Running:
-    from hybridpd.deploy.local_cluster import _wait_healthy
-    from hybridpd.deploy.ray_launcher import WorkerProcess, free_port
-
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+) -> Cluster:
+    """One configuration's workers (worker i on GPU gpus[i] when on CUDA) and its proxy, as plain processes."""
     n_dec = cfg.decode_count(len(gpus))
-    roles = ["prefill"] * cfg.num_prefill + ["colocated" if cfg.colocated else "decode"] * n_dec
-    if on_cuda and len(roles) > len(gpus):
-        raise SystemExit(f"{cfg.name} needs {len(roles)} GPUs, --gpus names {len(gpus)}")
-
-    def start(i: int) -> Any:
-        wenv = {**env, **({"CUDA_VISIBLE_DEVICES": gpus[i]} if on_cuda else {})}
-        return WorkerProcess(
-            ["--role", roles[i], "--model", model, *worker_args], env=wenv, restart=False, ready_timeout_s=600
-        )
-
-    with ThreadPoolExecutor(len(roles)) as pool:  # start-up (weights, cache) of every worker at once
-        futures = [pool.submit(start, i) for i in range(len(roles))]
-        workers = []
-        errors = []
-        for f in futures:
-            try:
-                workers.append(f.result())
-            except Exception as e:  # noqa: BLE001 - reported after the others are stopped
-                errors.append(e)
-    if errors:
-        for w in workers:
-            w.stop()
-        raise RuntimeError(f"{cfg.name}: a worker did not start: {errors[0]}")
-    prefill, decode = workers[: cfg.num_prefill], workers[cfg.num_prefill :]
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "hybridpd.deploy.cli",
-        "proxy",
-        "--model",
+    n_workers = (0 if cfg.colocated else cfg.num_prefill) + n_dec
+    if on_cuda and n_workers > len(gpus):
+        raise SystemExit(f"{cfg.name} needs {n_workers} GPUs, --gpus names {len(gpus)}")
+    return start_cluster(
         model,
-        "--port",
-        str(port),
-        "--routing",
-        cfg.routing,
-        "--max-model-len",
-        str(max_model_len),
-        "--decode",
-        *[w.info["address"] for w in decode],
-    ]
-    cmd += ["--colocated"] if cfg.colocated else ["--prefill", *[w.info["address"] for w in prefill]]
-    log = open(os.path.join(tempfile.gettempdir(), f"hybridpd-goodput-proxy-{port}.log"), "w")
-    proxy = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
-    if not _wait_healthy(url, proxy, 180):
-        proxy.kill()
-        for w in workers:
-            w.stop()
-        raise RuntimeError(f"{cfg.name}: the proxy did not become healthy (log {log.name})")
-    return Running(prefill, decode, proxy, url, os.path.basename(os.path.normpath(model)))
+        colocated=cfg.colocated,
+        worker_args=worker_args,
+        num_prefill=cfg.num_prefill,
+        num_decode=n_dec,
+        proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len)],
+        worker_envs=[{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n_workers]] if on_cuda else None,
+        restart=False,
+        ready_timeout_s=600,
+    )
 
 
 def scrape(worker: Any, name: str, **labels: str) -> float:
-    return scrape_url(f"http://127.0.0.1:{worker.info['metrics_port']}/metrics", name, **labels)
-
-
-def scrape_url(url: str, name: str, **labels: str) -> float:
-    import httpx
-
-    text = httpx.get(url, timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return scrape_metric(f"http://127.0.0.1:{worker.info['metrics_port']}/metrics", name, **labels)
 
 
 def decode_step_totals(workers: list[Any]) -> tuple[float, float]:
@@ -195,14 +125,14 @@ HANDOFF_PHASES = {
 PROXY_PHASES = {"ttft": "hybridpd_time_to_first_token_seconds", "prefill_rpc": "hybridpd_proxy_prefill_seconds"}
 
 
-def handoff_totals(run: Running) -> dict[str, tuple[float, float]]:
+def handoff_totals(run: Cluster) -> dict[str, tuple[float, float]]:
     """{"role/phase": (seconds, count)} so far: the proxy's TTFT and P.Prefill call, and (PD) the workers'
     hybridpd_kv_handoff_seconds. Proxy TTFT - prefill_rpc - decode/total = the proxy's hops to D and back."""
     out = {}
     for ph, metric in PROXY_PHASES.items():
         out[f"proxy/{ph}"] = (
-            scrape_url(f"{run.url}/metrics", f"{metric}_sum"),
-            scrape_url(f"{run.url}/metrics", f"{metric}_count"),
+            scrape_metric(f"{run.url}/metrics", f"{metric}_sum"),
+            scrape_metric(f"{run.url}/metrics", f"{metric}_count"),
         )
     for role, workers in (("prefill", run.prefill), ("decode", run.decode)):
         if not run.prefill:
@@ -293,7 +223,7 @@ async def one_at_a_time(url: str, model: str, reqs: list[Req]) -> list[Outcome]:
 # -- the experiment ----------------------------------------------------------------------------------------------
 
 
-def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> None:
+def warm_up(run: Cluster, make: Any, args: argparse.Namespace, shape: Shape) -> None:
     """Two rounds of uncapped prompts of the workload, one per decode worker at once (prefill, the handoff and
     batch-1 decode at long contexts: whatever is compiled or set up at the first use of a length happens here, not
     in the low-load figures), then a burst whose batch shrinks through every decode graph size as its requests
@@ -312,7 +242,7 @@ def warm_up(run: Running, make: Any, args: argparse.Namespace, shape: Shape) -> 
     wait_idle(run.prefill + run.decode)
 
 
-def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any]:
+def low_load(run: Cluster, make: Any, args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.goodput_report import percentile
 
     reqs = [
@@ -354,7 +284,7 @@ def low_load(run: Running, make: Any, args: argparse.Namespace) -> dict[str, Any
 
 
 def sweep(
-    run: Running, make: Any, args: argparse.Namespace, arrival: str, deadline: float
+    run: Cluster, make: Any, args: argparse.Namespace, arrival: str, deadline: float
 ) -> tuple[list[dict[str, Any]], list[float]]:
     rows, skipped = [], []
     for i, rate in enumerate(args.rates):
@@ -425,7 +355,7 @@ def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
     return env
 
 
-def check_path(run: Running, args: argparse.Namespace) -> list[dict[str, Any]]:
+def check_path(run: Cluster, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The workers' device / dtype / path (from their ready line). A CUDA worker on the reference path ends the
     run unless --allow-reference-path."""
     infos = [

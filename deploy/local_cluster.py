@@ -66,16 +66,7 @@ class Cluster:
 
     def metric(self, w: WorkerProcess, name: str, **labels: str) -> float:
         """Sum of a metric's samples on a worker's /metrics matching the labels."""
-        text = httpx.get(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-            if not m:
-                continue
-            lbl = m.group(1) or ""
-            if all(f'{k}="{v}"' in lbl for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return scrape_metric(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", name, **labels)
 
     def stop(self) -> None:
         self.proxy.terminate()
@@ -90,15 +81,28 @@ class Cluster:
             list(pool.map(lambda w: w.stop(), workers))
 
 
+def scrape_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric `name` on the Prometheus page at `url` whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | None = None,
                   num_prefill: int = 1, num_decode: int = 1, prefill_env: dict[str, str] | None = None,
                   decode_env: dict[str, str] | None = None, cluster_token: str | None = None,
                   tls_env: dict[str, str] | None = None, prefill_args: list[str] | None = None,
-                  decode_args: list[str] | None = None, proxy_args: list[str] | None = None) -> Cluster:
+                  decode_args: list[str] | None = None, proxy_args: list[str] | None = None,
+                  worker_envs: list[dict[str, str]] | None = None, **worker_opts: object) -> Cluster:
     """Workers and proxy as plain processes. With `cluster_token`, every worker RPC requires it (the proxy and the
     workers get it through HYBRIDPD_CLUSTER_TOKEN); with `tls_env` (HYBRIDPD_TLS_{CERT,KEY,CA}_FILE), worker gRPC
     runs over (mutual) TLS. `prefill_args` / `decode_args` are added to one role's workers only (e.g.
-    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy's command line (e.g. `--routing cache_aware`)."""
+    `--nixl-progress-thread` on P alone); `proxy_args` to the proxy's command line (e.g. `--routing cache_aware`).
+    `worker_envs`: one more environment per worker, prefill workers first (e.g. each its own CUDA_VISIBLE_DEVICES);
+    `worker_opts` go to every `WorkerProcess` (e.g. `restart=False`, `ready_timeout_s=600`)."""
     args = ["--model", model, *(worker_args or [])]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     if cluster_token:
@@ -108,7 +112,9 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
              for _ in range(0 if colocated else num_prefill)]
     specs += [(["--role", "colocated" if colocated else "decode", *args, *([] if colocated else (decode_args or []))],
                {**env, **(decode_env or {})}) for _ in range(num_decode)]
-    started = _start_workers(specs)
+    for (_, spec_env), extra in zip(specs, worker_envs or [], strict=False):
+        spec_env.update(extra)
+    started = _start_workers(specs, **worker_opts)
     prefill = started[: 0 if colocated else num_prefill]
     decode = started[len(prefill):]
     port = free_port()
@@ -136,13 +142,13 @@ def start_cluster(model: str, colocated: bool = False, worker_args: list[str] | 
                    extra={"proxy_cmd": cmd, "proxy_env": proxy_env, "proxy_log": log_path})
 
 
-def _start_workers(specs: list[tuple[list[str], dict[str, str]]]) -> list[WorkerProcess]:
+def _start_workers(specs: list[tuple[list[str], dict[str, str]]], **opts: object) -> list[WorkerProcess]:
     """Start the workers concurrently (each loads its model while the others do), in `specs` order; if one fails,
     stop those that started and raise its error."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max(1, len(specs))) as pool:
-        futures = [pool.submit(WorkerProcess, argv, env=env) for argv, env in specs]
+        futures = [pool.submit(WorkerProcess, argv, env=env, **opts) for argv, env in specs]
         errors = [f.exception() for f in futures]
     started = [f.result() for f, e in zip(futures, errors, strict=True) if e is None]
     failed = next((e for e in errors if e is not None), None)

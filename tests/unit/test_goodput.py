@@ -193,11 +193,11 @@ def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
 
     stopped = []
 
-    def running(fast: bool) -> goodput.Running:
+    def running(fast: bool) -> goodput.Cluster:
         w = SimpleNamespace(
             info={"role": "decode", "device": "cuda:0", "dtype": "bfloat16", "fast_path": fast, "cuda_graphs": fast}
         )
-        run = goodput.Running([], [w], None, "", "m")  # type: ignore[arg-type]
+        run = goodput.Cluster("m", [], [w], None, "", "m")  # type: ignore[arg-type]
         run.stop = lambda: stopped.append(1)  # type: ignore[method-assign]
         return run
 
