@@ -1,4 +1,4 @@
-"""vLLM's own scheduler + KV cache manager on the traces of `benchmarks/cache_manager.py` (issue 15's time bar).
+"""vLLM's own scheduler + KV cache manager on the traces of `benchmarks/cache_manager.py` (the time comparison).
 
 Runs with a Python that has vLLM installed (not the repo's venv; vLLM pins its own torch): no GPU, no model. It
 builds vLLM's v1 `Scheduler` for the issue's model the way vLLM's EngineCore would on a CUDA host (hybrid block-size

@@ -15,7 +15,7 @@ from hybridpd.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Colocated engine for offline batch generation (DESIGN.md contract)."""
+    """Colocated engine for offline batch generation (a public contract)."""
 
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **settings: Any) -> None:
         """Either keyword settings, each named like a field of engine.config's sections (`dtype`, `block_size`,

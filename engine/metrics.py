@@ -1,4 +1,4 @@
-"""Worker-side Prometheus metrics (DESIGN.md names), updated from the engine's counters on the step thread.
+"""Worker-side Prometheus metrics (the contract's names), updated from the engine's counters on the step thread.
 
 Counters are exported as deltas of the engine's monotonic counters, so the engine itself stays free of
 prometheus_client. Labels: role = prefill | decode, group = the cache group kind (kind:id for a repeated kind)."""
@@ -32,7 +32,7 @@ class WorkerMetrics:
         self.zeroed = Counter("hybridpd_zeroed_blocks", "Fresh attention blocks zeroed", ["role"], registry=reg)
         self.running = Gauge("hybridpd_num_requests_running", "Requests running", ["role"], registry=reg)
         self.waiting = Gauge("hybridpd_num_requests_waiting", "Requests waiting", ["role"], registry=reg)
-        # the prefix cache's one budget (issue 15): what each kind holds, and what comes and goes
+        # the prefix cache's one budget: what each kind holds, and what comes and goes
         self.cache_bytes = Gauge("hybridpd_kv_cache_bytes", "Bytes a cache pool holds, by state (in_use: running "
                                  "requests; cached: reusable prefix content)", ["role", "group", "state"],
                                  registry=reg)

@@ -81,7 +81,7 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt (DESIGN.md contract)."""
+    """What `LLM.generate` returns per prompt (a public contract)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters (the `SamplingParams` contract of DESIGN.md)."""
+"""Per-request sampling parameters (a public contract)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ _DROP_NOTICE_RATE = float(os.environ.get("HYBRIDPD_FAULT_DROP_NOTICE_RATE", "0")
 
 DescriptorMode = Literal["prepped", "per_transfer"]
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
-_live_agents = 0  # agents of this process; more than one is legal but slow (DESIGN.md, Transfer)
+_live_agents = 0  # agents of this process; more than one is legal but slow (0.3-0.5 GB/s seen on an H200)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the transfer layer (names are a DESIGN.md contract; dashboards rely on them).
+"""Prometheus metrics of the transfer layer (the names are a contract; dashboards rely on them).
 
     hybridpd_kv_transfer_bytes_total{role, group}      bytes pulled (group = cache group kind)
     hybridpd_kv_transfer_seconds{role}                 histogram: pull start -> data in place
@@ -100,7 +100,7 @@ class TransferMetrics:
     """Metric handles bound to one worker role ("prefill" | "decode"). Thread-safe (prometheus_client is)."""
 
     FAILURE_REASONS = ("timeout", "nixl_error", "stale_epoch", "cancelled")
-    """Pull failures (D), and D's refusals before pulling. Fail-closed outcomes (issue 12), each counted and each
+    """Pull failures (D), and D's refusals before pulling. Fail-closed outcomes, each counted and each
     ending in a recompute or an error, never in pulled data being used:
       D: lease_expired (no time left on the lease to pull), prompt_mismatch (params are not this prompt's),
          unknown_peer (not a prefill worker of this cluster), lease_lost (P's Commit said no);

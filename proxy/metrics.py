@@ -1,4 +1,4 @@
-"""Proxy-side Prometheus metrics (names from DESIGN.md's contract, plus `hybridpd_proxy_*` extras).
+"""Proxy-side Prometheus metrics (the contract's names, plus `hybridpd_proxy_*` extras).
 
 Each app owns a private `CollectorRegistry`, so several apps can live in one process (tests); `GET /metrics`
 renders it. Latencies are seen from the proxy: request arrival -> first token (TTFT), between tokens (ITL; a

@@ -1,6 +1,6 @@
 """Zero freshly allocated attention KV blocks: every layer, K and V, in ONE kernel launch per step.
 
-Why (seed 000): a block handed out again still holds its previous owner's bytes. Attention kernels mask unused
+Why: a block handed out again still holds its previous owner's bytes. Attention kernels mask unused
 positions by multiplying with zero, and 0 * NaN = NaN, so stale NaN/Inf bit patterns leak into other requests.
 Fresh attention blocks that nothing overwrites completely are therefore zeroed before first use.
 

@@ -54,7 +54,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
         "norm_topk_prob": True,
     }),
-    # The ~1B shapes of issue 14's table (hidden 2048, 24 layers, the families' default heads and state): 0.67 B and
+    # The ~1B shapes (hidden 2048, 24 layers, the families' default heads and state): 0.67 B and
     # 1.72 B parameters here (the issue's 0.79 / 1.85 B came with a larger vocabulary).
     "nemotron-h-0.7b": ("nemotron_h", {"hidden_size": 2048, "num_hidden_layers": 24, "pattern": "M-M-M*-M-"}),
     "qwen3.5-1.7b": ("qwen3_5", {"hidden_size": 2048, "num_hidden_layers": 24}),

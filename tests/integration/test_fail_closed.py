@@ -188,7 +188,7 @@ def test_worker_rpcs_require_the_cluster_token_over_mutual_tls(checkpoint_dir, t
                                                          "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert c.worker_stats(c.decode[0]).role == "decode"
-        # idle workers cost (almost) nothing: no NIXL progress thread, step loops asleep until called (issue 16: < 2 %)
+        # idle workers cost (almost) nothing: no NIXL progress thread, step loops asleep until called (< 2 %)
         time.sleep(1.0)
         before = {w.proc.pid: _cpu_seconds(w.proc.pid) for w in c.prefill + c.decode}
         t0 = time.monotonic()

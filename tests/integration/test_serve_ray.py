@@ -86,7 +86,7 @@ class Serve:
         self.log = log
         self.marker = marker
         self.ray_root = env["RAY_TMPDIR"]
-        exe = Path(sys.executable).with_name("hybridpd")  # the console script (DESIGN.md contract)
+        exe = Path(sys.executable).with_name("hybridpd")  # the console script (a public contract)
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "hybridpd.deploy.cli"]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([*cmd, "serve", *args, "--port", str(self.port)], stdout=out,

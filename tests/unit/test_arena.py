@@ -1,4 +1,4 @@
-"""One arena backs both pools (issue 15): checkpoint slots share memory with attention blocks, and never while either
+"""One arena backs both pools: checkpoint slots share memory with attention blocks, and never while either
 holds something.
 
     slot s at s * k * B;  block j at (1 + S) * k * B + j * B;  checkpoint slot F + c == blocks [c * k, (c + 1) * k)

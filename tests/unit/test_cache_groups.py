@@ -1,4 +1,4 @@
-"""Several cache groups of each kind (issue 13): 2 attention groups with different KV shapes and 2 recurrent groups
+"""Several cache groups of each kind: 2 attention groups with different KV shapes and 2 recurrent groups
 (Mamba-2 and Gated-DeltaNet states of different shapes), each with its own pool and ids, through the real
 Scheduler + HybridCacheManager + engine/transfer.py, with no model.
 

@@ -292,7 +292,7 @@ def test_fresh_blocks_drained_every_step_and_exclude_hits() -> None:
     assert all(not v for v in s.cache.take_group_fresh_blocks().values())
 
 
-# -- counters: seed 004's shape --------------------------------------------------------------------------------------
+# -- counters: per-group shape -----------------------------------------------------------------------------------------
 def test_recurrent_hits_zero_when_checkpoints_are_never_written() -> None:
     """A model whose runner never writes checkpoints (here: interval longer than any prompt) must not report the
     attention hit as the prefix-cache hit: attention hits > 0, recurrent hits 0, overall hit 0."""
@@ -342,7 +342,7 @@ def test_recurrent_only_hits_checkpoints() -> None:
 
 
 def test_several_groups_per_kind_get_a_pool_each() -> None:
-    """Was refused (one group per kind); issue 13 lifts it: each group has its own pool and labelled counters
+    """Was refused (one group per kind); now each group has its own pool and labelled counters
     (several groups per kind are exercised in test_cache_groups.py)."""
     groups = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, FullAttentionSpec(4, 2, 2, "float32"), (1,))]
     cache = HybridCacheManager(groups, PoolLayout(8, 4, INTERVAL, BS))

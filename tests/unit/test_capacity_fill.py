@@ -1,4 +1,4 @@
-"""Capacity is exact (DESIGN.md § Caches, Capacity): what `kv_cache_info()` promises can be filled, and no more.
+"""Capacity is exact: what `kv_cache_info()` promises can be filled, and no more.
 
 For a NemotronH and a Qwen3.5 checkpoint (the latter with two attention layers) and an explicit budget:
 1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone (one arena:

@@ -1,4 +1,4 @@
-"""The control plane is tensor-free: importing engine.cache.* and engine.scheduler loads no torch (DESIGN.md)."""
+"""The control plane is tensor-free: importing engine.cache.* and engine.scheduler loads no torch."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 What is checked without any server:
 
 - the dashboard is valid Grafana JSON (schemaVersion >= 36, datasource through the DS_PROMETHEUS variable, unique
-  ids, no overlapping panels), every panel has PromQL, every metric it names is in the DESIGN.md contract (or is
+  ids, no overlapping panels), every panel has PromQL, every metric it names is in the metric contract (or is
   Prometheus' own `up`), every label it groups by exists on those metrics, and every contract metric is shown;
 - with `promtool` (scripts/install-prometheus.sh installs it; skipped with that reason otherwise): every expression
   parses (`promtool check rules`), every expression returns data on synthetic series shaped like the contract
@@ -33,7 +33,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "hybridpd.json"
 PROVISIONING = REPO / "deploy" / "grafana" / "provisioning"
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 
-# The metric contract (DESIGN.md, "Contracts"): name -> (type, labels the process itself exports).
+# The metric contract: name -> (type, labels the process itself exports).
 DESIGN_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "hybridpd_prefix_cache_queries_total": ("counter", frozenset({"role", "group"})),
     "hybridpd_prefix_cache_hits_total": ("counter", frozenset({"role", "group"})),
@@ -144,7 +144,7 @@ def matcher_labels(expr: str) -> set[str]:
 
 
 def contract_metric(name: str) -> str | None:
-    """The DESIGN.md metric a series name belongs to (histogram series map to their base), else None."""
+    """The contract metric a series name belongs to (histogram series map to their base), else None."""
     if name in DESIGN_METRICS:
         return name
     for suffix in HISTOGRAM_SUFFIXES:
@@ -232,7 +232,7 @@ def test_metrics_are_in_the_contract() -> None:
         names = metric_names(expr)
         assert names, f"no metric in {expr!r}"
         for name in names:
-            assert contract_metric(name) or name in PROMETHEUS_SERIES, f"{name!r} is not a DESIGN.md metric: {expr!r}"
+            assert contract_metric(name) or name in PROMETHEUS_SERIES, f"{name!r} is not a contract metric: {expr!r}"
             if DESIGN_METRICS.get(name, ("", None))[0] == "histogram":
                 pytest.fail(f"histogram {name!r} has no series of that name; use _bucket/_sum/_count: {expr!r}")
         assert "__name__" not in expr, "select metrics by name so that this check sees them"

@@ -50,7 +50,7 @@ def test_preemption_keeps_outputs_identical(name, checkpoint_dir, reference):  #
     probe = LLM(model=checkpoint_dir(name), kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
     info = probe.kv_cache_info()
     per_block = info["bytes_per_token"] * info["block_size"]
-    # one arena (issue 15): only the null and running slots are reserved, each rounded up to k whole blocks
+    # one arena: only the null and running slots are reserved, each rounded up to k whole blocks
     state = (1 + 8) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
     # room for 48 blocks = 768 tokens: far less than the batch needs (~1,000 prompt + 256 generated tokens)
     budget = state + 48 * per_block

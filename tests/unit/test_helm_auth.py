@@ -1,4 +1,4 @@
-"""The Helm chart takes the API key and the cluster token from a Kubernetes Secret (issue 12): every worker
+"""The Helm chart takes the API key and the cluster token from a Kubernetes Secret: every worker
 container and the proxy read them from `auth.secretName`; the chart creates the Secret only when asked."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefix reuse on the consumer under PD (issue 15: P and D run the same policy, D keeps what it pulls, hits on D
+"""Prefix reuse on the consumer under PD (P and D run the same policy, D keeps what it pulls, hits on D
 count by group). Two EngineCores of one tiny model, a copy standing in for NIXL, on a prefix-repetition workload
 shaped like `serve_compare.py`'s (shared prefix, then a unique suffix whose prompt end is past the prefix's last
 block): D must hold the shared prefix's blocks *and* its checkpoint after the second request of a prefix, pull

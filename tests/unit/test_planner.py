@@ -83,7 +83,7 @@ def test_qwen35_like_capacity_is_exact() -> None:
     assert plan.token_capacity == 185_088 == exact_capacity(groups, 8 * GiB, 49, 16)
     assert plan.max_concurrency == 16
     assert naive_uniform_capacity(QWEN, 8 * GiB, 16) == 1_984
-    # seed 001's concurrency estimate: largest per-layer cost x all layers, vs the sum of per-group costs
+    # the old concurrency estimate: largest per-layer cost x all layers, vs the sum of per-group costs
     blocks = 8192 // 16
     exact_per_req = blocks * plan.bytes_per_block + plan.bytes_per_state
     naive_per_req = max(blocks * QWEN_ATTN.page_bytes, QWEN_GDN.page_bytes) * len(QWEN)

@@ -18,7 +18,7 @@ What this proves (fp32, greedy, identical tokens and logprobs within 1e-4 of tra
   (`has_initial_state=False`), and padded rows never alias a slot (PAD_SLOT_ID = -1 would index the last slot);
 - prefix hits keep their contents while everything around them is poisoned.
 The test is not vacuous: every fresh block and every new running slot of every step is checked to be one that was
-poisoned just before that step. The FlashAttention-style failure (multiply-by-zero masking, seed 000) and the
+poisoned just before that step. The FlashAttention-style failure (multiply-by-zero masking) and the
 zeroing that guards against it are covered in test_zeroing_engine.py.
 """
 

@@ -1,4 +1,4 @@
-"""The runner reads every cache group (issue 13): a tiny model's attention layers split into two attention groups
+"""The runner reads every cache group: a tiny model's attention layers split into two attention groups
 and its recurrent layers into two recurrent groups (tests/support/split_groups.py; the second group of each kind
 keeps its pages at other indices), so each layer must read its own group's block table, state slot and
 checkpoints (engine.models.batch.GroupViews).

@@ -1,5 +1,5 @@
 """engine/metrics.py: WorkerMetrics exports the prefix cache's counters from a real (tiny) engine: hits by group,
-bytes held per kind and state, evictions and admitted checkpoints (issue 15: "bytes held by kind"), on a private
+bytes held per kind and state, evictions and admitted checkpoints ("bytes held by kind"), on a private
 registry."""
 
 from __future__ import annotations

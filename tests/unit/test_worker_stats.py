@@ -1,5 +1,5 @@
 """The Stats RPC a worker answers (worker/convert.stats_response) from a real engine: pool counts with their
-integrity, queue lengths, and the cache memory as planned and as split now (issue 15: `/v1/cluster` shows the
+integrity, queue lengths, and the cache memory as planned and as split now (`/v1/cluster` shows the
 split live)."""
 
 from __future__ import annotations

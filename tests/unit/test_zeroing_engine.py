@@ -1,7 +1,7 @@
-"""Zeroing fresh KV blocks (DESIGN.md § Caches, Zeroing; seed 000), end to end through the engine.
+"""Zeroing fresh KV blocks, end to end through the engine.
 
 The real torch attention (`paged_attention`) gathers only valid positions, so garbage in the unused positions of a
-block cannot reach it (test_poison.py proves that). The failure seed 000 describes needs a kernel that reads whole
+block cannot reach it (test_poison.py proves that). The failure zeroing guards against needs a kernel that reads whole
 blocks and masks by multiplying with zero, as FlashAttention-style kernels do: P = softmax(S masked to -inf) is 0
 past the context, and P @ V computes 0 * V there, which is NaN when V is NaN. `whole_block_attention` below is
 such a kernel, installed in place of `paged_attention` for these tests only. With NaN in every free attention block
@@ -10,7 +10,7 @@ before every step:
 - zeroing off: outputs are NaN (the test can fail, and does, without the zeroing);
 - prefix hits are not zeroed (their contents survive: identical outputs, and the zeroer never sees their ids);
 - the number of zeroed blocks equals the number of fresh (non-hit) blocks, computed from the prompt lengths;
-- with zeroing off the fresh-id list is still drained every step (100,000 steps, seed 000's follow-up leak).
+- with zeroing off the fresh-id list is still drained every step (100,000 steps, the fresh-id leak).
 One launch per step on the Triton path is covered by test_zero_blocks.py.
 """
 
@@ -236,7 +236,7 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
     path = checkpoint_dir("nemotron_attn_mid")
     info = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128).kv_cache_info()
     max_seqs, budget = 3, 32
-    # one arena (issue 15): only the null and running slots are reserved, each rounded up to k whole blocks
+    # one arena: only the null and running slots are reserved, each rounded up to k whole blocks
     state = (1 + max_seqs) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
     llm = LLM(model=path, kv_cache_memory_bytes=state + 9 * info["bytes_per_block"], max_num_seqs=max_seqs,
               max_num_batched_tokens=budget, checkpoint_interval=32, max_model_len=64, zero_fresh_blocks="off")
