@@ -64,11 +64,14 @@ from hybridpd.engine.cache.admission import CachePolicy  # noqa: E402
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
 from hybridpd.engine.cache.hashing import extend_block_hashes  # noqa: E402
 from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
+from hybridpd.engine.cache.tree import CacheTree  # noqa: E402
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
 from hybridpd.engine.config import SchedulerConfig  # noqa: E402
 from hybridpd.engine.request import Request  # noqa: E402
 from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridpd.engine.scheduler import Scheduler  # noqa: E402
+
+from benchmarks.cache_policies import LruTree, fixed_interval  # noqa: E402
 
 VOCAB = 150_000
 BS = 16
@@ -265,15 +268,15 @@ def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) 
         slots = 1 + 3 * max_num_seqs
         blocks = (budget - slots * STATE_BYTES) // BLOCK_BYTES
         return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, 256, BS))
-    cp = {"ours": CachePolicy(), "lru": CachePolicy(eviction="lru"),
-          "fixed": CachePolicy.fixed_interval(528)}[policy]
+    cp = fixed_interval(528) if policy == "fixed" else CachePolicy()
+    tree = CacheTree if policy == "ours" else LruTree
     if arena:
         plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or 16, policy=cp)
-        return HybridCacheManager(GROUPS, plan.layout())
+        return HybridCacheManager(GROUPS, plan.layout(), tree_cls=tree)
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp))
+    return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree)
 
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:

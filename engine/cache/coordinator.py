@@ -32,8 +32,8 @@ from hybridpd.engine.cache.events import CacheEventLog
 from hybridpd.engine.cache.hashing import append_block_hashes, extra_keys
 from hybridpd.engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
 from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
-from hybridpd.engine.cache.reclaim import Reclaimer
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup
+from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.request import Request
 
 
@@ -100,7 +100,9 @@ class PoolLayout:
 
 
 class HybridCacheManager:
-    def __init__(self, groups: list[CacheGroup], layout: PoolLayout, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, groups: list[CacheGroup], layout: PoolLayout, enable_prefix_caching: bool = True,
+                 tree_cls: type[CacheTree] = CacheTree) -> None:
+        """`tree_cls`: the eviction order (benchmarks/cache_policies.py swaps in its baselines)."""
         self.groups = groups
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -139,7 +141,7 @@ class HybridCacheManager:
         if arena is not None and self.states:
             self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
                                    [m.pool for m in self.states])  # type: ignore[misc]
-        self.reclaimer = self._build_reclaimer(layout)
+        self.reclaimer = self._build_tree(layout, tree_cls)
         self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
         """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
         `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
@@ -158,20 +160,20 @@ class HybridCacheManager:
         self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
                                                             for g in groups}
 
-    def _build_reclaimer(self, layout: PoolLayout) -> Reclaimer | None:
-        """The budget's Reclaimer (None without budget and policy: each pool evicts LRU on its own)."""
+    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> CacheTree | None:
+        """The budget's cache tree (None without budget and policy: each pool evicts LRU on its own)."""
         if layout.budget_bytes is None and layout.policy is None:
             return None
         budget = layout.budget_bytes
         if budget is None:
             budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        rc = Reclaimer([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.eviction,
-                       self.policy.alpha, layout.block_size, self.overlay)
+        tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
+                        layout.block_size, self.overlay)
         if self.blocks:
-            self.blocks[0].reclaimer = rc
+            self.blocks[0].reclaimer = tree
         if self.states:
-            self.states[0].reclaimer = rc
-        return rc
+            self.states[0].reclaimer = tree
+        return tree
 
     def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
         """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hybridpd.engine.cache.block_pool import BlockPool
-from hybridpd.engine.cache.reclaim import Reclaimer
 from hybridpd.engine.cache.specs import CacheGroup
+from hybridpd.engine.cache.tree import CacheTree
 
 
 def cdiv(a: int, b: int) -> int:
@@ -77,7 +77,7 @@ class AttentionManager:
         self.block_size = block_size
         self.leader = leader
         """The chain's pool when this group rides along (a block is named h only while the chain holds h)."""
-        self.reclaimer: Reclaimer | None = None
+        self.reclaimer: CacheTree | None = None
         """Set by the coordinator (chain only) when pages are evicted by policy: told about every block named."""
         self.req_blocks: dict[str, list[int]] = {}
         self._tables: dict[str, tuple[int, ...]] = {}
@@ -235,7 +235,7 @@ class RecurrentManager:
         self.align = align
         self.leader = leader
         """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
-        self.reclaimer: Reclaimer | None = None
+        self.reclaimer: CacheTree | None = None
         """Set by the coordinator on the lead group only (riders follow their lead's page in the Reclaimer)."""
         self.running_slot: dict[str, int] = {}
         self.step_refs: list[int] = []

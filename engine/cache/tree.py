@@ -1,0 +1,570 @@
+"""The cache tree: one node per cached block hash, and the one eviction order over what may go.
+
+    attention chain (block hashes)     root -- n0 -- n1 -- n2 -- n3             Node: hash, tokens, parent, kids,
+                                                         \\-- n2' -- n3'         last_hit, demoted
+    checkpoints (state after a block)         [s@n1]        [s@n3] [s@n3']
+
+    evictable (GreedyDual order)       leaf blocks (no cached child, unreferenced): n3, n3'
+                                       checkpoints nobody references: s@n1, s@n3, s@n3'
+
+    priority = clock when last released + compute saved per byte (0 for a dead-end block or a superseded
+               checkpoint); clock = the priority of the last item evicted, so it only rises and old popularity
+               ages out (GreedyDual-Size; Marconi's recency + FLOP efficiency in a heap-friendly form).
+
+Invariants (`check_integrity`):
+- a node exists exactly while the chain (first attention group) caches its hash or the lead recurrent group holds a
+  checkpoint named by it; `parent` / `kids` link chain-cached nodes only, so a cached chain never has a hole;
+- only *leaf* chain blocks are queued; evicting a block takes the unreferenced checkpoint named by it (a state
+  whose chain is gone serves nothing); evicting a checkpoint re-queues the block it ended on (a dead end now);
+- every other group's page named h ("rider") exists only while its leader holds h and leaves with it, so one
+  queued item stands for the pages of every group at one hash, valued by the bytes of all of them;
+- held pages (in use + cached, every pool) x page bytes <= budget.
+
+One arena (overlay.py): a checkpoint slot is the memory of k attention blocks (a *range*). A checkpoint needs a
+free range; when none is free `make_room` evicts the lowest checkpoint (its range comes free) when that is the
+lowest item of all, else the unreferenced range whose eviction loses least (the credit, priority - clock, of its
+blocks, of the subtrees below them and of the checkpoints they name, per byte: `_range_cost`) when cheaper than
+the lowest checkpoint, else that checkpoint unless it served a hit lately (`_served`): then the new checkpoint
+is skipped, and when the kept one's hit is stale the clock rises to its priority.
+
+Ownership: the coordinator owns one CacheTree and calls `make_room` before every allocation; the pools call
+`on_release` / `on_acquire` (the tree is their listener); the managers tell it what was cached. Single-threaded
+(the step loop). Tensor-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING
+
+from hybridpd.engine.cache.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from hybridpd.engine.cache.overlay import Overlay
+
+ATTENTION_QUADRATIC_TOKENS = 8192
+"""Context length at which a token's attention FLOPs equal its linear FLOPs, roughly (shapes flops_saved only)."""
+REFERENCE_TOKENS = 4096
+"""A state restoring this many tokens alone is valued 1.0 per its bytes (the value scale)."""
+MAX_ANCHOR_WALK = 64
+"""Ancestors an anchor search visits before it counts the whole prefix as this entry's (see `_anchor`)."""
+RANGE_CANDIDATES = 4
+"""Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
+MAX_RANGE_SUBTREE = 128
+"""Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
+SERVED_TURNOVERS = 4
+"""How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids."""
+INF = float("inf")
+
+
+def flops_saved(tokens: int) -> float:
+    """Relative compute a hit on a `tokens`-long prefix saves: linear per token plus attention's quadratic term."""
+    return tokens + tokens * tokens / (2 * ATTENTION_QUADRATIC_TOKENS)
+
+
+class Node:
+    """One cached block hash. Page ids stay in the pools (`pool.cached[hash]`); the tree keeps the shape."""
+
+    __slots__ = ("hash", "tokens", "parent", "kids", "last_hit", "demoted")
+
+    def __init__(self, h: bytes, tokens: int) -> None:
+        self.hash = h
+        self.tokens = tokens
+        """Prefix length (tokens) at the end of this block."""
+        self.parent: Node | None = None
+        """The chain-cached node of the block before (None: the first block, or its parent was evicted)."""
+        self.kids: dict[bytes, Node] = {}
+        """Chain-cached nodes whose parent this is; a block with kids is not evictable."""
+        self.last_hit: int | None = None
+        """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
+        self.demoted = False
+        """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
+
+
+class EvictionQueue:
+    """Lazy min-heap of (priority, release order, page): `discard` is O(1), stale entries are skipped at the top."""
+
+    def __init__(self, order: itertools.count) -> None:
+        self._heap: list[tuple[float, int, int]] = []
+        self._live: dict[int, int] = {}
+        """page -> release order of its live entry."""
+        self.priority: dict[int, float] = {}
+        self.base: dict[int, float] = {}
+        """page -> the clock when it was queued (its recency)."""
+        self._order = order
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._live
+
+    def push(self, page: int, base: float, priority: float) -> None:
+        self.version += 1
+        seq = next(self._order)
+        self._live[page], self.priority[page], self.base[page] = seq, priority, base
+        heapq.heappush(self._heap, (priority, seq, page))
+        if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def discard(self, page: int) -> None:
+        self.version += 1
+        if self._live.pop(page, None) is not None:
+            del self.priority[page], self.base[page]
+
+    def peek(self) -> tuple[float, int, int] | None:
+        heap, live = self._heap, self._live
+        while heap:
+            top = heap[0]
+            if live.get(top[2]) == top[1]:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def reprioritize(self, priority_of: object) -> None:
+        """Recompute every live entry's priority (`priority_of(page, base)`), keeping release order for ties."""
+        self.version += 1
+        self._heap = [(priority_of(p, self.base[p]), seq, p) for p, seq in self._live.items()]  # type: ignore
+        heapq.heapify(self._heap)
+        self.priority = {page: prio for prio, _, page in self._heap}
+
+
+class CacheTree:
+    def __init__(self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, alpha: float = 1.0,
+                 block_size: int = 16, overlay: Overlay | None = None) -> None:
+        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
+        `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
+        self.chain: BlockPool | None = attention[0] if attention else None
+        self.state: BlockPool | None = state[0] if state else None
+        self.leaders = [p for p in (self.chain, self.state) if p is not None]
+        self.pools = [*attention, *state]
+        self.riders = {id(g[0]): g[1:] for g in (attention, state) if g}
+        self.leader_of = {id(p): g[0] for g in (attention, state) for p in g}
+        self.attention_pools = list(attention)
+        self.budget_bytes = budget_bytes
+        self.block_size = block_size
+        self.overlay = overlay
+        order = itertools.count()  # one release order for both queues: ties compare across them
+        self.queues = {id(p): EvictionQueue(order) for p in self.leaders}
+        self.unit_bytes = {id(g[0]): sum(p.page_bytes for p in g) for g in (attention, state) if g}
+        """leader -> bytes of one unit (its page and its riders' pages at one hash)."""
+        if overlay is not None and self.state is not None and self.chain is not None:
+            self.unit_bytes[id(self.state)] = overlay.k * self.unit_bytes[id(self.chain)]  # what it covers
+        ref = self.unit_bytes[id(self.state if self.state is not None else self.chain)]
+        self._scale = alpha * max(ref, 1) / flops_saved(REFERENCE_TOKENS)
+        self.nodes: dict[bytes, Node] = {}
+        self.clock = 0.0
+        self.num_states_cached = 0
+        """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_served`)."""
+        ids = overlay.num_ranges if overlay is not None else (self.state.capacity if self.state else 0)
+        self.served_window = SERVED_TURNOVERS * ids
+        self.num_checkpoints_skipped = 0
+        self._failed_room: tuple[object, int] | None = None
+        """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
+        self._since_refresh = 0
+        self._going: set[bytes] = set()
+        self.evicted_bytes = {"attention": 0, "state": 0}
+        self.num_evicted = {"attention": 0, "state": 0}
+        for p in self.pools:
+            p.listener = self
+
+    # -- budget ------------------------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes of the pages that hold something (in use or cached), every pool."""
+        return sum(p.held_bytes() for p in self.pools)
+
+    def make_room(self, needs: list[tuple[BlockPool, int]], checkpoint: bool = False) -> bool:
+        """Evict the lowest items until every pool has its `n` free ids and the budget room for them; False when it
+        cannot (what went stays gone: it was cache). `checkpoint`: state ids for checkpoints (not running slots)."""
+        if self.overlay is not None:
+            return self._make_room_arena(needs, checkpoint)
+        if not any(n for _, n in needs):
+            return True
+        room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
+        while True:
+            short = [p for p, n in needs if p.num_plain < n]
+            if not short and self.held_bytes() <= room:
+                return True
+            victim = self._lowest(list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values())
+                                  if short else self.leaders)
+            if victim is None:
+                return False
+            self._evict_victim(victim)
+
+    def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
+        asked = tuple((id(p), n) for p, n in needs)
+        if checkpoint and self._failed_room == (asked, self._version()):
+            self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
+            return False
+        states = {id(p) for p in self.pools[len(self.attention_pools):]}
+        state_needs = [(p, n) for p, n in needs if n and id(p) in states]
+        attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
+        while True:
+            ranges = max((p.overlay_needed(n, checkpoint) for p, n in state_needs), default=0)  # type: ignore
+            if all(p.available(checkpoint) >= n for p, n in state_needs):
+                return self._fill_attention(attn_needs, self.overlay.k * ranges)  # type: ignore[union-attr]
+            victim = self._arena_victim(checkpoint)
+            if victim is None:
+                if checkpoint:
+                    self.num_checkpoints_skipped += 1
+                    self._failed_room = (asked, self._version())
+                return False
+            if victim is not True:
+                self._evict_victim(victim)
+
+    def _arena_victim(self, checkpoint: bool) -> tuple[BlockPool, int, float] | bool | None:
+        """What frees a range: the lowest checkpoint, or (True) a range evicted here; None: nothing may go."""
+        victim = self._lowest(self.leaders)
+        if victim is not None and victim[0] is self.state:
+            return victim
+        lowest_state = self._lowest([self.state]) if self.state is not None else None
+        c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
+        if c is not None:
+            self._evict_range(c)
+            return True
+        if checkpoint and lowest_state is not None and self._served(lowest_state[1]):
+            if self._stale(lowest_state[1]):  # kept on an old hit: the refused newcomer ranked below it,
+                self.clock = max(self.clock, lowest_state[2])  # so time moves on (old popularity ages out)
+            return None  # a checkpoint that served a hit lately stays; the new, speculative one is skipped
+        return lowest_state
+
+    def _fill_attention(self, attn_needs: list[tuple[BlockPool, int]], taken: int) -> bool:
+        """Arena: evict the lowest items until every attention pool has `n` free blocks besides the `taken` ones."""
+        for p, n in attn_needs:
+            while p.num_plain - taken < n:
+                victim = self._lowest(self.leaders)
+                if victim is None:
+                    return False
+                self._evict_victim(victim)
+        return True
+
+    def _evict_victim(self, victim: tuple[BlockPool, int, float]) -> None:
+        """Evict `_lowest`'s answer; once per queue turnover, re-value the queues (`refresh`)."""
+        self.evict(*victim)
+        self._since_refresh += 1
+        if self._since_refresh > 1024 and self._since_refresh > 4 * sum(len(q) for q in self.queues.values()):
+            self.refresh()
+
+    def _version(self) -> int:
+        return sum(p.version for p in self.pools) + sum(q.version for q in self.queues.values())
+
+    def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
+        """(pool, page, priority) of the lowest (priority, release order) entry among `pools`' queues."""
+        best: tuple[float, int, int] | None = None
+        best_pool = None
+        for p in pools:
+            top = self.queues[id(p)].peek()
+            if top is not None and (best is None or top < best):
+                best, best_pool = top, p
+        return None if best is None else (best_pool, best[2], best[0])  # type: ignore[return-value]
+
+    def refresh(self) -> None:
+        """Recompute every queued page's value against the tree as it is now (keeping its recency)."""
+        self._since_refresh = 0
+        for p in self.leaders:
+            names = p.block_hash
+            self.queues[id(p)].reprioritize(lambda page, base: base + self._value(p, names[page]))  # noqa: B023
+
+    # -- hits (served checkpoints) -----------------------------------------------------------------------------
+    def _served(self, slot: int) -> bool:
+        """The checkpoint in `slot` was restored within `served_window` checkpoints cached and not superseded."""
+        node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
+        if node is None or node.last_hit is None or node.demoted:
+            return False
+        return self.num_states_cached - node.last_hit <= self.served_window
+
+    def _stale(self, slot: int) -> bool:
+        """The checkpoint in `slot` was last restored more than one turnover of the checkpoint ids ago."""
+        node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
+        last = node.last_hit if node is not None else None
+        return last is not None and SERVED_TURNOVERS * (self.num_states_cached - last) > self.served_window
+
+    # -- ranges (arena) ----------------------------------------------------------------------------------------
+    def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
+        """Among the RANGE_CANDIDATES longest unused ranges with no referenced block, the one whose eviction loses
+        least per byte (ties: longest unused, most free blocks). None when none is cheaper than `below` (the lowest
+        checkpoint's priority: that one goes instead), or only priceless ones are left and not `priceless_ok`."""
+        ov = self.overlay
+        assert ov is not None
+        bound = INF if below is None else max(0.0, below - self.clock)
+        age, nplain = ov.age, ov.nplain
+        keyed = [(age[c], -nplain[c], c) for c in sorted(ov.unreferenced)]
+        best, best_key = None, (INF, 0, 0)
+        for _, _, c in heapq.nsmallest(RANGE_CANDIDATES, keyed):
+            cost = self._range_cost(c, bound)
+            key = (cost, age[c], -nplain[c])
+            if cost <= bound and (best is None or key < best_key):
+                best, best_key, bound = c, key, cost
+        if best is not None and best_key[0] == INF and not priceless_ok:
+            return None
+        return best
+
+    def _range_cost(self, c: int, bound: float) -> float:
+        """Credit per byte that evicting range c loses: every cached block in it, with its subtree when it has
+        kids (a block below an evicted one is unreachable), and the checkpoints they name; stops past `bound`."""
+        chain, ov = self.chain, self.overlay
+        assert chain is not None and ov is not None
+        blocks = ov.blocks_of(c)
+        total = ov.k * self.unit_bytes[id(chain)]
+        limit, credit = bound * total, 0.0
+        for b in blocks:
+            h = chain.block_hash[b]
+            if h is None:
+                continue
+            node = self.nodes[h]
+            if not node.kids:
+                credit += self._credit(node, b)
+            elif node.parent is None or chain.cached[node.parent.hash] not in blocks:
+                credit += self._subtree_credit(node, limit - credit)  # (a parent in the range covers its kids)
+            if credit > limit:
+                break
+        return credit / total
+
+    def _subtree_credit(self, top: Node, limit: float) -> float:
+        """The credit of `top`'s subtree; INF past MAX_RANGE_SUBTREE nodes; stops once above `limit`."""
+        cached = self.chain.cached  # type: ignore[union-attr]
+        credit, stack, seen = 0.0, [top], 0
+        while stack:
+            node = stack.pop()
+            seen += 1
+            if seen > MAX_RANGE_SUBTREE:
+                return INF
+            page = cached.get(node.hash)
+            if page is not None:
+                credit += self._credit(node, page)
+                if credit > limit:
+                    return credit
+            stack.extend(node.kids.values())
+        return credit
+
+    def _credit(self, node: Node, page: int) -> float:
+        """Remaining worth (priority - clock) x bytes of chain page `page` and of its checkpoint (INF: pinned)."""
+        pr = self.queues[id(self.chain)].priority.get(page)
+        one = 0.0 if pr is None else max(0.0, pr - self.clock) * self.unit_bytes[id(self.chain)]
+        state = self.state
+        if state is not None:
+            slot = state.cached.get(node.hash)
+            if slot is not None:
+                sp = self.queues[id(state)].priority.get(slot)
+                one = INF if sp is None else one + max(0.0, sp - self.clock) * self.unit_bytes[id(state)]
+        return one
+
+    def _evict_range(self, c: int) -> None:
+        """Evict every cached block of range c (none is referenced) in every attention pool."""
+        assert self.overlay is not None
+        self.overlay.num_range_evictions += 1
+        for pool in self.attention_pools:
+            for b in self.overlay.blocks_of(c):
+                h = pool.block_hash[b]
+                if h is None or pool.ref_cnt[b]:
+                    continue
+                if pool is not self.chain:
+                    pool.evict(b)  # a rider's page alone: its group only serves shorter hits
+                    self.evicted_bytes["attention"] += pool.page_bytes
+                else:
+                    self._evict_subtree(self.nodes[h])
+
+    def _evict_subtree(self, top: Node) -> None:
+        """Evict the chain's block `top` and every unreferenced cached block below it, deepest first; a referenced
+        one stays, cut off as the head of an unreachable chain."""
+        order, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.kids.values())
+        chain = self.chain
+        assert chain is not None
+        self._going = {n.hash for n in order}
+        for node in reversed(order):
+            page = chain.cached.get(node.hash)
+            if page is None:
+                continue
+            if chain.ref_cnt[page] == 0:
+                self.evict(chain, page)
+            else:
+                self._unlink(node)
+        self._going = set()
+
+    # -- eviction ----------------------------------------------------------------------------------------------
+    def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
+        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
+        h = pool.block_hash[page]
+        assert h is not None
+        self.queues[id(pool)].discard(page)
+        kind = "attention" if pool is self.chain else "state"
+        if count:
+            pool.evict(page)
+            self.num_evicted[kind] += 1
+            self.evicted_bytes[kind] += pool.page_bytes
+        else:
+            pool.uncache(page)
+        self._drop_riders(pool, h, count)
+        if prio is not None and prio > self.clock:
+            self.clock = prio
+        node = self.nodes[h]
+        if pool is self.chain:
+            self._unlink(node)
+            slot = self.state.cached.get(h) if self.state is not None else None
+            if slot is not None and self.state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
+                self.evict(self.state, slot)  # type: ignore[arg-type]  # its chain is gone: the state is useless
+        else:
+            self._requeue_block(h)  # the block it ended on may now be a dead end
+        if h not in (self.chain.cached if self.chain is not None else ()) and (
+                self.state is None or h not in self.state.cached):
+            self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
+
+    def _drop_riders(self, leader: BlockPool, h: bytes, count: bool) -> None:
+        """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
+        for rider in self.riders.get(id(leader), ()):
+            page = rider.lookup(h)
+            if page is None:
+                continue
+            if count and rider.ref_cnt[page] == 0:
+                rider.evict(page)
+                self.evicted_bytes["attention" if leader is self.chain else "state"] += rider.page_bytes
+            else:
+                rider.uncache(page)
+
+    def _unlink(self, node: Node) -> None:
+        parent = node.parent
+        if parent is None:
+            return
+        node.parent = None
+        del parent.kids[node.hash]
+        if parent.kids:
+            return
+        if parent.hash in self._going and (self.state is None or parent.hash not in self.state.cached):
+            return  # a dead end that this subtree eviction takes next: queuing it would change nothing
+        self._requeue_block(parent.hash)  # a new leaf
+
+    # -- events from the pools and the managers ---------------------------------------------------------------
+    def on_release(self, pool: BlockPool, page: int) -> None:
+        h = pool.block_hash[page]
+        assert h is not None
+        if id(pool) not in self.queues:  # a rider: leaves with its leader's page, or now if the leader lost h
+            if self.leader_of[id(pool)].lookup(h) is None:
+                pool.uncache(page)
+            return
+        if pool is self.chain and self.nodes[h].kids:
+            return  # not a leaf: queued when its last kid goes
+        self._push(pool, page, h)
+
+    def on_acquire(self, pool: BlockPool, page: int) -> None:
+        if id(pool) not in self.queues:
+            return  # a rider: never queued
+        self.queues[id(pool)].discard(page)
+        h = pool.block_hash[page]
+        if h is not None and (pool is self.state or self.state is None):
+            node = self.nodes[h]
+            node.last_hit = self.num_states_cached  # a restore (or, attention-only, a block reuse)
+            node.demoted = False  # restored: a real reuse point after all
+
+    def _node(self, h: bytes, tokens: int) -> Node:
+        node = self.nodes.get(h)
+        if node is None:
+            node = self.nodes[h] = Node(h, tokens)
+        return node
+
+    def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
+        """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
+        node = self._node(h, tokens)
+        if parent is None or node.parent is not None:
+            return
+        pb = self.chain.cached.get(parent)  # type: ignore[union-attr]
+        if pb is None:
+            return  # the parent is gone: this block heads an unreachable chain and stays a leaf
+        up = self.nodes[parent]
+        node.parent = up
+        up.kids[h] = node
+        self.queues[id(self.chain)].discard(pb)  # no longer a leaf
+
+    def on_state_cached(self, h: bytes, tokens: int) -> None:
+        """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
+        self._node(h, tokens)
+        self.num_states_cached += 1
+        self._requeue_block(h)
+
+    def demote(self, h: bytes) -> None:
+        """The checkpoint `h` lies on a path a deeper checkpoint of the same request now ends, with no branch at
+        `h`: it keeps only its recency (Marconi: states off branch points are rarely reused). A restore undoes it."""
+        node = self.nodes.get(h)
+        slot = self.state.lookup(h) if self.state is not None else None
+        if node is None or slot is None or len(node.kids) > 1:
+            return
+        node.demoted = True
+        q = self.queues[id(self.state)]
+        if slot in q:
+            q.push(slot, q.base[slot], q.base[slot])
+        self._requeue_block(h)
+
+    def _requeue_block(self, h: bytes) -> None:
+        chain = self.chain
+        b = chain.cached.get(h) if chain is not None else None
+        if b is not None and chain.ref_cnt[b] == 0 and not self.nodes[h].kids:  # type: ignore[union-attr]
+            self._push(chain, b, h)  # type: ignore[arg-type]
+
+    def _push(self, pool: BlockPool, page: int, h: bytes) -> None:
+        self.queues[id(pool)].push(page, self.clock, self.clock + self._value(pool, h))
+
+    # -- value -------------------------------------------------------------------------------------------------
+    def _value(self, pool: BlockPool, h: bytes | None) -> float:
+        """Compute saved per byte by keeping page `h` of `pool` (0 for a dead-end block or a demoted checkpoint):
+        the FLOPs between the nearest anchor and this boundary, over the state plus the blocks in between."""
+        node = self.nodes.get(h) if h is not None else None
+        if node is None or node.demoted:
+            return 0.0
+        if pool is self.chain and self.state is not None:
+            if node.hash not in self.state.cached:
+                return 0.0  # dead end: no hit can stop here
+            pool = self.state  # a leaf block with a checkpoint is valued as that checkpoint
+        tokens, anchor = node.tokens, self._anchor(node)
+        if tokens <= anchor:
+            return 0.0
+        nbytes = self.unit_bytes[id(pool)]
+        if self.chain is not None:
+            nbytes += (tokens - anchor) // self.block_size * self.unit_bytes[id(self.chain)]
+        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1)
+
+    def _anchor(self, node: Node) -> int:
+        """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root, or none within
+        MAX_ANCHOR_WALK ancestors): what a hit would fall back to without this entry."""
+        states = self.state.cached if self.state is not None else {}
+        p = node.parent
+        for _ in range(MAX_ANCHOR_WALK):
+            if p is None:
+                return 0
+            if len(p.kids) >= 2 or p.hash in states:
+                return p.tokens
+            p = p.parent
+        return 0
+
+    # -- integrity ---------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """The invariants of the module docstring."""
+        assert self.held_bytes() <= self.budget_bytes, (self.held_bytes(), self.budget_bytes)
+        for r in self.pools:
+            leader = self.leader_of[id(r)]
+            if r is not leader:
+                assert all(leader.lookup(h) is not None for h in r.cached), (r.name, "names a page its leader lost")
+        for p in self.leaders:
+            queued = set(self.queues[id(p)]._live)
+            assert all(p.ref_cnt[b] == 0 and p.block_hash[b] is not None for b in queued), p.name
+            for b in p.free_block_ids():
+                h = p.block_hash[b]
+                if h is not None:
+                    leaf = p is not self.chain or not self.nodes[h].kids
+                    assert (b in queued) == leaf, (p.name, b, leaf)
+        names = set(self.chain.cached if self.chain is not None else ()) | set(
+            self.state.cached if self.state is not None else ())
+        assert names == self.nodes.keys(), "a node for every cached hash, and only those"
+        for h, node in self.nodes.items():
+            assert node.hash == h
+            if node.parent is not None:
+                assert node.parent.kids.get(h) is node and self.chain.lookup(h) is not None  # type: ignore[union-attr]
+                assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
+            assert all(k.parent is node for k in node.kids.values())
+        if self.overlay is not None:
+            self.overlay.check_integrity()
