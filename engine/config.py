@@ -20,7 +20,6 @@ from hybridpd.engine.errors import InvalidRequestError
 Dtype = Literal["float32", "bfloat16", "float16"]
 DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 Admission = Literal["reuse", "interval"]
-Eviction = Literal["value", "lru"]
 ZeroMode = Literal["auto", "on", "off"]
 LoadFormat = Literal["auto", "dummy"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -58,15 +57,13 @@ class CacheConfig:
     """Reuse the cached KV blocks and recurrent-state checkpoints of earlier prompts with the same prefix."""
     checkpoint_admission: Admission | None = None
     """Where recurrent-state checkpoints are saved. "reuse": branch points, prompt ends, request ends (plus the
-    interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens, LRU eviction
-    (vLLM's policy). None: "interval" when checkpoint_interval is set, else "reuse"."""
+    interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens (vLLM's
+    admission). None: "interval" when checkpoint_interval is set, else "reuse"."""
     checkpoint_interval: int | None = None
     """Tokens between (fallback) checkpoints; a multiple of block_size. None: off (0) for "reuse", the largest
     multiple of block_size not above 256 for "interval"."""
-    eviction: Eviction = "value"
-    """"value": compute saved per byte with recency, blocks and states consistent. "lru": release order."""
     eviction_alpha: float = 1.0
-    """Weight of compute saved per byte against recency ("value")."""
+    """Weight of compute saved per byte against recency in eviction (GreedyDual: engine/cache/tree.py)."""
     num_checkpoint_slots: int | None = None
     """At most this many cached checkpoints. Each one is the memory of k attention blocks of the one arena (nothing
     is reserved for them). None: as many as the arena holds."""
@@ -92,8 +89,7 @@ class CacheConfig:
     def cache_policy(self):  # type: ignore[no-untyped-def]  # -> engine.cache.admission.CachePolicy
         from hybridpd.engine.cache.admission import CachePolicy
 
-        return CachePolicy(self.resolved_admission(), self.eviction, self.resolved_checkpoint_interval(),
-                           self.eviction_alpha)
+        return CachePolicy(self.resolved_admission(), self.resolved_checkpoint_interval(), self.eviction_alpha)
 
 
 @dataclass(frozen=True)
@@ -144,8 +140,8 @@ class EngineConfig:
         if ci < 0 or ci % c.block_size or (ci == 0 and c.resolved_admission() != "reuse"):
             raise InvalidRequestError(f"checkpoint_interval ({ci}) must be a positive multiple of block_size "
                                       f"({c.block_size}), or 0 (off) with checkpoint_admission='reuse'")
-        if c.resolved_admission() not in typing.get_args(Admission) or c.eviction not in typing.get_args(Eviction):
-            raise InvalidRequestError("checkpoint_admission must be reuse|interval and eviction value|lru")
+        if c.resolved_admission() not in typing.get_args(Admission):
+            raise InvalidRequestError("checkpoint_admission must be reuse|interval")
         if c.zero_fresh_blocks not in typing.get_args(ZeroMode):
             raise InvalidRequestError(f"zero_fresh_blocks must be auto|on|off, got {c.zero_fresh_blocks!r}")
         if not (0.0 < c.gpu_memory_utilization <= 1.0):

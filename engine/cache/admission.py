@@ -25,21 +25,15 @@ ADMISSIONS = ("reuse", "interval")
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """How the prefix cache admits checkpoints and evicts pages (see admission.py and reclaim.py)."""
+    """How the prefix cache admits checkpoints (here) and weighs value in eviction (tree.py)."""
 
     admission: str = "reuse"
-    eviction: str = "value"
     interval: int = 0
     """Fallback checkpoint interval in tokens (a multiple of block_size); 0 = off. Required for "interval"."""
     alpha: float = 1.0
-    """Weight of compute-saved-per-byte against recency in eviction ("value" only)."""
+    """Weight of compute-saved-per-byte against recency in eviction."""
     seen_capacity: int = 1 << 18
     """Block hashes remembered for branch-point detection (about 100 bytes each on the host)."""
-
-    @classmethod
-    def fixed_interval(cls, interval: int) -> CachePolicy:
-        """Every `interval` tokens, LRU eviction: the pre-v2 behaviour and the vLLM-style baseline."""
-        return cls(admission="interval", eviction="lru", interval=interval)
 
     def validate(self, block_size: int) -> None:
         if self.admission not in ADMISSIONS:

@@ -96,7 +96,7 @@ class PoolLayout:
     """One arena backs both kinds (checkpoint slots overlay attention blocks); needs a budget or a policy."""
 
     def resolved_policy(self) -> CachePolicy:
-        return self.policy if self.policy is not None else CachePolicy.fixed_interval(self.checkpoint_interval)
+        return self.policy if self.policy is not None else CachePolicy("interval", self.checkpoint_interval)
 
 
 class HybridCacheManager:
@@ -141,7 +141,7 @@ class HybridCacheManager:
         if arena is not None and self.states:
             self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
                                    [m.pool for m in self.states])  # type: ignore[misc]
-        self.reclaimer = self._build_tree(layout, tree_cls)
+        self.tree = self._build_tree(layout, tree_cls)
         self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
         """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
         `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
@@ -170,9 +170,9 @@ class HybridCacheManager:
         tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
                         layout.block_size, self.overlay)
         if self.blocks:
-            self.blocks[0].reclaimer = tree
+            self.blocks[0].tree = tree
         if self.states:
-            self.states[0].reclaimer = tree
+            self.states[0].tree = tree
         return tree
 
     def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
@@ -274,23 +274,23 @@ class HybridCacheManager:
         rid = req.request_id
         if 0 < num_tokens <= self._covers.get(rid, 0):
             return True  # every group holds the request and covers num_tokens already (most decode steps)
-        if num_tokens > 0 and self.reclaimer is not None and self.managers and not self._grows(rid, num_tokens):
+        if num_tokens > 0 and self.tree is not None and self.managers and not self._grows(rid, num_tokens):
             return True
         self._tables.pop(rid, None)
         pages = hit.pages if hit is not None else {}
         new = self._is_new(rid)
-        if self.reclaimer is None:
+        if self.tree is None:
             if not self.can_allocate(req, num_tokens, hit):
                 return False
         elif new or num_tokens > 0 or self._grows(rid, num_tokens):
             if not self._make_room(rid, num_tokens, pages):
                 return False
-        pinned = self.reclaimer is not None
+        pinned = self.tree is not None
         for m, gid in self._alloc_order:
             m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
-        if self.reclaimer is not None and self.managers:
+        if self.tree is not None and self.managers:
             self._covers[rid] = self._covered_tokens(rid)
         return True
 
@@ -323,8 +323,8 @@ class HybridCacheManager:
         on failure."""
         pinned = [(m, gid) for m, gid in self._gids if m.pin_hit(rid, pages.get(gid, ()))]
         needs = [(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]
-        assert self.reclaimer is not None
-        if self.reclaimer.make_room(needs):
+        assert self.tree is not None
+        if self.tree.make_room(needs):
             return True
         for m, gid in pinned:
             m.unpin_hit(rid, pages.get(gid, ()))
@@ -416,8 +416,8 @@ class HybridCacheManager:
 
     def _state_room(self) -> bool:
         """One free slot in every recurrent group (evicting cache when there is a Reclaimer)."""
-        if self.reclaimer is not None:
-            return self.reclaimer.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
+        if self.tree is not None:
+            return self.tree.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
         return all(m.pool.num_free > 0 for m in self.states)
 
     def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
@@ -578,8 +578,8 @@ class HybridCacheManager:
             if (m.leader is None or m.leader.lookup(ckpt.block_hash) is not None) and m.pool.cache(
                     slot, ckpt.block_hash):
                 m.num_admitted += 1
-                if m.reclaimer is not None:
-                    m.reclaimer.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
+                if m.tree is not None:
+                    m.tree.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
             m.pool.free([slot])
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
@@ -647,7 +647,7 @@ class HybridCacheManager:
 
     def cache_stats(self) -> dict[str, object]:
         """Admissions, evictions and bytes held per group (by label: running vs cached), and the budget."""
-        out: dict[str, object] = {"policy": {"admission": self.policy.admission, "eviction": self.policy.eviction,
+        out: dict[str, object] = {"policy": {"admission": self.policy.admission,
                                              "interval": self.policy.interval}}
         for g in self.groups:
             pool = self.pools[g.group_id]
@@ -657,18 +657,18 @@ class HybridCacheManager:
                                             "evictions": pool.num_evictions}
         if self.states:
             out["checkpoints_admitted"] = self.states[0].num_admitted
-        if self.reclaimer is not None:
-            out["budget_bytes"] = self.reclaimer.budget_bytes
-            out["held_bytes"] = self.reclaimer.held_bytes()
-        if self.overlay is not None and self.reclaimer is not None:
+        if self.tree is not None:
+            out["budget_bytes"] = self.tree.budget_bytes
+            out["held_bytes"] = self.tree.held_bytes()
+        if self.overlay is not None and self.tree is not None:
             out["arena"] = {"checkpoint_ranges": self.overlay.num_ranges, "ranges_held": len(self.overlay.held),
                             "free_ranges": self.overlay.num_free_ranges,
                             "range_evictions": self.overlay.num_range_evictions,
-                            "checkpoints_skipped": self.reclaimer.num_checkpoints_skipped}
+                            "checkpoints_skipped": self.tree.num_checkpoints_skipped}
         return out
 
     def check_integrity(self) -> None:
         for pool in self.pools.values():
             pool.check_integrity()
-        if self.reclaimer is not None:
-            self.reclaimer.check_integrity()
+        if self.tree is not None:
+            self.tree.check_integrity()

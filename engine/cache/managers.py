@@ -77,7 +77,7 @@ class AttentionManager:
         self.block_size = block_size
         self.leader = leader
         """The chain's pool when this group rides along (a block is named h only while the chain holds h)."""
-        self.reclaimer: CacheTree | None = None
+        self.tree: CacheTree | None = None
         """Set by the coordinator (chain only) when pages are evicted by policy: told about every block named."""
         self.req_blocks: dict[str, list[int]] = {}
         self._tables: dict[str, tuple[int, ...]] = {}
@@ -174,20 +174,20 @@ class AttentionManager:
         n_full = min(num_computed // self.block_size, len(block_hashes), len(blocks))
         if n_full <= done:
             return
-        rc, pool, leader = self.reclaimer, self.pool, self.leader
+        tree, pool, leader = self.tree, self.pool, self.leader
         for i in range(done, n_full):
             h = block_hashes[i]
             if leader is not None and leader.lookup(h) is None:
                 continue  # riders name only what the chain holds (the chain was cached first)
             if pool.cache(blocks[i], h):
-                if rc is not None:
-                    rc.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
-            elif rc is not None or leader is not None:
+                if tree is not None:
+                    tree.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
+            elif tree is not None or leader is not None:
                 other = pool.lookup(h)
                 if other is not None and other != blocks[i] and pool.ref_cnt[other] == 0 and pool.block_hash[
                         blocks[i]] is None:
-                    if rc is not None:
-                        rc.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
+                    if tree is not None:
+                        tree.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
                     pool.rename(other, blocks[i])  # our live copy takes the name: the chain stays evictable
         self.num_hashed[req_id] = n_full
 
@@ -235,7 +235,7 @@ class RecurrentManager:
         self.align = align
         self.leader = leader
         """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
-        self.reclaimer: CacheTree | None = None
+        self.tree: CacheTree | None = None
         """Set by the coordinator on the lead group only (riders follow their lead's page in the Reclaimer)."""
         self.running_slot: dict[str, int] = {}
         self.step_refs: list[int] = []
@@ -337,15 +337,15 @@ class RecurrentManager:
 
     def release_step_refs(self) -> None:
         """After a step ran: publish written checkpoints (cached, unreferenced) and drop restore references."""
-        rc, leader = self.reclaimer, self.leader
+        tree, leader = self.tree, self.leader
         for p in self.pending:
             if leader is not None and leader.lookup(p.block_hash) is None:
                 continue  # the lead group did not keep it: a rider alone serves no hit
             if not self.pool.cache(p.slot, p.block_hash):
                 continue
             self.num_admitted += 1
-            if rc is not None:
-                rc.on_state_cached(p.block_hash, p.num_tokens)
+            if tree is not None:
+                tree.on_state_cached(p.block_hash, p.num_tokens)
             if p.rolling:
                 self._replace_rolling(p.req_id, p.block_hash)
         self.drop_step_refs()  # the published ones stay cached: freeing only drops this step's references
@@ -360,14 +360,14 @@ class RecurrentManager:
     def _replace_rolling(self, req_id: str, h: bytes) -> None:
         prev = self.rolling.get(req_id)
         self.rolling[req_id] = h
-        if self.reclaimer is not None:
+        if self.tree is not None:
             for old in self.superseded.pop(req_id, ()):
-                self.reclaimer.demote(old)
+                self.tree.demote(old)
         slot = self.pool.lookup(prev) if prev is not None else None
         if slot is None or self.pool.ref_cnt[slot] != 0:
             return
-        if self.reclaimer is not None:
-            self.reclaimer.evict(self.pool, slot, count=False)
+        if self.tree is not None:
+            self.tree.evict(self.pool, slot, count=False)
         else:
             self.pool.uncache(slot)
 

@@ -131,7 +131,7 @@ def test_a_checkpoint_evicts_the_cheapest_range_when_none_is_free() -> None:
     plan = plan_capacity(GROUPS, arena_budget(seqs, blocks), seqs, None, 64, 0, policy=CachePolicy())
     cache = HybridCacheManager(GROUPS, plan.layout())
     attn, rec, ov = cache.blocks[0], cache.states[0], cache.overlay
-    assert ov is not None and cache.reclaimer is not None
+    assert ov is not None and cache.tree is not None
     x = Request("x", list(range(100, 160)), SamplingParams(max_tokens=1))  # 15 blocks: every one
     assert cache.allocate(x, 60)
     xb = list(attn.req_blocks["x"])
@@ -163,7 +163,8 @@ class ArenaHarness(Harness):
         policy = trace.cache_policy() or CachePolicy()
         self.plan = plan_capacity(GROUPS, budget, trace.max_num_seqs, trace.checkpoint_slots or None, 64,
                                   trace.interval, policy=policy)
-        self.cache = HybridCacheManager(GROUPS, self.plan.layout(), enable_prefix_caching=trace.caching)
+        self.cache = HybridCacheManager(GROUPS, self.plan.layout(), enable_prefix_caching=trace.caching,
+                                        tree_cls=trace.tree_cls)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
         assert self.plan.arena is not None
         self.arena: ArenaLayout = self.plan.arena

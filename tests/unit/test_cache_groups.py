@@ -30,6 +30,7 @@ from hybridpd.engine.cache.arena import page_bytes
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.cache.specs import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -57,6 +58,8 @@ from hybridpd.engine.transfer import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from benchmarks.cache_policies import LruTree
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -255,8 +258,8 @@ class Trace:
     reqs: tuple[ReqSpec, ...]
 
     def cache_policy(self) -> CachePolicy | None:
-        return {"legacy": None, "reuse-value": CachePolicy(), "reuse-lru": CachePolicy(eviction="lru"),
-                "interval-value": CachePolicy("interval", "value", 8)}[self.policy]
+        return {"legacy": None, "reuse-value": CachePolicy(), "reuse-lru": CachePolicy(),
+                "interval-value": CachePolicy("interval", 8)}[self.policy]
 
 
 traces = st.builds(
@@ -280,7 +283,7 @@ def make_side(name: str, trace: Trace) -> Side:
     # every request fits alone, next to one quarantined import (a stuck READ keeps its pages for good)
     budget = (2 * need + 1) * per_block + (1 + trace.max_num_seqs + 4 + 4) * per_state + trace.spare_bytes
     plan = plan_capacity(groups, budget, trace.max_num_seqs, 4, MAX_MODEL_LEN, 8, policy=trace.cache_policy())
-    cache = HybridCacheManager(groups, plan.layout())
+    cache = HybridCacheManager(groups, plan.layout(), tree_cls=LruTree if trace.policy == "reuse-lru" else CacheTree)
     return Side(name, control_plane_core(cache, Scheduler(SchedulerConfig(trace.max_num_seqs, trace.token_budget),
                                                           cache)))
 
@@ -460,7 +463,7 @@ def test_shared_prefix_hits_every_group_and_imports_complete(layout: str, policy
     d = h.d.cache
     assert all(c.hits > 0 for c in d.counters.values()), d.counters
     if policy != "legacy":
-        assert d.reclaimer is not None
+        assert d.tree is not None
 
 
 def test_group_ids_differ_between_groups_and_hits_agree() -> None:

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
 from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys
 from hybridpd.engine.cache.managers import cdiv
@@ -31,6 +32,8 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from benchmarks.cache_policies import LruTree
 
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -89,9 +92,13 @@ class Trace:
     def cache_policy(self) -> CachePolicy | None:
         if self.policy == "legacy":
             return None
-        admission, eviction = self.policy.split("-")
-        interval = self.interval if admission == "interval" else 0
-        return CachePolicy(admission, eviction, interval)
+        admission = self.policy.split("-")[0]
+        return CachePolicy(admission, self.interval if admission == "interval" else 0)
+
+    @property
+    def tree_cls(self) -> type[CacheTree]:
+        """The eviction order: the engine's, or the LRU baseline (benchmarks/cache_policies.py)."""
+        return LruTree if self.policy.endswith("-lru") else CacheTree
 
 
 req_specs = st.builds(
@@ -157,7 +164,7 @@ class Harness:
             budget_bytes=budget,
             policy=trace.cache_policy(),
         )
-        self.cache = HybridCacheManager(groups, layout, enable_prefix_caching=trace.caching)
+        self.cache = HybridCacheManager(groups, layout, enable_prefix_caching=trace.caching, tree_cls=trace.tree_cls)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
         self.shadow = Shadow()
         self.leased: dict[str, tuple[Request, int]] = {}  # finished prefill-only requests holding caches

@@ -19,6 +19,8 @@ from hybridpd.engine.request import Request
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 
+from benchmarks.cache_policies import LruTree, fixed_interval
+
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")  # 64 B/layer
 MAMBA = RecurrentStateSpec("mamba2", (4, 3), "float32", (2, 4), "float32")  # 80 B/layer
@@ -100,7 +102,7 @@ def test_interval_fallback_and_fixed_interval_policy() -> None:
     s = make(policy=CachePolicy(interval=8))
     _, outs = serve(s, "a", P + [1, 2, 3, 4, 5], max_tokens=5)  # 17 + 4 computed
     assert boundaries(outs) == [8, 16, 20]  # interval 8, prompt end 16 (= (N-1) // 4 * 4), rolling end 20
-    v1 = make(policy=CachePolicy.fixed_interval(8))
+    v1 = make(policy=fixed_interval(8))
     _, outs = serve(v1, "a", P + [1, 2, 3, 4, 5], max_tokens=5)
     assert boundaries(outs) == [8, 16]
 
@@ -120,7 +122,7 @@ def test_seen_hashes_forget_oldest_beyond_capacity() -> None:
 def test_one_budget_blocks_and_states_evict_each_other() -> None:
     # budget: 2 running states + 8 blocks. a leaves 4 cached blocks + 1 checkpoint (12 is its prompt end).
     s = make(budget=2 * STATE + 8 * BLOCK)
-    rc = s.cache.reclaimer
+    rc = s.cache.tree
     assert rc is not None
     serve(s, "a", P + [1])
     assert rc.held_bytes() == 3 * BLOCK + STATE  # a's 3 full blocks (its partial one holds nothing) + 1 state
@@ -136,7 +138,7 @@ def test_one_budget_blocks_and_states_evict_each_other() -> None:
 
 def test_dead_end_blocks_go_before_checkpointed_chains() -> None:
     s = make(budget=2 * STATE + 12 * BLOCK + STATE)
-    rc = s.cache.reclaimer
+    rc = s.cache.tree
     assert rc is not None
     serve(s, "a", P + [1])  # chain of 3 full blocks with a checkpoint at 12
     serve(s, "x", [7] * 9, max_tokens=1)  # 2 full blocks, prompt end 8: checkpointed too
@@ -162,7 +164,7 @@ def _hash(s: Scheduler, tokens: list[int], nblocks: int) -> bytes:
 
 def test_a_restored_checkpoint_outlives_an_unused_one_of_equal_value() -> None:
     s = make()
-    rc = s.cache.reclaimer
+    rc = s.cache.tree
     assert rc is not None
     serve(s, "a", P + [1])
     serve(s, "b", list(range(300, 313)))  # same length, unique
@@ -172,18 +174,19 @@ def test_a_restored_checkpoint_outlives_an_unused_one_of_equal_value() -> None:
     q = rc.queues[id(rec.pool)]
     ha, hb = _hash(s, P + [1], 3), _hash(s, list(range(300, 313)), 3)
     sa, sb = rec.pool.lookup(ha), rec.pool.lookup(hb)
-    assert sa is not None and sb is not None and ha in rc.last_hit
+    assert sa is not None and sb is not None and rc.nodes[ha].last_hit is not None
     rank = {page: (p, seq) for p, seq, page in q._heap if q._live.get(page) == seq}
     assert rank[sa] > rank[sb]  # same value; the restore re-released a's state later (recency)
     assert q.peek()[2] != sa  # type: ignore[index]
 
 
-def test_lru_policy_evicts_in_release_order_across_pools() -> None:
-    s = make(budget=2 * STATE + 8 * BLOCK, policy=CachePolicy(eviction="lru"))
+def test_lru_baseline_evicts_in_release_order_across_pools() -> None:
+    layout = PoolLayout(64, 16, 0, BS, 2 * STATE + 8 * BLOCK, CachePolicy())
+    s = Scheduler(SchedulerConfig(2, 64), HybridCacheManager(GROUPS, layout, tree_cls=LruTree))
     serve(s, "a", P + [1])
     serve(s, "b", list(range(500, 528)))
     s.cache.check_integrity()
-    assert s.cache.reclaimer is not None and s.cache.reclaimer.num_evicted["state"] >= 1
+    assert s.cache.tree is not None and s.cache.tree.num_evicted["state"] >= 1
 
 
 def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
@@ -193,13 +196,13 @@ def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
     assert alloc is not None and alloc.first_block_index == 0
     got = s.cache.reserve_checkpoint(req, 12)  # a block boundary: no interval needed
     assert got is not None
-    rc, rec = s.cache.reclaimer, s.cache.recurrent
+    rc, rec = s.cache.tree, s.cache.recurrent
     assert rc is not None and rec is not None
     slot, h = got.slots[rec.group.group_id], got.block_hash
     assert s.cache.reserve_checkpoint(req, 10) is None  # not a boundary
     s.cache.publish_transferred(req, 14)
     s.cache.publish_checkpoint(got)
-    assert rec.pool.lookup(h) == slot and rc.tokens[h] == 12 and slot in rc.queues[id(rec.pool)]
+    assert rec.pool.lookup(h) == slot and rc.nodes[h].tokens == 12 and slot in rc.queues[id(rec.pool)]
     s.cache.free(req)
     s.cache.check_integrity()
     hit = s.cache.find_prefix_hit(Request("e", P + [5, 5], SamplingParams(max_tokens=1)))
@@ -229,7 +232,7 @@ def test_planner_reserves_only_running_states() -> None:
 
 def test_config_resolves_admission() -> None:
     assert CacheConfig().cache_policy() == CachePolicy()
-    assert CacheConfig(checkpoint_interval=32).cache_policy() == CachePolicy("interval", "value", 32)
+    assert CacheConfig(checkpoint_interval=32).cache_policy() == CachePolicy("interval", 32)
     assert CacheConfig(checkpoint_admission="reuse", checkpoint_interval=64).cache_policy().interval == 64
     assert CacheConfig(checkpoint_admission="interval").resolved_checkpoint_interval() == 256
     cfg = EngineConfig(ModelConfig("x"), CacheConfig(checkpoint_admission="interval", checkpoint_interval=0))
@@ -246,21 +249,21 @@ def test_attention_only_model_uses_the_budget_too() -> None:
     assert b.num_cached_tokens == 12
     c, _ = serve(s, "c", list(range(600, 629)))  # 8 blocks: the whole budget, so a's and b's blocks go
     assert s.cache.attention is not None and s.cache.attention.pool.lookup(_hash(s, P + [1], 1)) is None
-    assert s.cache.reclaimer is not None and s.cache.reclaimer.held_bytes() == 7 * BLOCK  # c's full blocks
+    assert s.cache.tree is not None and s.cache.tree.held_bytes() == 7 * BLOCK  # c's full blocks
 
 
 def test_superseded_checkpoints_on_an_unbranched_path_keep_only_recency() -> None:
     s = make()
-    rc, rec = s.cache.reclaimer, s.cache.recurrent
+    rc, rec = s.cache.tree, s.cache.recurrent
     assert rc is not None and rec is not None
     t1, _ = serve(s, "t1", P + [1], max_tokens=10)  # prompt end 12, rolling end 20
     end1 = t1.block_hashes[5 - 1]
     t2, outs = serve(s, "t2", t1.all_token_ids + [50, 51, 52], max_tokens=6)  # restores 20, rolling end 28
     assert t2.num_cached_tokens == 20 and boundaries(outs) == [24, 28]
-    assert end1 in rc.demoted and rc._value(rec.pool, end1) == 0.0  # turn 2 went on past it: recency only
+    assert rc.nodes[end1].demoted and rc._value(rec.pool, end1) == 0.0  # turn 2 went on past it: recency only
     assert not rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored by t2, then superseded
-    assert t1.block_hashes[3 - 1] in rc.demoted  # turn 1's prompt end, superseded by turn 1's own end
+    assert rc.nodes[t1.block_hashes[3 - 1]].demoted  # turn 1's prompt end, superseded by turn 1's own end
     # a checkpoint two requests branched from is a branch point: never demoted, and a restore undoes a demotion
     serve(s, "b", t1.all_token_ids[:20] + [9, 9, 9], max_tokens=1)
-    assert end1 not in rc.demoted and rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored, recent
+    assert not rc.nodes[end1].demoted and rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored, recent
     s.cache.check_integrity()

@@ -28,7 +28,7 @@ def test_reuse_admission_hits_and_matches_the_oracle(name, checkpoint_dir):  # t
     llm = LLM(model=path, max_num_batched_tokens=64, kv_cache_memory_bytes=32 * 2**20, max_model_len=512)
     off = LLM(model=path, enable_prefix_caching=False, kv_cache_memory_bytes=32 * 2**20, max_model_len=512)
     assert llm.engine.cache.policy.admission == "reuse" and llm.engine.cache.policy.interval == 0
-    assert llm.engine.cache.reclaimer is not None
+    assert llm.engine.cache.tree is not None
 
     def check(prompt: list[int], expect_cached: int) -> list[int]:
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
