@@ -64,8 +64,8 @@ from hybridpd.engine.cache.admission import CachePolicy  # noqa: E402
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
 from hybridpd.engine.cache.hashing import extend_block_hashes  # noqa: E402
 from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
-from hybridpd.engine.cache.tree import CacheTree  # noqa: E402
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
+from hybridpd.engine.cache.tree import CacheTree  # noqa: E402
 from hybridpd.engine.config import SchedulerConfig  # noqa: E402
 from hybridpd.engine.request import Request  # noqa: E402
 from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402

@@ -160,10 +160,8 @@ class HybridCacheManager:
         self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
                                                             for g in groups}
 
-    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> CacheTree | None:
-        """The budget's cache tree (None without budget and policy: each pool evicts LRU on its own)."""
-        if layout.budget_bytes is None and layout.policy is None:
-            return None
+    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> CacheTree:
+        """The budget's cache tree (no budget: the pools' sizes are the budget)."""
         budget = layout.budget_bytes
         if budget is None:
             budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
@@ -274,23 +272,18 @@ class HybridCacheManager:
         rid = req.request_id
         if 0 < num_tokens <= self._covers.get(rid, 0):
             return True  # every group holds the request and covers num_tokens already (most decode steps)
-        if num_tokens > 0 and self.tree is not None and self.managers and not self._grows(rid, num_tokens):
+        if num_tokens > 0 and self.managers and not self._grows(rid, num_tokens):
             return True
         self._tables.pop(rid, None)
         pages = hit.pages if hit is not None else {}
         new = self._is_new(rid)
-        if self.tree is None:
-            if not self.can_allocate(req, num_tokens, hit):
-                return False
-        elif new or num_tokens > 0 or self._grows(rid, num_tokens):
-            if not self._make_room(rid, num_tokens, pages):
-                return False
-        pinned = self.tree is not None
+        if (new or num_tokens > 0 or self._grows(rid, num_tokens)) and not self._make_room(rid, num_tokens, pages):
+            return False
         for m, gid in self._alloc_order:
-            m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=pinned)
+            m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=True)
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
-        if self.tree is not None and self.managers:
+        if self.managers:
             self._covers[rid] = self._covered_tokens(rid)
         return True
 
@@ -323,7 +316,6 @@ class HybridCacheManager:
         on failure."""
         pinned = [(m, gid) for m, gid in self._gids if m.pin_hit(rid, pages.get(gid, ()))]
         needs = [(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]
-        assert self.tree is not None
         if self.tree.make_room(needs):
             return True
         for m, gid in pinned:
@@ -415,10 +407,8 @@ class HybridCacheManager:
         return out
 
     def _state_room(self) -> bool:
-        """One free slot in every recurrent group (evicting cache when there is a Reclaimer)."""
-        if self.tree is not None:
-            return self.tree.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
-        return all(m.pool.num_free > 0 for m in self.states)
+        """One free slot in every recurrent group (evicting cache)."""
+        return self.tree.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
 
     def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
         """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
@@ -657,10 +647,9 @@ class HybridCacheManager:
                                             "evictions": pool.num_evictions}
         if self.states:
             out["checkpoints_admitted"] = self.states[0].num_admitted
-        if self.tree is not None:
-            out["budget_bytes"] = self.tree.budget_bytes
-            out["held_bytes"] = self.tree.held_bytes()
-        if self.overlay is not None and self.tree is not None:
+        out["budget_bytes"] = self.tree.budget_bytes
+        out["held_bytes"] = self.tree.held_bytes()
+        if self.overlay is not None:
             out["arena"] = {"checkpoint_ranges": self.overlay.num_ranges, "ranges_held": len(self.overlay.held),
                             "free_ranges": self.overlay.num_free_ranges,
                             "range_evictions": self.overlay.num_range_evictions,
@@ -670,5 +659,4 @@ class HybridCacheManager:
     def check_integrity(self) -> None:
         for pool in self.pools.values():
             pool.check_integrity()
-        if self.tree is not None:
-            self.tree.check_integrity()
+        self.tree.check_integrity()

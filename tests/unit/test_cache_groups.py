@@ -30,7 +30,6 @@ from hybridpd.engine.cache.arena import page_bytes
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.planner import plan_capacity
-from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.cache.specs import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -39,6 +38,7 @@ from hybridpd.engine.cache.specs import (
     RecurrentStateSpec,
     group_layers,
 )
+from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.request import Request, RequestStatus

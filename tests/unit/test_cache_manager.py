@@ -134,9 +134,10 @@ def test_repeated_prompt_hits_largest_checkpoint_and_copies_state() -> None:
     assert lead(seq.group_checkpoints) == ()  # nothing new to checkpoint in (16, 20]
     assert seq.has_initial_state
     assert counters(s) == {"attention": (40, 16), "mamba2": (40, 16)}
-    # block 6 recomputed tokens 16..19, which block 5 already names: it stays unnamed and, once freed, is the
-    # first block handed out (before any cached block is evicted)
-    assert attn_pool(s).block_hash[6] is None and attn_pool(s).free_block_ids()[0] == 6
+    # block 6 recomputed tokens 16..19, which block 5 already names: the live copy takes the name (the chain stays
+    # evictable) and block 5, free now, is the first block handed out (before any cached block is evicted)
+    assert attn_pool(s).block_hash[5] is None and attn_pool(s).free_block_ids()[0] == 5
+    assert attn_pool(s).block_hash[6] is not None
     assert attn_pool(s).num_evictions == 0
 
 
@@ -281,8 +282,9 @@ def test_fresh_blocks_drained_every_step_and_exclude_hits() -> None:
     outs = run(s)
     fresh = [lead(o.group_fresh_blocks) for o in outs]
     # step 1: b (hit 16, blocks 1..4 reused) computes 16..19 -> 6; c (hit 8, blocks 1, 2 reused) 8..9 -> 7
-    # step 2: b decodes token 20 -> 8; c computes 10..14 -> 9.   step 3: b token 21; c 15..19 -> 10
-    assert fresh == [(6, 7), (8, 9), (10,)]
+    # b's block 6 recomputed what a's block 5 names: 6 takes the name, 5 is free (and first handed out) again
+    # step 2: b decodes token 20 -> 5; c computes 10..14 -> 8.   step 3: b token 21; c 15..19 -> 9
+    assert fresh == [(6, 7), (5, 8), (9,)]
     hits = {1, 2, 3, 4}
     seen: list[int] = []
     for f in fresh:

@@ -21,11 +21,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hybridpd.engine.cache.admission import CachePolicy
-from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
 from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.request import Request
 from hybridpd.engine.sampling_params import SamplingParams
