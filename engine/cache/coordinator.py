@@ -10,11 +10,10 @@ full blocks; recurrent right to left over checkpoint boundaries); the bound shri
 every group agrees, capped at N-1 (a request must compute at least its last token to sample). Only real blocks
 count. Checkpoints are reserved in every recurrent group at once for a boundary, and published together.
 
-Memory: with a `budget_bytes` (the planner always gives one) cached blocks and cached checkpoints share one byte
-budget with the running requests' pages; `Reclaimer` (reclaim.py) frees room by the policy's eviction order, and
+Memory: cached blocks and cached checkpoints share one byte budget with the running requests' pages (a layout
+without `budget_bytes` uses the pools' sizes); `CacheTree` (tree.py) frees room in its eviction order, and
 `Admission` (admission.py) decides where checkpoints are saved. With an `arena` (the engine's plan) checkpoint
-slots share memory with attention blocks (overlay.py): the pools' free ids are then the memory itself. A layout
-with neither budget nor policy runs the pre-v2 behaviour (fixed-interval checkpoints, each pool LRU on its own).
+slots share memory with attention blocks (overlay.py): the pools' free ids are then the memory itself.
 
 Ownership: the scheduler calls this (single thread); the PD adapters call the transfer methods on the step thread.
 Tensor-free.
@@ -91,7 +90,7 @@ class PoolLayout:
     budget_bytes: int | None = None
     """Bytes that held pages (in use + cached, all pools) may take together. None: the pools' sizes only."""
     policy: CachePolicy | None = None
-    """None: CachePolicy.fixed_interval(checkpoint_interval), the pre-v2 behaviour."""
+    """None: checkpoints every `checkpoint_interval` tokens ("interval" admission)."""
     arena: ArenaLayout | None = None
     """One arena backs both kinds (checkpoint slots overlay attention blocks); needs a budget or a policy."""
 

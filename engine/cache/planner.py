@@ -15,7 +15,8 @@ workload and nothing beyond the budget is allocated:
 
 A model without attention layers has nothing to overlay: its checkpoint slots are reserved from the budget.
 
-Separate pools (no policy; the pre-v2 plan): checkpoint slots are reserved up front and attention gets the rest:
+Separate tensors (no policy: what the GPU kernel benchmarks plan; the engine always passes a policy): checkpoint
+slots are reserved up front and attention gets the rest (the cache manager still runs its one tree over them):
 
     state_slots      = 1 (null) + max_num_seqs (running) + num_checkpoint_slots
     attention_blocks = floor((budget - state_slots * bytes_per_state) / bytes_per_block)     (block 0 = null)
@@ -63,7 +64,7 @@ class CapacityPlan:
     """Arena: k, the attention blocks one checkpoint slot covers."""
     policy: CachePolicy | None = field(default=None, compare=False)
     arena: ArenaLayout | None = field(default=None, compare=False)
-    """Where every group's tensor lives in the one arena (None: separate pools, the pre-v2 plan)."""
+    """Where every group's tensor lives in the one arena (None: separate tensors, no policy)."""
 
     @property
     def state_slots(self) -> int:
@@ -110,60 +111,52 @@ def plan_capacity(
 ) -> CapacityPlan:
     """`num_checkpoint_slots`: at most this many checkpoint ids (None: as many as the arena holds; without a
     policy, 2 * max_num_seqs)."""
-    attn = [g for g in groups if g.is_attention]
-    if policy is not None and attn:
+    if policy is not None and any(g.is_attention for g in groups):
         return _plan_arena(groups, budget_bytes, max_num_seqs, num_checkpoint_slots, max_model_len,
                            checkpoint_interval, policy)
     if num_checkpoint_slots is None:
         num_checkpoint_slots = 2 * max_num_seqs
-    if policy is not None and not attn:  # states only: checkpoint slots are reserved, within the budget
+    if policy is not None:  # states only: checkpoint slots are reserved, within the budget
         per_state = sum(g.page_bytes_all_layers for g in groups)
         num_checkpoint_slots = min(num_checkpoint_slots, max(0, budget_bytes // max(per_state, 1) - 1 - max_num_seqs))
+    return _plan_separate(groups, budget_bytes, max_num_seqs, num_checkpoint_slots, max_model_len,
+                          checkpoint_interval, policy)
+
+
+def _plan_separate(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, num_ckpt: int,
+                   max_model_len: int, checkpoint_interval: int, policy: CachePolicy | None) -> CapacityPlan:
+    """One tensor per group: state slots first (with a policy only the running ones count), attention the rest."""
+    attn = [g for g in groups if g.is_attention]
     rec = [g for g in groups if not g.is_attention]
     block_size = attn[0].spec.block_size if attn else checkpoint_interval  # type: ignore[union-attr]
     bytes_per_block = sum(g.page_bytes_all_layers for g in attn)
     bytes_per_state = sum(g.page_bytes_all_layers for g in rec)
-    num_ckpt = num_checkpoint_slots if rec else 0
+    num_ckpt = num_ckpt if rec else 0
     num_slots = (1 + max_num_seqs + num_ckpt) if rec else 0
     reserved_slots = num_slots if policy is None else (1 + max_num_seqs if rec else 0)
     state_bytes = reserved_slots * bytes_per_state
     remaining = budget_bytes - state_bytes
-    if attn:
-        blocks = remaining // bytes_per_block if remaining > 0 else 0
-        if blocks < 2:
-            raise CapacityError(
-                f"KV cache budget of {budget_bytes} bytes is too small: {reserved_slots} state slots take "
-                f"{state_bytes} "
-                f"bytes and attention needs at least 2 blocks of {bytes_per_block} bytes (raise the budget or lower "
-                f"max_num_seqs / num_checkpoint_slots)"
-            )
-    else:
-        blocks = 0
-        if remaining < 0:
-            raise CapacityError(f"KV cache budget of {budget_bytes} bytes cannot hold {num_slots} state slots")
+    blocks = remaining // bytes_per_block if attn and remaining > 0 else 0
+    if attn and blocks < 2:
+        raise CapacityError(
+            f"KV cache budget of {budget_bytes} bytes is too small: {reserved_slots} state slots take {state_bytes} "
+            f"bytes and attention needs at least 2 blocks of {bytes_per_block} bytes (raise the budget or lower "
+            f"max_num_seqs / num_checkpoint_slots)")
+    if remaining < 0:
+        raise CapacityError(f"KV cache budget of {budget_bytes} bytes cannot hold {num_slots} state slots")
     token_capacity = max(0, blocks - 1) * block_size
     per_seq_tokens = cdiv(max_model_len, block_size) * block_size
-    concurrency = min(max_num_seqs, token_capacity // per_seq_tokens) if attn else max_num_seqs
     return CapacityPlan(
-        kv_cache_memory_bytes=budget_bytes,
-        block_size=block_size,
-        attention_blocks=blocks,
-        token_capacity=token_capacity,
-        bytes_per_token=bytes_per_block // block_size if attn else 0,
-        bytes_per_block=bytes_per_block,
-        state_slots_running=max_num_seqs if rec else 0,
-        state_slots_checkpoint=num_ckpt,
-        bytes_per_state=bytes_per_state,
-        state_bytes=state_bytes,
+        kv_cache_memory_bytes=budget_bytes, block_size=block_size, attention_blocks=blocks,
+        token_capacity=token_capacity, bytes_per_token=bytes_per_block // block_size if attn else 0,
+        bytes_per_block=bytes_per_block, state_slots_running=max_num_seqs if rec else 0,
+        state_slots_checkpoint=num_ckpt, bytes_per_state=bytes_per_state, state_bytes=state_bytes,
         attention_bytes=blocks * bytes_per_block,
-        max_concurrency=concurrency,
-        max_model_len=max_model_len,
-        checkpoint_interval=checkpoint_interval,
-        shared_budget=int(policy is not None),
+        max_concurrency=min(max_num_seqs, token_capacity // per_seq_tokens) if attn else max_num_seqs,
+        max_model_len=max_model_len, checkpoint_interval=checkpoint_interval, shared_budget=int(policy is not None),
         budget_bytes=budget_bytes - (bytes_per_block if attn else 0) - (bytes_per_state if rec else 0),
         checkpoint_bytes_max=num_ckpt * bytes_per_state if policy is not None else 0,
-        physical_bytes=blocks * bytes_per_block + num_slots * bytes_per_state,
-        policy=policy,
+        physical_bytes=blocks * bytes_per_block + num_slots * bytes_per_state, policy=policy,
     )
 
 

@@ -5,7 +5,7 @@ exactly token_capacity without preemption (one block more preempts).
     token_capacity = ((budget - state_slots * bytes_per_state) // bytes_per_block - 1) * block_size
     state_slots    = 1 (null) + max_num_seqs + checkpoint slots
 
-Seeds 001 and 003: padding every layer's page to the largest (the Mamba/GDN state) page and charging it for all
+Why exact: padding every layer's page to the largest (the Mamba/GDN state) page and charging it for all
 layers under-reports attention capacity by two orders of magnitude and crashes when pages do not divide.
 """
 
@@ -43,7 +43,7 @@ def exact_capacity(groups: list[CacheGroup], budget: int, slots: int, block_size
 
 
 def naive_uniform_capacity(layers: dict[int, CacheSpec], budget: int, block_size: int) -> int:
-    """Seed 001/003's figure: every layer's page padded to the largest page, a block charged for every layer."""
+    """The naive figure: every layer's page padded to the largest page, a block charged for every layer."""
     max_page = max(s.page_bytes for s in layers.values())
     return (budget // (max_page * len(layers)) - 1) * block_size
 
