@@ -6,22 +6,21 @@
 The rule: a held checkpoint slot (pending, cached, pinned or reserved) and a held attention block (in use or
 cached) never share memory.
 - A checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool); the range's
-  blocks are then referenced by the overlay (`hold`), so no attention allocation can hand them out and the budget
-  charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`release`).
-- With no free range the Reclaimer (reclaim.py, `_make_room_arena`) evicts the lowest-priority checkpoint (its
-  range comes free) or the cached blocks of the range whose eviction loses least (`eligible_ranges`, priced
-  there); else the checkpoint is skipped.
-- Attention blocks are handed out clustered (outside every range first, then ranges that already hold a
-  referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so ranges
-  with no referenced block, the only ones a checkpoint can take, stay as many as they can.
+  blocks are then referenced by the overlay (`cover`), so no attention allocation can hand them out and the budget
+  charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`uncover`).
+- With no free range the cache tree (tree.py, `_make_room_arena`) evicts the lowest checkpoint (its range comes
+  free) or the cached blocks of the unreferenced range whose eviction loses least; else the checkpoint is skipped.
+- Attention blocks are handed out clustered (outside every range first, then the range in use, then ranges that
+  hold a referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so
+  ranges with no referenced block, the only ones a checkpoint can take, stay as many as they can.
 Running slots (1 .. S) are reserved memory: a running slot is taken there first (a checkpoint never is).
 
 Several groups: every attention pool has the same ids (block j of every group is one arena page) and every state
 pool too; range c is held while any state pool holds slot F + c, and a rider state pool prefers a range its
 leader already holds (one range serves every group's checkpoint at one hash).
 
-Ownership: the coordinator builds the pools and one `Overlay`; the pools call it from their hooks; the Reclaimer
-asks it for ranges. Single-threaded (the step loop). Tensor-free.
+Ownership: the coordinator builds the pools and one `Overlay`; the pools update its counters; the tree asks it for
+ranges. Single-threaded (the step loop). Tensor-free.
 """
 
 from __future__ import annotations
@@ -33,39 +32,20 @@ from hybridpd.engine.cache.arena import ArenaLayout
 from hybridpd.engine.cache.block_pool import BlockPool, PoolExhaustedError
 
 PICK_SAMPLE = 32
-"""Ranges with free blocks an allocation compares (the best of a sample: the full scan cost as much as the rest
-of the cache manager on no_reuse)."""
-
-
-class FreeIds(dict[int, None]):
-    """An arena attention pool's free queue, as membership only: its unreferenced blocks *and* the blocks of the
-    ranges a held checkpoint covers (they stay here while covered, so a checkpoint taken or given back moves no
-    block in or out; `num_free` and `stats` subtract them). The pool hands blocks out by range (see
-    `ArenaAttentionPool.allocate`, which never picks a covered range) and never evicts on its own, so the order
-    means nothing: `move_to_end` (the base pool's "front of the queue") does nothing."""
-
-    def move_to_end(self, key: int, last: bool = True) -> None:
-        pass
+"""Ranges with free blocks an allocation compares (the best of a sample: a full scan cost as much as the rest of
+the cache manager on a workload with no reuse)."""
 
 
 class ArenaAttentionPool(BlockPool):
-    """Attention blocks of the arena: free blocks are handed out clustered (see `allocate`); every transition is
-    reported to the overlay's per-range counters (inlined here: these hooks run for every block)."""
+    """Attention blocks of the arena: free blocks are kept per range and handed out clustered (`_take_free`)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         super().__init__(num_blocks, name, page_bytes)
-        self._queue = FreeIds.fromkeys(self._queue)  # type: ignore[assignment]
         self.overlay: Overlay | None = None
-        self._watch = True
         self._plain_sets: list[set[int]] = []
         """Free blocks per range (index 0: blocks outside every range), filled by `bind`."""
         self._with_plain: set[int] = set()
         """Ranges (>= 1) with a free block."""
-        self._owed: set[int] = set()
-        """Ranges the overlay gave back (`uncover`) whose blocks `_plain_sets` does not hold yet: they are added on
-        first use (`_plain`), or never when a checkpoint takes the range again first (a rolling checkpoint's
-        successor takes the lowest free range, often its predecessor's). Same sets, same operations, in the same
-        order on each: only the add-then-clear of a range nobody touched in between is skipped."""
         self._last = 0
         self._score_base = 2
         self.num_overlaid = 0
@@ -73,35 +53,26 @@ class ArenaAttentionPool(BlockPool):
 
     def bind(self, overlay: Overlay) -> None:
         self.overlay = overlay
-        self._score_base = overlay.num_ranges + overlay.full + 2
-        """> every range index and every nref: `_pick_range`'s integer key."""
+        self._score_base = overlay.num_ranges + overlay.full + 2  # > every range index and every nref
         self._plain_sets = [set() for _ in range(overlay.num_ranges + 1)]
-        for b in range(1, self.num_blocks):
-            if not self.ref_cnt[b] and self.block_hash[b] is None:
-                c = overlay.range_of(b)
-                self._plain_sets[c].add(b)
-                if c:
-                    self._with_plain.add(c)
+        for b in reversed(self._free):
+            c = overlay.range_of(b)
+            self._plain_sets[c].add(b)
+            if c:
+                self._with_plain.add(c)
+        self._free = {}
 
-    def allocate(self, n: int) -> list[int]:
-        """Free blocks, clustered: outside every range first, then in the ranges with the most referenced blocks
-        (they cannot take a checkpoint anyway), then ranges with no reference that are not wholly free, then
-        free ranges (highest range first): so ranges with no referenced block, which checkpoints need, stay so."""
-        assert self.listener is not None and self.overlay is not None, "arena pools are policy-driven"
-        self.version += 1
-        if n > self.num_plain:
-            raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
+    def _take_free(self, n: int) -> list[int]:
+        """Free blocks, clustered (see the module docstring)."""
         out: list[int] = []
-        ref, queue, ov = self.ref_cnt, self._queue, self.overlay
+        ov = self.overlay
+        assert ov is not None, "arena pools are bound to an overlay"
         nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
             c = self._pick_range()
-            plain = self._plain(c)
+            plain = self._plain_sets[c]
             while plain and len(out) < n:
-                b = plain.pop()
-                del queue[b]
-                ref[b] = 1
-                out.append(b)
+                out.append(plain.pop())
                 if c:
                     nref[c] += 1
                     if nplain[c] == full:
@@ -111,10 +82,11 @@ class ArenaAttentionPool(BlockPool):
                 ov.unreferenced.discard(c)
                 if not plain:
                     self._with_plain.discard(c)
-        self.num_plain -= n
         return out
 
     def _pick_range(self) -> int:
+        """Range 0 while it has free blocks; else the range in use; else, of a sample, the best by (has a referenced
+        block, wholly free last, more referenced blocks, higher range) as one integer to maximise."""
         sets = self._plain_sets
         if sets[0]:
             return 0
@@ -122,46 +94,30 @@ class ArenaAttentionPool(BlockPool):
         assert ov is not None
         nref, nplain, full = ov.nref, ov.nplain, ov.full
         last = self._last
-        if last and (sets[last] or last in self._owed) and nref[last]:
-            return last  # keep filling the range in use
-        # the least key (not nref, wholly free, -nref, -c) of the sample, as one integer to maximise: a range with
-        # a referenced block is never wholly free, and nref <= full, c <= C, so the groups cannot overlap
+        if last and sets[last] and nref[last]:
+            return last
         m = self._score_base
         best, best_score = 0, -1
         for c in itertools.islice(self._with_plain, PICK_SAMPLE):
             r = nref[c]
-            if r:
-                score = (m + r) * m + c
-            elif nplain[c] == full:
-                score = c
-            else:
-                score = m + c
+            score = (m + r) * m + c if r else (c if nplain[c] == full else m + c)
             if score > best_score:
                 best, best_score = c, score
         self._last = best
         return best
 
-    def _plain(self, c: int) -> set[int]:
-        """Range c's free blocks (c = 0: outside every range), with what `uncover` owes it added first."""
-        plain = self._plain_sets[c]
-        if c in self._owed:
-            self._owed.discard(c)
-            plain.update(self.overlay.blocks_of(c))  # type: ignore[union-attr]
-        return plain
-
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
         ov = self.overlay
-        if ov is None:
-            return
-        c = block_id // ov.k
-        if not 1 <= c <= ov.num_ranges:
+        assert ov is not None
+        c = ov.range_of(block_id)
+        if not c:
             if was_plain:
                 self._plain_sets[0].discard(block_id)
             return
         ov.nref[c] += 1
         ov.unreferenced.discard(c)
         if was_plain:
-            plain = self._plain(c)
+            plain = self._plain_sets[c]
             plain.discard(block_id)
             if not plain:
                 self._with_plain.discard(c)
@@ -171,10 +127,9 @@ class ArenaAttentionPool(BlockPool):
 
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
         ov = self.overlay
-        if ov is None:
-            return
-        c = block_id // ov.k
-        if not 1 <= c <= ov.num_ranges:
+        assert ov is not None
+        c = ov.range_of(block_id)
+        if not c:
             if now_plain:
                 self._plain_sets[0].add(block_id)
             return
@@ -182,57 +137,41 @@ class ArenaAttentionPool(BlockPool):
         if not ov.nref[c]:
             ov.unreferenced.add(c)
         if now_plain:
-            self._plain(c).add(block_id)
-            self._with_plain.add(c)
-            ov.plain_in(c)
+            self._plain_in(c, block_id)
         else:
             ov.clock += 1
             ov.age[c] = ov.clock
 
     def _on_plain(self, block_id: int) -> None:
         ov = self.overlay
-        if ov is None:
-            return
-        c = block_id // ov.k
-        if not 1 <= c <= ov.num_ranges:
+        assert ov is not None
+        c = ov.range_of(block_id)
+        if c:
+            self._plain_in(c, block_id)
+        else:
             self._plain_sets[0].add(block_id)
-            return
-        self._plain(c).add(block_id)
-        self._with_plain.add(c)
-        ov.plain_in(c)
 
-    def _drop(self, block_id: int, count: bool) -> None:
-        """`BlockPool._drop` without the queue reordering (`FreeIds` keeps no order): the Reclaimer drops cached
-        blocks one by one, about 100k per benchmark run."""
-        self.version += 1
-        h = self.block_hash[block_id]
-        if h is None:
-            return
-        self.block_hash[block_id] = None
-        if self.cached.get(h) == block_id:
-            del self.cached[h]
-            if self.events is not None:
-                self.events.removed(self.event_group, h)
-        if count:
-            self.num_evictions += 1
-        if self.ref_cnt[block_id] == 0:
-            self.num_plain += 1
-            self._on_plain(block_id)
+    def _plain_in(self, c: int, block_id: int) -> None:
+        self._plain_sets[c].add(block_id)
+        self._with_plain.add(c)
+        self.overlay.plain_in(c)  # type: ignore[union-attr]
+
+    def _is_free(self, block_id: int) -> bool:
+        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        return block_id in self._plain_sets[c] if self._plain_sets else False
+
+    def free_block_ids(self) -> list[int]:
+        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
 
     def cover(self, c: int) -> None:
-        """The overlay takes free range c (a checkpoint slot over it is held): its blocks are referenced by the
-        overlay (they stay in the free queue: see `FreeIds`). In bulk (a range is k blocks; `touch` per block cost
-        a hook call each); the overlay's counters are set by the caller."""
+        """The overlay takes free range c (a checkpoint slot over it is held): its blocks are referenced by it."""
         ov = self.overlay
         assert ov is not None
         blocks = ov.blocks_of(c)
-        self.ref_cnt[blocks.start:blocks.stop] = [1] * ov.k
+        self.ref_cnt[blocks.start : blocks.stop] = [1] * ov.k
         self.num_plain -= ov.k
         self.num_overlaid += ov.k
-        if c in self._owed:
-            self._owed.discard(c)  # its set is still as the last cover left it: empty
-        else:
-            self._plain_sets[c].clear()
+        self._plain_sets[c].clear()
         self._with_plain.discard(c)
 
     def uncover(self, c: int) -> None:
@@ -240,51 +179,39 @@ class ArenaAttentionPool(BlockPool):
         ov = self.overlay
         assert ov is not None
         blocks = ov.blocks_of(c)
-        self.ref_cnt[blocks.start:blocks.stop] = [0] * ov.k
+        self.ref_cnt[blocks.start : blocks.stop] = [0] * ov.k
         self.num_plain += ov.k
         self.num_overlaid -= ov.k
-        assert not self._plain_sets[c], (self.name, c, "a covered range's free-block set")
-        self._owed.add(c)  # (its blocks join `_plain_sets[c]` on first use: `_plain`)
+        self._plain_sets[c].update(blocks)
         self._with_plain.add(c)
 
     def own_refs(self, block_id: int) -> int:
         c = self.overlay.range_of(block_id) if self.overlay is not None else 0
         return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
 
-    @property
-    def num_free(self) -> int:
-        return len(self._queue) - self.num_overlaid
-
-    def free_block_ids(self) -> list[int]:
-        ref = self.ref_cnt
-        return [b for b in self._queue if not ref[b]]
-
-    def _queued(self, block_id: int) -> bool:
-        return self.ref_cnt[block_id] == 0 or bool(self.own_refs(block_id))
-
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["in_use"] -= self.num_overlaid
-        s["free"] -= self.num_overlaid
         s["overlaid"] = self.num_overlaid
         return s
 
 
 class ArenaStatePool(BlockPool):
-    """State slots of the arena: 1 .. S reserved for running requests, F = S + 1 pinned, F + c the checkpoint over
-    range c (taken only through the overlay)."""
+    """State slots of the arena: 1 .. S reserved for running requests, F = S + 1 pinned (it would cover the null
+    block), F + c the checkpoint over range c (taken only through the overlay)."""
 
     def __init__(self, num_slots: int, running_slots: int, name: str = "pool", page_bytes: int = 0) -> None:
         super().__init__(num_slots, name, page_bytes)
         self.first_overlay = 1 + running_slots
         self.overlay: Overlay | None = None
-        self._watch = True
+        self._free = {}
         self._pinned = int(self.first_overlay < num_slots)
-        if self._pinned:  # it would cover the null block
-            self.touch([self.first_overlay])
+        if self._pinned:
+            self.ref_cnt[self.first_overlay] = 1
+            self.num_plain -= 1
         self._running_free = list(range(1, min(self.first_overlay, num_slots)))
-        heapq.heapify(self._running_free)
         self.num_overlay_held = 0
+        """Checkpoint slots held (referenced or cached)."""
 
     def available(self, checkpoint: bool = False) -> int:
         assert self.overlay is not None
@@ -293,6 +220,9 @@ class ArenaStatePool(BlockPool):
 
     def own_refs(self, block_id: int) -> int:
         return int(bool(self._pinned) and block_id == self.first_overlay)
+
+    def free_block_ids(self) -> list[int]:
+        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
 
     def stats(self) -> dict[str, int]:
         s = super().stats()
@@ -313,9 +243,7 @@ class ArenaStatePool(BlockPool):
         out: list[int] = []
         while len(out) < n:
             if self._running_free:
-                s = heapq.heappop(self._running_free)
-                self._take(s)
-                out.append(s)
+                out.append(self._take(heapq.heappop(self._running_free)))
             else:
                 out += self.allocate_checkpoint(1)
         return out
@@ -328,45 +256,40 @@ class ArenaStatePool(BlockPool):
             if c is None:
                 self.free(out)
                 raise PoolExhaustedError(f"{self.name}: no free checkpoint range")
-            s = self.first_overlay + c
-            self._take(s)
-            out.append(s)
+            out.append(self._take(self.first_overlay + c))
         return out
 
-    def _take(self, s: int) -> None:
+    def _take(self, s: int) -> int:
         self.version += 1
         assert self.ref_cnt[s] == 0 and self.block_hash[s] is None, (self.name, s)
-        del self._queue[s]
         self.num_plain -= 1
         self.ref_cnt[s] = 1
-        self._on_ref(s, True)
+        if s > self.first_overlay:
+            self.num_overlay_held += 1
+            self.overlay.hold(self, s - self.first_overlay)  # type: ignore[union-attr]
+        return s
 
     def _on_ref(self, slot: int, was_plain: bool) -> None:
-        if not was_plain or self.overlay is None:
-            return
-        if slot > self.first_overlay:
-            self.num_overlay_held += 1
-            self.overlay.hold(self, slot - self.first_overlay)
+        assert not was_plain, (self.name, slot, "free slots are taken by `allocate` only")
 
     def _on_unref(self, slot: int, now_plain: bool) -> None:
         if now_plain:
-            self._became_free(slot)
+            self._on_plain(slot)
 
     def _on_plain(self, slot: int) -> None:
-        self._became_free(slot)
-
-    def _became_free(self, slot: int) -> None:
         if slot < self.first_overlay:
             heapq.heappush(self._running_free, slot)
         elif slot > self.first_overlay and self.overlay is not None:
             self.num_overlay_held -= 1
             self.overlay.release(self, slot - self.first_overlay)
 
+    def _is_free(self, slot: int) -> bool:
+        if slot < self.first_overlay:
+            return slot in self._running_free
+        return slot > self.first_overlay and not self.ref_cnt[slot] and self.block_hash[slot] is None
+
     def check_integrity(self) -> None:
         super().check_integrity()
-        free_running = [s for s in range(1, self.first_overlay) if s < self.num_blocks and not self.ref_cnt[s]
-                        and self.block_hash[s] is None]
-        assert sorted(self._running_free) == free_running, (self.name, "running free list")
         held = sum(1 for s in range(self.first_overlay + 1, self.num_blocks)
                    if self.ref_cnt[s] or self.block_hash[s] is not None)
         assert held == self.num_overlay_held, (self.name, held, self.num_overlay_held)
@@ -392,7 +315,7 @@ class Overlay:
         self.held: set[int] = set()
         self.age = [-1] * n
         """When a cached block of each range was last released (a counter; -1: none since it was wholly free):
-        the longest unused ranges go first among equals (`Reclaimer._pick_range`)."""
+        the longest unused ranges go first among equals (`CacheTree._pick_range`)."""
         self.clock = 0
         self._free_heap = list(range(1, n))
         self.num_free_ranges = self.num_ranges
@@ -410,7 +333,6 @@ class Overlay:
     def blocks_of(self, c: int) -> range:
         return range(c * self.k, (c + 1) * self.k)
 
-    # -- attention transitions (the rest is inlined in ArenaAttentionPool) ----------------------------------
     def plain_in(self, c: int, n: int = 1) -> None:
         """n blocks of range c became free."""
         self.nplain[c] += n
@@ -419,7 +341,6 @@ class Overlay:
             self.age[c] = -1
             heapq.heappush(self._free_heap, c)
 
-    # -- state slots -----------------------------------------------------------------------------------------
     def _shared(self, pool: ArenaStatePool) -> list[int]:
         """Ranges another state pool holds whose slot is free in `pool` (a rider's checkpoint shares them)."""
         if len(self.states) == 1:
@@ -465,11 +386,6 @@ class Overlay:
             self.unreferenced.add(c)
             self.plain_in(c, self.full)
 
-    # -- for the Reclaimer -----------------------------------------------------------------------------------
-    def eligible_ranges(self) -> list[int]:
-        """Ranges with no referenced block (so no held checkpoint either): their cached blocks may be evicted."""
-        return sorted(self.unreferenced)
-
     def check_integrity(self) -> None:
         """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any
         name), and a range is held exactly while some state pool holds its slot."""
@@ -483,15 +399,9 @@ class Overlay:
             assert holders == self.holders[c] and (c in self.held) == (holders > 0), (c, holders, self.holders[c])
             if holders:
                 for p in self.attention:
-                    for b in blocks:
-                        assert p.ref_cnt[b] == 1 and p.block_hash[b] is None, (p.name, c, b, "overlaps a block")
+                    assert all(p.ref_cnt[b] == 1 and p.block_hash[b] is None for b in blocks), (p.name, c)
         assert self.unreferenced == {c for c in range(1, self.num_ranges + 1) if not self.nref[c]}, "unreferenced"
         assert self.num_free_ranges == sum(1 for c in range(1, self.num_ranges + 1) if self.nplain[c] == self.full)
         for p in self.attention:
             assert p.num_overlaid == self.k * len(self.held), p.name
-            free = {b for b in range(1, p.num_blocks) if not p.ref_cnt[b] and p.block_hash[b] is None}
-            owed = [self.blocks_of(c) for c in p._owed]
-            assert not any(p._plain_sets[c] for c in p._owed), (p.name, "owed ranges' sets")
-            assert set().union(*p._plain_sets, *owed) == free, (p.name, "free-block sets")
-            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c] or c in p._owed}, \
-                p.name
+            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c]}, p.name

@@ -1,6 +1,7 @@
-"""BlockPool on tiny pools: exact block ids, eviction order, ref counts, hash map, integrity after every scenario.
+"""BlockPool on tiny pools: exact block ids, free order, ref counts, hash map, what its listener (the cache tree)
+hears, integrity after every scenario.
 
-    fresh pool of 6:  null [0]   queue (front first): 1 2 3 4 5
+    fresh pool of 6:  null [0]   free (next first): 1 2 3 4 5
 """
 
 from __future__ import annotations
@@ -14,9 +15,28 @@ from hybridpd.engine.cache.specs import NULL_BLOCK_ID
 H = [bytes([i]) * 16 for i in range(16)]  # distinct fake block hashes
 
 
+class Heard:
+    """A stand-in for the cache tree: records what the pool tells it."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def on_release(self, pool: BlockPool, block_id: int) -> None:
+        self.log.append(("release", block_id))
+
+    def on_acquire(self, pool: BlockPool, block_id: int) -> None:
+        self.log.append(("acquire", block_id))
+
+
+def tiny(num_blocks: int = 6, name: str = "tiny") -> BlockPool:
+    p = BlockPool(num_blocks, name)
+    p.listener = Heard()
+    return p
+
+
 @pytest.fixture
 def pool() -> Iterator[BlockPool]:
-    p = BlockPool(6, "tiny")
+    p = tiny()
     yield p
     p.check_integrity()  # every scenario ends consistent
 
@@ -57,32 +77,36 @@ def test_failed_allocation_changes_nothing(pool: BlockPool) -> None:
     pool.free([1, 2, 3, 4, 5])
 
 
-def test_freed_cached_blocks_go_to_the_back_uncached_to_the_front(pool: BlockPool) -> None:
+def test_allocation_takes_free_blocks_only_and_never_evicts(pool: BlockPool) -> None:
     assert pool.allocate(3) == [1, 2, 3]
     assert pool.cache(1, H[1])
-    pool.free([1])  # cached: back of the queue, evicted last
-    assert pool.free_block_ids() == [4, 5, 1]
-    pool.free([2])  # no hash: front, reused before any cached block is evicted
+    pool.free([1])  # cached: the tree hears it is evictable; it is not free
+    assert pool.listener.log == [("release", 1)]  # type: ignore[attr-defined]
+    assert pool.free_block_ids() == [4, 5, 1] and pool.num_plain == 2
+    pool.free([2])  # no hash: free, handed out next
     assert pool.free_block_ids() == [2, 4, 5, 1]
     assert pool.allocate(3) == [2, 4, 5]
+    with pytest.raises(PoolExhaustedError, match="asked for 1 blocks, 0 free"):
+        pool.allocate(1)  # only the tree evicts
     assert pool.lookup(H[1]) == 1 and pool.num_evictions == 0
-    assert pool.allocate(1) == [1]  # only now is cached content evicted
+    pool.evict(1)
     assert pool.lookup(H[1]) is None and pool.num_evictions == 1
+    assert pool.allocate(1) == [1]
     pool.free([3, 2, 4, 5, 1])
     assert pool.free_block_ids() == [1, 5, 4, 2, 3]
 
 
-def test_tail_first_freeing_evicts_tails_first(pool: BlockPool) -> None:
+def test_released_in_order_evicted_pages_free_first(pool: BlockPool) -> None:
     req = pool.allocate(3)  # a request's table [1, 2, 3]
     for b, h in zip(req, H[:3], strict=True):
         assert pool.cache(b, h)
     pool.free(reversed(req))  # the convention: tail first
+    assert pool.listener.log == [("release", 3), ("release", 2), ("release", 1)]  # type: ignore[attr-defined]
     assert pool.free_block_ids() == [4, 5, 3, 2, 1]
-    # uncached blocks 4, 5 go first, then the tail 3, then 2; the prefix head 1 survives longest
-    assert pool.allocate(3) == [4, 5, 3]
-    assert pool.lookup(H[2]) is None  # 3's hash dropped on eviction
-    assert pool.lookup(H[0]) == 1 and pool.lookup(H[1]) == 2
-    assert pool.num_evictions == 1
+    pool.evict(3)  # an evicted page is the next one handed out
+    assert pool.free_block_ids() == [3, 4, 5, 2, 1]
+    assert pool.allocate(3) == [3, 4, 5]
+    assert pool.lookup(H[2]) is None and pool.lookup(H[0]) == 1 and pool.lookup(H[1]) == 2
     pool.free([4, 5, 3])
 
 
@@ -96,7 +120,7 @@ def test_touch_reuses_a_cached_block_and_takes_it_out_of_the_queue(pool: BlockPo
     hit = pool.lookup(H[1])
     assert hit == 1
     pool.touch([hit])
-    assert pool.ref_cnt[1] == 1
+    assert pool.ref_cnt[1] == 1 and pool.listener.log[-1] == ("acquire", 1)  # type: ignore[attr-defined]
     assert pool.free_block_ids() == [3, 4, 5, 2]
     assert pool.lookup(H[1]) == 1  # still cached while in use
     assert pool.stats() == {"total": 5, "free": 3, "cached": 1, "in_use": 1}
@@ -110,24 +134,15 @@ def test_touch_reuses_a_cached_block_and_takes_it_out_of_the_queue(pool: BlockPo
     assert pool.num_evictions == 0
 
 
-def test_allocation_evicts_oldest_cached_first_and_drops_its_hash(pool: BlockPool) -> None:
-    blocks = pool.allocate(5)
-    for b, h in zip(blocks, H[1:6], strict=True):
-        pool.cache(b, h)
-    pool.free([2])
-    pool.free([4])
-    pool.free([1])
-    assert pool.free_block_ids() == [2, 4, 1]
-    assert pool.allocate(1) == [2]
-    assert pool.lookup(H[2]) is None and pool.block_hash[2] is None
-    assert pool.num_evictions == 1
-    assert pool.allocate(1) == [4]
-    assert pool.lookup(H[4]) is None
-    assert pool.lookup(H[1]) == 1  # not evicted yet
-    assert pool.lookup(H[3]) == 3 and pool.lookup(H[5]) == 5  # in use: never evicted
-    assert pool.num_evictions == 2
-    assert pool.stats() == {"total": 5, "free": 0, "cached": 1, "in_use": 4}
-    pool.free([2, 3, 4, 5])
+def test_rename_moves_a_name_to_the_live_copy(pool: BlockPool) -> None:
+    old, live = pool.allocate(2)
+    assert pool.cache(old, H[4])
+    pool.free([old])
+    pool.rename(old, live)  # a request recomputed H[4] into `live`: it takes the name, `old` is free
+    assert pool.lookup(H[4]) == live and pool.block_hash[old] is None
+    assert pool.free_block_ids()[0] == old and pool.num_evictions == 0
+    pool.free([live])
+    assert pool.stats() == {"total": 5, "free": 4, "cached": 1, "in_use": 0}
 
 
 def test_double_free_raises(pool: BlockPool) -> None:
@@ -156,7 +171,7 @@ def test_cache_refuses_duplicates_and_renames(pool: BlockPool) -> None:
 def test_pool_needs_a_real_block() -> None:
     with pytest.raises(ValueError, match="at least 2 blocks"):
         BlockPool(1, "x")
-    p = BlockPool(2)
+    p = tiny(2, "x")
     assert p.allocate(1) == [1]
     p.free([1])
     p.check_integrity()
@@ -164,7 +179,7 @@ def test_pool_needs_a_real_block() -> None:
 
 def test_check_integrity_catches_corruption(pool: BlockPool) -> None:
     pool.allocate(1)
-    pool.ref_cnt[1] = 0  # block 1 unreferenced but not in the queue
+    pool.ref_cnt[1] = 0  # block 1 unreferenced but neither free nor cached
     with pytest.raises(AssertionError):
         pool.check_integrity()
     pool.ref_cnt[1] = 1
