@@ -326,18 +326,20 @@ class CacheTree:
     def _subtree_credit(self, top: Node, limit: float) -> float:
         """The credit of `top`'s subtree; INF past MAX_RANGE_SUBTREE nodes; stops once above `limit`."""
         cached = self.chain.cached  # type: ignore[union-attr]
+        states = self.state.cached if self.state is not None else {}
         credit, stack, seen = 0.0, [top], 0
         while stack:
             node = stack.pop()
             seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
-            page = cached.get(node.hash)
-            if page is not None:
-                credit += self._credit(node, page)
-                if credit > limit:
-                    return credit
-            stack.extend(node.kids.values())
+            if node.kids:
+                stack.extend(node.kids.values())
+                if node.hash not in states:
+                    continue  # not queued (it has kids) and no checkpoint: no credit
+            credit += self._credit(node, cached[node.hash])
+            if credit > limit:
+                return credit
         return credit
 
     def _credit(self, node: Node, page: int) -> float:
