@@ -92,7 +92,7 @@ class PoolLayout:
     policy: CachePolicy | None = None
     """None: checkpoints every `checkpoint_interval` tokens ("interval" admission)."""
     arena: ArenaLayout | None = None
-    """One arena backs both kinds (checkpoint slots overlay attention blocks); needs a budget or a policy."""
+    """One arena backs both kinds (checkpoint slots overlay attention blocks)."""
 
     def resolved_policy(self) -> CachePolicy:
         return self.policy if self.policy is not None else CachePolicy("interval", self.checkpoint_interval)
@@ -113,12 +113,10 @@ class HybridCacheManager:
         self.labels = {g.group_id: group_label(g, groups) for g in groups}
         self.pools: dict[int, BlockPool] = {}
         self.blocks: list[AttentionManager] = []
-        """Attention groups' managers; the first is the chain (its blocks form the Reclaimer's tree)."""
+        """Attention groups' managers; the first is the chain (its blocks are the tree's nodes)."""
         self.states: list[RecurrentManager] = []
         """Recurrent groups' managers; the first leads the checkpoints, the others ride along."""
         arena = layout.arena
-        if arena is not None and layout.budget_bytes is None and layout.policy is None:
-            raise ValueError("an arena layout needs a budget or a policy (its pools are policy-driven)")
         self._build_managers(groups, layout)
         self.events = CacheEventLog()
         """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
@@ -260,11 +258,6 @@ class HybridCacheManager:
             c.hits += hit.group_hits.get(label, 0)
 
     # -- allocation ----------------------------------------------------------------------------------------------
-    def can_allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        hit = hit or PrefixHit()
-        return all(m.pages_needed(req.request_id, num_tokens, hit.pages.get(m.group.group_id, ())) <= m.pool.num_free
-                   for m in self.managers)
-
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
@@ -279,7 +272,7 @@ class HybridCacheManager:
         if (new or num_tokens > 0 or self._grows(rid, num_tokens)) and not self._make_room(rid, num_tokens, pages):
             return False
         for m, gid in self._alloc_order:
-            m.allocate(rid, num_tokens, pages.get(gid, ()), pinned=True)
+            m.allocate(rid, num_tokens, pages.get(gid, ()))
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
         if self.managers:

@@ -6,9 +6,9 @@ them and never asks which kind it holds; a model may have several attention grou
 several recurrent groups (Mamba-2 and Gated-DeltaNet states of different shapes), each with its own pool and ids.
 
 Leaders and riders: all pages are named by the same chained block hashes. The first attention group is the *chain*
-(its cached blocks form the prefix tree the Reclaimer walks); the first recurrent group leads the checkpoints.
-Every other group *rides along*: it names a page `h` only while its leader holds `h` (`leader`), and the Reclaimer
-evicts it together with its leader's page (reclaim.py). A hit is the longest prefix every group serves, so a rider
+(its cached blocks are the nodes of the cache tree, tree.py); the first recurrent group leads the checkpoints.
+Every other group *rides along*: it names a page `h` only while its leader holds `h` (`leader`), and the tree
+evicts it together with its leader's page. A hit is the longest prefix every group serves, so a rider
 that lost a page only shortens hits, never serves a wrong prefix.
 
 Ownership: `HybridCacheManager` owns one manager per group and calls them; each manager owns its requests' block
@@ -45,9 +45,6 @@ class GroupManager(Protocol):
 
     def holds(self, req_id: str) -> bool: ...
 
-    def pages_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
-        """Pool ids an allocation for num_tokens would take (hit pages leaving the free queue included)."""
-
     def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
         """Plain (hashless) ids still to take once the hit is pinned."""
 
@@ -56,8 +53,8 @@ class GroupManager(Protocol):
 
     def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None: ...
 
-    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool) -> object:
-        """Cover num_tokens (a new request takes its hit pages); the pool has room (checked by the caller)."""
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> object:
+        """Cover num_tokens (a new request takes its pinned hit pages); the tree made room."""
 
     def free(self, req_id: str) -> None: ...
 
@@ -123,14 +120,6 @@ class AttentionManager:
             self.req_blocks[holder] = self.req_blocks.pop(req_id)
             self.num_hashed[holder] = self.num_hashed.pop(req_id)
 
-    def blocks_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
-        """Free pool blocks an allocation for num_tokens would consume (hit blocks leaving the queue included)."""
-        have = len(self.req_blocks.get(req_id, ())) or len(hit)
-        new = max(0, cdiv(num_tokens, self.block_size) - have)
-        return new + sum(1 for b in hit if self.pool.ref_cnt[b] == 0)
-
-    pages_needed = blocks_needed
-
     def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
         return self.adopt(req_id, hit)
 
@@ -152,7 +141,7 @@ class AttentionManager:
 
     new_pages_needed = new_blocks_needed
 
-    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool = False) -> list[int]:
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> list[int]:
         blocks = self.req_blocks.get(req_id)
         if blocks is None:
             self.adopt(req_id, hit)
@@ -216,7 +205,7 @@ class PendingCheckpoint:
 class RecurrentManager:
     """Recurrent state: one running slot per request; checkpoints (the state after a block boundary) in other slots
     of the same pool, named by the attention hash chain at that boundary, evictable when unreferenced (by the
-    coordinator's Reclaimer, or LRU by the pool itself when there is none).
+    cache tree).
 
     `align` is the boundary granularity: block_size when checkpoints go where reuse happens, the interval for
     fixed-interval checkpoints. Which boundaries get one is the coordinator's call (`Admission`); the coordinator
@@ -236,7 +225,7 @@ class RecurrentManager:
         self.leader = leader
         """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
         self.tree: CacheTree | None = None
-        """Set by the coordinator on the lead group only (riders follow their lead's page in the Reclaimer)."""
+        """Set by the coordinator on the lead group only (riders follow their lead's page in the tree)."""
         self.running_slot: dict[str, int] = {}
         self.step_refs: list[int] = []
         self.pending: list[PendingCheckpoint] = []
@@ -246,7 +235,7 @@ class RecurrentManager:
         """request -> hash of its published request-end checkpoint (dropped when a later one replaces it)."""
         self.superseded: dict[str, list[bytes]] = {}
         """request -> checkpoints on its own path (the one it restored, its prompt end) that its first request-end
-        checkpoint supersedes (demoted in the Reclaimer unless they are branch points)."""
+        checkpoint supersedes (demoted in the tree unless they are branch points)."""
         self.num_admitted = 0
 
     def find_hit(self, block_hashes: list[bytes], max_tokens: int) -> tuple[int, int | None]:
@@ -283,11 +272,6 @@ class RecurrentManager:
         if req_id in self.running_slot:
             self.running_slot[holder] = self.running_slot.pop(req_id)
 
-    def pages_needed(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> int:
-        if req_id in self.running_slot:
-            return 0
-        return 1 + sum(1 for s in hit if self.pool.ref_cnt[s] == 0)
-
     def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
         return 0 if req_id in self.running_slot else 1
 
@@ -304,13 +288,11 @@ class RecurrentManager:
             self.step_refs.remove(s)
         self.pool.free(hit)
 
-    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int], pinned: bool = False) -> None:
-        """Give a new request its running slot; with a hit, queue the copy (checkpoint -> running slot) that must run
-        before the request's first forward. `pinned`: the caller already ran `pin_hit`."""
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> None:
+        """Give a new request its running slot; with a (pinned) hit, queue the copy (checkpoint -> running slot) that
+        must run before the request's first forward."""
         if req_id in self.running_slot:
             return
-        if hit and not pinned:
-            self.pin_hit(req_id, hit)
         slot = self.pool.allocate(1)[0]
         self.running_slot[req_id] = slot
         if hit:
