@@ -416,9 +416,9 @@ def main() -> None:
                 print(f"{name:14s} {pol:6s} cannot start: {e}", flush=True)
                 continue
             r = dict(runs[len(runs) // 2])
-            r["us_per_seq_step"] = statistics.median(x["us_per_seq_step"] for x in runs)  # type: ignore[misc]
+            r["us_per_seq_step"] = statistics.median(x["us_per_seq_step"] for x in runs)  # type: ignore[misc, type-var]
             r["us_per_seq_step_runs"] = [x["us_per_seq_step"] for x in runs]
-            r["cpu_us_per_seq_step"] = statistics.median(x["cpu_us_per_seq_step"] for x in runs)  # type: ignore[misc]
+            r["cpu_us_per_seq_step"] = statistics.median(x["cpu_us_per_seq_step"] for x in runs)  # type: ignore[misc, type-var]
             results[name][pol] = r
             print(f"{name:14s} {pol:6s} hit {r['hit_rate']:.4f} theo {r['theoretical']:.4f} "
                   f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} us/seq-step {r['us_per_seq_step']:.2f} "

@@ -54,7 +54,7 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         """hash -> the page named by it (cached or in use)."""
-        self._free = dict.fromkeys(range(num_blocks - 1, 0, -1))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, 0, -1))
         """Free pages; the last one is handed out next (so a fresh pool hands out 1, 2, 3, ...)."""
         self._idle: dict[int, None] = {}
         """Cached pages (unreferenced, named), in release order."""

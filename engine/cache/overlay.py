@@ -60,7 +60,7 @@ class ArenaAttentionPool(BlockPool):
             self._plain_sets[c].add(b)
             if c:
                 self._with_plain.add(c)
-        self._free = {}
+        self._free.clear()
 
     def _take_free(self, n: int) -> list[int]:
         """Free blocks, clustered (see the module docstring)."""
@@ -204,7 +204,7 @@ class ArenaStatePool(BlockPool):
         super().__init__(num_slots, name, page_bytes)
         self.first_overlay = 1 + running_slots
         self.overlay: Overlay | None = None
-        self._free = {}
+        self._free.clear()
         self._pinned = int(self.first_overlay < num_slots)
         if self._pinned:
             self.ref_cnt[self.first_overlay] = 1
@@ -290,8 +290,11 @@ class ArenaStatePool(BlockPool):
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        held = sum(1 for s in range(self.first_overlay + 1, self.num_blocks)
-                   if self.ref_cnt[s] or self.block_hash[s] is not None)
+        held = sum(
+            1
+            for s in range(self.first_overlay + 1, self.num_blocks)
+            if self.ref_cnt[s] or self.block_hash[s] is not None
+        )
         assert held == self.num_overlay_held, (self.name, held, self.num_overlay_held)
 
 
@@ -394,8 +397,11 @@ class Overlay:
             plain = sum(1 for p in self.attention for b in blocks if not p.ref_cnt[b] and p.block_hash[b] is None)
             ref = sum(1 for p in self.attention for b in blocks if p.ref_cnt[b])
             assert (plain, ref) == (self.nplain[c], self.nref[c]), (c, plain, ref, self.nplain[c], self.nref[c])
-            holders = sum(1 for s in self.states if s.ref_cnt[s.first_overlay + c]
-                          or s.block_hash[s.first_overlay + c] is not None)
+            holders = sum(
+                1
+                for s in self.states
+                if s.ref_cnt[s.first_overlay + c] or s.block_hash[s.first_overlay + c] is not None
+            )
             assert holders == self.holders[c] and (c in self.held) == (holders > 0), (c, holders, self.holders[c])
             if holders:
                 for p in self.attention:

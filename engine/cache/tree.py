@@ -133,8 +133,15 @@ class EvictionQueue:
 
 
 class CacheTree:
-    def __init__(self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, alpha: float = 1.0,
-                 block_size: int = 16, overlay: Overlay | None = None) -> None:
+    def __init__(
+        self,
+        attention: list[BlockPool],
+        state: list[BlockPool],
+        budget_bytes: int,
+        alpha: float = 1.0,
+        block_size: int = 16,
+        overlay: Overlay | None = None,
+    ) -> None:
         """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
         `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
         self.chain: BlockPool | None = attention[0] if attention else None
@@ -188,8 +195,9 @@ class CacheTree:
             short = [p for p, n in needs if p.num_plain < n]
             if not short and self.held_bytes() <= room:
                 return True
-            victim = self._lowest(list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values())
-                                  if short else self.leaders)
+            victim = self._lowest(
+                list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values()) if short else self.leaders
+            )
             if victim is None:
                 return False
             self._evict_victim(victim)
@@ -199,7 +207,7 @@ class CacheTree:
         if checkpoint and self._failed_room == (asked, self._version()):
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
-        states = {id(p) for p in self.pools[len(self.attention_pools):]}
+        states = {id(p) for p in self.pools[len(self.attention_pools) :]}
         state_needs = [(p, n) for p, n in needs if n and id(p) in states]
         attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
         while True:
@@ -212,7 +220,7 @@ class CacheTree:
                     self.num_checkpoints_skipped += 1
                     self._failed_room = (asked, self._version())
                 return False
-            if victim is not True:
+            if isinstance(victim, tuple):
                 self._evict_victim(victim)
 
     def _arena_victim(self, checkpoint: bool) -> tuple[BlockPool, int, float] | bool | None:
@@ -415,7 +423,8 @@ class CacheTree:
         else:
             self._requeue_block(h)  # the block it ended on may now be a dead end
         if h not in (self.chain.cached if self.chain is not None else ()) and (
-                self.state is None or h not in self.state.cached):
+            self.state is None or h not in self.state.cached
+        ):
             self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
 
     def _drop_riders(self, leader: BlockPool, h: bytes, count: bool) -> None:
@@ -560,7 +569,8 @@ class CacheTree:
                     leaf = p is not self.chain or not self.nodes[h].kids
                     assert (b in queued) == leaf, (p.name, b, leaf)
         names = set(self.chain.cached if self.chain is not None else ()) | set(
-            self.state.cached if self.state is not None else ())
+            self.state.cached if self.state is not None else ()
+        )
         assert names == self.nodes.keys(), "a node for every cached hash, and only those"
         for h, node in self.nodes.items():
             assert node.hash == h
