@@ -60,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridpd.engine.cache.admission import CachePolicy  # noqa: E402
+from hybridpd.engine.cache.admission import Admission, CachePolicy  # noqa: E402
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
 from hybridpd.engine.cache.hashing import extend_block_hashes  # noqa: E402
 from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
@@ -71,7 +71,7 @@ from hybridpd.engine.request import Request  # noqa: E402
 from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridpd.engine.scheduler import Scheduler  # noqa: E402
 
-from benchmarks.cache_policies import LruTree, fixed_interval  # noqa: E402
+from benchmarks.cache_policies import IntervalAdmission, LruTree, fixed_interval  # noqa: E402
 
 VOCAB = 150_000
 BS = 16
@@ -264,19 +264,21 @@ class Theoretical:
 def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) -> HybridCacheManager:
     """`arena`: the engine's plan (one arena: checkpoint slots overlay attention blocks, planner.py); False: the
     same byte budget with checkpoint ids outside it (before the arena)."""
+    tree = CacheTree if policy == "ours" else LruTree
     if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
         slots = 1 + 3 * max_num_seqs
         blocks = (budget - slots * STATE_BYTES) // BLOCK_BYTES
-        return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, 256, BS))
-    cp = fixed_interval(528) if policy == "fixed" else CachePolicy()
-    tree = CacheTree if policy == "ours" else LruTree
+        return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, 256, BS), tree_cls=tree,
+                                  admission_cls=IntervalAdmission)
+    cp, adm = fixed_interval(528) if policy == "fixed" else (CachePolicy(), Admission)
     if arena:
         plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or 16, policy=cp)
-        return HybridCacheManager(GROUPS, plan.layout(), tree_cls=tree)
+        return HybridCacheManager(GROUPS, plan.layout(), tree_cls=tree, admission_cls=adm)
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree)
+    return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree,
+                              admission_cls=adm)
 
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:

@@ -19,7 +19,6 @@ from hybridpd.engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
-Admission = Literal["reuse", "interval"]
 ZeroMode = Literal["auto", "on", "off"]
 LoadFormat = Literal["auto", "dummy"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -55,13 +54,9 @@ class CacheConfig:
     """Tokens per attention KV block."""
     enable_prefix_caching: bool = True
     """Reuse the cached KV blocks and recurrent-state checkpoints of earlier prompts with the same prefix."""
-    checkpoint_admission: Admission | None = None
-    """Where recurrent-state checkpoints are saved. "reuse": branch points, prompt ends, request ends (plus the
-    interval fallback when checkpoint_interval > 0). "interval": every checkpoint_interval tokens (vLLM's
-    admission). None: "interval" when checkpoint_interval is set, else "reuse"."""
     checkpoint_interval: int | None = None
-    """Tokens between (fallback) checkpoints; a multiple of block_size. None: off (0) for "reuse", the largest
-    multiple of block_size not above 256 for "interval"."""
+    """Recurrent-state checkpoints go where reuse happens (branch points, prompt ends, request ends); this adds one
+    every checkpoint_interval tokens (a multiple of block_size). None or 0: off."""
     eviction_alpha: float = 1.0
     """Weight of compute saved per byte against recency in eviction (GreedyDual: engine/cache/tree.py)."""
     num_checkpoint_slots: int | None = None
@@ -74,22 +69,13 @@ class CacheConfig:
     zero_fresh_blocks: ZeroMode = "auto"
     """Zero newly allocated KV blocks before use. auto: on for models with recurrent layers."""
 
-    def resolved_admission(self) -> str:
-        if self.checkpoint_admission is not None:
-            return self.checkpoint_admission
-        return "reuse" if self.checkpoint_interval is None else "interval"
-
     def resolved_checkpoint_interval(self) -> int:
-        if self.checkpoint_interval is not None:
-            return self.checkpoint_interval
-        if self.resolved_admission() == "reuse":
-            return 0
-        return max(self.block_size, (256 // self.block_size) * self.block_size)
+        return self.checkpoint_interval or 0
 
     def cache_policy(self):  # type: ignore[no-untyped-def]  # -> engine.cache.admission.CachePolicy
         from hybridpd.engine.cache.admission import CachePolicy
 
-        return CachePolicy(self.resolved_admission(), self.resolved_checkpoint_interval(), self.eviction_alpha)
+        return CachePolicy(self.resolved_checkpoint_interval(), self.eviction_alpha)
 
 
 @dataclass(frozen=True)
@@ -137,11 +123,9 @@ class EngineConfig:
         if c.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {c.block_size}")
         ci = c.resolved_checkpoint_interval()
-        if ci < 0 or ci % c.block_size or (ci == 0 and c.resolved_admission() != "reuse"):
-            raise InvalidRequestError(f"checkpoint_interval ({ci}) must be a positive multiple of block_size "
-                                      f"({c.block_size}), or 0 (off) with checkpoint_admission='reuse'")
-        if c.resolved_admission() not in typing.get_args(Admission):
-            raise InvalidRequestError("checkpoint_admission must be reuse|interval")
+        if ci < 0 or ci % c.block_size:
+            raise InvalidRequestError(f"checkpoint_interval ({ci}) must be a multiple of block_size "
+                                      f"({c.block_size}), or 0 (off)")
         if c.zero_fresh_blocks not in typing.get_args(ZeroMode):
             raise InvalidRequestError(f"zero_fresh_blocks must be auto|on|off, got {c.zero_fresh_blocks!r}")
         if not (0.0 < c.gpu_memory_utilization <= 1.0):

@@ -120,7 +120,7 @@ def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, dic
     request of a prefix; an identical prompt hits it on P, so it is then the hit, and offered)."""
     cache = core.cache
     found = cache.find_checkpoint(req, n)
-    if found is None or cache.policy.admission != "reuse" or found[0] <= req.num_cached_tokens:
+    if found is None or cache.admission.name != "reuse" or found[0] <= req.num_cached_tokens:
         return found
     bs = cache.block_size
     own = (n - 1) // bs * bs  # the shallower of the coordinator's prompt-end targets ("last" and the prompt end)

@@ -1,47 +1,43 @@
 """Checkpoint admission: where a request saves recurrent states (block boundaries, named by the attention chain).
 
-"reuse" (default; Marconi's admission, MLSys 2025):
+Marconi's admission (MLSys 2025), the engine's one policy:
     branch point   the longest prefix of the new prompt that any earlier request already contained (seen block
                    hashes, kept here without any device memory): the next request sharing it hits there;
-    prompt end     the last block boundary of what this request computes of its prompt (re-asks, chat turns);
+    prompt end     the last block boundaries of what this request computes of its prompt (re-asks, chat turns);
     request end    while decoding, a rolling checkpoint at each block boundary; the previous one is dropped, so
                    a finished request leaves the state at its last boundary (multi-turn: prompt + answer);
     interval       every `interval` tokens, only if interval > 0 (a coarse fallback, off by default).
 
     prompt  |---- shared with an earlier request ----|--- new ---|          decode
             0                                        ^ branch    ^ prompt end   ^ ^ ^ rolling end
-"interval" (the old behaviour and the vLLM-style baseline): every multiple of `interval`, prefill and decode.
 
-Ownership: the coordinator calls `targets` once when a request is admitted and `note` for every hash the engine
-computes; this class keeps only hashes (a bounded, insertion-ordered set). Tensor-free.
+The vLLM-style baseline (a checkpoint every n tokens, nothing else) is benchmarks/cache_policies.py's
+`IntervalAdmission`, a subclass.
+
+Ownership: the coordinator calls `admit` once when a request is admitted, `due` for each chunk it schedules and
+`note` for every hash the engine computes; this class keeps only hashes (a bounded, insertion-ordered set).
+Tensor-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ADMISSIONS = ("reuse", "interval")
-
 
 @dataclass(frozen=True)
 class CachePolicy:
     """How the prefix cache admits checkpoints (here) and weighs value in eviction (tree.py)."""
 
-    admission: str = "reuse"
     interval: int = 0
-    """Fallback checkpoint interval in tokens (a multiple of block_size); 0 = off. Required for "interval"."""
+    """Fallback checkpoint interval in tokens (a multiple of block_size); 0 = off."""
     alpha: float = 1.0
     """Weight of compute-saved-per-byte against recency in eviction."""
     seen_capacity: int = 1 << 18
     """Block hashes remembered for branch-point detection (about 100 bytes each on the host)."""
 
     def validate(self, block_size: int) -> None:
-        if self.admission not in ADMISSIONS:
-            raise ValueError(f"checkpoint admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.interval < 0 or self.interval % block_size:
             raise ValueError(f"checkpoint_interval {self.interval} is not a multiple of block_size {block_size}")
-        if self.admission == "interval" and self.interval <= 0:
-            raise ValueError("interval admission needs checkpoint_interval > 0")
 
 
 class SeenHashes:
@@ -73,22 +69,25 @@ class SeenHashes:
 
 
 class Admission:
+    name = "reuse"
+
     def __init__(self, policy: CachePolicy, block_size: int) -> None:
+        policy.validate(block_size)
         self.policy = policy
         self.block_size = block_size
         self.seen = SeenHashes(policy.seen_capacity)
+        self.every_chunk = policy.interval > 0
+        """Checkpoints may fall mid-block (interval boundaries): the coordinator plans every chunk."""
 
     @property
     def align(self) -> int:
         """Granularity of checkpoint boundaries (and so of recurrent hits)."""
-        return self.policy.interval if self.policy.admission == "interval" else self.block_size
+        return self.block_size
 
     def targets(self, hashes: list[bytes], hit_tokens: int, prompt_end: int) -> list[int]:
         """Boundaries (tokens) in (hit_tokens, prompt_end] where a newly admitted request saves its state, sorted.
         `prompt_end`: how far this request computes its prompt (N, or N - 1 on a prefill worker)."""
         bs, interval = self.block_size, self.policy.interval
-        if self.policy.admission == "interval":
-            return list(range((hit_tokens // interval + 1) * interval, prompt_end + 1, interval))
         limit = min(prompt_end // bs, len(hashes))
         out = set()
         branch = self.seen.common_prefix(hashes, limit) * bs
@@ -100,12 +99,30 @@ class Admission:
             out.update(range((hit_tokens // interval + 1) * interval, limit * bs + 1, interval))
         return sorted(out)
 
-    def decode_boundary(self, end: int, prompt_tokens: int) -> bool:
-        """True when a decode chunk ending at `end` tokens should leave a rolling request-end checkpoint."""
-        if self.policy.admission == "interval":
-            return False  # "interval" plans decode boundaries like prefill ones
-        return end > prompt_tokens and end % self.block_size == 0
+    def admit(self, hashes: list[bytes], hit_tokens: int, prompt_end: int) -> tuple[list[int], list[int]] | None:
+        """A new request's (targets, own boundaries): `targets` plus the last block boundary before the prompt's
+        end (an identical prompt hits there: the N-1 cap), and the boundaries on its own path (its hit, its prompt
+        ends) that its first request-end checkpoint supersedes. None: nothing to keep per request."""
+        targets = self.targets(hashes, hit_tokens, prompt_end)
+        bs = self.block_size
+        last = (prompt_end - 1) // bs * bs
+        if hit_tokens < last and last not in targets:
+            targets = sorted([*targets, last])
+        own = [b for b in (hit_tokens, last, prompt_end // bs * bs) if 0 < b <= len(hashes) * bs]
+        return targets, own
+
+    def due(self, targets: list[int] | None, start: int, end: int, prompt_tokens: int) -> tuple[list[int], int | None]:
+        """Boundaries to save in the chunk (start, end] (taken off the front of `targets`), and the rolling
+        request-end one (None when there is none)."""
+        bs, due = self.block_size, []
+        while targets and targets[0] <= end:
+            b = targets.pop(0)
+            if b > start:
+                due.append(b)
+        if self.policy.interval:
+            due = sorted(set(due) | {b for b in range((start // bs + 1) * bs, end + 1, bs) if b > prompt_tokens})
+        rolling = end if end > prompt_tokens and end % bs == 0 and end not in due else None
+        return due, rolling
 
     def note(self, hashes: list[bytes]) -> None:
-        if self.policy.admission == "reuse":
-            self.seen.add(hashes)
+        self.seen.add(hashes)

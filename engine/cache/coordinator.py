@@ -90,26 +90,23 @@ class PoolLayout:
     budget_bytes: int | None = None
     """Bytes that held pages (in use + cached, all pools) may take together. None: the pools' sizes only."""
     policy: CachePolicy | None = None
-    """None: checkpoints every `checkpoint_interval` tokens ("interval" admission)."""
+    """None: CachePolicy(interval=checkpoint_interval)."""
     arena: ArenaLayout | None = None
     """One arena backs both kinds (checkpoint slots overlay attention blocks)."""
 
     def resolved_policy(self) -> CachePolicy:
-        return self.policy if self.policy is not None else CachePolicy("interval", self.checkpoint_interval)
+        return self.policy if self.policy is not None else CachePolicy(self.checkpoint_interval)
 
 
 class HybridCacheManager:
     def __init__(self, groups: list[CacheGroup], layout: PoolLayout, enable_prefix_caching: bool = True,
-                 tree_cls: type[CacheTree] = CacheTree) -> None:
-        """`tree_cls`: the eviction order (benchmarks/cache_policies.py swaps in its baselines)."""
+                 tree_cls: type[CacheTree] = CacheTree, admission_cls: type[Admission] = Admission) -> None:
+        """`tree_cls`, `admission_cls`: the engine's policy (benchmarks/cache_policies.py swaps in its baselines)."""
         self.groups = groups
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = layout.resolved_policy()
-        self.policy.validate(layout.block_size)
-        self.admission = Admission(self.policy, layout.block_size)
-        self._plan_every_chunk = self.policy.admission == "interval" or self.policy.interval > 0
-        """Checkpoints may fall mid-block (interval boundaries): every chunk is planned (`_nothing_due`)."""
+        self.admission = admission_cls(self.policy, layout.block_size)
         self.labels = {g.group_id: group_label(g, groups) for g in groups}
         self.pools: dict[int, BlockPool] = {}
         self.blocks: list[AttentionManager] = []
@@ -146,7 +143,7 @@ class HybridCacheManager:
         """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
         through `allocate`, `free` and `quarantine`, which refresh or drop it."""
         self._targets: dict[str, list[int]] = {}
-        """request -> checkpoint boundaries still to save (admission "reuse"), ascending."""
+        """request -> checkpoint boundaries still to save (`Admission.admit`), ascending."""
         self._noted: dict[str, int] = {}
         """request -> how many of its block hashes the admission has seen."""
         self._reserved: dict[int, int] = {}
@@ -316,19 +313,17 @@ class HybridCacheManager:
 
     def _admit(self, req: Request, hit_tokens: int) -> None:
         """A request got its first caches: decide its checkpoint boundaries, then remember its prompt's blocks."""
-        if not self.enable_prefix_caching or self.policy.admission != "reuse":
+        if not self.enable_prefix_caching:
             return
         self.update_hashes(req)
+        plan = self.admission.admit(req.block_hashes, hit_tokens, min(req.num_prompt_tokens, req.target_tokens))
+        if plan is None:
+            return  # the admission keeps nothing per request
+        targets, own = plan
         if self.states:
-            prompt_end = min(req.num_prompt_tokens, req.target_tokens)
-            targets = self.admission.targets(req.block_hashes, hit_tokens, prompt_end)
-            last = (prompt_end - 1) // self.block_size * self.block_size  # an identical prompt hits here (N-1 cap)
-            if hit_tokens < last and last not in targets:
-                targets = sorted([*targets, last])
             if targets:
                 self._targets[req.request_id] = targets
             bs, hashes = self.block_size, req.block_hashes
-            own = [b for b in (hit_tokens, last, prompt_end // bs * bs) if 0 < b <= len(hashes) * bs]
             self.states[0].superseded[req.request_id] = [hashes[b // bs - 1] for b in own]
         self._note(req)
 
@@ -346,20 +341,8 @@ class HybridCacheManager:
             out[gid] = []
         if self._nothing_due(req, end):
             return out
-        if self.policy.admission == "interval":
-            self.update_hashes(req)
-            return self._reserve(req, self.states[0].interval_boundaries(start, end), None, out)
-        targets = self._targets.get(req.request_id)
         self.update_hashes(req)
-        due: list[int] = []
-        while targets and targets[0] <= end:
-            b = targets.pop(0)
-            if b > start:
-                due.append(b)
-        if self.policy.interval:
-            due = sorted(set(due) | {b for b in self.states[0].interval_boundaries(start, end)
-                                     if b > req.num_prompt_tokens})
-        rolling = end if self.admission.decode_boundary(end, req.num_prompt_tokens) and end not in due else None
+        due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
         return self._reserve(req, due, rolling, out)
 
     def checkpoint_plan(self, req: Request, start: int,
@@ -372,10 +355,10 @@ class HybridCacheManager:
 
     def _nothing_due(self, req: Request, end: int) -> bool:
         """No checkpoint can be planned for a chunk ending at `end` (most decode steps): no recurrent group, no
-        prefix caching, or, with "reuse" admission, neither a block boundary nor a target up to `end`."""
+        prefix caching, or (an admission that plans at block boundaries) neither one nor a target up to `end`."""
         if not self.states or not self.enable_prefix_caching:
             return True
-        if self._plan_every_chunk or not end % self.block_size:
+        if self.admission.every_chunk or not end % self.block_size:
             return False
         targets = self._targets.get(req.request_id)
         return not targets or targets[0] > end
@@ -629,7 +612,7 @@ class HybridCacheManager:
 
     def cache_stats(self) -> dict[str, object]:
         """Admissions, evictions and bytes held per group (by label: running vs cached), and the budget."""
-        out: dict[str, object] = {"policy": {"admission": self.policy.admission,
+        out: dict[str, object] = {"policy": {"admission": self.admission.name,
                                              "interval": self.policy.interval}}
         for g in self.groups:
             pool = self.pools[g.group_id]

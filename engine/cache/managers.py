@@ -302,10 +302,6 @@ class RecurrentManager:
         out, self.copies = self.copies, []
         return out
 
-    def interval_boundaries(self, start: int, end: int) -> list[int]:
-        first = (start // self.align + 1) * self.align
-        return list(range(first, end + 1, self.align))
-
     def is_planned(self, h: bytes) -> bool:
         """Cached already, or to be written by a step in flight."""
         return self.pool.lookup(h) is not None or any(p.block_hash == h for p in self.pending)

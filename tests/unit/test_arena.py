@@ -164,7 +164,7 @@ class ArenaHarness(Harness):
         self.plan = plan_capacity(GROUPS, budget, trace.max_num_seqs, trace.checkpoint_slots or None, 64,
                                   trace.interval, policy=policy)
         self.cache = HybridCacheManager(GROUPS, self.plan.layout(), enable_prefix_caching=trace.caching,
-                                        tree_cls=trace.tree_cls)
+                                        tree_cls=trace.tree_cls, admission_cls=trace.admission_cls)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
         assert self.plan.arena is not None
         self.arena: ArenaLayout = self.plan.arena

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.admission import Admission, CachePolicy
 from hybridpd.engine.cache.arena import page_bytes
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.managers import cdiv
@@ -59,7 +59,7 @@ from hybridpd.engine.transfer import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.cache_policies import LruTree
+from benchmarks.cache_policies import IntervalAdmission, LruTree
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -259,7 +259,7 @@ class Trace:
 
     def cache_policy(self) -> CachePolicy | None:
         return {"legacy": None, "reuse-value": CachePolicy(), "reuse-lru": CachePolicy(),
-                "interval-value": CachePolicy("interval", 8)}[self.policy]
+                "interval-value": CachePolicy(8)}[self.policy]
 
 
 traces = st.builds(
@@ -283,7 +283,9 @@ def make_side(name: str, trace: Trace) -> Side:
     # every request fits alone, next to one quarantined import (a stuck READ keeps its pages for good)
     budget = (2 * need + 1) * per_block + (1 + trace.max_num_seqs + 4 + 4) * per_state + trace.spare_bytes
     plan = plan_capacity(groups, budget, trace.max_num_seqs, 4, MAX_MODEL_LEN, 8, policy=trace.cache_policy())
-    cache = HybridCacheManager(groups, plan.layout(), tree_cls=LruTree if trace.policy == "reuse-lru" else CacheTree)
+    lru, interval = trace.policy in ("legacy", "reuse-lru"), trace.policy in ("legacy", "interval-value")
+    cache = HybridCacheManager(groups, plan.layout(), tree_cls=LruTree if lru else CacheTree,
+                               admission_cls=IntervalAdmission if interval else Admission)
     return Side(name, control_plane_core(cache, Scheduler(SchedulerConfig(trace.max_num_seqs, trace.token_budget),
                                                           cache)))
 

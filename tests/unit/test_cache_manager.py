@@ -1,5 +1,6 @@
-"""HybridCacheManager with an attention group (block_size 4) and a Mamba-2 group (checkpoint_interval 8), driven
-through the Scheduler with no model: exact hits, block ids, slots, checkpoints, copies and counters.
+"""HybridCacheManager with an attention group (block_size 4) and a Mamba-2 group (checkpoints every 8 tokens: the
+vLLM-style `IntervalAdmission` of benchmarks/cache_policies.py), driven through the Scheduler with no model: exact hits,
+block ids, slots, checkpoints, copies and counters.
 
     tokens  0..3 | 4..7 | 8..11 | 12..15 | 16..19      attention blocks (hashed when full)
                         ^ ckpt 8        ^ ckpt 16       recurrent checkpoints (state after 8, 16 tokens)
@@ -23,6 +24,8 @@ from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.request import Request
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+
+from benchmarks.cache_policies import IntervalAdmission
 
 BS, INTERVAL = 4, 8
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -48,7 +51,8 @@ def make(
         "attention": [CacheGroup(0, ATTN, (0, 1))],
         "recurrent": [CacheGroup(0, MAMBA, (0, 1))],
     }[kinds]
-    cache = HybridCacheManager(groups, PoolLayout(attention_blocks, state_slots, interval, BS))
+    cache = HybridCacheManager(groups, PoolLayout(attention_blocks, state_slots, interval, BS),
+                               admission_cls=IntervalAdmission)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), cache)
 
 
@@ -183,7 +187,8 @@ def test_cache_salt_isolates() -> None:
 
 def test_prefix_caching_off_never_hits_and_never_checkpoints() -> None:
     groups = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, MAMBA, (1, 2))]
-    cache = HybridCacheManager(groups, PoolLayout(32, 7, INTERVAL, BS), enable_prefix_caching=False)
+    cache = HybridCacheManager(groups, PoolLayout(32, 7, INTERVAL, BS), enable_prefix_caching=False,
+                               admission_cls=IntervalAdmission)
     s = Scheduler(SchedulerConfig(2, 64), cache)
     serve(s, "a", A)
     req, (out,) = serve(s, "b", A)
@@ -347,7 +352,7 @@ def test_several_groups_per_kind_get_a_pool_each() -> None:
     """Was refused (one group per kind); now each group has its own pool and labelled counters
     (several groups per kind are exercised in test_cache_groups.py)."""
     groups = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, FullAttentionSpec(4, 2, 2, "float32"), (1,))]
-    cache = HybridCacheManager(groups, PoolLayout(8, 4, INTERVAL, BS))
+    cache = HybridCacheManager(groups, PoolLayout(8, 4, INTERVAL, BS), admission_cls=IntervalAdmission)
     assert sorted(cache.pools) == [0, 1] and cache.pools[0] is not cache.pools[1]
     assert set(cache.counters) == {"attention:0", "attention:1"}
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hybridpd.engine.cache.admission import CachePolicy
+from hybridpd.engine.cache.admission import Admission, CachePolicy
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
 from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys
 from hybridpd.engine.cache.managers import cdiv
@@ -33,7 +33,7 @@ from hybridpd.engine.scheduler import Scheduler, SchedulerOutput
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.cache_policies import LruTree
+from benchmarks.cache_policies import IntervalAdmission, LruTree
 
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -92,13 +92,17 @@ class Trace:
     def cache_policy(self) -> CachePolicy | None:
         if self.policy == "legacy":
             return None
-        admission = self.policy.split("-")[0]
-        return CachePolicy(admission, self.interval if admission == "interval" else 0)
+        return CachePolicy(self.interval if self.policy.startswith("interval") else 0)
 
     @property
     def tree_cls(self) -> type[CacheTree]:
         """The eviction order: the engine's, or the LRU baseline (benchmarks/cache_policies.py)."""
-        return LruTree if self.policy.endswith("-lru") else CacheTree
+        return LruTree if self.policy in ("legacy", "reuse-lru") else CacheTree
+
+    @property
+    def admission_cls(self) -> type[Admission]:
+        """Where checkpoints go: the engine's admission, or every `interval` tokens (the vLLM-style baseline)."""
+        return IntervalAdmission if self.policy in ("legacy", "interval-value") else Admission
 
 
 req_specs = st.builds(
@@ -164,7 +168,8 @@ class Harness:
             budget_bytes=budget,
             policy=trace.cache_policy(),
         )
-        self.cache = HybridCacheManager(groups, layout, enable_prefix_caching=trace.caching, tree_cls=trace.tree_cls)
+        self.cache = HybridCacheManager(groups, layout, enable_prefix_caching=trace.caching, tree_cls=trace.tree_cls,
+                                        admission_cls=trace.admission_cls)
         self.sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.budget), self.cache)
         self.shadow = Shadow()
         self.leased: dict[str, tuple[Request, int]] = {}  # finished prefill-only requests holding caches

@@ -102,7 +102,9 @@ def test_interval_fallback_and_fixed_interval_policy() -> None:
     s = make(policy=CachePolicy(interval=8))
     _, outs = serve(s, "a", P + [1, 2, 3, 4, 5], max_tokens=5)  # 17 + 4 computed
     assert boundaries(outs) == [8, 16, 20]  # interval 8, prompt end 16 (= (N-1) // 4 * 4), rolling end 20
-    v1 = make(policy=fixed_interval(8))
+    policy, admission = fixed_interval(8)
+    v1 = Scheduler(SchedulerConfig(2, 64), HybridCacheManager(GROUPS, PoolLayout(64, 16, 0, BS, 10_000, policy),
+                                                             admission_cls=admission))
     _, outs = serve(v1, "a", P + [1, 2, 3, 4, 5], max_tokens=5)
     assert boundaries(outs) == [8, 16]
 
@@ -232,10 +234,9 @@ def test_planner_reserves_only_running_states() -> None:
 
 def test_config_resolves_admission() -> None:
     assert CacheConfig().cache_policy() == CachePolicy()
-    assert CacheConfig(checkpoint_interval=32).cache_policy() == CachePolicy("interval", 32)
-    assert CacheConfig(checkpoint_admission="reuse", checkpoint_interval=64).cache_policy().interval == 64
-    assert CacheConfig(checkpoint_admission="interval").resolved_checkpoint_interval() == 256
-    cfg = EngineConfig(ModelConfig("x"), CacheConfig(checkpoint_admission="interval", checkpoint_interval=0))
+    assert CacheConfig(checkpoint_interval=32).cache_policy() == CachePolicy(32)  # the fallback interval
+    assert CacheConfig(checkpoint_interval=0).resolved_checkpoint_interval() == 0
+    cfg = EngineConfig(ModelConfig("x"), CacheConfig(checkpoint_interval=6))
     with pytest.raises(InvalidRequestError, match="checkpoint_interval"):
         cfg.validate()
     with pytest.raises(ValueError, match="not a multiple of block_size"):

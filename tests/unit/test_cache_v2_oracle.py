@@ -27,7 +27,7 @@ def test_reuse_admission_hits_and_matches_the_oracle(name, checkpoint_dir):  # t
     base, tail_a, tail_b, tail_c, turn1, user2 = random_prompts([100, 20, 35, 9, 70, 15], vocab=256, seed=11)
     llm = LLM(model=path, max_num_batched_tokens=64, kv_cache_memory_bytes=32 * 2**20, max_model_len=512)
     off = LLM(model=path, enable_prefix_caching=False, kv_cache_memory_bytes=32 * 2**20, max_model_len=512)
-    assert llm.engine.cache.policy.admission == "reuse" and llm.engine.cache.policy.interval == 0
+    assert llm.engine.cache.admission.name == "reuse" and llm.engine.cache.policy.interval == 0
     assert llm.engine.cache.tree is not None
 
     def check(prompt: list[int], expect_cached: int) -> list[int]:
