@@ -1,7 +1,7 @@
 """Baseline cache policies, for comparison only (the engine runs one policy: engine/cache/admission.py and tree.py).
 
-- `LruTree`: the engine's tree with every value 0, so the GreedyDual order is release order (LRU) over the
-  evictable items (leaf blocks, unreferenced checkpoints); blocks and checkpoints stay consistent as in the engine.
+- `LruTree`: LRU over every unreferenced cached page (vLLM's free-queue order): release order, no leaf rule, blocks
+  and checkpoints evicted independently.
 - `IntervalAdmission`: vLLM-style admission, a checkpoint every `policy.interval` tokens of every request (prefill
   and decode) and nowhere else; recurrent hits only at those boundaries.
 
@@ -17,10 +17,40 @@ from hybridpd.engine.cache.tree import CacheTree
 
 
 class LruTree(CacheTree):
-    """Evict in release order: the tree's GreedyDual priority with every value 0."""
+    """vLLM's free-queue order: every unreferenced cached page (block or checkpoint) in release order, with no leaf
+    rule, no cascade between a block and its checkpoint, and no protection of checkpoints that served hits. The
+    tree's nodes stay unlinked, so every block is a leaf; priorities are the clock (values 0), so ties go by
+    release order."""
 
     def _value(self, pool: BlockPool, h: bytes | None) -> float:
         return 0.0
+
+    def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
+        self._node(h, tokens)
+
+    def _requeue_block(self, h: bytes) -> None:
+        pass
+
+    def demote(self, h: bytes) -> None:
+        pass
+
+    def _served(self, slot: int) -> bool:
+        return False
+
+    def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
+        h = pool.block_hash[page]
+        assert h is not None
+        self.queues[id(pool)].discard(page)
+        if count:
+            pool.evict(page)
+            kind = "attention" if pool is self.chain else "state"
+            self.num_evicted[kind] += 1
+            self.evicted_bytes[kind] += pool.page_bytes
+        else:
+            pool.uncache(page)
+        self._drop_riders(pool, h, count)
+        if all(p.lookup(h) is None for p in self.leaders):
+            del self.nodes[h]
 
 
 class IntervalAdmission(Admission):
