@@ -555,10 +555,7 @@ class HybridCacheManager:
     # -- views for the runner ------------------------------------------------------------------------------------
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Attention group id -> the request's block table in that group."""
-        tables = {}
-        for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
-            tables[gid] = m.req_pages(req_id)
-        return tables
+        return dict(self.block_tables(req_id))
 
     def seq_tables(self, req_id: str) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]:
         """(`block_tables`, `state_slot_table`) of the request, built again only after its pages changed (a decode
@@ -584,10 +581,7 @@ class HybridCacheManager:
 
     def group_state_slots(self, req_id: str) -> dict[int, int]:
         """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        slots = {}
-        for m, gid in self._state_gids:
-            slots[gid] = m.running_slot.get(req_id, PAD_SLOT_ID)
-        return slots
+        return dict(self.state_slot_table(req_id))
 
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""
