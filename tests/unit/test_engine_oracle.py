@@ -65,8 +65,8 @@ def test_preemption_keeps_outputs_identical(name, checkpoint_dir, reference):  #
 
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_first"])
 def test_prefix_caching_on_matches(name, checkpoint_dir, reference):  # type: ignore[no-untyped-def]
-    """Repeated prompts with prefix caching on: identical to the reference, and the hit is exactly the largest
-    checkpoint boundary <= N-1."""
+    """Repeated prompts with prefix caching on: identical to the reference, and the hit is exactly the last block
+    boundary <= N-1 (where the first run saved its prompt-end checkpoint; the interval adds more below it)."""
     prompts, expected = reference(name)
     llm = LLM(model=checkpoint_dir(name), max_num_batched_tokens=64, checkpoint_interval=32,
               kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
@@ -75,7 +75,7 @@ def test_prefix_caching_on_matches(name, checkpoint_dir, reference):  # type: ig
     second = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert_matches(second, expected)
     for p, out in zip(prompts, second, strict=True):
-        assert out.num_cached_tokens == ((len(p) - 1) // 32) * 32, (len(p), out.num_cached_tokens)
+        assert out.num_cached_tokens == ((len(p) - 1) // 16) * 16, (len(p), out.num_cached_tokens)
     llm.engine.cache.check_integrity()
 
 
