@@ -61,6 +61,8 @@ class BlockPool:
         self.num_plain = num_blocks - 1
         """Free pages (unreferenced, no name): what an allocation can take without evicting."""
         self.num_evictions = 0
+        self.version = 0
+        """Counts the calls that may change the pool (the tree's "nothing changed since" test)."""
 
     # -- queries -----------------------------------------------------------------------------------------------
     @property
@@ -103,6 +105,7 @@ class BlockPool:
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, referenced once each (never evicts: the tree makes room first)."""
+        self.version += 1
         if n > self.num_plain:
             raise PoolExhaustedError(f"{self.name}: asked for {n} blocks, {self.num_plain} free")
         out = self._take_free(n)
@@ -117,6 +120,7 @@ class BlockPool:
         return self.allocate(n)
 
     def touch(self, block_ids: Iterable[int]) -> None:
+        self.version += 1
         for b in block_ids:
             if b == NULL_BLOCK_ID:
                 continue
@@ -131,6 +135,7 @@ class BlockPool:
             self.ref_cnt[b] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
+        self.version += 1
         ref, names = self.ref_cnt, self.block_hash
         for b in block_ids:
             if b == NULL_BLOCK_ID:
@@ -152,6 +157,7 @@ class BlockPool:
     def cache(self, block_id: int, block_hash: bytes) -> bool:
         """Record that `block_id` holds the content named by `block_hash`. Returns False (and changes nothing)
         when another page already holds that content or this page is already named."""
+        self.version += 1
         if block_id == NULL_BLOCK_ID or block_hash in self.cached or self.block_hash[block_id] is not None:
             return False
         self.block_hash[block_id] = block_hash
@@ -163,6 +169,7 @@ class BlockPool:
     def rename(self, src: int, dst: int) -> None:
         """Move the name of cached `src` to unnamed `dst`, which holds the same content; `src` becomes free. Used when
         a request recomputed a cached block: its live copy takes over the name."""
+        self.version += 1
         h = self.block_hash[src]
         assert h is not None and self.ref_cnt[src] == 0 and self.block_hash[dst] is None and dst != NULL_BLOCK_ID
         self.block_hash[src] = None
@@ -182,6 +189,7 @@ class BlockPool:
         self._drop(block_id, count=True)
 
     def _drop(self, block_id: int, count: bool) -> None:
+        self.version += 1
         h = self.block_hash[block_id]
         if h is None:
             return

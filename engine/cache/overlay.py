@@ -260,6 +260,7 @@ class ArenaStatePool(BlockPool):
         return out
 
     def _take(self, s: int) -> int:
+        self.version += 1
         assert self.ref_cnt[s] == 0 and self.block_hash[s] is None, (self.name, s)
         self.num_plain -= 1
         self.ref_cnt[s] = 1

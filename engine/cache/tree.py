@@ -93,6 +93,7 @@ class EvictionQueue:
         self.base: dict[int, float] = {}
         """page -> the clock when it was queued (its recency)."""
         self._order = order
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -101,6 +102,7 @@ class EvictionQueue:
         return page in self._live
 
     def push(self, page: int, base: float, priority: float) -> None:
+        self.version += 1
         seq = next(self._order)
         self._live[page], self.priority[page], self.base[page] = seq, priority, base
         heapq.heappush(self._heap, (priority, seq, page))
@@ -109,6 +111,7 @@ class EvictionQueue:
             heapq.heapify(self._heap)
 
     def discard(self, page: int) -> None:
+        self.version += 1
         if self._live.pop(page, None) is not None:
             del self.priority[page], self.base[page]
 
@@ -123,6 +126,7 @@ class EvictionQueue:
 
     def reprioritize(self, priority_of: object) -> None:
         """Recompute every live entry's priority (`priority_of(page, base)`), keeping release order for ties."""
+        self.version += 1
         self._heap = [(priority_of(p, self.base[p]), seq, p) for p, seq in self._live.items()]  # type: ignore
         heapq.heapify(self._heap)
         self.priority = {page: prio for prio, _, page in self._heap}
@@ -165,6 +169,8 @@ class CacheTree:
         ids = overlay.num_ranges if overlay is not None else (self.state.capacity if self.state else 0)
         self.served_window = SERVED_TURNOVERS * ids
         self.num_checkpoints_skipped = 0
+        self._failed_room: tuple[object, int] | None = None
+        """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
         self._since_refresh = 0
         self._going: set[bytes] = set()
         self.evicted_bytes = {"attention": 0, "state": 0}
@@ -197,6 +203,10 @@ class CacheTree:
             self._evict_victim(victim)
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
+        asked = tuple((id(p), n) for p, n in needs)
+        if checkpoint and self._failed_room == (asked, self._version()):
+            self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
+            return False
         states = {id(p) for p in self.pools[len(self.attention_pools) :]}
         state_needs = [(p, n) for p, n in needs if n and id(p) in states]
         attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
@@ -208,6 +218,7 @@ class CacheTree:
             if victim is None:
                 if checkpoint:
                     self.num_checkpoints_skipped += 1
+                    self._failed_room = (asked, self._version())
                 return False
             if isinstance(victim, tuple):
                 self._evict_victim(victim)
@@ -244,6 +255,9 @@ class CacheTree:
         self._since_refresh += 1
         if self._since_refresh > 1024 and self._since_refresh > 4 * sum(len(q) for q in self.queues.values()):
             self.refresh()
+
+    def _version(self) -> int:
+        return sum(p.version for p in self.pools) + sum(q.version for q in self.queues.values())
 
     def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
         """(pool, page, priority) of the lowest (priority, release order) entry among `pools`' queues."""
