@@ -141,8 +141,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:  # no /proc (not Linux): kill(0) answered
-        return True
+    except FileNotFoundError:  # gone since kill(0) answered, or no /proc (not Linux)
+        return not os.path.isdir("/proc")
     except OSError:
         return False
 
