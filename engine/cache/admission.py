@@ -86,7 +86,7 @@ class Admission:
 
     def targets(self, hashes: list[bytes], hit_tokens: int, prompt_end: int) -> list[int]:
         """Boundaries (tokens) in (hit_tokens, prompt_end] where a newly admitted request saves its state, sorted.
-        `prompt_end`: how far this request computes its prompt (N, or N - 1 on a prefill worker)."""
+        `prompt_end`: how far this request computes its prompt (N, or a compute target set below it)."""
         bs, interval = self.block_size, self.policy.interval
         limit = min(prompt_end // bs, len(hashes))
         out = set()
