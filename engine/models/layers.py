@@ -1,9 +1,10 @@
-"""Building blocks shared by the model families: activations, norms, rotary embedding, MLPs, paged attention and
-the per-step metadata that turns a flat `ForwardBatch` into per-sequence index tensors.
+"""Building blocks shared by the model families: activations, norms, rotary embedding, MLPs, the reference path's
+paged attention and the per-step metadata that turns a flat `ForwardBatch` into per-sequence index tensors.
 
-Pure torch (CPU and CUDA, fp32/bf16/fp16). Every index tensor is built once per step (`StepMetadata.build`, once
-per view of the batch when a model has several cache groups of a kind: `layer_metadata`) and shared by the layers
-that read it. Reductions that decide accuracy (softmax, norms) run in fp32.
+Pure torch (CPU and CUDA, fp32/bf16/fp16). Every index tensor of the reference path is built once per step
+(`StepMetadata.build`, once per view of the batch when a model has several cache groups of a kind:
+`StepMetadata.per_layer`) and shared by the layers that read it. Reductions that decide accuracy (softmax, norms)
+run in fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.batch import ForwardBatch, per_layer
 from torch import nn
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,14 +314,11 @@ class StepMetadata:
             rec_decode=_build_rec_decode(dec_rec, device),
         )
 
-
-def layer_metadata(batch: ForwardBatch, device: torch.device, num_layers: int) -> list:  # type: ignore[type-arg]
-    """The metadata every layer reads: one per view of the batch (its VarlenMetadata on the fast path, else a
-    StepMetadata built here), each built once, picked by the layer's view (engine.models.batch.GroupViews)."""
-    built = [b.varlen if b.varlen is not None else StepMetadata.build(b, device) for b in (batch, *batch.views)]
-    if not batch.layer_views:
-        return [built[0]] * num_layers
-    return [built[v] for v in batch.layer_views]
+    @classmethod
+    def per_layer(cls, batch: ForwardBatch, device: torch.device, num_layers: int) -> list[StepMetadata]:
+        """What every layer reads: one StepMetadata per view of the batch, each built once, picked by the
+        layer's view (engine.models.batch.GroupViews)."""
+        return per_layer([cls.build(b, device) for b in (batch, *batch.views)], batch.layer_views, num_layers)
 
 
 def _build_attn_decode(items: list[tuple[int, torch.Tensor, int]], bs: int, device: torch.device) -> AttnDecode | None:
@@ -517,7 +515,6 @@ __all__ = [
     "causal_conv_step",
     "fuse_linears",
     "get_activation",
-    "layer_metadata",
     "paged_attention",
     "segment_bounds",
     "segsum",

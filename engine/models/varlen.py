@@ -18,13 +18,13 @@ No per-sequence Python loop touches a tensor: the loops below run over the sched
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
+from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews, per_layer
 
 
 @dataclass
@@ -82,7 +82,27 @@ class VarlenMetadata:
     rec_prefill: RecurrentPrefill | None
     conv_width: int
     sample_rows: torch.Tensor  # int64 [R] flat row of the last token of every sequence that samples
-    extra: dict = field(default_factory=dict)  # per-step caches of derived tensors (e.g. rotary cos/sin)
+
+
+@dataclass
+class VarlenBatch:
+    """The batched path's step (`CausalLM.forward_varlen`): one VarlenMetadata per view of the cache groups
+    (engine.models.batch.GroupViews; the views share the token rows)."""
+
+    views: list[VarlenMetadata]
+    layer_views: tuple[int, ...] = ()
+    """The view each layer reads; empty: every layer reads views[0]."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.views[0].input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.views[0].positions
+
+    def per_layer(self, num_layers: int) -> list[VarlenMetadata]:
+        return per_layer(self.views, self.layer_views, num_layers)
 
 
 class _Packer:
@@ -299,5 +319,5 @@ def _pack_rounds(p: _Packer, cuts: list[dict[int, list[int]]], local_start: np.n
     return handles
 
 
-__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenMetadata", "build_varlen",
-           "build_varlen_views"]
+__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenBatch", "VarlenMetadata",
+           "build_varlen", "build_varlen_views"]

@@ -19,6 +19,7 @@ from hybridpd.engine import LLM, SamplingParams  # noqa: E402
 from hybridpd.engine.cache.specs import PAD_SLOT_ID  # noqa: E402
 
 from tests.oracle import random_prompts  # noqa: E402
+from tests.support.forward_path import forward_path  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -40,12 +41,10 @@ def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _run(path: str, fast: bool) -> list:  # type: ignore[type-arg]
-    llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24, kv_cache_memory_bytes=32 * 2**20,
-              max_model_len=256, checkpoint_interval=16)
-    runner = llm.engine.runner
-    runner.fast_path = fast
-    if fast:
-        runner.model.enable_fast_path()
+    with forward_path(fast):
+        llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24,
+                  kv_cache_memory_bytes=32 * 2**20, max_model_len=256, checkpoint_interval=16)
+    assert llm.engine.runner.fast_path is fast
     prompts = random_prompts([5, 37], vocab=256, seed=3)
     return llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

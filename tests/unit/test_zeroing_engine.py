@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 import random
 
-import hybridpd.engine.models.layers as layers
 import pytest
 import torch
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.models import nemotron_h, qwen3_5
 from hybridpd.engine.models.layers import StepMetadata
 
 from tests.oracle import random_prompts, reference_set
@@ -94,9 +94,8 @@ def whole_blocks(monkeypatch):  # type: ignore[no-untyped-def]
         calls[0] += 1
         return whole_block_attention(*args)
 
-    # both families' reference path calls engine.models.fast_path.attention, which looks paged_attention up in
-    # engine.models.layers at call time
-    monkeypatch.setattr(layers, "paged_attention", counted)
+    for family in (nemotron_h, qwen3_5):  # each family's reference attention calls the name it imported
+        monkeypatch.setattr(family, "paged_attention", counted)
     return calls
 
 
