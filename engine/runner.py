@@ -222,7 +222,7 @@ class ModelRunner:
         """After a decode graph's replay: its rows' checkpoints (the state after the row's token, copied from the
         running slot into the checkpoint slot in every layer of the group), which the eager path copies inside each
         mixer. A step that saves a checkpoint (a prompt's end on a decode worker, an interval, a branch point) stays
-        in the graph instead of running eager (about 3x the step time at 8B)."""
+        in the graph instead of running eager (several times slower)."""
         views = self.views
         for k in range(views.count):
             if not views.recurrent[k]:

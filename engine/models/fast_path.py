@@ -55,7 +55,7 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
 
     C, K = weight.shape
     ext = xbc.new_empty(pre.ext_size, C)
-    if pre.num_seqs == 1:  # its tokens follow its K-1 state rows: a slice copy (H200: 0.13 vs 0.24 ms at 8k x 6k)
+    if pre.num_seqs == 1:  # its tokens follow its K-1 state rows: a slice copy, not a scatter
         ext[K - 1:] = prefill_rows(xbc, pre)
     else:
         ext[pre.ext_x] = prefill_rows(xbc, pre)

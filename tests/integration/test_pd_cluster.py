@@ -58,7 +58,7 @@ def test_vllm_sampling_params_in_pd_match_colocated(cluster):  # type: ignore[no
 
 
 def test_repeated_long_prompt_hits_decode_cache(cluster):  # type: ignore[no-untyped-def]
-    """Seed 004: the second identical request must hit D's own prefix cache (checkpoint pulled from P with the
+    """The second identical request must hit D's own prefix cache (checkpoint pulled from P with the
     first), move fewer bytes, and give the same output."""
     d = cluster.decode[0]
     prompt = random_prompts([200], vocab=256, seed=99)[0]

@@ -177,7 +177,7 @@ def test_zeroing_off_leaks_nan_through_multiply_masking(name, checkpoint_dir, re
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert llm.engine.runner.num_zeroed_blocks == 0
     assert not matches(outs, expected), "zeroing off and NaN in fresh blocks, yet outputs match: nothing was tested"
-    assert any(math.isnan(lp) for o in outs for lp in o.logprobs), "expected the seed-000 shape: NaN logprobs"
+    assert any(math.isnan(lp) for o in outs for lp in o.logprobs), "expected NaN logprobs from the poisoned blocks"
 
 
 # ----------------------------------------------------------------------------------------------------------------
