@@ -149,9 +149,5 @@ class StructuredOutputs:
             self._bitmask = mask.pin_memory() if device.type == "cuda" else mask
         return self._bitmask[:rows]
 
-    @property
-    def num_active(self) -> int:
-        return len(self._states)
-
 
 __all__ = ["StructuredOutputs"]
