@@ -72,10 +72,6 @@ class ForwardBatch:
     layer_views: tuple[int, ...] = ()
     """The view each layer reads (0: this batch); empty: every layer reads this batch."""
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
 
 T = TypeVar("T")
 

@@ -153,11 +153,9 @@ class DecodeGraphs:
                                       copy_src=self.none, copy_dst=self.none)
             has_rec = self.conv_width and (k == 0 or self.views.recurrent[k])
             out.append(VarlenMetadata(
-                num_tokens=b, input_ids=self.ids[:b], positions=self.positions[:b],
-                slot_mapping=att.slot_mapping[:b], block_size=self.block_size, q_start=self.q_start[:b],
-                q_len=self.q_len[:b], ctx_len=self.ctx_len[:b], block_table=att.table[:b], max_q_len=1,
-                rec_decode=dec if has_rec else None, rec_prefill=None, conv_width=self.conv_width,
-                sample_rows=self.rows[:b]))
+                input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=att.slot_mapping[:b],
+                q_start=self.q_start[:b], q_len=self.q_len[:b], ctx_len=self.ctx_len[:b], block_table=att.table[:b],
+                max_q_len=1, rec_decode=dec if has_rec else None, rec_prefill=None, sample_rows=self.rows[:b]))
         return out
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

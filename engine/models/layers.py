@@ -245,7 +245,6 @@ class RecurrentDecode:
 class StepMetadata:
     """Everything the layers need about one step, built once from the ForwardBatch."""
 
-    num_tokens: int
     positions: torch.Tensor
     write_rows: torch.Tensor  # int64 [W] flat tokens whose K/V are written (slot != PAD_SLOT_ID)
     write_blocks: torch.Tensor  # int64 [W]
@@ -303,7 +302,6 @@ class StepMetadata:
                         RecurrentSeq(s.query_start, s.num_new_tokens, s.state_slot, s.has_initial_state, cuts, dests)
                     )
         return cls(
-            num_tokens=batch.num_tokens,
             positions=batch.positions.to(device),
             write_rows=rows.to(device),
             write_blocks=(slots[rows] // bs).to(device),
