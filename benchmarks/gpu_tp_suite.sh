@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Tensor parallelism on a 2-GPU box (plain processes, NCCL, no Ray): the TP unit tests on CPU ranks, the 8B decode
-# step at TP 2 vs TP 1 (batch 64), Nemotron-3-Nano-30B-A3B at TP 2, prefill at TP 2 vs torch.mm, and the fp32
-# TP 2 == TP 1 greedy-token check through the engine. Run from the repo root; results under ${OUT:-out}.
-# `gpu_tp_suite.sh nixl`: instead, P/D of different TP sizes over NIXL through worker processes (benchmarks/tp_pd_nixl.py).
+# Tensor parallelism on a 2-GPU box (plain processes, NCCL, no Ray), one call (< 9 min). Carry .whl (gpu_env.sh).
+#   1. the 8B decode step (batch 64, graphs) at TP 1, and at TP 2 with NCCL all-reduces and with symmetric-memory
+#      ones (engine.parallel.symmetric), each all-reduce also timed alone inside a CUDA graph;
+#   2. PD between TP sizes over NIXL through worker processes (P TP 2 -> D TP 1, P TP 1 -> D TP 2, fp32 NemotronH):
+#      tokens == colocated TP 1, and how many prompts were handed off rather than recomputed;
+#   3. Nemotron-3-Nano-30B-A3B served at TP 2 (one colocated worker on both GPUs, bf16, random weights).
+# `gpu_tp_suite.sh identity`: instead, the fp32 TP 2 == TP 1 greedy-token check through LLM, and the engine-level
+# hetero handoffs (benchmarks/tp_decode.py --identity). Results (JSON, logs) under ${OUT:-out}.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
-if [[ "${1:-}" == "nixl" ]]; then
-  # `gpu_tp_suite.sh nixl`: hetero-TP PD through the serving path (worker processes, gRPC, one NIXL agent per rank,
-  # VRAM): P TP 2 (cuda:0,1) -> D TP 1 (cuda:0) and P TP 1 (cuda:0) -> D TP 2 (cuda:0,1), fp32 tokens == colocated
-  # TP 1, on NemotronH and Qwen3.5 (a separate run: the default one already takes most of the 8 minutes)
-  timeout 420 python3 benchmarks/tp_pd_nixl.py --out "$OUT/tp_pd_nixl.json" 2>&1 | tail -40
+source benchmarks/gpu_env.sh
+if [[ "${1:-}" == "identity" ]]; then
+  timeout 540 python3 benchmarks/tp_decode.py --jobs "" --identity --out "$OUT/tp_identity.json" 2>&1 | tail -30
   exit "${PIPESTATUS[0]}"
 fi
-timeout 470 python3 benchmarks/tp_decode.py --identity --job-timeout 150 --out "$OUT/tp_decode.json" 2>&1 | grep -v "^{" | tail -30
+timeout 220 python3 benchmarks/tp_decode.py --jobs "${TP_JOBS:-nemotron-h-8b:1,nemotron-h-8b:2:nccl,nemotron-h-8b:2:symm}" \
+  --modes graph --prefill-tokens 0 --job-timeout 100 --out "$OUT/tp_decode.json" > "$OUT/tp_decode.log" 2>&1
+echo "tp_decode: exit $?"; grep -v "^{" "$OUT/tp_decode.log" | grep -v "^\[rank" | tail -12
+timeout 160 python3 benchmarks/tp_pd_nixl.py --models nemotron_h --out "$OUT/tp_pd_nixl.json" > "$OUT/tp_pd_nixl.log" 2>&1
+echo "tp_pd_nixl: exit $?"; grep -E "hetero-TP|Error|error|timed out|Traceback" "$OUT/tp_pd_nixl.log" | head -20
+timeout 175 python3 benchmarks/tp_serve.py --preset nemotron-3-nano-30b-a3b --tp 2 --out "$OUT/tp_serve_30b.json" \
+  > "$OUT/tp_serve_30b.log" 2>&1
+echo "tp_serve 30B: exit $?"; tail -25 "$OUT/tp_serve_30b.log"

@@ -96,10 +96,23 @@ def rank_matmul_params(model: Any) -> float:
     return total
 
 
-def _all_reduce_ms(tp: Any, batch: int, hidden: int, dtype: torch.dtype) -> float:
-    x = torch.randn(batch, hidden, dtype=dtype, device="cuda")
-    times = timed(lambda: tp.all_reduce(x), 5, 50)
-    return statistics.median(times) * 1e3
+def _all_reduce_ms(tp: Any, batch: int, hidden: int, dtype: torch.dtype, reps: int = 50) -> float:
+    """One all-reduce of [batch, hidden] as the decode step runs it: `reps` of them captured in one CUDA graph,
+    the graph's median replay time / reps (launch cost excluded, as in the step's graph)."""
+    x = torch.randn(batch, hidden, dtype=dtype, device="cuda") * 1e-3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            tp.all_reduce(x.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    y = x.clone()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            y = tp.all_reduce(y) * 0.5
+    times = timed(graph.replay, 3, 20)
+    return statistics.median(times) * 1e3 / reps
 
 
 def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
@@ -114,6 +127,13 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
     try:
         bw, mm = (copy_bandwidth(), mm_flops()) if rank == 0 else (0.0, 0.0)
         model = sharded_random_model(job["preset"], job["dtype"], device, tp)
+        if tp is not None and job["allreduce"] == "symm":
+            from hybridpd.engine.parallel.symmetric import symmetric_all_reduce
+
+            fast = symmetric_all_reduce(tp, torch.device(device), next(model.parameters()).dtype)
+            if fast is None:
+                raise RuntimeError("symmetric-memory all-reduce not available")
+            tp.fast_sums.append(fast)
         runner, blocks_per_seq, groups = _runner(model, device, job["batch"], max(job["context"], job["prefill"]))
         shape = describe(model, groups)
         n_reduce = len(model.args.layer_types) + 1  # one per block + the embedding (the logits gather aside)
@@ -172,7 +192,7 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
-    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"]}
+    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"], "allreduce": job["allreduce"]}
 
 
 def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -336,10 +356,11 @@ def hetero_check(pairs: list[tuple[int, int]], device: str = "cuda") -> list[dic
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'preset':26} {'tp':>2} {'mode':5} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} "
+        f"\n{'preset':26} {'tp':>2} {'mode':10} {'batch':>5} {'ctx':>5} {'step ms':>8} {'roofline':>8} "
         f"{'+comm':>7} {'AR ms':>6} {'tok/s':>8}"
     )
     base = {(r["preset"], r["mode"]): r["step_ms"] for r in rows if r.get("tp") == 1 and "step_ms" in r}
+    print("(AR ms: one [batch, hidden] all-reduce inside a CUDA graph; all-reduce backend after the mode)")
     for r in rows:
         if "error" in r:
             what = r.get("preset", r.get("identity", r.get("hetero", "?")))
@@ -348,7 +369,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             vs = base.get((r["preset"], r["mode"]))
             ratio = f"  = {r['step_ms'] / vs:.2f} x TP 1" if vs and r["tp"] > 1 else ""
             print(
-                f"{r['preset']:26} {r['tp']:2d} {r['mode']:5} {r['batch']:5d} {r['context']:5d} {r['step_ms']:8.2f} "
+                f"{r['preset']:26} {r['tp']:2d} {r['mode'] + '/' + r.get('allreduce', '-'):10} {r['batch']:5d} "
+                f"{r['context']:5d} {r['step_ms']:8.2f} "
                 f"{r['rank_roofline_ms']:8.2f} {r['roofline_plus_comm_ms']:7.2f} {r['all_reduce_ms']:6.3f} "
                 f"{r['tok_per_s']:8.0f}{ratio}"
             )
@@ -372,7 +394,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", default="nemotron-h-8b:1,nemotron-h-8b:2,nemotron-3-nano-30b-a3b:2")
+    p.add_argument(
+        "--jobs",
+        default="nemotron-h-8b:1,nemotron-h-8b:2:nccl,nemotron-h-8b:2:symm,nemotron-3-nano-30b-a3b:2",
+        help="PRESET:TP[:nccl|symm] (the all-reduce of TP > 1; symm: symmetric memory for small messages, the default)",
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
@@ -388,10 +414,11 @@ def main() -> None:
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
     for spec in filter(None, args.jobs.split(",")):
-        name, size = spec.rsplit(":", 1)
+        name, size, *how = spec.split(":")
         job = {
             "preset": name,
             "tp": int(size),
+            "allreduce": (how or ["symm"])[0] if int(size) > 1 else "-",
             "dtype": args.dtype,
             "batch": args.batch,
             "context": args.context,

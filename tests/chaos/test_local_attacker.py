@@ -1,8 +1,9 @@
 """A local attacker against a real `hybridpd serve` (Ray, built-in model, CPU): one serve for every check.
 
+- The built-in model: `serve` with no `--model` writes the tiny NemotronH under HYBRIDPD_HOME and serves it under
+  its directory's name; the Prometheus targets file goes where deploy/prometheus/prometheus.yml looks.
 - Network: serve runs with `--host 0.0.0.0`, and the proxy's port is the only socket of its process tree off
   loopback: the workers, UCX, Ray's GCS, raylet, core workers, agents and monitor all listen on loopback.
-  (`tests/integration/test_serve_ray.py` checks the default `--host 127.0.0.1`: everything on loopback.)
 - Files: the secrets (the cluster token, Ray's auth token, the API key) are read the way root can (from the
   in-memory files the workers' environment points to), then every regular file under Ray's temp root, the serve's
   log, /tmp and ~/.ray is searched for them: found in none, while serving and after a SIGKILL of serve (whose
@@ -19,13 +20,15 @@ import os
 import secrets
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from hybridpd.deploy.prometheus.targets import TARGETS_DIR
 
-from tests.integration.test_serve_ray import EXIT_TIMEOUT_S, REPO, Serve, _processes
+from tests.integration.test_serve_ray import EXIT_TIMEOUT_S, REPO, Serve, _processes, _workers
 from tests.polling import wait_for
 from tests.support.proc_sockets import listeners, tree
 from tests.support.secret_scan import scan
@@ -61,6 +64,8 @@ def _program(command: str) -> str:
 class Deployment:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
+        self.started = time.time() - 2
+        """Before any secret existed: files untouched since cannot hold one (secret_scan's `since`)."""
         self.ray_root = tempfile.mkdtemp(prefix="hpdray-", dir="/tmp")  # short: Ray's sockets live under it
         self.api_key = secrets.token_hex(24)
         self.key_file = tmp / "api-key"
@@ -74,7 +79,7 @@ class Deployment:
             PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
         )
         self.serve = Serve(
-            ["--host", "0.0.0.0", "--api-key-file", str(self.key_file), "--prometheus-targets", "none"],
+            ["--host", "0.0.0.0", "--api-key-file", str(self.key_file)],
             env,
             tmp / "serve.log",
             marker=f"{tmp}{os.sep}",
@@ -105,6 +110,20 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         import shutil
 
         shutil.rmtree(d.ray_root, ignore_errors=True)
+
+
+def test_builtin_model_and_default_targets_file(deployment: Deployment) -> None:
+    serve = deployment.serve
+    (model,) = (deployment.tmp / "home" / "models").iterdir()
+    assert (model / "config.json").is_file() and list(model.glob("*.safetensors"))
+    cards = httpx.get(
+        f"{serve.url}/v1/models", headers={"Authorization": f"Bearer {deployment.api_key}"}, timeout=30
+    ).json()["data"]
+    assert [c["id"] for c in cards] == [model.name]
+    workers = _workers(serve.marker)
+    assert len(workers) == 2 and all(str(model) in cmd for cmd in workers.values()), workers
+    targets = TARGETS_DIR / f"serve-{serve.port}.json"
+    assert {g["labels"]["role"] for g in json.loads(targets.read_text())} == {"proxy", "prefill", "decode"}
 
 
 def test_only_the_proxy_listens_off_loopback(deployment: Deployment) -> None:
@@ -146,7 +165,7 @@ def test_no_secret_in_any_file_or_environment_while_serving(deployment: Deployme
     found = deployment.secrets()
     assert set(found) == {"api_key", "cluster_token", "ray_token"}, found.keys()
     assert len(set(found.values())) == 3 and all(len(v) >= 32 for v in found.values())
-    result = scan(found, deployment.roots(), skip=[str(deployment.key_file)])
+    result = scan(found, deployment.roots(), skip=[str(deployment.key_file)], since=deployment.started)
     carriers = [pid for pid in tree(deployment.serve.proc.pid) if any(k + b"=" in SECRET_ENV for k in _environ(pid))]
     private = [p for p in Path(deployment.ray_root).iterdir()]
     _report(
@@ -178,7 +197,7 @@ def test_after_sigkill_of_serve_nothing_is_left(deployment: Deployment) -> None:
         timeout=15,
         interval=0.5,
     )
-    result = scan(found, deployment.roots(), skip=[str(deployment.key_file)])
+    result = scan(found, deployment.roots(), skip=[str(deployment.key_file)], since=deployment.started)
     _report(
         "local_file_reader_after_sigkill", {"files_read": result.files_read, "files_with_a_secret": result.total_hits()}
     )

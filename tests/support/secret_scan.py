@@ -1,10 +1,12 @@
 """A local file reader's view: which files under some roots hold a secret, and could another user read them?
 
-    scan({"name": secret}, roots, skip=paths) -> Scan(files_read, hits={name: [paths]}, readable={name: [paths]})
+    scan({"name": secret}, roots, skip=paths, since=t) -> Scan(files_read, hits={name: [paths]}, readable=...)
 
 Regular files only (no symlinks, sockets, fifos; the first 64 MiB of each), read as the caller (root finds
-everything). `readable` lists the hits another user could read: the file is world-readable and every directory
-above it world-searchable.
+everything). With `since` (a time.time() taken before the secrets existed), files neither modified nor changed
+since then are passed over: they cannot hold a secret made later (a test's own files under /tmp, model weights).
+`readable` lists the hits another user could read: the file is world-readable and every directory above it
+world-searchable.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def _files(roots: Iterable[str]) -> Iterable[str]:
                 yield os.path.join(dirpath, name)
 
 
-def scan(secrets: Mapping[str, str], roots: Iterable[str], skip: Iterable[str] = ()) -> Scan:
+def scan(
+    secrets: Mapping[str, str], roots: Iterable[str], skip: Iterable[str] = (), since: float | None = None
+) -> Scan:
     needles = {name: value.encode() for name, value in secrets.items()}
     skipped = {os.path.realpath(p) for p in skip}
     out = Scan(hits={n: [] for n in needles}, readable={n: [] for n in needles})
@@ -59,7 +63,8 @@ def scan(secrets: Mapping[str, str], roots: Iterable[str], skip: Iterable[str] =
             continue
         seen.add(real)
         try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or (since is not None and max(st.st_mtime, st.st_ctime) < since):
                 continue
             with open(path, "rb") as f:
                 data = f.read(MAX_BYTES)
