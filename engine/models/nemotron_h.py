@@ -10,6 +10,7 @@ checkpoint names (`backbone.layers.N.mixer.*`, `lm_head.weight`) so safetensors 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,7 +270,8 @@ class NemotronHBackbone(nn.Module):
     def __init__(self, a: NemotronHArgs) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(a, t) for t in a.layer_types)
+        self.layers: Sequence[NemotronHBlock] = nn.ModuleList(  # type: ignore[assignment]
+            NemotronHBlock(a, t) for t in a.layer_types)
         self.norm_f = RMSNorm(a.hidden_size, a.norm_eps)
 
 

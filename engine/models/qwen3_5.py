@@ -13,6 +13,7 @@ weights `model.language_model.*`; the vision tower and MTP weights are ignored).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +170,8 @@ class Qwen3_5Attention(nn.Module):
         from hybridpd.engine.kernels.fused import rope as rope_kernel
         from hybridpd.engine.kernels.fused import sigmoid_gate
 
-        q, gate, k, v = self._project_fused(h) if self.qkv is not None else self._project(h)
+        qkv = self.qkv
+        q, gate, k, v = self._project(h) if qkv is None else self._project_fused(h, qkv)
         cos, sin = rope
         q, k = rope_kernel(q, cos, sin), rope_kernel(k, cos, sin)
         out = varlen_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(h.shape[0], -1)
@@ -182,12 +184,13 @@ class Qwen3_5Attention(nn.Module):
         k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
         return self.q_norm(q), gate, k, self.v_proj(h).view(n, self.kv_heads, self.head_dim)
 
-    def _project_fused(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same with one GEMM and the norms in one kernel each."""
+    def _project_fused(self, h: torch.Tensor, qkv: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same with one GEMM (`qkv`: the fused weight) and the norms in one kernel each."""
         from hybridpd.engine.kernels.fused import rms_norm
 
         n, d = h.shape[0], self.head_dim
-        qg, k, v = F.linear(h, self.qkv).split([2 * self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        qg, k, v = F.linear(h, qkv).split([2 * self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
         q, gate = qg.view(n, self.heads, 2 * d).chunk(2, dim=-1)
         q = rms_norm(q, self.q_norm.weight, self.q_norm.eps, True)[0]
         k = rms_norm(k.view(n, self.kv_heads, d), self.k_norm.weight, self.k_norm.eps, True)[0]
@@ -229,7 +232,8 @@ class Qwen3_5TextModel(nn.Module):
     def __init__(self, a: Qwen3_5Args) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(a, t) for t in a.layer_types)
+        self.layers: Sequence[Qwen3_5DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            Qwen3_5DecoderLayer(a, t) for t in a.layer_types)
         self.norm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ from tests.support.forward_path import forward_path  # noqa: E402
 
 pytest.importorskip("triton")
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron_moe": ("nemotron_h", {"hybrid_override_pattern": "M*ME"}),
     "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
 }
@@ -44,7 +45,14 @@ def _run(path: str, fast: bool) -> list:  # type: ignore[type-arg]
     with forward_path(fast):
         llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24,
                   kv_cache_memory_bytes=32 * 2**20, max_model_len=256, checkpoint_interval=16)
-    assert llm.engine.runner.fast_path is fast
+    runner = llm.engine.runner
+    assert runner.fast_path is fast
+    other = "forward_reference" if fast else "forward_varlen"
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError(f"{other} ran, but the runner chose the other path at construction")
+
+    setattr(runner.model, other, refuse)  # the path is chosen once: the other forward never runs
     prompts = random_prompts([5, 37], vocab=256, seed=3)
     return llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
