@@ -12,7 +12,9 @@ State contract (per layer, per slot of the runner's StateCache):
 
 Same rules as the Mamba-2 mixer: `has_initial_state` or zeros (the slot is then never read), final state in the
 running slot, checkpoint states in their dest slots. Prefill chunks use the chunked (UT-transform) form in stretches
-that end at every checkpoint; single-token sequences are batched through the recurrent form.
+that end at every checkpoint; single-token sequences are batched through the recurrent form. `forward` is the
+reference; `forward_varlen` the batched path (engine.models.fast_path), whose CPU stand-in for fla-core's kernel runs
+the same `scan`.
 """
 
 from __future__ import annotations

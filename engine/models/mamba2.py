@@ -9,7 +9,8 @@ A sequence with `has_initial_state` reads its slot; otherwise it starts from zer
 the step the final state is in the running slot and every checkpoint (num_tokens, dest) holds the state after
 that many tokens. Prefill chunks use the chunked (segment) form of the SSD recurrence over stretches that end at
 every checkpoint (the chunks of a stretch batched), so intermediate states come out exactly; single-token sequences
-are batched into one step.
+are batched into one step. `Mamba2Mixer.forward` is the reference; `forward_varlen` the batched path
+(engine.models.fast_path), whose CPU stand-in for fla-core's kernel runs the same `scan`.
 """
 
 from __future__ import annotations
