@@ -78,7 +78,7 @@ T = TypeVar("T")
 
 def per_layer(views: Sequence[T], layer_views: tuple[int, ...], num_layers: int) -> list[T]:
     """What each layer reads: `views[layer_views[layer]]`, or views[0] for every layer when layer_views is empty
-    (at most one group of each kind). Either path's per-view metadata (engine.models.layers.StepMetadata,
+    (at most one group of each kind). Either path's per-view metadata (engine.models.reference.StepMetadata,
     engine.models.varlen.VarlenMetadata), each built once per step."""
     if not layer_views:
         return [views[0]] * num_layers

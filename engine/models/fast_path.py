@@ -1,6 +1,7 @@
-"""The batched fast path of the mixers (CUDA): the same computation as the reference code in layers.py, mamba2.py,
-gated_deltanet.py and nemotron_h.py, without per-sequence Python loops. The models' `forward_varlen` runs it (the
-runner picks that or `forward_reference` once, at construction); every layer reads a `VarlenMetadata`.
+"""The batched fast path of the mixers (CUDA): the same computation as the reference code in reference.py,
+mamba2.py, gated_deltanet.py, nemotron_h.py and qwen3_5.py, without per-sequence Python loops. The models'
+`forward_varlen` runs it (the runner picks that or `forward_reference` once, at construction); every layer reads a
+`VarlenMetadata`.
 
     attention      write_kv + one paged varlen attention launch (engine.kernels.paged_attention)
     norms          fused residual add + RMSNorm, gated norms, silu * mul (engine.kernels.fused), fused in_proj

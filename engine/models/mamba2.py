@@ -23,9 +23,6 @@ from hybridpd.engine.cache.specs import RecurrentStateSpec
 from hybridpd.engine.models.base import StateCache
 from hybridpd.engine.models.fast_path import mamba2_mixer
 from hybridpd.engine.models.layers import (
-    RecurrentDecode,
-    RecurrentSeq,
-    StepMetadata,
     causal_conv_chunk,
     causal_conv_step,
     get_activation,
@@ -33,6 +30,7 @@ from hybridpd.engine.models.layers import (
     segsum,
     to_chunks,
 )
+from hybridpd.engine.models.reference import RecurrentDecode, RecurrentSeq, StepMetadata
 from hybridpd.engine.models.varlen import VarlenMetadata
 from torch import nn
 

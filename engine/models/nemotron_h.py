@@ -27,8 +27,9 @@ from hybridpd.engine.models.fast_path import (
     stack_experts,
     varlen_attention,
 )
-from hybridpd.engine.models.layers import MLP, RMSNorm, StepMetadata, paged_attention, relu2
+from hybridpd.engine.models.layers import MLP, RMSNorm, relu2
 from hybridpd.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+from hybridpd.engine.models.reference import StepMetadata, paged_attention
 from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
 

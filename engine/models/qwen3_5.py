@@ -24,15 +24,8 @@ from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
 from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from hybridpd.engine.models.layers import (
-    GatedMLP,
-    RotaryEmbedding,
-    StepMetadata,
-    ZeroCenteredRMSNorm,
-    apply_rotary,
-    fuse_linears,
-    paged_attention,
-)
+from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
+from hybridpd.engine.models.reference import StepMetadata, paged_attention
 from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
 

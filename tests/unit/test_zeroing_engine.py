@@ -23,7 +23,7 @@ import pytest
 import torch
 from hybridpd.engine import LLM, SamplingParams
 from hybridpd.engine.models import nemotron_h, qwen3_5
-from hybridpd.engine.models.layers import StepMetadata
+from hybridpd.engine.models.reference import StepMetadata
 
 from tests.oracle import random_prompts, reference_set
 
