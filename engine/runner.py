@@ -51,10 +51,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
-        self.fast_path = default_fast_path(device) if fast_path is None else fast_path
-        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA when fla-core is installed. The
-        readable reference otherwise."""
-        self._forward = self._forward_varlen if self.fast_path else self._forward_reference
+        self._fast_path = default_fast_path(device) if fast_path is None else fast_path
+        self._forward = self._forward_varlen if self._fast_path else self._forward_reference
         """The step's forward and sampling on the chosen path (never switched)."""
         self.conv_width = 0
         self.block_size = plan.block_size
@@ -90,6 +88,12 @@ class ModelRunner:
         self.num_zeroed_blocks = 0
         self.num_graph_checkpoints = 0
         """Checkpoints saved after decode graph replays (`_graph_checkpoints`)."""
+
+    @property
+    def fast_path(self) -> bool:
+        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA when fla-core is installed. The
+        readable reference otherwise. Chosen at construction (read-only)."""
+        return self._fast_path
 
     def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> None:
         """Bind the group's tensors (allocated by engine/arena.py: one per cache kind for the whole group,
