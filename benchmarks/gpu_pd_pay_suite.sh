@@ -10,20 +10,13 @@
 # numbers). Prints the bar checks and one table per run last. Results (JSON) under ${OUT:-out}.
 # Carry .whl: nixl, the fastapi stack and fla-core (+ einops) wheels, as for gpu_pd_suite.sh / gpu_fast_path_suite.sh.
 #   SUITE_BUDGET_S (default 510): wall-clock budget of the whole script; RATES / DURATION override the sweep;
-#   EXTRA=1 adds Qwen3.5-9B and the chat workload when time is left (they do not fit the default budget).
+#   EXTRA=1 adds Qwen3.5-9B and the chat workload when time is left (they do not fit the default budget);
+#   CONFIGS (default colocated,1p1d,adaptive), LOW_LOAD (requests of the low-load check), RUN_30B=0 skips the 30B.
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 BUDGET=${SUITE_BUDGET_S:-510}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRITON_CACHE_AUTOTUNING=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-# The device image's grpcio may be older than the one the committed stubs were generated with; the API is the same.
-GRPC_RT=$(python3 -c "import grpc; print(grpc.__version__)")
-sed -i "s/GRPC_GENERATED_VERSION = '[0-9.]*'/GRPC_GENERATED_VERSION = '$GRPC_RT'/" proto/hybridpd_pb2_grpc.py
-nvidia-smi -L
-python3 -c "import nixl, fla, torch; print('nixl ok, fla', fla.__version__, 'torch', torch.__version__, torch.cuda.device_count(), 'GPUs')"
+source benchmarks/gpu_env.sh
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 run() {  # name, deadline seconds, goodput args...
   local name=$1 dl=$2; shift 2
@@ -33,10 +26,11 @@ run() {  # name, deadline seconds, goodput args...
 }
 # 3 configurations x (start, warm-up, 6 requests at low load, 7 rates x 6 s): ~105 s each; rates that would end past
 # the deadline are skipped and listed in the JSON (set RATES / DURATION to trade coverage for time)
-run nemotron_long $(( $(left) - 180 > 320 ? 320 : $(left) - 180 )) --preset nemotron-h-8b --workloads long \
-  --gpus 0,1 --configs colocated,1p1d,adaptive --rates "${RATES:-1,2,2.5,3,3.5,4,5}" --duration "${DURATION:-6}" \
-  --warmup-requests 32 --low-load 6
-if [ "$(left)" -gt 120 ]; then  # Nemotron-3-Nano-30B-A3B: ~59 GiB of bf16 weights, the rest of an 80 GB GPU for cache
+RESERVE=$([ "${RUN_30B:-1}" = 1 ] && echo 180 || echo 40); CAP=${LONG_CAP_S:-320}
+run nemotron_long $(( $(left) - RESERVE > CAP ? CAP : $(left) - RESERVE )) --preset nemotron-h-8b --workloads long \
+  --gpus 0,1 --configs "${CONFIGS:-colocated,1p1d,adaptive}" --rates "${RATES:-1,2,2.5,3,3.5,4,5}" \
+  --duration "${DURATION:-6}" --warmup-requests 32 --low-load "${LOW_LOAD:-6}"
+if [ "${RUN_30B:-1}" = 1 ] && [ "$(left)" -gt 120 ]; then  # Nemotron-3-Nano-30B-A3B: ~59 GiB of bf16 weights, the rest of an 80 GB GPU for cache
   dl=$(( $(left) - 20 > 170 ? 170 : $(left) - 20 ))
   timeout "$dl" env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/roofline.py --presets nemotron-3-nano-30b-a3b \
     --batches 1,64 --contexts 1024,8192 --modes graph --prefill-tokens 4096 --steps 5 \

@@ -9,7 +9,7 @@ every sequence has `context - 1` tokens cached and computes one), in lockstep; r
 after --warmup, wall clock, sampler included).
 
     per-rank roofline = (rank's weights + its KV slice + its state slice, bytes read/written) / copy bandwidth
-    all-reduce cost    = measured median NCCL all-reduce of [batch, hidden] x the all-reduces of one step
+    all-reduce cost    = one NCCL all-reduce of [batch, hidden] inside a CUDA graph (median) x those of one step
     bar                = TP 2 step <= 0.6 x TP 1 step at batch 64 (8B preset)
 
 The identity checks (--identity) build two small models (NemotronH with Mamba-2, attention with 2 KV heads, MoE;
@@ -127,13 +127,6 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
     try:
         bw, mm = (copy_bandwidth(), mm_flops()) if rank == 0 else (0.0, 0.0)
         model = sharded_random_model(job["preset"], job["dtype"], device, tp)
-        if tp is not None and job["allreduce"] == "symm":
-            from hybridpd.engine.parallel.symmetric import symmetric_all_reduce
-
-            fast = symmetric_all_reduce(tp, torch.device(device), next(model.parameters()).dtype)
-            if fast is None:
-                raise RuntimeError("symmetric-memory all-reduce not available")
-            tp.fast_sums.append(fast)
         runner, blocks_per_seq, groups = _runner(model, device, job["batch"], max(job["context"], job["prefill"]))
         shape = describe(model, groups)
         n_reduce = len(model.args.layer_types) + 1  # one per block + the embedding (the logits gather aside)
@@ -192,7 +185,7 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
-    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"], "allreduce": job["allreduce"]}
+    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"]}
 
 
 def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -360,7 +353,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         f"{'+comm':>7} {'AR ms':>6} {'tok/s':>8}"
     )
     base = {(r["preset"], r["mode"]): r["step_ms"] for r in rows if r.get("tp") == 1 and "step_ms" in r}
-    print("(AR ms: one [batch, hidden] all-reduce inside a CUDA graph; all-reduce backend after the mode)")
+    print("(AR ms: one [batch, hidden] all-reduce inside a CUDA graph)")
     for r in rows:
         if "error" in r:
             what = r.get("preset", r.get("identity", r.get("hetero", "?")))
@@ -369,7 +362,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             vs = base.get((r["preset"], r["mode"]))
             ratio = f"  = {r['step_ms'] / vs:.2f} x TP 1" if vs and r["tp"] > 1 else ""
             print(
-                f"{r['preset']:26} {r['tp']:2d} {r['mode'] + '/' + r.get('allreduce', '-'):10} {r['batch']:5d} "
+                f"{r['preset']:26} {r['tp']:2d} {r['mode']:10} {r['batch']:5d} "
                 f"{r['context']:5d} {r['step_ms']:8.2f} "
                 f"{r['rank_roofline_ms']:8.2f} {r['roofline_plus_comm_ms']:7.2f} {r['all_reduce_ms']:6.3f} "
                 f"{r['tok_per_s']:8.0f}{ratio}"
@@ -396,8 +389,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--jobs",
-        default="nemotron-h-8b:1,nemotron-h-8b:2:nccl,nemotron-h-8b:2:symm,nemotron-3-nano-30b-a3b:2",
-        help="PRESET:TP[:nccl|symm] (the all-reduce of TP > 1; symm: symmetric memory for small messages, the default)",
+        default="nemotron-h-8b:1,nemotron-h-8b:2,nemotron-3-nano-30b-a3b:2",
+        help="PRESET:TP jobs, comma-separated",
     )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
@@ -414,11 +407,10 @@ def main() -> None:
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
     for spec in filter(None, args.jobs.split(",")):
-        name, size, *how = spec.split(":")
+        name, size = spec.rsplit(":", 1)
         job = {
             "preset": name,
             "tp": int(size),
-            "allreduce": (how or ["symm"])[0] if int(size) > 1 else "-",
             "dtype": args.dtype,
             "batch": args.batch,
             "context": args.context,

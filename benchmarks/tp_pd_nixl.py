@@ -28,6 +28,13 @@ from benchmarks.tp_decode import PROMPTS, _identity_models  # noqa: E402
 NEW = 12
 
 
+T0 = time.time()
+
+
+def _progress(what: str) -> None:
+    print(f"[{time.time() - T0:6.1f} s] {what}", flush=True)
+
+
 def _flags(device: str, tp: int) -> list[str]:
     return ["--device", device, *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
 
@@ -38,6 +45,7 @@ def check_pair(family: str, path: str, tp_p: int, tp_d: int, device: str) -> dic
 
     common = ["--dtype", "float32", "--load-format", "dummy", "--max-model-len", "1024", "--checkpoint-interval", "64"]
     common += ["--kv-cache-memory-bytes", str(256 * 2**20)]
+    _progress(f"{family} P TP {tp_p} -> D TP {tp_d}: colocated reference (TP 1, fp32)")
     llm = LLM(
         model=path,
         device=device,
@@ -51,15 +59,18 @@ def check_pair(family: str, path: str, tp_p: int, tp_d: int, device: str) -> dic
     want = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)]
     llm.shutdown()
     del llm
+    _progress(f"{family} P TP {tp_p} -> D TP {tp_d}: colocated reference done")
     t0 = time.time()
     cluster = start_cluster(
         path, worker_args=common, prefill_args=_flags(device, tp_p), decode_args=_flags(device, tp_d)
     )
     try:
         started = time.time() - t0
+        _progress(f"cluster up in {started:.0f} s")
         got, handed = [], 0
         for prompt in PROMPTS:
             body = complete(cluster, prompt, NEW)
+            _progress(f"prompt of {len(prompt)}: {body['usage']['hybridpd']}")
             got.append(body["choices"][0]["token_ids"])
             handed += body["usage"]["hybridpd"]["transferred_tokens"] == len(prompt) - 1
         failures = cluster.metric(cluster.decode[0], "hybridpd_kv_transfer_failures_total")

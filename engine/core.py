@@ -26,7 +26,6 @@ from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.shard import shard_model
-from hybridpd.engine.parallel.symmetric import symmetric_all_reduce
 from hybridpd.engine.request import Request, RequestOutput
 from hybridpd.engine.runner import ModelRunner
 from hybridpd.engine.sampling_params import SamplingParams
@@ -82,9 +81,6 @@ class EngineCore:
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
         if self.tp is not None:
             shard_model(self.model, self.tp)
-            fast = symmetric_all_reduce(self.tp, self.device, next(self.model.parameters()).dtype)
-            if fast is not None:
-                self.tp.fast_sums.append(fast)
         model_max = int(hf_config.get("max_position_embeddings") or 4096)
         self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)

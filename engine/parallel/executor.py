@@ -89,13 +89,20 @@ class DiscardingSampler:
         return [0] * len(rids), [0.0] * len(rids)
 
 
-def follow(runner: Any, tp: TPGroup) -> None:
+def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:
     """A follower's loop: execute rank 0's broadcast calls until it sends None. A call that fails here may have
     left rank 0 inside a collective this rank will never join: the follower exits, and rank 0's watchdog ends the
-    worker (restarted whole; fail closed rather than ranks out of step)."""
+    worker (restarted whole; fail closed rather than ranks out of step). When rank 0's process is gone (the worker
+    stopped or was killed), the follower exits quietly."""
     runner.sampler = DiscardingSampler()
     while True:
-        msg = tp.broadcast(None)
+        try:
+            msg = tp.broadcast(None)
+        except Exception:
+            if leader_pid is not None and not _alive(leader_pid):
+                os._exit(0)
+            log.exception("tensor-parallel rank %d: lost rank 0's commands; exiting", tp.rank)
+            os._exit(RANK_DIED_EXIT_CODE)
         if msg is None:
             return
         name, args, kwargs = msg
@@ -125,17 +132,26 @@ def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> 
     world = config.parallel.tensor_parallel_size
     tp = init_tp(rank, world, init_method, config.model.device)
     core = EngineCore(config, tp=tp)
-    follow(core.runner, tp)
+    follow(core.runner, tp, leader_pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # gone since kill(0) answered, or no /proc (not Linux)
+        return not os.path.isdir("/proc")
+    except OSError:
+        return False
 
 
 def _exit_when_gone(pid: int) -> None:
     def watch() -> None:
-        while True:
+        while _alive(pid):
             time.sleep(1.0)
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                os._exit(0)
+        os._exit(0)
 
     threading.Thread(target=watch, name="tp-leader-watch", daemon=True).start()
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,19 +25,13 @@ class TPGroup:
     world: int
     group: Any  # torch.distributed ProcessGroup for tensors
     control: Any  # gloo ProcessGroup for objects
-    fast_sums: list[Callable[[torch.Tensor], torch.Tensor | None]] = field(default_factory=list, compare=False)
-    """All-reduces tried before NCCL (engine.parallel.symmetric on CUDA); each answers a sum or None."""
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks: returns the sum (a new tensor from a fast path, else x summed in place by NCCL)."""
-        for fast in self.fast_sums:
-            out = fast(x)
-            if out is not None:
-                return out
+        """Sum over ranks, in place; returns x."""
         dist.all_reduce(x, group=self.group)
         return x
 
