@@ -10,7 +10,8 @@ from unittest import mock
 
 @contextmanager
 def forward_path(fast: bool) -> Iterator[None]:
-    """Engines built inside run the batched path (`fast`; on CPU its Triton kernels need TRITON_INTERPRET=1) or
-    the reference, whatever the device."""
+    """Engines built inside, in this process, run the batched path (`fast`; on CPU its Triton kernels need
+    TRITON_INTERPRET=1) or the reference, whatever the device (tensor-parallel followers, other processes, pick
+    their own)."""
     with mock.patch("hybridpd.engine.runner.default_fast_path", lambda device: fast):
         yield
