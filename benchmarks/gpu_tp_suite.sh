@@ -13,7 +13,7 @@ if [[ "${1:-}" == "identity" ]]; then
   timeout 540 python3 benchmarks/tp_decode.py --jobs "" --identity --out "$OUT/tp_identity.json" 2>&1 | tail -30
   exit "${PIPESTATUS[0]}"
 fi
-timeout 220 python3 benchmarks/tp_decode.py --jobs "${TP_JOBS:-nemotron-h-8b:1,nemotron-h-8b:2}" \
+timeout 220 python3 benchmarks/tp_decode.py --jobs "${TP_JOBS:-nemotron-h-8b:1,nemotron-h-8b:2,nemotron-3-nano-30b-a3b:2,nemotron-3-nano-30b-a3b:2:ep}" \
   --modes graph --prefill-tokens 0 --job-timeout 100 --out "$OUT/tp_decode.json" > "$OUT/tp_decode.log" 2>&1
 echo "tp_decode: exit $?"; grep -v "^{" "$OUT/tp_decode.log" | grep -v "^\[rank" | tail -12
 timeout 160 python3 benchmarks/tp_pd_nixl.py --models nemotron_h --out "$OUT/tp_pd_nixl.json" > "$OUT/tp_pd_nixl.log" 2>&1

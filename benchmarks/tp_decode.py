@@ -49,8 +49,9 @@ from benchmarks.roofline import (  # noqa: E402
 )
 
 
-def sharded_random_model(name: str, dtype: str, device: str, tp: Any) -> Any:
-    """A preset's engine model cut to `tp`'s rank (None: whole), random weights drawn on `device` for its slice."""
+def sharded_random_model(name: str, dtype: str, device: str, tp: Any, expert_parallel: bool = False) -> Any:
+    """A preset's engine model cut to `tp`'s rank (None: whole), random weights drawn on `device` for its slice
+    (`expert_parallel`: MoE blocks keep whole experts per rank)."""
     from hybridpd.engine.models.checkpoint import fill_random_weights, hf_config, preset
     from hybridpd.engine.models.registry import ARCHITECTURES
     from hybridpd.engine.parallel.shard import shard_model
@@ -61,7 +62,7 @@ def sharded_random_model(name: str, dtype: str, device: str, tp: Any) -> Any:
     with torch.device("meta"):
         model = cls(config.to_dict(), dtype)
     if tp is not None:
-        shard_model(model, tp)
+        shard_model(model, tp, expert_parallel)
     fill_random_weights(model, cls, family, config, dtype, device, seed=0)
     model.requires_grad_(False)
     return model.eval()
@@ -126,7 +127,7 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
     rows: list[dict[str, Any]] = []
     try:
         bw, mm = (copy_bandwidth(), mm_flops()) if rank == 0 else (0.0, 0.0)
-        model = sharded_random_model(job["preset"], job["dtype"], device, tp)
+        model = sharded_random_model(job["preset"], job["dtype"], device, tp, job["ep"])
         runner, blocks_per_seq, groups = _runner(model, device, job["batch"], max(job["context"], job["prefill"]))
         shape = describe(model, groups)
         n_reduce = len(model.args.layer_types) + 1  # one per block + the embedding (the logits gather aside)
@@ -185,7 +186,7 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
-    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"]}
+    return {"preset": job["preset"], "tp": job["tp"], "dtype": job["dtype"], "experts": "EP" if job["ep"] else "TP"}
 
 
 def run_job(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
@@ -361,8 +362,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         elif "step_ms" in r:
             vs = base.get((r["preset"], r["mode"]))
             ratio = f"  = {r['step_ms'] / vs:.2f} x TP 1" if vs and r["tp"] > 1 else ""
+            mode = r["mode"] + ("/EP" if r.get("experts") == "EP" else "")
             print(
-                f"{r['preset']:26} {r['tp']:2d} {r['mode']:10} {r['batch']:5d} "
+                f"{r['preset']:26} {r['tp']:2d} {mode:10} {r['batch']:5d} "
                 f"{r['context']:5d} {r['step_ms']:8.2f} "
                 f"{r['rank_roofline_ms']:8.2f} {r['roofline_plus_comm_ms']:7.2f} {r['all_reduce_ms']:6.3f} "
                 f"{r['tok_per_s']:8.0f}{ratio}"
@@ -390,7 +392,7 @@ def main() -> None:
     p.add_argument(
         "--jobs",
         default="nemotron-h-8b:1,nemotron-h-8b:2,nemotron-3-nano-30b-a3b:2",
-        help="PRESET:TP jobs, comma-separated",
+        help="PRESET:TP[:ep] jobs, comma-separated (ep: expert parallelism for MoE blocks)",
     )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=1024)
@@ -407,10 +409,11 @@ def main() -> None:
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
     for spec in filter(None, args.jobs.split(",")):
-        name, size = spec.rsplit(":", 1)
+        name, size, *how = spec.split(":")
         job = {
             "preset": name,
             "tp": int(size),
+            "ep": how == ["ep"],
             "dtype": args.dtype,
             "batch": args.batch,
             "context": args.context,

@@ -109,6 +109,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks (GPUs) one worker spreads the model over: attention, Mamba-2 and Gated-DeltaNet heads, MLP and expert
     intermediates and the vocabulary are split; rank r runs on cuda:N+r (CPU: gloo processes)."""
+    enable_expert_parallel: bool = False
+    """MoE blocks keep whole routed experts per rank (experts divided over the tensor-parallel ranks) instead of
+    a slice of every expert; the shared expert stays split. Needs the routed expert count divisible by the size."""
 
 
 @dataclass(frozen=True)

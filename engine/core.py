@@ -80,7 +80,7 @@ class EngineCore:
         self.tp = self.followers.tp if self.followers is not None else tp
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
         if self.tp is not None:
-            shard_model(self.model, self.tp)
+            shard_model(self.model, self.tp, config.parallel.enable_expert_parallel)
         model_max = int(hf_config.get("max_position_embeddings") or 4096)
         self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)

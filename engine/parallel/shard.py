@@ -28,6 +28,7 @@ from hybridpd.engine.models.layers import MLP, GatedMLP
 from hybridpd.engine.models.mamba2 import Mamba2Mixer
 from hybridpd.engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
 from hybridpd.engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
+from hybridpd.engine.parallel.experts import shard_moe_experts
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.layers import (
     ParallelLMHead,
@@ -129,11 +130,15 @@ def shard_mlp(m: MLP | GatedMLP, tp: TPGroup) -> None:
     all_reduce_output(m.down_proj, tp)
 
 
-def shard_moe(m: NemotronHMoE, tp: TPGroup) -> None:
+def shard_moe(m: NemotronHMoE, tp: TPGroup, expert_parallel: bool = False) -> None:
     """Tensor parallelism inside every expert: each rank computes its slice of every routed and the shared expert
-    (and fc2_latent_proj, linear, on the partial sum); the block's output is reduced once."""
-    for e in [*m.experts, m.shared_experts]:
-        _split_mlp([e.up_proj], e.down_proj, tp)
+    (and fc2_latent_proj, linear, on the partial sum); or, with `expert_parallel`, whole routed experts per rank
+    (engine.parallel.experts). Either way the block's output is reduced once."""
+    if expert_parallel:
+        shard_moe_experts(m, tp, _split_mlp)
+    else:
+        for e in [*m.experts, m.shared_experts]:
+            _split_mlp([e.up_proj], e.down_proj, tp)
     if m.latent and m.fc2_latent_proj.bias is not None and not tp.is_leader:
         m.fc2_latent_proj.bias.data.zero_()
     all_reduce_output(m, tp)
@@ -147,7 +152,7 @@ def _shard_vocab(model: Any, embed_owner: nn.Module, embed_name: str, tp: TPGrou
     model.lm_head = ParallelLMHead(model.lm_head, tp, embedding if tied else None)
 
 
-def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup) -> None:
+def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup, expert_parallel: bool = False) -> None:
     for layer in model.backbone.layers:
         mixer = layer.mixer
         if isinstance(mixer, Mamba2Mixer):
@@ -155,7 +160,7 @@ def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup) -> None:
         elif isinstance(mixer, NemotronHAttention):
             shard_attention(mixer, tp, gated=False)
         elif isinstance(mixer, NemotronHMoE):
-            shard_moe(mixer, tp)
+            shard_moe(mixer, tp, expert_parallel)
         elif isinstance(mixer, MLP):
             shard_mlp(mixer, tp)
     _shard_vocab(model, model.backbone, "embeddings", tp)
@@ -189,14 +194,15 @@ def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
     )
 
 
-def shard_model(model: Any, tp: TPGroup) -> Any:
+def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     """Cut `model` (as loaded by engine.models.registry) to rank tp.rank's slice, in place; returns it. Raises
-    ValueError when a head count cannot be split over tp.world ranks."""
+    ValueError when a head count cannot be split over tp.world ranks. `expert_parallel`: MoE blocks keep whole
+    routed experts per rank instead of a slice of each."""
     if tp.world == 1:
         return model
     model.full_args = model.args  # the whole model's shapes (handoffs between TP sizes plan from these)
     if isinstance(model, NemotronHForCausalLM):
-        shard_nemotron_h(model, tp)
+        shard_nemotron_h(model, tp, expert_parallel)
     elif isinstance(model, Qwen3_5ForCausalLM):
         shard_qwen3_5(model, tp)
     else:

@@ -2,7 +2,8 @@
 
 The models are chosen so that every splitting rule runs: a single KV head (replicated on every rank), a Mamba
 group count below the TP size (B/C replicated, the gated norm's groups spanning ranks), a Mamba group count the TP
-size divides (B/C split), Gated-DeltaNet key heads split, MoE experts cut inside, an MLP, a vocabulary split.
+size divides (B/C split), Gated-DeltaNet key heads split, MoE experts cut inside (or, with expert parallelism,
+whole experts per rank), an MLP, a vocabulary split.
 Prompts are chunked (small token budget, prefill mixed with decode), and a second round reuses the first round's
 prefixes (cached blocks and recurrent checkpoints restored: state copies broadcast to every rank)."""
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.parallel.experts import LocalRouter
 from hybridpd.engine.parallel.layers import ParallelLMHead
 
 from tests.oracle import random_prompts
@@ -62,12 +64,15 @@ def _rounds(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.token_ids, o.logprobs) for o in first + second]
 
 
-def _run(path: str, tp: int) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
-    llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS)
+def _run(path: str, tp: int, **extra: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
+    llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS, **extra)
     try:
         if tp > 1:
             model: Any = llm.engine.model
             assert isinstance(model.lm_head, ParallelLMHead) and model.tp_size == tp
+        if extra.get("enable_expert_parallel"):  # rank 0 keeps its whole experts and the no-expert slot
+            moe = next(ly.mixer for ly in llm.engine.model.backbone.layers if hasattr(ly.mixer, "experts"))
+            assert len(moe.experts) == 4 // tp + 1 and isinstance(moe.gate, LocalRouter)
         out = _rounds(llm)
         llm.engine.cache.check_integrity()
         return out, llm.kv_cache_info()
@@ -81,11 +86,20 @@ def assert_same(tp1, tpn) -> None:  # type: ignore[no-untyped-def]
         assert max(abs(a - b) for a, b in zip(lps1, lpsn, strict=True)) < 1e-4, f"request {i}: logprobs differ"
 
 
-@pytest.mark.parametrize(("name", "tp"), [("nemotron_moe_kv1_g1", 2), ("qwen", 2), ("nemotron_tp4", 4)])
-def test_tp_matches_tp1(name, tp, model_dir):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("name", "tp", "ep"),
+    [
+        ("nemotron_moe_kv1_g1", 2, False),
+        ("nemotron_moe_kv1_g1", 2, True),
+        ("qwen", 2, False),
+        ("nemotron_tp4", 4, False),
+    ],
+)
+def test_tp_matches_tp1(name, tp, ep, model_dir):  # type: ignore[no-untyped-def]
+    """ep: expert parallelism for the MoE blocks (whole experts per rank) instead of TP inside the experts."""
     path = model_dir(name)
     ref, info1 = _run(path, 1)
-    got, info_n = _run(path, tp)
+    got, info_n = _run(path, tp, enable_expert_parallel=ep)
     assert_same(ref, got)
     # each rank holds its slice of every recurrent state (and of every page, unless KV heads are replicated)
     assert info_n["bytes_per_state"] < info1["bytes_per_state"]
