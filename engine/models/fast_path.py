@@ -232,18 +232,20 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
     return core
 
 
-def _gdn_round_fla(mixer: Any, r: Any, init: torch.Tensor, *qkvgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gdn_round_fla(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One round in one fla-core varlen call."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, ht = chunk_gated_delta_rule(*(t[None] for t in qkvgb), scale=1.0, initial_state=init, output_final_state=True,
-                                   cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+    o, ht = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=init,
+                                   output_final_state=True, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
     return o[0], ht
 
 
-def _gdn_round_scan(mixer: Any, r: Any, init: torch.Tensor, *qkvgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gdn_round_scan(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Off the GPU (tests of this path): the reference scan (GatedDeltaNet.scan), sequence by sequence."""
-    return _per_sequence(r, init, lambda i, j, h: mixer.scan(*(t[i:j] for t in qkvgb), h))
+    return _per_sequence(r, init, lambda i, j, h: mixer.scan(q[i:j], k[i:j], v[i:j], g[i:j], beta[i:j], h))
 
 
 # ----------------------------------------------------------------------------------------------------------------
