@@ -127,7 +127,8 @@ PROXY_PHASES = {"ttft": "hybridpd_time_to_first_token_seconds", "prefill_rpc": "
 
 def handoff_totals(run: Cluster) -> dict[str, tuple[float, float]]:
     """{"role/phase": (seconds, count)} so far: the proxy's TTFT and P.Prefill call, and (PD) the workers'
-    hybridpd_kv_handoff_seconds. Proxy TTFT - prefill_rpc - decode/total = the proxy's hops to D and back."""
+    hybridpd_kv_handoff_seconds. Under PD the first token is P's: proxy TTFT - prefill_rpc = the proxy's own time
+    (routing, tokenization); decode/total is the handoff before D's first token, the request's second."""
     out = {}
     for ph, metric in PROXY_PHASES.items():
         out[f"proxy/{ph}"] = (
@@ -443,7 +444,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="goodput_out")
     args = ap.parse_args(argv)
-    args.rates = sorted(float(r) for r in args.rates.split(","))
+    args.rates = sorted(float(r) for r in args.rates.split(",") if r)  # "": low load only, no sweep
     args.configs = [c for c in args.configs.split(",") if c]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.arrivals = [a for a in args.arrivals.split(",") if a]

@@ -3,7 +3,7 @@
     python benchmarks/handoff_commit.py --out docs/results/handoff_commit_cpu.json [--device cuda --dtype bfloat16]
 
 Starts 1 prefill + 1 decode worker (plain processes, real gRPC + NIXL), then for each prompt length sends N
-sequential requests straight to the workers (Prefill, then Generate with max_tokens=1) and reads D's histograms:
+sequential requests straight to the workers (max_tokens 2: P samples token 1, D token 2) and reads D's histograms:
 hybridpd_kv_transfer_seconds (pull start -> data in place) and hybridpd_kv_transfer_commit_seconds (READ done ->
 P's answer), as means over the run; also the median of N bare Commit RPCs to P from this process (a refused commit:
 the same gRPC trip and P step-thread hop). Prints a table and writes JSON.
@@ -52,7 +52,7 @@ def main() -> int:
     rows = []
     try:
         p_addr, d_addr = c.prefill[0].info["address"], c.decode[0].info["address"]
-        sp = pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        sp = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # P's first token, D's one
         with grpc.insecure_channel(p_addr) as pch, grpc.insecure_channel(d_addr) as dch:
             p, d = pb_grpc.PrefillServiceStub(pch), pb_grpc.DecodeServiceStub(dch)
             rtt = []
@@ -67,11 +67,12 @@ def main() -> int:
                 for i, prompt in enumerate(random_prompts([n] * args.requests, vocab=256, seed=n)):
                     rid = f"len{n}-{i}"
                     t0 = time.perf_counter()
-                    tp = p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
-                                   timeout=300).params
+                    resp = p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
+                                     timeout=300)
                     t1 = time.perf_counter()
+                    first = pb.FirstToken(token_id=resp.first.token_ids[0])
                     list(d.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
-                                                       params=tp), timeout=300))
+                                                       params=resp.params, first_token=first), timeout=300))
                     e2e.append(time.perf_counter() - t1)
                     del t0
                 pull1, commit1 = _hist(c, c.decode[0], "hybridpd_kv_transfer_seconds"), \

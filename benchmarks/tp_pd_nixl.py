@@ -8,7 +8,7 @@ TP 1 engine. Plain processes (deploy.local_cluster: no Ray), one cluster per (P 
     python benchmarks/tp_pd_nixl.py --out out/tp_pd_nixl.json               (2 GPUs)
     python benchmarks/tp_pd_nixl.py --device cpu --pairs 2:1                (CPU smoke test: gloo ranks, DRAM)
 
-Prints one line per (model, pair): identical or not, prompts handed off (transferred_tokens == prompt - 1), handoff
+Prints one line per (model, pair): identical or not, prompts handed off (transferred_tokens == prompt length), handoff
 failures on D; writes the rows as JSON. Exit code 1 when any output differs.
 """
 
@@ -72,7 +72,7 @@ def check_pair(family: str, path: str, tp_p: int, tp_d: int, device: str) -> dic
             body = complete(cluster, prompt, NEW)
             _progress(f"prompt of {len(prompt)}: {body['usage']['hybridpd']}")
             got.append(body["choices"][0]["token_ids"])
-            handed += body["usage"]["hybridpd"]["transferred_tokens"] == len(prompt) - 1
+            handed += body["usage"]["hybridpd"]["transferred_tokens"] == len(prompt)
         failures = cluster.metric(cluster.decode[0], "hybridpd_kv_transfer_failures_total")
     finally:
         cluster.stop()

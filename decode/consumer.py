@@ -4,7 +4,7 @@
         |  lease expired (no time left to pull)            |                         |   zero tail, publish blocks/
         |  prompt digest != params' (foreign params)       |                         |   checkpoint, scheduler.
         |  malformed (unsigned, wrong groups or pages)     |                         |
-        v                                                  |                         |   add_transferred (at N-1)
+        v                                                  |                         |   transfer_done (at N)
     policy: recompute locally (default) or fail            +--poll: FAILED-----------+--P says no (lease expired,
                                                                                          wrong prompt/token, params
                                                                                          altered, other pages
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridpd.decode.params_check import params_problem
@@ -38,7 +38,6 @@ from hybridpd.engine.transfer import (
     begin_import,
     complete_import,
     end_unscheduled,
-    recurrent_group_ids,
     schedule_local,
 )
 from hybridpd.kvtransfer.binding import prompt_digest
@@ -112,7 +111,7 @@ class Consumer:
         """Start pulling for `req`. Returns "pulling", "local" when it was scheduled to compute locally, or
         "failed" (policy fail: the request ended with an error)."""
         n_ext = int(tp.num_computed_tokens)
-        if peer is None or n_ext <= 0 or n_ext >= req.num_tokens:
+        if peer is None or n_ext <= 0 or n_ext > req.num_prompt_tokens:
             schedule_local(core, req)
             return "local"
         digest = prompt_digest(req.prompt_token_ids, n_ext, req.cache_salt)
@@ -126,7 +125,7 @@ class Consumer:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
         pull_timeout = min(self.timeout_s, time_left)
         try:
-            imp = begin_import(core, req, source_of(tp, recurrent_group_ids(core)),
+            imp = begin_import(core, req, source_of(tp),
                                deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
         except ValueError as e:  # the params do not name the pages this request needs: nothing was kept
             return self._refuse(core, req, "bad_params", str(e))
@@ -217,15 +216,9 @@ class Consumer:
         return "local"
 
 
-def source_of(tp: pb.TransferParams, state_groups: Iterable[int] = ()) -> ImportSource:
-    """The engine's view of transfer params (group ids are the model's: identical on both sides). Params without
-    `states` (an older P) name one recurrent group's slots in fields 5 and 10: that of `state_groups` when it is
-    the only one."""
+def source_of(tp: pb.TransferParams) -> ImportSource:
+    """The engine's view of transfer params (group ids are the model's: identical on both sides)."""
     states = {int(g.group_id): (int(g.state_slot), int(g.checkpoint_slot)) for g in tp.states}
-    if not states:
-        only = list(state_groups)
-        if len(only) == 1:
-            states = {only[0]: (int(tp.state_slot), int(tp.checkpoint_slot))}
     checkpoint = None
     if tp.checkpoint_num_tokens and states and all(c for _, c in states.values()):
         checkpoint = Checkpoint(int(tp.checkpoint_num_tokens), {gid: c for gid, (_, c) in states.items()})

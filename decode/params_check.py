@@ -36,7 +36,7 @@ def params_problem(core: EngineCore, req: Request, tp: pb.TransferParams) -> str
             return f"group {g.group_id}: {len(ids)} block ids for {n} tokens (want {need[g.group_id]} distinct)"
     recurrent = sorted(recurrent_group_ids(core))
     states = [int(s.group_id) for s in tp.states]
-    if tp.states and sorted(states) != recurrent:
+    if sorted(states) != recurrent:
         return f"params name recurrent groups {states}, the model has {recurrent}"
     slots = [(int(s.state_slot), int(s.checkpoint_slot)) for s in tp.states]
     if any(s < 0 or c < 0 or (c and c == s) for s, c in slots):

@@ -13,7 +13,8 @@ import grpc
 from hybridpd.decode.consumer import Consumer, PendingPull
 from hybridpd.engine.async_engine import OutputDelta, take_pending
 from hybridpd.engine.core import EngineCore
-from hybridpd.engine.transfer import schedule_local
+from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.transfer import add_first_token, first_token_problem, schedule_local
 from hybridpd.kvtransfer.binding import new_nonce, verify_membership
 from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
@@ -21,6 +22,7 @@ from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.auth import open_channel, token_metadata
 from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from hybridpd.worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.worker.stream_text import streamable_end
 
 log = logging.getLogger("hybridpd.decode")
 
@@ -170,6 +172,10 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         want_logprobs = request.sampling_params.logprobs
         salt = request.cache_salt or None
         tp = request.params if request.HasField("params") else None
+        first = request.first_token if request.HasField("first_token") else None
+        if tp is not None and first is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer params come with the first token the "
+                                "prefill worker sampled (GenerateRequest.first_token)")
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         t_peer = time.perf_counter()
@@ -177,29 +183,34 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         if tp is not None and tp.num_computed_tokens > 0 and peer is None and self.consumer.policy == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill worker is not possible")
         aengine = self.ctx.aengine
-        q = aengine.open_stream(rid)
-        sent_text = 0
+        q = aengine.open_stream(rid, emitted=1 if first is not None else 0)  # the proxy streamed the first token
         max_stop = max((len(s) for s in params.stop), default=0)
 
-        def admit(core: EngineCore) -> str:
+        def admit(core: EngineCore) -> int:
+            """Add the request (continuing from the first token when given); returns the characters of its text
+            already streamed with that token."""
             req = core.new_request(rid, prompt, params, salt)
+            if first is not None:
+                problem = first_token_problem(core, req, int(first.token_id))
+                if problem is not None:
+                    raise InvalidRequestError(problem)
             if tp is None:
                 schedule_local(core, req)
-                return "local"
-            outcome = self.consumer.admit(core, req, tp, peer)
-            if outcome == "pulling" and self.progress is not None:
+            elif self.consumer.admit(core, req, tp, peer) == "pulling" and self.progress is not None:
                 self.progress.wake()
-            return outcome
+            if first is None:
+                return 0
+            top = zip(first.top_logprobs.token_ids, first.top_logprobs.logprobs, strict=False)
+            add_first_token(core, req, int(first.token_id), float(first.logprob), list(top))
+            return streamable_end(core.output_text(req), 0, False, max_stop)
 
         try:
-            await run_engine_call(self.ctx, context, admit)
+            sent_text = await run_engine_call(self.ctx, context, admit)
             while True:
                 delta: OutputDelta = take_pending(q, await q.get())
                 text = delta.text
                 finished = delta.finish_reason is not None
-                end = len(text) if finished else max(sent_text, len(text) - max(0, max_stop - 1))
-                while not finished and end > sent_text and text[end - 1] == "\ufffd":
-                    end -= 1  # an incomplete UTF-8 sequence: wait for the next token
+                end = streamable_end(text, sent_text, finished, max_stop)
                 chunk = pb.GenerateChunk(
                     token_ids=delta.token_ids, text=text[sent_text:end],
                     logprobs=delta.logprobs if want_logprobs else (),

@@ -121,14 +121,18 @@ class AsyncEngine:
     async def acall(self, fn: Callable[[EngineCore], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        """Register an output queue for a request (call from the event loop before the request is added)."""
+    def open_stream(self, request_id: str, emitted: int = 0) -> asyncio.Queue:
+        """Register an output queue for a request (call from the event loop before the request is added).
+        `emitted`: output tokens the caller already has (a first token sampled elsewhere): not streamed again."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if emitted:
+            self._emitted[request_id] = emitted
         return q
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._emitted.pop(request_id, None)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -226,7 +226,7 @@ class EngineCore:
 
     def new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        compute_target: int | None = None,
+        compute_target: int | None = None, prefill_only: bool = False,
     ) -> Request:
         """A validated request, not yet scheduled."""
         self.validate_prompt(prompt_token_ids)
@@ -239,15 +239,16 @@ class EngineCore:
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
+            prefill_only=prefill_only,
         )
         self._next_arrival += 1
         return req
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        compute_target: int | None = None,
+        compute_target: int | None = None, prefill_only: bool = False,
     ) -> Request:
-        req = self.new_request(request_id, prompt_token_ids, params, cache_salt, compute_target)
+        req = self.new_request(request_id, prompt_token_ids, params, cache_salt, compute_target, prefill_only)
         self.scheduler.add_request(req)
         return req
 
@@ -353,6 +354,8 @@ class EngineCore:
                     reason = "stop"  # the grammar is complete (its end reached, e.g. the JSON object closed)
                 if reason is not None:
                     self.finish(req, reason)
+                elif req.prefill_only:  # its first token is out: a consumer continues from it with these caches
+                    self.finish(req, "prefilled", free_caches=False)
         self.stats.record(len(out.seqs), out.num_tokens, time.perf_counter() - t0)
         return advanced
 

@@ -29,7 +29,11 @@ class Request:
     arrival_index: int = 0
     cache_salt: str | None = None
     compute_target: int | None = None
-    """Prefill-only (producer) requests stop once this many tokens are computed, without sampling."""
+    """Stop once this many tokens are computed, without sampling (finish "prefilled", caches kept)."""
+    prefill_only: bool = False
+    """A prefill worker's request: compute the prompt, sample the first output token exactly as a colocated engine
+    would, then finish "prefilled" with its caches kept (for a consumer to continue from that token), unless the
+    token already ends the request (then it finishes as any request does)."""
     external_computed_tokens: int = 0
     """Tokens whose KV/state arrive by transfer (consumer side); set by the decode worker before scheduling."""
 

@@ -47,6 +47,9 @@ class Sampler:
         self.global_gen = torch.Generator(device=device)
         self.global_gen.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self._skips: dict[str, int] = {}
+        """request id -> draws its seeded generator makes (and discards) when created: the samples another engine
+        made for it (a decode worker continuing from the prefill worker's first token)."""
         self._lookup: Callable[[str], _History | None] = lambda rid: None
         self._eos: tuple[int, ...] = ()
         self._top: dict[str, TopLogprobs] = {}
@@ -60,18 +63,29 @@ class Sampler:
         self._lookup = lookup
         self._eos = tuple(eos_token_ids)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator(self, request_id: str, params: SamplingParams, width: int) -> torch.Generator:
+        """`width`: the logits' row width (one draw of the exponential race is `width` values)."""
         if params.seed is None:
             return self.global_gen
         gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
+            for _ in range(self._skips.pop(request_id, 0)):
+                torch.empty(width, device=self.device).exponential_(generator=gen)
             self.generators[request_id] = gen
         return gen
 
+    def skip_samples(self, request_id: str, params: SamplingParams, n: int) -> None:
+        """The request's first `n` tokens were sampled elsewhere (a prefill worker) with the same seed: its generator
+        here starts past their draws, so its next sample is the one a single engine would draw. Greedy or unseeded
+        requests draw nothing from their own generator."""
+        if n > 0 and params.seed is not None and not params.greedy and request_id not in self.generators:
+            self._skips[request_id] = n
+
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self._skips.pop(request_id, None)
 
     def take_top_logprobs(self) -> dict[str, TopLogprobs]:
         """{request id: [(token id, logprob), ...] best first} of the last `sample`, for rows with top_logprobs."""
@@ -189,7 +203,7 @@ class Sampler:
         q.exponential_(generator=self.global_gen)
         for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
             if p.seed is not None and not p.greedy:
-                q[i].exponential_(generator=self._generator(rid, p))
+                q[i].exponential_(generator=self._generator(rid, p, vocab))
         return torch.argmax(probs / q, dim=-1)
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

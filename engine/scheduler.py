@@ -129,8 +129,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    add_transferred = transfer_done
-
     def drop_import(self, req: Request) -> Import:
         """Let an importing request go unscheduled (its pages are the caller's to free or quarantine)."""
         imp = self.importing.pop(req.request_id)

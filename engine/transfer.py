@@ -3,9 +3,11 @@ values; the PD services translate them to and from protobuf and never touch the 
 themselves. All functions run on the engine's step thread.
 
     P (producer)                                   D (consumer)
-    core.add_request(..., compute_target=N-1)      req = core.new_request(...)
-      ... finishes as "prefilled" (caches kept)    imp = begin_import(core, req, src)   allocate, choose pages;
+    core.new_request(..., prefill_only=True)       req = core.new_request(...)
+      computes N tokens, samples token 1,          first_token_problem(core, req, token 1)  None: go on
+      finishes as "prefilled" (caches kept)        imp = begin_import(core, req, src)   allocate, choose pages;
     exp = export_prefilled(core, req)  pin           the scheduler holds req WAITING_FOR_TRANSFER
+                                                   add_first_token(core, req, token 1)  continue from P's sample
       ... lease: D pulls, then commits ...         ... pull imp's src pages into its dst pages (NIXL) ...
     release_export(core, req, exp)     unpin       complete_import(core, req)  publish + runnable at n
                                                    or abort_import(core, req, imp, reusable) + schedule_local/fail
@@ -23,6 +25,7 @@ holds in WAITING_FOR_TRANSFER from `begin_import` until `complete_import` (they 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ class Export:
 
     request_id: str
     num_tokens: int
-    """Tokens computed (N-1 for hybrid models); the consumer computes the rest."""
+    """Tokens computed: the whole prompt (N); the consumer computes from the first output token on."""
     blocks: Mapping[int, tuple[int, ...]]
     """Attention group id -> block ids holding those tokens, in order."""
     state_slots: Mapping[int, int]
@@ -153,6 +156,40 @@ def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
 
 
 # -- consumer ------------------------------------------------------------------------------------------------------
+def first_token_problem(core: EngineCore, req: Request, token_id: int) -> str | None:
+    """Why `req` (new, no output yet) cannot continue from `token_id` as its first output token: outside the
+    vocabulary, or the token already ends the request (the producer should have finished it then); None when it
+    can. The colocated engine's stop check runs on a copy of the request, which is left untouched."""
+    if not 0 <= token_id < core.vocab_size:
+        return f"first token id {token_id} is outside the vocabulary [0, {core.vocab_size})"
+    probe = dataclasses.replace(req, output_token_ids=[int(token_id)], output_logprobs=[0.0],
+                                output_top_logprobs=[], detokenizer=None, stop_reason=None)
+    reason = core.check_stop(probe)
+    if reason is not None:
+        return f"the first token ends the request ({reason}): nothing is left to decode"
+    return None
+
+
+def add_first_token(core: EngineCore, req: Request, token_id: int, logprob: float,
+                    top_logprobs: Sequence[tuple[int, float]] = ()) -> None:
+    """Make `req` continue from the first output token the producer sampled (checked by `first_token_problem`):
+    it becomes the request's first output, so penalties, min_tokens and the structured-output matcher (rebuilt by
+    replaying the output) count it, and a seeded generator starts past its draw. The request then computes that
+    token's KV first (after an import of the prompt, or with the prompt when it computes the prompt itself). Call
+    after `begin_import` / `schedule_local` (so the import's prefix lookup counts the prompt alone) and before the
+    next step; a request already ended (a refused transfer under policy "fail") is left as it is."""
+    if req.is_finished:
+        return
+    if req.output_token_ids or req.num_computed_tokens or req.request_id in (r.request_id for r in
+                                                                              core.scheduler.running):
+        raise ValueError(f"request {req.request_id!r} already has output or computed tokens")
+    req.output_token_ids.append(int(token_id))
+    req.output_logprobs.append(float(logprob))
+    if req.sampling_params.top_logprobs > 0:
+        req.output_top_logprobs.append([(int(t), float(lp)) for t, lp in top_logprobs])
+    core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1)
+
+
 def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None,
                  fallback: str = "recompute") -> Import | None:
     """Allocate what `req` needs to receive the producer's first `src.num_tokens` tokens, keeping our own prefix

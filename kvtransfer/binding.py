@@ -59,7 +59,7 @@ def verify_membership(cluster_token: str, nonce: bytes, worker_id: str, epoch: s
 
 MAC_KEY_BYTES = 32
 MAC_BYTES = 32
-_MAC_SEED = b"hybridpd/transfer-params/v1"
+_MAC_SEED = b"hybridpd/transfer-params/v2"
 
 
 def new_mac_key() -> bytes:
@@ -81,9 +81,8 @@ def _canonical_params(request_id: str, tp: Any) -> bytes:
     parts = [_MAC_SEED, _str(request_id), _str(tp.worker_id), _str(tp.epoch), _str(tp.prefill_address),
              struct.pack("<q", len(tp.groups))]
     parts += [struct.pack("<q", g.group_id) + _ints(list(g.block_ids)) for g in tp.groups]
-    parts.append(struct.pack("<qqqd", tp.state_slot, tp.num_computed_tokens, tp.num_prompt_tokens,
-                             tp.lease_expiry_unix))
-    parts.append(struct.pack("<qq", tp.checkpoint_slot, tp.checkpoint_num_tokens))
+    parts.append(struct.pack("<qqdq", tp.num_computed_tokens, tp.num_prompt_tokens, tp.lease_expiry_unix,
+                             tp.checkpoint_num_tokens))
     parts += [_str(tp.lease_token), _str(tp.prompt_digest), struct.pack("<q", len(tp.states))]
     parts += [struct.pack("<qqq", s.group_id, s.state_slot, s.checkpoint_slot) for s in tp.states]
     return b"".join(parts)

@@ -1,4 +1,5 @@
-"""PrefillService: run a prompt to N-1 tokens, pin its caches under a lease, return transfer params.
+"""PrefillService: compute a prompt, sample its first output token, pin its caches under a lease, and return the
+token (streamed to the client at once by the proxy) with the transfer params a decode worker continues from.
 
 Threads: gRPC handlers run on the asyncio loop; everything touching the engine runs on the step thread
 (`AsyncEngine.call` / hooks / on_finished callbacks)."""
@@ -29,6 +30,7 @@ from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
 from hybridpd.worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.worker.stream_text import first_text
 
 log = logging.getLogger("hybridpd.prefill")
 
@@ -155,11 +157,21 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         waiter = self._waiters.pop(req.request_id, None)
         self._reserved.pop(req.request_id, None)
         added = self._marks.pop(req.request_id, None)
-        if req.finish_reason != "prefilled":
+        if req.finish_reason not in ("prefilled", "stop", "length") or not req.output_token_ids:
             if waiter is not None:
                 loop, fut = waiter
                 loop.call_soon_threadsafe(_set_exc, fut, RuntimeError(
                     f"prefill ended: {req.finish_reason}" + (f" ({req.stop_reason})" if req.stop_reason else "")))
+            return
+        now = time.perf_counter()
+        if added is not None:
+            self.tmetrics.handoff("prefill", now - added)
+        first = first_chunk(self.ctx.core, req)
+        if req.finish_reason != "prefilled":  # the first token ended the request: nothing to hand off
+            if waiter is not None:
+                loop, fut = waiter
+                loop.call_soon_threadsafe(_set_result, fut, pb.PrefillResponse(
+                    request_id=req.request_id, num_cached_tokens=max(req.num_cached_tokens, 0), first=first))
             return
         exp = export_prefilled(self.ctx.core, req)
         n = exp.num_tokens
@@ -169,9 +181,6 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                                   offer=offer_of(exp))
         if self.progress is not None:
             self.progress.wake()
-        now = time.perf_counter()
-        if added is not None:
-            self.tmetrics.handoff("prefill", now - added)
         self._marks[req.request_id] = now
         if waiter is None:  # the caller went away: nobody will pull
             self._release(req.request_id)
@@ -184,7 +193,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         ))
         params.mac = params_mac(self._mac_key, req.request_id, params)
         resp = pb.PrefillResponse(request_id=req.request_id, params=params,
-                                  num_cached_tokens=max(req.num_cached_tokens, 0))
+                                  num_cached_tokens=max(req.num_cached_tokens, 0), first=first)
         loop, fut = waiter
         loop.call_soon_threadsafe(_set_result, fut, resp)
 
@@ -199,13 +208,6 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if rid in self.held or rid in self._waiters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
-        target = len(prompt) - 1
-        if target < 1:
-            # nothing to compute: D computes the single prompt token itself (validated here all the same)
-            await run_engine_call(self.ctx, context, lambda c: c.validate_prompt(prompt))
-            return pb.PrefillResponse(request_id=rid, params=pb.TransferParams(
-                worker_id=self.ctx.worker_id, epoch=self.ctx.epoch, prefill_address=self.ctx.address,
-                num_computed_tokens=0, num_prompt_tokens=len(prompt)))
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._waiters[rid] = (loop, fut)
@@ -213,8 +215,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 
         def add(core: EngineCore) -> str | None:
             """One step-thread round trip: validate (new_request), reserve the pages to pin, schedule."""
-            req = core.new_request(rid, prompt, params, salt, compute_target=target)
-            refusal = self._admit(core, rid, target)
+            req = core.new_request(rid, prompt, params, salt, prefill_only=True)
+            refusal = self._admit(core, rid, len(prompt))
             if refusal is None:
                 try:
                     schedule_local(core, req)
@@ -266,17 +268,27 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 
 
 def transfer_params(exp: Export) -> pb.TransferParams:
-    """The export's pages as TransferParams: every attention group's blocks, every recurrent group's slots (the
-    first recurrent group's also in the one-group fields 5 and 10, for an older D)."""
+    """The export's pages as TransferParams: every attention group's blocks, every recurrent group's slots."""
     ckpt = exp.checkpoint
     states = [pb.GroupStates(group_id=gid, state_slot=slot, checkpoint_slot=ckpt.slots[gid] if ckpt else 0)
               for gid, slot in exp.state_slots.items()]
     return pb.TransferParams(
-        groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()],
-        states=states, state_slot=max(states[0].state_slot, 0) if states else 0,
-        checkpoint_slot=states[0].checkpoint_slot if states else 0,
+        groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()], states=states,
         checkpoint_num_tokens=ckpt.num_tokens if ckpt else 0, num_computed_tokens=exp.num_tokens,
     )
+
+
+def first_chunk(core: EngineCore, req: Request) -> pb.GenerateChunk:
+    """The first output token of a request P sampled, as the chunk D would have streamed it (step thread): its
+    logprob (and alternatives when asked), its text held back by the decode stream's rule, and the end when it
+    ended the request."""
+    ended = req.finish_reason != "prefilled"
+    return pb.GenerateChunk(
+        token_ids=req.output_token_ids, text=first_text(core, req), logprobs=req.output_logprobs,
+        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                      for top in req.output_top_logprobs],
+        finish_reason=req.finish_reason if ended else "", num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(req.num_cached_tokens, 0))
 
 
 def offer_of(exp: Export) -> Offer:

@@ -79,16 +79,14 @@ class GroupStates(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., state_slot: _Optional[int] = ..., checkpoint_slot: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "state_slot", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_slot", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states", "mac")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states", "mac")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
-    STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_SLOT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -98,17 +96,15 @@ class TransferParams(_message.Message):
     epoch: str
     prefill_address: str
     groups: _containers.RepeatedCompositeFieldContainer[GroupBlocks]
-    state_slot: int
     num_computed_tokens: int
     num_prompt_tokens: int
     lease_expiry_unix: float
-    checkpoint_slot: int
     checkpoint_num_tokens: int
     lease_token: str
     prompt_digest: bytes
     states: _containers.RepeatedCompositeFieldContainer[GroupStates]
     mac: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., state_slot: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_slot: _Optional[int] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -280,14 +276,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "params", "num_cached_tokens")
+    __slots__ = ("request_id", "params", "num_cached_tokens", "first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: TransferParams
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first: GenerateChunk
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., first: _Optional[_Union[GenerateChunk, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "lease_token")
@@ -330,18 +328,30 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "params", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "params", "cache_salt", "first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     params: TransferParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    first_token: FirstToken
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: TopLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_external_cached_tokens", "top_logprobs")

@@ -1,14 +1,19 @@
 """One request's trip through the cluster: pick workers, P.Prefill (unless colocated), then the D.Generate stream.
 
     proxy                      prefill worker P               decode worker D
-      | Prefill(ids, sampling) ---> |  computes N-1 tokens, pins blocks under a lease
-      | <--- TransferParams ------- |
-      | Generate(ids, sampling, params) --------------------------> |  pulls from P, releases P's lease
-      | <--- GenerateChunk ... GenerateChunk(finish_reason) ------- |
+      | Prefill(ids, sampling) ---> |  computes the N prompt tokens, samples token 1, pins blocks under a lease
+      | <--- token 1, TransferParams|
+      |  (token 1 goes to the client at once; if it ends the request, D is never called and nothing is leased)
+      | Generate(ids, sampling, params, token 1) -----------------> |  pulls from P, releases P's lease,
+      | <--- GenerateChunk ... GenerateChunk(finish_reason) ------- |  decodes from token 1: tokens 2, 3, ...
+
+Time to first token is P's answer (its `first` chunk); D's first chunk carries token 2.
 
 Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate never sent (client gone, or no decode worker)    -> the proxy calls P.Release;
   - Generate ended with an error status before any chunk      -> D holds no reads of P's blocks: P.Release;
+  - the client went away before D's first chunk (it had P's first token) -> D.Abort and P.Release (D may not have
+    the request yet; a READ it did start is refused at Commit, so P's pages are never used);
   - otherwise D owns it; a client disconnect only sends D.Abort (D stops its pulls and releases P).
 Cleanup RPCs run in the background (`WorkerClients.abort_later/release_later`): `close()` never awaits.
 
@@ -128,12 +133,16 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
 
 
 def _top_logprobs(chunk: pb.GenerateChunk) -> tuple[tuple[tuple[int, float], ...], ...]:
-    """`GenerateChunk.top_logprobs` (one entry per token: token_ids + logprobs) once the decode worker sends it;
-    () from workers whose proto has no such field."""
-    entries = getattr(chunk, "top_logprobs", None)
-    if not entries:
-        return ()
-    return tuple(tuple(zip(e.token_ids, e.logprobs, strict=False)) for e in entries)
+    """`GenerateChunk.top_logprobs` (one entry per token: token_ids + logprobs) as the proxy's tuples."""
+    return tuple(tuple(zip(e.token_ids, e.logprobs, strict=False)) for e in chunk.top_logprobs)
+
+
+def first_token_of(chunk: pb.GenerateChunk) -> pb.FirstToken:
+    """The first token of P's `first` chunk, as Generate carries it to D."""
+    first = pb.FirstToken(token_id=chunk.token_ids[0], logprob=chunk.logprobs[0] if chunk.logprobs else 0.0)
+    if chunk.top_logprobs:
+        first.top_logprobs.CopyFrom(chunk.top_logprobs[0])
+    return first
 
 
 @dataclass
@@ -148,7 +157,9 @@ class _State:
     prefill_addr: str | None = None
     prefill_epoch: str = ""
     lease_token: str = ""  # P's lease token: Release must present it
-    prefilled: bool = False
+    prefilled: bool = False  # P holds a lease for this request (its Release is ours until D takes it)
+    first_token: pb.FirstToken | None = None  # sampled by P: every Generate of this request continues from it
+    decode_routed: bool = False  # D's first chunk seen (routing metrics and step costs recorded)
     decode_addr: str | None = None
     call: grpc.aio.UnaryStreamCall | None = None
     got_chunk: bool = False
@@ -188,11 +199,19 @@ class Generation:
         return self._s.finished
 
     async def start(self) -> Delta:
+        """The first output: P's first token under PD (D is then sent the request, unless that token ended it),
+        else D's first chunk."""
         placement = self._place()
         skip = placement is not None and placement.prefill_addr is None
-        params = None if self.cluster.prefill is None or skip else await self._prefill(self.cluster.prefill)
-        self._open_generate(params)
-        return await self._next_delta()
+        if self.cluster.prefill is None or skip:
+            self._open_generate(None)
+            return await self._next_delta()
+        resp = await self._prefill(self.cluster.prefill)
+        first = self._absorb(resp.first, from_decode=False)
+        if first.finish_reason is None:
+            self._s.first_token = first_token_of(resp.first)
+            self._open_generate(self._params(resp))
+        return first
 
     def _place(self) -> Placement | None:
         placer = self.cluster.placer
@@ -217,7 +236,7 @@ class Generation:
 
     # -- steps -------------------------------------------------------------------------------------------------
 
-    async def _prefill(self, router: Router) -> pb.TransferParams:
+    async def _prefill(self, router: Router) -> pb.PrefillResponse:
         req = pb.PrefillRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         cfg = self.cluster.config
@@ -255,17 +274,26 @@ class Generation:
         self.cluster.metrics.prefill_rpc.observe(elapsed)
         placer, placed_on = self.cluster.placer, self._s.placement
         if placer is not None:
-            placer.costs.prefill_done(elapsed, tokens - 1 - resp.num_cached_tokens)
+            placer.costs.prefill_done(elapsed, tokens - resp.num_cached_tokens)
             if placed_on is not None:
                 placer.expect(addr, placed_on.hashes, tokens, resp.params.checkpoint_num_tokens)
-        self._s.prefilled = True
+        self._s.prefilled = resp.HasField("params")
         self._s.prefill_epoch = resp.params.epoch
         self._s.lease_token = resp.params.lease_token
         self.usage.prefill_cached_tokens = resp.num_cached_tokens
+        first = resp.first
+        if len(first.token_ids) != 1 or (not first.finish_reason and not resp.HasField("params")):
+            self._release_prefill()
+            raise self._fail(ApiError(500, f"prefill worker {addr} answered without its first token or, for a "
+                                           "request that goes on, without transfer params", code="worker_error"))
+        return resp
+
+    def _params(self, resp: pb.PrefillResponse) -> pb.TransferParams:
         params = pb.TransferParams()
         params.CopyFrom(resp.params)
         if not params.prefill_address:
-            params.prefill_address = addr
+            assert self._s.prefill_addr is not None
+            params.prefill_address = self._s.prefill_addr
         return params
 
     def _open_generate(self, params: pb.TransferParams | None) -> None:
@@ -287,6 +315,8 @@ class Generation:
                                  sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         if params is not None:
             req.params.CopyFrom(params)
+        if self._s.first_token is not None:
+            req.first_token.CopyFrom(self._s.first_token)
         self._s.call = self.cluster.clients.generate(addr, req, timeout)
         if self.cluster.placer is not None and placed is not None:
             n = len(self.req.prompt_token_ids)  # D keeps P's checkpoint, or (computing itself) its prompt end's
@@ -318,8 +348,8 @@ class Generation:
                 return delta
 
     def _retry_decode(self) -> bool:
-        """D was unreachable before sending anything: send the request (without P's params: D computes the prompt
-        itself) to another decode worker. False when there is none left to try."""
+        """D was unreachable before sending anything: send the request (without P's params: D computes the prompt,
+        and P's first token when there is one, itself) to another decode worker. False when there is none left."""
         s, cluster = self._s, self.cluster
         assert s.decode_addr is not None
         failed = s.decode_addr  # (its cache-event feed breaks too: membership marks it down for everyone)
@@ -336,7 +366,8 @@ class Generation:
         self._open_generate(None)
         return True
 
-    def _absorb(self, chunk: pb.GenerateChunk) -> Delta:
+    def _absorb(self, chunk: pb.GenerateChunk, from_decode: bool = True) -> Delta:
+        """One chunk of output: D's, or (`from_decode` False) P's first token."""
         now = time.perf_counter()
         n = len(chunk.token_ids)
         m = self.cluster.metrics
@@ -344,12 +375,14 @@ class Generation:
             if self._t.first_token is None:
                 self._t.first_token = now
                 m.ttft.observe(now - self._t.arrival)
-                self._first_token_routed(chunk, now)
             else:
                 assert self._t.last_token is not None
                 for _ in range(n):
                     m.itl.observe((now - self._t.last_token) / n)
             self._t.last_token = now
+            if from_decode and not self._s.decode_routed:
+                self._s.decode_routed = True
+                self._first_token_routed(chunk, now)
         u = self.usage
         u.completion_tokens += n
         u.prompt_tokens = chunk.num_prompt_tokens or u.prompt_tokens
@@ -361,7 +394,8 @@ class Generation:
         return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk))
 
     def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
-        """Record the routing decision against what D really found, and feed the measured step costs."""
+        """D's first output: record the routing decision against what D really found, and feed the measured step
+        costs (under PD, the handoff: Generate sent to D's first token, the second of the request)."""
         s, cluster = self._s, self.cluster
         real_hit = chunk.num_cached_tokens - chunk.num_external_cached_tokens
         path = "colocated" if cluster.prefill is None else "pd" if s.prefilled else "skip_prefill"
@@ -423,6 +457,8 @@ class Generation:
             else:
                 assert s.decode_addr is not None
                 self.cluster.clients.abort_later(s.decode_addr, self.req.request_id)
+                if not s.got_chunk:  # gone after P's first token: D may never have taken over P's lease
+                    self._release_prefill()  # (a READ it started is refused at Commit: P's pages are never used)
         if s.call is not None and not s.call.done():
             s.call.cancel()
         if s.decode_addr is not None and not s.decode_slot_released:

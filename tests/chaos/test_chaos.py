@@ -135,8 +135,10 @@ class Faults:
                                  metadata=md).released:
                         self.hostile_accepted += 1
                 self._count("forged_release")
-                tp.prompt_digest = prompt_digest(a, len(a) - 1)
-                req = pb.GenerateRequest(request_id=rid, prompt_token_ids=a, sampling_params=_sp(), params=tp)
+                tp.prompt_digest = prompt_digest(a, len(a))
+                first = pb.FirstToken(token_id=self.expected[self.prompts.index(a)][0])  # as the proxy streamed it
+                req = pb.GenerateRequest(request_id=rid, prompt_token_ids=a, sampling_params=_sp(), params=tp,
+                                         first_token=first)
                 list(d.Generate(req, timeout=60, metadata=md))  # tokens checked by the load's own A requests
                 self._count("forged_params")
                 replay = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token,
@@ -166,10 +168,12 @@ class Faults:
         field.CopyFrom(tp_z)
         ALTERATIONS[rng.choice(sorted(ALTERATIONS))](field)
         for r, altered in ((f"{rid}-x", with_pages_of(tp_x, tp_y)), (f"{rid}-z", field)):
-            req = pb.GenerateRequest(request_id=r, prompt_token_ids=x, sampling_params=_sp(), params=altered)
+            first = self.expected[i][0]  # P's first token, as the proxy streamed it
+            req = pb.GenerateRequest(request_id=r, prompt_token_ids=x, sampling_params=_sp(), params=altered,
+                                     first_token=pb.FirstToken(token_id=first))
             chunks = list(d.Generate(req, timeout=60, metadata=md))
             self.hostile_accepted += any(ch.num_external_cached_tokens > 0 for ch in chunks)
-            self.hostile_wrong += [t for ch in chunks for t in ch.token_ids] != self.expected[i]
+            self.hostile_wrong += [first] + [t for ch in chunks for t in ch.token_ids] != self.expected[i]
             self._count("altered_params")
         commit = pb.CommitRequest(request_id=f"{rid}-y", epoch=tp_y.epoch, lease_token=tp_y.lease_token,
                                   prompt_digest=tp_y.prompt_digest, params=tp_y,

@@ -48,19 +48,30 @@ def _prefill(c: Cluster, rid: str, prompt: list[int]) -> pb.TransferParams:
             metadata=c.grpc_metadata).params
 
 
+_FIRST: dict[tuple[int, ...], int] = {}
+"""prompt -> the colocated engine's first token (`_expected` fills it): what the proxy hands D with P's params."""
+
+
 def _generate(c: Cluster, rid: str, prompt: list[int], params: pb.TransferParams | None) -> list[int]:
+    """The output as the client sees it: with params, the first token (P's, as the proxy streamed it), then D's."""
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp())
+    first: list[int] = []
     if params is not None:
         req.params.CopyFrom(params)
+        first = [_FIRST[tuple(prompt)]]
+        req.first_token.token_id = first[0]
     with grpc.insecure_channel(c.decode[0].info["address"]) as ch:
-        return [t for chunk in pb_grpc.DecodeServiceStub(ch).Generate(req, timeout=120, metadata=c.grpc_metadata)
-                for t in chunk.token_ids]
+        return first + [t for chunk in pb_grpc.DecodeServiceStub(ch).Generate(req, timeout=120,
+                                                                               metadata=c.grpc_metadata)
+                        for t in chunk.token_ids]
 
 
 def _expected(model: str, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(model=model, checkpoint_interval=32, kv_cache_memory_bytes=32 * 2**20)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+    outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         max_tokens=NEW, temperature=0, ignore_eos=True))]
+    _FIRST.update({tuple(p): o[0] for p, o in zip(prompts, outs, strict=True)})
+    return outs
 
 
 def _listening_addresses(pid: int) -> list[str]:
@@ -112,7 +123,7 @@ def test_stale_lease_and_forged_params_never_give_wrong_tokens(checkpoint_dir): 
         assert _generate(c, "x1", a, _prefill(c, "b1", b)) == expected[1]
         assert _failures(c, "decode", "prompt_mismatch") == 1
         forged = _prefill(c, "b2", b)
-        forged.prompt_digest = prompt_digest(a, len(a) - 1)
+        forged.prompt_digest = prompt_digest(a, len(a))
         assert _generate(c, "b2", a, forged) == expected[1]
         assert _failures(c, "decode", "lease_lost") == 1
         assert _failures(c, "prefill", "commit_params_forged") == 1  # P's signature no longer matches

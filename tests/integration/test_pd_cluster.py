@@ -37,7 +37,7 @@ def test_pd_output_identical_to_colocated_and_transformers(cluster):  # type: ig
         assert choice["token_ids"] == toks == lo.token_ids, f"{len(p)}-token prompt: PD output differs"
         got = choice["logprobs"]["token_logprobs"]
         assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
-        assert body["usage"]["hybridpd"]["transferred_tokens"] == (len(p) - 1 if len(p) > 1 else 0)
+        assert body["usage"]["hybridpd"]["transferred_tokens"] == len(p)  # the whole prompt, computed by P
 
 
 def test_vllm_sampling_params_in_pd_match_colocated(cluster):  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ def test_repeated_long_prompt_hits_decode_cache(cluster):  # type: ignore[no-unt
     hits2 = cluster.metric(d, "hybridpd_prefix_cache_hits_total", role="decode")
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert hits1 == hits0, "the first request cannot hit D's cache"
-    # N-1 = 199: attention hits 192 tokens (12 full blocks), the recurrent group its checkpoint at 192 (6 x 32)
+    # N = 200: attention hits 192 tokens (12 full blocks), the recurrent group its checkpoint at 192 (6 x 32)
     assert hits2 - hits1 == 192 + 192
     assert second["usage"]["hybridpd"]["decode_local_cached_tokens"] == 192
     moved_first = bytes1

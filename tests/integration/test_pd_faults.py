@@ -31,12 +31,15 @@ def _prefill(addr: str, rid: str, prompt: list[int]) -> pb.PrefillResponse:
             pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp()), timeout=60)
 
 
-def _generate(addr: str, rid: str, prompt: list[int], params: pb.TransferParams) -> tuple[list[int], pb.GenerateChunk]:
-    toks: list[int] = []
+def _generate(addr: str, rid: str, prompt: list[int], resp: pb.PrefillResponse) -> tuple[list[int], pb.GenerateChunk]:
+    """P's first token, then D's output continuing from it with P's params (as the proxy drives them)."""
+    toks: list[int] = list(resp.first.token_ids)
     last = None
+    first = pb.FirstToken(token_id=resp.first.token_ids[0], logprob=resp.first.logprobs[0])
     with grpc.insecure_channel(addr) as ch:
         for chunk in pb_grpc.DecodeServiceStub(ch).Generate(pb.GenerateRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling_params=_sp(), params=params), timeout=120):
+                request_id=rid, prompt_token_ids=prompt, sampling_params=_sp(), params=resp.params,
+                first_token=first), timeout=120):
             toks += list(chunk.token_ids)
             last = chunk
     assert last is not None
@@ -62,7 +65,7 @@ def test_restarted_prefill_worker_means_recompute(checkpoint_dir):  # type: igno
         while (not p.alive() or p.info["epoch"] == old_epoch) and time.time() < deadline:
             time.sleep(0.5)
         assert p.info["epoch"] != old_epoch
-        toks, last = _generate(d.info["address"], "r1", prompt, resp.params)
+        toks, last = _generate(d.info["address"], "r1", prompt, resp)
         assert toks == _expected(model, [prompt])[0]
         assert last.num_external_cached_tokens == 0  # nothing was taken from the stale producer
     finally:
@@ -79,18 +82,17 @@ def test_frozen_prefill_worker_mid_pull_recomputes_or_fails(checkpoint_dir):  # 
         try:
             p, d = c.prefill[0], c.decode[0]
             # a first request completes the handshake, so the second fails inside the READ itself
-            warm, _ = _generate(d.info["address"], "w", prompts[0],
-                                _prefill(p.info["address"], "w", prompts[0]).params)
+            warm, _ = _generate(d.info["address"], "w", prompts[0], _prefill(p.info["address"], "w", prompts[0]))
             assert warm == expected[0]
             resp = _prefill(p.info["address"], "r2", prompts[1])
             os.kill(p.proc.pid, signal.SIGSTOP)
             try:
                 if policy == "recompute":
-                    toks, last = _generate(d.info["address"], "r2", prompts[1], resp.params)
+                    toks, last = _generate(d.info["address"], "r2", prompts[1], resp)
                     assert toks == expected[1] and last.num_external_cached_tokens == 0
                 else:
                     with pytest.raises(grpc.RpcError) as e:
-                        _generate(d.info["address"], "r2", prompts[1], resp.params)
+                        _generate(d.info["address"], "r2", prompts[1], resp)
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "transfer" in e.value.details()
             finally:
                 os.kill(p.proc.pid, signal.SIGCONT)

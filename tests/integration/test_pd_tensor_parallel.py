@@ -72,5 +72,5 @@ def test_pd_between_tp_sizes_matches_colocated(tp_cluster) -> None:  # type: ign
     for prompt, tokens in zip(prompts, want, strict=True):
         body = complete(tp_cluster, prompt, NEW)
         assert body["choices"][0]["token_ids"] == tokens, f"{len(prompt)}-token prompt: PD output differs"
-        assert body["usage"]["hybridpd"]["transferred_tokens"] == len(prompt) - 1  # pulled, not recomputed
+        assert body["usage"]["hybridpd"]["transferred_tokens"] == len(prompt)  # pulled, not recomputed
     assert _handoff_failures(tp_cluster) == 0

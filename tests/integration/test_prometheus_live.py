@@ -101,11 +101,12 @@ def _expected_counters(prompts: list[list[int]]) -> tuple[dict[str, _Side], list
 
     Per request with N prompt tokens:
 
-    P computes N-1 tokens (the last one is D's), so its hit is capped at N-2 (a request computes >= 1 token):
+    P computes the N prompt tokens (and samples the first output token), so its hit is capped at N-1 (a request
+    computes >= 1 token):
         a_P = attention blocks P holds (left to right), h_P = largest checkpoint boundary <= a_P P holds.
-    P writes a checkpoint at every boundary it computes, in (h_P, N-1], caches its full blocks up to N-1, and
-    hands D (with the running state) its largest checkpoint <= N-1: c_P.
-    D receives N-1 tokens. Its own hit, capped at N-1 (never more than it is sent):
+    P writes a checkpoint at every boundary it computes, in (h_P, N], caches its full blocks up to N, and hands D
+    (with the running state) its largest checkpoint <= N: c_P.
+    D receives N tokens. Its own hit, capped at N (never more than it is sent):
         a_D = attention blocks D holds (every full block of an earlier prompt D received: D publishes what it
               pulled), h_D = largest boundary (multiple of 32) <= a_D among the checkpoints D holds.
     D holds a checkpoint only where it pulled one: c_P of an earlier request, pulled when c_P > h_D (D never
@@ -117,7 +118,7 @@ def _expected_counters(prompts: list[list[int]]) -> tuple[dict[str, _Side], list
     p_side, d_side = _Side(), _Side()
     local = []
     for p in prompts:
-        n = len(p) - 1
+        n = len(p)
         # D also computes while decoding; the workload keeps that from filling a block or crossing a boundary,
         # so D caches nothing of its own beyond what it pulled.
         assert n // BLOCK == (n + MAX_TOKENS - 1) // BLOCK and n // INTERVAL == (n + MAX_TOKENS - 1) // INTERVAL

@@ -2,9 +2,12 @@
 
 Nothing here is a model. The fakes follow the wire contract in hybridpd.proto with a trivial deterministic rule:
 
-    FakePrefillWorker: returns TransferParams for N-1 computed tokens; its "prefix hit" is the longest prefix,
-                       in whole 4-token blocks, shared with any earlier prompt of the same cache_salt.
-    FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk,
+    FakePrefillWorker: returns the first output token of the decode rule below (its chunk; with its end when that
+                       token ends the request) and, unless it ended it, TransferParams for the N prompt tokens; its
+                       "prefix hit" is the longest prefix, in whole 4-token blocks, shared with any earlier prompt
+                       of the same cache_salt.
+    FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk
+                       (from the second when Generate carries the first token),
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
                        then ids +1, +2, ... each 1.0 less likely); finishes "length" at
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string).
@@ -63,8 +66,10 @@ def _stats(role: str, worker_id: str, metrics_port: int, running: int) -> pb.Sta
 class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
     """FAKE prefill worker (see module doc)."""
 
-    def __init__(self, worker_id: str = "fake-prefill-0", delay_s: float = 0.0, metrics_port: int = 0) -> None:
+    def __init__(self, worker_id: str = "fake-prefill-0", delay_s: float = 0.0, metrics_port: int = 0,
+                 token_text: Callable[[int], str] | None = None) -> None:
         self.worker_id = worker_id
+        self.token_text = token_text or (lambda t: f" {t}")
         self.address = ""
         self.delay_s = delay_s
         self.metrics_port = metrics_port
@@ -87,11 +92,17 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         hit = max((_common_prefix(ids, p) for s, p in self._seen if s == request.cache_salt), default=0)
         hit = min(hit // FAKE_BLOCK * FAKE_BLOCK, max(0, n - 1))
         self._seen.append((request.cache_salt, ids))
+        first = next(_fake_chunks(request.prompt_token_ids, request.sampling_params, self.token_text))
+        if not first.token_ids:  # a stop token: P returns it as the engine samples it (no text)
+            first.token_ids.append(_fake_outputs(request.prompt_token_ids, request.sampling_params)[0])
+        first.num_cached_tokens, first.num_external_cached_tokens = hit, 0
+        if first.finish_reason:
+            return pb.PrefillResponse(request_id=request.request_id, num_cached_tokens=hit, first=first)
         blocks = pb.GroupBlocks(group_id=0, block_ids=range(1, 1 + (n + FAKE_BLOCK - 1) // FAKE_BLOCK))
         params = pb.TransferParams(worker_id=self.worker_id, epoch="fake-epoch", prefill_address=self.address,
-                                   groups=[blocks], state_slot=1, num_computed_tokens=n - 1, num_prompt_tokens=n,
-                                   lease_expiry_unix=time.time() + 30.0)
-        return pb.PrefillResponse(request_id=request.request_id, params=params, num_cached_tokens=hit)
+                                   groups=[blocks], states=[pb.GroupStates(group_id=1, state_slot=1)],
+                                   num_computed_tokens=n, num_prompt_tokens=n, lease_expiry_unix=time.time() + 30.0)
+        return pb.PrefillResponse(request_id=request.request_id, params=params, num_cached_tokens=hit, first=first)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         self.releases.append(request.request_id)
@@ -131,13 +142,6 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self._abort_requested: set[str] = set()
         self.cache_snapshot: dict[int, set[bytes]] | None = None
 
-    def _outputs(self, request: pb.GenerateRequest) -> list[int]:
-        rev = list(reversed(request.prompt_token_ids))
-        sp = request.sampling_params
-        if sp.ignore_eos:
-            return [rev[i % len(rev)] for i in range(sp.max_tokens)]
-        return rev[: sp.max_tokens]
-
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         rid = request.request_id
         self.generates.append(request)
@@ -153,43 +157,20 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             self.running.discard(rid)
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
-        sp = request.sampling_params
         external = request.params.num_computed_tokens if request.HasField("params") else 0
-
-        def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
-            lp = -0.1 * (step % 5 + 1)
-            # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
-            top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
-                                  logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
-            return pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
-                                    logprobs=[lp] if sp.logprobs and tokens else [],
-                                    top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
-                                    num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=external,
-                                    num_external_cached_tokens=external)
-
-        text_so_far = ""
-        outputs = self._outputs(request)
-        for i, tok in enumerate(outputs):
+        start = 1 if request.HasField("first_token") else 0  # the proxy streamed P's first token
+        for i, chunk in enumerate(_fake_chunks(request.prompt_token_ids, request.sampling_params, self.token_text)):
+            if i < start:
+                continue
             if self.failure is not None and i >= self.failure.after_tokens:
                 await context.abort(self.failure.code, self.failure.message)
             if request.request_id in self._abort_requested:
-                yield chunk(i, [], "", "abort")
+                yield pb.GenerateChunk(finish_reason="abort")
                 return
-            if tok in sp.stop_token_ids:
-                yield chunk(i, [], "", "stop")
-                return
-            if self.token_delay_s:
+            if self.token_delay_s and chunk.token_ids:
                 await asyncio.sleep(self.token_delay_s)
-            text = self.token_text(tok)
-            hit = next((s for s in sp.stop if s in text_so_far + text), None)
-            if hit is not None:
-                cut = (text_so_far + text).index(hit)
-                yield chunk(i, [tok], text[: max(0, cut - len(text_so_far))], "stop")
-                return
-            text_so_far += text
-            last = i == len(outputs) - 1
-            finish = ("length" if len(outputs) == sp.max_tokens else "stop") if last else ""
-            yield chunk(i, [tok], text, finish)
+            chunk.num_cached_tokens = chunk.num_external_cached_tokens = external
+            yield chunk
 
     async def CacheEvents(self, request: pb.CacheEventsRequest, context: grpc.aio.ServicerContext) -> Any:
         """With `cache_snapshot` set ({group: hashes}, block size 16, group 0 attention, 1 recurrent): that snapshot,
@@ -217,6 +198,44 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("decode", self.worker_id, self.metrics_port, len(self.running))
+
+
+def _fake_outputs(prompt: Any, sp: pb.SamplingParams) -> list[int]:
+    rev = list(reversed(prompt))
+    if sp.ignore_eos:
+        return [rev[i % len(rev)] for i in range(sp.max_tokens)]
+    return rev[: sp.max_tokens]
+
+
+def _fake_chunks(prompt: Any, sp: pb.SamplingParams, token_text: Callable[[int], str]) -> Any:
+    """The fake rule's chunks, one token each; the last carries the finish reason."""
+    text_so_far = ""
+    outputs = _fake_outputs(prompt, sp)
+
+    def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
+        lp = -0.1 * (step % 5 + 1)
+        # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
+        top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
+                              logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
+        return pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
+                                logprobs=[lp] if sp.logprobs and tokens else [],
+                                top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
+                                num_prompt_tokens=len(prompt))
+
+    for i, tok in enumerate(outputs):
+        if tok in sp.stop_token_ids:
+            yield chunk(i, [], "", "stop")
+            return
+        text = token_text(tok)
+        hit = next((s for s in sp.stop if s in text_so_far + text), None)
+        if hit is not None:
+            cut = (text_so_far + text).index(hit)
+            yield chunk(i, [tok], text[: max(0, cut - len(text_so_far))], "stop")
+            return
+        text_so_far += text
+        last = i == len(outputs) - 1
+        finish = ("length" if len(outputs) == sp.max_tokens else "stop") if last else ""
+        yield chunk(i, [tok], text, finish)
 
 
 async def serve_fake(worker: FakePrefillWorker | FakeDecodeWorker) -> grpc.aio.Server:

@@ -35,7 +35,8 @@ class LiveStack:
                  token_delay_s: float = 0.0, **config_overrides: Any) -> None:
         self.tokenizer = tokenizer
         text = tokenizer.visible_text if tokenizer is not None else None  # real D skips special tokens too
-        self.prefill = [FakePrefillWorker(f"fake-prefill-{i}", metrics_port=9100 + i) for i in range(n_prefill)]
+        self.prefill = [FakePrefillWorker(f"fake-prefill-{i}", metrics_port=9100 + i, token_text=text)
+                        for i in range(n_prefill)]
         self.decode = [FakeDecodeWorker(f"fake-decode-{i}", token_delay_s, metrics_port=9200 + i, token_text=text)
                        for i in range(n_decode)]
         self._overrides = config_overrides

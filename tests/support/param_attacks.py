@@ -26,8 +26,6 @@ def with_pages_of(tp: pb.TransferParams, other: pb.TransferParams) -> pb.Transfe
     for s, o in zip(out.states, other.states, strict=True):
         s.state_slot = o.state_slot
         s.checkpoint_slot = o.checkpoint_slot if keep_checkpoint else s.checkpoint_slot
-    out.state_slot = other.state_slot
-    out.checkpoint_slot = other.checkpoint_slot if keep_checkpoint else out.checkpoint_slot
     return out
 
 
@@ -68,8 +66,6 @@ ALTERATIONS: dict[str, Callable[[pb.TransferParams], None]] = {
     "block_ids (swapped)": _first_block,
     "block_ids (one more)": lambda tp: tp.groups[0].block_ids.append(max(tp.groups[0].block_ids) + 1),
     "block_ids (other group id)": lambda tp: setattr(tp.groups[0], "group_id", tp.groups[0].group_id + 7),
-    "state_slot (legacy field)": _bump("state_slot"),
-    "checkpoint_slot (legacy field)": _bump("checkpoint_slot"),
     "states.state_slot": _state("state_slot"),
     "states.checkpoint_slot": _state("checkpoint_slot"),
     "checkpoint_num_tokens": _bump("checkpoint_num_tokens", -16),

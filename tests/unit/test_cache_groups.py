@@ -559,9 +559,9 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
     p.cache.check_integrity()
 
 
-def test_transfer_params_carry_every_group_and_read_the_one_group_format() -> None:
+def test_transfer_params_carry_every_group() -> None:
     """TransferParams round trip: per attention group blocks, per recurrent group state + checkpoint slots
-    (`states`, field 14); params from an older P (fields 5 and 10 only) are read as the only recurrent group's."""
+    (`states`, field 14)."""
     from hybridpd.decode.consumer import source_of
     from hybridpd.engine.transfer import Checkpoint
     from hybridpd.prefill.service import transfer_params
@@ -569,13 +569,9 @@ def test_transfer_params_carry_every_group_and_read_the_one_group_format() -> No
 
     exp = Export("r", 11, {0: (3, 4, 5), 1: (7, 8, 9)}, {2: 6, 3: 2}, Checkpoint(8, {2: 4, 3: 5}), {})
     tp = pb.TransferParams.FromString(transfer_params(exp).SerializeToString())
-    assert (tp.state_slot, tp.checkpoint_slot, tp.checkpoint_num_tokens) == (6, 4, 8)  # the first group's, as before
-    src = source_of(tp, [2, 3])
+    assert tp.checkpoint_num_tokens == 8 and tp.num_computed_tokens == 11
+    src = source_of(tp)
     assert src == ImportSource(11, {0: [3, 4, 5], 1: [7, 8, 9]}, {2: 6, 3: 2}, Checkpoint(8, {2: 4, 3: 5}))
-    old = pb.TransferParams(num_computed_tokens=11, groups=[pb.GroupBlocks(group_id=0, block_ids=[3, 4, 5])],
-                            state_slot=6, checkpoint_slot=4, checkpoint_num_tokens=8)
-    assert source_of(old, [1]) == ImportSource(11, {0: [3, 4, 5]}, {1: 6}, Checkpoint(8, {1: 4}))
-    assert source_of(old, [2, 3]).state_slots == {}  # ambiguous with two recurrent groups: begin_import refuses it
 
 
 def test_a_failed_step_leaves_imports_waiting_and_a_fail_deadline_ends_them_with_an_error() -> None:

@@ -13,9 +13,11 @@ from hybridpd.engine.transfer import (
     Import,
     ImportSource,
     abort_import,
+    add_first_token,
     begin_import,
     complete_import,
     export_prefilled,
+    first_token_problem,
     release_export,
     schedule_local,
 )
@@ -64,12 +66,15 @@ def test_export_import_matches_colocated_with_and_without_a_local_hit(checkpoint
         prompt_token_ids=prompts, sampling_params=GREEDY)]
     p, d = _core(model), _core(model)
     for i, prompt in enumerate(prompts):
-        preq = p.add_request(f"r{i}", prompt, GREEDY, compute_target=len(prompt) - 1)
+        preq = p.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)  # the whole prompt, then token 1
         _run(p)
-        assert preq.finish_reason == "prefilled"
+        assert preq.finish_reason == "prefilled" and preq.output_token_ids == want[i][:1]
         exp = export_prefilled(p, preq)
+        assert exp.num_tokens == len(prompt)
         dreq = d.new_request(f"r{i}", prompt, GREEDY)
+        assert first_token_problem(d, dreq, preq.output_token_ids[0]) is None
         imp = begin_import(d, dreq, _source(exp))
+        add_first_token(d, dreq, preq.output_token_ids[0], preq.output_logprobs[0])
         assert imp is not None
         (gid,) = imp.src_blocks
         assert imp.local_hit_tokens % 16 == 0
@@ -81,7 +86,7 @@ def test_export_import_matches_colocated_with_and_without_a_local_hit(checkpoint
         release_export(p, preq, exp)
         _run(d)
         assert dreq.output_token_ids == want[i]
-        assert dreq.external_computed_tokens == len(prompt) - 1 - imp.local_hit_tokens
+        assert dreq.external_computed_tokens == len(prompt) - imp.local_hit_tokens
     _idle_and_empty(p)
     _idle_and_empty(d)
 

@@ -176,8 +176,8 @@ def test_params_mac_covers_every_field_and_the_request_id() -> None:
     from hybridpd.proto import hybridpd_pb2 as pb
 
     key = new_mac_key()
-    tp = pb.TransferParams(worker_id="w", epoch="e", prefill_address="p:1", state_slot=3, num_computed_tokens=40,
-                           num_prompt_tokens=41, lease_expiry_unix=1.5e9, checkpoint_slot=7,
+    tp = pb.TransferParams(worker_id="w", epoch="e", prefill_address="p:1", num_computed_tokens=41,
+                           num_prompt_tokens=41, lease_expiry_unix=1.5e9,
                            checkpoint_num_tokens=32, lease_token="tok", prompt_digest=b"d" * 32,
                            groups=[pb.GroupBlocks(group_id=1, block_ids=[4, 5, 6])],
                            states=[pb.GroupStates(group_id=0, state_slot=3, checkpoint_slot=7)])
@@ -196,4 +196,4 @@ def test_params_mac_covers_every_field_and_the_request_id() -> None:
             value = getattr(tp, name)
             setattr(altered, name, value + (b"x" if isinstance(value, bytes) else "x" if isinstance(value, str) else 1))
         assert not verify_params_mac(key, "r1", altered), name
-    assert len(fields) == 13  # a new TransferParams field must be added to the MAC (kvtransfer.binding)
+    assert len(fields) == 11  # a new TransferParams field must be added to the MAC (kvtransfer.binding)

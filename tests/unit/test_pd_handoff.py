@@ -12,145 +12,56 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import hybridpd.decode.consumer as consumer_mod
 import pytest
-import torch
-from hybridpd.decode.service import DecodeServicer
 from hybridpd.engine import LLM, SamplingParams
-from hybridpd.engine.async_engine import AsyncEngine
-from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig
 from hybridpd.engine.core import EngineCore
 from hybridpd.kvtransfer.binding import prompt_digest
-from hybridpd.kvtransfer.pull import PullResult, PullState
-from hybridpd.prefill.service import PrefillServicer
+from hybridpd.kvtransfer.pull import PullState
 from hybridpd.proto import hybridpd_pb2 as pb
-from hybridpd.worker.context import WorkerContext
 
 from tests.oracle import random_prompts
+from tests.support.pd_pair import COLOCATED_FIRST, Aborted, FakeContext, FakeHandle, Pair, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NEW = 6
 MODEL = "nemotron_attn_mid"
 
 
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
-class FakeContext:
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-
-def _config(model: str) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(path=model, dtype="float32", device="cpu"),
-                        cache=CacheConfig(block_size=16, checkpoint_interval=32, kv_cache_memory_bytes=8 * 2**20))
-
-
-@dataclass
-class FakeHandle:
-    """A pull that copies P's pages into D's on its first poll. `during_read` runs just before the copy (a fault
-    injected while the READ is in flight)."""
-
-    p: EngineCore
-    d: EngineCore
-    spec: Any
-    during_read: Callable[[], None] | None = None
-    result: PullResult | None = None
-
-    def poll(self) -> PullState:
-        if self.result is None:
-            if self.during_read is not None:
-                self.during_read()
-            for maps_src, maps_dst in ((self.spec.src_blocks, self.spec.dst_blocks),
-                                       (self.spec.src_state_slots, self.spec.dst_state_slots)):
-                for gid, src in maps_src.items():
-                    src_t = torch.tensor(list(src))
-                    dst_t = torch.tensor(list(maps_dst[gid]))
-                    for ps, ds in zip(self.p.runner.group_tensors[gid], self.d.runner.group_tensors[gid], strict=True):
-                        ds.index_copy_(0, dst_t, ps.index_select(0, src_t))
-            self.result = PullResult(self.spec.request_id, PullState.DONE, "recompute", 0, 0, 0.0)
-        return self.result.state
-
-    def cancel(self) -> None:
-        pass
-
-
-class DirectStub:
-    """D's view of P's gRPC service, answered by P's servicer in process (or failing like an unreachable P)."""
-
-    def __init__(self, servicer: PrefillServicer, down: bool = False) -> None:
-        self.servicer, self.down = servicer, down
-
-    async def Commit(self, req: pb.CommitRequest, timeout: float, metadata: Any) -> pb.CommitResponse:
-        if self.down:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
-        return await self.servicer.Commit(req, FakeContext())  # type: ignore[arg-type]
-
-
-@dataclass
-class Pair:
-    p_core: EngineCore
-    d_core: EngineCore
-    p: PrefillServicer
-    d: DecodeServicer
-    during_read: Callable[[], None] | None = None
-    p_down: bool = False
-    pulls: list[Any] = field(default_factory=list)
-
-    def close(self) -> None:
-        self.p.ctx.aengine.shutdown()
-        self.d.ctx.aengine.shutdown()
-
-
-async def make_pair(model: str, monkeypatch: pytest.MonkeyPatch, lease_seconds: float = 30.0,
-                    max_pinned_fraction: float = 0.5) -> Pair:
-    p_core, d_core = EngineCore(_config(model)), EngineCore(_config(model))
-    p_ctx = WorkerContext(role="prefill", aengine=AsyncEngine(p_core), model_name="m", address="p:1")
-    d_ctx = WorkerContext(role="decode", aengine=AsyncEngine(d_core), model_name="m", address="d:1")
-    p = PrefillServicer(p_ctx, lease_seconds, max_pinned_fraction)
-    d = DecodeServicer(d_ctx)
-    pair = Pair(p_core, d_core, p, d)
-
-    def fake_start_pull(peer: Any, spec: Any, **kw: Any) -> FakeHandle:
-        assert spec.notify_done is False and spec.lease_token  # D ends the lease by Commit, never by a notice
-        pair.pulls.append(spec)
-        return FakeHandle(p_core, d_core, spec, pair.during_read)
-
-    async def fake_peer(tp: pb.TransferParams) -> object:
-        return object()
-
-    monkeypatch.setattr(consumer_mod, "start_pull", fake_start_pull)
-    monkeypatch.setattr(d, "_peer", fake_peer)
-    monkeypatch.setattr(d, "_prefill_stub", lambda address: DirectStub(p, pair.p_down))
-    return pair
-
-
 def _sp() -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
+async def prefill_response(pair: Pair, rid: str, prompt: list[int],
+                           sp: pb.SamplingParams | None = None) -> pb.PrefillResponse:
+    req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp or _sp())
+    return await pair.p.Prefill(req, FakeContext())  # type: ignore[arg-type]
+
+
 async def prefill(pair: Pair, rid: str, prompt: list[int]) -> pb.TransferParams:
-    resp = await pair.p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp()),
-                                FakeContext())  # type: ignore[arg-type]
-    return resp.params
+    """P's transfer params for `prompt` (its first token is the colocated engine's: `generate` is given that)."""
+    return (await prefill_response(pair, rid, prompt)).params
 
 
-async def generate(pair: Pair, rid: str, prompt: list[int], params: pb.TransferParams | None) -> list[int]:
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=_sp())
+async def generate(pair: Pair, rid: str, prompt: list[int], params: pb.TransferParams | None,
+                   first: int | None = None, sp: pb.SamplingParams | None = None) -> list[int]:
+    """The request's output tokens: `first` (the proxy streamed it; with params, the colocated engine's first token
+    of `prompt` unless given), then what D streams."""
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp or _sp())
     if params is not None:
         req.params.CopyFrom(params)
+        if first is None:
+            first = COLOCATED_FIRST[tuple(prompt)]
     toks: list[int] = []
+    if first is not None:
+        req.first_token.token_id = first
+        toks.append(first)
     async for chunk in pair.d.Generate(req, FakeContext()):  # type: ignore[arg-type]
         toks += list(chunk.token_ids)
     return toks
+
 
 
 async def settle(pair: Pair) -> None:
@@ -174,6 +85,7 @@ def expected(checkpoint_dir, prompts):  # type: ignore[no-untyped-def]
     llm = LLM(model=checkpoint_dir(MODEL), checkpoint_interval=32, kv_cache_memory_bytes=8 * 2**20)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    COLOCATED_FIRST.update({tuple(p): o.token_ids[0] for p, o in zip(prompts, outs, strict=True)})
     return [o.token_ids for o in outs]
 
 
@@ -181,9 +93,11 @@ def test_handoff_commits_and_matches_colocated(checkpoint_dir, monkeypatch, prom
     async def run() -> None:
         pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
         try:
-            tp = await prefill(pair, "a", prompts[0])
-            assert tp.lease_token and tp.prompt_digest == prompt_digest(prompts[0], len(prompts[0]) - 1)
-            assert await generate(pair, "a", prompts[0], tp) == expected[0]
+            resp = await prefill_response(pair, "a", prompts[0])
+            tp = resp.params
+            assert tp.lease_token and tp.prompt_digest == prompt_digest(prompts[0], len(prompts[0]))
+            assert list(resp.first.token_ids) == expected[0][:1] and not resp.first.finish_reason
+            assert await generate(pair, "a", prompts[0], tp, resp.first.token_ids[0]) == expected[0]
             assert pair.d.consumer.num_recomputed == 0 and len(pair.pulls) == 1
             await settle(pair)  # Commit ended P's lease
         finally:
@@ -237,7 +151,7 @@ def test_foreign_params_are_refused_before_the_pull_and_at_commit(checkpoint_dir
             tp_b = await prefill(pair, "b2", b)
             forged = pb.TransferParams()
             forged.CopyFrom(tp_b)
-            forged.prompt_digest = prompt_digest(a, len(a) - 1)  # a forger also rewrites the digest
+            forged.prompt_digest = prompt_digest(a, len(a))  # a forger also rewrites the digest
             assert await generate(pair, "b2", a, forged) == expected[0]
             assert len(pair.pulls) == 1  # D pulled B's pages, and P's Commit refused them for prompt A
             assert pair.d.consumer.num_refused == {"prompt_mismatch": 1, "lease_lost": 1}
@@ -337,7 +251,8 @@ def test_abort_ends_the_generate_stream_while_running_and_while_pulling(checkpoi
             # aborted while its pull is in flight: the READ never completes here
             tp = await prefill(pair, "p", prompts[1])
             monkeypatch.setattr(FakeHandle, "poll", lambda self: PullState.PENDING)
-            req = pb.GenerateRequest(request_id="p", prompt_token_ids=prompts[1], sampling_params=_sp(), params=tp)
+            req = pb.GenerateRequest(request_id="p", prompt_token_ids=prompts[1], sampling_params=_sp(), params=tp,
+                                     first_token=pb.FirstToken(token_id=1))
             task = asyncio.create_task(consume(req))
             while "p" not in pair.d.consumer.pending:
                 await asyncio.sleep(0.01)
@@ -391,7 +306,7 @@ def test_prefill_validates_the_prompt_once_in_one_step_thread_round_trip(checkpo
 
             monkeypatch.setattr(pair.p.ctx.aengine, "acall", counting_acall)
             params = await prefill(pair, "a", prompts[0])
-            assert seen == [len(prompts[0])] and len(calls) == 1 and params.num_computed_tokens == len(prompts[0]) - 1
+            assert seen == [len(prompts[0])] and len(calls) == 1 and params.num_computed_tokens == len(prompts[0])
             with pytest.raises(Aborted) as e:
                 await prefill(pair, "bad", [1, 2, 10**9])
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

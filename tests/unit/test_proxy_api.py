@@ -53,13 +53,39 @@ def test_completion_non_stream(stack: LiveStack) -> None:
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert choice["text"] == "olleh" and choice["finish_reason"] == "length" and choice["logprobs"] is None
-    # P computed N-1 = 4 tokens and D pulled them: transferred, not a cache hit (cached_tokens counts hits only).
+    # P computed the 5 prompt tokens and D pulled them: transferred, not a cache hit (cached_tokens counts hits only).
     assert body["usage"] == {
         "prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0},
-        "hybridpd": {"prefill_cached_tokens": 0, "transferred_tokens": 4, "decode_local_cached_tokens": 0}}
+        "hybridpd": {"prefill_cached_tokens": 0, "transferred_tokens": 5, "decode_local_cached_tokens": 0}}
     gen = stack.decode[0].generates[-1]
     assert list(gen.prompt_token_ids) == list(b"hello") and gen.HasField("params")
-    assert gen.params.num_computed_tokens == 4 and gen.params.prefill_address == stack.prefill[0].address
+    assert gen.params.num_computed_tokens == 5 and gen.params.prefill_address == stack.prefill[0].address
+    assert gen.first_token.token_id == ord("o")  # P's first token (the fake's rule: the prompt reversed)
+
+
+def _ttft_count(stack: LiveStack) -> float:
+    lines = stack.http.get("/metrics").text.splitlines()
+    name = "hybridpd_time_to_first_token_seconds_count"
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def test_a_first_token_that_ends_the_request_is_answered_by_p_alone(stack: LiveStack) -> None:
+    """max_tokens 1, a stop token or a stop string at the first token: P's answer is the whole output, no decode
+    worker is called (and nothing is left for it), and the time to first token is P's."""
+    calls = len(stack.decode[0].generates)
+    ttft = _ttft_count(stack)
+    for extra, text, finish in (({"max_tokens": 1}, "o", "length"), ({"stop_token_ids": [ord("o")]}, "", "stop"),
+                                ({"stop": ["o"]}, "", "stop"), ({"max_tokens": 1, "stream": True}, "o", "length")):
+        r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5, **extra})
+        assert r.status_code == 200, r.text
+        if extra.get("stream"):
+            assert f'"text":"{text}"' in r.text.replace(" ", "") and r.text.rstrip().endswith("data: [DONE]")
+            continue
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == (text, finish, 1)
+    assert len(stack.decode[0].generates) == calls  # D was never called
+    assert _ttft_count(stack) == ttft + 4
+    assert not stack.prefill[0].releases or stack.prefill[0].prefills[-1].request_id not in stack.prefill[0].releases
 
 
 def test_completion_token_id_prompts_and_default_max_tokens(stack: LiveStack) -> None:
@@ -80,7 +106,7 @@ def test_sampling_params_reach_workers(stack: LiveStack) -> None:
     assert (sp.max_tokens, sp.top_k, sp.seed, list(sp.stop), list(sp.stop_token_ids), sp.ignore_eos) == (
         4, 7, 11, ["zz"], [300], True)
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
-    bare = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 1})
+    bare = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2})
     assert bare.status_code == 200
     sp = stack.decode[0].generates[-1].sampling_params
     assert not sp.HasField("temperature") and not sp.HasField("seed") and not sp.HasField("top_k")

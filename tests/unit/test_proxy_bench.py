@@ -38,7 +38,7 @@ def test_random_stream(stack: LiveStack, tmp_path: Path, capsys: pytest.CaptureF
     assert s["completed"] == 12 and s["failed"] == 0
     assert s["total_prompt_tokens"] == 120 and s["total_output_tokens"] == 60
     assert s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["mean"] >= 0 and s["tpot_ms"]["p99"] >= 0
-    assert s["usage_transferred_token_rate"] == pytest.approx(9 / 10)  # fake D: N-1 tokens pulled from P
+    assert s["usage_transferred_token_rate"] == pytest.approx(1.0)  # fake D: all N prompt tokens pulled from P
     assert s["usage_cached_token_rate"] == s["usage_prefill_cached_token_rate"]  # a pull is not a cache hit
     assert len(doc["requests"]) == 12 and all(len(r["itl"]) == 4 for r in doc["requests"])
     assert doc["worker_prefix_cache"] == {}  # the fakes' metrics ports do not answer

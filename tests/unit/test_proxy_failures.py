@@ -120,8 +120,12 @@ def test_worker_invalid_argument_is_400_with_its_message(stack: LiveStack) -> No
     stack.decode[0].failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, "stale epoch")
     r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 1})
     assert r.status_code == 400  # proxy-side validation first
-    r = stack.http.post("/v1/completions", json={**LONG, "stream": True})
+    r = stack.http.post("/v1/completions", json=LONG)
     assert r.status_code == 400 and r.json()["error"]["message"] == "stale epoch"
+    # a stream has had P's first token already: the error ends it
+    r = stack.http.post("/v1/completions", json={**LONG, "stream": True})
+    events = [e for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and "stale epoch" in events[-2] and events[-1] == "data: [DONE]"
 
 
 def test_decode_failure_before_first_token_releases_prefill(stack: LiveStack) -> None:

@@ -74,7 +74,7 @@ def test_sampling_params_on_the_wire(stack: LiveStack) -> None:
     assert sp.min_tokens == 2 and dict(sp.logit_bias) == {104: -100.0, 7: 2.5}
     assert sp.logprobs and sp.top_logprobs == 5 and sp.include_stop_str_in_output
     assert stack.prefill[0].prefills[-1].sampling_params.top_logprobs == 5
-    default = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    default = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
     assert default.status_code == 200
     sp = stack.decode[0].generates[-1].sampling_params
     assert not sp.HasField("repetition_penalty") and not sp.logit_bias and sp.top_logprobs == 0

@@ -58,7 +58,7 @@ def _ids(stack: LiveStack, i: int) -> list[str]:
 def test_round_robin_through_proxy() -> None:
     with LiveStack(n_prefill=2, n_decode=2, model_name=MODEL, routing="round_robin") as s:
         for _ in range(4):
-            r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
+            r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
             assert r.status_code == 200
         assert [len(_ids(s, 0)), len(_ids(s, 1))] == [2, 2]
         assert [len(p.prefills) for p in s.prefill] == [2, 2]
@@ -82,6 +82,7 @@ def test_least_loaded_avoids_busy_decode(policy: str, expected: list[int]) -> No
             lines = busy.iter_lines()  # keep a reference: a collected iterator closes the connection
             next(lines)  # decode-0 now has one request in flight
             for _ in range(2):
-                r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 1})
+                r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [3], "max_tokens": 2,
+                                                             "ignore_eos": True})
                 assert r.status_code == 200
             assert [len(_ids(s, 0)), len(_ids(s, 1))] == expected

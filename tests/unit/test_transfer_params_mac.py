@@ -1,7 +1,7 @@
 """Transfer params cannot be altered: P signs everything it issues (kvtransfer.binding.params_mac) and its Commit
 checks the signature and which pages D read; D refuses what it can see is wrong before pulling.
 
-In one process (tests/unit/test_pd_handoff.py's harness: the real servicers over two EngineCores, a fake pull that
+In one process (tests/support/pd_pair.py: the real servicers over two EngineCores, a fake pull that
 copies pages): the altered-pages attack (a token holder sends D request A's params carrying request B's block ids
 and state slots), then every field of the params altered one at a time. Each time: the answer is the colocated
 engine's, the refusal is counted, and D's cache holds nothing pulled (a later request for the prompt is right)."""
@@ -17,6 +17,7 @@ from hybridpd.proto import hybridpd_pb2 as pb
 
 from tests.oracle import random_prompts
 from tests.support.param_attacks import ALTERATIONS, with_pages_of
+from tests.support.pd_pair import COLOCATED_FIRST
 from tests.unit.test_pd_handoff import MODEL, NEW, Pair, generate, make_pair, prefill, settle
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,6 +34,7 @@ def expected(checkpoint_dir, prompts):  # type: ignore[no-untyped-def]
     outs = llm.generate(
         prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     )
+    COLOCATED_FIRST.update({tuple(p): o.token_ids[0] for p, o in zip(prompts, outs, strict=True)})
     return [o.token_ids for o in outs]
 
 
@@ -85,7 +87,7 @@ def test_every_field_altered_is_refused_and_nothing_is_cached(checkpoint_dir, mo
             x = prompts[0]
             for i, (name, alter) in enumerate(ALTERATIONS.items()):
                 tp = await prefill(pair, f"r{i}", x)
-                assert tp.mac and tp.num_computed_tokens == len(x) - 1
+                assert tp.mac and tp.num_computed_tokens == len(x)
                 altered = pb.TransferParams()
                 altered.CopyFrom(tp)
                 alter(altered)

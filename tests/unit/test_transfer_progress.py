@@ -27,7 +27,9 @@ from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.worker.context import WorkerContext
 
 from tests.oracle import random_prompts
-from tests.unit.test_pd_handoff import MODEL, FakeContext, _config
+from tests.support.pd_pair import FakeContext
+from tests.support.pd_pair import engine_config as _config
+from tests.unit.test_pd_handoff import MODEL
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
