@@ -37,7 +37,8 @@ class RoutingWeights:
     prefill_token_s: float = 2e-4
     """Starting estimate of P's seconds per computed token (until measured)."""
     handoff_s: float = 0.02
-    """Starting estimate of the PD handoff: Generate sent -> first token (until measured)."""
+    """Starting estimate of the PD handoff: Generate sent -> D's first token, the request's second (until measured;
+    reported, not weighed in placement: P's answer carries the first token)."""
     ewma: float = 0.2
     """Weight of each new measurement in the moving averages."""
     expect_ttl_s: float = 10.0

@@ -12,14 +12,18 @@ A worker whose cache index is not usable (no snapshot yet, stream down) has no h
 
 Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
 prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, or when D's estimated
-prefill time is below the PD path's estimate:
+time to the first token is below the PD path's:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
-    pd_s   = P's cost x step.prefill_token_s + step.handoff_s
+    pd_s   = P's cost x step.prefill_token_s         (P samples the first token: the proxy streams it at once)
+
+The PD handoff (pull, commit, resume) comes after the first token and delays only the second, one gap of a whole
+stream, so it is measured (`StepCosts.handoff_s`, shown in /v1/cluster) but not weighed against D's prefill.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed), D's seconds per token it prefilled itself (skip-P: time to
-first token / remainder) and the PD handoff (Generate sent -> first token). Event loop only.
+first token / remainder) and the PD handoff (Generate sent -> D's first token, the request's second). Event loop
+only.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class Placer:
         remainder = n - 1 - best_skip[2]
         if w.skip_prefill != "never" and p_addr is not None:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
-            pd_s = p_cost * self.costs.prefill_token_s + self.costs.handoff_s
+            pd_s = p_cost * self.costs.prefill_token_s
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
                 return Placement(
                     None,
