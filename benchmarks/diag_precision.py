@@ -35,9 +35,11 @@ MODELS = {
 def engine_run(path: str, dtype: str, fast: bool, prompts: list[list[int]], n: int):  # type: ignore[no-untyped-def]
     from hybridpd.engine import LLM, SamplingParams
 
-    llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
-              max_model_len=512, checkpoint_interval=32)
-    llm.engine.runner.fast_path = fast
+    from tests.support.forward_path import forward_path
+
+    with forward_path(fast):
+        llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48,
+                  kv_cache_memory_bytes=256 * 2**20, max_model_len=512, checkpoint_interval=32)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     return [(o.token_ids, o.logprobs) for o in outs]

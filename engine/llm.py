@@ -95,9 +95,7 @@ class LLM:
         if not messages:
             raise InvalidRequestError("chat needs at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        ids = [tok.encode(tok.chat_template.render(list(c), add_generation_prompt, tools=tools),
-                          add_special_tokens=not tok.chat_template.carries_special_tokens)
-               for c in conversations]
+        ids = [tok.encode_chat(list(c), add_generation_prompt, tools) for c in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
 
     def _tokenize(

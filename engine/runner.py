@@ -1,8 +1,12 @@
 """The model runner: owns the model, every cache tensor and the sampler. The only place tensors are built.
 
 Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks (both per
-cache group), build the flat `ForwardBatch` (one view per attention/recurrent group pairing when a kind has several
+cache group), build the step's batch (one view per attention/recurrent group pairing when a kind has several
 groups: engine.models.batch.GroupViews), run the model, compute logits only for rows that sample, sample.
+
+The path is chosen once, at construction: the batched path (`CausalLM.forward_varlen` on a
+engine.models.varlen.VarlenBatch, decode steps replayed as CUDA graphs) on CUDA with fla-core installed, else the
+readable reference (`CausalLM.forward_reference` on a ForwardBatch).
 Ownership: single thread (the engine's step loop). Caches are allocated once here and never reallocated.
 """
 
@@ -18,12 +22,14 @@ from hybridpd.engine.cache.planner import CapacityPlan
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from hybridpd.engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
 from hybridpd.engine.models.batch import ForwardBatch, GroupViews, SeqInfo
+from hybridpd.engine.models.varlen import VarlenBatch, build_varlen_views
 from hybridpd.engine.sampler import Sampler
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerOutput
 
 
-def _fast_path_default(device: torch.device) -> bool:
+def default_fast_path(device: torch.device) -> bool:
+    """The batched path on CUDA when fla-core is installed; the reference elsewhere."""
     if device.type != "cuda":
         return False
     import importlib.util
@@ -45,9 +51,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
-        self.fast_path = _fast_path_default(device) if fast_path is None else fast_path
-        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA when fla-core is installed. The
-        readable reference otherwise."""
+        self._fast_path = default_fast_path(device) if fast_path is None else fast_path
+        self._forward = self._forward_varlen if self._fast_path else self._forward_reference
+        """The step's forward and sampling on the chosen path (never switched)."""
         self.conv_width = 0
         self.block_size = plan.block_size
         self.caches: list[LayerCache] = [None] * num_layers
@@ -60,7 +66,7 @@ class ModelRunner:
             if isinstance(g.spec, RecurrentStateSpec):
                 self.conv_width = g.spec.conv_shape[1] + 1
         if self.fast_path:
-            getattr(model, "enable_fast_path", lambda: None)()
+            model.enable_fast_path()
             if any(t.dtype == torch.float32 for t in self.attention_tensors + self.state_tensors[:1]):
                 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 engine: no TF32 in fla-core's dots
         if enforce_eager is None:
@@ -82,6 +88,12 @@ class ModelRunner:
         self.num_zeroed_blocks = 0
         self.num_graph_checkpoints = 0
         """Checkpoints saved after decode graph replays (`_graph_checkpoints`)."""
+
+    @property
+    def fast_path(self) -> bool:
+        """Batched path (engine.models.varlen + fast_path kernels); default on CUDA when fla-core is installed. The
+        readable reference otherwise. Chosen at construction (read-only)."""
+        return self._fast_path
 
     def _allocate(self, g: CacheGroup, plan: CapacityPlan) -> None:
         """Bind the group's tensors (allocated by engine/arena.py: one per cache kind for the whole group,
@@ -176,22 +188,21 @@ class ModelRunner:
             self.zero_blocks(fresh, gid)
         if out.is_empty:
             return {}
-        if self.fast_path:
-            return self._execute_fast(out, params)
+        return self._forward(out, params)
+
+    def _forward_reference(self, out: SchedulerOutput, params: dict[str, SamplingParams]
+                           ) -> dict[str, tuple[int, float]]:
         batch = self.build_batch(out)
-        hidden = self.model.forward(batch, self.caches)
+        hidden = self.model.forward_reference(batch, self.caches)
         rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs, strict=True) if o.sample]
-        if not rows:
-            return {}
         rids = [o.request_id for o in out.seqs if o.sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids])
-        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}
+        if not rids:
+            return {}
+        return self._sample(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), rids, params)
 
-    def _execute_fast(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
-        """The batched path: metadata built vectorised and uploaded once, one forward, logits of sampled rows."""
-        from hybridpd.engine.models.varlen import build_varlen_views
-
+    def _forward_varlen(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
+        """The batched path: a decode step replays its CUDA graph; any other step builds its metadata vectorised,
+        uploads it once, runs one forward and the logits of the sampled rows."""
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):
             logits, lse = self.graphs.run(out.seqs)
@@ -206,18 +217,16 @@ class ModelRunner:
         sample = [o.sample for o in out.seqs]
         metas = build_varlen_views(out.seqs, self.block_size, self.conv_width, self.device, self.views,
                                    sample=sample)
-        batch = ForwardBatch.of_varlen(metas, self.views)
-        meta = metas[0]
-        hidden = self.model.forward(batch, self.caches)
+        hidden = self.model.forward_varlen(VarlenBatch(metas, self.views.layer_views), self.caches)
         if not rids:
             return {}
-        return self._sample(self.model.compute_logits(hidden[meta.sample_rows]), rids, params)
+        return self._sample(self.model.compute_logits(hidden[metas[0].sample_rows]), rids, params)
 
     def _graph_checkpoints(self, seqs) -> None:  # type: ignore[no-untyped-def]
         """After a decode graph's replay: its rows' checkpoints (the state after the row's token, copied from the
         running slot into the checkpoint slot in every layer of the group), which the eager path copies inside each
         mixer. A step that saves a checkpoint (a prompt's end on a decode worker, an interval, a branch point) stays
-        in the graph instead of running eager (about 3x the step time at 8B)."""
+        in the graph instead of running eager (several times slower)."""
         views = self.views
         for k in range(views.count):
             if not views.recurrent[k]:
@@ -230,7 +239,5 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams],
                 lse: torch.Tensor | None = None) -> dict[str, tuple[int, float]]:
-        if not rids:
-            return {}
         tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids], lse)
         return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}

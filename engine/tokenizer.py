@@ -94,12 +94,24 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages ([{"role", "content"}]) to the prompt text. Raises ChatTemplateError."""
-        return self.chat_template.render(messages, add_generation_prompt)
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render messages ([{"role", "content"}]) with `tools` (OpenAI tool objects) to the prompt text. Raises
+        ChatTemplateError."""
+        return self.chat_template.render(messages, add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids (special tokens added only when the template does not write them itself)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=not self.chat_template.carries_special_tokens)
 
 

@@ -104,8 +104,6 @@ class LeaseTable:
         self._metrics = metrics
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
-        self.expired_total = 0
-        self.released_total = 0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -151,7 +149,6 @@ class LeaseTable:
         if lease is None or (token is not None and lease.token and token != lease.token):
             return None
         del self._leases[request_id]
-        self.released_total += 1
         return lease
 
     @_locked
@@ -170,7 +167,6 @@ class LeaseTable:
         if lease.token and token != lease.token:
             raise CommitRefused("token_mismatch")  # not ended: the caller does not own this lease
         del self._leases[request_id]
-        self.released_total += 1
         if not params_authentic:
             raise CommitRefused("params_forged")
         if lease.prompt_digest != prompt_digest:
@@ -186,14 +182,9 @@ class LeaseTable:
         expired = sorted((le for le in self._leases.values() if le.expires_at <= now), key=lambda le: le.expires_at)
         for le in expired:
             del self._leases[le.request_id]
-        self.expired_total += len(expired)
         if self._metrics is not None:
             self._metrics.leases_expired(len(expired))
         return expired
-
-    @_locked
-    def next_expiry(self) -> float | None:
-        return min((le.expires_at for le in self._leases.values()), default=None)
 
     @_locked
     def check_integrity(self) -> None:

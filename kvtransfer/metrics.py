@@ -129,7 +129,7 @@ class TransferMetrics:
         self._f.lease_expired.labels(role)
         if role == "prefill":
             self._f.admission_refused.labels(role)
-        # children bound once: labels() costs 3-20 us a call, and transfer_done runs on the handover path
+        # children bound once: labels() looks the child up on every call, and transfer_done runs on the handover path
         self._seconds = self._f.seconds.labels(role)
         self._descriptors = self._f.descriptors.labels(role)
         self._bytes: dict[str, Counter] = {}

@@ -41,12 +41,6 @@ class WorkerOptions:
     heartbeat_s: float = 1.0  # registration renewal period (a registration expires after 5 of them)
 
 
-def build_layout(core, model_id: str):  # type: ignore[no-untyped-def]
-    from hybridpd.kvtransfer.tp_pull import rank_layout
-
-    return rank_layout(core.runner.group_tensors, core.groups, model_id, core.plan.checkpoint_interval)
-
-
 def _is_loopback(host: str) -> bool:
     import ipaddress
 

@@ -7,11 +7,14 @@ Ownership: the runner allocates every cache tensor (from `cache_specs`) once at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from hybridpd.engine.cache.specs import CacheSpec
 from hybridpd.engine.models.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from hybridpd.engine.models.varlen import VarlenBatch
 
 
 @dataclass
@@ -33,7 +36,9 @@ LayerCache = AttentionCache | StateCache | None
 
 
 class CausalLM(Protocol):
-    """What every model family provides (see engine.models.registry.load_model)."""
+    """What every model family provides (see engine.models.registry.load_model). Two forwards compute the same
+    thing: the readable reference (per-sequence loops, any device) and the batched path (engine.models.fast_path,
+    CUDA kernels); the runner picks one at construction and calls only that one."""
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -42,8 +47,16 @@ class CausalLM(Protocol):
         """Cache spec for every layer that needs a cache, keyed by layer index."""
         ...
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+    def forward_reference(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every flat token of the batch."""
+        ...
+
+    def forward_varlen(self, batch: VarlenBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """The same on the batched path (after `enable_fast_path`)."""
+        ...
+
+    def enable_fast_path(self) -> None:
+        """Prepare the weights for `forward_varlen` (fused GEMMs, stacked experts); once, before its first call."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

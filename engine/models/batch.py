@@ -1,5 +1,5 @@
-"""What the runner hands a model for one forward step (built in one place: `ModelRunner.build_batch` for the
-reference path, `engine/models/varlen.py: build_varlen` for the batched GPU path).
+"""What the runner hands a model for one forward step on the reference path (`ModelRunner.build_batch`; the batched
+path's step is `engine.models.varlen.VarlenBatch`), and the cache-group views both paths share.
 
 Tokens of all scheduled sequences are flattened into one varlen batch:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
@@ -60,29 +60,29 @@ class SeqInfo:
 
 @dataclass
 class ForwardBatch:
+    """The reference path's step (`CausalLM.forward_reference`)."""
+
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]; attention cache slot = block_id * block_size + offset; -1 = pad
     seqs: list[SeqInfo]
     block_size: int
-    varlen: Any = None
-    """hybridpd.engine.models.varlen.VarlenMetadata on the batched fast path (then `seqs` is empty), else None."""
     views: list[ForwardBatch] = field(default_factory=list)
-    """Views 1.. (see GroupViews): the same tokens with the other groups' slot mapping and seqs (or varlen)."""
+    """Views 1.. (see GroupViews): the same tokens with the other groups' slot mapping and seqs."""
     layer_views: tuple[int, ...] = ()
     """The view each layer reads (0: this batch); empty: every layer reads this batch."""
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
-    @classmethod
-    def of_varlen(cls, metas: Sequence[Any], views: GroupViews) -> ForwardBatch:
-        """The fast path's batch: one VarlenMetadata per view (engine.models.varlen.build_varlen_views)."""
-        batches = [cls(input_ids=m.input_ids, positions=m.positions, slot_mapping=m.slot_mapping, seqs=[],
-                       block_size=m.block_size, varlen=m) for m in metas]
-        batches[0].views, batches[0].layer_views = batches[1:], views.layer_views
-        return batches[0]
+T = TypeVar("T")
+
+
+def per_layer(views: Sequence[T], layer_views: tuple[int, ...], num_layers: int) -> list[T]:
+    """What each layer reads: `views[layer_views[layer]]`, or views[0] for every layer when layer_views is empty
+    (at most one group of each kind). Either path's per-view metadata (engine.models.reference.StepMetadata,
+    engine.models.varlen.VarlenMetadata), each built once per step."""
+    if not layer_views:
+        return [views[0]] * num_layers
+    return [views[v] for v in layer_views]
 
 
 @dataclass(frozen=True)
@@ -137,4 +137,4 @@ SINGLE_VIEW = GroupViews()
 """At most one cache group of each kind: one view, every layer reads it."""
 
 
-__all__ = ["ForwardBatch", "GroupViews", "SINGLE_VIEW", "SeqInfo", "PAD_SLOT_ID"]
+__all__ = ["ForwardBatch", "GroupViews", "SINGLE_VIEW", "SeqInfo", "PAD_SLOT_ID", "per_layer"]

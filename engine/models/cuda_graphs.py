@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import SINGLE_VIEW, ForwardBatch, GroupViews
-from hybridpd.engine.models.varlen import RecurrentDecodeRows, VarlenMetadata
+from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
+from hybridpd.engine.models.varlen import RecurrentDecodeRows, VarlenBatch, VarlenMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -153,16 +153,14 @@ class DecodeGraphs:
                                       copy_src=self.none, copy_dst=self.none)
             has_rec = self.conv_width and (k == 0 or self.views.recurrent[k])
             out.append(VarlenMetadata(
-                num_tokens=b, input_ids=self.ids[:b], positions=self.positions[:b],
-                slot_mapping=att.slot_mapping[:b], block_size=self.block_size, q_start=self.q_start[:b],
-                q_len=self.q_len[:b], ctx_len=self.ctx_len[:b], block_table=att.table[:b], max_q_len=1,
-                rec_decode=dec if has_rec else None, rec_prefill=None, conv_width=self.conv_width,
-                sample_rows=self.rows[:b]))
+                input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=att.slot_mapping[:b],
+                q_start=self.q_start[:b], q_len=self.q_len[:b], ctx_len=self.ctx_len[:b], block_table=att.table[:b],
+                max_q_len=1, rec_decode=dec if has_rec else None, rec_prefill=None, sample_rows=self.rows[:b]))
         return out
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = ForwardBatch.of_varlen(self._metas(b), self.views)
-        logits = self.model.compute_logits(self.model.forward(batch, self.caches))
+        batch = VarlenBatch(self._metas(b), self.views.layer_views)
+        logits = self.model.compute_logits(self.model.forward_varlen(batch, self.caches))
         return logits, torch.logsumexp(logits, dim=-1)  # the sampler's logprob normaliser, inside the graph
 
     def _capture(self, b: int) -> None:

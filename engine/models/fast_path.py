@@ -1,6 +1,7 @@
-"""The batched fast path of the mixers (CUDA): the same computation as the reference code in layers.py, mamba2.py,
-gated_deltanet.py and nemotron_h.py, without per-sequence Python loops. A layer takes this path when its metadata
-is a `VarlenMetadata` (built once per step by the runner); with a `StepMetadata` it runs the reference.
+"""The batched fast path of the mixers (CUDA): the same computation as the reference code in reference.py,
+mamba2.py, gated_deltanet.py, nemotron_h.py and qwen3_5.py, without per-sequence Python loops. The models'
+`forward_varlen` runs it (the runner picks that or `forward_reference` once, at construction); every layer reads a
+`VarlenMetadata`.
 
     attention      write_kv + one paged varlen attention launch (engine.kernels.paged_attention)
     norms          fused residual add + RMSNorm, gated norms, silu * mul (engine.kernels.fused), fused in_proj
@@ -8,7 +9,8 @@ is a `VarlenMetadata` (built once per step by the runner); with a `StepMetadata`
     recurrent      decode rows: conv_step (+ silu) and mamba_decode / gdn_decode (dt, gates, q/k norms inside),
                    slots updated in place
                    prefill rows: conv over the extended buffer (one kernel, + silu), then fla-core's chunked kernels
-                   (chunk_simple_gla for Mamba-2's SSD, chunk_gated_delta_rule for GDN), one varlen call per round
+                   (chunk_simple_gla for Mamba-2's SSD, chunk_gated_delta_rule for GDN), one varlen call per round;
+                   off the GPU (tests) the mixers' reference `scan`, sequence by sequence, in the same rounds
     MoE            routing on the device, tokens sorted by expert, torch._grouped_mm (bf16), no host sync
 
 fla-core is imported here only, lazily, on the first prefill step that needs it.
@@ -31,13 +33,9 @@ SILU = ("silu", "swish")
 # attention
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
-              scale: float) -> torch.Tensor:
-    """Paged attention for either metadata kind (reference per-sequence code for StepMetadata)."""
-    if not isinstance(meta, VarlenMetadata):
-        from hybridpd.engine.models.layers import paged_attention
-
-        return paged_attention(q, k, v, kv_cache, meta, scale)
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: VarlenMetadata,
+                     scale: float) -> torch.Tensor:
+    """Write the step's K/V into their slots, then one paged varlen attention launch (engine.kernels)."""
     from hybridpd.engine.kernels.paged_attention import paged_attention_varlen, write_kv
 
     write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -58,7 +56,7 @@ def conv_prefill(xbc: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, bi
 
     C, K = weight.shape
     ext = xbc.new_empty(pre.ext_size, C)
-    if pre.num_seqs == 1:  # its tokens follow its K-1 state rows: a slice copy (H200: 0.13 vs 0.24 ms at 8k x 6k)
+    if pre.num_seqs == 1:  # its tokens follow its K-1 state rows: a slice copy, not a scatter
         ext[K - 1:] = prefill_rows(xbc, pre)
     else:
         ext[pre.ext_x] = prefill_rows(xbc, pre)
@@ -143,23 +141,18 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
     y = None if d is None and pre is not None and pre.rows_range == (0, T) else \
         torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
     weight = mixer._conv_weight()
+    fused_act = cfg.activation in SILU
     if d is not None:
-        fused_act = cfg.activation in SILU
         xc = conv_step(xbc, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
         mamba_decode(xc if fused_act else mixer.act(xc), dt, mixer.dt_bias, mixer.A_log, mixer.D, cache.ssm,
                      d.slots, d.has_init, d.rows, y, cfg.n_groups, cfg.time_step_min)
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
     if pre is not None:
-        A = -torch.exp(mixer.A_log.float())
-        fused_act = cfg.activation in SILU
         xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
         xa = xc if fused_act else mixer.act(xc)
         dtp = mixer._dt(prefill_rows(dt, pre))
-        g_all = dtp * A
-        if xbc.is_cuda:
-            yp = _mamba_prefill_cuda(mixer, xa, dtp, g_all, cache, pre)
-        else:
-            yp = _mamba_prefill_reference(mixer, xa, dtp, A, cache, pre)
+        prefill = _mamba_prefill_fla if xbc.is_cuda else _mamba_prefill_scan
+        yp = prefill(mixer, xa, dtp, cache, pre)
         if y is None:
             return yp
         place_prefill_rows(y, pre, yp)
@@ -167,14 +160,15 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
     return y
 
 
-def _mamba_prefill_cuda(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, g_all: torch.Tensor, cache: StateCache,
-                        pre: RecurrentPrefill) -> torch.Tensor:
+def _mamba_prefill_fla(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, cache: StateCache, pre: RecurrentPrefill
+                       ) -> torch.Tensor:
     """fla-core's chunked SSD over the prefill tokens, its inputs and the D skip from two Triton kernels."""
     from fla.ops.simple_gla import chunk_simple_gla
     from hybridpd.engine.kernels.recurrent_prefill import mamba_chunk_inputs, mamba_skip_add
 
     cfg = mixer.cfg
     q, k, v = mamba_chunk_inputs(xa, dtp, cfg.num_heads, cfg.head_dim, cfg.n_groups, cfg.state_size)
+    g_all = dtp * -torch.exp(mixer.A_log.float())
 
     def call(r, init):  # type: ignore[no-untyped-def]
         def sel(t: torch.Tensor) -> torch.Tensor:
@@ -189,33 +183,17 @@ def _mamba_prefill_cuda(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, g_all: 
     return mamba_skip_add(yp.contiguous(), xa, mixer.D)
 
 
-def _mamba_prefill_reference(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, A: torch.Tensor, cache: StateCache,
-                             pre: RecurrentPrefill) -> torch.Tensor:
-    """CPU (tests of this path): the same rounds with the reference scan, sequence by sequence."""
-    from hybridpd.engine.models.mamba2 import ssd_segment
-
+def _mamba_prefill_scan(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, cache: StateCache, pre: RecurrentPrefill
+                        ) -> torch.Tensor:
+    """Off the GPU (tests of this path): the same rounds with the reference scan (Mamba2Mixer.scan)."""
     cfg = mixer.cfg
-    x, B, C = _mamba_split(cfg, xa)
-    rep = cfg.num_heads // cfg.n_groups
 
     def call(r, init):  # type: ignore[no-untyped-def]
-        q = C[r.rows].repeat_interleave(rep, dim=1)
-        k = B[r.rows].repeat_interleave(rep, dim=1)
-        return _per_sequence(r, init, lambda a, b, h: ssd_segment(
-            x[r.rows][a:b], dtp[r.rows][a:b], A, k[a:b], q[a:b], h, cfg.chunk_size))
+        x, dt = xa[r.rows], dtp[r.rows]
+        return _per_sequence(r, init, lambda a, b, h: mixer.scan(x[a:b], dt[a:b], h))
 
-    yp = _run_rounds(pre, cache.ssm, call, lambda: torch.empty_like(x))
-    return yp + mixer.D.float()[:, None] * x
-
-
-def _mamba_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activated conv output [n, conv_dim] -> x [n, H, P], B, C [n, G, N] (groups not expanded), fp32."""
-    gn = cfg.n_groups * cfg.state_size
-    x, B, C = xc.float().split([cfg.intermediate_size, gn, gn], dim=-1)
-    n = xc.shape[0]
-    groups = (cfg.n_groups, cfg.state_size)
-    return (x.reshape(n, cfg.num_heads, cfg.head_dim).contiguous(), B.reshape(n, *groups).contiguous(),
-            C.reshape(n, *groups).contiguous())
+    return _run_rounds(pre, cache.ssm, call, lambda: xa.new_empty(xa.shape[0], cfg.num_heads, cfg.head_dim,
+                                                                  dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,49 +210,42 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
     T = qkv.shape[0]
     core = torch.zeros(T, cfg.num_v_heads, cfg.head_v_dim, dtype=torch.float32, device=qkv.device)
     weight = mixer._conv_weight()
+    fused_act = cfg.activation in SILU
     d = meta.rec_decode
     if d is not None:
-        fused_act = cfg.activation in SILU
         xc = conv_step(qkv, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
         gdn_decode(xc if fused_act else mixer.act(xc), a, b, mixer.A_log, mixer.dt_bias, cache.ssm, d.slots,
                    d.has_init, d.rows, core, cfg.num_k_heads)
         copy_checkpoints(cache, d.copy_src, d.copy_dst)
     pre = meta.rec_prefill
     if pre is not None:
-        fused_act = cfg.activation in SILU
         xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
-        q, k, v = _gdn_split(cfg, xc if fused_act else mixer.act(xc))
+        q, k, v = mixer._split(xc if fused_act else mixer.act(xc))
         bp = prefill_rows(b, pre).sigmoid().float()
         gp = -torch.exp(mixer.A_log.float()) * F.softplus(prefill_rows(a, pre).float() + mixer.dt_bias.float())
+        prefill = _gdn_round_fla if qkv.is_cuda else _gdn_round_scan
 
         def call(r, init):  # type: ignore[no-untyped-def]
-            if not qkv.is_cuda:  # CPU (tests of this path): the reference scan, sequence by sequence
-                from hybridpd.engine.models.gated_deltanet import gdn_segment
-
-                rep = cfg.num_v_heads // cfg.num_k_heads
-                qr, kr = (t[r.rows].repeat_interleave(rep, dim=1) for t in (q, k))
-                return _per_sequence(r, init, lambda i, j, h: gdn_segment(
-                    qr[i:j], kr[i:j], v[r.rows][i:j], gp[r.rows][i:j], bp[r.rows][i:j], h, cfg.chunk_size))
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-            o, ht = chunk_gated_delta_rule(q[r.rows][None], k[r.rows][None], v[r.rows][None], gp[r.rows][None],
-                                           bp[r.rows][None], scale=1.0, initial_state=init, output_final_state=True,
-                                           cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
-            return o[0], ht
+            return prefill(mixer, r, init, q[r.rows], k[r.rows], v[r.rows], gp[r.rows], bp[r.rows])
 
         place_prefill_rows(core, pre, _run_rounds(pre, cache.ssm, call, lambda: torch.empty_like(v)))
     return core
 
 
-def _gdn_split(cfg: Any, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activated conv output -> q, k [n, Hk, K] (L2-normalised, q scaled; not expanded to Hv), v [n, Hv, V]."""
-    from hybridpd.engine.models.gated_deltanet import l2norm
+def _gdn_round_fla(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round in one fla-core varlen call."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    n = xc.shape[0]
-    q, k, v = xc.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-    q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim**-0.5
-    k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim))
-    return q.contiguous(), k.contiguous(), v.reshape(n, cfg.num_v_heads, cfg.head_v_dim).contiguous()
+    o, ht = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=init,
+                                   output_final_state=True, cu_seqlens=r.cu_seqlens, cu_seqlens_cpu=r.cu_seqlens_cpu)
+    return o[0], ht
+
+
+def _gdn_round_scan(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off the GPU (tests of this path): the reference scan (GatedDeltaNet.scan), sequence by sequence."""
+    return _per_sequence(r, init, lambda i, j, h: mixer.scan(q[i:j], k[i:j], v[i:j], g[i:j], beta[i:j], h))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,5 +308,5 @@ def moe_routed_masked(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: tor
     return routed
 
 
-__all__ = ["attention", "conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed",
-           "moe_routed_masked", "relu2_fast", "stack_experts"]
+__all__ = ["conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed", "moe_routed_masked",
+           "relu2_fast", "stack_experts", "varlen_attention"]

@@ -12,7 +12,9 @@ State contract (per layer, per slot of the runner's StateCache):
 
 Same rules as the Mamba-2 mixer: `has_initial_state` or zeros (the slot is then never read), final state in the
 running slot, checkpoint states in their dest slots. Prefill chunks use the chunked (UT-transform) form in stretches
-that end at every checkpoint; single-token sequences are batched through the recurrent form.
+that end at every checkpoint; single-token sequences are batched through the recurrent form. `forward` is the
+reference; `forward_varlen` the batched path (engine.models.fast_path), whose CPU stand-in for fla-core's kernel runs
+the same `scan`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ from hybridpd.engine.cache.specs import RecurrentStateSpec
 from hybridpd.engine.models.base import StateCache
 from hybridpd.engine.models.fast_path import gdn_mixer
 from hybridpd.engine.models.layers import (
-    RecurrentDecode,
-    RecurrentSeq,
-    StepMetadata,
     causal_conv_chunk,
     causal_conv_step,
     fuse_linears,
@@ -37,6 +36,7 @@ from hybridpd.engine.models.layers import (
     segsum,
     to_chunks,
 )
+from hybridpd.engine.models.reference import RecurrentDecode, RecurrentSeq, StepMetadata
 from hybridpd.engine.models.varlen import VarlenMetadata
 from torch import nn
 
@@ -155,21 +155,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_all: torch.Tensor | None = None
         """[qkv | z | b | a] weights in one tensor (fast path: one GEMM); the four weights are views of it."""
 
-    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
-        """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+        """The reference: hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates
+        `cache` in place. Prefill chunks sequence by sequence, single-token sequences batched."""
         cfg = self.cfg
         n = hidden.shape[0]
-        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
-            from hybridpd.engine.kernels.fused import gated_head_norm
-
-            if self.in_proj_all is None:
-                self.fuse()
-            qkv, z, b, a = F.linear(hidden, self.in_proj_all).split(
-                [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads], dim=-1)
-            core = gdn_mixer(self, qkv, a, b, cache, meta)
-            out = gated_head_norm(core, z.view(n, cfg.num_v_heads, cfg.head_v_dim), self.norm.weight, self.norm.eps,
-                                  hidden.dtype)
-            return self.out_proj(out)
         qkv = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(n, cfg.num_v_heads, cfg.head_v_dim)
         beta = self.in_proj_b(hidden).sigmoid().float()
@@ -184,6 +174,26 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.to(hidden.dtype), z)
         return self.out_proj(out.reshape(n, cfg.value_dim))
 
+    def forward_varlen(self, hidden: torch.Tensor, cache: StateCache, meta: VarlenMetadata) -> torch.Tensor:
+        """The same on the batched path (engine.models.fast_path.gdn_mixer): the four input projections as one
+        GEMM (`fuse`, done by the model's enable_fast_path), the output norm and gate in one kernel."""
+        from hybridpd.engine.kernels.fused import gated_head_norm
+
+        cfg = self.cfg
+        assert self.in_proj_all is not None, "forward_varlen needs fuse() (the model's enable_fast_path)"
+        qkv, z, b, a = F.linear(hidden, self.in_proj_all).split(
+            [cfg.conv_dim, cfg.value_dim, cfg.num_v_heads, cfg.num_v_heads], dim=-1)
+        core = gdn_mixer(self, qkv, a, b, cache, meta)
+        z = z.view(hidden.shape[0], cfg.num_v_heads, cfg.head_v_dim)
+        return self.out_proj(gated_head_norm(core, z, self.norm.weight, self.norm.eps, hidden.dtype))
+
+    def scan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference delta-rule scan over one stretch of one sequence (`gdn_segment`): q, k [L, Hk, K] and
+        v [L, Hv, V] from `_split`, g and beta [L, Hv], state [Hv, K, V] fp32 -> (o [L, Hv, V], the state after
+        the stretch). The batched path's CPU stand-in for fla-core's kernel runs it too."""
+        return gdn_segment(self._heads(q), self._heads(k), v, g, beta, state, self.cfg.chunk_size)
+
     def fuse(self) -> None:
         """Fast path: the four input projections as one GEMM."""
         self.in_proj_all = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
@@ -192,14 +202,18 @@ class GatedDeltaNet(nn.Module):
         return self.conv1d.weight[:, 0, :]
 
     def _split(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activated conv output [n, conv_dim] -> q, k [n, Hv, K] (normalised, GQA-expanded), v [n, Hv, V]; fp32."""
+        """Activated conv output [n, conv_dim] -> q, k [n, Hk, K] (L2-normalised, q scaled by 1/sqrt(K); per key
+        head), v [n, Hv, V]; fp32, contiguous."""
         cfg = self.cfg
         n = xc.shape[0]
         q, k, v = xc.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        rep = cfg.num_v_heads // cfg.num_k_heads
-        q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)).repeat_interleave(rep, dim=1)
-        k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim)).repeat_interleave(rep, dim=1)
-        return q * cfg.head_k_dim**-0.5, k, v.reshape(n, cfg.num_v_heads, cfg.head_v_dim)
+        q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim**-0.5
+        k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.head_k_dim))
+        return q.contiguous(), k.contiguous(), v.reshape(n, cfg.num_v_heads, cfg.head_v_dim).contiguous()
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[n, Hk, K] per key head -> [n, Hv, K] per value head (GQA-style sharing)."""
+        return t.repeat_interleave(self.cfg.num_v_heads // self.cfg.num_k_heads, dim=1)
 
     def _chunk(
         self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s: RecurrentSeq, cache: StateCache
@@ -215,7 +229,7 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         states: dict[int, torch.Tensor] = {}
         for a, b in segment_bounds(s.cuts):
-            out[a:b], state = gdn_segment(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state, cfg.chunk_size)
+            out[a:b], state = self.scan(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
             states[b] = state
         for cut, conv_state in zip(s.cuts, conv_states, strict=True):
             for dest in s.dests[cut]:
@@ -235,6 +249,7 @@ class GatedDeltaNet(nn.Module):
             state[d.state_rows] = cache.ssm[d.state_slots].float()
         xc, conv_new = causal_conv_step(qkv, conv_prev, self._conv_weight(), self.conv1d.bias)
         q, k, v = self._split(self.act(xc))
+        q, k = self._heads(q), self._heads(k)
         state = state * torch.exp(g)[:, :, None, None]
         delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta[:, :, None]
         state = state + k[..., None] * delta[:, :, None, :]

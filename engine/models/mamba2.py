@@ -9,7 +9,8 @@ A sequence with `has_initial_state` reads its slot; otherwise it starts from zer
 the step the final state is in the running slot and every checkpoint (num_tokens, dest) holds the state after
 that many tokens. Prefill chunks use the chunked (segment) form of the SSD recurrence over stretches that end at
 every checkpoint (the chunks of a stretch batched), so intermediate states come out exactly; single-token sequences
-are batched into one step.
+are batched into one step. `Mamba2Mixer.forward` is the reference; `forward_varlen` the batched path
+(engine.models.fast_path), whose CPU stand-in for fla-core's kernel runs the same `scan`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from hybridpd.engine.cache.specs import RecurrentStateSpec
 from hybridpd.engine.models.base import StateCache
 from hybridpd.engine.models.fast_path import mamba2_mixer
 from hybridpd.engine.models.layers import (
-    RecurrentDecode,
-    RecurrentSeq,
-    StepMetadata,
     causal_conv_chunk,
     causal_conv_step,
     get_activation,
@@ -32,6 +30,7 @@ from hybridpd.engine.models.layers import (
     segsum,
     to_chunks,
 )
+from hybridpd.engine.models.reference import RecurrentDecode, RecurrentSeq, StepMetadata
 from hybridpd.engine.models.varlen import VarlenMetadata
 from torch import nn
 
@@ -148,13 +147,11 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.use_bias)
         self.act = get_activation(cfg.activation)
 
-    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
-        """hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates `cache` in place."""
+    def forward(self, hidden: torch.Tensor, cache: StateCache, meta: StepMetadata) -> torch.Tensor:
+        """The reference: hidden [T, hidden_size] (already normed) -> mixer output [T, hidden_size]; updates
+        `cache` in place. Prefill chunks sequence by sequence, single-token sequences batched."""
         cfg = self.cfg
         gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
-        if isinstance(meta, VarlenMetadata):  # batched fast path (engine.models.fast_path)
-            y = mamba2_mixer(self, xbc, dt, cache, meta)
-            return self.out_proj(self.norm.forward_fused(y.view(hidden.shape[0], -1), gate, hidden.dtype))
         y = torch.zeros(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=hidden.device)
         for s in meta.rec_seqs:
             rows = slice(s.start, s.start + s.length)
@@ -165,21 +162,39 @@ class Mamba2Mixer(nn.Module):
         out = self.norm(y.view(hidden.shape[0], -1), gate)
         return self.out_proj(out.to(hidden.dtype))
 
+    def forward_varlen(self, hidden: torch.Tensor, cache: StateCache, meta: VarlenMetadata) -> torch.Tensor:
+        """The same on the batched path (engine.models.fast_path.mamba2_mixer)."""
+        cfg = self.cfg
+        gate, xbc, dt = self.in_proj(hidden).split([cfg.intermediate_size, cfg.conv_dim, cfg.num_heads], dim=-1)
+        y = mamba2_mixer(self, xbc, dt, cache, meta)
+        return self.out_proj(self.norm.forward_fused(y.view(hidden.shape[0], -1), gate, hidden.dtype))
+
+    def scan(self, xa: torch.Tensor, dt: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference SSM scan over one stretch of one sequence (`ssd_segment`, then the D skip): activated conv
+        output xa [L, conv_dim], dt [L, H] (from `_dt`), state h0 [H, P, N] fp32 -> (y [L, H, P] fp32, the state
+        after the stretch). The batched path's CPU stand-in for fla-core's kernel runs it too."""
+        x, B, C = self._split(xa)
+        A = -torch.exp(self.A_log.float())
+        y, h = ssd_segment(x, dt, A, self._heads(B), self._heads(C), h0, self.cfg.chunk_size)
+        return y + self.D.float()[:, None] * x, h
+
     # -- helpers ---------------------------------------------------------------------------------------------
 
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight[:, 0, :]
 
     def _split(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Activated conv output [..., conv_dim] -> x [..., H, P], B and C [..., H, N] (groups expanded), fp32."""
+        """Activated conv output [..., conv_dim] -> x [..., H, P], B and C [..., G, N] (per group), fp32."""
         cfg = self.cfg
         gn = cfg.n_groups * cfg.state_size
         x, B, C = xc.float().split([cfg.intermediate_size, gn, gn], dim=-1)
         lead = x.shape[:-1]
-        rep = cfg.num_heads // cfg.n_groups
-        B = B.reshape(*lead, cfg.n_groups, cfg.state_size).repeat_interleave(rep, dim=-2)
-        C = C.reshape(*lead, cfg.n_groups, cfg.state_size).repeat_interleave(rep, dim=-2)
-        return x.reshape(*lead, cfg.num_heads, cfg.head_dim), B, C
+        groups = (cfg.n_groups, cfg.state_size)
+        return x.reshape(*lead, cfg.num_heads, cfg.head_dim), B.reshape(*lead, *groups), C.reshape(*lead, *groups)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., G, N] per group -> [..., H, N] per head (each group's heads share its B / C)."""
+        return t.repeat_interleave(self.cfg.num_heads // self.cfg.n_groups, dim=-2)
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) in the model dtype, then fp32 (transformers' mamba2_chunk_scan rounds here)."""
@@ -189,23 +204,21 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         init_conv = cache.conv[s.slot] if s.has_initial_state else None
         xc, conv_states = causal_conv_chunk(xbc, init_conv, self._conv_weight(), self.conv1d.bias, s.cuts)
-        x, B, C = self._split(self.act(xc))
-        dt = self._dt(dt)
-        A = -torch.exp(self.A_log.float())
+        xa, dt = self.act(xc), self._dt(dt)
         if s.has_initial_state:
             h = cache.ssm[s.slot].float()
         else:
-            h = torch.zeros(cfg.num_heads, cfg.head_dim, cfg.state_size, dtype=torch.float32, device=x.device)
-        y = torch.empty_like(x)
+            h = torch.zeros(cfg.num_heads, cfg.head_dim, cfg.state_size, dtype=torch.float32, device=xbc.device)
+        y = torch.empty(s.length, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=xbc.device)
         states: dict[int, torch.Tensor] = {}
         for a, b in segment_bounds(s.cuts):
-            y[a:b], h = ssd_segment(x[a:b], dt[a:b], A, B[a:b], C[a:b], h, cfg.chunk_size)
+            y[a:b], h = self.scan(xa[a:b], dt[a:b], h)
             states[b] = h
         for cut, conv_state in zip(s.cuts, conv_states, strict=True):
             for dest in s.dests[cut]:
                 cache.conv[dest] = conv_state.to(cache.conv.dtype)
                 cache.ssm[dest] = states[cut].to(cache.ssm.dtype)
-        return y + self.D.float()[:, None] * x
+        return y
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, d: RecurrentDecode, cache: StateCache) -> torch.Tensor:
         cfg = self.cfg
@@ -217,6 +230,7 @@ class Mamba2Mixer(nn.Module):
             h0[d.state_rows] = cache.ssm[d.state_slots].float()
         xc, conv_new = causal_conv_step(xbc, conv_prev, self._conv_weight(), self.conv1d.bias)
         x, B, C = self._split(self.act(xc))
+        B, C = self._heads(B), self._heads(C)
         dt = self._dt(dt)  # [n, H]
         A = -torch.exp(self.A_log.float())
         h = h0 * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]

@@ -10,30 +10,34 @@ checkpoint names (`backbone.layers.N.mixer.*`, `lm_head.weight`) so safetensors 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
-from hybridpd.engine.models.base import AttentionCache, LayerCache, StateCache
+from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
 from hybridpd.engine.models.fast_path import (
-    attention,
     grouped_moe_available,
     moe_routed,
     moe_routed_masked,
     relu2_fast,
     stack_experts,
+    varlen_attention,
 )
-from hybridpd.engine.models.layers import MLP, RMSNorm, StepMetadata, layer_metadata, relu2
+from hybridpd.engine.models.layers import MLP, RMSNorm, relu2
 from hybridpd.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
-from hybridpd.engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.reference import StepMetadata, paged_attention
+from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
 
 PATTERN_TO_TYPE = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+CACHED = ("linear_attention", "full_attention")
+"""Layer types whose mixer reads a cache (Mamba-2: a StateCache, attention: an AttentionCache)."""
 
 
 def _pick(cfg: dict[str, Any], name: str, default: Any, *legacy: str) -> Any:
@@ -151,12 +155,18 @@ class NemotronHAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * a.head_dim, a.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, cache: AttentionCache, meta: StepMetadata) -> torch.Tensor:
+        q, k, v = self._project(h)
+        return self.o_proj(paged_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).flatten(1))
+
+    def forward_varlen(self, h: torch.Tensor, cache: AttentionCache, meta: VarlenMetadata) -> torch.Tensor:
+        q, k, v = self._project(h)
+        return self.o_proj(varlen_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).flatten(1))
+
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = h.shape[0]
         q = self.q_proj(h).view(n, self.heads, self.head_dim)
         k = self.k_proj(h).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
-        out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(n, -1))
+        return q, k, self.v_proj(h).view(n, self.kv_heads, self.head_dim)
 
 
 class NemotronHRouter(nn.Module):
@@ -245,16 +255,15 @@ class NemotronHBlock(nn.Module):
             self.mixer = MLP(a.hidden_size, a.intermediate_size, a.mlp_hidden_act, a.mlp_bias)
 
     def forward(self, h: torch.Tensor, cache: LayerCache, meta: StepMetadata) -> torch.Tensor:
-        return h + self.mix(self.norm(h), cache, meta)
+        """The reference block: h + mixer(norm(h))."""
+        if self.layer_type in CACHED:
+            return h + self.mixer(self.norm(h), cache, meta)
+        return h + self.mixer(self.norm(h))
 
-    def mix(self, x: torch.Tensor, cache: LayerCache, meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
-        """The mixer on the normed input (the block minus its norm and residual add)."""
-        if self.layer_type == "linear_attention":
-            assert isinstance(cache, StateCache), "Mamba layer needs a StateCache"
-            return self.mixer(x, cache, meta)
-        if self.layer_type == "full_attention":
-            assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
-            return self.mixer(x, cache, meta)
+    def mix_varlen(self, x: torch.Tensor, cache: LayerCache, meta: VarlenMetadata) -> torch.Tensor:
+        """The batched path's mixer on the normed input (the model fuses the norm and residual add)."""
+        if self.layer_type in CACHED:
+            return self.mixer.forward_varlen(x, cache, meta)  # type: ignore[operator]
         return self.mixer(x)
 
 
@@ -262,7 +271,8 @@ class NemotronHBackbone(nn.Module):
     def __init__(self, a: NemotronHArgs) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(a, t) for t in a.layer_types)
+        self.layers: Sequence[NemotronHBlock] = nn.ModuleList(  # type: ignore[assignment]
+            NemotronHBlock(a, t) for t in a.layer_types)
         self.norm_f = RMSNorm(a.hidden_size, a.norm_eps)
 
 
@@ -295,23 +305,28 @@ class NemotronHForCausalLM(nn.Module):
         return specs
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+    def forward_reference(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        metas = layer_metadata(batch, device, len(self.backbone.layers))
+        metas = StepMetadata.per_layer(batch, device, len(self.backbone.layers))
         h = self.backbone.embeddings(batch.input_ids.to(device))
-        if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
-            from hybridpd.engine.kernels.fused import rms_norm
-
-            x = None
-            for i, layer in enumerate(self.backbone.layers):
-                normed, h = rms_norm(h if x is None else x, layer.norm.weight, layer.norm.eps,
-                                     residual=None if x is None else h)
-                x = layer.mix(normed, caches[i], metas[i])
-            final = self.backbone.norm_f
-            return rms_norm(x, final.weight, final.eps, residual=h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.backbone.layers):
             h = layer(h, caches[i], metas[i])
         return self.backbone.norm_f(h)
+
+    @torch.no_grad()
+    def forward_varlen(self, batch: VarlenBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """The batched path: each residual add fused into the next norm."""
+        from hybridpd.engine.kernels.fused import rms_norm
+
+        metas = batch.per_layer(len(self.backbone.layers))
+        h = self.backbone.embeddings(batch.input_ids)
+        x = None
+        for i, layer in enumerate(self.backbone.layers):
+            normed, h = rms_norm(h if x is None else x, layer.norm.weight, layer.norm.eps,
+                                 residual=None if x is None else h)
+            x = layer.mix_varlen(normed, caches[i], metas[i])
+        final = self.backbone.norm_f
+        return rms_norm(x, final.weight, final.eps, residual=h)[0] if x is not None else final(h)
 
     def enable_fast_path(self) -> None:
         """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs; relu2 MLPs (dense and

@@ -13,26 +13,20 @@ weights `model.language_model.*`; the vision tower and MTP weights are ignored).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
-from hybridpd.engine.models.base import AttentionCache, LayerCache, StateCache
+from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
-from hybridpd.engine.models.fast_path import attention
+from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from hybridpd.engine.models.layers import (
-    GatedMLP,
-    RotaryEmbedding,
-    StepMetadata,
-    ZeroCenteredRMSNorm,
-    apply_rotary,
-    fuse_linears,
-    layer_metadata,
-)
-from hybridpd.engine.models.varlen import VarlenMetadata
+from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
+from hybridpd.engine.models.reference import StepMetadata, paged_attention
+from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -156,32 +150,44 @@ class Qwen3_5Attention(nn.Module):
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: StepMetadata
     ) -> torch.Tensor:
         n = h.shape[0]
-        fast = isinstance(meta, VarlenMetadata) and self.qkv is not None
-        if fast:  # fast path: one GEMM, fused norms, rope and output gate
-            from hybridpd.engine.kernels.fused import rms_norm
-
-            qg, k, v = F.linear(h, self.qkv).split(
-                [2 * self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
-            q, gate = qg.view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q = rms_norm(q, self.q_norm.weight, self.q_norm.eps, True)[0]
-            k = rms_norm(k.view(n, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, True)[0]
-            v = v.view(n, self.kv_heads, self.head_dim)
-        else:
-            q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q = self.q_norm(q)
-            k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
-            v = self.v_proj(h).view(n, self.kv_heads, self.head_dim)
+        q, gate, k, v = self._project(h)
         cos, sin = rope
-        if fast:
-            from hybridpd.engine.kernels.fused import rope as rope_kernel
-            from hybridpd.engine.kernels.fused import sigmoid_gate
-
-            q, k = rope_kernel(q, cos, sin), rope_kernel(k, cos, sin)
-            out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
-            return self.o_proj(sigmoid_gate(out, gate))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
+        out = paged_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+
+    def forward_varlen(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: AttentionCache, meta: VarlenMetadata
+    ) -> torch.Tensor:
+        """The batched path: one GEMM and fused q/k norms (when `fuse`d), rope and output gate in one kernel each."""
+        from hybridpd.engine.kernels.fused import rope as rope_kernel
+        from hybridpd.engine.kernels.fused import sigmoid_gate
+
+        qkv = self.qkv
+        q, gate, k, v = self._project(h) if qkv is None else self._project_fused(h, qkv)
+        cos, sin = rope
+        q, k = rope_kernel(q, cos, sin), rope_kernel(k, cos, sin)
+        out = varlen_attention(q, k, v, cache.kv, meta, self.head_dim**-0.5).reshape(h.shape[0], -1)
+        return self.o_proj(sigmoid_gate(out, gate))
+
+    def _project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (normed), the output gate, k (normed), v: [n, heads, head_dim] each."""
+        n = h.shape[0]
+        q, gate = self.q_proj(h).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_norm(self.k_proj(h).view(n, self.kv_heads, self.head_dim))
+        return self.q_norm(q), gate, k, self.v_proj(h).view(n, self.kv_heads, self.head_dim)
+
+    def _project_fused(self, h: torch.Tensor, qkv: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same with one GEMM (`qkv`: the fused weight) and the norms in one kernel each."""
+        from hybridpd.engine.kernels.fused import rms_norm
+
+        n, d = h.shape[0], self.head_dim
+        qg, k, v = F.linear(h, qkv).split([2 * self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q, gate = qg.view(n, self.heads, 2 * d).chunk(2, dim=-1)
+        q = rms_norm(q, self.q_norm.weight, self.q_norm.eps, True)[0]
+        k = rms_norm(k.view(n, self.kv_heads, d), self.k_norm.weight, self.k_norm.eps, True)[0]
+        return q, gate, k, v.view(n, self.kv_heads, d)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -199,24 +205,28 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache, meta: StepMetadata
     ) -> torch.Tensor:
-        h = h + self.mix(self.input_layernorm(h), rope, cache, meta)
+        """The reference layer: h + mixer(norm1(h)), then h + mlp(norm2(h))."""
+        x = self.input_layernorm(h)
+        if self.layer_type == "linear_attention":
+            h = h + self.linear_attn(x, cache, meta)
+        else:
+            h = h + self.self_attn(x, rope, cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def mix(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
-            meta: StepMetadata | VarlenMetadata) -> torch.Tensor:
-        """The token mixer on the normed input (no residual add)."""
+    def mix_varlen(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
+                   meta: VarlenMetadata) -> torch.Tensor:
+        """The batched path's token mixer on the normed input (the model fuses the norms and residual adds)."""
         if self.layer_type == "linear_attention":
-            assert isinstance(cache, StateCache), "linear-attention layer needs a StateCache"
-            return self.linear_attn(x, cache, meta)
-        assert isinstance(cache, AttentionCache), "attention layer needs an AttentionCache"
-        return self.self_attn(x, rope, cache, meta)
+            return self.linear_attn.forward_varlen(x, cache, meta)
+        return self.self_attn.forward_varlen(x, rope, cache, meta)
 
 
 class Qwen3_5TextModel(nn.Module):
     def __init__(self, a: Qwen3_5Args) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(a, t) for t in a.layer_types)
+        self.layers: Sequence[Qwen3_5DecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            Qwen3_5DecoderLayer(a, t) for t in a.layer_types)
         self.norm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
 
 
@@ -250,25 +260,31 @@ class Qwen3_5ForCausalLM(nn.Module):
         return specs
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+    def forward_reference(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         device = self.lm_head.weight.device
-        metas = layer_metadata(batch, device, len(self.model.layers))
+        metas = StepMetadata.per_layer(batch, device, len(self.model.layers))
         h = self.model.embed_tokens(batch.input_ids.to(device))
         rope = self.rotary.cos_sin(metas[0].positions, h.dtype)
-        if isinstance(metas[0], VarlenMetadata):  # fast path: each residual add fused into the next norm
-            from hybridpd.engine.kernels.fused import rms_norm
-
-            x = None
-            for i, layer in enumerate(self.model.layers):
-                n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-                normed, h = rms_norm(h if x is None else x, n1.weight, n1.eps, True, None if x is None else h)
-                normed, h = rms_norm(layer.mix(normed, rope, caches[i], metas[i]), n2.weight, n2.eps, True, h)
-                x = layer.mlp.forward_fused(normed)
-            final = self.model.norm
-            return rms_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, caches[i], metas[i])
         return self.model.norm(h)
+
+    @torch.no_grad()
+    def forward_varlen(self, batch: VarlenBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """The batched path: each residual add fused into the next norm."""
+        from hybridpd.engine.kernels.fused import rms_norm
+
+        metas = batch.per_layer(len(self.model.layers))
+        h = self.model.embed_tokens(batch.input_ids)
+        rope = self.rotary.cos_sin(batch.positions, h.dtype)
+        x = None
+        for i, layer in enumerate(self.model.layers):
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            normed, h = rms_norm(h if x is None else x, n1.weight, n1.eps, True, None if x is None else h)
+            normed, h = rms_norm(layer.mix_varlen(normed, rope, caches[i], metas[i]), n2.weight, n2.eps, True, h)
+            x = layer.mlp.forward_fused(normed)
+        final = self.model.norm
+        return rms_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
 
     def enable_fast_path(self) -> None:
         """Prepare the batched path: one GEMM for each GDN layer's four input projections, for each attention

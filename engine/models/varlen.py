@@ -18,13 +18,13 @@ No per-sequence Python loop touches a tensor: the loops below run over the sched
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
+from hybridpd.engine.models.batch import GroupViews, per_layer
 
 
 @dataclass
@@ -49,7 +49,6 @@ class RecurrentPrefill:
     ext_size: int
     ext_x: torch.Tensor  # int64 [P] position of each prefill token in the extended conv buffer
     ext_state: torch.Tensor  # int64 [num_seqs * (K-1)] positions of the initial conv state rows
-    ext_state_seq: torch.Tensor  # int64 [num_seqs * (K-1)] which sequence (of the prefill list) each belongs to
     cut_ext: torch.Tensor  # int64 [M, K-1] extended rows of the conv state after a cut
     cut_slot: torch.Tensor  # int64 [M] slot that receives it
     rounds: list[Round]
@@ -67,11 +66,9 @@ class RecurrentDecodeRows:
 
 @dataclass
 class VarlenMetadata:
-    num_tokens: int
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T], PAD_SLOT_ID: not written
-    block_size: int
     # attention: one row per sequence that has a block table
     q_start: torch.Tensor  # int32 [S]
     q_len: torch.Tensor  # int32 [S]
@@ -80,9 +77,28 @@ class VarlenMetadata:
     max_q_len: int
     rec_decode: RecurrentDecodeRows | None
     rec_prefill: RecurrentPrefill | None
-    conv_width: int
     sample_rows: torch.Tensor  # int64 [R] flat row of the last token of every sequence that samples
-    extra: dict = field(default_factory=dict)  # per-step caches of derived tensors (e.g. rotary cos/sin)
+
+
+@dataclass
+class VarlenBatch:
+    """The batched path's step (`CausalLM.forward_varlen`): one VarlenMetadata per view of the cache groups
+    (engine.models.batch.GroupViews; the views share the token rows)."""
+
+    views: list[VarlenMetadata]
+    layer_views: tuple[int, ...] = ()
+    """The view each layer reads; empty: every layer reads views[0]."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.views[0].input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.views[0].positions
+
+    def per_layer(self, num_layers: int) -> list[VarlenMetadata]:
+        return per_layer(self.views, self.layer_views, num_layers)
 
 
 class _Packer:
@@ -111,17 +127,13 @@ class _Packer:
         return out
 
 
-def build_varlen(seqs, block_size: int, conv_width: int, device: torch.device, pad_to: int = 0,  # type: ignore[no-untyped-def]
-                 sample: list[bool] | None = None) -> VarlenMetadata:
-    """`seqs`: the scheduler's ScheduledSeq list (token_ids, num_computed_tokens, block_ids, state_slot,
-    checkpoints). `pad_to` > number of tokens adds padded decode rows (token 0, PAD_SLOT_ID everywhere, ctx 0).
-    One cache group of each kind (else build_varlen_views)."""
-    return build_varlen_views(seqs, block_size, conv_width, device, SINGLE_VIEW, pad_to, sample)[0]
-
-
 def build_varlen_views(seqs, block_size: int, conv_width: int, device: torch.device,  # type: ignore[no-untyped-def]
                        views: GroupViews, pad_to: int = 0, sample: list[bool] | None = None) -> list[VarlenMetadata]:
-    """One VarlenMetadata per view (engine.models.batch.GroupViews), all uploaded in one copy. The token rows
+    """`seqs`: the scheduler's ScheduledSeq list (token_ids, num_computed_tokens, group_block_ids,
+    group_state_slots, group_checkpoints). `pad_to` > number of tokens adds padded decode rows (token 0,
+    PAD_SLOT_ID everywhere, ctx 0); `sample` marks the sequences whose last row is sampled (default: all).
+
+    One VarlenMetadata per view (engine.models.batch.GroupViews), all uploaded in one copy. The token rows
     (ids, positions, q_start, q_len, sample rows) are shared; each view has its own block table, slot mapping,
     context lengths and recurrent rows. A view without an attention group shares view 0's attention tensors
     (no layer of it reads them); one without a recurrent group has no recurrent rows."""
@@ -153,16 +165,15 @@ def build_varlen_views(seqs, block_size: int, conv_width: int, device: torch.dev
     ids_t, pos_t, q_start_t, q_len_t, sample_t = (dev[h] for h in shared)
     q_start_t, q_len_t = q_start_t.to(torch.int32), q_len_t.to(torch.int32)
     i32 = lambda t: t.to(torch.int32)  # noqa: E731
+    max_q_len = int(att_q_len.max()) if len(att_q_len) else 1
     out = []
     for k in range(views.count):
         slot_h, ctx_h, table_h = att[k] if att[k] is not None else att[0]  # type: ignore[misc]
         dec_h, pre_h = rec[k]
         out.append(VarlenMetadata(
-            num_tokens=T, input_ids=ids_t, positions=pos_t, slot_mapping=dev[slot_h], block_size=block_size,
-            q_start=q_start_t, q_len=q_len_t, ctx_len=i32(dev[ctx_h]), block_table=i32(dev[table_h]),
-            max_q_len=int(att_q_len.max()) if len(att_q_len) else 1,
-            rec_decode=dec_h(dev) if dec_h else None, rec_prefill=pre_h(dev) if pre_h else None,
-            conv_width=conv_width, sample_rows=sample_t,
+            input_ids=ids_t, positions=pos_t, slot_mapping=dev[slot_h], q_start=q_start_t, q_len=q_len_t,
+            ctx_len=i32(dev[ctx_h]), block_table=i32(dev[table_h]), max_q_len=max_q_len,
+            rec_decode=dec_h(dev) if dec_h else None, rec_prefill=pre_h(dev) if pre_h else None, sample_rows=sample_t,
         ))
     return out
 
@@ -240,7 +251,6 @@ def _pack_prefill(p: _Packer, pre_ckpts, pre, n_new, computed, q_start, slots, c
     ext_base = local_start + np.arange(len(pre)) * k1  # extended-buffer row of each sequence's first state row
     ext_x = np.repeat(ext_base + k1, lens) + (np.arange(lens.sum()) - np.repeat(local_start, lens))
     ext_state = (ext_base[:, None] + np.arange(k1)[None, :]).ravel()
-    ext_state_seq = np.repeat(np.arange(len(pre)), k1)
     has_init = computed[pre] > 0
     init_index = np.nonzero(has_init)[0]
     # cuts (relative token counts) per sequence, each with its destination slots
@@ -260,7 +270,7 @@ def _pack_prefill(p: _Packer, pre_ckpts, pre, n_new, computed, q_start, slots, c
                 cut_ext.append(ext_base[j] + c + np.arange(k1))
                 cut_slot.append(dest)
     handles = [p.add(rows), p.add(init_index), p.add(slots[pre][init_index]), p.add(ext_x), p.add(ext_state),
-               p.add(ext_state_seq), p.add(np.array(cut_ext, np.int64).reshape(-1, k1)),
+               p.add(np.array(cut_ext, np.int64).reshape(-1, k1)),
                p.add(np.array(cut_slot, np.int64))]
     round_handles = _pack_rounds(p, cuts, local_start)
     ext_size = int(lens.sum() + len(pre) * k1)
@@ -273,7 +283,7 @@ def _pack_prefill(p: _Packer, pre_ckpts, pre, n_new, computed, q_start, slots, c
                         views[c], dest_index=views[e], dest_slot=views[f], whole=w)
                   for a, b, cpu, c, e, f, w in round_handles]
         return RecurrentPrefill(rows=r[0], num_seqs=len(pre), init_index=r[1], init_slot=r[2], ext_size=ext_size,
-                                ext_x=r[3], ext_state=r[4], ext_state_seq=r[5], cut_ext=r[6], cut_slot=r[7],
+                                ext_x=r[3], ext_state=r[4], cut_ext=r[5], cut_slot=r[6],
                                 rounds=rounds, rows_range=rows_range)
     return pre_h
 
@@ -299,5 +309,5 @@ def _pack_rounds(p: _Packer, cuts: list[dict[int, list[int]]], local_start: np.n
     return handles
 
 
-__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenMetadata", "build_varlen",
+__all__ = ["PAD_SLOT_ID", "RecurrentDecodeRows", "RecurrentPrefill", "Round", "VarlenBatch", "VarlenMetadata",
            "build_varlen_views"]

@@ -121,7 +121,7 @@ class StructuredOutputs:
 
         matchers = [self._state(rids[i], params[i].structured_output).matcher for i in rows]  # type: ignore[arg-type]
         bitmask = self._host_bitmask(len(params), logits.device)
-        for row, matcher in zip(rows, matchers, strict=True):  # ~1 us a row (C++); no helper threads
+        for row, matcher in zip(rows, matchers, strict=True):  # xgrammar fills a row in C++; no helper threads
             if matcher.is_terminated():  # complete (its request ends this step): only a stop token may follow
                 bitmask[row] = self._stop_only()
             else:
@@ -148,10 +148,6 @@ class StructuredOutputs:
             mask = xgr.allocate_token_bitmask(cap, self.vocab_size)
             self._bitmask = mask.pin_memory() if device.type == "cuda" else mask
         return self._bitmask[:rows]
-
-    @property
-    def num_active(self) -> int:
-        return len(self._states)
 
 
 __all__ = ["StructuredOutputs"]

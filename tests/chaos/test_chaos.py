@@ -1,7 +1,7 @@
 """Chaos: greedy requests with known outputs through the proxy of a real PD cluster (plain processes, gRPC, NIXL on
 CPU) while a driver injects faults. The bar: **no HTTP 200 with wrong tokens**, no leaked blocks once idle.
 
-Faults: SIGSTOP of the decode worker past P's lease (the issue-12 freeze) and of the prefill worker, SIGKILL of the
+Faults: SIGSTOP of the decode worker past P's lease and of the prefill worker, SIGKILL of the
 prefill worker (restarted by its supervisor with a new epoch) and of the proxy (started again), half of D's NIXL
 notifications dropped (HYBRIDPD_FAULT_DROP_NOTICE_RATE), and hostile calls straight to the workers: forged params
 (another prompt's, digest rewritten), replayed Commits, Releases with a wrong lease token or none, and a token

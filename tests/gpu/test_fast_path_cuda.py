@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import pytest
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.device import missing_fast_path_packages
 
 from tests.oracle import hf_model, random_prompts, score_under
+from tests.support.forward_path import forward_path
 
 pytestmark = pytest.mark.gpu
 
@@ -26,15 +28,16 @@ PATTERNS = ["nemotron_attn_mid", "qwen_attn_last"]
 def _generate(path: str, dtype: str, fast: bool, max_tokens: int, split: bool = False) -> list:  # type: ignore[type-arg]
     kwargs = dict(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 * 2**20,
                   max_model_len=512, checkpoint_interval=32)
-    if split:
-        from tests.support.split_groups import split_llm
+    assert not (fast and missing_fast_path_packages()), "fast path needs fla-core and triton (hybridpd[gpu])"
+    with forward_path(fast):
+        if split:
+            from tests.support.split_groups import split_llm
 
-        llm = split_llm(**kwargs)
-    else:
-        llm = LLM(**kwargs)  # type: ignore[arg-type]
+            llm = split_llm(**kwargs)
+        else:
+            llm = LLM(**kwargs)  # type: ignore[arg-type]
     runner = llm.engine.runner
-    assert runner.fast_path or not fast, "fast path off on CUDA: is fla-core installed?"
-    runner.fast_path = fast
+    assert runner.fast_path is fast
     prompts = random_prompts(LENGTHS, vocab=256, seed=1)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -1,4 +1,4 @@
-"""Issue 12's reproductions as regression tests, over real processes, gRPC and NIXL (CPU):
+"""The PD handoff fails closed, over real processes, gRPC and NIXL (CPU):
 
 - the stale lease: P's lease ends and its pages are reused by other requests before D pulls -> D refuses, recomputes,
   and answers (and caches) the right tokens;

@@ -124,8 +124,8 @@ def check_moe_combine(dtype: torch.dtype) -> None:
 
 
 def check_mamba_chunk_inputs_and_skip(dtype: torch.dtype) -> None:
-    """Mamba-2 prefill glue against the torch ops it replaces (fast_path._mamba_prefill_reference): x, B, C split
-    from the activated conv output (rows strided), B and C expanded from groups to heads, v = x * dt, y + D * x."""
+    """Mamba-2 prefill glue against the torch ops it replaces (in Mamba2Mixer.scan): x, B, C split from the
+    activated conv output (rows strided), B and C expanded from groups to heads, v = x * dt, y + D * x."""
     for H, hd, G, N, P in ((6, 10, 3, 12, 9), (32, 40, 4, 48, 3)):  # the second: rows of several column blocks
         inter, gn = H * hd, G * N
         xc = rand(P, inter + 2 * gn + 5, dtype=dtype)[:, :inter + 2 * gn]  # a strided view, as the in_proj slices
@@ -173,6 +173,7 @@ def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
     h0 = ssm0[slots] * has_init[:, None, None, None]
     xc_ref, conv_new = causal_conv_step(xbc[rows], prev, m._conv_weight(), m.conv1d.bias)
     x, B, Cm = m._split(m.act(xc_ref))
+    B, Cm = m._heads(B), m._heads(Cm)
     dt = m._dt(dt_raw[rows])
     A = -torch.exp(m.A_log.float())
     h = h0 * torch.exp(dt * A)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
@@ -215,6 +216,7 @@ def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
     s0 = state0[slots] * has_init[:, None, None, None]
     xc_ref, _ = causal_conv_step(qkv[rows], prev, m._conv_weight(), m.conv1d.bias)
     q, k, v = m._split(m.act(xc_ref))
+    q, k = m._heads(q), m._heads(k)
     beta = b[rows].sigmoid().float()
     g = -torch.exp(m.A_log.float()) * torch.nn.functional.softplus(a[rows].float() + m.dt_bias.float())
     s = s0 * torch.exp(g)[:, :, None, None]

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridpd import engine
+import hybridpd.engine.cache as cache
 
 REPO = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = sorted(
-    [f"hybridpd.engine.cache.{m.name}" for m in pkgutil.iter_modules(engine.cache.__path__)]
+    [f"hybridpd.engine.cache.{m.name}" for m in pkgutil.iter_modules(cache.__path__)]
     + ["hybridpd.engine.cache", "hybridpd.engine.scheduler", "hybridpd.engine.request", "hybridpd.engine.config"]
 )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -19,10 +20,11 @@ from hybridpd.engine import LLM, SamplingParams  # noqa: E402
 from hybridpd.engine.cache.specs import PAD_SLOT_ID  # noqa: E402
 
 from tests.oracle import random_prompts  # noqa: E402
+from tests.support.forward_path import forward_path  # noqa: E402
 
 pytest.importorskip("triton")
 
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron_moe": ("nemotron_h", {"hybrid_override_pattern": "M*ME"}),
     "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
 }
@@ -40,12 +42,17 @@ def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _run(path: str, fast: bool) -> list:  # type: ignore[type-arg]
-    llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24, kv_cache_memory_bytes=32 * 2**20,
-              max_model_len=256, checkpoint_interval=16)
+    with forward_path(fast):
+        llm = LLM(model=path, device="cpu", dtype="float32", max_num_batched_tokens=24,
+                  kv_cache_memory_bytes=32 * 2**20, max_model_len=256, checkpoint_interval=16)
     runner = llm.engine.runner
-    runner.fast_path = fast
-    if fast:
-        runner.model.enable_fast_path()
+    assert runner.fast_path is fast
+    other = "forward_reference" if fast else "forward_varlen"
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError(f"{other} ran, but the runner chose the other path at construction")
+
+    setattr(runner.model, other, refuse)  # the path is chosen once: the other forward never runs
     prompts = random_prompts([5, 37], vocab=256, seed=3)
     return llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

@@ -1,5 +1,5 @@
 """The CUDA-graph path's input upload (DecodeGraphs._upload: pinned host mirrors, cached block-table rows) writes
-exactly what build_varlen builds for the same decode step, padding rows included, across steps whose requests
+exactly what build_varlen_views builds for the same decode step, padding rows included, across steps whose requests
 change order, grow a block, finish and arrive, and with several cache groups of a kind (one set of buffers per view)
 (run on CPU: the static buffers are CPU tensors here)."""
 
@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import GroupViews
+from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
 from hybridpd.engine.models.cuda_graphs import DecodeGraphs
-from hybridpd.engine.models.varlen import build_varlen, build_varlen_views
+from hybridpd.engine.models.varlen import build_varlen_views
 from hybridpd.engine.scheduler import ScheduledSeq
 
 BS = 16
@@ -42,7 +42,7 @@ def test_upload_equals_build_varlen_across_steps() -> None:
         b = graphs.bucket(len(seqs))
         assert b is not None
         graphs._upload(seqs, b)
-        m = build_varlen(seqs, BS, 4, torch.device("cpu"), pad_to=b)
+        (m,) = build_varlen_views(seqs, BS, 4, torch.device("cpu"), SINGLE_VIEW, pad_to=b)
         assert m.rec_decode is not None
         assert torch.equal(graphs.ids[:b], m.input_ids) and torch.equal(graphs.positions[:b], m.positions)
         assert torch.equal(graphs.slot_mapping[:b], m.slot_mapping) and torch.equal(graphs.ctx_len[:b], m.ctx_len)

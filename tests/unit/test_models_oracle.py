@@ -105,7 +105,7 @@ class Harness:
             pos += [0] * pad
             slots += [PAD_SLOT_ID] * pad
         batch = ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots, dtype=torch.int64), infos, BS)
-        logprobs = self.model.compute_logits(self.model.forward(batch, self.caches)).log_softmax(-1).cpu()
+        logprobs = self.model.compute_logits(self.model.forward_reference(batch, self.caches)).log_softmax(-1).cpu()
         assert logprobs.dtype == torch.float32 and torch.isfinite(logprobs).all()
         for (seq, n, _), info in zip(work, infos, strict=False):
             seq.logprobs.extend(logprobs[info.query_start : info.query_start + n])

@@ -3,7 +3,7 @@ two EngineCores of the same tiny model, a fake pull that copies pages between th
 answered by P's servicer directly.
 
 Every scenario's tokens are compared with the colocated engine's (itself checked against transformers in
-test_engine_oracle.py). Faults: P's lease expires and its pages are reused while D reads them (the issue-12 freeze),
+test_engine_oracle.py). Faults: P's lease expires and its pages are reused while D reads them (D frozen past the lease),
 params of another prompt (with its own digest, and with a digest forged to match), a lease already expired by D's
 clock, P unreachable at Commit, and a failing engine step on P. None may yield wrong tokens or poison D's cache.
 """
@@ -108,7 +108,7 @@ def test_handoff_commits_and_matches_colocated(checkpoint_dir, monkeypatch, prom
 
 def test_lease_lost_during_the_read_means_recompute_and_no_poisoned_cache(checkpoint_dir, monkeypatch, prompts,
                                                                           expected):  # type: ignore[no-untyped-def]
-    """The issue-12 reproduction: D is slow past P's lease; P reaps it and reuses the pages for other requests
+    """D is slow past P's lease; P reaps it and reuses the pages for other requests
     while D's READ is still copying them. D must not use (or cache) what it read."""
     async def run() -> None:
         pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
@@ -290,8 +290,8 @@ def test_generate_chunks_carry_top_logprobs(checkpoint_dir, monkeypatch, prompts
 
 def test_prefill_validates_the_prompt_once_in_one_step_thread_round_trip(checkpoint_dir, monkeypatch,
                                                                          prompts):  # type: ignore[no-untyped-def]
-    """Issue 13: P validated a prompt three times, twice through separate step-thread round trips. Now once, in the
-    call that adds it; a bad prompt is INVALID_ARGUMENT and leaves no waiter, reservation or request behind."""
+    """P validates a prompt once, in the call that adds it (one step-thread round trip); a bad prompt is
+    INVALID_ARGUMENT and leaves no waiter, reservation or request behind."""
     async def run() -> None:
         pair = await make_pair(checkpoint_dir(MODEL), monkeypatch)
         try:

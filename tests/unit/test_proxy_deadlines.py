@@ -1,4 +1,4 @@
-"""Issue 12, proxy side, against FAKE workers: request deadlines (504 / error event + [DONE]), D-side aborts,
+"""Failing closed, proxy side, against FAKE workers: request deadlines (504 / error event + [DONE]), D-side aborts,
 RESOURCE_EXHAUSTED retried then shed, /health from a cache (fast while a worker stalls, details behind the API key),
 Connection: close after a 5xx, the cluster token on worker calls, and where the secrets come from."""
 

@@ -30,6 +30,7 @@ from hybridpd.engine.cache.specs import PAD_SLOT_ID  # noqa: E402
 from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 
 from tests.oracle import hf_greedy, random_prompts  # noqa: E402
+from tests.support.forward_path import forward_path  # noqa: E402
 from tests.support.split_groups import split_llm  # noqa: E402
 
 pytest.importorskip("triton")
@@ -63,10 +64,8 @@ def model_path(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _run(path: str, split: bool, fast: bool) -> list:  # type: ignore[type-arg]
-    llm = split_llm(model=path, **ENGINE) if split else LLM(model=path, **ENGINE)
-    if fast:
-        llm.engine.runner.fast_path = True
-        llm.engine.runner.model.enable_fast_path()  # type: ignore[union-attr]
+    with forward_path(fast):
+        llm = split_llm(model=path, **ENGINE) if split else LLM(model=path, **ENGINE)
     outs = llm.generate(prompt_token_ids=FIRST, sampling_params=GREEDY)
     outs += llm.generate(prompt_token_ids=SECOND, sampling_params=GREEDY)
     assert outs[1].num_cached_tokens == 32, "the second request was meant to restore the first one's checkpoint"
@@ -134,14 +133,12 @@ def _decode_seq(rid: str, computed: int, blocks: tuple[tuple[int, ...], ...], sl
 
 
 def test_graph_padded_rows_leave_every_groups_states_untouched(model_path) -> None:  # type: ignore[no-untyped-def]
-    from hybridpd.engine.models.batch import ForwardBatch
     from hybridpd.engine.models.cuda_graphs import DecodeGraphs
-    from hybridpd.engine.models.varlen import build_varlen_views
+    from hybridpd.engine.models.varlen import VarlenBatch, build_varlen_views
 
-    llm = split_llm(model=model_path("qwen"), **ENGINE)
+    with forward_path(True):
+        llm = split_llm(model=model_path("qwen"), **ENGINE)
     runner = llm.engine.runner
-    runner.fast_path = True
-    runner.model.enable_fast_path()  # type: ignore[union-attr]
     graphs = DecodeGraphs(runner.model, runner.caches, 8, 4, BS, runner.conv_width, torch.device("cpu"),
                           runner.views)
     running = llm.engine.plan.state_slots_running
@@ -181,15 +178,15 @@ def test_graph_padded_rows_leave_every_groups_states_untouched(model_path) -> No
     # the same step eagerly (no padding) and on the reference path: same logits, same caches written
     restore()
     metas = build_varlen_views(seqs, BS, runner.conv_width, torch.device("cpu"), runner.views)
-    eager = runner.model.compute_logits(runner.model.forward(ForwardBatch.of_varlen(metas, runner.views),
-                                                             runner.caches))
+    eager = runner.model.compute_logits(runner.model.forward_varlen(VarlenBatch(metas, runner.views.layer_views),
+                                                                    runner.caches))
     torch.testing.assert_close(logits[:2], eager, atol=1e-5, rtol=0)
     for gid, ts in tensors.items():
         for t, a in zip(ts, after[gid], strict=True):
             torch.testing.assert_close(t, a, atol=1e-5, rtol=0)
     restore()
-    runner.fast_path = False
-    ref = runner.model.compute_logits(runner.model.forward(runner.build_batch(_output(seqs)), runner.caches))
+    ref = runner.model.compute_logits(runner.model.forward_reference(runner.build_batch(_output(seqs)),
+                                                                     runner.caches))
     torch.testing.assert_close(logits[:2], ref, atol=1e-4, rtol=0)
     for gid, ts in tensors.items():
         for t, a in zip(ts, after[gid], strict=True):

@@ -1,4 +1,4 @@
-"""hybridpd.engine.models.varlen.build_varlen: the fast path's per-step metadata, exact index values on a tiny step."""
+"""engine.models.varlen.build_varlen_views: the fast path's per-step metadata, exact index values on a tiny step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
-from hybridpd.engine.models.batch import GroupViews
-from hybridpd.engine.models.varlen import build_varlen, build_varlen_views
+from hybridpd.engine.models.batch import SINGLE_VIEW, GroupViews
+from hybridpd.engine.models.varlen import VarlenMetadata, build_varlen_views
 from hybridpd.engine.scheduler import ScheduledSeq
 
 
@@ -17,13 +17,19 @@ def _seq(rid, computed, n, blocks, slot, ckpts=()):  # type: ignore[no-untyped-d
                         group_checkpoints=((1, tuple(ckpts)),))
 
 
+def build_varlen(seqs, **kwargs) -> VarlenMetadata:  # type: ignore[no-untyped-def]
+    """One group of each kind: the one view's metadata."""
+    (meta,) = build_varlen_views(seqs, views=SINGLE_VIEW, **kwargs)
+    return meta
+
+
 def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-def]
     # seq a: prefill of 10 tokens after 4 cached (block size 4), checkpoints after 8 and 12 tokens -> 3 segments
     # seq b: one decode token; seq c: prefill of 3 fresh tokens, no checkpoint -> 1 segment
     seqs = [_seq("a", 4, 10, [5, 6, 7, 8], 1, [(8, 11), (12, 12)]), _seq("b", 6, 1, [3, 9], 2),
             _seq("c", 0, 3, [4], 3)]
     m = build_varlen(seqs, block_size=4, conv_width=4, device=torch.device("cpu"), pad_to=16)
-    assert m.num_tokens == 16
+    assert m.input_ids.numel() == 16
     assert m.positions[:14].tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 6, 0, 1, 2]
     # slot = block_table[p // 4] * 4 + p % 4; padded rows write nothing
     assert m.slot_mapping[:14].tolist() == [24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 38, 16, 17, 18]
