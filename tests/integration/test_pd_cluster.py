@@ -78,7 +78,9 @@ def test_repeated_long_prompt_hits_decode_cache(cluster):  # type: ignore[no-unt
     assert second["usage"]["hybridpd"]["decode_local_cached_tokens"] == 192  # attention blocks D did not pull
     moved_first = bytes1
     moved_second = bytes2 - bytes1
-    assert 0 < moved_second < moved_first / 2 if moved_first else False
+    # the second pull skips the 12 blocks D holds, but still moves the running state (and, in the first, P's
+    # checkpoint went too): less, by how much depends on the model's state size
+    assert 0 < moved_second < moved_first if moved_first else False
 
 
 def test_concurrent_streams_and_disconnect_leave_no_pinned_blocks(cluster):  # type: ignore[no-untyped-def]
