@@ -4,12 +4,7 @@
 # Carry a transformers==5.23.0 wheel in .whl_a (the version the CPU oracle uses).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if ls .whl_a/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_a .whl_a/*.whl && export PYTHONPATH=/tmp/site_a
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-nvidia-smi -L; python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+WHL=.whl_a source benchmarks/gpu_env.sh
 python3 -m pip list 2>/dev/null | grep -iE "^(grpcio|protobuf|httpx|prometheus.client|numpy) " || true
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_oracle_cuda.py tests/unit/test_zero_blocks.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 python3 benchmarks/diag_engine_memory.py 2>&1 | tail -12

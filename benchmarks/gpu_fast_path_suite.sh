@@ -5,10 +5,6 @@
 # transformers==5.23.0 wheels. Results under ${OUT:-out}.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-nvidia-smi -L; python3 -c "import torch, transformers, triton, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
+source benchmarks/gpu_env.sh
 timeout ${BENCH_TIMEOUT:-280} python3 benchmarks/roofline.py --kernels --out "$OUT/roofline.json" ${ROOFLINE_ARGS:-} 2>&1 | tee "$OUT/roofline.log" | grep -v '^{"preset' | tail -40
 timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/gpu/test_fast_path_cuda.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30

@@ -4,12 +4,8 @@
 # (shared/tools/device-wheels.sh all). Results under ${OUT:-out}.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NIXL_LOG_LEVEL=WARN
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-export PYTHONPATH="$PYTHONPATH:$PWD"
-# The device image has grpcio 1.84; the committed stubs were generated with 1.85.1 and refuse older runtimes.
-sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.84.0'/" proto/hybridpd_pb2_grpc.py
-nvidia-smi -L
+export NIXL_LOG_LEVEL=WARN
+source benchmarks/gpu_env.sh
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_pd_cuda.py 2>&1 | tee "$OUT/gpu_pd_tests.log" | tail -8
 # both cache layouts (stacked: what the engine allocates; per_layer: one tensor per layer), the default mode
 for pair in 0:0 0:1; do
