@@ -16,6 +16,8 @@ contribute exactly 0.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from hybridpd.engine.parallel.group import TPGroup
@@ -36,7 +38,9 @@ class LocalRouter(nn.Module):
         return weights * local, torch.where(local, idx - self.first, self.per)
 
 
-def shard_moe_experts(m: nn.Module, tp: TPGroup, split_mlp: object) -> None:
+def shard_moe_experts(
+    m: nn.Module, tp: TPGroup, split_mlp: Callable[[list[nn.Linear], nn.Linear, TPGroup], None]
+) -> None:
     """Expert parallelism for one MoE block, in place. `split_mlp(up, down, tp)` cuts the shared expert as TP
     inside experts does. Raises ValueError when the routed experts cannot be divided over the ranks."""
     experts = list(m.experts)  # type: ignore[arg-type]
@@ -52,7 +56,8 @@ def shard_moe_experts(m: nn.Module, tp: TPGroup, split_mlp: object) -> None:
         p.data.zero_()
     m.experts = nn.ModuleList([*experts[first : first + per], none])
     m.gate = LocalRouter(m.gate, first, per)  # type: ignore[arg-type]
-    split_mlp([m.shared_experts.up_proj], m.shared_experts.down_proj, tp)  # type: ignore[operator, union-attr]
+    shared: Any = m.shared_experts
+    split_mlp([shared.up_proj], shared.down_proj, tp)
 
 
 __all__ = ["LocalRouter", "shard_moe_experts"]
