@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy
-from hybridpd.engine.cache.block_pool import BlockPool
 from hybridpd.engine.cache.tree import CacheTree
 
 
@@ -22,7 +21,7 @@ class LruTree(CacheTree):
     tree's nodes stay unlinked, so every block is a leaf; priorities are the clock (values 0), so ties go by
     release order."""
 
-    def _value(self, pool: BlockPool, h: bytes | None) -> float:
+    def _value(self, kind: int, h: bytes | None) -> float:
         return 0.0
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
@@ -37,19 +36,21 @@ class LruTree(CacheTree):
     def _served(self, slot: int) -> bool:
         return False
 
-    def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
+    def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
+        pool = self.pool_of[kind]
+        assert pool is not None
         h = pool.block_hash[page]
         assert h is not None
-        self.queues[id(pool)].discard(page)
+        self._discard(kind, page)
         if count:
             pool.evict(page)
-            kind = "attention" if pool is self.chain else "state"
-            self.num_evicted[kind] += 1
-            self.evicted_bytes[kind] += pool.page_bytes
+            label = "state" if kind else "attention"
+            self.num_evicted[label] += 1
+            self.evicted_bytes[label] += pool.page_bytes
         else:
             pool.uncache(page)
-        self._drop_riders(pool, h, count)
-        if all(p.lookup(h) is None for p in self.leaders):
+        self._drop_riders(kind, h, count)
+        if all(p is None or p.lookup(h) is None for p in self.pool_of):
             del self.nodes[h]
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from hybridpd.engine.cache.block_pool import BlockPool
 from hybridpd.engine.cache.specs import CacheGroup
-from hybridpd.engine.cache.tree import CacheTree
+from hybridpd.engine.cache.tree import STATE, CacheTree
 
 
 def cdiv(a: int, b: int) -> int:
@@ -345,7 +345,7 @@ class RecurrentManager:
         if slot is None or self.pool.ref_cnt[slot] != 0:
             return
         if self.tree is not None:
-            self.tree.evict(self.pool, slot, count=False)
+            self.tree.evict(STATE, slot, count=False)
         else:
             self.pool.uncache(slot)
 

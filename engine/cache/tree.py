@@ -1,30 +1,30 @@
-"""The cache tree: one node per cached block hash, and the one eviction order over what may go.
+"""What the prefix cache keeps, and what it lets go: admission and eviction in one picture.
 
-    attention chain (block hashes)     root -- n0 -- n1 -- n2 -- n3             Node: hash, tokens, parent, kids,
-                                                         \\-- n2' -- n3'         last_hit, demoted
-    checkpoints (state after a block)         [s@n1]        [s@n3] [s@n3']
-
-    evictable (GreedyDual order)       leaf blocks (no cached child, unreferenced): n3, n3'
-                                       checkpoints nobody references: s@n1, s@n3, s@n3'
-
-    priority = clock when last released + compute saved per byte (0 for a dead-end block or a superseded
-               checkpoint); clock = the priority of the last item evicted, so it only rises and old popularity
-               ages out (GreedyDual-Size; Marconi's recency + FLOP efficiency in a heap-friendly form).
+    request r:  prompt h0 h1 h2 h3 | h4' h5' | decode ...       admission.py picks where r saves a state:
+                       \\_ hit __/  ^branch   ^prompt end  ^ ^    the branch point (longest prefix seen before),
+                                                rolling end      the prompt end, a rolling request end
+    tree:       root -- h0 -- h1 -- h2 -- h3 -- h4' -- h5'       a Node per cached block hash: tokens, parent,
+                              |           \\-- h4 -- h5           kids, last_hit, demoted (page ids stay in the
+                            [s@h1]      [s@h3]    [s@h5] [s@h5']  pools: pool.cached[hash]); [s@h] = checkpoint,
+                                                                  the state after block h
+    one heap:   leaf blocks nobody references (h5, h5')  +  checkpoints nobody references (s@h1, s@h3, ...)
+                priority = clock when released + compute saved per byte (0: a dead-end block, a superseded
+                checkpoint); evict the lowest; clock := its priority, so old popularity ages out (GreedyDual)
+    arena:      checkpoint slot F+c is the memory of attention blocks [c*k, (c+1)*k), a range (overlay.py)
 
 Invariants (`check_integrity`):
 - a node exists exactly while the chain (first attention group) caches its hash or the lead recurrent group holds a
   checkpoint named by it; `parent` / `kids` link chain-cached nodes only, so a cached chain never has a hole;
-- only *leaf* chain blocks are queued; evicting a block takes the unreferenced checkpoint named by it (a state
-  whose chain is gone serves nothing); evicting a checkpoint re-queues the block it ended on (a dead end now);
-- every other group's page named h ("rider") exists only while its leader holds h and leaves with it, so one
-  queued item stands for the pages of every group at one hash, valued by the bytes of all of them;
+- only leaf blocks and unreferenced checkpoints are queued; evicting a block takes the unreferenced checkpoint
+  named by it (its chain is gone); evicting a checkpoint re-queues its block (a dead end now);
+- every other group's page h (a rider) exists only while its leader holds h and leaves with it, so one queued item
+  stands for the pages of every group at one hash, valued by the bytes of all of them;
 - held pages (in use + cached, every pool) x page bytes <= budget.
 
-One arena (overlay.py): a checkpoint slot is the memory of k attention blocks (a *range*). A checkpoint needs a
-free range; when none is free `make_room` evicts the lowest checkpoint (its range comes free) when that is the
-lowest item of all, else the unreferenced range whose eviction loses least (the credit, priority - clock, of its
+The arena: a checkpoint needs a free range. With none, `make_room` evicts the lowest checkpoint when it is the
+lowest item of all; else the unreferenced range whose eviction loses least (the credit, priority - clock, of its
 blocks, of the subtrees below them and of the checkpoints they name, per byte: `_range_cost`) when cheaper than
-the lowest checkpoint, else that checkpoint unless it served a hit lately (`_served`): then the new checkpoint
+the lowest checkpoint; else that checkpoint, unless it served a hit lately (`_served`): then the new checkpoint
 is skipped, and when the kept one's hit is stale the clock rises to its priority.
 
 Ownership: the coordinator owns one CacheTree and calls `make_room` before every allocation; the pools call
@@ -35,7 +35,7 @@ Ownership: the coordinator owns one CacheTree and calls `make_room` before every
 from __future__ import annotations
 
 import heapq
-import itertools
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from hybridpd.engine.cache.block_pool import BlockPool
@@ -43,6 +43,8 @@ from hybridpd.engine.cache.block_pool import BlockPool
 if TYPE_CHECKING:
     from hybridpd.engine.cache.overlay import Overlay
 
+BLOCK, STATE = 0, 1
+"""The two kinds of evictable items (a heap entry's key is page << 1 | kind)."""
 ATTENTION_QUADRATIC_TOKENS = 8192
 """Context length at which a token's attention FLOPs equal its linear FLOPs, roughly (shapes flops_saved only)."""
 REFERENCE_TOKENS = 4096
@@ -56,6 +58,7 @@ MAX_RANGE_SUBTREE = 128
 SERVED_TURNOVERS = 4
 """How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids."""
 INF = float("inf")
+_ORDER = itemgetter(1)
 
 
 def flops_saved(tokens: int) -> float:
@@ -82,86 +85,36 @@ class Node:
         """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
 
 
-class EvictionQueue:
-    """Lazy min-heap of (priority, release order, page): `discard` is O(1), stale entries are skipped at the top."""
-
-    def __init__(self, order: itertools.count) -> None:
-        self._heap: list[tuple[float, int, int]] = []
-        self._live: dict[int, int] = {}
-        """page -> release order of its live entry."""
-        self.priority: dict[int, float] = {}
-        self.base: dict[int, float] = {}
-        """page -> the clock when it was queued (its recency)."""
-        self._order = order
-        self.version = 0
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, page: int) -> bool:
-        return page in self._live
-
-    def push(self, page: int, base: float, priority: float) -> None:
-        self.version += 1
-        seq = next(self._order)
-        self._live[page], self.priority[page], self.base[page] = seq, priority, base
-        heapq.heappush(self._heap, (priority, seq, page))
-        if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild
-            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
-
-    def discard(self, page: int) -> None:
-        self.version += 1
-        if self._live.pop(page, None) is not None:
-            del self.priority[page], self.base[page]
-
-    def peek(self) -> tuple[float, int, int] | None:
-        heap, live = self._heap, self._live
-        while heap:
-            top = heap[0]
-            if live.get(top[2]) == top[1]:
-                return top
-            heapq.heappop(heap)
-        return None
-
-    def reprioritize(self, priority_of: object) -> None:
-        """Recompute every live entry's priority (`priority_of(page, base)`), keeping release order for ties."""
-        self.version += 1
-        self._heap = [(priority_of(p, self.base[p]), seq, p) for p, seq in self._live.items()]  # type: ignore
-        heapq.heapify(self._heap)
-        self.priority = {page: prio for prio, _, page in self._heap}
-
-
 class CacheTree:
-    def __init__(
-        self,
-        attention: list[BlockPool],
-        state: list[BlockPool],
-        budget_bytes: int,
-        alpha: float = 1.0,
-        block_size: int = 16,
-        overlay: Overlay | None = None,
-    ) -> None:
+    def __init__(self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, alpha: float = 1.0,
+                 block_size: int = 16, overlay: Overlay | None = None) -> None:
         """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
         `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
         self.chain: BlockPool | None = attention[0] if attention else None
         self.state: BlockPool | None = state[0] if state else None
-        self.leaders = [p for p in (self.chain, self.state) if p is not None]
+        self.pool_of = (self.chain, self.state)
+        """Kind (BLOCK, STATE) -> the leader pool whose pages are queued."""
+        self.kind_of = {id(p): k for k, p in enumerate(self.pool_of) if p is not None}
         self.pools = [*attention, *state]
-        self.riders = {id(g[0]): g[1:] for g in (attention, state) if g}
+        self.riders = [attention[1:], state[1:]]
         self.leader_of = {id(p): g[0] for g in (attention, state) for p in g}
+        self._state_ids = {id(p) for p in state}
         self.attention_pools = list(attention)
         self.budget_bytes = budget_bytes
         self.block_size = block_size
         self.overlay = overlay
-        order = itertools.count()  # one release order for both queues: ties compare across them
-        self.queues = {id(p): EvictionQueue(order) for p in self.leaders}
-        self.unit_bytes = {id(g[0]): sum(p.page_bytes for p in g) for g in (attention, state) if g}
-        """leader -> bytes of one unit (its page and its riders' pages at one hash)."""
-        if overlay is not None and self.state is not None and self.chain is not None:
-            self.unit_bytes[id(self.state)] = overlay.k * self.unit_bytes[id(self.chain)]  # what it covers
-        ref = self.unit_bytes[id(self.state if self.state is not None else self.chain)]
-        self._scale = alpha * max(ref, 1) / flops_saved(REFERENCE_TOKENS)
+        self.unit_bytes = [sum(p.page_bytes for p in g) for g in (attention, state)]
+        """Kind -> bytes of one item (the leader's page and its riders' pages at one hash)."""
+        if overlay is not None and state and attention:
+            self.unit_bytes[STATE] = overlay.k * self.unit_bytes[BLOCK]  # what it covers
+        self._scale = alpha * max(self.unit_bytes[STATE if state else BLOCK], 1) / flops_saved(REFERENCE_TOKENS)
+        self.queued: tuple[dict[int, tuple[float, int, float]], ...] = ({}, {})
+        """Kind -> {page: (priority, release order, clock when queued)}: the live entries of `_heap`."""
+        self._heap: list[tuple[float, int, int]] = []
+        """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
+        self._order = 0
+        self.version = 0
+        """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
         self.nodes: dict[bytes, Node] = {}
         self.clock = 0.0
         self.num_states_cached = 0
@@ -178,6 +131,55 @@ class CacheTree:
         for p in self.pools:
             p.listener = self
 
+    # -- the heap ------------------------------------------------------------------------------------------------
+    def _queue(self, kind: int, page: int, base: float, priority: float) -> None:
+        self.version += 1
+        self._order += 1
+        self.queued[kind][page] = (priority, self._order, base)
+        heapq.heappush(self._heap, (priority, self._order, page << 1 | kind))
+        if len(self._heap) > 4 * (len(self.queued[0]) + len(self.queued[1])) + 64:  # mostly stale: rebuild
+            self._rebuild(lambda kind, page, entry: entry[0])
+
+    def _discard(self, kind: int, page: int) -> None:
+        self.version += 1
+        self.queued[kind].pop(page, None)
+
+    def _rebuild(self, priority_of: object) -> None:
+        """The heap again from the live entries, each at `priority_of(kind, page, entry)`, release order kept."""
+        heap = []
+        for kind, q in enumerate(self.queued):
+            for page, entry in q.items():
+                prio = priority_of(kind, page, entry)  # type: ignore[operator]
+                q[page] = (prio, entry[1], entry[2])
+                heap.append((prio, entry[1], page << 1 | kind))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
+        """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
+        heap, queued = self._heap, self.queued
+        while heap:
+            prio, order, key = heap[0]
+            entry = queued[key & 1].get(key >> 1)
+            if entry is not None and entry[1] == order:
+                break
+            heapq.heappop(heap)
+        else:
+            return None
+        if kind is None or key & 1 == kind:
+            return key & 1, key >> 1, prio
+        if not queued[kind]:
+            return None
+        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is the other kind: scan this one's entries
+        return kind, page, entry[0]
+
+    def refresh(self) -> None:
+        """Recompute every queued item's value against the tree as it is now (keeping its recency)."""
+        self._since_refresh = 0
+        self.version += 1
+        names = [p.block_hash if p is not None else [] for p in self.pool_of]
+        self._rebuild(lambda kind, page, entry: entry[2] + self._value(kind, names[kind][page]))
+
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """Bytes of the pages that hold something (in use or cached), every pool."""
@@ -192,12 +194,10 @@ class CacheTree:
             return True
         room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
         while True:
-            short = [p for p, n in needs if p.num_plain < n]
+            short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
             if not short and self.held_bytes() <= room:
                 return True
-            victim = self._lowest(
-                list({id(q): q for q in (self.leader_of[id(p)] for p in short)}.values()) if short else self.leaders
-            )
+            victim = self._lowest(short.pop() if len(short) == 1 else None)
             if victim is None:
                 return False
             self._evict_victim(victim)
@@ -207,9 +207,8 @@ class CacheTree:
         if checkpoint and self._failed_room == (asked, self._version()):
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
-        states = {id(p) for p in self.pools[len(self.attention_pools) :]}
-        state_needs = [(p, n) for p, n in needs if n and id(p) in states]
-        attn_needs = [(p, n) for p, n in needs if n and id(p) not in states]
+        state_needs = [(p, n) for p, n in needs if n and id(p) in self._state_ids]
+        attn_needs = [(p, n) for p, n in needs if n and id(p) not in self._state_ids]
         while True:
             ranges = max((p.overlay_needed(n, checkpoint) for p, n in state_needs), default=0)  # type: ignore
             if all(p.available(checkpoint) >= n for p, n in state_needs):
@@ -220,15 +219,15 @@ class CacheTree:
                     self.num_checkpoints_skipped += 1
                     self._failed_room = (asked, self._version())
                 return False
-            if isinstance(victim, tuple):
-                self._evict_victim(victim)
+            if victim is not True:
+                self._evict_victim(victim)  # type: ignore[arg-type]
 
-    def _arena_victim(self, checkpoint: bool) -> tuple[BlockPool, int, float] | bool | None:
+    def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
         """What frees a range: the lowest checkpoint, or (True) a range evicted here; None: nothing may go."""
-        victim = self._lowest(self.leaders)
-        if victim is not None and victim[0] is self.state:
+        victim = self._lowest()
+        if victim is not None and victim[0] == STATE:
             return victim
-        lowest_state = self._lowest([self.state]) if self.state is not None else None
+        lowest_state = self._lowest(STATE) if self.state is not None else None
         c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
         if c is not None:
             self._evict_range(c)
@@ -243,38 +242,21 @@ class CacheTree:
         """Arena: evict the lowest items until every attention pool has `n` free blocks besides the `taken` ones."""
         for p, n in attn_needs:
             while p.num_plain - taken < n:
-                victim = self._lowest(self.leaders)
+                victim = self._lowest()
                 if victim is None:
                     return False
                 self._evict_victim(victim)
         return True
 
-    def _evict_victim(self, victim: tuple[BlockPool, int, float]) -> None:
-        """Evict `_lowest`'s answer; once per queue turnover, re-value the queues (`refresh`)."""
+    def _evict_victim(self, victim: tuple[int, int, float]) -> None:
+        """Evict `_lowest`'s answer; once per queue turnover, re-value the queue (`refresh`)."""
         self.evict(*victim)
         self._since_refresh += 1
-        if self._since_refresh > 1024 and self._since_refresh > 4 * sum(len(q) for q in self.queues.values()):
+        if self._since_refresh > 1024 and self._since_refresh > 4 * (len(self.queued[0]) + len(self.queued[1])):
             self.refresh()
 
     def _version(self) -> int:
-        return sum(p.version for p in self.pools) + sum(q.version for q in self.queues.values())
-
-    def _lowest(self, pools: list[BlockPool]) -> tuple[BlockPool, int, float] | None:
-        """(pool, page, priority) of the lowest (priority, release order) entry among `pools`' queues."""
-        best: tuple[float, int, int] | None = None
-        best_pool = None
-        for p in pools:
-            top = self.queues[id(p)].peek()
-            if top is not None and (best is None or top < best):
-                best, best_pool = top, p
-        return None if best is None else (best_pool, best[2], best[0])  # type: ignore[return-value]
-
-    def refresh(self) -> None:
-        """Recompute every queued page's value against the tree as it is now (keeping its recency)."""
-        self._since_refresh = 0
-        for p in self.leaders:
-            names = p.block_hash
-            self.queues[id(p)].reprioritize(lambda page, base: base + self._value(p, names[page]))  # noqa: B023
+        return sum(p.version for p in self.pools) + self.version
 
     # -- hits (served checkpoints) -----------------------------------------------------------------------------
     def _served(self, slot: int) -> bool:
@@ -299,9 +281,8 @@ class CacheTree:
         assert ov is not None
         bound = INF if below is None else max(0.0, below - self.clock)
         age, nplain = ov.age, ov.nplain
-        keyed = [(age[c], -nplain[c], c) for c in sorted(ov.unreferenced)]
         best, best_key = None, (INF, 0, 0)
-        for _, _, c in heapq.nsmallest(RANGE_CANDIDATES, keyed):
+        for _, _, c in heapq.nsmallest(RANGE_CANDIDATES, [(age[c], -nplain[c], c) for c in ov.unreferenced]):
             cost = self._range_cost(c, bound)
             key = (cost, age[c], -nplain[c])
             if cost <= bound and (best is None or key < best_key):
@@ -316,16 +297,17 @@ class CacheTree:
         chain, ov = self.chain, self.overlay
         assert chain is not None and ov is not None
         blocks = ov.blocks_of(c)
-        total = ov.k * self.unit_bytes[id(chain)]
+        total = ov.k * self.unit_bytes[BLOCK]
         limit, credit = bound * total, 0.0
+        names, cached, nodes = chain.block_hash, chain.cached, self.nodes
         for b in blocks:
-            h = chain.block_hash[b]
+            h = names[b]
             if h is None:
                 continue
-            node = self.nodes[h]
+            node = nodes[h]
             if not node.kids:
                 credit += self._credit(node, b)
-            elif node.parent is None or chain.cached[node.parent.hash] not in blocks:
+            elif node.parent is None or cached[node.parent.hash] not in blocks:
                 credit += self._subtree_credit(node, limit - credit)  # (a parent in the range covers its kids)
             if credit > limit:
                 break
@@ -352,14 +334,13 @@ class CacheTree:
 
     def _credit(self, node: Node, page: int) -> float:
         """Remaining worth (priority - clock) x bytes of chain page `page` and of its checkpoint (INF: pinned)."""
-        pr = self.queues[id(self.chain)].priority.get(page)
-        one = 0.0 if pr is None else max(0.0, pr - self.clock) * self.unit_bytes[id(self.chain)]
-        state = self.state
-        if state is not None:
-            slot = state.cached.get(node.hash)
+        entry = self.queued[BLOCK].get(page)
+        one = 0.0 if entry is None else max(0.0, entry[0] - self.clock) * self.unit_bytes[BLOCK]
+        if self.state is not None:
+            slot = self.state.cached.get(node.hash)
             if slot is not None:
-                sp = self.queues[id(state)].priority.get(slot)
-                one = INF if sp is None else one + max(0.0, sp - self.clock) * self.unit_bytes[id(state)]
+                entry = self.queued[STATE].get(slot)
+                one = INF if entry is None else one + max(0.0, entry[0] - self.clock) * self.unit_bytes[STATE]
         return one
 
     def _evict_range(self, c: int) -> None:
@@ -393,49 +374,50 @@ class CacheTree:
             if page is None:
                 continue
             if chain.ref_cnt[page] == 0:
-                self.evict(chain, page)
+                self.evict(BLOCK, page)
             else:
                 self._unlink(node)
         self._going = set()
 
     # -- eviction ----------------------------------------------------------------------------------------------
-    def evict(self, pool: BlockPool, page: int, prio: float | None = None, count: bool = True) -> None:
+    def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
         """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
+        pool = self.pool_of[kind]
+        assert pool is not None
         h = pool.block_hash[page]
         assert h is not None
-        self.queues[id(pool)].discard(page)
-        kind = "attention" if pool is self.chain else "state"
+        self._discard(kind, page)
         if count:
             pool.evict(page)
-            self.num_evicted[kind] += 1
-            self.evicted_bytes[kind] += pool.page_bytes
+            label = "state" if kind else "attention"
+            self.num_evicted[label] += 1
+            self.evicted_bytes[label] += pool.page_bytes
         else:
             pool.uncache(page)
-        self._drop_riders(pool, h, count)
+        self._drop_riders(kind, h, count)
         if prio is not None and prio > self.clock:
             self.clock = prio
         node = self.nodes[h]
-        if pool is self.chain:
+        state = self.state
+        if kind == BLOCK:
             self._unlink(node)
-            slot = self.state.cached.get(h) if self.state is not None else None
-            if slot is not None and self.state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
-                self.evict(self.state, slot)  # type: ignore[arg-type]  # its chain is gone: the state is useless
+            slot = state.cached.get(h) if state is not None else None
+            if slot is not None and state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
+                self.evict(STATE, slot)  # its chain is gone: the state is useless
         else:
             self._requeue_block(h)  # the block it ended on may now be a dead end
-        if h not in (self.chain.cached if self.chain is not None else ()) and (
-            self.state is None or h not in self.state.cached
-        ):
+        if (self.chain is None or h not in self.chain.cached) and (state is None or h not in state.cached):
             self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
 
-    def _drop_riders(self, leader: BlockPool, h: bytes, count: bool) -> None:
+    def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
         """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
-        for rider in self.riders.get(id(leader), ()):
+        for rider in self.riders[kind]:
             page = rider.lookup(h)
             if page is None:
                 continue
             if count and rider.ref_cnt[page] == 0:
                 rider.evict(page)
-                self.evicted_bytes["attention" if leader is self.chain else "state"] += rider.page_bytes
+                self.evicted_bytes["state" if kind else "attention"] += rider.page_bytes
             else:
                 rider.uncache(page)
 
@@ -455,20 +437,22 @@ class CacheTree:
     def on_release(self, pool: BlockPool, page: int) -> None:
         h = pool.block_hash[page]
         assert h is not None
-        if id(pool) not in self.queues:  # a rider: leaves with its leader's page, or now if the leader lost h
+        kind = self.kind_of.get(id(pool))
+        if kind is None:  # a rider: leaves with its leader's page, or now if the leader lost h
             if self.leader_of[id(pool)].lookup(h) is None:
                 pool.uncache(page)
             return
-        if pool is self.chain and self.nodes[h].kids:
+        if kind == BLOCK and self.nodes[h].kids:
             return  # not a leaf: queued when its last kid goes
-        self._push(pool, page, h)
+        self._push(kind, page, h)
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
-        if id(pool) not in self.queues:
+        kind = self.kind_of.get(id(pool))
+        if kind is None:
             return  # a rider: never queued
-        self.queues[id(pool)].discard(page)
+        self._discard(kind, page)
         h = pool.block_hash[page]
-        if h is not None and (pool is self.state or self.state is None):
+        if h is not None and (kind == STATE or self.state is None):
             node = self.nodes[h]
             node.last_hit = self.num_states_cached  # a restore (or, attention-only, a block reuse)
             node.demoted = False  # restored: a real reuse point after all
@@ -490,7 +474,7 @@ class CacheTree:
         up = self.nodes[parent]
         node.parent = up
         up.kids[h] = node
-        self.queues[id(self.chain)].discard(pb)  # no longer a leaf
+        self._discard(BLOCK, pb)  # no longer a leaf
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
@@ -506,37 +490,37 @@ class CacheTree:
         if node is None or slot is None or len(node.kids) > 1:
             return
         node.demoted = True
-        q = self.queues[id(self.state)]
-        if slot in q:
-            q.push(slot, q.base[slot], q.base[slot])
+        entry = self.queued[STATE].get(slot)
+        if entry is not None:
+            self._queue(STATE, slot, entry[2], entry[2])
         self._requeue_block(h)
 
     def _requeue_block(self, h: bytes) -> None:
         chain = self.chain
         b = chain.cached.get(h) if chain is not None else None
         if b is not None and chain.ref_cnt[b] == 0 and not self.nodes[h].kids:  # type: ignore[union-attr]
-            self._push(chain, b, h)  # type: ignore[arg-type]
+            self._push(BLOCK, b, h)
 
-    def _push(self, pool: BlockPool, page: int, h: bytes) -> None:
-        self.queues[id(pool)].push(page, self.clock, self.clock + self._value(pool, h))
+    def _push(self, kind: int, page: int, h: bytes) -> None:
+        self._queue(kind, page, self.clock, self.clock + self._value(kind, h))
 
     # -- value -------------------------------------------------------------------------------------------------
-    def _value(self, pool: BlockPool, h: bytes | None) -> float:
-        """Compute saved per byte by keeping page `h` of `pool` (0 for a dead-end block or a demoted checkpoint):
+    def _value(self, kind: int, h: bytes | None) -> float:
+        """Compute saved per byte by keeping item `h` of `kind` (0 for a dead-end block or a demoted checkpoint):
         the FLOPs between the nearest anchor and this boundary, over the state plus the blocks in between."""
         node = self.nodes.get(h) if h is not None else None
         if node is None or node.demoted:
             return 0.0
-        if pool is self.chain and self.state is not None:
+        if kind == BLOCK and self.state is not None:
             if node.hash not in self.state.cached:
                 return 0.0  # dead end: no hit can stop here
-            pool = self.state  # a leaf block with a checkpoint is valued as that checkpoint
+            kind = STATE  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = node.tokens, self._anchor(node)
         if tokens <= anchor:
             return 0.0
-        nbytes = self.unit_bytes[id(pool)]
+        nbytes = self.unit_bytes[kind]
         if self.chain is not None:
-            nbytes += (tokens - anchor) // self.block_size * self.unit_bytes[id(self.chain)]
+            nbytes += (tokens - anchor) // self.block_size * self.unit_bytes[BLOCK]
         return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1)
 
     def _anchor(self, node: Node) -> int:
@@ -558,19 +542,21 @@ class CacheTree:
         assert self.held_bytes() <= self.budget_bytes, (self.held_bytes(), self.budget_bytes)
         for r in self.pools:
             leader = self.leader_of[id(r)]
-            if r is not leader:
-                assert all(leader.lookup(h) is not None for h in r.cached), (r.name, "names a page its leader lost")
-        for p in self.leaders:
-            queued = set(self.queues[id(p)]._live)
+            assert r is leader or all(leader.lookup(h) is not None for h in r.cached), (r.name, "rider names more")
+        live = {(prio, order, page << 1 | kind) for kind, q in enumerate(self.queued) for page, (prio, order, _) in
+                q.items()}
+        assert live <= set(self._heap), "every queued item has its heap entry"
+        for kind, p in enumerate(self.pool_of):
+            if p is None:
+                continue
+            queued = self.queued[kind]
             assert all(p.ref_cnt[b] == 0 and p.block_hash[b] is not None for b in queued), p.name
             for b in p.free_block_ids():
                 h = p.block_hash[b]
                 if h is not None:
-                    leaf = p is not self.chain or not self.nodes[h].kids
+                    leaf = kind == STATE or not self.nodes[h].kids
                     assert (b in queued) == leaf, (p.name, b, leaf)
-        names = set(self.chain.cached if self.chain is not None else ()) | set(
-            self.state.cached if self.state is not None else ()
-        )
+        names = {h for p in self.pool_of if p is not None for h in p.cached}
         assert names == self.nodes.keys(), "a node for every cached hash, and only those"
         for h, node in self.nodes.items():
             assert node.hash == h

@@ -13,6 +13,8 @@ from hybridpd.engine.cache.admission import Admission, CachePolicy, SeenHashes
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
 from hybridpd.engine.cache.planner import plan_capacity
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.cache.tree import BLOCK as BLOCK_ITEM
+from hybridpd.engine.cache.tree import STATE as STATE_ITEM
 from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.request import Request
@@ -150,11 +152,11 @@ def test_dead_end_blocks_go_before_checkpointed_chains() -> None:
     assert rec is not None
     slot = rec.pool.lookup(_hash(s, P + [1], 3))
     assert slot is not None
-    rc.evict(rec.pool, slot)
+    rc.evict(STATE_ITEM, slot)
     pool = s.cache.attention.pool  # type: ignore[union-attr]
-    top = rc.queues[id(pool)].peek()
-    assert top is not None and pool.block_hash[top[2]] == _hash(s, P + [1], 3)
-    assert top[0] == rc.clock  # valued 0
+    top = rc._lowest(BLOCK_ITEM)
+    assert top is not None and pool.block_hash[top[1]] == _hash(s, P + [1], 3)
+    assert top[2] == rc.clock  # valued 0
     s.cache.check_integrity()
 
 
@@ -173,13 +175,12 @@ def test_a_restored_checkpoint_outlives_an_unused_one_of_equal_value() -> None:
     serve(s, "a2", P + [2])  # restores a's checkpoint at 12
     rec = s.cache.recurrent
     assert rec is not None
-    q = rc.queues[id(rec.pool)]
     ha, hb = _hash(s, P + [1], 3), _hash(s, list(range(300, 313)), 3)
     sa, sb = rec.pool.lookup(ha), rec.pool.lookup(hb)
     assert sa is not None and sb is not None and rc.nodes[ha].last_hit is not None
-    rank = {page: (p, seq) for p, seq, page in q._heap if q._live.get(page) == seq}
-    assert rank[sa] > rank[sb]  # same value; the restore re-released a's state later (recency)
-    assert q.peek()[2] != sa  # type: ignore[index]
+    rank = rc.queued[STATE_ITEM]
+    assert rank[sa][:2] > rank[sb][:2]  # same value; the restore re-released a's state later (recency)
+    assert rc._lowest(STATE_ITEM)[1] != sa  # type: ignore[index]
 
 
 def test_lru_baseline_evicts_in_release_order_across_pools() -> None:
@@ -204,7 +205,7 @@ def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
     assert s.cache.reserve_checkpoint(req, 10) is None  # not a boundary
     s.cache.publish_transferred(req, 14)
     s.cache.publish_checkpoint(got)
-    assert rec.pool.lookup(h) == slot and rc.nodes[h].tokens == 12 and slot in rc.queues[id(rec.pool)]
+    assert rec.pool.lookup(h) == slot and rc.nodes[h].tokens == 12 and slot in rc.queued[STATE_ITEM]
     s.cache.free(req)
     s.cache.check_integrity()
     hit = s.cache.find_prefix_hit(Request("e", P + [5, 5], SamplingParams(max_tokens=1)))
@@ -261,7 +262,7 @@ def test_superseded_checkpoints_on_an_unbranched_path_keep_only_recency() -> Non
     end1 = t1.block_hashes[5 - 1]
     t2, outs = serve(s, "t2", t1.all_token_ids + [50, 51, 52], max_tokens=6)  # restores 20, rolling end 28
     assert t2.num_cached_tokens == 20 and boundaries(outs) == [24, 28]
-    assert rc.nodes[end1].demoted and rc._value(rec.pool, end1) == 0.0  # turn 2 went on past it: recency only
+    assert rc.nodes[end1].demoted and rc._value(STATE_ITEM, end1) == 0.0  # turn 2 went on past it: recency only
     assert not rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored by t2, then superseded
     assert rc.nodes[t1.block_hashes[3 - 1]].demoted  # turn 1's prompt end, superseded by turn 1's own end
     # a checkpoint two requests branched from is a branch point: never demoted, and a restore undoes a demotion
