@@ -373,7 +373,7 @@ def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: 
             n += step
         else:
             step //= 2
-    held = sum(len(cache.block_tables(r.request_id)[0][1]) for r in [*small, big])
+    held = sum(len(cache.seq_tables(r.request_id)[0][0][1]) for r in [*small, big])
     optimum = (budget - max_num_seqs * STATE_BYTES) // BLOCK_BYTES
     cache.check_integrity()
     return {"blocks_held": held, "optimum_blocks": optimum, "ratio": held / optimum}

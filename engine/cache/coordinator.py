@@ -1,19 +1,16 @@
 """The hybrid cache manager: one manager per group, reconciled into one answer per request.
 
-Groups: one manager per cache group behind one interface (managers.py: `GroupManager`), any number of attention
-groups (e.g. layers with different KV head shapes) and of recurrent groups (e.g. Mamba-2 and Gated-DeltaNet states).
-The coordinator loops over them; what differs between kinds lives in the managers. Each group has its own pool
-and ids, so the scheduler hands the runner one block table per attention group and one slot per recurrent group.
+Groups: any number of attention groups (e.g. layers with different KV head shapes) and of recurrent groups (e.g.
+Mamba-2 and Gated-DeltaNet states), one manager each (managers.py), each with its own pool and ids; the scheduler
+hands the runner one block table per attention group and one slot per recurrent group.
 
 Hit search: every group answers the longest prefix it alone serves within a bound (attention left to right over
 full blocks; recurrent right to left over checkpoint boundaries); the bound shrinks to the shortest answer until
-every group agrees, capped at N-1 (a request must compute at least its last token to sample). Only real blocks
-count. Checkpoints are reserved in every recurrent group at once for a boundary, and published together.
+every group agrees, capped at N-1 (a request must compute at least its last token to sample).
 
-Memory: cached blocks and cached checkpoints share one byte budget with the running requests' pages (a layout
-without `budget_bytes` uses the pools' sizes); `CacheTree` (tree.py) frees room in its eviction order, and
-`Admission` (admission.py) decides where checkpoints are saved. With an `arena` (the engine's plan) checkpoint
-slots share memory with attention blocks (overlay.py): the pools' free ids are then the memory itself.
+Memory: cached blocks and checkpoints share one byte budget with the running requests' pages; `CacheTree`
+(tree.py) frees room in its eviction order and `Admission` (admission.py) decides where checkpoints are saved.
+With an `arena` (the engine's plan) checkpoint slots share memory with attention blocks (overlay.py).
 
 Ownership: the scheduler calls this (single thread); the PD adapters call the transfer methods on the step thread.
 Tensor-free.
@@ -34,6 +31,9 @@ from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Ov
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup
 from hybridpd.engine.cache.tree import CacheTree
 from hybridpd.engine.request import Request
+
+Tables = tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]
+"""((attention group id, block table), ...), ((recurrent group id, running slot), ...): what a step reads."""
 
 
 @dataclass
@@ -80,8 +80,7 @@ def group_label(group: CacheGroup, groups: list[CacheGroup]) -> str:
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """Discovered at start-up from the planner: blocks per attention pool, slots per state pool (every group of a
-    kind gets a pool of that many ids)."""
+    """From the planner: blocks per attention pool, slots per state pool (every group of a kind gets that many)."""
 
     attention_blocks: int
     state_slots: int
@@ -108,40 +107,38 @@ class HybridCacheManager:
         self.policy = layout.resolved_policy()
         self.admission = admission_cls(self.policy, layout.block_size)
         self.labels = {g.group_id: group_label(g, groups) for g in groups}
-        self.pools: dict[int, BlockPool] = {}
         self.blocks: list[AttentionManager] = []
         """Attention groups' managers; the first is the chain (its blocks are the tree's nodes)."""
         self.states: list[RecurrentManager] = []
         """Recurrent groups' managers; the first leads the checkpoints, the others ride along."""
-        arena = layout.arena
-        self._build_managers(groups, layout)
+        self.pools: dict[int, BlockPool] = {}
         self.events = CacheEventLog()
         """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
-        for gid, p in self.pools.items():
-            p.events, p.event_group = self.events, gid
+        self._build_managers(groups, layout)
         self.managers: list[GroupManager] = [*self.blocks, *self.states]
-        """Every group, attention first: the coordinator loops over these and never asks for a kind."""
         self._block_gids = [(m, m.group.group_id) for m in self.blocks]
         self._state_gids = [(m, m.group.group_id) for m in self.states]
         self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
-        """(manager, its group id) in `managers` order, for the per-step loops."""
         self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
         """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
-        self._alloc_order: list[tuple[GroupManager, int]] = (
-            self._gids if arena is None else [*self._state_gids, *self._block_gids])
+        self._alloc_order = self._gids if layout.arena is None else [*self._state_gids, *self._block_gids]
         """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
         imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
         self.overlay: Overlay | None = None
-        if arena is not None and self.states:
-            self.overlay = Overlay(arena, [m.pool for m in self.blocks],  # type: ignore[misc]
+        if layout.arena is not None and self.states:
+            self.overlay = Overlay(layout.arena, [m.pool for m in self.blocks],  # type: ignore[misc]
                                    [m.pool for m in self.states])  # type: ignore[misc]
-        self.tree = self._build_tree(layout, tree_cls)
-        self._tables: dict[str, tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]] = {}
-        """request -> (`block_tables`, `state_slot_table`) as `seq_tables` last built them: they change only through
-        `allocate` (past its fast path), `free` and `quarantine`, which drop it."""
+        budget = layout.budget_bytes
+        if budget is None:
+            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
+        self.tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
+                             layout.block_size, self.overlay)
+        for leader in [*self.blocks[:1], *self.states[:1]]:
+            leader.tree = self.tree
+        self._tables: dict[str, Tables] = {}
+        """request -> `seq_tables` as last built: dropped when its pages change (`allocate`, `free`, `quarantine`)."""
         self._covers: dict[str, int] = {}
-        """request -> `_covered_tokens` after its last allocation (`allocate`'s fast path). Its pages change only
-        through `allocate`, `free` and `quarantine`, which refresh or drop it."""
+        """request -> tokens its pages cover in every group after its last allocation (`allocate`'s fast path)."""
         self._targets: dict[str, list[int]] = {}
         """request -> checkpoint boundaries still to save (`Admission.admit`), ascending."""
         self._noted: dict[str, int] = {}
@@ -150,44 +147,30 @@ class HybridCacheManager:
         """checkpoint slot reserved for a pull (lead group's id) -> its boundary (tokens)."""
         self.quarantined: list[str] = []
         """Holders of pages a transfer could not cancel (see `quarantine`)."""
-        self.counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters() for g in groups}
-        self.external_counters: dict[str, GroupCounters] = {self.labels[g.group_id]: GroupCounters()
-                                                            for g in groups}
-
-    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> CacheTree:
-        """The budget's cache tree (no budget: the pools' sizes are the budget)."""
-        budget = layout.budget_bytes
-        if budget is None:
-            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
-                        layout.block_size, self.overlay)
-        if self.blocks:
-            self.blocks[0].tree = tree
-        if self.states:
-            self.states[0].tree = tree
-        return tree
+        self.counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
+        self.external_counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
 
     def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
         """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""
         arena = layout.arena
         for g in groups:
             pool: BlockPool
+            size = g.page_bytes_all_layers
             if g.is_attention:
                 name = f"group{g.group_id}:attention"
-                if arena is not None and arena.state_bytes:
-                    pool = ArenaAttentionPool(layout.attention_blocks, name, g.page_bytes_all_layers)
-                else:
-                    pool = BlockPool(layout.attention_blocks, name, g.page_bytes_all_layers)
+                arena_pool = arena is not None and arena.state_bytes
+                pool = (ArenaAttentionPool if arena_pool else BlockPool)(layout.attention_blocks, name, size)
                 lead = self.blocks[0].pool if self.blocks else None
                 self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
             else:
                 name = f"group{g.group_id}:{g.kind}"
                 if arena is not None:
-                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, g.page_bytes_all_layers)
+                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, size)
                 else:
-                    pool = BlockPool(layout.state_slots, name, g.page_bytes_all_layers)
+                    pool = BlockPool(layout.state_slots, name, size)
                 lead = self.states[0].pool if self.states else None
                 self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
+            pool.events, pool.event_group = self.events, g.group_id
             self.pools[g.group_id] = pool
 
     @property
@@ -200,23 +183,17 @@ class HybridCacheManager:
         """The lead recurrent group, or None for a model without recurrent layers."""
         return self.states[0] if self.states else None
 
-    # -- hashing -------------------------------------------------------------------------------------------------
+    # -- hashing and hit search ----------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
         bs, hashes = self.block_size, req.block_hashes
         num_full = req.num_tokens // bs
-        if num_full <= len(hashes):
-            return  # no newly full block
-        new_blocks = req.token_slice(len(hashes) * bs, num_full * bs)  # not all_token_ids: a copy of every token
-        append_block_hashes(hashes, new_blocks, bs, extra_keys(req.cache_salt))
+        if num_full > len(hashes):  # not all_token_ids: that copies every token
+            append_block_hashes(hashes, req.token_slice(len(hashes) * bs, num_full * bs), bs,
+                                extra_keys(req.cache_salt))
 
-    # -- hit search ----------------------------------------------------------------------------------------------
     def find_prefix_hit(self, req: Request, max_tokens: int | None = None, count: bool = True) -> PrefixHit:
-        """Longest prefix every group holds, capped at N-1 (or max_tokens).
-
-        Counters: every group's queries grow by the request's tokens; each group's hits by what that group could
-        serve on its own within the groups before it (attention: its left-to-right run; recurrent: its checkpoint
-        within the attention run), so a group that never hits shows up as such. The request uses the
-        agreed (shortest) length."""
+        """Longest prefix every group holds, capped at N-1 (or max_tokens). Counters: every group's queries grow by
+        the request's tokens, its hits by what it alone could serve within the groups before it."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
         if not self.enable_prefix_caching:
@@ -231,20 +208,17 @@ class HybridCacheManager:
             self.count_hit(req, hit)
         return hit
 
-    def _agreed_hit(self, managers, hashes, n: int) -> PrefixHit:  # type: ignore[no-untyped-def]
+    def _agreed_hit(self, managers: list[GroupManager], hashes: list[bytes], n: int) -> PrefixHit:
         """The longest prefix of at most n tokens that every one of `managers` serves, with its pages;
         `group_hits`: each group's own first answer."""
-        hit = PrefixHit()
-        first = True
-        while True:  # each pass can only shrink n; it stops once every group serves n
+        hit, agreed = PrefixHit(), n
+        for m in managers:
+            n = m.find_hit_tokens(hashes, n)
+            hit.group_hits[self.labels[m.group.group_id]] = n
+        while n != agreed:  # each pass can only shrink n; it stops once every group serves n
             agreed = n
             for m in managers:
                 n = m.find_hit_tokens(hashes, n)
-                if first:
-                    hit.group_hits[self.labels[m.group.group_id]] = n
-            first = False
-            if n == agreed:
-                break
         hit.num_tokens = n
         hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in managers}
         return hit
@@ -265,7 +239,7 @@ class HybridCacheManager:
             return True
         self._tables.pop(rid, None)
         pages = hit.pages if hit is not None else {}
-        new = self._is_new(rid)
+        new = not any(m.holds(rid) for m in self.managers)
         if (new or num_tokens > 0 or self._grows(rid, num_tokens)) and not self._make_room(rid, num_tokens, pages):
             return False
         for m, gid in self._alloc_order:
@@ -273,24 +247,7 @@ class HybridCacheManager:
         if new:
             self._admit(req, hit.num_tokens if hit is not None else 0)
         if self.managers:
-            self._covers[rid] = self._covered_tokens(rid)
-        return True
-
-    def _covered_tokens(self, rid: str) -> int:
-        """Tokens the request's pages cover in every group: `_grows(rid, n)` is False exactly for 0 < n <= this."""
-        for m in self.managers:
-            if not m.holds(rid):
-                return 0
-        covered = 1 << 62  # (no attention group: a running state covers any length)
-        for am in self.blocks:
-            covered = min(covered, len(am.req_blocks[rid]) * self.block_size)
-        return covered
-
-    def _is_new(self, rid: str) -> bool:
-        """No group holds anything for the request yet."""
-        for m in self.managers:
-            if m.holds(rid):
-                return False
+            self._covers[rid] = min([len(m.req_blocks[rid]) * self.block_size for m in self.blocks], default=1 << 62)
         return True
 
     def _grows(self, rid: str, num_tokens: int) -> bool:
@@ -304,8 +261,7 @@ class HybridCacheManager:
         """Pin the hit's `pages` (so eviction cannot take them), then evict until the new pages fit; undo the pins
         on failure."""
         pinned = [(m, gid) for m, gid in self._gids if m.pin_hit(rid, pages.get(gid, ()))]
-        needs = [(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]
-        if self.tree.make_room(needs):
+        if self.tree.make_room([(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]):
             return True
         for m, gid in pinned:
             m.unpin_hit(rid, pages.get(gid, ()))
@@ -323,8 +279,7 @@ class HybridCacheManager:
         if self.states:
             if targets:
                 self._targets[req.request_id] = targets
-            bs, hashes = self.block_size, req.block_hashes
-            self.states[0].superseded[req.request_id] = [hashes[b // bs - 1] for b in own]
+            self.states[0].superseded[req.request_id] = [req.block_hashes[b // self.block_size - 1] for b in own]
         self._note(req)
 
     def _note(self, req: Request) -> None:
@@ -333,64 +288,49 @@ class HybridCacheManager:
             self.admission.note(req.block_hashes[done:])
             self._noted[req.request_id] = len(req.block_hashes)
 
-    def plan_group_checkpoints(self, req: Request, start: int, end: int) -> dict[int, list[tuple[int, int]]]:
-        """Checkpoint slots for the chunk (start, end], per recurrent group: {group id: [(num_tokens, slot)]},
-        written by the runner this step. Every group gets a slot for the same boundaries."""
-        out: dict[int, list[tuple[int, int]]] = {}
-        for _, gid in self._state_gids:
-            out[gid] = []
-        if self._nothing_due(req, end):
-            return out
-        self.update_hashes(req)
-        due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
-        return self._reserve(req, due, rolling, out)
-
+    # -- checkpoints of a step -----------------------------------------------------------------------------------
     def checkpoint_plan(self, req: Request, start: int,
                         end: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-        """`plan_group_checkpoints` in the scheduler's form, ((recurrent group id, ((num_tokens, slot), ...)), ...):
-        most decode steps plan nothing and share one empty answer."""
-        if self._nothing_due(req, end):
-            return self._no_checkpoints
-        return tuple([(gid, tuple(c)) for gid, c in self.plan_group_checkpoints(req, start, end).items()])
-
-    def _nothing_due(self, req: Request, end: int) -> bool:
-        """No checkpoint can be planned for a chunk ending at `end` (most decode steps): no recurrent group, no
-        prefix caching, or (an admission that plans at block boundaries) neither one nor a target up to `end`."""
+        """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
+        ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
         if not self.states or not self.enable_prefix_caching:
-            return True
-        if self.admission.every_chunk or not end % self.block_size:
-            return False
-        targets = self._targets.get(req.request_id)
-        return not targets or targets[0] > end
+            return self._no_checkpoints
+        if not self.admission.every_chunk and end % self.block_size:
+            targets = self._targets.get(req.request_id)
+            if not targets or targets[0] > end:
+                return self._no_checkpoints  # most decode steps
+        self.update_hashes(req)
+        due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
+        return tuple([(gid, tuple(c)) for gid, c in self._reserve(req, due, rolling).items()])
 
-    def _reserve(self, req: Request, boundaries: list[int], rolling: int | None,
-                 out: dict[int, list[tuple[int, int]]]) -> dict[int, list[tuple[int, int]]]:
-        """Reserve a slot in every recurrent group for each boundary (and the rolling request-end one) whose content
-        is not cached or pending yet; best effort: a boundary is skipped when no room can be made."""
+    def _reserve(self, req: Request, boundaries: list[int], rolling: int | None) -> dict[int, list[tuple[int, int]]]:
+        """A slot in every recurrent group for each boundary (and the rolling request-end one) not cached or
+        pending yet; best effort: a boundary is skipped when no room can be made."""
         todo = [(b, False) for b in boundaries] + ([(rolling, True)] if rolling is not None else [])
-        hashes, lead = req.block_hashes, self.states[0]
+        out: dict[int, list[tuple[int, int]]] = {gid: [] for _, gid in self._state_gids}
+        hashes = req.block_hashes
         for b, is_rolling in todo:
             if b // self.block_size > len(hashes):
                 break
             h = hashes[b // self.block_size - 1]
-            if lead.is_planned(h):
+            if self.states[0].is_planned(h):
                 continue
             if not self._state_room():
                 break
-            for m in self.states:
-                out[m.group.group_id].append((b, m.reserve(req.request_id, b, h, is_rolling)))
+            for m, gid in self._state_gids:
+                out[gid].append((b, m.reserve(req.request_id, b, h, is_rolling)))
         return out
 
     def _state_room(self) -> bool:
-        """One free slot in every recurrent group (evicting cache)."""
+        """One free checkpoint slot in every recurrent group (evicting cache)."""
         return self.tree.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
 
     def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
         """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
-        return {m.group.group_id: m.take_copies() for m in self.states}
+        return {gid: m.take_copies() for m, gid in self._state_gids}
 
     def take_group_fresh_blocks(self) -> dict[int, list[int]]:
-        return {m.group.group_id: m.take_fresh_blocks() for m in self.blocks}
+        return {gid: m.take_fresh_blocks() for m, gid in self._block_gids}
 
     # -- after a step --------------------------------------------------------------------------------------------
     def on_step_done(self, computed: list[Request]) -> None:
@@ -400,16 +340,17 @@ class HybridCacheManager:
             held, bs, noted = self.blocks[0].req_blocks, self.block_size, self._noted
             for req in computed:
                 rid = req.request_id
-                if rid in held:  # the chain holds it (`holds`, inlined: once per request per step)
-                    hashes = req.block_hashes
-                    if req.num_tokens // bs > len(hashes):
-                        self.update_hashes(req)
-                    computed_blocks = req.num_computed_tokens // bs
-                    for m in self.blocks:
-                        if computed_blocks > m.num_hashed[rid]:  # else no block filled (most decode steps)
-                            m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
-                    if rid in noted and len(hashes) > noted[rid]:
-                        self._note(req)  # decoded blocks too: a later prompt may branch off an answer
+                if rid not in held:
+                    continue
+                hashes = req.block_hashes
+                if req.num_tokens // bs > len(hashes):
+                    self.update_hashes(req)
+                computed_blocks = req.num_computed_tokens // bs
+                for m in self.blocks:
+                    if computed_blocks > m.num_hashed[rid]:  # else no block filled (most decode steps)
+                        m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
+                if rid in noted and len(hashes) > noted[rid]:
+                    self._note(req)  # decoded blocks too: a later prompt may branch off an answer
         for rm in self.states:
             rm.release_step_refs()
 
@@ -418,14 +359,14 @@ class HybridCacheManager:
         for m in self.states:
             m.drop_step_refs()
 
+    def _forget(self, rid: str) -> None:
+        for memo in (self._tables, self._covers, self._targets, self._noted):
+            memo.pop(rid, None)
+
     def free(self, req: Request) -> None:
-        rid = req.request_id
-        self._tables.pop(rid, None)
-        self._covers.pop(rid, None)
-        self._targets.pop(rid, None)
-        self._noted.pop(rid, None)
+        self._forget(req.request_id)
         for m in self.managers:
-            m.free(rid)
+            m.free(req.request_id)
 
     # -- disaggregation (producer side) ---------------------------------------------------------------------------
     def find_checkpoint(self, req: Request, max_tokens: int) -> tuple[int, dict[int, int]] | None:
@@ -433,23 +374,17 @@ class HybridCacheManager:
         if not self.states or not self.enable_prefix_caching:
             return None
         self.update_hashes(req)
-        n, agreed = max_tokens, -1
-        while n != agreed and n > 0:
-            agreed = n
-            for m in self.states:
-                n = m.find_hit_tokens(req.block_hashes, n)
-        if n <= 0:
-            return None
-        return n, {m.group.group_id: m.hit_pages(req.block_hashes, n)[0] for m in self.states}
+        hit = self._agreed_hit(self.states, req.block_hashes, max_tokens)  # type: ignore[arg-type]
+        return (hit.num_tokens, {g: p[0] for g, p in hit.pages.items()}) if hit.num_tokens > 0 else None
 
     def pin_checkpoint(self, slots: dict[int, int]) -> None:
         """Reference a cached checkpoint (an export holds it for a consumer) until `unpin_checkpoint`."""
-        for m in self.states:
-            m.pool.touch([slots[m.group.group_id]])
+        for m, gid in self._state_gids:
+            m.pool.touch([slots[gid]])
 
     def unpin_checkpoint(self, slots: Mapping[int, int]) -> None:
-        for m in self.states:
-            m.pool.free([slots[m.group.group_id]])
+        for m, gid in self._state_gids:
+            m.pool.free([slots[gid]])
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
     def quarantine(self, req: Request, checkpoint: ReservedCheckpoint | None = None) -> str:
@@ -460,47 +395,39 @@ class HybridCacheManager:
         self.quarantined.append(holder)
         if checkpoint is not None:
             self._reserved.pop(checkpoint.slots[self.states[0].group.group_id], None)  # its slots stay held
-        self._tables.pop(req.request_id, None)
-        self._covers.pop(req.request_id, None)
-        self._targets.pop(req.request_id, None)
-        self._noted.pop(req.request_id, None)
+        self._forget(req.request_id)
         for m in self.managers:
             m.disown(req.request_id, holder)
         return holder
 
     def allocate_for_transfer(self, req: Request, num_external_tokens: int) -> TransferAllocation | None:
-        """Hold caches for a request whose first `num_external_tokens` tokens arrive from a producer.
-
-        The local prefix hit (attention blocks only: the running states come from the producer, so no checkpoint
-        copy is queued) is kept; blocks for the rest are allocated and are *not* zeroed (the transfer overwrites
-        them; the caller zeroes the unfilled tail of the last one). Returns None when the pools cannot hold it."""
+        """Hold caches for a request whose first `num_external_tokens` tokens arrive from a producer: the local
+        attention hit is kept (no checkpoint copy: the running states come from the producer); the rest is
+        allocated and *not* zeroed (the transfer overwrites it). None when the pools cannot hold it."""
         hit = self.find_transfer_hit(req, num_external_tokens)
         if not self.allocate(req, num_external_tokens, hit):
             return None
         self.count_hit(req, hit)
         first = hit.num_tokens // self.block_size
         pulled: dict[int, list[int]] = {}
-        for am in self.blocks:
-            ids = pulled[am.group.group_id] = list(am.req_pages(req.request_id)[first:])
+        for am, gid in self._block_gids:
+            ids = pulled[gid] = am.req_blocks[req.request_id][first:]
             keep = set(ids)
             am.fresh_blocks = [b for b in am.fresh_blocks if b not in keep]
-        return TransferAllocation(
-            local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
-            state_slots={m.group.group_id: m.running_slot[req.request_id] for m in self.states},
-        )
+        return TransferAllocation(local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
+                                  state_slots={gid: m.running_slot[req.request_id] for m, gid in self._state_gids})
 
     def find_transfer_hit(self, req: Request, max_tokens: int) -> PrefixHit:
         """A consumer's own prefix for a transfer: the longest run of blocks every attention group holds, within
-        `max_tokens`. No checkpoint is needed (the producer's running states overwrite ours), so D's checkpoints
-        never bound it. `group_hits`: each attention group's own run, each recurrent group's deepest checkpoint
-        within the agreed run (counted as in `find_prefix_hit`, for the per-group metrics)."""
+        `max_tokens` (D's checkpoints never bound it). `group_hits`: each attention group's own run, each
+        recurrent group's deepest checkpoint within the agreed run (for the per-group metrics)."""
         if not self.enable_prefix_caching or not self.blocks:
             return PrefixHit()
         self.update_hashes(req)
         hashes, bs = req.block_hashes, self.block_size
-        hit = self._agreed_hit(self.blocks, hashes, min(max_tokens, len(hashes) * bs) // bs * bs)
-        for sm in self.states:
-            hit.group_hits[self.labels[sm.group.group_id]] = sm.find_hit_tokens(hashes, hit.num_tokens)
+        hit = self._agreed_hit(self.blocks, hashes, min(max_tokens, len(hashes) * bs) // bs * bs)  # type: ignore[arg-type]
+        for sm, gid in self._state_gids:
+            hit.group_hits[self.labels[gid]] = sm.find_hit_tokens(hashes, hit.num_tokens)
         return hit
 
     def count_external(self, req: Request, num_external_tokens: int) -> None:
@@ -516,32 +443,29 @@ class HybridCacheManager:
                 m.cache_full_blocks(req.request_id, req.block_hashes, num_tokens)
 
     def reserve_checkpoint(self, req: Request, num_tokens: int) -> ReservedCheckpoint | None:
-        """Reserve a slot in every recurrent group for the checkpoint after `num_tokens` tokens (to be pulled from
-        the producer). None if checkpoints are off, the boundary is not aligned, it is cached already, or no slot
-        is free. The caller publishes it with `publish_checkpoint` once the data has arrived, or `drop_checkpoint`."""
-        if not self.states or not self.enable_prefix_caching or num_tokens <= 0:
-            return None
-        lead = self.states[0]
-        if num_tokens % lead.align:
+        """Reserve a slot in every recurrent group for the checkpoint after `num_tokens` tokens (pulled from the
+        producer; `publish_checkpoint` once it arrived, or `drop_checkpoint`). None if checkpoints are off, the
+        boundary is not aligned, it is cached already, or no slot is free."""
+        if not self.states or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % self.states[0].align:
             return None
         self.update_hashes(req)
         if num_tokens // self.block_size > len(req.block_hashes):
             return None
         h = req.block_hashes[num_tokens // self.block_size - 1]
-        if lead.pool.lookup(h) is not None or not self._state_room():
+        if h in self.states[0].pool.cached or not self._state_room():
             return None
-        slots = {m.group.group_id: m.pool.allocate_checkpoint(1)[0] for m in self.states}
-        self._reserved[slots[lead.group.group_id]] = num_tokens
+        slots = {gid: m.pool.allocate_checkpoint(1)[0] for m, gid in self._state_gids}
+        self._reserved[slots[self.states[0].group.group_id]] = num_tokens
         return ReservedCheckpoint(num_tokens, slots, h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        """The pulled checkpoint arrived: cache it (D keeps what it pulls; the lead group first, riders only where
-        it did) and release the reservation."""
+        """The pulled checkpoint arrived: cache it (the lead group first, riders only where it did) and release
+        the reservation."""
         self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
-        for m in self.states:
-            slot = ckpt.slots[m.group.group_id]
-            if (m.leader is None or m.leader.lookup(ckpt.block_hash) is not None) and m.pool.cache(
-                    slot, ckpt.block_hash):
+        for m, gid in self._state_gids:
+            slot = ckpt.slots[gid]
+            lead_has = m.leader is None or ckpt.block_hash in m.leader.cached
+            if lead_has and m.pool.cache(slot, ckpt.block_hash):
                 m.num_admitted += 1
                 if m.tree is not None:
                     m.tree.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
@@ -549,71 +473,50 @@ class HybridCacheManager:
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
         self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
-        for m in self.states:
-            m.pool.free([ckpt.slots[m.group.group_id]])
+        for m, gid in self._state_gids:
+            m.pool.free([ckpt.slots[gid]])
 
     # -- views for the runner ------------------------------------------------------------------------------------
-    def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
-        """Attention group id -> the request's block table in that group."""
-        return dict(self.block_tables(req_id))
-
-    def seq_tables(self, req_id: str) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]:
-        """(`block_tables`, `state_slot_table`) of the request, built again only after its pages changed (a decode
-        step usually reads the same ones as the step before)."""
+    def seq_tables(self, req_id: str) -> Tables:
+        """The request's block tables and running slots, built again only after its pages changed."""
         tables = self._tables.get(req_id)
         if tables is None:
-            tables = self._tables[req_id] = (self.block_tables(req_id), self.state_slot_table(req_id))
+            tables = self._tables[req_id] = (
+                tuple([(gid, m.req_pages(req_id)) for m, gid in self._block_gids]),
+                tuple([(gid, m.running_slot.get(req_id, PAD_SLOT_ID)) for m, gid in self._state_gids]))
         return tables
 
-    def block_tables(self, req_id: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """`group_block_ids` in the scheduler's form: ((attention group id, block table), ...)."""
-        tables = []
-        for m, gid in self._block_gids:  # a loop, not a comprehension: this runs for every request every step
-            tables.append((gid, m.req_pages(req_id)))
-        return tuple(tables)
-
-    def state_slot_table(self, req_id: str) -> tuple[tuple[int, int], ...]:
-        """`group_state_slots` in the scheduler's form: ((recurrent group id, running slot), ...)."""
-        slots = []
-        for m, gid in self._state_gids:
-            slots.append((gid, m.running_slot.get(req_id, PAD_SLOT_ID)))
-        return tuple(slots)
+    def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
+        """Attention group id -> the request's block table in that group."""
+        return dict(self.seq_tables(req_id)[0])
 
     def group_state_slots(self, req_id: str) -> dict[int, int]:
         """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        return dict(self.state_slot_table(req_id))
+        return dict(self.seq_tables(req_id)[1])
 
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""
-        return {m.group.group_id: m.req_pages(req_id) for m in self.managers}
+        return {gid: m.req_pages(req_id) for m, gid in self._gids}
 
     def cached_hashes(self) -> dict[int, set[bytes]]:
-        """Group id -> the hashes a hit search finds now (attention: named blocks; recurrent: checkpoint boundaries):
-        what replaying every event of `events` gives. The cache-event stream's resync snapshot."""
+        """Group id -> the hashes a hit search finds now: what replaying every event of `events` gives (the
+        cache-event stream's resync snapshot)."""
         return {gid: set(p.cached) for gid, p in self.pools.items()}
 
     # -- observability -------------------------------------------------------------------------------------------
     def usage(self) -> dict[str, float]:
-        return {self.labels[g.group_id]: self.pools[g.group_id].usage() for g in self.groups}
+        return {self.labels[gid]: p.usage() for gid, p in self.pools.items()}
 
     def pool_stats(self) -> list[dict[str, object]]:
-        out = []
-        for g in self.groups:
-            pool = self.pools[g.group_id]
-            s: dict[str, object] = {"group_id": g.group_id, "kind": g.kind, **pool.stats()}
-            out.append(s)
-        return out
+        return [{"group_id": g.group_id, "kind": g.kind, **self.pools[g.group_id].stats()} for g in self.groups]
 
     def cache_stats(self) -> dict[str, object]:
         """Admissions, evictions and bytes held per group (by label: running vs cached), and the budget."""
-        out: dict[str, object] = {"policy": {"admission": self.admission.name,
-                                             "interval": self.policy.interval}}
-        for g in self.groups:
-            pool = self.pools[g.group_id]
+        out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval}}
+        for gid, pool in self.pools.items():
             s = pool.stats()
-            out[self.labels[g.group_id]] = {"bytes_in_use": s["in_use"] * pool.page_bytes,
-                                            "bytes_cached": s["cached"] * pool.page_bytes,
-                                            "evictions": pool.num_evictions}
+            out[self.labels[gid]] = {"bytes_in_use": s["in_use"] * pool.page_bytes,
+                                     "bytes_cached": s["cached"] * pool.page_bytes, "evictions": pool.num_evictions}
         if self.states:
             out["checkpoints_admitted"] = self.states[0].num_admitted
         out["budget_bytes"] = self.tree.budget_bytes

@@ -1,25 +1,22 @@
 """Per-group cache managers: what differs between attention and recurrent layers lives here, not in the scheduler.
 
-Every manager has the same small interface (`GroupManager`): find a hit, pin it, allocate, free, the request's
-page ids (what a transfer exports / imports), end a step. The coordinator (coordinator.py) loops over a list of
-them and never asks which kind it holds; a model may have several attention groups (different head shapes) and
-several recurrent groups (Mamba-2 and Gated-DeltaNet states of different shapes), each with its own pool and ids.
+Both kinds answer the same calls (`find_hit_tokens`, `hit_pages`, `holds`, `new_pages_needed`, `pin_hit`,
+`unpin_hit`, `allocate`, `free`, `req_pages`, `disown`), so the coordinator loops over a list of them and never asks
+which kind it holds; a model may have several groups of each kind, each with its own pool and ids.
 
 Leaders and riders: all pages are named by the same chained block hashes. The first attention group is the *chain*
 (its cached blocks are the nodes of the cache tree, tree.py); the first recurrent group leads the checkpoints.
 Every other group *rides along*: it names a page `h` only while its leader holds `h` (`leader`), and the tree
-evicts it together with its leader's page. A hit is the longest prefix every group serves, so a rider
-that lost a page only shortens hits, never serves a wrong prefix.
+evicts it together with its leader's page, so a rider that lost a page only shortens hits.
 
-Ownership: `HybridCacheManager` owns one manager per group and calls them; each manager owns its requests' block
-lists / slots in its own `BlockPool`. Single-threaded (the engine's step loop).
+Ownership: `HybridCacheManager` owns one manager per group; each owns its requests' block lists / slots in its own
+`BlockPool`. Single-threaded (the engine's step loop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from hybridpd.engine.cache.block_pool import BlockPool
 from hybridpd.engine.cache.specs import CacheGroup
@@ -28,41 +25,6 @@ from hybridpd.engine.cache.tree import STATE, CacheTree
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class GroupManager(Protocol):
-    """What the coordinator asks of every group. `hit` is the group's pages for an agreed prefix (`hit_pages`)."""
-
-    group: CacheGroup
-    pool: BlockPool
-    leader: BlockPool | None
-
-    def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
-        """Longest prefix (tokens, <= max_tokens) this group alone could serve."""
-
-    def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
-        """The cached pages that serve exactly `num_tokens` (a length find_hit returned)."""
-
-    def holds(self, req_id: str) -> bool: ...
-
-    def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
-        """Plain (hashless) ids still to take once the hit is pinned."""
-
-    def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
-        """Reference a new request's hit pages (so eviction cannot take them). False if nothing was pinned."""
-
-    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None: ...
-
-    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> object:
-        """Cover num_tokens (a new request takes its pinned hit pages); the tree made room."""
-
-    def free(self, req_id: str) -> None: ...
-
-    def req_pages(self, req_id: str) -> tuple[int, ...]:
-        """The request's pages in this group (blocks in order; or its running slot): what a transfer moves."""
-
-    def disown(self, req_id: str, holder: str) -> None:
-        """Move the request's pages to `holder` (a quarantine key): they stay in use, the request holds nothing."""
 
 
 class AttentionManager:
@@ -75,29 +37,23 @@ class AttentionManager:
         self.leader = leader
         """The chain's pool when this group rides along (a block is named h only while the chain holds h)."""
         self.tree: CacheTree | None = None
-        """Set by the coordinator (chain only) when pages are evicted by policy: told about every block named."""
+        """Set on the chain only: told about every block named."""
         self.req_blocks: dict[str, list[int]] = {}
-        self._tables: dict[str, tuple[int, ...]] = {}
-        """request -> its block table as a tuple (`req_pages`, read every step), until its blocks change."""
         self.num_hashed: dict[str, int] = {}
         self.fresh_blocks: list[int] = []
         """Blocks allocated since the last drain (not prefix hits). Drained every step, zeroing on or off."""
 
-    def find_hit(self, block_hashes: list[bytes], max_tokens: int) -> list[int]:
-        """Left to right: longest run of cached full blocks, at most max_tokens tokens."""
-        hit: list[int] = []
-        lookup = self.pool.cached.get
-        for h in block_hashes[: max_tokens // self.block_size]:
-            b = lookup(h)
-            if b is None:
-                break
-            hit.append(b)
-        return hit
-
     def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
-        return len(self.find_hit(block_hashes, max_tokens)) * self.block_size
+        """Left to right: the longest run of cached full blocks, at most max_tokens tokens."""
+        n, cached = 0, self.pool.cached
+        for h in block_hashes[: max_tokens // self.block_size]:
+            if h not in cached:
+                break
+            n += 1
+        return n * self.block_size
 
     def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
+        """The cached blocks serving exactly `num_tokens` (a length `find_hit_tokens` returned)."""
         out = tuple(map(self.pool.cached.get, block_hashes[: num_tokens // self.block_size]))
         assert None not in out
         return out  # type: ignore[return-value]
@@ -106,27 +62,15 @@ class AttentionManager:
         return req_id in self.req_blocks
 
     def req_pages(self, req_id: str) -> tuple[int, ...]:
-        table = self._tables.get(req_id)
-        if table is None:
-            blocks = self.req_blocks.get(req_id)
-            if blocks is None:
-                return ()
-            table = self._tables[req_id] = tuple(blocks)
-        return table
+        return tuple(self.req_blocks.get(req_id, ()))
 
     def disown(self, req_id: str, holder: str) -> None:
-        self._tables.pop(req_id, None)
+        """Move the request's blocks to `holder` (a quarantine key): they stay in use, the request holds nothing."""
         if req_id in self.req_blocks:
             self.req_blocks[holder] = self.req_blocks.pop(req_id)
             self.num_hashed[holder] = self.num_hashed.pop(req_id)
 
     def pin_hit(self, req_id: str, hit: Sequence[int]) -> bool:
-        return self.adopt(req_id, hit)
-
-    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None:
-        self.free(req_id)
-
-    def adopt(self, req_id: str, hit: Sequence[int]) -> bool:
         """Give a new request its hit blocks (referenced from now on). False if it already holds blocks."""
         if req_id in self.req_blocks:
             return False
@@ -135,54 +79,51 @@ class AttentionManager:
         self.num_hashed[req_id] = len(hit)
         return True
 
-    def new_blocks_needed(self, req_id: str, num_tokens: int) -> int:
+    def unpin_hit(self, req_id: str, hit: Sequence[int]) -> None:
+        self.free(req_id)
+
+    def new_pages_needed(self, req_id: str, num_tokens: int) -> int:
         new = -(-num_tokens // self.block_size) - len(self.req_blocks.get(req_id, ()))  # cdiv, inlined
         return new if new > 0 else 0
 
-    new_pages_needed = new_blocks_needed
-
-    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> list[int]:
+    def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> None:
+        """Cover num_tokens (a new request takes its pinned hit blocks); the tree made room."""
         blocks = self.req_blocks.get(req_id)
         if blocks is None:
-            self.adopt(req_id, hit)
+            self.pin_hit(req_id, hit)
             blocks = self.req_blocks[req_id]
         new = cdiv(num_tokens, self.block_size) - len(blocks)
         if new > 0:
             fresh = self.pool.allocate(new)
             blocks.extend(fresh)
-            self._tables.pop(req_id, None)
             self.fresh_blocks.extend(fresh)
-            return fresh
-        return []
 
     def cache_full_blocks(self, req_id: str, block_hashes: list[bytes], num_computed: int) -> None:
+        """Name the request's blocks that filled since the last call (riders: only what the chain holds)."""
         done = self.num_hashed[req_id]
-        if num_computed // self.block_size <= done:
-            return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks[req_id]
         n_full = min(num_computed // self.block_size, len(block_hashes), len(blocks))
         if n_full <= done:
-            return
+            return  # no block filled since the last call (most decode steps)
         tree, pool, leader = self.tree, self.pool, self.leader
         for i in range(done, n_full):
             h = block_hashes[i]
-            if leader is not None and leader.lookup(h) is None:
+            if leader is not None and h not in leader.cached:
                 continue  # riders name only what the chain holds (the chain was cached first)
             if pool.cache(blocks[i], h):
                 if tree is not None:
                     tree.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
-            elif tree is not None or leader is not None:
-                other = pool.lookup(h)
-                if other is not None and other != blocks[i] and pool.ref_cnt[other] == 0 and pool.block_hash[
-                        blocks[i]] is None:
-                    if tree is not None:
-                        tree.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
-                    pool.rename(other, blocks[i])  # our live copy takes the name: the chain stays evictable
+                continue
+            other = pool.cached.get(h)  # a recomputed block: our live copy takes the name, the old one is freed
+            if other is not None and other != blocks[i] and not pool.ref_cnt[other] and pool.block_hash[
+                    blocks[i]] is None:
+                if tree is not None:
+                    tree.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
+                pool.rename(other, blocks[i])
         self.num_hashed[req_id] = n_full
 
     def free(self, req_id: str) -> None:
         blocks = self.req_blocks.pop(req_id, None)
-        self._tables.pop(req_id, None)
         self.num_hashed.pop(req_id, None)
         if blocks:
             self.pool.free(reversed(blocks))  # tail first: the least shareable blocks are evicted first
@@ -203,16 +144,13 @@ class PendingCheckpoint:
 
 
 class RecurrentManager:
-    """Recurrent state: one running slot per request; checkpoints (the state after a block boundary) in other slots
-    of the same pool, named by the attention hash chain at that boundary, evictable when unreferenced (by the
-    cache tree).
+    """Recurrent state: one running slot per request; checkpoints (the state after a block boundary, named by the
+    chain's hash there) in other slots of the same pool, evictable when unreferenced.
 
-    `align` is the boundary granularity: block_size when checkpoints go where reuse happens, the interval for
-    fixed-interval checkpoints. Which boundaries get one is the coordinator's call (`Admission`); the coordinator
-    reserves a boundary in every recurrent group at once (`reserve`), so the groups' checkpoints stay together.
-
-    A checkpoint slot is referenced by the request writing it until the step that writes it has run, and by a
-    request restoring from it until its copy into the running slot has run (`release_step_refs`)."""
+    `align` is the boundary granularity (block_size, or a fixed interval). The coordinator decides which boundaries
+    get one (`Admission`) and reserves each in every recurrent group at once (`reserve`). A checkpoint slot is
+    referenced by the request writing it until its step ran, and by a request restoring from it until its copy into
+    the running slot ran (`release_step_refs`)."""
 
     def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int, align: int,
                  leader: BlockPool | None = None) -> None:
@@ -225,7 +163,7 @@ class RecurrentManager:
         self.leader = leader
         """The lead recurrent group's pool when this group rides along (it publishes h only while the lead has h)."""
         self.tree: CacheTree | None = None
-        """Set by the coordinator on the lead group only (riders follow their lead's page in the tree)."""
+        """Set on the lead group only (riders follow their lead's page in the tree)."""
         self.running_slot: dict[str, int] = {}
         self.step_refs: list[int] = []
         self.pending: list[PendingCheckpoint] = []
@@ -238,26 +176,16 @@ class RecurrentManager:
         checkpoint supersedes (demoted in the tree unless they are branch points)."""
         self.num_admitted = 0
 
-    def find_hit(self, block_hashes: list[bytes], max_tokens: int) -> tuple[int, int | None]:
-        """Right to left over checkpoint boundaries <= max_tokens: (tokens, checkpoint slot) or (0, None)."""
-        b = (min(max_tokens, len(block_hashes) * self.block_size) // self.align) * self.align
-        lookup, step, bs = self.pool.cached.get, self.align, self.block_size
-        while b > 0:
-            slot = lookup(block_hashes[b // bs - 1])
-            if slot is not None:
-                return b, slot
-            b -= step
-        return 0, None
-
     def find_hit_tokens(self, block_hashes: list[bytes], max_tokens: int) -> int:
-        return self.find_hit(block_hashes, max_tokens)[0]
+        """Right to left over checkpoint boundaries <= max_tokens: the deepest one cached (0: none)."""
+        b = (min(max_tokens, len(block_hashes) * self.block_size) // self.align) * self.align
+        cached, step, bs = self.pool.cached, self.align, self.block_size
+        while b > 0 and block_hashes[b // bs - 1] not in cached:
+            b -= step
+        return max(b, 0)
 
     def hit_pages(self, block_hashes: list[bytes], num_tokens: int) -> tuple[int, ...]:
-        if num_tokens <= 0:
-            return ()
-        slot = self.pool.lookup(block_hashes[num_tokens // self.block_size - 1])
-        assert slot is not None
-        return (slot,)
+        return (self.pool.cached[block_hashes[num_tokens // self.block_size - 1]],) if num_tokens > 0 else ()
 
     def holds(self, req_id: str) -> bool:
         return req_id in self.running_slot
@@ -289,14 +217,11 @@ class RecurrentManager:
         self.pool.free(hit)
 
     def allocate(self, req_id: str, num_tokens: int, hit: Sequence[int]) -> None:
-        """Give a new request its running slot; with a (pinned) hit, queue the copy (checkpoint -> running slot) that
-        must run before the request's first forward."""
-        if req_id in self.running_slot:
-            return
-        slot = self.pool.allocate(1)[0]
-        self.running_slot[req_id] = slot
-        if hit:
-            self.copies.append((hit[0], slot))
+        """A new request's running slot; with a (pinned) hit, queue the copy checkpoint -> running slot."""
+        if req_id not in self.running_slot:
+            slot = self.running_slot[req_id] = self.pool.allocate(1)[0]
+            if hit:
+                self.copies.append((hit[0], slot))
 
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.copies = self.copies, []
@@ -304,11 +229,10 @@ class RecurrentManager:
 
     def is_planned(self, h: bytes) -> bool:
         """Cached already, or to be written by a step in flight."""
-        return self.pool.lookup(h) is not None or any(p.block_hash == h for p in self.pending)
+        return h in self.pool.cached or any(p.block_hash == h for p in self.pending)
 
     def reserve(self, req_id: str, num_tokens: int, h: bytes, rolling: bool = False) -> int:
-        """A slot for the checkpoint after `num_tokens` tokens (named `h`), written by this step (the caller made
-        room: `pool.available(checkpoint=True) > 0`)."""
+        """A slot for the checkpoint after `num_tokens` tokens (named `h`), written this step (room was made)."""
         slot = self.pool.allocate_checkpoint(1)[0]
         self.pending.append(PendingCheckpoint(req_id, num_tokens, slot, h, rolling))
         return slot
@@ -317,7 +241,7 @@ class RecurrentManager:
         """After a step ran: publish written checkpoints (cached, unreferenced) and drop restore references."""
         tree, leader = self.tree, self.leader
         for p in self.pending:
-            if leader is not None and leader.lookup(p.block_hash) is None:
+            if leader is not None and p.block_hash not in leader.cached:
                 continue  # the lead group did not keep it: a rider alone serves no hit
             if not self.pool.cache(p.slot, p.block_hash):
                 continue
@@ -329,8 +253,7 @@ class RecurrentManager:
         self.drop_step_refs()  # the published ones stay cached: freeing only drops this step's references
 
     def drop_step_refs(self) -> None:
-        """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores
-        (`EngineCore.step` -> `HybridCacheManager.on_step_failed`; tests/unit/test_pd_handoff.py)."""
+        """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores."""
         self.pool.free(p.slot for p in self.pending)
         self.pool.free(self.step_refs)
         self.pending, self.step_refs = [], []
@@ -355,3 +278,7 @@ class RecurrentManager:
         slot = self.running_slot.pop(req_id, None)
         if slot is not None:
             self.pool.free([slot])
+
+
+GroupManager = AttentionManager | RecurrentManager
+"""What the coordinator loops over."""

@@ -97,7 +97,7 @@ def test_no_reuse_run_keeps_the_optimum_capacity() -> None:
     n = 0
     while cache.allocate(big, n + BS):
         n += BS
-    assert len(lead(cache.block_tables("big"))) + 1 == blocks - 1  # every block but the null one
+    assert len(lead(cache.seq_tables("big")[0])) + 1 == blocks - 1  # every block but the null one
     assert cache.overlay.held == set()
     cache.check_integrity()
 
@@ -113,7 +113,7 @@ def test_checkpoints_take_the_lowest_free_range_and_blocks_stay_out_of_it() -> N
     a = Request("a", list(range(10)), SamplingParams(max_tokens=1))
     assert cache.allocate(a, 10)
     assert attn.req_blocks["a"] == [1, 2, 3] and rec.running_slot["a"] == 1  # outside every range; reserved slot
-    cache._reserve(a, [8], None, {1: []})  # a checkpoint after 8 tokens: the lowest free range is 1
+    cache._reserve(a, [8], None)  # a checkpoint after 8 tokens: the lowest free range is 1
     (pending,) = rec.pending
     assert pending.slot == plan.arena.first_overlay_slot + 1 == 3 and ov.held == {1}  # type: ignore[union-attr]
     assert all(attn.pool.ref_cnt[b] == 1 and b not in attn.req_blocks["a"] for b in range(K, 2 * K))
@@ -141,7 +141,7 @@ def test_a_checkpoint_evicts_the_cheapest_range_when_none_is_free() -> None:
     y = Request("y", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
     assert cache.allocate(y, 5)  # two dead-end leaves go: x's last two blocks
     assert sorted(attn.req_blocks["y"]) == sorted(xb[-2:]) and ov.num_free_ranges == 0
-    cache._reserve(y, [4], None, {1: []})
+    cache._reserve(y, [4], None)
     (pending,) = rec.pending
     assert ov.num_range_evictions == 1 and len(ov.held) == 1
     (c,) = ov.held
