@@ -119,6 +119,7 @@ class HybridCacheManager:
         self._block_gids = [(m, m.group.group_id) for m in self.blocks]
         self._state_gids = [(m, m.group.group_id) for m in self.states]
         self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
+        self._one_state = [(m.pool, 1) for m in self.states]
         self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
         """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
         self._alloc_order = self._gids if layout.arena is None else [*self._state_gids, *self._block_gids]
@@ -323,7 +324,7 @@ class HybridCacheManager:
 
     def _state_room(self) -> bool:
         """One free checkpoint slot in every recurrent group (evicting cache)."""
-        return self.tree.make_room([(m.pool, 1) for m in self.states], checkpoint=True)
+        return self.tree.make_room(self._one_state, checkpoint=True)
 
     def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
         """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""

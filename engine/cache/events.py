@@ -39,7 +39,7 @@ class CacheEventLog:
     """A bounded, thread-safe queue of cache events with a running sequence number."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._events: deque[CacheEvent] = deque()
+        self._events: deque[tuple[bool, int, bytes]] = deque()
         self._capacity = capacity
         self._lock = threading.Lock()
         self.seq = 0
@@ -48,32 +48,30 @@ class CacheEventLog:
         """Set when events were dropped since the last drain: the consumer must resync from a snapshot."""
 
     def stored(self, group: int, block_hash: bytes) -> None:
-        self._append(CacheEvent(True, group, block_hash))
+        self._append(True, group, block_hash)
 
     def removed(self, group: int, block_hash: bytes) -> None:
-        self._append(CacheEvent(False, group, block_hash))
+        self._append(False, group, block_hash)
 
-    def _append(self, event: CacheEvent) -> None:
-        with self._lock:
+    def _append(self, stored: bool, group: int, block_hash: bytes) -> None:
+        with self._lock:  # a plain tuple here: the CacheEvent is built when drained (off the step loop's path)
             if len(self._events) >= self._capacity:
                 self._events.popleft()
                 self.overflowed = True
-            self._events.append(event)
+            self._events.append((stored, group, block_hash))
             self.seq += 1
 
     def drain(self) -> tuple[list[CacheEvent], bool]:
         """Take every queued event; returns (events, overflowed) and clears the overflow mark."""
-        with self._lock:
-            events, lost = list(self._events), self.overflowed
-            self._events.clear()
-            self.overflowed = False
-            return events, lost
+        _, events, lost = self.drain_from()
+        return events, lost
 
     def drain_from(self) -> tuple[int, list[CacheEvent], bool]:
         """`drain` with the sequence number just before the first returned event: (first_seq, events, overflowed);
         the events are numbered first_seq + 1, first_seq + 2, ..."""
         with self._lock:
-            events, lost = list(self._events), self.overflowed
+            raw, lost = list(self._events), self.overflowed
             self._events.clear()
             self.overflowed = False
-            return self.seq - len(events), events, lost
+            first = self.seq - len(raw)
+        return first, [CacheEvent(*e) for e in raw], lost

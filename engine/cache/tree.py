@@ -204,11 +204,15 @@ class CacheTree:
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
         asked = tuple((id(p), n) for p, n in needs)
-        if checkpoint and self._failed_room == (asked, self._version()):
+        failed = self._failed_room
+        if checkpoint and failed is not None and failed[0] == asked and failed[1] == self._version():
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
-        state_needs = [(p, n) for p, n in needs if n and id(p) in self._state_ids]
-        attn_needs = [(p, n) for p, n in needs if n and id(p) not in self._state_ids]
+        state_needs: list[tuple[BlockPool, int]] = []
+        attn_needs: list[tuple[BlockPool, int]] = []
+        for p, n in needs:
+            if n:
+                (state_needs if id(p) in self._state_ids else attn_needs).append((p, n))
         while True:
             ranges = max((p.overlay_needed(n, checkpoint) for p, n in state_needs), default=0)  # type: ignore
             if all(p.available(checkpoint) >= n for p, n in state_needs):
@@ -305,43 +309,44 @@ class CacheTree:
             if h is None:
                 continue
             node = nodes[h]
-            if not node.kids:
-                credit += self._credit(node, b)
-            elif node.parent is None or cached[node.parent.hash] not in blocks:
-                credit += self._subtree_credit(node, limit - credit)  # (a parent in the range covers its kids)
+            if node.kids and node.parent is not None and cached[node.parent.hash] in blocks:
+                continue  # its parent, in the range too, covers it
+            credit += self._subtree_credit(node, limit - credit)
             if credit > limit:
                 break
         return credit / total
 
     def _subtree_credit(self, top: Node, limit: float) -> float:
-        """The credit of `top`'s subtree; INF past MAX_RANGE_SUBTREE nodes; stops once above `limit`."""
-        cached = self.chain.cached  # type: ignore[union-attr]
+        """Remaining worth (priority - clock) x bytes of `top`'s subtree: its queued blocks and the checkpoints
+        they name; INF when one is referenced or past MAX_RANGE_SUBTREE nodes; stops once above `limit`."""
+        cached, clock = self.chain.cached, self.clock  # type: ignore[union-attr]
         states = self.state.cached if self.state is not None else {}
+        block_q, state_q = self.queued
+        block_bytes, state_bytes = self.unit_bytes
         credit, stack, seen = 0.0, [top], 0
         while stack:
             node = stack.pop()
             seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
+            h = node.hash
             if node.kids:
                 stack.extend(node.kids.values())
-                if node.hash not in states:
+                if h not in states:
                     continue  # not queued (it has kids) and no checkpoint: no credit
-            credit += self._credit(node, cached[node.hash])
+            entry = block_q.get(cached[h])
+            one = (entry[0] - clock) * block_bytes if entry is not None and entry[0] > clock else 0.0
+            slot = states.get(h)
+            if slot is not None:
+                entry = state_q.get(slot)
+                if entry is None:
+                    return INF  # a referenced checkpoint: the range is priceless
+                if entry[0] > clock:
+                    one += (entry[0] - clock) * state_bytes
+            credit += one
             if credit > limit:
                 return credit
         return credit
-
-    def _credit(self, node: Node, page: int) -> float:
-        """Remaining worth (priority - clock) x bytes of chain page `page` and of its checkpoint (INF: pinned)."""
-        entry = self.queued[BLOCK].get(page)
-        one = 0.0 if entry is None else max(0.0, entry[0] - self.clock) * self.unit_bytes[BLOCK]
-        if self.state is not None:
-            slot = self.state.cached.get(node.hash)
-            if slot is not None:
-                entry = self.queued[STATE].get(slot)
-                one = INF if entry is None else one + max(0.0, entry[0] - self.clock) * self.unit_bytes[STATE]
-        return one
 
     def _evict_range(self, c: int) -> None:
         """Evict every cached block of range c (none is referenced) in every attention pool."""
@@ -394,7 +399,8 @@ class CacheTree:
             self.evicted_bytes[label] += pool.page_bytes
         else:
             pool.uncache(page)
-        self._drop_riders(kind, h, count)
+        if self.riders[kind]:
+            self._drop_riders(kind, h, count)
         if prio is not None and prio > self.clock:
             self.clock = prio
         node = self.nodes[h]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from hybridpd.engine.cache.tree import BLOCK as BLOCK_ITEM
+from hybridpd.engine.cache.tree import STATE as STATE_ITEM
 
 from tests.unit.test_cache_v2 import BLOCK, STATE, P, make, serve
 
@@ -54,3 +55,34 @@ def test_check_integrity_catches_a_corrupted_tree(corruption: str) -> None:
         tree._node(b"x" * 16, 4)
     with pytest.raises(AssertionError):
         s.cache.check_integrity()
+
+
+def test_one_heap_ages_old_popularity_out() -> None:
+    """Leaf blocks and checkpoints share one GreedyDual heap: a checkpoint restored (popular) before the clock rose
+    goes before a newer one and before a hot leaf block, though it is worth more per byte (ageing: by value alone
+    the newer, shallower checkpoint would go first)."""
+    s = make()
+    tree, chain, state = s.cache.tree, s.cache.attention.pool, s.cache.recurrent.pool  # type: ignore[union-attr]
+    x, _ = serve(s, "x", list(range(200, 241)))  # 41 tokens: a deep checkpoint at 40, worth more per byte
+    a, _ = serve(s, "a", P + [1])  # checkpoint at 12
+    serve(s, "a2", P + [2])  # restores it: a hit at clock 0
+    hx, ha = x.block_hashes[9], a.block_hashes[2]
+    sx, sa = state.lookup(hx), state.lookup(ha)
+    assert sx is not None and sa is not None and tree.nodes[ha].last_hit is not None
+    assert tree._value(STATE_ITEM, hx) > tree._value(STATE_ITEM, ha) > 0.0
+    assert {key & 1 for _, _, key in tree._heap} == {BLOCK_ITEM, STATE_ITEM}  # one heap, both kinds
+    tree.evict(STATE_ITEM, sx, tree.queued[STATE_ITEM][sx][0])  # the clock rises to x's priority
+    old = tree.queued[STATE_ITEM][sa][0]
+    assert tree.clock > old
+    c, _ = serve(s, "c", list(range(300, 309)))  # a checkpoint at 8, released now: less value, a higher base
+    hc = c.block_hashes[1]
+    assert tree._value(STATE_ITEM, ha) > tree._value(STATE_ITEM, hc) > 0.0
+    sc, leaf_c = state.lookup(hc), chain.lookup(hc)
+    assert sc is not None and leaf_c in tree.queued[BLOCK_ITEM]
+    assert tree.queued[STATE_ITEM][sc][0] > old and tree.queued[BLOCK_ITEM][leaf_c][0] > old  # type: ignore[index]
+    low = tree._lowest()
+    assert low is not None and tree.pool_of[low[0]].block_hash[low[1]] == ha  # a's block or a's checkpoint
+    tree._evict_victim(low)
+    assert state.lookup(ha) is None and state.lookup(hc) == sc and chain.lookup(hc) == leaf_c
+    assert tree.clock >= old
+    s.cache.check_integrity()
