@@ -8,30 +8,24 @@ the null page: never handed out, never freed. Every page is in exactly one state
     cached    unreferenced, named        findable by a hit; the tree evicts it (it becomes free)
     in use    referenced (ref_cnt > 0)   named or not; `touch` references a cached page again
 
-The listener hears `on_release` (a cached page's last reference went: now evictable) and `on_acquire` (it was
-referenced again). Arena pools (overlay.py) replace where free ids live (`_take_free`, `_on_ref`, `_on_unref`,
+Arena pools (overlay.py) replace where free ids live (`_take_free`, `_on_ref`, `_on_unref`,
 `_on_plain`) because their pages share memory with another pool's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from hybridpd.engine.cache.events import CacheEventLog
 from hybridpd.engine.cache.specs import NULL_BLOCK_ID
 
+if TYPE_CHECKING:
+    from hybridpd.engine.cache.tree import CacheTree
+
 
 class PoolExhaustedError(RuntimeError):
     pass
-
-
-class PoolListener(Protocol):
-    def on_release(self, pool: BlockPool, block_id: int) -> None:
-        """A cached page's last reference went away: it is now evictable."""
-
-    def on_acquire(self, pool: BlockPool, block_id: int) -> None:
-        """An unreferenced cached page got a reference: it is no longer evictable."""
 
 
 class BlockPool:
@@ -39,8 +33,9 @@ class BlockPool:
     """Set by the cache manager: every hash that becomes findable (`cache`) or stops being findable is reported."""
     event_group: int = 0
     """The pool's cache group id in those events."""
-    listener: PoolListener
-    """The cache tree (set by it before any page is cached)."""
+    listener: CacheTree
+    """The cache tree (set by it before any page is cached): hears `on_release` (a cached page's last reference
+    went: evictable now) and `on_acquire` (referenced again)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         if num_blocks < 2:

@@ -160,9 +160,6 @@ class ArenaAttentionPool(BlockPool):
         c = self.overlay.range_of(block_id) if self.overlay is not None else 0
         return block_id in self._plain_sets[c] if self._plain_sets else False
 
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
-
     def cover(self, c: int) -> None:
         """The overlay takes free range c (a checkpoint slot over it is held): its blocks are referenced by it."""
         ov = self.overlay
@@ -220,9 +217,6 @@ class ArenaStatePool(BlockPool):
 
     def own_refs(self, block_id: int) -> int:
         return int(bool(self._pinned) and block_id == self.first_overlay)
-
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
 
     def stats(self) -> dict[str, int]:
         s = super().stats()

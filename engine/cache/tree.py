@@ -557,9 +557,9 @@ class CacheTree:
                 continue
             queued = self.queued[kind]
             assert all(p.ref_cnt[b] == 0 and p.block_hash[b] is not None for b in queued), p.name
-            for b in p.free_block_ids():
+            for b in range(1, p.num_blocks):
                 h = p.block_hash[b]
-                if h is not None:
+                if h is not None and not p.ref_cnt[b]:
                     leaf = kind == STATE or not self.nodes[h].kids
                     assert (b in queued) == leaf, (p.name, b, leaf)
         names = {h for p in self.pool_of if p is not None for h in p.cached}
