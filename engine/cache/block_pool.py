@@ -176,14 +176,11 @@ class BlockPool:
 
     def uncache(self, block_id: int) -> None:
         """Forget the page's content without counting an eviction (an unreferenced page becomes free)."""
-        self._drop(block_id, count=False)
+        self.evict(block_id, count=False)
 
-    def evict(self, block_id: int) -> None:
-        """The tree's eviction of one cached page: its name goes, it becomes free."""
-        assert self.ref_cnt[block_id] == 0 and self.block_hash[block_id] is not None, (self.name, block_id)
-        self._drop(block_id, count=True)
-
-    def _drop(self, block_id: int, count: bool) -> None:
+    def evict(self, block_id: int, count: bool = True) -> None:
+        """The tree's eviction of one cached page (`count`: an eviction, not a deliberate drop): its name goes; an
+        unreferenced page becomes free."""
         self.version += 1
         h = self.block_hash[block_id]
         if h is None:

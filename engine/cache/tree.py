@@ -471,8 +471,12 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self._node(h, tokens)
-        if parent is None or node.parent is not None:
+        node = self.nodes.get(h)
+        if node is None:
+            node = self.nodes[h] = Node(h, tokens)
+        elif node.parent is not None:
+            return
+        if parent is None:
             return
         pb = self.chain.cached.get(parent)  # type: ignore[union-attr]
         if pb is None:
