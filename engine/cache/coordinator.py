@@ -98,8 +98,14 @@ class PoolLayout:
 
 
 class HybridCacheManager:
-    def __init__(self, groups: list[CacheGroup], layout: PoolLayout, enable_prefix_caching: bool = True,
-                 tree_cls: type[CacheTree] = CacheTree, admission_cls: type[Admission] = Admission) -> None:
+    def __init__(
+        self,
+        groups: list[CacheGroup],
+        layout: PoolLayout,
+        enable_prefix_caching: bool = True,
+        tree_cls: type[CacheTree] = CacheTree,
+        admission_cls: type[Admission] = Admission,
+    ) -> None:
         """`tree_cls`, `admission_cls`: the engine's policy (benchmarks/cache_policies.py swaps in its baselines)."""
         self.groups = groups
         self.block_size = layout.block_size
@@ -127,13 +133,22 @@ class HybridCacheManager:
         imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
         self.overlay: Overlay | None = None
         if layout.arena is not None and self.states:
-            self.overlay = Overlay(layout.arena, [m.pool for m in self.blocks],  # type: ignore[misc]
-                                   [m.pool for m in self.states])  # type: ignore[misc]
+            self.overlay = Overlay(
+                layout.arena,
+                [m.pool for m in self.blocks],  # type: ignore[misc]
+                [m.pool for m in self.states],
+            )  # type: ignore[misc]
         budget = layout.budget_bytes
         if budget is None:
             budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        self.tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
-                             layout.block_size, self.overlay)
+        self.tree = tree_cls(
+            [m.pool for m in self.blocks],
+            [m.pool for m in self.states],
+            budget,
+            self.policy.alpha,
+            layout.block_size,
+            self.overlay,
+        )
         for leader in [*self.blocks[:1], *self.states[:1]]:
             leader.tree = self.tree
         self._tables: dict[str, Tables] = {}
@@ -189,8 +204,9 @@ class HybridCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         num_full = req.num_tokens // bs
         if num_full > len(hashes):  # not all_token_ids: that copies every token
-            append_block_hashes(hashes, req.token_slice(len(hashes) * bs, num_full * bs), bs,
-                                extra_keys(req.cache_salt))
+            append_block_hashes(
+                hashes, req.token_slice(len(hashes) * bs, num_full * bs), bs, extra_keys(req.cache_salt)
+            )
 
     def find_prefix_hit(self, req: Request, max_tokens: int | None = None, count: bool = True) -> PrefixHit:
         """Longest prefix every group holds, capped at N-1 (or max_tokens). Counters: every group's queries grow by
@@ -290,8 +306,9 @@ class HybridCacheManager:
             self._noted[req.request_id] = len(req.block_hashes)
 
     # -- checkpoints of a step -----------------------------------------------------------------------------------
-    def checkpoint_plan(self, req: Request, start: int,
-                        end: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    def checkpoint_plan(
+        self, req: Request, start: int, end: int
+    ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
         """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
         ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
         if not self.states or not self.enable_prefix_caching:
@@ -415,8 +432,12 @@ class HybridCacheManager:
             ids = pulled[gid] = am.req_blocks[req.request_id][first:]
             keep = set(ids)
             am.fresh_blocks = [b for b in am.fresh_blocks if b not in keep]
-        return TransferAllocation(local_hit_tokens=hit.num_tokens, first_block_index=first, block_ids=pulled,
-                                  state_slots={gid: m.running_slot[req.request_id] for m, gid in self._state_gids})
+        return TransferAllocation(
+            local_hit_tokens=hit.num_tokens,
+            first_block_index=first,
+            block_ids=pulled,
+            state_slots={gid: m.running_slot[req.request_id] for m, gid in self._state_gids},
+        )
 
     def find_transfer_hit(self, req: Request, max_tokens: int) -> PrefixHit:
         """A consumer's own prefix for a transfer: the longest run of blocks every attention group holds, within
@@ -484,7 +505,8 @@ class HybridCacheManager:
         if tables is None:
             tables = self._tables[req_id] = (
                 tuple([(gid, m.req_pages(req_id)) for m, gid in self._block_gids]),
-                tuple([(gid, m.running_slot.get(req_id, PAD_SLOT_ID)) for m, gid in self._state_gids]))
+                tuple([(gid, m.running_slot.get(req_id, PAD_SLOT_ID)) for m, gid in self._state_gids]),
+            )
         return tables
 
     def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
@@ -516,17 +538,23 @@ class HybridCacheManager:
         out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval}}
         for gid, pool in self.pools.items():
             s = pool.stats()
-            out[self.labels[gid]] = {"bytes_in_use": s["in_use"] * pool.page_bytes,
-                                     "bytes_cached": s["cached"] * pool.page_bytes, "evictions": pool.num_evictions}
+            out[self.labels[gid]] = {
+                "bytes_in_use": s["in_use"] * pool.page_bytes,
+                "bytes_cached": s["cached"] * pool.page_bytes,
+                "evictions": pool.num_evictions,
+            }
         if self.states:
             out["checkpoints_admitted"] = self.states[0].num_admitted
         out["budget_bytes"] = self.tree.budget_bytes
         out["held_bytes"] = self.tree.held_bytes()
         if self.overlay is not None:
-            out["arena"] = {"checkpoint_ranges": self.overlay.num_ranges, "ranges_held": len(self.overlay.held),
-                            "free_ranges": self.overlay.num_free_ranges,
-                            "range_evictions": self.overlay.num_range_evictions,
-                            "checkpoints_skipped": self.tree.num_checkpoints_skipped}
+            out["arena"] = {
+                "checkpoint_ranges": self.overlay.num_ranges,
+                "ranges_held": len(self.overlay.held),
+                "free_ranges": self.overlay.num_free_ranges,
+                "range_evictions": self.overlay.num_range_evictions,
+                "checkpoints_skipped": self.tree.num_checkpoints_skipped,
+            }
         return out
 
     def check_integrity(self) -> None:

@@ -115,8 +115,12 @@ class AttentionManager:
                     tree.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
                 continue
             other = pool.cached.get(h)  # a recomputed block: our live copy takes the name, the old one is freed
-            if other is not None and other != blocks[i] and not pool.ref_cnt[other] and pool.block_hash[
-                    blocks[i]] is None:
+            if (
+                other is not None
+                and other != blocks[i]
+                and not pool.ref_cnt[other]
+                and pool.block_hash[blocks[i]] is None
+            ):
                 if tree is not None:
                     tree.on_acquire(pool, other)  # out of the eviction queue: it is about to become free
                 pool.rename(other, blocks[i])
@@ -152,8 +156,9 @@ class RecurrentManager:
     referenced by the request writing it until its step ran, and by a request restoring from it until its copy into
     the running slot ran (`release_step_refs`)."""
 
-    def __init__(self, group: CacheGroup, pool: BlockPool, block_size: int, align: int,
-                 leader: BlockPool | None = None) -> None:
+    def __init__(
+        self, group: CacheGroup, pool: BlockPool, block_size: int, align: int, leader: BlockPool | None = None
+    ) -> None:
         if align <= 0 or align % block_size:
             raise ValueError(f"checkpoint_interval {align} is not a multiple of block_size {block_size}")
         self.group = group

@@ -86,8 +86,15 @@ class Node:
 
 
 class CacheTree:
-    def __init__(self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, alpha: float = 1.0,
-                 block_size: int = 16, overlay: Overlay | None = None) -> None:
+    def __init__(
+        self,
+        attention: list[BlockPool],
+        state: list[BlockPool],
+        budget_bytes: int,
+        alpha: float = 1.0,
+        block_size: int = 16,
+        overlay: Overlay | None = None,
+    ) -> None:
         """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
         `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
         self.chain: BlockPool | None = attention[0] if attention else None
@@ -553,8 +560,11 @@ class CacheTree:
         for r in self.pools:
             leader = self.leader_of[id(r)]
             assert r is leader or all(leader.lookup(h) is not None for h in r.cached), (r.name, "rider names more")
-        live = {(prio, order, page << 1 | kind) for kind, q in enumerate(self.queued) for page, (prio, order, _) in
-                q.items()}
+        live = {
+            (prio, order, page << 1 | kind)
+            for kind, q in enumerate(self.queued)
+            for page, (prio, order, _) in q.items()
+        }
         assert live <= set(self._heap), "every queued item has its heap entry"
         for kind, p in enumerate(self.pool_of):
             if p is None:
