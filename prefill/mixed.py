@@ -40,15 +40,21 @@ class MixedGenerateServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self.running: set[str] = set()
         """Whole requests streaming from here now (event loop only)."""
 
-    async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateChunk]:
         rid = request.request_id
         if request.HasField("params") or request.HasField("first_token"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill worker runs whole requests only "
-                                "(no transfer params, no first token): it never pulls")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a prefill worker runs whole requests only (no transfer params, no first token): it never pulls",
+            )
         if len(self.running) >= self.capacity:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this prefill worker runs {len(self.running)} "
-                                f"whole requests, its cap (--max-decode-share of max_num_seqs): use a decode worker")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this prefill worker runs {len(self.running)} "
+                f"whole requests, its cap (--max-decode-share of max_num_seqs): use a decode worker",
+            )
         if rid in self.running or rid in self.prefill.held or rid in self.prefill._waiters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
         self.running.add(rid)

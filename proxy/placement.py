@@ -169,8 +169,9 @@ class Placer:
         assert best_pd is not None and best_skip is not None
         h = tuple(hashes)
         if self.prefill is None:  # colocated: D computes everything itself
-            return self._decided(Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=h,
-                                           kind="colocated"))
+            return self._decided(
+                Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=h, kind="colocated")
+            )
         alone = self._prefill_alone(best_pd[1], hashes, n)
         if alone is not None:
             return self._decided(alone)
@@ -180,13 +181,23 @@ class Placer:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
             pd_s = p_cost * self.costs.prefill_token_s
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
-                return self._decided(Placement(
-                    None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill",
-                    reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms"))
+                return self._decided(
+                    Placement(
+                        None,
+                        best_skip[1],
+                        best_skip[2],
+                        hashes=h,
+                        kind="skip_prefill",
+                        reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
+                    )
+                )
         if p_addr is None:
             if w.skip_prefill != "never":  # no prefill worker up: the decode worker computes the prompt itself
-                return self._decided(Placement(None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill",
-                                               reason="skip-P: no prefill"))
+                return self._decided(
+                    Placement(
+                        None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill", reason="skip-P: no prefill"
+                    )
+                )
             self.prefill.choose()  # raises NoWorkerError
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
 
@@ -219,19 +230,30 @@ class Placer:
             queue_s = self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s
             gap = self.costs.token_s.get(addr)
             if w.prefill_decode == "auto" and (
-                    whole >= self.membership.capacity.get(addr, 0) or queue_s > w.prefill_decode_max_queue_s
-                    or (by_time and gap is not None and d_gap is not None and gap >= d_gap)):
+                whole >= self.membership.capacity.get(addr, 0)
+                or queue_s > w.prefill_decode_max_queue_s
+                or (by_time and gap is not None and d_gap is not None and gap >= d_gap)
+            ):
                 continue
             idx = self.membership.index(addr) if hashes else None
             hit = idx.usable_hit(hashes, n) if idx else 0
-            cost = (n - 1 - hit) + w.prefill_queue_cost * self.prefill.tokens_in_flight(addr) \
+            cost = (
+                (n - 1 - hit)
+                + w.prefill_queue_cost * self.prefill.tokens_in_flight(addr)
                 + w.decode_running_cost * whole
+            )
             if best is None or cost < best[0]:
                 best = (cost, addr, hit)
         if best is None:
             return None
-        return Placement(None, best[1], best[2], hashes=tuple(hashes), kind="prefill_alone",
-                         reason=f"P-alone: decode worker {d_addr} saturated ({why})")
+        return Placement(
+            None,
+            best[1],
+            best[2],
+            hashes=tuple(hashes),
+            kind="prefill_alone",
+            reason=f"P-alone: decode worker {d_addr} saturated ({why})",
+        )
 
     def expect(self, addr: str, hashes: tuple[bytes, ...], num_prompt_tokens: int, checkpoint_tokens: int) -> None:
         """`addr` was sent the prompt: it will publish the full blocks of the N-1 tokens it computes or pulls, and

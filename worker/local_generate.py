@@ -23,17 +23,24 @@ def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateC
     """One stream message: the delta's tokens (and logprobs when asked), `text` the part of its text that may go
     out now."""
     return pb.GenerateChunk(
-        token_ids=delta.token_ids, text=text,
+        token_ids=delta.token_ids,
+        text=text,
         logprobs=delta.logprobs if want_logprobs else (),
-        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-                      for top in delta.top_logprobs] if want_logprobs else [],
-        finish_reason=delta.finish_reason or "", num_prompt_tokens=delta.num_prompt_tokens,
-        num_cached_tokens=delta.num_cached_tokens, num_external_cached_tokens=delta.num_external_tokens,
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in delta.top_logprobs
+        ]
+        if want_logprobs
+        else [],
+        finish_reason=delta.finish_reason or "",
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        num_external_cached_tokens=delta.num_external_tokens,
     )
 
 
-async def generate_locally(ctx: WorkerContext, request: pb.GenerateRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+async def generate_locally(
+    ctx: WorkerContext, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+) -> AsyncIterator[pb.GenerateChunk]:
     """Stream a request computed entirely here. The caller has checked it carries no params / first token. A
     cancelled stream (the client went away) aborts the request on the engine."""
     rid = request.request_id

@@ -90,8 +90,9 @@ def test_never_and_always() -> None:
 def _stack(**weights: object) -> LiveStack:
     # decode_saturation 0: the decode worker counts as saturated as soon as its capacity is known
     w = RoutingWeights(**{"skip_prefill": "never", "decode_saturation": 0.0, **weights})  # type: ignore[arg-type]
-    s = LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, routing="adaptive", routing_weights=w,
-                  health_interval_s=0.1)
+    s = LiveStack(
+        n_prefill=1, n_decode=1, model_name=MODEL, routing="adaptive", routing_weights=w, health_interval_s=0.1
+    )
     s.prefill[0].max_generate = 2
     s.decode[0].max_generate = 8
     return s
@@ -101,12 +102,14 @@ def _ready(s: LiveStack) -> None:
     def known() -> bool:
         w = {x["address"]: x for x in s.http.get("/v1/cluster").json()["workers"]}
         return w[s.prefill[0].address].get("whole_capacity") == 2
+
     wait_for("the workers' capacities", known, timeout=10, interval=0.05)
 
 
 def _complete(s: LiveStack, prompt: list[int], **extra: object) -> dict:
-    r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True,
-                                             **extra})
+    r = s.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, **extra}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -142,11 +145,15 @@ def test_the_prefill_worker_dying_mid_stream_is_an_error_never_a_wrong_answer() 
     with _stack() as s:
         _ready(s)
         s.prefill[0].whole.failure = Failure(grpc.StatusCode.UNAVAILABLE, "worker died", after_tokens=2)
-        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5,
-                                                 "ignore_eos": True})
+        r = s.http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5, "ignore_eos": True}
+        )
         assert r.status_code >= 500 and "error" in r.json()
-        with s.http.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5, "ignore_eos": True, "stream": True}) as resp:
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5, "ignore_eos": True, "stream": True},
+        ) as resp:
             events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         bodies = [json.loads(e) for e in events[:-1]]
@@ -161,8 +168,11 @@ def test_drained_prefill_worker_finishes_its_whole_requests_and_gets_no_new_one(
         _ready(s)
         p = s.prefill[0]
         p.whole.token_delay_s = 0.05
-        with s.http.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True}) as r:
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True},
+        ) as r:
             time.sleep(0.1)
             assert s.http.post("/v1/cluster/drain", json={"address": p.address}).status_code == 200
             body = "".join(r.iter_text())

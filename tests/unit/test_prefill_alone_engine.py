@@ -84,8 +84,15 @@ def model() -> str:
 def stack(model: str) -> Iterator[tuple[LiveStack, Workers]]:
     workers = Workers(model, max_decode_share=1 / 32)  # 64 seqs: 2 whole requests at once
     p, d = workers.addrs
-    s = LiveStack(n_prefill=0, n_decode=0, model_name="m", routing="adaptive", prefill_addrs_extra=(p,),
-                  decode_addrs_extra=(d,), routing_weights=RoutingWeights(prefill_decode="always"))
+    s = LiveStack(
+        n_prefill=0,
+        n_decode=0,
+        model_name="m",
+        routing="adaptive",
+        prefill_addrs_extra=(p,),
+        decode_addrs_extra=(d,),
+        routing_weights=RoutingWeights(prefill_decode="always"),
+    )
     with s:
         yield s, workers
     workers.close()
@@ -101,20 +108,28 @@ def test_whole_request_on_the_prefill_worker_matches_colocated(stack, model) -> 
     async def prefill_on_p() -> pb.PrefillResponse:
         async with grpc.aio.insecure_channel(workers.addrs[0]) as ch:
             resp = await pb_grpc.PrefillServiceStub(ch).Prefill(
-                pb.PrefillRequest(request_id="pd-1", prompt_token_ids=prompts[1], sampling_params=sp), timeout=60)
-            await pb_grpc.PrefillServiceStub(ch).Release(pb.ReleaseRequest(
-                request_id="pd-1", epoch=resp.params.epoch, lease_token=resp.params.lease_token), timeout=10)
+                pb.PrefillRequest(request_id="pd-1", prompt_token_ids=prompts[1], sampling_params=sp), timeout=60
+            )
+            await pb_grpc.PrefillServiceStub(ch).Release(
+                pb.ReleaseRequest(request_id="pd-1", epoch=resp.params.epoch, lease_token=resp.params.lease_token),
+                timeout=10,
+            )
             return resp
 
     pd_first = asyncio.run_coroutine_threadsafe(prefill_on_p(), workers.loop)
     got = []
-    for i, (prompt, extra) in enumerate([(prompts[0], {"temperature": 0.0}), (prompts[1], SEEDED)]):
-        r = s.http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 12,
-                                                 "ignore_eos": True, **extra})
+    for prompt, extra in [(prompts[0], {"temperature": 0.0}), (prompts[1], SEEDED)]:
+        r = s.http.post(
+            "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, **extra}
+        )
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])
-    want = [llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=12, ignore_eos=True, **e))
-            [0].token_ids for p, e in ((prompts[0], {"temperature": 0.0}), (prompts[1], SEEDED))]
+    want = [
+        llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=12, ignore_eos=True, **e))[
+            0
+        ].token_ids
+        for p, e in ((prompts[0], {"temperature": 0.0}), (prompts[1], SEEDED))
+    ]
     assert got == want
     first = pd_first.result(60)
     greedy = llm.generate(prompt_token_ids=[prompts[1]], sampling_params=SamplingParams(max_tokens=8, temperature=0))
@@ -138,8 +153,9 @@ def test_the_prefill_worker_refuses_params_and_whole_requests_past_its_cap(stack
         return grpc.StatusCode.OK
 
     sp = pb.SamplingParams(max_tokens=2, temperature=0.0)
-    with_params = pb.GenerateRequest(request_id="x", prompt_token_ids=[1, 2, 3], sampling_params=sp,
-                                     params=pb.TransferParams(num_computed_tokens=3))
+    with_params = pb.GenerateRequest(
+        request_id="x", prompt_token_ids=[1, 2, 3], sampling_params=sp, params=pb.TransferParams(num_computed_tokens=3)
+    )
     assert workers.run(generate(with_params)) == grpc.StatusCode.INVALID_ARGUMENT
     workers.mixed.running.update({"a", "b"})  # its 2 slots taken
     try:
