@@ -29,10 +29,12 @@ engine mixes its decode steps with its prefill chunks) when the decode worker th
 
 and a routable prefill worker has room: fewer whole requests in flight than its capacity (its mixed-role share of
 max_num_seqs, from Stats; unknown: none), its queue (prompt tokens in flight x measured seconds per token) at most
-prefill_decode_max_queue_s, and, when D is saturated by time alone, a measured time per token of its own below
-D's. Among those, the cheapest by P's cost + decode_running_cost x its whole requests. Its time to the first token
-is P's prefill, as under PD; what it saves is D's queue and the handoff, at the price of decode steps slowed by P's
-prefill chunks: hence only under saturation. `prefill_decode` never / always turn it off / force it.
+prefill_decode_max_queue_s, and, while it runs whole requests, their measured time per token at most
+tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is ignored and
+the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole requests.
+Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at the price
+of decode steps slowed by P's prefill chunks: hence only under saturation. `prefill_decode` never / always turn it
+off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
@@ -228,11 +230,11 @@ class Placer:
         for addr in self.prefill.rotation(self.prefill.addrs):
             whole = self.whole_on_prefill.get(addr, 0)
             queue_s = self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s
-            gap = self.costs.token_s.get(addr)
+            gap = self.costs.token_s.get(addr) if whole else None  # stale once it runs none: probe again
             if w.prefill_decode == "auto" and (
                 whole >= self.membership.capacity.get(addr, 0)
                 or queue_s > w.prefill_decode_max_queue_s
-                or (by_time and gap is not None and d_gap is not None and gap >= d_gap)
+                or (gap is not None and (gap > w.tpot_budget_s or (by_time and d_gap is not None and gap >= d_gap)))
             ):
                 continue
             idx = self.membership.index(addr) if hashes else None

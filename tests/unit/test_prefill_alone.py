@@ -65,6 +65,8 @@ def test_prefill_alone_by_measured_time_per_token() -> None:
     decode.take("d")
     assert placer.place(PROMPT).kind == "prefill_alone"  # 200 ms per token on D, P unmeasured
     placer.costs.token_gap("p", 0.3)
+    assert placer.place(PROMPT).kind == "prefill_alone"  # P runs no whole request: its figure is stale, probe it
+    placer.whole_started("p")
     assert placer.place(PROMPT).kind == "pd"  # P's own tokens come slower still: no gain
     placer.costs.token_gap("d", 0.01)
     placer.costs.token_gap("d", 0.01)  # D recovered (moving average): 0.2 -> 0.164 -> 0.133, still above
@@ -72,6 +74,17 @@ def test_prefill_alone_by_measured_time_per_token() -> None:
     for _ in range(20):
         placer.costs.token_gap("d", 0.01)
     assert placer.decode_saturated("d") is None
+
+
+def test_no_prefill_alone_while_its_own_tokens_are_over_budget() -> None:
+    placer, _, decode, _ = _placer(tpot_budget_s=0.05)
+    for _ in range(9):
+        decode.take("d")  # saturated by count
+    placer.whole_started("p")
+    placer.costs.token_gap("p", 0.04)
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its decodes past the budget
+    assert placer.place(PROMPT).kind == "pd"
 
 
 def test_never_and_always() -> None:
