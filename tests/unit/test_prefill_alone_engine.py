@@ -24,6 +24,7 @@ from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.proxy.config import RoutingWeights
 from hybridpd.worker.context import WorkerContext
 
+from tests.polling import wait_for
 from tests.support.live_stack import LiveStack
 from tests.support.pd_pair import engine_config
 
@@ -164,3 +165,16 @@ def test_the_prefill_worker_refuses_params_and_whole_requests_past_its_cap(stack
     finally:
         workers.mixed.running.clear()
     assert workers.run(generate(plain)) == grpc.StatusCode.OK
+
+
+def test_a_client_gone_mid_stream_aborts_the_whole_request_on_the_prefill_worker(stack) -> None:  # type: ignore[no-untyped-def]
+    s, workers = stack
+    ended: list[tuple[str, str | None]] = []
+    workers.prefill.ctx.aengine.on_finished.append(lambda req: ended.append((req.request_id, req.finish_reason)))
+    body = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with s.http.stream("POST", "/v1/completions", json=body) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # the first token: then go away
+    wait_for("the whole request ended on P", lambda: bool(ended), timeout=10, interval=0.02)
+    assert ended[0][1] == "abort"
+    queues = workers.run(workers.prefill.ctx.aengine.acall(lambda c: c.queue_lengths()))
+    assert queues == (0, 0) and not workers.mixed.running
