@@ -6,6 +6,7 @@ nothing left running or pinned); the worker refuses transfer params and, at its 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -82,6 +83,11 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
+def llm(model: str) -> LLM:
+    return LLM(config=engine_config(model))
+
+
+@pytest.fixture(scope="module")
 def stack(model: str) -> Iterator[tuple[LiveStack, Workers]]:
     workers = Workers(model, max_decode_share=1 / 32)  # 64 seqs: 2 whole requests at once
     p, d = workers.addrs
@@ -99,9 +105,8 @@ def stack(model: str) -> Iterator[tuple[LiveStack, Workers]]:
     workers.close()
 
 
-def test_whole_request_on_the_prefill_worker_matches_colocated(stack, model) -> None:  # type: ignore[no-untyped-def]
+def test_whole_request_on_the_prefill_worker_matches_colocated(stack, llm) -> None:  # type: ignore[no-untyped-def]
     s, workers = stack
-    llm = LLM(config=engine_config(model))
     prompts = [llm.tokenizer.encode(t) for t in ("The quick brown fox jumps over", "Once upon a time there")]
     # a PD prefill on the same engine, sent while the whole requests run: P's first token, its lease
     sp = pb.SamplingParams(max_tokens=8, temperature=0.0)
@@ -178,3 +183,42 @@ def test_a_client_gone_mid_stream_aborts_the_whole_request_on_the_prefill_worker
     assert ended[0][1] == "abort"
     queues = workers.run(workers.prefill.ctx.aengine.acall(lambda c: c.queue_lengths()))
     assert queues == (0, 0) and not workers.mixed.running
+
+
+def test_the_prefill_worker_dying_mid_stream_ends_it_with_an_error_after_a_right_prefix(model, llm) -> None:  # type: ignore[no-untyped-def]
+    workers = Workers(model, max_decode_share=1 / 32)
+    p, d = workers.addrs
+    s = LiveStack(
+        n_prefill=0,
+        n_decode=0,
+        model_name="m",
+        routing="adaptive",
+        prefill_addrs_extra=(p,),
+        decode_addrs_extra=(d,),
+        routing_weights=RoutingWeights(prefill_decode="always"),
+    )
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        with s:
+            body = {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0,
+            }
+            events = []
+            with s.http.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 2:  # P dies (its server stops) after 2 chunks
+                            workers.run(workers.servers[0].stop(grace=None))
+    finally:
+        workers.close()
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+    streamed = [t for e in events[:-2] for t in json.loads(e)["choices"][0]["token_ids"]]
+    greedy = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+    want = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
+    assert 0 < len(streamed) < 400 and streamed == want[: len(streamed)]  # cut short, never wrong
