@@ -56,6 +56,8 @@ class ClusterConfig:
     num_decode: int | None
     colocated: bool
     routing: str
+    proxy_args: tuple[str, ...] = ()
+    """More proxy flags (the adaptive policy's TPOT target)."""
 
     def decode_count(self, num_gpus: int) -> int:
         return self.num_decode if self.num_decode is not None else num_gpus
@@ -67,7 +69,10 @@ class ClusterConfig:
 CONFIGS = {
     "colocated": ClusterConfig("colocated", 0, None, True, "least_loaded"),
     "1p1d": ClusterConfig("1p1d", 1, 1, False, "least_loaded"),
-    "adaptive": ClusterConfig("adaptive", 1, 1, False, "cache_aware|adaptive"),
+    # the TPOT target between the tight and loose SLOs' (25 / 60 ms): a decode worker streaming slower is saturated
+    "adaptive": ClusterConfig(
+        "adaptive", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05")
+    ),
 }
 """Add a configuration here (and name it in --configs). `routing` may list alternatives ("a|b"): the first the
 proxy offers is used. One whose routing the proxy does not offer is not run, and says so in the table."""
@@ -101,7 +106,7 @@ def launch(
         worker_args=worker_args,
         num_prefill=cfg.num_prefill,
         num_decode=n_dec,
-        proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len)],
+        proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len), *cfg.proxy_args],
         worker_envs=[{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n_workers]] if on_cuda else None,
         restart=False,
         ready_timeout_s=600,

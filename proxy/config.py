@@ -47,9 +47,10 @@ class RoutingWeights:
     decode_saturation: float = 0.9
     """A decode worker is saturated with this share of the whole requests it takes (its Stats' max_generate, its
     max_num_seqs) in flight from this proxy ..."""
-    tpot_budget_s: float = 0.05
-    """... or while its measured time per output token (moving average over its streams) is above this and a
-    prefill worker's is below it."""
+    tpot_budget_s: float = 0.0
+    """... or while its measured time per output token (moving average over its streams) is above this, seconds
+    (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
+    slower than this gets no more."""
     prefill_decode_max_queue_s: float = 0.5
     """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
     token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""

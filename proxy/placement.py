@@ -25,16 +25,16 @@ P-alone (checked first): the request goes whole to a prefill worker (DecodeServi
 engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is saturated
 
     in flight >= decode_saturation x its capacity (Stats' max_generate: its max_num_seqs), or
-    its measured seconds per output token > tpot_budget_s (while it runs any request)
+    its measured seconds per output token > tpot_budget_s (when set; while it runs any request)
 
 and a routable prefill worker has room: fewer whole requests in flight than its capacity (its mixed-role share of
 max_num_seqs, from Stats; unknown: none), its queue (prompt tokens in flight x measured seconds per token) at most
-prefill_decode_max_queue_s, and, while it runs whole requests, their measured time per token at most
-tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is ignored and
-the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole requests.
-Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at the price
-of decode steps slowed by P's prefill chunks: hence only under saturation. `prefill_decode` never / always turn it
-off / force it.
+prefill_decode_max_queue_s, and (tpot_budget_s set) while it runs whole requests, their measured time per token
+at most tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is
+ignored and the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole
+requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
+the price of decode steps slowed by P's prefill chunks: hence only under saturation. `prefill_decode` never /
+always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
@@ -211,7 +211,7 @@ class Placer:
         if cap is not None and cap > 0 and running >= w.decode_saturation * cap:
             return f"{running} of {cap} in flight"
         gap = self.costs.token_s.get(addr)
-        if running > 0 and gap is not None and gap > w.tpot_budget_s:
+        if w.tpot_budget_s > 0 and running > 0 and gap is not None and gap > w.tpot_budget_s:
             return f"{1e3 * gap:.1f} ms per token"
         return None
 
@@ -230,7 +230,8 @@ class Placer:
         for addr in self.prefill.rotation(self.prefill.addrs):
             whole = self.whole_on_prefill.get(addr, 0)
             queue_s = self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s
-            gap = self.costs.token_s.get(addr) if whole else None  # stale once it runs none: probe again
+            # its own pace, against the budget when one is set (stale once it runs none: probe again)
+            gap = self.costs.token_s.get(addr) if whole and w.tpot_budget_s > 0 else None
             if w.prefill_decode == "auto" and (
                 whole >= self.membership.capacity.get(addr, 0)
                 or queue_s > w.prefill_decode_max_queue_s
