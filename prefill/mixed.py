@@ -9,7 +9,6 @@ routing to it). Transfer params are refused: a prefill worker never pulls."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,8 +17,6 @@ from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.context import WorkerRpcs
 from hybridpd.worker.local_generate import generate_locally
-
-log = logging.getLogger("hybridpd.prefill")
 
 
 def generate_capacity(max_num_seqs: int, share: float) -> int:
@@ -55,7 +52,7 @@ class MixedGenerateServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 f"this prefill worker runs {len(self.running)} "
                 f"whole requests, its cap (--max-decode-share of max_num_seqs): use a decode worker",
             )
-        if rid in self.running or rid in self.prefill.held or rid in self.prefill._waiters:
+        if rid in self.running or self.prefill.has_request(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
         self.running.add(rid)
         try:

@@ -202,6 +202,10 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         loop, fut = waiter
         loop.call_soon_threadsafe(_set_result, fut, resp)
 
+    def has_request(self, request_id: str) -> bool:
+        """A prefill of this id is running or holds a lease here (event loop)."""
+        return request_id in self.held or request_id in self._waiters
+
     # -- RPCs --------------------------------------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         t_received = time.perf_counter()
