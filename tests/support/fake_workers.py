@@ -185,6 +185,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         then nothing (the stream stays open). Unset: UNIMPLEMENTED, as a worker without cache events."""
         if self.cache_snapshot is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no cache events")
+        assert self.cache_snapshot is not None  # (abort raises)
         shape = pb.CacheShape(block_size=16, attention_groups=[0], recurrent_groups=[1], checkpoint_align=16)
         yield pb.CacheEventBatch(epoch="fake-epoch", first_seq=0, snapshot=True, shape=shape, groups=[
             pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()])
