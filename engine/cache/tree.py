@@ -311,8 +311,7 @@ class CacheTree:
         total = ov.k * self.unit_bytes[BLOCK]
         limit, credit = bound * total, 0.0
         names, cached, nodes = chain.block_hash, chain.cached, self.nodes
-        for b in blocks:
-            h = names[b]
+        for h in names[blocks.start : blocks.stop]:
             if h is None:
                 continue
             node = nodes[h]
@@ -331,14 +330,15 @@ class CacheTree:
         block_q, state_q = self.queued
         block_bytes, state_bytes = self.unit_bytes
         credit, stack, seen = 0.0, [top], 0
+        pop, push = stack.pop, stack.extend
         while stack:
-            node = stack.pop()
+            node = pop()
             seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
-            h = node.hash
-            if node.kids:
-                stack.extend(node.kids.values())
+            h, kids = node.hash, node.kids
+            if kids:
+                push(kids.values())
                 if h not in states:
                     continue  # not queued (it has kids) and no checkpoint: no credit
             entry = block_q.get(cached[h])
