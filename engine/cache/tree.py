@@ -1,16 +1,17 @@
 """What the prefix cache keeps, and what it lets go: admission and eviction in one picture.
 
-    request r:  prompt h0 h1 h2 h3 | h4' h5' | decode ...       admission.py picks where r saves a state:
-                       \\_ hit __/  ^branch   ^prompt end  ^ ^    the branch point (longest prefix seen before),
-                                                rolling end      the prompt end, a rolling request end
-    tree:       root -- h0 -- h1 -- h2 -- h3 -- h4' -- h5'       a Node per cached block hash: tokens, parent,
-                              |           \\-- h4 -- h5           kids, last_hit, demoted (page ids stay in the
-                            [s@h1]      [s@h3]    [s@h5] [s@h5']  pools: pool.cached[hash]); [s@h] = checkpoint,
-                                                                  the state after block h
-    one heap:   leaf blocks nobody references (h5, h5')  +  checkpoints nobody references (s@h1, s@h3, ...)
-                priority = clock when released + compute saved per byte (0: a dead-end block, a superseded
-                checkpoint); evict the lowest; clock := its priority, so old popularity ages out (GreedyDual)
-    arena:      checkpoint slot F+c is the memory of attention blocks [c*k, (c+1)*k), a range (overlay.py)
+    admission.py picks where a request saves a state ([s@h]: a checkpoint, the state after block h):
+        r:  h0  h1  h2  h3 | h4' h5' | decode ...       branch point: the end of the longest prefix seen
+            \\___ hit ___/  ^ branch  ^ prompt end       before; prompt end; while decoding, a rolling
+                                                        request end at each block boundary (replacing the last)
+    the tree: a Node per cached block hash (tokens, parent, kids, last_hit, demoted; page ids stay in the pools)
+        root -- h0 -- h1 -- h2 -- h3 -- h4' -- h5'
+                      |           \\-- h4 -- h5
+                    [s@h1]      [s@h3]    [s@h5]  [s@h5']
+    one heap: leaf blocks nobody references (h5, h5') + checkpoints nobody references ([s@h1], [s@h3], ...)
+        priority = clock when released + compute saved per byte (0: a dead-end block, a superseded checkpoint);
+        evict the lowest; clock := its priority, so old popularity ages out (GreedyDual)
+    the arena: checkpoint slot F+c is the memory of attention blocks [c*k, (c+1)*k), a range (overlay.py)
 
 Invariants (`check_integrity`):
 - a node exists exactly while the chain (first attention group) caches its hash or the lead recurrent group holds a
