@@ -1,16 +1,17 @@
 """Consumer-side transfer state machine (step thread only).
 
     admit(params) --checks--> allocate_for_transfer --> [pulling] --poll: DONE--> [committing] --P says held-->
-        |  lease expired (no time left to pull)            |                         |   zero tail, publish blocks/
-        |  prompt digest != params' (foreign params)       |                         |   checkpoint, scheduler.
-        |  malformed (unsigned, wrong groups or pages)     |                         |
-        v                                                  |                         |   transfer_done (at N)
+        |  lease expired (no time left to pull)            |        send Commit;     |   publish blocks/checkpoint,
+        |  prompt digest != params' (foreign params)       |        run_unconfirmed: |   release the held output
+        |  malformed (unsigned, wrong groups or pages)     |        zero tail, runs  |   (confirm_import)
+        v                                                  |        at N, output held|
     policy: recompute locally (default) or fail            +--poll: FAILED-----------+--P says no (lease expired,
                                                                                          wrong prompt/token, params
                                                                                          altered, other pages
                                                                                          read), or
                                                                                          Commit unreachable
-                                                                                     --> discard, recompute / fail
+                                                                                     --> drop the held output,
+                                                                                         free, recompute / fail
 Fail closed: pulled pages are published (hashed into the prefix cache) and what the request computes on them is
 streamed only after P's Commit confirmed that the lease was still held when the READ had completed and was granted
 for this very prompt. With the overlap on (the default; HYBRIDPD_COMMIT_OVERLAP=0 turns it off for A/B runs) the

@@ -333,6 +333,19 @@ class EngineCore:
             else:
                 req.stop_reason = "transfer deadline passed"
                 self.finish(req, "error", free_caches=False)
+        return expired + self._expire_unconfirmed()
+
+    def _expire_unconfirmed(self) -> list[Request]:
+        """Requests running on a transfer never confirmed by its deadline (the answer lost): refused, as a no."""
+        from hybridpd.engine.transfer import refuse_unconfirmed
+
+        expired = self.scheduler.expired_unconfirmed(self.clock()) if self.scheduler.unconfirmed else []
+        for req in expired:
+            imp = self.scheduler.unconfirmed[req.request_id]
+            if self.transfer_canceller is not None:
+                self.transfer_canceller(req.request_id)  # a late answer finds nothing to confirm
+            log.warning("request %s: transfer unconfirmed at its deadline; %s", req.request_id, imp.fallback)
+            refuse_unconfirmed(self, req, imp.fallback, "transfer deadline passed")
         return expired
 
     def abort(self, request_id: str) -> Request | None:
@@ -362,7 +375,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
-        if self.scheduler.importing:
+        if self.scheduler.importing or self.scheduler.unconfirmed:
             self.expire_imports()
         t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()

@@ -180,6 +180,11 @@ class Scheduler:
         return [self.requests[rid] for rid, imp in self.importing.items()
                 if imp.deadline is not None and imp.deadline <= now]
 
+    def expired_unconfirmed(self, now: float) -> list[Request]:
+        """Requests running on an unconfirmed transfer past its deadline (no answer from the producer)."""
+        return [self.requests[rid] for rid, imp in self.unconfirmed.items()
+                if imp.deadline is not None and imp.deadline <= now]
+
     def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
         """End a request. free_caches=False keeps its blocks/slot (a prefill worker pins them under a lease and
         calls `release` later)."""

@@ -26,8 +26,18 @@ from tests.support.pd_pair import FakeContext, Pair, engine_config, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SEEDED = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=77, presence_penalty=0.5,
-              repetition_penalty=1.2, logprobs=True, top_logprobs=2, ignore_eos=True)
+SEEDED = dict(
+    max_tokens=12,
+    temperature=0.9,
+    top_p=0.95,
+    top_k=40,
+    seed=77,
+    presence_penalty=0.5,
+    repetition_penalty=1.2,
+    logprobs=True,
+    top_logprobs=2,
+    ignore_eos=True,
+)
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -73,17 +83,20 @@ async def gated_pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Pair, Gate]:
     return pair, gate
 
 
-async def start(pair: Pair, rid: str, prompt: list[int], sp: pb.SamplingParams
-                ) -> tuple[pb.GenerateChunk, list[pb.GenerateChunk], asyncio.Task]:
+async def start(
+    pair: Pair, rid: str, prompt: list[int], sp: pb.SamplingParams
+) -> tuple[pb.GenerateChunk, list[pb.GenerateChunk], asyncio.Task]:
     """P's Prefill, then D's Generate in a task whose chunks land in the returned list as they stream."""
-    resp = await pair.p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
-                                FakeContext())  # type: ignore[arg-type]
+    resp = await pair.p.Prefill(
+        pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp), FakeContext()
+    )  # type: ignore[arg-type]
     assert not resp.first.finish_reason
     first = pb.FirstToken(token_id=resp.first.token_ids[0], logprob=resp.first.logprobs[0])
     if resp.first.top_logprobs:
         first.top_logprobs.CopyFrom(resp.first.top_logprobs[0])
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp, params=resp.params,
-                             first_token=first)
+    req = pb.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=sp, params=resp.params, first_token=first
+    )
     chunks: list[pb.GenerateChunk] = []
 
     async def consume() -> None:
@@ -95,10 +108,12 @@ async def start(pair: Pair, rid: str, prompt: list[int], sp: pb.SamplingParams
 
 def d_view(pair: Pair, rid: str) -> Any:
     """On D's step thread: (output tokens so far, parked, the hashes D's prefix cache finds now)."""
+
     def look(core: EngineCore) -> tuple[list[int], bool, set[bytes]]:
         req = core.scheduler.requests.get(rid)
         cached = set().union(*core.cache.cached_hashes().values())
         return (list(req.output_token_ids) if req is not None else [], rid in core.scheduler.parked, cached)
+
     return pair.d.ctx.aengine.acall(look)
 
 
@@ -118,14 +133,19 @@ async def decoded_at_least(pair: Pair, rid: str, n: int) -> list[int]:
         nonlocal out
         out = (await d_view(pair, rid))[0]
         return len(out) >= n
+
     await until(enough)
     return out
 
 
 def output(first: pb.GenerateChunk, chunks: list[pb.GenerateChunk]) -> dict[str, Any]:
     allc = [first, *chunks]
-    return {"tokens": [t for c in allc for t in c.token_ids], "text": "".join(c.text for c in allc),
-            "logprobs": [x for c in allc for x in c.logprobs], "finish": allc[-1].finish_reason}
+    return {
+        "tokens": [t for c in allc for t in c.token_ids],
+        "text": "".join(c.text for c in allc),
+        "logprobs": [x for c in allc for x in c.logprobs],
+        "finish": allc[-1].finish_reason,
+    }
 
 
 def assert_colocated(got: dict[str, Any], want: Any, sp: pb.SamplingParams) -> None:
@@ -177,6 +197,7 @@ def test_a_late_yes_releases_the_held_tokens_in_order_and_publishes_the_blocks(l
 def test_a_no_after_speculative_tokens_recomputes_exactly_and_leaks_nothing(llm, prompt, monkeypatch):  # type: ignore[no-untyped-def]
     """P's pages are overwritten while D reads them (what a lost lease allows), D decodes on that garbage, and P
     then refuses: none of it reaches the client, the seeded generator restarts, D's cache holds none of it."""
+
     async def run() -> None:
         pair, gate = await gated_pair(monkeypatch)
         try:
@@ -187,6 +208,7 @@ def test_a_no_after_speculative_tokens_recomputes_exactly_and_leaks_nothing(llm,
                     g = torch.Generator().manual_seed(3)
                     for t in (t for ts in core.runner.group_tensors.values() for t in ts):
                         t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
                 pair.p.ctx.aengine.call(on_p).result(timeout=30)
 
             pair.during_read = scribble
@@ -217,10 +239,12 @@ def test_the_end_reached_inside_the_window_waits_for_the_answer(llm, prompt, mon
     """max_tokens and a stop string reached before P answers: the request is parked (ended neither early nor
     streamed); a yes ends it as colocated would, a no recomputes it and ends it the same way."""
     a = llm.tokenizer.encode("a")[-1]
-    cases = [(pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), True),
-             (pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), False),
-             (pb.SamplingParams(max_tokens=9, temperature=0.0, logit_bias={a: 100.0}, stop=["aaa"]), True),
-             (pb.SamplingParams(max_tokens=9, temperature=0.0, logit_bias={a: 100.0}, stop=["aaa"]), False)]
+    cases = [
+        (pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), True),
+        (pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), False),
+        (pb.SamplingParams(max_tokens=9, temperature=0.0, logit_bias={a: 100.0}, stop=["aaa"]), True),
+        (pb.SamplingParams(max_tokens=9, temperature=0.0, logit_bias={a: 100.0}, stop=["aaa"]), False),
+    ]
 
     async def run() -> None:
         pair, gate = await gated_pair(monkeypatch)
@@ -231,6 +255,7 @@ def test_the_end_reached_inside_the_window_waits_for_the_answer(llm, prompt, mon
 
                 async def parked(rid: str = f"e{i}") -> bool:
                     return bool((await d_view(pair, rid))[1])
+
                 await until(parked)
                 await asyncio.sleep(0.02)
                 assert chunks == [] and not task.done()
@@ -280,6 +305,27 @@ def test_with_the_overlap_off_d_waits_for_the_answer(llm, prompt, monkeypatch): 
             gate.open(yes=True)
             await asyncio.wait_for(task, 20)
             assert_colocated(output(first, chunks), colocated(llm, prompt, sp), sp)
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_an_answer_that_never_comes_is_a_no_at_the_import_deadline(llm, prompt, monkeypatch):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair, gate = await gated_pair(monkeypatch)
+        try:
+            sp = pb.SamplingParams(**GREEDY)  # type: ignore[arg-type]
+            first, chunks, task = await start(pair, "late", prompt, sp)
+            await gate.asked.wait()
+            await decoded_at_least(pair, "late", 3)
+            later = pair.d_core.clock() + 3600
+            pair.d.ctx.aengine.call(lambda c: setattr(c, "clock", lambda: later))  # past the import's deadline
+            await asyncio.wait_for(task, 20)
+            assert_colocated(output(first, chunks), colocated(llm, prompt, sp), sp)
+            gate.open(yes=True)  # the late yes ends P's lease and finds nothing to confirm on D
+            await until(lambda: asyncio.sleep(0, len(pair.p.leases) == 0))
             await settle(pair)
         finally:
             pair.close()
