@@ -22,7 +22,7 @@ from hybridpd.engine.default_model import default_model_path
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.worker.convert import sampling_params_from_proto
 
-from tests.support.pd_pair import FakeContext, Pair, engine_config, make_pair
+from tests.support.pd_pair import Aborted, FakeContext, Pair, engine_config, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -285,6 +285,18 @@ def test_abort_inside_the_window_streams_nothing_speculative(prompt, monkeypatch
             await until(lambda: asyncio.sleep(0, len(pair.p.leases) == 0))
             await asyncio.sleep(0.05)
             assert not (await d_view(pair, "x"))[2], "an aborted speculation published its blocks"
+            await settle(pair)
+
+            # policy "fail": a no ends the stream with an error, nothing speculative streamed before it
+            pair.d.consumer.policy = "fail"
+            gate.__init__(pair)  # type: ignore[misc]
+            first, chunks, task = await start(pair, "f", prompt, pb.SamplingParams(**GREEDY))  # type: ignore[arg-type]
+            await gate.asked.wait()
+            await decoded_at_least(pair, "f", 3)
+            gate.open(yes=False)
+            with pytest.raises(Aborted, match="lease_lost"):
+                await asyncio.wait_for(task, 10)
+            assert not [t for c in chunks for t in c.token_ids]
             await settle(pair)
         finally:
             pair.close()
