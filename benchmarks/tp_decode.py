@@ -162,6 +162,8 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
                 }
             )
         runner.graphs = graphs
+        if job["profile"]:
+            rows += _profile_rows(runner, graphs, job, decode_output(b, ctx, blocks_per_seq), params)
         if job["prefill"]:
             T = job["prefill"]
             times = timed(functools.partial(runner.execute, prefill_output(T), params), 1, job["prefill_steps"])
@@ -183,6 +185,28 @@ def rank_main(rank: int, job: dict[str, Any], init: str, queue: Any) -> None:
         queue.put(rows)
     if tp is not None:
         torch.distributed.destroy_process_group()
+
+
+def _profile_rows(runner: Any, graphs: Any, job: dict[str, Any], out: Any, params: Any) -> list[dict[str, Any]]:
+    """Per-kernel totals of one decode step (torch.profiler) with and without CUDA graphs, on every rank at once
+    (the collectives need all of them); rank 0's rows are the ones reported."""
+    from benchmarks.profile_decode import kernel_table
+
+    rows = []
+    for mode in job["modes"]:
+        runner.graphs = graphs if mode == "graph" else None
+        total_us, table = kernel_table(functools.partial(runner.execute, out, params))
+        rows.append(
+            {
+                **_key(job),
+                "profile": mode,
+                "kernel_sum_ms": total_us / 1e3,
+                "kernels": sum(r[1] for r in table),
+                "top": [{"kernel": k, "count": c, "us": round(t, 1)} for k, c, t in table[: job["profile"]]],
+            }
+        )
+    runner.graphs = graphs
+    return rows
 
 
 def _key(job: dict[str, Any]) -> dict[str, Any]:
@@ -369,6 +393,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{r['rank_roofline_ms']:8.2f} {r['roofline_plus_comm_ms']:7.2f} {r['all_reduce_ms']:6.3f} "
                 f"{r['tok_per_s']:8.0f}{ratio}"
             )
+        elif "profile" in r:
+            print(
+                f"\n{r['preset']} TP {r['tp']} {r['profile']} step: "
+                f"{r['kernel_sum_ms']:.2f} ms of kernels in {r['kernels']}"
+            )
+            for k in r["top"]:
+                print(f"  {k['us'] / 1e3:7.3f} ms {k['count']:5d}x {k['us'] / k['count']:8.1f} us  {k['kernel']}")
         elif "prefill_ms" in r:
             print(
                 f"{r['preset']:26} {r['tp']:2d} prefill {r['prefill_tokens']} tokens: {r['prefill_ms']:.1f} ms, "
@@ -402,6 +433,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefill-tokens", type=int, default=8192)
     p.add_argument("--prefill-steps", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, help="also per-kernel totals of one step: the top N kernels")
     p.add_argument("--identity", action="store_true", help="also the fp32 TP 2 == TP 1 token check")
     p.add_argument("--identity-device", default="cuda", help="cpu: the identity checks on gloo ranks (a smoke test)")
     p.add_argument("--job-timeout", type=float, default=240.0)
@@ -422,6 +454,7 @@ def main() -> None:
             "steps": args.steps,
             "prefill": args.prefill_tokens,
             "prefill_steps": args.prefill_steps,
+            "profile": args.profile,
         }
         rows += run_job(job, args.job_timeout)
     if args.identity:
