@@ -28,13 +28,20 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PHASES = {"prefill": ("queue", "prefill", "lease"),
-          "decode": ("handshake", "admit", "pull", "commit", "resume", "total")}
+          "decode": ("handshake", "admit", "pull", "commit", "resume", "total", "commit_rpc")}
+"""D's commit_rpc is the Commit RPC alone (hybridpd_kv_transfer_commit_seconds); its commit phase runs from the READ
+seen done to P's answer applied on the step thread, and holds the request's first decode step with the overlap."""
 
 
 def _totals(c, w, role: str) -> dict[str, tuple[float, float]]:  # type: ignore[no-untyped-def]
     """{phase: (sum of seconds, count)} of one worker's hybridpd_kv_handoff_seconds so far."""
-    return {ph: (c.metric(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph),
-                 c.metric(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph)) for ph in PHASES[role]}
+    out = {ph: (c.metric(w, "hybridpd_kv_handoff_seconds_sum", role=role, phase=ph),
+                c.metric(w, "hybridpd_kv_handoff_seconds_count", role=role, phase=ph))
+           for ph in PHASES[role] if ph != "commit_rpc"}
+    if role == "decode":
+        out["commit_rpc"] = (c.metric(w, "hybridpd_kv_transfer_commit_seconds_sum", role=role),
+                             c.metric(w, "hybridpd_kv_transfer_commit_seconds_count", role=role))
+    return out
 
 
 def _phases(after: dict[str, tuple[float, float]], before: dict[str, tuple[float, float]] | None = None
