@@ -4,12 +4,15 @@
     python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 1,2 --duration 3      # smoke run, tiny model
 
 For each configuration (`CONFIGS`: N colocated replicas behind least-loaded routing; 1P1D; the adaptive policy
-when the proxy offers it) the script starts the workers and the proxy as plain processes (`hybridpd worker` /
-`hybridpd proxy`, no Ray), warms them up (kernel compilation and CUDA-graph capture happen there, never in a
-measured run), measures latencies at low load (one request at a time: TTFT, TPOT, and the decode worker's own
-decode step from its `hybridpd_engine_step_seconds` counters), then sweeps open-loop arrival rates (Poisson or
-bursty, benchmarks/goodput_workloads.py) for each workload. SLO attainment, goodput and the table come from
-benchmarks/goodput_report.py. Writes goodput.json (+ PNGs with matplotlib) to --out-dir and prints the table last.
+when the proxy offers it: 1P1D whose proxy places each request by cost, PD, the decode worker alone (skip-P) or
+the prefill worker alone (its mixed role, while the decode worker is saturated); every rate's JSON row records how
+many requests took each path, `placements`) the script starts the workers and the proxy as plain processes
+(`hybridpd worker` / `hybridpd proxy`, no Ray), warms them up (kernel compilation and CUDA-graph capture happen
+there, never in a measured run), measures latencies at low load (one request at a time: TTFT, TPOT, and the
+decode worker's own decode step from its `hybridpd_engine_step_seconds` counters), then sweeps open-loop arrival
+rates (Poisson or bursty, benchmarks/goodput_workloads.py) for each workload. SLO attainment, goodput and the
+table come from benchmarks/goodput_report.py. Writes goodput.json (+ PNGs with matplotlib) to --out-dir and prints
+the table last.
 
 Rates are requests per second to the whole cluster; every configuration uses the same GPUs, so goodput per GPU is
 the figure to compare. A sweep stops early at a rate where even the loose SLO's attainment is below --stop-below,
@@ -37,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridpd.deploy.local_cluster import Cluster, scrape_metric, start_cluster  # noqa: E402
+from hybridpd.proxy.placement import PATHS  # noqa: E402
 
 from benchmarks.goodput_report import Outcome, config_goodput, plot, summarize_rate, table, write_json  # noqa: E402
 from benchmarks.goodput_workloads import LONGEST, WORKLOADS, Req, Shape, arrival_times  # noqa: E402
@@ -52,6 +56,8 @@ class ClusterConfig:
     num_decode: int | None
     colocated: bool
     routing: str
+    proxy_args: tuple[str, ...] = ()
+    """More proxy flags (the adaptive policy's TPOT target)."""
 
     def decode_count(self, num_gpus: int) -> int:
         return self.num_decode if self.num_decode is not None else num_gpus
@@ -63,7 +69,10 @@ class ClusterConfig:
 CONFIGS = {
     "colocated": ClusterConfig("colocated", 0, None, True, "least_loaded"),
     "1p1d": ClusterConfig("1p1d", 1, 1, False, "least_loaded"),
-    "adaptive": ClusterConfig("adaptive", 1, 1, False, "cache_aware|adaptive"),
+    # the TPOT target between the tight and loose SLOs' (25 / 60 ms): a decode worker streaming slower is saturated
+    "adaptive": ClusterConfig(
+        "adaptive", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05")
+    ),
 }
 """Add a configuration here (and name it in --configs). `routing` may list alternatives ("a|b"): the first the
 proxy offers is used. One whose routing the proxy does not offer is not run, and says so in the table."""
@@ -97,7 +106,7 @@ def launch(
         worker_args=worker_args,
         num_prefill=cfg.num_prefill,
         num_decode=n_dec,
-        proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len)],
+        proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len), *cfg.proxy_args],
         worker_envs=[{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n_workers]] if on_cuda else None,
         restart=False,
         ready_timeout_s=600,
@@ -163,6 +172,17 @@ def handoff_means(before: dict[str, tuple[float, float]], after: dict[str, tuple
         for k, (s, n) in after.items()
         if n > before[k][1]
     }
+
+
+def placement_counts(run: Cluster) -> dict[str, float]:
+    """Requests by the path they took so far (the proxy's hybridpd_proxy_route_decisions_total{path}: pd,
+    skip_prefill, prefill_alone, colocated; a request whose whole-on-P attempt was refused counts where it ran)."""
+    return {p: scrape_metric(f"{run.url}/metrics", "hybridpd_proxy_route_decisions_total", path=p) for p in PATHS}
+
+
+def placement_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The paths taken between two `placement_counts` readings (those taken at least once)."""
+    return {p: int(after[p] - before[p]) for p in PATHS if after[p] > before[p]}
 
 
 def wait_idle(workers: list[Any], timeout_s: float = 60.0) -> None:
@@ -252,6 +272,7 @@ def low_load(run: Cluster, make: Any, args: argparse.Namespace) -> dict[str, Any
     ]
     s0, n0 = decode_step_totals(run.decode)
     h0 = handoff_totals(run)
+    paths0 = placement_counts(run)
     got: list[Outcome] = []
     per_request = []
     for r in reqs:  # one at a time, each with its own phases (PD - colocated per prompt length: the report)
@@ -281,6 +302,7 @@ def low_load(run: Cluster, make: Any, args: argparse.Namespace) -> dict[str, Any
         "tpot_over_step": tpot_p50 / step_ms if step_ms else None,
         "handoff_ms": phases,
         "per_request": per_request,
+        "placements": placement_delta(paths0, placement_counts(run)),
     }
 
 
@@ -296,6 +318,7 @@ def sweep(
         times = arrival_times(rng, rate, args.duration, arrival)
         reqs = make(rng, len(times))
         s0, n0 = decode_step_totals(run.decode)
+        paths0 = placement_counts(run)
         got, elapsed = asyncio.run(open_loop(run.url, run.model_name, reqs, times, args.drain))
         row = summarize_rate(rate, got, elapsed)
         wait_idle(run.prefill + run.decode, 60)
@@ -305,12 +328,14 @@ def sweep(
         row["decode_step_ms"] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
         row["tpot_over_step"] = row["tpot_ms"]["p50"] / row["decode_step_ms"] if row["decode_step_ms"] else None
         row["samples"] = {"ttft_s": [o.ttft_s for o in got], "tpot_s": [o.tpot_s for o in got]}
+        row["placements"] = placement_delta(paths0, placement_counts(run))  # which path each request took
         rows.append(row)
         att = row["attainment"]
         print(
             f"  rate {rate:g}/s: {row['completed']}/{row['sent']} done, attainment tight "
             f"{att['tight']['both']:.2f} loose {att['loose']['both']:.2f}, TTFT p50 {row['ttft_ms']['p50']:.0f} "
-            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms, D decode step {row['decode_step_ms'] or 0:.1f} ms",
+            f"ms, TPOT p50 {row['tpot_ms']['p50']:.1f} ms, D decode step {row['decode_step_ms'] or 0:.1f} ms, "
+            f"paths {' '.join(f'{k} {v}' for k, v in row['placements'].items()) or '-'}",
             flush=True,
         )
         if att["loose"]["both"] < args.stop_below:

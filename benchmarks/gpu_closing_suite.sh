@@ -4,8 +4,9 @@
 #      gives at --gpu-memory-utilization 0.92 (on a larger card the utilization is scaled down to that share), and
 #      on GPU 1 the Nemotron-H-8B decode step (batch 64, context 1k, CUDA graphs) of this tree, interleaved with
 #      that of an older checkout in $BEFORE (a directory; optional), two rounds each;
-#   2. goodput, Nemotron-H-8B preset, long prompts: 2 colocated replicas vs 1P1D vs adaptive on both GPUs, with
-#      the low-load handoff phases.
+#   2. goodput, Nemotron-H-8B preset, chat-like workload (WORKLOAD), --max-num-seqs 32 (the decode worker saturates
+#      within the sweep, where the adaptive placement sends whole requests to the prefill worker): 2 colocated
+#      replicas vs 1P1D vs adaptive on both GPUs, with the low-load handoff phases and the placements per rate.
 set -uo pipefail
 START=$(date +%s); OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
@@ -31,10 +32,11 @@ for r in 1 2; do
 done
 wait $SERVE; echo "30B serve: exit $?"
 grep -E "GPU memory|KV cache plan|does not fit|Error|^(==|  rate)" "$OUT/serve_30b_80gb.log" | cut -c1-400 | tail -8
-left=$(( ${SUITE_BUDGET_S:-540} - ($(date +%s) - START) ))
+left=$(( ${SUITE_BUDGET_S:-570} - ($(date +%s) - START) ))
 timeout $(( left + 20 )) python3 benchmarks/goodput.py --device cuda --dtype bfloat16 --drain 8 --deadline-s "$left" \
-  --out-dir "$OUT/long" --preset nemotron-h-8b --workloads long --gpus 0,1 --configs colocated,1p1d,adaptive \
-  --rates "${RATES:-3,4.5,6}" --duration 6 --warmup-requests 12 --low-load 3 > "$OUT/long.log" 2>&1
-echo "goodput long: exit $?"; grep -E "^(==|  rate)" "$OUT/long.log" | tail -20
+  --out-dir "$OUT/pd" --preset nemotron-h-8b --workloads "${WORKLOAD:-chat}" --gpus 0,1 \
+  --configs colocated,1p1d,adaptive --max-num-seqs 32 --rates "${RATES:-4,8,12,16}" --duration 6 \
+  --warmup-requests 12 --low-load 3 > "$OUT/pd.log" 2>&1
+echo "goodput: exit $?"; grep -E "^(==|  rate)" "$OUT/pd.log" | tail -20
 echo; echo "== results ($(( $(date +%s) - START )) s)"
-python3 -m benchmarks.goodput_report "$OUT"/long/goodput.json "$OUT"/serve_30b_80gb/goodput.json | cut -c1-600
+python3 -m benchmarks.goodput_report "$OUT"/pd/goodput.json "$OUT"/serve_30b_80gb/goodput.json | cut -c1-600

@@ -35,11 +35,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hybridpd worker: {e}", file=sys.stderr)
         return 2
+    try:
+        check_max_decode_share(args.max_decode_share)
+    except ConfigError as e:
+        print(f"hybridpd worker: {e}", file=sys.stderr)
+        return 2
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
                          model_name=args.model_name, cluster_token=token, tls=tls,
                          prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction,
+                         max_decode_share=args.max_decode_share,
                          nixl_progress_thread=args.nixl_progress_thread,
                          register_with=tuple(args.register_with or ()), heartbeat_s=args.heartbeat)
     return run_worker(cfg, opts)
@@ -131,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     check_chat_template(args.chat_template)
+    check_max_decode_share(args.max_decode_share)
     from hybridpd.deploy.ray_launcher import serve
 
     for role in ("prefill", "decode"):
@@ -166,6 +173,9 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
                         "when the decode worker's own prefill is cheaper; adaptive: the same")
     p.add_argument("--skip-prefill", default="auto", choices=["auto", "never", "always"],
                    help="cache_aware: when a decode worker prefills a prompt itself (auto: by the cost model)")
+    p.add_argument("--prefill-decode", default="auto", choices=["auto", "never", "always"],
+                   help="cache_aware: when a prefill worker runs a whole request itself (its mixed role; auto: while "
+                        "the decode workers are saturated and it has room)")
     p.add_argument("--routing-weights", default="", metavar="K=V,...",
                    help="cache_aware costs, e.g. 'pull_token_cost=0.25,decode_running_cost=16,skip_max_tokens=64' "
                         "(fields of proxy.config.RoutingWeights)")
@@ -178,16 +188,30 @@ def routing_weights(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from hybridpd.proxy.config import RoutingWeights
 
     fields = {f.name: f for f in dataclasses.fields(RoutingWeights)}
-    values: dict[str, object] = {"skip_prefill": args.skip_prefill}
+    values: dict[str, object] = {"skip_prefill": args.skip_prefill,
+                                 "prefill_decode": getattr(args, "prefill_decode", "auto")}
     for item in filter(None, (s.strip() for s in args.routing_weights.split(","))):
         key, _, raw = item.partition("=")
-        if key not in fields or key == "skip_prefill":
+        if key not in fields or key in ("skip_prefill", "prefill_decode"):
             raise ConfigError(f"--routing-weights: unknown field {key!r} (known: {', '.join(sorted(fields))})")
         try:
             values[key] = int(raw) if key == "skip_max_tokens" else float(raw)
         except ValueError:
             raise ConfigError(f"--routing-weights: {key}={raw!r} is not a number") from None
     return RoutingWeights(**values)  # type: ignore[arg-type]
+
+
+def _max_decode_share_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-decode-share", type=float, default=0.25, metavar="SHARE",
+                   help="prefill workers: the mixed role's cap, whole requests (prompt and decode, sent by the proxy "
+                        "while the decode workers are saturated) running on a prefill worker at once, as a share of "
+                        "its --max-num-seqs; 0: prefill only (default: 0.25)")
+
+
+def check_max_decode_share(value: float) -> None:
+    """--max-decode-share is a share: in [0, 1] (a ConfigError otherwise, before anything starts)."""
+    if not 0 <= value <= 1:
+        raise ConfigError(f"--max-decode-share must be in [0, 1], got {value}")
 
 
 def _secret_args(p: argparse.ArgumentParser) -> None:
@@ -228,6 +252,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); P and D may "
                         "differ, the handoff moves each D rank's head slices from the P ranks that hold them")
+    _max_decode_share_arg(p)
     _routing_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use in requests and /v1/models (none: the checkpoint directory's name)")
@@ -263,6 +288,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-pinned-fraction", type=float, default=0.5,
                    help="prefill: share of each cache pool that leased, not yet pulled pages may pin; beyond it "
                         "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
+    _max_decode_share_arg(p)
     p.add_argument("--nixl-progress-thread", action="store_true",
                    help="run NIXL's progress thread (it busy-polls a core even when idle; default: off, the worker's "
                         "step loop progresses transfers while leases or pulls are in flight). Not on a decode worker "

@@ -1,5 +1,6 @@
 """PrefillService: compute a prompt, sample its first output token, pin its caches under a lease, and return the
-token (streamed to the client at once by the proxy) with the transfer params a decode worker continues from.
+token (streamed to the client at once by the proxy) with the transfer params a decode worker continues from. (The
+same engine may also run whole requests: the mixed role, prefill/mixed.py.)
 
 Threads: gRPC handlers run on the asyncio loop; everything touching the engine runs on the step thread
 (`AsyncEngine.call` / hooks / on_finished callbacks)."""
@@ -48,6 +49,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self.held: dict[str, tuple[Request, Export]] = {}
         """request id -> (prefilled request holding its caches, what it exports). Step thread only."""
         self.max_pinned_fraction = max_pinned_fraction
+        self.max_generate = 0
+        """Whole requests this worker takes at once (Stats): set by the mixed role (prefill/mixed.py), 0 without."""
         self._reserved: dict[str, dict[int, int]] = {}
         """request id -> {group id: pages} of prefills admitted but not yet leased (they will be pinned). Step
         thread only. Admission keeps pinned + reserved pages of each group within max_pinned_fraction of it."""
@@ -154,6 +157,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             self.ctx.metrics.update(core)
 
     def _on_finished(self, req: Request) -> None:
+        if not req.prefill_only:  # a whole request of the mixed role (prefill/mixed.py): its stream has it
+            return
         waiter = self._waiters.pop(req.request_id, None)
         self._reserved.pop(req.request_id, None)
         added = self._marks.pop(req.request_id, None)
@@ -196,6 +201,10 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                                   num_cached_tokens=max(req.num_cached_tokens, 0), first=first)
         loop, fut = waiter
         loop.call_soon_threadsafe(_set_result, fut, resp)
+
+    def has_request(self, request_id: str) -> bool:
+        """A prefill of this id is running or holds a lease here (event loop)."""
+        return request_id in self.held or request_id in self._waiters
 
     # -- RPCs --------------------------------------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -263,7 +272,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                 for gid, ids in (lease.pages_by_group.items() if lease is not None else ()):
                     pinned[gid] = pinned.get(gid, 0) + len(ids)
             return stats_response(core, "prefill", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
-                                  pinned, len(self.leases))
+                                  pinned, len(self.leases), max_generate=self.max_generate)
         return await self.ctx.aengine.acall(stats)
 
 

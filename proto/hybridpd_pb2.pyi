@@ -163,7 +163,7 @@ class PoolStats(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kind: _Optional[str] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ..., pinned: _Optional[int] = ..., integrity_ok: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "worker_id", "epoch", "num_running", "num_waiting", "pools", "leases_pinned", "metrics_port", "memory_bytes")
+    __slots__ = ("role", "worker_id", "epoch", "num_running", "num_waiting", "pools", "leases_pinned", "metrics_port", "memory_bytes", "max_num_seqs", "max_generate")
     class MemoryBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,8 @@ class StatsResponse(_message.Message):
     LEASES_PINNED_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GENERATE_FIELD_NUMBER: _ClassVar[int]
     role: str
     worker_id: str
     epoch: str
@@ -189,7 +191,9 @@ class StatsResponse(_message.Message):
     leases_pinned: int
     metrics_port: int
     memory_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    max_num_seqs: int
+    max_generate: int
+    def __init__(self, role: _Optional[str] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., leases_pinned: _Optional[int] = ..., metrics_port: _Optional[int] = ..., memory_bytes: _Optional[_Mapping[str, int]] = ..., max_num_seqs: _Optional[int] = ..., max_generate: _Optional[int] = ...) -> None: ...
 
 class CacheEventsRequest(_message.Message):
     __slots__ = ()

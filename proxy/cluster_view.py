@@ -75,21 +75,25 @@ class HealthMonitor:
             await self._refresh_room()
 
     async def _refresh_room(self) -> None:
-        """The decode workers' room for new pages (cache_aware placement weighs it): per worker, the smallest
-        share of an attention pool that is free or holds evictable cache."""
+        """What cache_aware placement weighs from the workers' Stats: the decode workers' room for new pages (per
+        worker, the smallest share of an attention pool that is free or holds evictable cache) and every worker's
+        capacity for whole requests (max_generate: a decode worker's max_num_seqs, a prefill worker's mixed-role
+        share)."""
         membership = self.cluster.membership
         assert membership is not None
 
-        async def one(addr: str) -> None:
+        async def one(role: Role, addr: str) -> None:
             try:
-                s = await self.cluster.clients.stats("decode", addr)
+                s = await self.cluster.clients.stats(role, addr)
             except grpc.aio.AioRpcError:
                 return
+            if s.max_num_seqs > 0:  # (an older worker reports neither)
+                membership.capacity[addr] = int(s.max_generate)
             shares = [(p.free + p.cached) / p.total for p in s.pools if p.kind == "attention" and p.total > 0]
-            if shares:
+            if shares and role == "decode":
                 membership.room[addr] = min(shares)
 
-        await asyncio.gather(*(one(a) for a in self.cluster.decode.members))
+        await asyncio.gather(*(one(r, a) for r, a in _roles(self.cluster)))
 
     async def _run(self) -> None:
         while True:
@@ -155,5 +159,10 @@ async def cluster_info(cluster: Cluster) -> dict[str, Any]:
     if cluster.placer is not None:
         c = cluster.placer.costs
         out["step_costs"] = {"prefill_token_s": c.prefill_token_s, "decode_token_s": c.decode_token_s,
-                             "handoff_s": c.handoff_s}
+                             "handoff_s": c.handoff_s, "output_token_s": dict(c.token_s)}
+        out["placements"] = dict(cluster.placer.decisions)
+        for w in workers:  # whole requests (P-alone) a prefill worker runs now, and what it takes at most
+            if w["role"] == "prefill":
+                w["whole_requests"] = cluster.placer.whole_on_prefill.get(w["address"], 0)
+                w["whole_capacity"] = cluster.placer.membership.capacity.get(w["address"])
     return out

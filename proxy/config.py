@@ -10,11 +10,13 @@ from hybridpd.proxy.api_keys import ApiKey
 from hybridpd.proxy.credentials import CLUSTER_TOKEN_ENV
 
 RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
-"""cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost); adaptive: the same (the name the
-goodput benchmark uses for a cluster that moves prefill work to decode workers when that is cheaper)."""
+"""cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost, whole requests on a prefill worker
+while the decode workers are saturated); adaptive: the same (the name the goodput benchmark uses for a cluster that
+moves work between the roles)."""
 ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "adaptive")
 
 SkipPrefill = Literal["auto", "never", "always"]
+PrefillDecode = Literal["auto", "never", "always"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,19 @@ class RoutingWeights:
     handoff_s: float = 0.02
     """Starting estimate of the PD handoff: Generate sent -> D's first token, the request's second (until measured;
     reported, not weighed in placement: P's answer carries the first token)."""
+    prefill_decode: PrefillDecode = "auto"
+    """When a prefill worker runs a whole request itself (P-alone, its mixed role): auto: while the decode worker
+    the request would go to is saturated and a prefill worker has room (below); never; always (tests)."""
+    decode_saturation: float = 0.9
+    """A decode worker is saturated with this share of the whole requests it takes (its Stats' max_generate, its
+    max_num_seqs) in flight from this proxy ..."""
+    tpot_budget_s: float = 0.0
+    """... or while its measured time per output token (moving average over its streams) is above this, seconds
+    (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
+    slower than this gets no more."""
+    prefill_decode_max_queue_s: float = 0.5
+    """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
+    token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""
     ewma: float = 0.2
     """Weight of each new measurement in the moving averages."""
     expect_ttl_s: float = 10.0

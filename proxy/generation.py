@@ -9,6 +9,12 @@
 
 Time to first token is P's answer (its `first` chunk); D's first chunk carries token 2.
 
+Skip-P and P-alone (proxy/placement.py): Generate without params goes straight to a decode worker, or (P-alone) to
+a prefill worker in its mixed role (DecodeService on the same address), which computes the prompt and every token
+itself; no lease is involved. A P-alone request is counted on the prefill router (its prompt tokens in P's queue
+until its first chunk). A prefill worker that refuses it before any chunk (down, at its cap, no mixed role) is
+replaced by a decode worker; one that fails mid-stream is an error, as a decode worker's failure is.
+
 Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate never sent (client gone, or no decode worker)    -> the proxy calls P.Release;
   - Generate ended with an error status before any chunk      -> D holds no reads of P's blocks: P.Release;
@@ -49,6 +55,10 @@ log = logging.getLogger(__name__)
 # Prefill answers after which another prefill worker is tried: at its lease cap, or down (the request holds nothing
 # on a worker that is unreachable or died, and a new worker gets a fresh request under the same id).
 _RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+# Generate answers of a prefill worker sent a whole request (P-alone) after which a decode worker gets it instead:
+# down, at its mixed-role cap, or a worker without the mixed role.
+_WHOLE_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              grpc.StatusCode.UNIMPLEMENTED})
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,8 @@ class _State:
     status: str | None = None  # metrics status, set once
     prefill_released: bool = False  # P.Release sent (at most once)
     decode_slot_released: bool = False  # the decode router's in-flight count given back (exactly once)
+    on_prefill: bool = False  # P-alone: Generate went to a prefill worker (counted on the prefill router)
+    queued_tokens: int = 0  # P-alone: prompt tokens counted in that worker's queue until its first chunk
 
 
 class Generation:
@@ -298,10 +310,18 @@ class Generation:
 
     def _open_generate(self, params: pb.TransferParams | None) -> None:
         timeout = self._remaining("a decode worker")
-        decode, placed = self.cluster.decode, self._s.placement
+        decode, placed, prefill = self.cluster.decode, self._s.placement, self.cluster.prefill
+        self._s.on_prefill = False
         try:
-            if placed is not None and placed.decode_addr not in self._s.decode_tried and decode.is_routable(
-                    placed.decode_addr):
+            if placed is not None and placed.on_prefill and prefill is not None and prefill.is_routable(
+                    placed.decode_addr):  # P-alone: the whole request on a prefill worker
+                n = len(self.req.prompt_token_ids)
+                addr = prefill.take(placed.decode_addr, n)
+                self._s.on_prefill, self._s.queued_tokens = True, n
+                if self.cluster.placer is not None:
+                    self.cluster.placer.whole_started(addr)
+            elif placed is not None and not placed.on_prefill and placed.decode_addr not in self._s.decode_tried \
+                    and decode.is_routable(placed.decode_addr):
                 addr = decode.take(placed.decode_addr)
             else:
                 addr = decode.acquire(exclude=self._s.decode_tried)
@@ -332,7 +352,7 @@ class Generation:
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
-                    if err.code() == grpc.StatusCode.UNAVAILABLE and self._retry_decode():
+                    if self._retry_decode(err.code()):
                         continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
@@ -347,24 +367,48 @@ class Generation:
             if delta.token_ids or delta.finish_reason:
                 return delta
 
-    def _retry_decode(self) -> bool:
-        """D was unreachable before sending anything: send the request (without P's params: D computes the prompt,
-        and P's first token when there is one, itself) to another decode worker. False when there is none left."""
+    def _retry_decode(self, code: grpc.StatusCode) -> bool:
+        """Generate failed with `code` before sending anything: D was unreachable, or (P-alone) the prefill worker
+        was down, at its mixed-role cap or without that role. Send the request (without P's params: D computes the
+        prompt, and P's first token when there is one, itself) to another decode worker. False when there is none
+        left or the failure is not one to retry."""
         s, cluster = self._s, self.cluster
         assert s.decode_addr is not None
-        failed = s.decode_addr  # (its cache-event feed breaks too: membership marks it down for everyone)
-        s.decode_tried = (*s.decode_tried, failed)
-        if not [a for a in cluster.decode.addrs if a not in s.decode_tried]:
-            return False
-        log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
-                    self.req.request_id)
+        failed = s.decode_addr  # (its cache-event feed breaks too when it died: membership marks it down)
+        if s.on_prefill:
+            if code not in _WHOLE_ELSEWHERE or not cluster.decode.addrs:
+                return False
+            log.info("prefill worker %s did not take %s whole (%s): sent to a decode worker", failed,
+                     self.req.request_id, code.name)
+        else:
+            if code != grpc.StatusCode.UNAVAILABLE:
+                return False
+            s.decode_tried = (*s.decode_tried, failed)
+            if not [a for a in cluster.decode.addrs if a not in s.decode_tried]:
+                return False
+            log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
+                        self.req.request_id)
         if s.call is not None:
             s.call.cancel()
-        s.decode_slot_released = True
-        cluster.decode.release(failed)
+        self._release_slot()
         s.placement = None
         self._open_generate(None)
         return True
+
+    def _release_slot(self) -> None:
+        """Give back the Generate worker's in-flight count (exactly once per Generate sent)."""
+        s = self._s
+        if s.decode_addr is None or s.decode_slot_released:
+            return
+        s.decode_slot_released = True
+        if not s.on_prefill:
+            self.cluster.decode.release(s.decode_addr)
+            return
+        assert self.cluster.prefill is not None
+        self.cluster.prefill.release(s.decode_addr, s.queued_tokens)
+        s.queued_tokens = 0
+        if self.cluster.placer is not None:
+            self.cluster.placer.whole_ended(s.decode_addr)
 
     def _absorb(self, chunk: pb.GenerateChunk, from_decode: bool = True) -> Delta:
         """One chunk of output: D's, or (`from_decode` False) P's first token."""
@@ -379,6 +423,9 @@ class Generation:
                 assert self._t.last_token is not None
                 for _ in range(n):
                     m.itl.observe((now - self._t.last_token) / n)
+                if from_decode and self._s.decode_routed and self.cluster.placer is not None:
+                    assert self._s.decode_addr is not None  # its stream's pace (its first chunk's gap excluded)
+                    self.cluster.placer.costs.token_gap(self._s.decode_addr, (now - self._t.last_token) / n)
             self._t.last_token = now
             if from_decode and not self._s.decode_routed:
                 self._s.decode_routed = True
@@ -398,16 +445,24 @@ class Generation:
         costs (under PD, the handoff: Generate sent to D's first token, the second of the request)."""
         s, cluster = self._s, self.cluster
         real_hit = chunk.num_cached_tokens - chunk.num_external_cached_tokens
-        path = "colocated" if cluster.prefill is None else "pd" if s.prefilled else "skip_prefill"
+        path = "colocated" if cluster.prefill is None else "prefill_alone" if s.on_prefill else \
+            "pd" if s.prefilled else "skip_prefill"
         expected = s.placement.expected_hit if s.placement is not None else 0
         cluster.metrics.route(path, expected, real_hit)
+        if s.on_prefill and s.queued_tokens:  # its prompt is computed: out of the prefill worker's queue
+            assert cluster.prefill is not None and s.decode_addr is not None
+            cluster.prefill.settle(s.decode_addr, s.queued_tokens)
+            s.queued_tokens = 0
         placer = cluster.placer
         if placer is not None:
             elapsed = now - s.generate_sent
+            computed = chunk.num_prompt_tokens - chunk.num_cached_tokens
             if path == "pd":
                 placer.costs.handoff_done(elapsed)
             elif path == "skip_prefill":
-                placer.costs.local_prefill_done(elapsed, chunk.num_prompt_tokens - chunk.num_cached_tokens)
+                placer.costs.local_prefill_done(elapsed, computed)
+            elif path == "prefill_alone":  # P's queue and prefill, as a Prefill call measures them
+                placer.costs.prefill_done(elapsed, computed)
         log.debug("route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)", self.req.request_id, path,
                   s.prefill_addr if s.prefilled else "-", s.decode_addr, expected, real_hit,
                   s.placement.reason if s.placement is not None else cluster.config.routing)
@@ -461,6 +516,4 @@ class Generation:
                     self._release_prefill()  # (a READ it started is refused at Commit: P's pages are never used)
         if s.call is not None and not s.call.done():
             s.call.cancel()
-        if s.decode_addr is not None and not s.decode_slot_released:
-            s.decode_slot_released = True
-            self.cluster.decode.release(s.decode_addr)
+        self._release_slot()

@@ -67,6 +67,9 @@ class Membership:
         self.feeds: dict[str, CacheFeed] = {}
         self.room: dict[str, float] = {}
         """Decode worker -> share of its attention pages free or evictable (last Stats; 1.0 until known)."""
+        self.capacity: dict[str, int] = {}
+        """Worker -> whole requests (Generate) it takes at once (last Stats' max_generate: a decode worker's
+        max_num_seqs, a prefill worker's mixed-role share; absent until known)."""
         self._drop = event_drop_fraction
         self._expiry_interval_s = expiry_interval_s
         self._task: asyncio.Task[None] | None = None
@@ -129,6 +132,7 @@ class Membership:
             return False
         self.routers[m.role].remove(addr)
         self.room.pop(addr, None)
+        self.capacity.pop(addr, None)
         feed = self.feeds.pop(addr, None)
         if feed is not None:
             self.clients.spawn(feed.stop())

@@ -72,7 +72,8 @@ class ProxyMetrics:
         self.prefill_cached_tokens = Counter("hybridpd_proxy_prefill_cached_tokens_total",
                                              "Prompt tokens the prefill worker found in its prefix cache", registry=r)
         self.route_decisions = Counter("hybridpd_proxy_route_decisions_total",
-                                       "Requests by path: pd, skip_prefill (D prefilled it itself), colocated",
+                                       "Requests by path: pd, skip_prefill (D prefilled it itself), prefill_alone "
+                                       "(a prefill worker ran it whole, its mixed role), colocated",
                                        ["path"], registry=r)
         self.route_expected_hit = Counter("hybridpd_proxy_route_expected_hit_tokens_total",
                                           "Prompt tokens the router expected the chosen decode worker to hold",

@@ -1,5 +1,6 @@
 """Cache- and cost-aware placement of one request (routing policy `cache_aware`): which prefill worker, which
-decode worker, or no prefill worker at all (skip-P: the decode worker prefills the rest itself).
+decode worker, no prefill worker at all (skip-P: the decode worker prefills the rest itself), or no decode worker
+(P-alone: a prefill worker runs the whole request, its mixed role).
 
 Costs, in prompt-token units (one token a prefill worker computes = 1):
 
@@ -20,10 +21,26 @@ time to the first token is below the PD path's:
 The PD handoff (pull, commit, resume) comes after the first token and delays only the second, one gap of a whole
 stream, so it is measured (`StepCosts.handoff_s`, shown in /v1/cluster) but not weighed against D's prefill.
 
+P-alone (checked first): the request goes whole to a prefill worker (DecodeService.Generate on it, no params; P's
+engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is saturated
+
+    in flight >= decode_saturation x its capacity (Stats' max_generate: its max_num_seqs), or
+    its measured seconds per output token > tpot_budget_s (when set; while it runs any request)
+
+and a routable prefill worker has room: fewer whole requests in flight than its capacity (its mixed-role share of
+max_num_seqs, from Stats; unknown: none), its queue (prompt tokens in flight x measured seconds per token) at most
+prefill_decode_max_queue_s, and (tpot_budget_s set) while it runs whole requests, their measured time per token
+at most tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is
+ignored and the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole
+requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
+the price of decode steps slowed by P's prefill chunks: hence only under saturation. `prefill_decode` never /
+always turn it off / force it.
+
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
-computed token (Prefill RPC time / tokens P computed), D's seconds per token it prefilled itself (skip-P: time to
-first token / remainder) and the PD handoff (Generate sent -> D's first token, the request's second). Event loop
-only.
+computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
+seconds per token it prefilled itself (skip-P: time to first token / remainder), the PD handoff (Generate sent ->
+D's first token, the request's second) and, per worker, the time per output token of its streams (gaps between
+chunks after the first, per token). Event loop only.
 """
 
 from __future__ import annotations
@@ -47,6 +64,8 @@ class StepCosts:
         self.prefill_token_s = w.prefill_token_s
         self.decode_token_s = w.prefill_token_s
         self.handoff_s = w.handoff_s
+        self.token_s: dict[str, float] = {}
+        """Worker -> seconds per output token of its streams (moving average; absent until measured)."""
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -62,18 +81,35 @@ class StepCosts:
     def handoff_done(self, seconds: float) -> None:
         self.handoff_s = self._mix(self.handoff_s, seconds)
 
+    def token_gap(self, addr: str, seconds_per_token: float) -> None:
+        """A stream from `addr` delivered tokens `seconds_per_token` apart (after its first chunk)."""
+        old = self.token_s.get(addr)
+        self.token_s[addr] = seconds_per_token if old is None else self._mix(old, seconds_per_token)
+
+
+PATHS = ("pd", "skip_prefill", "prefill_alone", "colocated")
+"""Placement kinds (the `path` label of hybridpd_proxy_route_decisions_total)."""
+
 
 @dataclass(frozen=True)
 class Placement:
     prefill_addr: str | None
-    """None: skip-P (or colocated)."""
+    """None: skip-P, P-alone or colocated (no Prefill call)."""
     decode_addr: str
+    """The worker Generate goes to: a decode worker, or (P-alone) a prefill worker."""
     expected_hit: int
-    """Tokens D should find locally: its usable hit (skip-P) or its attention hit (PD)."""
+    """Tokens the Generate worker should find locally: its usable hit (skip-P, P-alone) or attention hit (PD)."""
     expected_prefill_hit: int = 0
     reason: str = ""
     hashes: tuple[bytes, ...] = ()
     """The prompt's block hashes (empty while no worker's index is usable)."""
+    kind: str = "pd"
+    """One of PATHS."""
+
+    @property
+    def on_prefill(self) -> bool:
+        """P-alone: Generate goes to a prefill worker (counted on the prefill router)."""
+        return self.kind == "prefill_alone"
 
 
 class Placer:
@@ -83,6 +119,24 @@ class Placer:
         self.decode = decode
         self.w = weights
         self.costs = StepCosts(weights)
+        self.whole_on_prefill: dict[str, int] = {}
+        """Prefill worker -> whole requests (P-alone) in flight on it from this proxy."""
+        self.decisions: dict[str, int] = dict.fromkeys(PATHS, 0)
+        """Placements made, by kind (shown in /v1/cluster)."""
+
+    def whole_started(self, addr: str) -> None:
+        self.whole_on_prefill[addr] = self.whole_on_prefill.get(addr, 0) + 1
+
+    def whole_ended(self, addr: str) -> None:
+        left = self.whole_on_prefill.get(addr, 0) - 1
+        if left > 0:
+            self.whole_on_prefill[addr] = left
+        else:
+            self.whole_on_prefill.pop(addr, None)
+
+    def _decided(self, p: Placement) -> Placement:
+        self.decisions[p.kind] += 1
+        return p
 
     def _hashes(self, prompt: tuple[int, ...], salt: str) -> list[bytes]:
         """The prompt's block hashes at the block size of the workers' caches ([] while no index is usable)."""
@@ -115,26 +169,94 @@ class Placer:
             if best_skip is None or skip < best_skip[0]:
                 best_skip = (skip, addr, u_hit)
         assert best_pd is not None and best_skip is not None
+        h = tuple(hashes)
         if self.prefill is None:  # colocated: D computes everything itself
-            return Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=tuple(hashes))
+            return self._decided(
+                Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=h, kind="colocated")
+            )
+        alone = self._prefill_alone(best_pd[1], hashes, n)
+        if alone is not None:
+            return self._decided(alone)
         p_addr, p_cost, p_hit = self._best_prefill(hashes, n)
         remainder = n - 1 - best_skip[2]
         if w.skip_prefill != "never" and p_addr is not None:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
             pd_s = p_cost * self.costs.prefill_token_s
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
-                return Placement(
-                    None,
-                    best_skip[1],
-                    best_skip[2],
-                    hashes=tuple(hashes),
-                    reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
+                return self._decided(
+                    Placement(
+                        None,
+                        best_skip[1],
+                        best_skip[2],
+                        hashes=h,
+                        kind="skip_prefill",
+                        reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
+                    )
                 )
         if p_addr is None:
             if w.skip_prefill != "never":  # no prefill worker up: the decode worker computes the prompt itself
-                return Placement(None, best_skip[1], best_skip[2], hashes=tuple(hashes), reason="skip-P: no prefill")
+                return self._decided(
+                    Placement(
+                        None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill", reason="skip-P: no prefill"
+                    )
+                )
             self.prefill.choose()  # raises NoWorkerError
-        return Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=tuple(hashes))
+        return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
+
+    # -- P-alone -----------------------------------------------------------------------------------------------------
+    def decode_saturated(self, addr: str) -> str | None:
+        """Why decode worker `addr` should take no more requests now (None: it is not saturated)."""
+        w, running = self.w, self.decode.in_flight(addr)
+        cap = self.membership.capacity.get(addr)
+        if cap is not None and cap > 0 and running >= w.decode_saturation * cap:
+            return f"{running} of {cap} in flight"
+        gap = self.costs.token_s.get(addr)
+        if w.tpot_budget_s > 0 and running > 0 and gap is not None and gap > w.tpot_budget_s:
+            return f"{1e3 * gap:.1f} ms per token"
+        return None
+
+    def _prefill_alone(self, d_addr: str, hashes: list[bytes], n: int) -> Placement | None:
+        """A prefill worker to run the whole request, when D is saturated and one has room (module doc)."""
+        assert self.prefill is not None
+        w = self.w
+        if w.prefill_decode == "never":
+            return None
+        why = self.decode_saturated(d_addr) if w.prefill_decode == "auto" else "always"
+        if why is None:
+            return None
+        d_gap = self.costs.token_s.get(d_addr)
+        by_time = why.endswith("per token")
+        best: tuple[float, str, int] | None = None
+        for addr in self.prefill.rotation(self.prefill.addrs):
+            whole = self.whole_on_prefill.get(addr, 0)
+            queue_s = self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s
+            # its own pace, against the budget when one is set (stale once it runs none: probe again)
+            gap = self.costs.token_s.get(addr) if whole and w.tpot_budget_s > 0 else None
+            if w.prefill_decode == "auto" and (
+                whole >= self.membership.capacity.get(addr, 0)
+                or queue_s > w.prefill_decode_max_queue_s
+                or (gap is not None and (gap > w.tpot_budget_s or (by_time and d_gap is not None and gap >= d_gap)))
+            ):
+                continue
+            idx = self.membership.index(addr) if hashes else None
+            hit = idx.usable_hit(hashes, n) if idx else 0
+            cost = (
+                (n - 1 - hit)
+                + w.prefill_queue_cost * self.prefill.tokens_in_flight(addr)
+                + w.decode_running_cost * whole
+            )
+            if best is None or cost < best[0]:
+                best = (cost, addr, hit)
+        if best is None:
+            return None
+        return Placement(
+            None,
+            best[1],
+            best[2],
+            hashes=tuple(hashes),
+            kind="prefill_alone",
+            reason=f"P-alone: decode worker {d_addr} saturated ({why})",
+        )
 
     def expect(self, addr: str, hashes: tuple[bytes, ...], num_prompt_tokens: int, checkpoint_tokens: int) -> None:
         """`addr` was sent the prompt: it will publish the full blocks of the N-1 tokens it computes or pulls, and

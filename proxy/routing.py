@@ -131,6 +131,12 @@ class Router:
         self._tokens[addr] = self._tokens.get(addr, 0) + tokens
         return addr
 
+    def settle(self, addr: str, tokens: int) -> None:
+        """`tokens` prompt tokens counted on `addr` are computed (a whole request's first token is out): they leave
+        its queue; the request stays in flight until `release(addr)`."""
+        if addr in self._tokens:
+            self._tokens[addr] = max(0, self._tokens[addr] - tokens)
+
     def release(self, addr: str, tokens: int = 0) -> None:
         if self._in_flight.get(addr, 0) <= 0:
             raise RuntimeError(f"release of {addr} without a matching acquire")

@@ -32,8 +32,10 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 
 def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metrics_port: int,
-                   pinned: dict[int, int] | None = None, leases: int = 0, extra_waiting: int = 0) -> pb.StatsResponse:
-    """Step thread only (reads the pools)."""
+                   pinned: dict[int, int] | None = None, leases: int = 0, extra_waiting: int = 0,
+                   max_generate: int | None = None) -> pb.StatsResponse:
+    """Step thread only (reads the pools). `max_generate`: whole requests the worker takes at once (None: its
+    max_num_seqs, as a decode worker)."""
     pools = [
         pb.PoolStats(
             group_id=int(s["group_id"]), kind=str(s["kind"]), total=int(s["total"]), free=int(s["free"]),  # type: ignore[call-overload]
@@ -48,4 +50,6 @@ def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metr
     return pb.StatsResponse(
         role=role, worker_id=worker_id, epoch=epoch, num_running=running, num_waiting=waiting + extra_waiting,
         pools=pools, leases_pinned=leases, metrics_port=metrics_port, memory_bytes=memory,
+        max_num_seqs=core.config.scheduler.max_num_seqs,
+        max_generate=core.config.scheduler.max_num_seqs if max_generate is None else max_generate,
     )

@@ -6,6 +6,7 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        token ends the request) and, unless it ended it, TransferParams for the N prompt tokens; its
                        "prefix hit" is the longest prefix, in whole 4-token blocks, shared with any earlier prompt
                        of the same cache_salt.
+                       Its mixed role (`whole`, DecodeService on the same address) generates by the decode rule.
     FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk
                        (from the second when Generate carries the first token),
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
@@ -55,12 +56,13 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
     return next((str(v) for k, v in context.invocation_metadata() or () if k == "x-hybridpd-token"), None)
 
 
-def _stats(role: str, worker_id: str, metrics_port: int, running: int) -> pb.StatsResponse:
+def _stats(role: str, worker_id: str, metrics_port: int, running: int, max_generate: int = 0) -> pb.StatsResponse:
     pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
              pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
     memory = {"physical_bytes": 1 << 20, "attention_bytes_cached": 2 << 10, "checkpoint_bytes_held": 4 << 10}
     return pb.StatsResponse(role=role, worker_id=worker_id, epoch="fake-epoch", num_running=running,
-                            pools=pools, metrics_port=metrics_port, memory_bytes=memory)
+                            pools=pools, metrics_port=metrics_port, memory_bytes=memory,
+                            max_num_seqs=max(max_generate, 8) if max_generate else 0, max_generate=max_generate)
 
 
 class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
@@ -79,6 +81,10 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         self.releases: list[str] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Prefill call
         self._seen: list[tuple[str, tuple[int, ...]]] = []
+        self.whole = FakeDecodeWorker(f"{worker_id}-whole", token_text=token_text)
+        """Its mixed role: DecodeService on the same address, generating by the decode rule."""
+        self.max_generate = 0
+        """Whole requests it reports taking at once (Stats' max_generate; 0 reports no capacity)."""
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         self.prefills.append(request)
@@ -120,7 +126,7 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
                                  worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return _stats("prefill", self.worker_id, self.metrics_port, 0)
+        return _stats("prefill", self.worker_id, self.metrics_port, 0, self.max_generate)
 
 
 class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
@@ -141,6 +147,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.running: set[str] = set()
         self._abort_requested: set[str] = set()
         self.cache_snapshot: dict[int, set[bytes]] | None = None
+        self.max_generate = 0
+        """Whole requests it reports taking at once (Stats' max_generate; 0 reports no capacity)."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         rid = request.request_id
@@ -177,6 +185,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         then nothing (the stream stays open). Unset: UNIMPLEMENTED, as a worker without cache events."""
         if self.cache_snapshot is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no cache events")
+        assert self.cache_snapshot is not None  # (abort raises)
         shape = pb.CacheShape(block_size=16, attention_groups=[0], recurrent_groups=[1], checkpoint_align=16)
         yield pb.CacheEventBatch(epoch="fake-epoch", first_seq=0, snapshot=True, shape=shape, groups=[
             pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()])
@@ -197,7 +206,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
                                  worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return _stats("decode", self.worker_id, self.metrics_port, len(self.running))
+        return _stats("decode", self.worker_id, self.metrics_port, len(self.running), self.max_generate)
 
 
 def _fake_outputs(prompt: Any, sp: pb.SamplingParams) -> list[int]:
@@ -243,6 +252,7 @@ async def serve_fake(worker: FakePrefillWorker | FakeDecodeWorker) -> grpc.aio.S
     server = grpc.aio.server()
     if isinstance(worker, FakePrefillWorker):
         pb_grpc.add_PrefillServiceServicer_to_server(worker, server)
+        pb_grpc.add_DecodeServiceServicer_to_server(worker.whole, server)  # the mixed role
     else:
         pb_grpc.add_DecodeServiceServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -29,7 +29,7 @@ class LiveStack:
             stack.decode[0].aborts
 
     `config_overrides` go into `ProxyConfig` (addresses are filled in). `prefill_addrs_extra` adds addresses
-    nobody listens on (to test unreachable workers)."""
+    nobody listens on (to test unreachable workers); `decode_addrs_extra` likewise (or workers served elsewhere)."""
 
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, tokenizer: PromptTokenizer | None = None,
                  token_delay_s: float = 0.0, **config_overrides: Any) -> None:
@@ -62,12 +62,14 @@ class LiveStack:
             self._servers.append(await serve_fake(w))
         overrides = dict(self._overrides)
         extra = tuple(overrides.pop("prefill_addrs_extra", ()))
+        extra_decode = tuple(overrides.pop("decode_addrs_extra", ()))
         sock = socket.socket()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets: no Nagle stalls
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
         self.config = ProxyConfig(prefill_addrs=tuple(w.address for w in self.prefill) + extra,
-                                  decode_addrs=tuple(w.address for w in self.decode), port=port, **overrides)
+                                  decode_addrs=tuple(w.address for w in self.decode) + extra_decode, port=port,
+                                  **overrides)
         self.app = create_app(self.config, tokenizer=self.tokenizer)
         self._uvicorn = uvicorn.Server(uvicorn_config(self.app, self.config.http, self.app.state.proxy.admission
                                                       .count_rejection, host="127.0.0.1", port=port,

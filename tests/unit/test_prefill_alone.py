@@ -1,0 +1,205 @@
+"""P-alone, the prefill worker's mixed role: the placement sends a whole request to a prefill worker only while the
+decode worker is saturated (by count against its capacity, or by its measured time per token) and a prefill worker
+has room (its cap, its queue); through the real proxy with FAKE workers (no model): the path taken and counted, a
+prefill worker that refuses it before any chunk replaced by a decode worker, one that dies mid-stream an error
+(never a wrong answer), drain. The outputs against a real engine: tests/unit/test_prefill_alone_engine.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from hybridpd.proxy.config import RoutingWeights
+from hybridpd.proxy.placement import Placer
+from hybridpd.proxy.routing import NoWorkerError, Router
+
+from tests.polling import wait_for
+from tests.support.fake_workers import Failure
+from tests.support.live_stack import LiveStack
+
+MODEL = "tiny"
+PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)
+
+
+def _placer(**weights: object) -> tuple[Placer, Router, Router, SimpleNamespace]:
+    prefill, decode = Router(["p"], "cache_aware"), Router(["d"], "cache_aware")
+    membership = SimpleNamespace(index=lambda addr: None, room={}, capacity={"d": 10, "p": 4})
+    w = RoutingWeights(**{"skip_prefill": "never", **weights})  # type: ignore[arg-type]
+    return Placer(membership, prefill, decode, w), prefill, decode, membership  # type: ignore[arg-type]
+
+
+def test_prefill_alone_only_while_the_decode_worker_is_saturated() -> None:
+    placer, prefill, decode, membership = _placer()
+    assert placer.place(PROMPT).kind == "pd"
+    for _ in range(8):
+        decode.take("d")
+    assert placer.place(PROMPT).kind == "pd"  # 8 of 10 in flight: below 0.9
+    decode.take("d")
+    p = placer.place(PROMPT)  # 9 of 10: saturated
+    assert (p.kind, p.decode_addr, p.prefill_addr, p.on_prefill) == ("prefill_alone", "p", None, True)
+    assert "9 of 10" in p.reason
+    prefill.take("p", tokens=10**6)  # P's queue is long: its prefill role first
+    assert placer.place(PROMPT).kind == "pd"
+    prefill.release("p", tokens=10**6)
+    for _ in range(4):
+        placer.whole_started("p")
+    assert placer.place(PROMPT).kind == "pd"  # P at its cap (4 whole requests)
+    placer.whole_ended("p")
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    membership.capacity.pop("p")  # capacity unknown (no Stats yet, or a worker without the mixed role)
+    assert placer.place(PROMPT).kind == "pd"
+    membership.capacity["p"] = 4
+    prefill.block("p")  # drained or down: never chosen (and with skip-P off, no path is left)
+    with pytest.raises(NoWorkerError):
+        placer.place(PROMPT)
+    assert placer.decisions["prefill_alone"] == 2 and placer.decisions["pd"] == 5
+
+
+def test_prefill_alone_by_measured_time_per_token() -> None:
+    placer, prefill, decode, _ = _placer(tpot_budget_s=0.05)
+    placer.costs.token_gap("d", 0.2)
+    assert placer.place(PROMPT).kind == "pd"  # slow, but idle (a stale figure): not saturated
+    decode.take("d")
+    assert placer.place(PROMPT).kind == "prefill_alone"  # 200 ms per token on D, P unmeasured
+    placer.costs.token_gap("p", 0.3)
+    assert placer.place(PROMPT).kind == "prefill_alone"  # P runs no whole request: its figure is stale, probe it
+    placer.whole_started("p")
+    assert placer.place(PROMPT).kind == "pd"  # P's own tokens come slower still: no gain
+    placer.costs.token_gap("d", 0.01)
+    placer.costs.token_gap("d", 0.01)  # D recovered (moving average): 0.2 -> 0.164 -> 0.133, still above
+    assert placer.decode_saturated("d") is not None
+    for _ in range(20):
+        placer.costs.token_gap("d", 0.01)
+    assert placer.decode_saturated("d") is None
+
+
+def test_no_prefill_alone_while_its_own_tokens_are_over_budget() -> None:
+    placer, _, decode, _ = _placer(tpot_budget_s=0.05)
+    for _ in range(9):
+        decode.take("d")  # saturated by count
+    placer.whole_started("p")
+    placer.costs.token_gap("p", 0.04)
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its decodes past the budget
+    assert placer.place(PROMPT).kind == "pd"
+
+
+def test_never_and_always() -> None:
+    placer, _, decode, _ = _placer(prefill_decode="never")
+    for _ in range(10):
+        decode.take("d")
+    assert placer.place(PROMPT).kind == "pd"
+    placer, _, _, membership = _placer(prefill_decode="always")
+    membership.capacity.clear()
+    assert placer.place(PROMPT).kind == "prefill_alone"  # the worker's own cap decides (it refuses beyond)
+
+
+# -- through the proxy (fake workers) ----------------------------------------------------------------------------
+
+
+def _stack(**weights: object) -> LiveStack:
+    # decode_saturation 0: the decode worker counts as saturated as soon as its capacity is known
+    w = RoutingWeights(**{"skip_prefill": "never", "decode_saturation": 0.0, **weights})  # type: ignore[arg-type]
+    s = LiveStack(
+        n_prefill=1, n_decode=1, model_name=MODEL, routing="adaptive", routing_weights=w, health_interval_s=0.1
+    )
+    s.prefill[0].max_generate = 2
+    s.decode[0].max_generate = 8
+    return s
+
+
+def _ready(s: LiveStack) -> None:
+    def known() -> bool:
+        w = {x["address"]: x for x in s.http.get("/v1/cluster").json()["workers"]}
+        return w[s.prefill[0].address].get("whole_capacity") == 2
+
+    wait_for("the workers' capacities", known, timeout=10, interval=0.05)
+
+
+def _complete(s: LiveStack, prompt: list[int], **extra: object) -> dict:
+    r = s.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, **extra}
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _paths(s: LiveStack) -> dict[str, float]:
+    out = {}
+    for line in s.http.get("/metrics").text.splitlines():
+        if line.startswith("hybridpd_proxy_route_decisions_total{"):
+            out[line.split('path="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_whole_request_on_the_prefill_worker_and_back_to_decode_when_it_refuses() -> None:
+    with _stack() as s:
+        _ready(s)
+        p, d = s.prefill[0], s.decode[0]
+        got = _complete(s, [3, 1, 4, 1, 5])
+        assert got["choices"][0]["token_ids"] == [5, 1, 4, 1, 3]  # the fake rule (reversed prompt)
+        assert len(p.whole.generates) == 1 and not p.whole.generates[0].HasField("params")
+        assert not p.prefills and not d.generates
+        assert _paths(s) == {"prefill_alone": 1.0}
+        cluster = s.http.get("/v1/cluster").json()
+        assert cluster["placements"]["prefill_alone"] == 1
+        assert {w["address"]: w.get("whole_requests") for w in cluster["workers"]}[p.address] == 0  # ended
+        p.whole.failure = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its cap")  # refused before any chunk
+        got = _complete(s, [3, 1, 4, 1, 5])
+        assert got["choices"][0]["token_ids"] == [5, 1, 4, 1, 3]
+        assert len(d.generates) == 1 and not d.generates[0].HasField("params")  # D computed it whole
+        assert _paths(s) == {"prefill_alone": 1.0, "skip_prefill": 1.0}
+
+
+def test_the_prefill_worker_dying_mid_stream_is_an_error_never_a_wrong_answer() -> None:
+    with _stack() as s:
+        _ready(s)
+        s.prefill[0].whole.failure = Failure(grpc.StatusCode.UNAVAILABLE, "worker died", after_tokens=2)
+        r = s.http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5, "ignore_eos": True}
+        )
+        assert r.status_code >= 500 and "error" in r.json()
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [9, 8, 7, 6, 5], "max_tokens": 5, "ignore_eos": True, "stream": True},
+        ) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        bodies = [json.loads(e) for e in events[:-1]]
+        assert "error" in bodies[-1]
+        text = "".join(b["choices"][0]["text"] for b in bodies[:-1])
+        assert text == " 5 6"  # what came before the failure is the right output's start
+        assert not s.decode[0].generates  # it had streamed: not retried elsewhere (no duplicate tokens)
+
+
+def test_drained_prefill_worker_finishes_its_whole_requests_and_gets_no_new_one() -> None:
+    with _stack(skip_prefill="auto") as s:
+        _ready(s)
+        p = s.prefill[0]
+        p.whole.token_delay_s = 0.05
+        with s.http.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "stream": True},
+        ) as r:
+            time.sleep(0.1)
+            assert s.http.post("/v1/cluster/drain", json={"address": p.address}).status_code == 200
+            body = "".join(r.iter_text())
+        assert body.rstrip().endswith("[DONE]") and '"finish_reason":"length"' in body.replace(" ", "")
+        _complete(s, [4, 5, 6])  # P drained: D prefills it itself (skip-P), saturated or not
+        assert len(p.whole.generates) == 1 and len(s.decode[0].generates) == 1
+        health = s.http.get("/health").json()
+        assert health["ready"]["prefill"] == 1  # drained, not down: still healthy
+
+
+@pytest.mark.parametrize("share", ["never", "auto"])
+def test_unsaturated_decode_keeps_pd(share: str) -> None:
+    with _stack(decode_saturation=0.9, prefill_decode=share) as s:
+        _ready(s)
+        _complete(s, [3, 1, 4])
+        assert not s.prefill[0].whole.generates and len(s.decode[0].generates) == 1
+        assert _paths(s) == {"pd": 1.0}
