@@ -34,9 +34,14 @@ async def measure(model: str, delays_s: list[float], n: int) -> list[dict[str, A
     import tests.support.pd_pair as pd_pair
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(pd_pair, "engine_config", lambda m: EngineConfig(
-        model=ModelConfig(path=m, dtype="float32", device="cpu", max_model_len=1024),
-        cache=CacheConfig(block_size=16, checkpoint_interval=32, kv_cache_memory_bytes=256 * 2**20)))
+    mp.setattr(
+        pd_pair,
+        "engine_config",
+        lambda m: EngineConfig(
+            model=ModelConfig(path=m, dtype="float32", device="cpu", max_model_len=1024),
+            cache=CacheConfig(block_size=16, checkpoint_interval=32, kv_cache_memory_bytes=256 * 2**20),
+        ),
+    )
     pair = await pd_pair.make_pair(model, mp)
     delay = [0.0]
 
@@ -58,11 +63,17 @@ async def measure(model: str, delays_s: list[float], n: int) -> list[dict[str, A
                     k += 1
                     prompt = [(7 * i + k) % 500 + 3 for i in range(140)]  # no prefix hit on either side
                     rid = f"r{k}"
-                    resp = await pair.p.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                                                  sampling_params=sp), pd_pair.FakeContext())
-                    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
-                                             params=resp.params,
-                                             first_token=pb.FirstToken(token_id=resp.first.token_ids[0]))
+                    resp = await pair.p.Prefill(
+                        pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp),
+                        pd_pair.FakeContext(),
+                    )
+                    req = pb.GenerateRequest(
+                        request_id=rid,
+                        prompt_token_ids=prompt,
+                        sampling_params=sp,
+                        params=resp.params,
+                        first_token=pb.FirstToken(token_id=resp.first.token_ids[0]),
+                    )
                     t0, first = time.perf_counter(), None
                     async for chunk in pair.d.Generate(req, pd_pair.FakeContext()):
                         if chunk.token_ids and first is None:
@@ -71,8 +82,10 @@ async def measure(model: str, delays_s: list[float], n: int) -> list[dict[str, A
                     got[overlap].append(first)
             off, on = (1e3 * statistics.median(got[o]) for o in (False, True))
             rows.append({"commit_delay_ms": 1e3 * d, "off_ms": off, "on_ms": on, "requests": n})
-            print(f"commit delay {1e3 * d:.0f} ms: Generate -> token 2 median off {off:.1f} ms, on {on:.1f} ms",
-                  flush=True)
+            print(
+                f"commit delay {1e3 * d:.0f} ms: Generate -> token 2 median off {off:.1f} ms, on {on:.1f} ms",
+                flush=True,
+            )
     finally:
         pair.close()
         mp.undo()
@@ -91,9 +104,20 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(write_random_checkpoint(tmp, "nemotron_h", seed=0, hidden_size=256, pattern="MMMM*MMMM-",
-                                            mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=4,
-                                            vocab_size=512))
+        model = str(
+            write_random_checkpoint(
+                tmp,
+                "nemotron_h",
+                seed=0,
+                hidden_size=256,
+                pattern="MMMM*MMMM-",
+                mamba_num_heads=64,
+                mamba_head_dim=64,
+                ssm_state_size=128,
+                n_groups=4,
+                vocab_size=512,
+            )
+        )
         delays = [float(x) / 1e3 for x in args.commit_delay_ms.split(",") if x]
         rows = asyncio.run(measure(model, delays, args.requests))
     print("\ncommit delay ms | Generate -> token 2, overlap off (median ms) | overlap on | saved")
