@@ -1,19 +1,25 @@
 """Consumer-side transfer state machine (step thread only).
 
     admit(params) --checks--> allocate_for_transfer --> [pulling] --poll: DONE--> [committing] --P says held-->
-        |  lease expired (no time left to pull)            |                         |   zero tail, publish blocks/
-        |  prompt digest != params' (foreign params)       |                         |   checkpoint, scheduler.
-        |  malformed (unsigned, wrong groups or pages)     |                         |
-        v                                                  |                         |   transfer_done (at N)
+        |  lease expired (no time left to pull)            |        send Commit;     |   publish blocks/checkpoint,
+        |  prompt digest != params' (foreign params)       |        run_unconfirmed: |   release the held output
+        |  malformed (unsigned, wrong groups or pages)     |        zero tail, runs  |   (confirm_import)
+        v                                                  |        at N, output held|
     policy: recompute locally (default) or fail            +--poll: FAILED-----------+--P says no (lease expired,
                                                                                          wrong prompt/token, params
                                                                                          altered, other pages
                                                                                          read), or
                                                                                          Commit unreachable
-                                                                                     --> discard, recompute / fail
-Fail closed: pulled pages are used (scheduled, hashed into the prefix cache) only after P's Commit confirmed that
-the lease was still held when the READ had completed and was granted for this very prompt. Every refusal is
-counted in hybridpd_kv_transfer_failures_total{role="decode", reason}. `num_computed_tokens` is set only then.
+                                                                                     --> drop the held output,
+                                                                                         free, recompute / fail
+Fail closed: pulled pages are published (hashed into the prefix cache) and what the request computes on them is
+streamed only after P's Commit confirmed that the lease was still held when the READ had completed and was granted
+for this very prompt. With the overlap on (the default; HYBRIDPD_COMMIT_OVERLAP=0 turns it off for A/B runs) the
+request starts decoding on them at once, while the Commit is in flight (`run_unconfirmed`): its tokens are held
+back until P's yes (`confirm_import` releases them, in order) and dropped on a no (`refuse_unconfirmed`: the
+prompt and P's first token are recomputed, the seeded generator restarted, exactly as a failed pull). Without it,
+the request waits (WAITING_FOR_TRANSFER) for the answer. Every refusal is counted in
+hybridpd_kv_transfer_failures_total{role="decode", reason}.
 
 Ownership: the request and its destination pages are the engine's: `begin_import` puts the request in the
 scheduler (WAITING_FOR_TRANSFER) with its `Import`; this class keeps only the transport side (the pull handle and
@@ -24,6 +30,7 @@ whether the pages may be reused."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +44,10 @@ from hybridpd.engine.transfer import (
     abort_import,
     begin_import,
     complete_import,
+    confirm_import,
     end_unscheduled,
+    refuse_unconfirmed,
+    run_unconfirmed,
     schedule_local,
 )
 from hybridpd.kvtransfer.binding import prompt_digest
@@ -60,6 +70,8 @@ class PendingPull:
     pages_read: dict[int, tuple[int, ...]]
     """P's page ids this pull reads, by group (attention blocks past D's hit; recurrent slots): Commit names them."""
     committing: bool = False
+    unconfirmed: bool = False
+    """The request runs on the pulled pages while the Commit is in flight (its output held back)."""
     posted_at: float = 0.0
     """perf_counter() when the READ was posted, and when a poll saw it done (hybridpd_kv_handoff_seconds)."""
     done_at: float = 0.0
@@ -67,7 +79,8 @@ class PendingPull:
 
 class Consumer:
     """`commit(pending)` is called on the step thread once a pull's READ is DONE; it must arrange (asynchronously)
-    for `on_commit(core, request_id, committed, reason)` to run on the step thread with P's answer."""
+    for `on_commit(core, request_id, committed, reason)` to run on the step thread with P's answer. `overlap`: the
+    request decodes on the pulled pages meanwhile (its output held back until the answer)."""
 
     def __init__(
         self,
@@ -78,8 +91,10 @@ class Consumer:
         lease_margin_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         commit_grace_s: float = 10.0,
+        overlap: bool = True,
     ) -> None:
         self.policy = policy
+        self.overlap = overlap
         self.timeout_s = timeout_s
         self.commit = commit
         self.metrics = metrics
@@ -101,11 +116,14 @@ class Consumer:
         return sum(not p.committing for p in self.pending.values())
 
     def _refuse(self, core: EngineCore, req: Request, reason: str, detail: str) -> str:
+        self._count_refusal(req, reason, detail)
+        return self._fallback(core, req, f"{reason}: {detail}")
+
+    def _count_refusal(self, req: Request, reason: str, detail: str) -> None:
         self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
         if self.metrics is not None:
             self.metrics.transfer_failed(reason)
         log.warning("request %s: transfer refused (%s): %s", req.request_id, reason, detail)
-        return self._fallback(core, req, f"{reason}: {detail}")
 
     def admit(self, core: EngineCore, req: Request, tp: pb.TransferParams, peer) -> str:  # type: ignore[no-untyped-def]
         """Start pulling for `req`. Returns "pulling", "local" when it was scheduled to compute locally, or
@@ -166,6 +184,9 @@ class Consumer:
                 else:
                     p.committing = True
                     self.commit(p)
+                    if self.overlap:  # decode at this very step, while P answers
+                        run_unconfirmed(core, p.req)
+                        p.unconfirmed = True
                 continue
             del self.pending[rid]
             res = p.handle.result
@@ -174,17 +195,26 @@ class Consumer:
             self._undo(core, p.req, reusable)
             self._fallback(core, p.req, (res.reason if res else None) or "transfer failed")
 
-    def on_commit(self, core: EngineCore, request_id: str, committed: bool, reason: str = "") -> None:
-        """P's answer to the Commit of a completed pull (step thread). Ignored if the request was aborted since."""
+    def on_commit(self, core: EngineCore, request_id: str, committed: bool, reason: str = "") -> Request | None:
+        """P's answer to the Commit of a completed pull (step thread). Ignored if the request ended since. Returns
+        the request when it was confirmed (the caller streams the output it held back)."""
         p = self.pending.pop(request_id, None)
         if p is None:
-            return
+            return None
         if committed:
-            complete_import(core, p.req)
+            (confirm_import if p.unconfirmed else complete_import)(core, p.req)
             self.handed_over[request_id] = (p.posted_at, p.done_at, time.perf_counter())
-            return
-        self._undo(core, p.req, reusable=True)  # no READ in flight: the pages are merely garbage
-        self._refuse(core, p.req, "lease_lost", f"P did not confirm the lease after the READ ({reason})")
+            return p.req
+        detail = f"P did not confirm the lease after the READ ({reason})"
+        if not p.unconfirmed:
+            self._undo(core, p.req, reusable=True)  # no READ in flight: the pages are merely garbage
+            self._refuse(core, p.req, "lease_lost", detail)
+            return None
+        self._count_refusal(p.req, "lease_lost", detail)
+        if self.policy != "fail":
+            self.num_recomputed += 1
+        refuse_unconfirmed(core, p.req, self.policy, f"transfer failed: lease_lost: {detail}")
+        return None
 
     def abort(self, core: EngineCore, request_id: str) -> bool:
         """End a request whose pull is in flight or committing ("abort"): the engine's one finish path, which calls
@@ -214,6 +244,12 @@ class Consumer:
         self.num_recomputed += 1
         schedule_local(core, req)
         return "local"
+
+
+def overlap_from_env() -> bool:
+    """HYBRIDPD_COMMIT_OVERLAP: "0" makes a request wait for P's Commit answer before it decodes (the handoff before
+    the overlap, for A/B measurements); anything else, or unset, overlaps them."""
+    return os.environ.get("HYBRIDPD_COMMIT_OVERLAP", "1").strip() != "0"
 
 
 def source_of(tp: pb.TransferParams) -> ImportSource:

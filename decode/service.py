@@ -10,7 +10,7 @@ import logging
 import time
 
 import grpc
-from hybridpd.decode.consumer import Consumer, PendingPull
+from hybridpd.decode.consumer import Consumer, PendingPull, overlap_from_env
 from hybridpd.engine.async_engine import OutputDelta, take_pending
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.errors import InvalidRequestError
@@ -36,7 +36,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                  prefill_peers: tuple[str, ...] = (), commit_timeout_s: float = 5.0) -> None:
         self.ctx = ctx
         metrics = ctx.agent.metrics if ctx.agent is not None else None
-        self.consumer = Consumer(policy, pull_timeout_s, commit=self._start_commit, metrics=metrics)
+        self.consumer = Consumer(policy, pull_timeout_s, commit=self._start_commit, metrics=metrics,
+                                 overlap=overlap_from_env())
         ctx.core.transfer_canceller = self.consumer.cancel  # the engine ends imports through its finish path
         self.prefill_peers = frozenset(prefill_peers)
         self.commit_timeout_s = commit_timeout_s
@@ -159,7 +160,14 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             committed, reason = False, f"commit failed: {e}"
         if self.consumer.metrics is not None:
             self.consumer.metrics.commit_seconds(time.perf_counter() - t0)
-        self.ctx.aengine.call(lambda core: self.consumer.on_commit(core, rid, committed, reason))
+        self.ctx.aengine.call(lambda core: self._answer(core, rid, committed, reason))
+
+    def _answer(self, core: EngineCore, rid: str, committed: bool, reason: str) -> None:
+        """Step thread: P's answer. A confirmed request's held-back output goes to its stream now, not after the
+        next step."""
+        req = self.consumer.on_commit(core, rid, committed, reason)
+        if req is not None and not req.is_finished:
+            self.ctx.aengine.publish(req)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
         t_received = time.perf_counter()

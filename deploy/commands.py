@@ -35,8 +35,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hybridpd worker: {e}", file=sys.stderr)
         return 2
-    if not 0 <= args.max_decode_share <= 1:
-        print(f"hybridpd worker: --max-decode-share must be in [0, 1], got {args.max_decode_share}", file=sys.stderr)
+    try:
+        check_max_decode_share(args.max_decode_share)
+    except ConfigError as e:
+        print(f"hybridpd worker: {e}", file=sys.stderr)
         return 2
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
@@ -135,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     check_chat_template(args.chat_template)
+    check_max_decode_share(args.max_decode_share)
     from hybridpd.deploy.ray_launcher import serve
 
     for role in ("prefill", "decode"):
@@ -198,6 +201,19 @@ def routing_weights(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return RoutingWeights(**values)  # type: ignore[arg-type]
 
 
+def _max_decode_share_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-decode-share", type=float, default=0.25, metavar="SHARE",
+                   help="prefill workers: the mixed role's cap, whole requests (prompt and decode, sent by the proxy "
+                        "while the decode workers are saturated) running on a prefill worker at once, as a share of "
+                        "its --max-num-seqs; 0: prefill only (default: 0.25)")
+
+
+def check_max_decode_share(value: float) -> None:
+    """--max-decode-share is a share: in [0, 1] (a ConfigError otherwise, before anything starts)."""
+    if not 0 <= value <= 1:
+        raise ConfigError(f"--max-decode-share must be in [0, 1], got {value}")
+
+
 def _secret_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="file holding the API key clients must send as 'Authorization: Bearer KEY' (default: env "
@@ -236,6 +252,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); P and D may "
                         "differ, the handoff moves each D rank's head slices from the P ranks that hold them")
+    _max_decode_share_arg(p)
     _routing_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="model id clients use in requests and /v1/models (none: the checkpoint directory's name)")
@@ -271,10 +288,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-pinned-fraction", type=float, default=0.5,
                    help="prefill: share of each cache pool that leased, not yet pulled pages may pin; beyond it "
                         "Prefill answers RESOURCE_EXHAUSTED (default: 0.5)")
-    p.add_argument("--max-decode-share", type=float, default=0.25,
-                   help="prefill: the mixed role's cap, whole requests (prompt and decode, sent by the proxy while "
-                        "the decode workers are saturated) running here at once, as a share of --max-num-seqs; "
-                        "0: prefill only (default: 0.25)")
+    _max_decode_share_arg(p)
     p.add_argument("--nixl-progress-thread", action="store_true",
                    help="run NIXL's progress thread (it busy-polls a core even when idle; default: off, the worker's "
                         "step loop progresses transfers while leases or pulls are in flight). Not on a decode worker "

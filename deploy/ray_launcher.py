@@ -193,6 +193,13 @@ def with_tensor_parallel(worker_argv: list[str], tp: int) -> list[str]:
     return [*out, "--tensor-parallel-size", str(tp)] if tp > 1 else out
 
 
+def role_argv(args: Any, role: str, worker_argv: list[str], tp: int, register: list[str]) -> list[str]:
+    """The `hybridpd worker` command line of one worker of `role` (prefill, decode or colocated): the engine flags at
+    the role's TP size, prefill's own flags (--max-decode-share) and the proxy to register with."""
+    own = ["--max-decode-share", repr(float(args.max_decode_share))] if role == "prefill" else []
+    return ["--role", role, *with_tensor_parallel(worker_argv, tp), *own, *register]
+
+
 def _placement(args: Any, role: str) -> dict[str, Any]:
     """Ray actor options that pin a role to chosen nodes: `--prefill-resources` / `--decode-resources` (JSON custom
     resources each worker of the role needs, e.g. {"prefill_node": 1}, given to nodes by `ray start --resources`)."""
@@ -263,7 +270,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
     register = _registration_argv(args, host, ray)
     for role in roles:
         tp = role_tp[role]  # a worker's ranks: one actor, so one node
-        argv = ["--role", "colocated" if args.colocated else role, *with_tensor_parallel(worker_argv, tp), *register]
+        argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
         opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:

@@ -141,9 +141,10 @@ class AsyncEngine:
 
     # -- step thread -----------------------------------------------------------------------------------------------
     def publish(self, req: Request) -> None:
-        """Push the request's new tokens (and its end) to its stream, if any. Step thread only."""
+        """Push the request's new tokens (and its end) to its stream, if any. Step thread only. Output held back
+        (`Request.held_from`: computed on a transfer not confirmed yet) waits until it is released."""
         entry = self._streams.get(req.request_id)
-        if entry is None:
+        if entry is None or req.held_from is not None:
             return
         start = self._emitted.get(req.request_id, 0)
         n = len(req.output_token_ids)

@@ -2,6 +2,7 @@
 
     add_request -> [waiting] --schedule--> [running] --execute--> sampled tokens --check_stop--> outputs
     begin_import -> [waiting for transfer] --complete_import--> [waiting] ...   (engine/transfer.py, decode side)
+                                           --run_unconfirmed--> [waiting] ... output held back until confirmed
 
 Ownership: one thread calls add_request/step/abort (workers serialise calls onto their step thread).
 """
@@ -258,6 +259,8 @@ class EngineCore:
         already gave them back), the sampler forgets it, and `finish_listeners` hear of it (step thread)."""
         if req.request_id in self.scheduler.importing:
             free_caches = self._give_back_import(req)
+        elif req.request_id in self.scheduler.unconfirmed:  # ends before its transfer was confirmed: none of it out
+            self._give_back_unconfirmed(req)
         self.scheduler.finish(req, reason, free_caches=free_caches)
         self.runner.sampler.forget(req.request_id)
         self.structured.forget(req.request_id)
@@ -270,6 +273,34 @@ class EngineCore:
         imp = self.scheduler.importing[req.request_id]
         reusable = self.transfer_canceller(req.request_id) if self.transfer_canceller is not None else True
         return self.drop_import_pages(req, imp, reusable, free_caches=False)
+
+    def _give_back_unconfirmed(self, req: Request) -> None:
+        """A request running on an unconfirmed transfer ends (abort, error): its held output is dropped, its
+        transfer cancelled (the READ is done: nothing lands any more) and the checkpoint reserved for it let go."""
+        imp = self.scheduler.unconfirmed.pop(req.request_id)
+        if self.transfer_canceller is not None:
+            self.transfer_canceller(req.request_id)
+        if imp.checkpoint is not None:
+            self.cache.drop_checkpoint(imp.checkpoint)
+        self.drop_held_output(req)
+
+    def drop_held_output(self, req: Request) -> None:
+        """Cut the output back to what was produced before `req.held_from` (nothing held: no-op), as if the rest had
+        never been sampled: stop reason, detokenizer, block hashes, the seeded generator (restarted past the kept
+        draws) and the grammar matcher (rebuilt from the kept output) follow."""
+        n = req.held_from
+        if n is None:
+            return
+        req.held_from = req.held_finish = None
+        if len(req.output_token_ids) == n:
+            return
+        del req.output_token_ids[n:], req.output_logprobs[n:], req.output_top_logprobs[n:]
+        req.stop_reason, req.detokenizer = None, None
+        del req.block_hashes[req.num_tokens // self.cache.block_size:]
+        sampler = self.runner.sampler
+        sampler.forget(req.request_id)
+        sampler.skip_samples(req.request_id, req.sampling_params, n)
+        self.structured.forget(req.request_id)
 
     def drop_import_pages(self, req: Request, imp: Import, reusable: bool, free_caches: bool = True) -> bool:
         """Give an import's destination pages back unpublished (`reusable`), or quarantine them (a READ may still
@@ -302,6 +333,19 @@ class EngineCore:
             else:
                 req.stop_reason = "transfer deadline passed"
                 self.finish(req, "error", free_caches=False)
+        return expired + self._expire_unconfirmed()
+
+    def _expire_unconfirmed(self) -> list[Request]:
+        """Requests running on a transfer never confirmed by its deadline (the answer lost): refused, as a no."""
+        from hybridpd.engine.transfer import refuse_unconfirmed
+
+        expired = self.scheduler.expired_unconfirmed(self.clock()) if self.scheduler.unconfirmed else []
+        for req in expired:
+            imp = self.scheduler.unconfirmed[req.request_id]
+            if self.transfer_canceller is not None:
+                self.transfer_canceller(req.request_id)  # a late answer finds nothing to confirm
+            log.warning("request %s: transfer unconfirmed at its deadline; %s", req.request_id, imp.fallback)
+            refuse_unconfirmed(self, req, imp.fallback, "transfer deadline passed")
         return expired
 
     def abort(self, request_id: str) -> Request | None:
@@ -331,7 +375,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
-        if self.scheduler.importing:
+        if self.scheduler.importing or self.scheduler.unconfirmed:
             self.expire_imports()
         t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
@@ -352,7 +396,9 @@ class EngineCore:
                 reason = self.check_stop(req)
                 if reason is None and req.sampling_params.structured is not None and not self.structured.accept(req):
                     reason = "stop"  # the grammar is complete (its end reached, e.g. the JSON object closed)
-                if reason is not None:
+                if reason is not None and req.held_from is not None:
+                    self.scheduler.park(req, reason)  # ends only once its transfer is confirmed
+                elif reason is not None:
                     self.finish(req, reason)
                 elif req.prefill_only:  # its first token is out: a consumer continues from it with these caches
                     self.finish(req, "prefilled", free_caches=False)

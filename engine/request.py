@@ -36,6 +36,11 @@ class Request:
     token already ends the request (then it finishes as any request does)."""
     external_computed_tokens: int = 0
     """Tokens whose KV/state arrive by transfer (consumer side); set by the decode worker before scheduling."""
+    held_from: int | None = None
+    """Output tokens from this index on are held back: the request runs on transferred caches the producer has not
+    confirmed yet (engine/transfer.py `run_unconfirmed`). They are not streamed, and dropped if it refuses."""
+    held_finish: str | None = None
+    """The end ("stop", "length") the request reached while held back; it ends so once confirmed."""
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -17,6 +17,11 @@ frees or quarantines its pages and schedules it locally or ends it); `finish` en
                                       |  --drop_import--> (recompute: add_request at 0 | end)
                                       +-- finish (abort, deadline, error) ---------------------------------^
 
+A request may also run before its transfer is confirmed (`hold_unconfirmed` instead of `transfer_done`): it is
+scheduled like any other, but sits in `unconfirmed` too, and nothing it computes is published to the prefix cache
+(no block hashed, no checkpoint planned) until `confirm`. If it reaches its end meanwhile it is `park`ed (out of
+`running`, caches kept, not scheduled) until the answer; a refusal `restart`s it from token 0 wherever it is.
+
 The runner reads, per sequence, one block table per attention group and one state slot and checkpoint list per
 recurrent group (`group_block_ids`, `group_state_slots`, `group_checkpoints`; per step `group_state_copies` and
 `group_fresh_blocks`): tuples of (group id, value) in group order, the same shape for every group.
@@ -104,6 +109,11 @@ class Scheduler:
         """Every unfinished request: waiting, running and importing."""
         self.importing: dict[str, Import] = {}
         """request id -> the import it waits for (WAITING_FOR_TRANSFER, destination pages held). Never scheduled."""
+        self.unconfirmed: dict[str, Import] = {}
+        """request id -> the import it runs on before the producer confirmed it: scheduled, never published."""
+        self.parked: dict[str, Request] = {}
+        """Unconfirmed requests that reached their end (Request.held_finish): out of `running`, caches kept."""
+        self._no_checkpoints = tuple((m.group.group_id, ()) for m in cache.states)
         self.num_preemptions = 0
 
     # -- queue management ----------------------------------------------------------------------------------------
@@ -129,6 +139,35 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
+    def hold_unconfirmed(self, req: Request) -> None:
+        """`transfer_done` for a transfer not confirmed yet: the request runs, in `unconfirmed` until `confirm`."""
+        self.unconfirmed[req.request_id] = self.importing[req.request_id]
+        self.transfer_done(req)
+
+    def confirm(self, req: Request) -> Import:
+        """The producer confirmed the transfer: what `req` computes is publishable from now on. Returns the import
+        (the caller publishes what it holds; a parked request is the caller's to finish)."""
+        return self.unconfirmed.pop(req.request_id)
+
+    def park(self, req: Request, reason: str) -> None:
+        """An unconfirmed request reached its end (`reason`): stop scheduling it, keep its caches, until `confirm`
+        (then the caller finishes it) or `restart`."""
+        _remove(self.running, req)
+        req.held_finish = reason
+        self.parked[req.request_id] = req
+
+    def restart(self, req: Request) -> Import | None:
+        """The transfer an unconfirmed request ran on was refused: free its caches (nothing of them was published)
+        and queue it first to compute from token 0. Returns its import."""
+        if not _remove(self.running, req):
+            _remove(self.waiting, req)
+        self.parked.pop(req.request_id, None)
+        self.cache.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        return self.unconfirmed.pop(req.request_id, None)
+
     def drop_import(self, req: Request) -> Import:
         """Let an importing request go unscheduled (its pages are the caller's to free or quarantine)."""
         imp = self.importing.pop(req.request_id)
@@ -141,14 +180,20 @@ class Scheduler:
         return [self.requests[rid] for rid, imp in self.importing.items()
                 if imp.deadline is not None and imp.deadline <= now]
 
+    def expired_unconfirmed(self, now: float) -> list[Request]:
+        """Requests running on an unconfirmed transfer past its deadline (no answer from the producer)."""
+        return [self.requests[rid] for rid, imp in self.unconfirmed.items()
+                if imp.deadline is not None and imp.deadline <= now]
+
     def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
         """End a request. free_caches=False keeps its blocks/slot (a prefill worker pins them under a lease and
         calls `release` later)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if not _remove(self.running, req):
-            _remove(self.waiting, req)
+        if not _remove(self.running, req) and not _remove(self.waiting, req):
+            self.parked.pop(req.request_id, None)
         self.importing.pop(req.request_id, None)
+        self.unconfirmed.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         if free_caches:
             self.cache.free(req)
@@ -242,7 +287,9 @@ class Scheduler:
         end = start + num_new
         rid = req.request_id
         blocks, slots = cache.seq_tables(rid)
-        ckpts = cache.checkpoint_plan(req, start, end)
+        # no checkpoint of state computed on an unconfirmed transfer: it would be published when written
+        ckpts = self._no_checkpoints if self.unconfirmed and rid in self.unconfirmed else cache.checkpoint_plan(
+            req, start, end)
         # Positional (fields in declaration order): keywords cost about 2.5x as much, once per request per step.
         return ScheduledSeq(
             rid,  # request_id
@@ -291,5 +338,7 @@ class Scheduler:
                 req.output_token_ids.append(tok)
                 req.output_logprobs.append(lp)
             advanced.append(req)
-        self.cache.on_step_done(advanced)
+        unconfirmed = self.unconfirmed
+        # blocks filled on an unconfirmed transfer's caches are not hashed into the prefix cache (`confirm` does it)
+        self.cache.on_step_done([r for r in advanced if r.request_id not in unconfirmed] if unconfirmed else advanced)
         return advanced

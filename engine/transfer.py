@@ -10,6 +10,10 @@ themselves. All functions run on the engine's step thread.
                                                    add_first_token(core, req, token 1)  continue from P's sample
       ... lease: D pulls, then commits ...         ... pull imp's src pages into its dst pages (NIXL) ...
     release_export(core, req, exp)     unpin       complete_import(core, req)  publish + runnable at n
+                                                   or run_unconfirmed(core, req)  runnable at n at once, output
+                                                      held back, nothing published; then, on P's answer,
+                                                      confirm_import (publish, release) or refuse_unconfirmed
+                                                      (drop the held output, recompute from 0 / fail)
                                                    or abort_import(core, req, imp, reusable) + schedule_local/fail
                                                    or core.abort / a deadline (Import.deadline) / a failed step
 
@@ -21,6 +25,8 @@ checkpoint slots) until `release_export`. An Import's destination pages belong t
 holds in WAITING_FOR_TRANSFER from `begin_import` until `complete_import` (they become its running caches),
 `abort_import`, or the engine ending it (`EngineCore.finish`: abort, deadline, error), which asks
 `EngineCore.transfer_canceller` whether a READ may still land and frees or quarantines the pages accordingly.
+After `run_unconfirmed` the pages are the running request's; the scheduler keeps the Import in `unconfirmed`
+(its checkpoint reservation) until `confirm_import`, `refuse_unconfirmed` or the request's end.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 from hybridpd.engine.cache.coordinator import ReservedCheckpoint
 from hybridpd.engine.core import EngineCore
-from hybridpd.engine.request import Request
+from hybridpd.engine.request import Request, RequestStatus
 
 FALLBACKS = ("recompute", "fail")
 
@@ -240,20 +246,70 @@ def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: fl
 def complete_import(core: EngineCore, req: Request, imp: Import | None = None) -> None:
     """The pulled pages are in place and confirmed: zero the untrusted tail of the last block, publish the blocks
     and the checkpoint in our prefix cache, and let the scheduler run the request from token `imp.num_tokens`."""
+    imp = _take_pages(core, req)
+    _publish(core, req, imp, imp.num_tokens)
+    core.scheduler.transfer_done(req)
+
+
+def run_unconfirmed(core: EngineCore, req: Request) -> None:
+    """The pulled pages are in place but the producer has not confirmed them yet: let the request run from token
+    `imp.num_tokens` at once (its Commit in flight meanwhile), its output from now on held back
+    (`Request.held_from`: not streamed, its end deferred) and nothing of it published to the prefix cache, until
+    `confirm_import` or `refuse_unconfirmed`."""
+    _take_pages(core, req)
+    req.held_from = len(req.output_token_ids)
+    core.scheduler.hold_unconfirmed(req)
+
+
+def confirm_import(core: EngineCore, req: Request) -> None:
+    """The producer confirmed what `run_unconfirmed` ran on: publish the pulled blocks (and the ones filled since,
+    as far as the request still holds them) and the checkpoint, release the held output, and end the request if it
+    reached its end meanwhile. The caller streams the released output."""
+    sched = core.scheduler
+    imp = sched.confirm(req)
+    holds = req.request_id in sched.parked or req.status is RequestStatus.RUNNING  # not preempted since
+    _publish(core, req, imp, req.num_computed_tokens if holds else 0)
+    end = req.held_finish
+    req.held_from = req.held_finish = None
+    if req.request_id in sched.parked:
+        core.finish(req, end or "stop")
+
+
+def refuse_unconfirmed(core: EngineCore, req: Request, fallback: str, reason: str) -> None:
+    """The producer refused what `run_unconfirmed` ran on (or could not be asked): drop the held output and
+    everything computed (the pages go back unpublished; no READ is in flight), then compute from token 0 here
+    ("recompute": the prompt and the producer's first token, as when a pull fails) or end the request ("fail")."""
+    core.drop_held_output(req)
+    imp = core.scheduler.restart(req)
+    if imp is not None and imp.checkpoint is not None:
+        core.cache.drop_checkpoint(imp.checkpoint)
+    req.num_cached_tokens, req.external_computed_tokens = -1, 0
+    if fallback == "fail":
+        req.stop_reason = reason
+        core.finish(req, "error", free_caches=False)  # `restart` freed them
+
+
+def _take_pages(core: EngineCore, req: Request) -> Import:
+    """Zero the untrusted tail of each group's last pulled block and count the request's tokens as computed."""
     imp = core.scheduler.importing[req.request_id]
-    cache, n = core.cache, imp.num_tokens
-    tail = n % cache.block_size
+    n = imp.num_tokens
+    tail = n % core.cache.block_size
     for gid, ids in imp.dst_blocks.items():
         if tail and ids:
             core.runner.zero_block_tail(ids[-1], tail, gid)  # each group's own last block (its ids differ)
     req.num_computed_tokens = n
     req.num_cached_tokens = n
     req.external_computed_tokens = n - imp.local_hit_tokens
-    cache.publish_transferred(req, n)
+    return imp
+
+
+def _publish(core: EngineCore, req: Request, imp: Import, num_tokens: int) -> None:
+    cache = core.cache
+    if num_tokens:
+        cache.publish_transferred(req, num_tokens)
     if imp.checkpoint is not None:
         cache.publish_checkpoint(imp.checkpoint)
     cache.count_external(req, req.external_computed_tokens)
-    core.scheduler.transfer_done(req)
 
 
 def abort_import(core: EngineCore, req: Request, imp: Import | None, reusable: bool) -> bool:

@@ -17,9 +17,11 @@ Schema: $HYBRIDPD_KUBERAY_SCHEMA, else the in-repo copy tests/data/kuberay/ray.i
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from functools import cache
@@ -146,6 +148,15 @@ def lookup(values: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def go_text(value: str | int | float) -> str:
+    """How Go's text/template prints a value: a float64 in its shortest form, without ".0" when whole. Floats Go
+    prints with an exponent (below 1e-4 or from 1e6 on) are refused, not imitated."""
+    if isinstance(value, float):
+        assert value == 0 or 1e-4 <= abs(value) < 1e6, f"{value!r}: Go would print it with an exponent"
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
 def resolve_tpl(node: Any, values: dict[str, Any]) -> Any:
     """What `tpl (toYaml spec) .` does to rayCluster.spec: `{{ .Values.x }}` in strings becomes the value's text.
     Any other template construct is refused, so that this stays an exact re-implementation."""
@@ -157,8 +168,8 @@ def resolve_tpl(node: Any, values: dict[str, Any]) -> Any:
 
         def sub(m: re.Match[str]) -> str:
             value = lookup(values, m.group(1))
-            assert isinstance(value, (str, int)) and not isinstance(value, bool), f"{m.group(0)} is not a scalar"
-            text = str(value)
+            assert isinstance(value, (str, int, float)) and not isinstance(value, bool), f"{m.group(0)} not a scalar"
+            text = go_text(value)
             assert not re.search(r"[\"'\n{}]", text), f"{m.group(0)} = {text!r} would change the YAML around it"
             return text
 
@@ -373,6 +384,29 @@ def test_worker_group_runs_one_hybridpd_worker(role: str) -> None:
     assert group["template"]["metadata"]["labels"]["hybridpd.io/role"] == role
 
 
+def _worker_args(cluster: dict[str, Any], role: str) -> argparse.Namespace:
+    """The `hybridpd worker` command a worker pod of `role` runs, parsed by the CLI's own parser."""
+    from hybridpd.deploy.cli import build_parser
+
+    script = worker_group(cluster, role)["template"]["spec"]["containers"][0]["args"][0]
+    (line,) = [ln.strip() for ln in script.splitlines() if ln.strip().startswith("exec hybridpd worker ")]
+    return build_parser().parse_args(shlex.split(line.replace('"$POD_IP"', "10.0.0.1"))[2:])
+
+
+def test_prefill_max_decode_share_reaches_prefill_workers_only() -> None:
+    values = load_values()
+    default = render_raycluster(values)
+    assert values["prefill"]["maxDecodeShare"] == 0.25
+    assert _worker_args(default, "prefill").max_decode_share == 0.25
+    values["prefill"]["maxDecodeShare"] = 0.1
+    cluster = render_raycluster(values)
+    assert schema_errors(cluster) == []
+    prefill, decode = _worker_args(cluster, "prefill"), _worker_args(cluster, "decode")
+    assert (prefill.role, prefill.max_decode_share) == ("prefill", 0.1)
+    assert "--max-decode-share" not in worker_group(cluster, "decode")["template"]["spec"]["containers"][0]["args"][0]
+    assert decode.role == "decode"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # helm itself, where installed
 # ---------------------------------------------------------------------------------------------------------------
@@ -425,10 +459,12 @@ def test_helm_template_matches_and_validates(service_monitor: bool) -> None:
 def test_helm_template_with_overrides() -> None:
     """`--set image=...` and `--set model.path=...` reach every Ray container through tpl."""
     out = _helm("template", "r1", str(CHART), "--set", "image=registry.example/hybridpd:9", "--set",
-                "model.path=/models/other")
+                "model.path=/models/other", "--set", "prefill.maxDecodeShare=0.5")
     (cluster,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "RayCluster"]
     values = load_values()
     values["image"] = "registry.example/hybridpd:9"
     values["model"]["path"] = "/models/other"
+    values["prefill"]["maxDecodeShare"] = 0.5
     assert cluster == render_raycluster(values, release="r1")
+    assert _worker_args(cluster, "prefill").max_decode_share == 0.5
     assert "--model /models/other" in worker_group(cluster, "decode")["template"]["spec"]["containers"][0]["args"][0]
