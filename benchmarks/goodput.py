@@ -357,7 +357,7 @@ def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
     try:
         env["commit"] = (
             subprocess.run(
-                ["git", "rev-parse", "HEAD"],
+                ["git", "describe", "--always", "--dirty", "--abbrev=10"],  # "-dirty": the files differ from it
                 capture_output=True,
                 text=True,
                 cwd=os.path.dirname(os.path.abspath(__file__)),
