@@ -357,7 +357,7 @@ def environment(args: argparse.Namespace, on_cuda: bool) -> dict[str, Any]:
     try:
         env["commit"] = (
             subprocess.run(
-                ["git", "rev-parse", "HEAD"],
+                ["git", "describe", "--always", "--dirty", "--abbrev=10"],  # "-dirty": the files differ from it
                 capture_output=True,
                 text=True,
                 cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -485,6 +485,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def sweep_deadline(deadline: float, reserved_s: float, sweeps_left: int) -> float:
+    """When the next sweep must end: an equal share of the time left, after reserving `reserved_s` for the later
+    configurations' start and warm-up (estimated by the first configuration's, which pays the cold compilation, so
+    a later one's sweeps are never starved by it)."""
+    now = time.time()
+    return now + max(deadline - now - reserved_s, 0.0) / max(sweeps_left, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.time()
@@ -511,9 +519,10 @@ def main(argv: list[str] | None = None) -> int:
                 why = f"NOT RUN: the proxy has no --routing {CONFIGS[name].routing} (it offers {list(routings)})"
                 print(f"== {name}: {why}", flush=True)
                 doc["skipped"].append({"config": name, "why": why})
+        setup_s: float | None = None  # the first configuration's start + warm-up (cold compilation included)
         for i, cfg in enumerate(runnable):
             name = cfg.name
-            share = time.time() + (deadline - time.time()) / (len(runnable) - i)  # each configuration its share
+            t0 = time.time()
             if time.time() + 60 > deadline:
                 doc["skipped"].append({"config": name, "why": "deadline"})
                 continue
@@ -522,12 +531,18 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 workers = check_path(run, args)
                 n_gpus = cfg.num_gpus(len(gpus))
-                for wl in args.workloads:
+                for j, wl in enumerate(args.workloads):
                     make = WORKLOADS[wl](shape)
                     warm_up(run, make, args, shape)
                     low = low_load(run, make, args) if args.low_load else None
-                    for arrival in args.arrivals:
+                    setup_s = time.time() - t0 if setup_s is None else setup_s
+                    for k, arrival in enumerate(args.arrivals):
                         print(f"== {name} / {wl} / {arrival}", flush=True)
+                        later = len(runnable) - i - 1
+                        sweeps_left = (len(args.workloads) * len(args.arrivals)) * later + (
+                            (len(args.workloads) - j) * len(args.arrivals) - k
+                        )
+                        share = sweep_deadline(deadline, later * setup_s, sweeps_left)
                         rows, skipped = sweep(run, make, args, arrival, share)
                         doc["results"].append(
                             {

@@ -207,3 +207,14 @@ def test_refuses_to_measure_a_cuda_worker_on_the_reference_path() -> None:
     told = goodput.check_path(running(False), SimpleNamespace(allow_reference_path=True))  # type: ignore[arg-type]
     assert told[0]["fast_path"] is False
     assert goodput.check_path(running(True), SimpleNamespace(allow_reference_path=False))[0]["device"] == "cuda:0"  # type: ignore[arg-type]
+
+
+def test_sweep_deadline_reserves_the_later_configurations_setup() -> None:
+    import time
+
+    from benchmarks.goodput import sweep_deadline
+
+    now = time.time()
+    end = sweep_deadline(now + 100.0, reserved_s=40.0, sweeps_left=3)
+    assert 19.0 < end - now < 21.0  # (100 - 40) / 3
+    assert sweep_deadline(now + 10.0, reserved_s=40.0, sweeps_left=2) - now < 1.0  # nothing left: ends at once
