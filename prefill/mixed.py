@@ -36,6 +36,7 @@ class MixedGenerateServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         prefill.max_generate = self.capacity
         self.running: set[str] = set()
         """Whole requests streaming from here now (event loop only)."""
+        prefill.whole = self.running  # a Prefill reusing one of their ids is refused (ALREADY_EXISTS), as here
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 
 import grpc
 from hybridpd.engine.core import EngineCore
@@ -51,6 +52,8 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         self.max_pinned_fraction = max_pinned_fraction
         self.max_generate = 0
         """Whole requests this worker takes at once (Stats): set by the mixed role (prefill/mixed.py), 0 without."""
+        self.whole: Collection[str] = frozenset()
+        """Ids of the whole requests running here (the mixed role's, event loop): a Prefill may not reuse one."""
         self._reserved: dict[str, dict[int, int]] = {}
         """request id -> {group id: pages} of prefills admitted but not yet leased (they will be pinned). Step
         thread only. Admission keeps pinned + reserved pages of each group within max_pinned_fraction of it."""
@@ -215,7 +218,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if rid in self.held or rid in self._waiters:
+        if rid in self.held or rid in self._waiters or rid in self.whole:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()

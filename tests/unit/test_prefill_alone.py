@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import grpc
+import httpx
 import pytest
 from hybridpd.proxy.config import RoutingWeights
 from hybridpd.proxy.placement import Placer
@@ -203,3 +204,53 @@ def test_unsaturated_decode_keeps_pd(share: str) -> None:
         _complete(s, [3, 1, 4])
         assert not s.prefill[0].whole.generates and len(s.decode[0].generates) == 1
         assert _paths(s) == {"pd": 1.0}
+
+
+def _counts(s: LiveStack) -> tuple[dict[str, int], dict[str, int], dict[str, int], int, int]:
+    """What the proxy holds against its workers: whole requests on P, each router's in-flight requests, P's queued
+    prompt tokens, P's and D's slots for the fake pair."""
+    cluster = s.app.state.proxy.cluster
+    p, d = s.prefill[0].address, s.decode[0].address
+
+    async def read() -> tuple[dict[str, int], dict[str, int], dict[str, int], int, int]:
+        return (dict(cluster.placer.whole_on_prefill), cluster.prefill.snapshot(), cluster.decode.snapshot(),
+                cluster.prefill.tokens_in_flight(p), cluster.decode.tokens_in_flight(d))
+
+    return s.run(read())
+
+
+def _settled(s: LiveStack) -> bool:
+    whole, p_in, d_in, p_tokens, d_tokens = _counts(s)
+    return not whole and not any(p_in.values()) and not any(d_in.values()) and p_tokens == d_tokens == 0
+
+
+def test_no_count_leaks_on_the_error_and_cancel_paths() -> None:
+    """A client gone before P's first chunk, P refusing then D failing, P failing mid-stream, a client gone
+    mid-stream: afterwards the proxy counts nothing on either worker (P does not look full, D not saturated)."""
+    with _stack() as s:
+        _ready(s)
+        p, d = s.prefill[0], s.decode[0]
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 6, "ignore_eos": True, "stream": True}
+        p.whole.token_delay_s = 0.3  # the client gives up before P's first chunk
+        with pytest.raises(httpx.ReadTimeout):
+            s.http.post("/v1/completions", json=body, timeout=0.1)
+        wait_for("P's whole request cancelled", lambda: len(p.whole.cancelled) == 1, timeout=5, interval=0.02)
+        wait_for("nothing counted", lambda: _settled(s), timeout=5, interval=0.02)
+        p.whole.token_delay_s = 0.0
+        p.whole.failure = Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its cap")  # refused: D, which fails
+        d.failure = Failure(grpc.StatusCode.INTERNAL, "boom")
+        r = s.http.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code >= 500 and len(d.generates) == 1
+        assert _settled(s)
+        d.failure = None
+        p.whole.failure = Failure(grpc.StatusCode.UNAVAILABLE, "died", after_tokens=2)  # fails after streaming
+        r = s.http.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code >= 500 and len(d.generates) == 1  # not retried on D
+        assert _settled(s)
+        p.whole.failure = None
+        p.whole.token_delay_s = 0.05  # the client goes away mid-stream
+        with s.http.stream("POST", "/v1/completions", json=body) as resp:
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+        wait_for("P's stream cancelled", lambda: len(p.whole.cancelled) == 2, timeout=5, interval=0.02)
+        wait_for("nothing counted", lambda: _settled(s), timeout=5, interval=0.02)
+        assert _paths(s)["prefill_alone"] >= 1

@@ -6,6 +6,7 @@ nothing left running or pinned); the worker refuses transfer params and, at its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from hybridpd.prefill.service import PrefillServicer
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.proxy.config import RoutingWeights
+from hybridpd.worker.auth import TokenInterceptor
 from hybridpd.worker.context import WorkerContext
 
 from tests.polling import wait_for
@@ -222,3 +224,182 @@ def test_the_prefill_worker_dying_mid_stream_ends_it_with_an_error_after_a_right
     greedy = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
     want = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids
     assert 0 < len(streamed) < 400 and streamed == want[: len(streamed)]  # cut short, never wrong
+
+
+def _openai_view(body: dict[str, Any]) -> dict[str, Any]:
+    """A completion body as an OpenAI client compares it: no id / created, logprobs rounded (PD's decode worker
+    recomputes in other batch shapes: the last float bits differ, as between any two engines), no text_offset (it
+    follows how tokens were grouped into chunks, which timing decides on every path), usage without the
+    hybridpd-only breakdown of where the prompt was cached."""
+    out = {k: v for k, v in body.items() if k not in ("id", "created")}
+    out["choices"] = []
+    for c in body["choices"]:
+        c = dict(c)
+        if c.get("logprobs"):
+            lp = dict(c["logprobs"])
+            lp.pop("text_offset")
+            lp["token_logprobs"] = [round(x, 4) for x in lp["token_logprobs"]]
+            lp["top_logprobs"] = [{k: round(v, 4) for k, v in top.items()} for top in lp["top_logprobs"]]
+            c["logprobs"] = lp
+        out["choices"].append(c)
+    if out.get("usage"):
+        out["usage"] = {k: v for k, v in out["usage"].items() if k != "hybridpd"}
+    return out
+
+
+def _stream_view(events: list[str]) -> tuple[list[Any], str, list[int], list[Any], dict[str, Any]]:
+    """A stream as a client reads it (chunk boundaries are timing's): its keys per event, the whole text, tokens,
+    finish reasons, and the usage event."""
+    bodies = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    chunks = [b for b in bodies if b["choices"]]
+    keys = sorted({(k, *sorted(b["choices"][0])) for b in chunks for k in b})
+    text = "".join(b["choices"][0]["text"] for b in chunks)
+    tokens = [t for b in chunks for t in b["choices"][0]["token_ids"]]
+    finishes = [b["choices"][0]["finish_reason"] for b in chunks if b["choices"][0]["finish_reason"]]
+    usage = _openai_view({"choices": [], "usage": bodies[-1]["usage"]})["usage"]
+    return keys, text, tokens, finishes, usage
+
+
+def test_a_client_cannot_tell_p_alone_from_pd_or_colocated(stack, model, llm) -> None:  # type: ignore[no-untyped-def]
+    """Greedy, the same request through three proxies over the same two workers: P-alone (the module's stack), PD
+    and colocated (the decode worker alone). The bodies match but for ids and timestamps: text, token ids, stop
+    string and finish reason, logprobs and alternatives, usage (each proxy's first request caches the prompt where
+    it runs, so the cached-token counts compare too); streamed with usage, the same."""
+    s_alone, workers = stack
+    p, d = workers.addrs
+    prompt = llm.tokenizer.encode("A tale of two cities")
+    greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=10, temperature=0))
+    tokens = greedy[0].token_ids
+    stop = llm.tokenizer.decode(tokens[4:6])  # a stop string the greedy output reaches
+    body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    requests = [{**body, "stop": [stop]}, {**body, "ignore_eos": True}]
+    stream = {**body, "stop": [stop], "stream": True, "stream_options": {"include_usage": True}}
+    pd = LiveStack(n_prefill=0, n_decode=0, model_name="m", prefill_addrs_extra=(p,), decode_addrs_extra=(d,))
+    colocated = LiveStack(n_prefill=0, n_decode=0, model_name="m", colocated=True, decode_addrs_extra=(d,))
+    views = []
+    for s in (s_alone, pd, colocated):
+        with s if s is not s_alone else contextlib.nullcontext():
+            assert s.http.post("/v1/completions", json=body).status_code == 200  # the prompt cached where it runs
+            got = []
+            for req in requests:
+                r = s.http.post("/v1/completions", json=req)
+                assert r.status_code == 200, r.text
+                got.append(_openai_view(r.json()))
+            with s.http.stream("POST", "/v1/completions", json=stream) as r:
+                got.append(_stream_view([line[6:] for line in r.iter_lines() if line.startswith("data: ")]))
+            views.append(got)
+    assert 'path="prefill_alone"' in s_alone.http.get("/metrics").text
+    alone, via_pd, colo = views
+    assert alone[1]["choices"][0]["token_ids"] == tokens
+    assert alone[0]["choices"][0]["finish_reason"] == "stop" and stop not in alone[0]["choices"][0]["text"]
+    assert alone == via_pd == colo
+
+
+async def _generate_status(addr: str, req: pb.GenerateRequest, metadata: tuple = ()) -> tuple[grpc.StatusCode, int]:
+    """A whole request's final status and the tokens it streamed."""
+    n = 0
+    async with grpc.aio.insecure_channel(addr) as ch:
+        try:
+            async for chunk in pb_grpc.DecodeServiceStub(ch).Generate(req, timeout=30, metadata=metadata):
+                n += len(chunk.token_ids)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), n
+    return grpc.StatusCode.OK, n
+
+
+def test_the_mixed_role_rpcs_need_the_cluster_token(stack) -> None:  # type: ignore[no-untyped-def]
+    """The prefill worker's server, token interceptor on (as worker/bootstrap.py builds it): Generate, Abort and
+    Stats of its DecodeService refuse a missing or wrong token, and the refused Generate reaches no engine."""
+    _, workers = stack
+
+    async def serve() -> tuple[grpc.aio.Server, str]:
+        server = grpc.aio.server(interceptors=[TokenInterceptor("s3cret")])
+        port = server.add_insecure_port("127.0.0.1:0")
+        pb_grpc.add_PrefillServiceServicer_to_server(workers.prefill, server)
+        pb_grpc.add_DecodeServiceServicer_to_server(workers.mixed, server)
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    async def unary(addr: str, md: tuple) -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = pb_grpc.DecodeServiceStub(ch)
+            for call in (stub.Abort(pb.AbortRequest(request_id="t"), timeout=10, metadata=md),
+                         stub.Stats(pb.StatsRequest(), timeout=10, metadata=md)):
+                try:
+                    await call
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+        return codes
+
+    server, addr = workers.run(serve())
+    try:
+        req = pb.GenerateRequest(request_id="t", prompt_token_ids=[1, 2, 3],
+                                 sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0))
+        for md in ((), (("x-hybridpd-token", "wrong"),), (("x-hybridpd-token", "s3cret "),)):
+            assert workers.run(_generate_status(addr, req, md)) == (grpc.StatusCode.UNAUTHENTICATED, 0)
+            assert workers.run(unary(addr, md)) == [grpc.StatusCode.UNAUTHENTICATED] * 2
+        assert not workers.mixed.running
+        good = (("x-hybridpd-token", "s3cret"),)
+        assert workers.run(_generate_status(addr, req, good)) == (grpc.StatusCode.OK, 2)
+        assert workers.run(unary(addr, good)) == [grpc.StatusCode.OK] * 2
+    finally:
+        workers.run(server.stop(grace=None))
+
+
+def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) -> None:  # type: ignore[no-untyped-def]
+    """Bad input on P's Generate is a gRPC status (never a crash of P's step thread); an id in use, by a PD prefill
+    holding its lease or by a whole request running, is ALREADY_EXISTS whichever RPC comes second, and the request
+    holding it is unharmed."""
+    _, workers = stack
+    p = workers.addrs[0]
+    sp = pb.SamplingParams(max_tokens=2, temperature=0.0)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    cases = [
+        pb.GenerateRequest(request_id="b1", prompt_token_ids=[], sampling_params=sp),
+        pb.GenerateRequest(request_id="b2", prompt_token_ids=[1, 2, 3]),  # no sampling params: max_tokens 0
+        pb.GenerateRequest(request_id="b3", prompt_token_ids=[10**9], sampling_params=sp),
+        pb.GenerateRequest(request_id="b4", prompt_token_ids=[1] * 5000, sampling_params=sp),
+        pb.GenerateRequest(request_id="b5", prompt_token_ids=[1, 2],
+                           sampling_params=pb.SamplingParams(max_tokens=2, temperature=-1.0)),
+        pb.GenerateRequest(request_id="b6", prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(
+            max_tokens=2, structured_output=pb.StructuredOutput(kind="nope", spec="{"))),
+    ]
+    for req in cases:
+        assert workers.run(_generate_status(p, req)) == (invalid, 0), req.request_id
+    huge = pb.GenerateRequest(request_id="b7", prompt_token_ids=[1, 2, 3],
+                              sampling_params=pb.SamplingParams(max_tokens=2**31 - 1, temperature=0.0))
+    code, n = workers.run(_generate_status(p, huge))  # ends at EOS or max_model_len: a finite stream
+    assert code == grpc.StatusCode.OK and 0 < n < workers.cores[0].max_model_len
+
+    async def collisions() -> tuple[grpc.StatusCode, grpc.StatusCode, int]:
+        async with grpc.aio.insecure_channel(p) as ch:
+            prefill = pb_grpc.PrefillServiceStub(ch)
+            held = await prefill.Prefill(pb.PrefillRequest(request_id="lease", prompt_token_ids=[4, 5, 6],
+                                                           sampling_params=sp), timeout=30)
+            on_lease, _ = await _generate_status(p, pb.GenerateRequest(request_id="lease", prompt_token_ids=[1, 2],
+                                                                       sampling_params=sp))
+            await prefill.Release(pb.ReleaseRequest(request_id="lease", epoch=held.params.epoch,
+                                                    lease_token=held.params.lease_token), timeout=10)
+            long = pb.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            whole = pb_grpc.DecodeServiceStub(ch).Generate(
+                pb.GenerateRequest(request_id="whole", prompt_token_ids=[7, 8, 9], sampling_params=long), timeout=60)
+            n = len((await whole.read()).token_ids)
+            try:
+                await prefill.Prefill(pb.PrefillRequest(request_id="whole", prompt_token_ids=[1, 2],
+                                                        sampling_params=sp), timeout=30)
+                on_whole = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as e:
+                on_whole = e.code()
+            while (chunk := await whole.read()) is not grpc.aio.EOF:
+                n += len(chunk.token_ids)
+            return on_lease, on_whole, n
+
+    exists = grpc.StatusCode.ALREADY_EXISTS
+    assert workers.run(collisions()) == (exists, exists, 200)
+    ok = pb.GenerateRequest(request_id="b8", prompt_token_ids=[1, 2, 3], sampling_params=sp)
+    assert workers.run(_generate_status(p, ok)) == (grpc.StatusCode.OK, 2)
+    assert workers.run(workers.prefill.ctx.aengine.acall(lambda c: c.queue_lengths())) == (0, 0)
+    assert not workers.prefill.held and not workers.mixed.running
