@@ -213,8 +213,13 @@ def _counts(s: LiveStack) -> tuple[dict[str, int], dict[str, int], dict[str, int
     p, d = s.prefill[0].address, s.decode[0].address
 
     async def read() -> tuple[dict[str, int], dict[str, int], dict[str, int], int, int]:
-        return (dict(cluster.placer.whole_on_prefill), cluster.prefill.snapshot(), cluster.decode.snapshot(),
-                cluster.prefill.tokens_in_flight(p), cluster.decode.tokens_in_flight(d))
+        return (
+            dict(cluster.placer.whole_on_prefill),
+            cluster.prefill.snapshot(),
+            cluster.decode.snapshot(),
+            cluster.prefill.tokens_in_flight(p),
+            cluster.decode.tokens_in_flight(d),
+        )
 
     return s.run(read())
 

@@ -325,8 +325,10 @@ def test_the_mixed_role_rpcs_need_the_cluster_token(stack) -> None:  # type: ign
         codes = []
         async with grpc.aio.insecure_channel(addr) as ch:
             stub = pb_grpc.DecodeServiceStub(ch)
-            for call in (stub.Abort(pb.AbortRequest(request_id="t"), timeout=10, metadata=md),
-                         stub.Stats(pb.StatsRequest(), timeout=10, metadata=md)):
+            for call in (
+                stub.Abort(pb.AbortRequest(request_id="t"), timeout=10, metadata=md),
+                stub.Stats(pb.StatsRequest(), timeout=10, metadata=md),
+            ):
                 try:
                     await call
                     codes.append(grpc.StatusCode.OK)
@@ -336,8 +338,9 @@ def test_the_mixed_role_rpcs_need_the_cluster_token(stack) -> None:  # type: ign
 
     server, addr = workers.run(serve())
     try:
-        req = pb.GenerateRequest(request_id="t", prompt_token_ids=[1, 2, 3],
-                                 sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0))
+        req = pb.GenerateRequest(
+            request_id="t", prompt_token_ids=[1, 2, 3], sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0)
+        )
         for md in ((), (("x-hybridpd-token", "wrong"),), (("x-hybridpd-token", "s3cret "),)):
             assert workers.run(_generate_status(addr, req, md)) == (grpc.StatusCode.UNAUTHENTICATED, 0)
             assert workers.run(unary(addr, md)) == [grpc.StatusCode.UNAUTHENTICATED] * 2
@@ -362,34 +365,49 @@ def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) 
         pb.GenerateRequest(request_id="b2", prompt_token_ids=[1, 2, 3]),  # no sampling params: max_tokens 0
         pb.GenerateRequest(request_id="b3", prompt_token_ids=[10**9], sampling_params=sp),
         pb.GenerateRequest(request_id="b4", prompt_token_ids=[1] * 5000, sampling_params=sp),
-        pb.GenerateRequest(request_id="b5", prompt_token_ids=[1, 2],
-                           sampling_params=pb.SamplingParams(max_tokens=2, temperature=-1.0)),
-        pb.GenerateRequest(request_id="b6", prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(
-            max_tokens=2, structured_output=pb.StructuredOutput(kind="nope", spec="{"))),
+        pb.GenerateRequest(
+            request_id="b5", prompt_token_ids=[1, 2], sampling_params=pb.SamplingParams(max_tokens=2, temperature=-1.0)
+        ),
+        pb.GenerateRequest(
+            request_id="b6",
+            prompt_token_ids=[1, 2],
+            sampling_params=pb.SamplingParams(
+                max_tokens=2, structured_output=pb.StructuredOutput(kind="nope", spec="{")
+            ),
+        ),
     ]
     for req in cases:
         assert workers.run(_generate_status(p, req)) == (invalid, 0), req.request_id
-    huge = pb.GenerateRequest(request_id="b7", prompt_token_ids=[1, 2, 3],
-                              sampling_params=pb.SamplingParams(max_tokens=2**31 - 1, temperature=0.0))
+    huge = pb.GenerateRequest(
+        request_id="b7",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=pb.SamplingParams(max_tokens=2**31 - 1, temperature=0.0),
+    )
     code, n = workers.run(_generate_status(p, huge))  # ends at EOS or max_model_len: a finite stream
     assert code == grpc.StatusCode.OK and 0 < n < workers.cores[0].max_model_len
 
     async def collisions() -> tuple[grpc.StatusCode, grpc.StatusCode, int]:
         async with grpc.aio.insecure_channel(p) as ch:
             prefill = pb_grpc.PrefillServiceStub(ch)
-            held = await prefill.Prefill(pb.PrefillRequest(request_id="lease", prompt_token_ids=[4, 5, 6],
-                                                           sampling_params=sp), timeout=30)
-            on_lease, _ = await _generate_status(p, pb.GenerateRequest(request_id="lease", prompt_token_ids=[1, 2],
-                                                                       sampling_params=sp))
-            await prefill.Release(pb.ReleaseRequest(request_id="lease", epoch=held.params.epoch,
-                                                    lease_token=held.params.lease_token), timeout=10)
+            held = await prefill.Prefill(
+                pb.PrefillRequest(request_id="lease", prompt_token_ids=[4, 5, 6], sampling_params=sp), timeout=30
+            )
+            on_lease, _ = await _generate_status(
+                p, pb.GenerateRequest(request_id="lease", prompt_token_ids=[1, 2], sampling_params=sp)
+            )
+            await prefill.Release(
+                pb.ReleaseRequest(request_id="lease", epoch=held.params.epoch, lease_token=held.params.lease_token),
+                timeout=10,
+            )
             long = pb.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
             whole = pb_grpc.DecodeServiceStub(ch).Generate(
-                pb.GenerateRequest(request_id="whole", prompt_token_ids=[7, 8, 9], sampling_params=long), timeout=60)
+                pb.GenerateRequest(request_id="whole", prompt_token_ids=[7, 8, 9], sampling_params=long), timeout=60
+            )
             n = len((await whole.read()).token_ids)
             try:
-                await prefill.Prefill(pb.PrefillRequest(request_id="whole", prompt_token_ids=[1, 2],
-                                                        sampling_params=sp), timeout=30)
+                await prefill.Prefill(
+                    pb.PrefillRequest(request_id="whole", prompt_token_ids=[1, 2], sampling_params=sp), timeout=30
+                )
                 on_whole = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as e:
                 on_whole = e.code()
