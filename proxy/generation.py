@@ -20,6 +20,7 @@ Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate ended with an error status before any chunk      -> D holds no reads of P's blocks: P.Release;
   - the client went away before D's first chunk (it had P's first token) -> D.Abort and P.Release (D may not have
     the request yet; a READ it did start is refused at Commit, so P's pages are never used);
+  - D's first chunk shows no pulled tokens (D computed the prompt itself)     -> P.Release;
   - otherwise D owns it; a client disconnect only sends D.Abort (D stops its pulls and releases P).
 Cleanup RPCs run in the background (`WorkerClients.abort_later/release_later`): `close()` never awaits.
 
@@ -449,6 +450,11 @@ class Generation:
             "pd" if s.prefilled else "skip_prefill"
         expected = s.placement.expected_hit if s.placement is not None else 0
         cluster.metrics.route(path, expected, real_hit)
+        if s.prefilled and not chunk.num_external_cached_tokens:
+            # D computed the prompt itself (P unknown or unreachable, no room to receive, params refused, pull
+            # failed): nothing of P's lease is read (output from a pull is held back until P's Commit, so a chunk
+            # means any Commit is answered). Give it back now, not at its expiry: P's pinned pages bound its work.
+            self._release_prefill()
         if s.on_prefill and s.queued_tokens:  # its prompt is computed: out of the prefill worker's queue
             assert cluster.prefill is not None and s.decode_addr is not None
             cluster.prefill.settle(s.decode_addr, s.queued_tokens)

@@ -281,7 +281,7 @@ def test_a_client_cannot_tell_p_alone_from_pd_or_colocated(stack, model, llm) ->
     for s in (s_alone, pd, colocated):
         with s if s is not s_alone else contextlib.nullcontext():
             assert s.http.post("/v1/completions", json=body).status_code == 200  # the prompt cached where it runs
-            got = []
+            got: list[Any] = []
             for req in requests:
                 r = s.http.post("/v1/completions", json=req)
                 assert r.status_code == 200, r.text
@@ -421,3 +421,18 @@ def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) 
     assert workers.run(_generate_status(p, ok)) == (grpc.StatusCode.OK, 2)
     assert workers.run(workers.prefill.ctx.aengine.acall(lambda c: c.queue_lengths())) == (0, 0)
     assert not workers.prefill.held and not workers.mixed.running
+
+
+def test_pd_lease_given_back_when_the_decode_worker_computed_the_prompt_itself(stack) -> None:  # type: ignore[no-untyped-def]
+    """PD through the proxy to a decode worker that cannot pull (here: no transfer agent; on a cluster: P unknown
+    or unreachable, no cache room to receive, params refused) and computes the prompt itself: P's lease is given
+    back as soon as D's first chunk shows it pulled nothing, not held pinned until it expires (30 s; meanwhile
+    P's pinned pages count against its prefills' and whole requests' room)."""
+    _, workers = stack
+    p, d = workers.addrs
+    with LiveStack(n_prefill=0, n_decode=0, model_name="m", prefill_addrs_extra=(p,), decode_addrs_extra=(d,)) as s:
+        body = {"model": "m", "prompt": [11, 12, 13, 14, 15], "max_tokens": 4, "ignore_eos": True}
+        r = s.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["hybridpd"]["transferred_tokens"] == 0  # D computed it
+        wait_for("P's lease released", lambda: not workers.prefill.held, timeout=3, interval=0.02)
