@@ -408,7 +408,8 @@ class PrefillService:
 class DecodeServiceStub:
     """Contract for Generate: once D has the request (the stream is open), D owns P's lease: it releases it after its
     pull, on abort, or on failure. If Generate ends with a non-OK status before any chunk, D holds no outstanding
-    reads of P's blocks, and the proxy may call P.Release.
+    reads of P's blocks, and the proxy may call P.Release. So may it once D's first chunk reports no pulled tokens
+    (num_external_cached_tokens 0: D computed the prompt itself; output from a pull waits for P's Commit answer).
     """
 
     def __init__(self, channel):
@@ -457,7 +458,8 @@ class DecodeServiceStub:
 class DecodeServiceServicer:
     """Contract for Generate: once D has the request (the stream is open), D owns P's lease: it releases it after its
     pull, on abort, or on failure. If Generate ends with a non-OK status before any chunk, D holds no outstanding
-    reads of P's blocks, and the proxy may call P.Release.
+    reads of P's blocks, and the proxy may call P.Release. So may it once D's first chunk reports no pulled tokens
+    (num_external_cached_tokens 0: D computed the prompt itself; output from a pull waits for P's Commit answer).
     """
 
     def Generate(self, request, context):
@@ -551,7 +553,8 @@ def add_DecodeServiceServicer_to_server(servicer, server):
 class DecodeService:
     """Contract for Generate: once D has the request (the stream is open), D owns P's lease: it releases it after its
     pull, on abort, or on failure. If Generate ends with a non-OK status before any chunk, D holds no outstanding
-    reads of P's blocks, and the proxy may call P.Release.
+    reads of P's blocks, and the proxy may call P.Release. So may it once D's first chunk reports no pulled tokens
+    (num_external_cached_tokens 0: D computed the prompt itself; output from a pull waits for P's Commit answer).
     """
 
     @staticmethod
