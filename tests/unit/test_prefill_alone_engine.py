@@ -378,17 +378,10 @@ def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) 
     ]
     for req in cases:
         assert workers.run(_generate_status(p, req)) == (invalid, 0), req.request_id
-    huge = pb.GenerateRequest(
-        request_id="b7",
-        prompt_token_ids=[1, 2, 3],
-        sampling_params=pb.SamplingParams(max_tokens=2**31 - 1, temperature=0.0),
-    )
-    code, n = workers.run(_generate_status(p, huge))  # ends at EOS or max_model_len: a finite stream
-    assert code == grpc.StatusCode.OK and 0 < n < workers.cores[0].max_model_len
 
-    async def collisions() -> tuple[grpc.StatusCode, grpc.StatusCode, int]:
+    async def collisions() -> tuple[grpc.StatusCode, grpc.StatusCode, bool, str]:
         async with grpc.aio.insecure_channel(p) as ch:
-            prefill = pb_grpc.PrefillServiceStub(ch)
+            prefill, whole_rpcs = pb_grpc.PrefillServiceStub(ch), pb_grpc.DecodeServiceStub(ch)
             held = await prefill.Prefill(
                 pb.PrefillRequest(request_id="lease", prompt_token_ids=[4, 5, 6], sampling_params=sp), timeout=30
             )
@@ -399,11 +392,12 @@ def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) 
                 pb.ReleaseRequest(request_id="lease", epoch=held.params.epoch, lease_token=held.params.lease_token),
                 timeout=10,
             )
-            long = pb.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-            whole = pb_grpc.DecodeServiceStub(ch).Generate(
-                pb.GenerateRequest(request_id="whole", prompt_token_ids=[7, 8, 9], sampling_params=long), timeout=60
+            # a whole request as long as the engine allows (huge max_tokens), running while a Prefill reuses its id
+            huge = pb.SamplingParams(max_tokens=2**31 - 1, temperature=0.0, ignore_eos=True)
+            whole = whole_rpcs.Generate(
+                pb.GenerateRequest(request_id="whole", prompt_token_ids=[7, 8, 9], sampling_params=huge), timeout=60
             )
-            n = len((await whole.read()).token_ids)
+            await whole.read()
             try:
                 await prefill.Prefill(
                     pb.PrefillRequest(request_id="whole", prompt_token_ids=[1, 2], sampling_params=sp), timeout=30
@@ -411,12 +405,14 @@ def test_bad_whole_requests_get_a_clean_status_and_the_step_thread_lives(stack) 
                 on_whole = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as e:
                 on_whole = e.code()
+            aborted = (await whole_rpcs.Abort(pb.AbortRequest(request_id="whole"), timeout=10)).aborted
+            finish = ""
             while (chunk := await whole.read()) is not grpc.aio.EOF:
-                n += len(chunk.token_ids)
-            return on_lease, on_whole, n
+                finish = chunk.finish_reason or finish
+            return on_lease, on_whole, aborted, finish
 
     exists = grpc.StatusCode.ALREADY_EXISTS
-    assert workers.run(collisions()) == (exists, exists, 200)
+    assert workers.run(collisions()) == (exists, exists, True, "abort")  # and the whole request ran on until
     ok = pb.GenerateRequest(request_id="b8", prompt_token_ids=[1, 2, 3], sampling_params=sp)
     assert workers.run(_generate_status(p, ok)) == (grpc.StatusCode.OK, 2)
     assert workers.run(workers.prefill.ctx.aengine.acall(lambda c: c.queue_lengths())) == (0, 0)
