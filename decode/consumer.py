@@ -79,7 +79,7 @@ class PendingPull:
 
 class Consumer:
     """`commit(pending)` is called on the step thread once a pull's READ is DONE; it must arrange (asynchronously)
-    for `on_commit(core, request_id, committed, reason)` to run on the step thread with P's answer. `overlap`: the
+    for `on_commit(core, pending, committed, reason)` to run on the step thread with P's answer. `overlap`: the
     request decodes on the pulled pages meanwhile (its output held back until the answer)."""
 
     def __init__(
@@ -180,7 +180,7 @@ class Consumer:
             if state is PullState.DONE:
                 p.done_at = time.perf_counter()
                 if self.commit is None:  # no way to ask P: the data cannot be trusted
-                    self.on_commit(core, rid, False, "no commit channel")
+                    self.on_commit(core, p, False, "no commit channel")
                 else:
                     p.committing = True
                     self.commit(p)
@@ -195,12 +195,15 @@ class Consumer:
             self._undo(core, p.req, reusable)
             self._fallback(core, p.req, (res.reason if res else None) or "transfer failed")
 
-    def on_commit(self, core: EngineCore, request_id: str, committed: bool, reason: str = "") -> Request | None:
-        """P's answer to the Commit of a completed pull (step thread). Ignored if the request ended since. Returns
-        the request when it was confirmed (the caller streams the output it held back)."""
-        p = self.pending.pop(request_id, None)
-        if p is None:
+    def on_commit(self, core: EngineCore, p: PendingPull, committed: bool, reason: str = "") -> Request | None:
+        """P's answer to the Commit of the pull `p` (step thread). Ignored if that pull is no longer pending: its
+        request ended since, and another request may have come under the same id (an answer meant for the old
+        pull must never confirm or free the new one's pages). Returns the request when it was confirmed (the
+        caller streams the output it held back)."""
+        request_id = p.req.request_id
+        if self.pending.get(request_id) is not p:
             return None
+        del self.pending[request_id]
         if committed:
             (confirm_import if p.unconfirmed else complete_import)(core, p.req)
             self.handed_over[request_id] = (p.posted_at, p.done_at, time.perf_counter())

@@ -142,9 +142,10 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     def _start_commit(self, p: PendingPull) -> None:
         """Step thread: a pull's READ is DONE; ask P (on the event loop) whether its lease was still held."""
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._commit(p.req.request_id, p.params, p.digest, p.pages_read), self._loop)
+        asyncio.run_coroutine_threadsafe(self._commit(p), self._loop)
 
-    async def _commit(self, rid: str, tp: pb.TransferParams, digest: bytes, read: dict[int, tuple[int, ...]]) -> None:
+    async def _commit(self, p: PendingPull) -> None:
+        rid, tp, digest, read = p.req.request_id, p.params, p.digest, p.pages_read
         req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest,
                                params=tp, pages_read=[pb.GroupBlocks(group_id=g, block_ids=ids)
                                                       for g, ids in read.items()])
@@ -160,12 +161,12 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             committed, reason = False, f"commit failed: {e}"
         if self.consumer.metrics is not None:
             self.consumer.metrics.commit_seconds(time.perf_counter() - t0)
-        self.ctx.aengine.call(lambda core: self._answer(core, rid, committed, reason))
+        self.ctx.aengine.call(lambda core: self._answer(core, p, committed, reason))
 
-    def _answer(self, core: EngineCore, rid: str, committed: bool, reason: str) -> None:
-        """Step thread: P's answer. A confirmed request's held-back output goes to its stream now, not after the
-        next step."""
-        req = self.consumer.on_commit(core, rid, committed, reason)
+    def _answer(self, core: EngineCore, p: PendingPull, committed: bool, reason: str) -> None:
+        """Step thread: P's answer to the pull `p`. A confirmed request's held-back output goes to its stream now,
+        not after the next step."""
+        req = self.consumer.on_commit(core, p, committed, reason)
         if req is not None and not req.is_finished:
             self.ctx.aengine.publish(req)
 

@@ -472,8 +472,10 @@ class EngineCore:
         return out
 
     def queue_lengths(self) -> tuple[int, int]:
-        """(running, waiting) requests of the scheduler."""
-        return len(self.scheduler.running), len(self.scheduler.waiting)
+        """(running, waiting) requests of the scheduler. Running counts the parked ones too (ended on a transfer
+        not confirmed yet): they hold their caches and a running state until the producer answers."""
+        sched = self.scheduler
+        return len(sched.running) + len(sched.parked), len(sched.waiting)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel follower ranks, if any (a later engine in this process may start its own)."""

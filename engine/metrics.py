@@ -84,8 +84,9 @@ class WorkerMetrics:
             self.usage.labels(self.role, kind).set(u)
         self._inc(self.zeroed, "z", "", core.runner.num_zeroed_blocks)
         self._export_steps(core)
-        self.running.labels(self.role).set(len(core.scheduler.running))
-        self.waiting.labels(self.role).set(len(core.scheduler.waiting) + extra_waiting)
+        running, waiting = core.queue_lengths()
+        self.running.labels(self.role).set(running)
+        self.waiting.labels(self.role).set(waiting + extra_waiting)
 
     def _update_pools(self, core: EngineCore) -> None:
         cache = core.cache

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from hybridpd.engine.cache.coordinator import ReservedCheckpoint
 from hybridpd.engine.core import EngineCore
-from hybridpd.engine.request import Request, RequestStatus
+from hybridpd.engine.request import Request
 
 FALLBACKS = ("recompute", "fail")
 
@@ -267,8 +267,7 @@ def confirm_import(core: EngineCore, req: Request) -> None:
     reached its end meanwhile. The caller streams the released output."""
     sched = core.scheduler
     imp = sched.confirm(req)
-    holds = req.request_id in sched.parked or req.status is RequestStatus.RUNNING  # not preempted since
-    _publish(core, req, imp, req.num_computed_tokens if holds else 0)
+    _publish(core, req, imp, req.num_computed_tokens)  # 0 when preempted since (it holds nothing then)
     end = req.held_finish
     req.held_from = req.held_finish = None
     if req.request_id in sched.parked:
