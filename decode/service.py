@@ -11,7 +11,7 @@ import time
 
 import grpc
 from hybridpd.decode.consumer import Consumer, PendingPull, overlap_from_env
-from hybridpd.engine.async_engine import OutputDelta, take_pending
+from hybridpd.engine.async_engine import HOT_POLL_S, OutputDelta, take_pending
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.transfer import add_first_token, first_token_problem, schedule_local
@@ -47,9 +47,10 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         # while a pull is in flight and nothing else runs, poll it every 100 us: an idle decode worker then sees the
-        # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); with nothing in flight it sleeps until called
-        ctx.aengine.add_hook(self._hook, needs_poll=lambda: self.consumer.num_pulling() > 0)
-        ctx.aengine.idle_wait = lambda: 1e-4 if self.consumer.num_pulling() else None
+        # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); while only Commits are in flight (requests parked
+        # or waiting for P's answer) it wakes at the earliest import deadline to enforce it; else it sleeps until called
+        ctx.aengine.add_hook(self._hook, needs_poll=lambda: self._idle_wait() is not None)
+        ctx.aengine.idle_wait = self._idle_wait
         # while the engine steps, the hook polls once per step: a light thread progresses the agent in between while
         # pulls are in flight (a READ over UCX/TCP advances only while D progresses too; kvtransfer/progress.py)
         self.progress: TransferProgress | None = None
@@ -57,6 +58,14 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
             self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.consumer.pending) > 0,
                                              interval_s=interval, name="nixl-progress-decode")
+
+    def _idle_wait(self) -> float | None:
+        """Step thread: how long the idle engine may sleep before the hook runs again (None: until called)."""
+        if self.consumer.num_pulling():
+            return 1e-4
+        core = self.ctx.core
+        deadline = core.next_import_deadline()
+        return None if deadline is None else max(deadline - core.clock(), HOT_POLL_S)
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)

@@ -10,6 +10,9 @@ Idle (nothing scheduled), the step thread sleeps on an event that `call()` sets,
   - a hook appended to `hooks` directly (it never said when it needs polling): polled with back-off, from
     `idle_wait()` doubling up to `MAX_IDLE_POLL_S` while nothing happens, reset by any call or step;
   - otherwise (no hook, or every declared hook has nothing in flight): no timeout at all.
+A stalled scheduler (the head of the queue cannot get its caches while only parked or importing requests hold
+them; `EngineCore.is_stalled`) counts as idle: no empty steps until something changes (a call, a hook's work, a
+deadline), or `STALLED_RETRY_S` at the latest.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +37,8 @@ HOT_POLL_S = 1e-3
 """An `idle_wait()` below this is a request for hot polling (no back-off)."""
 MAX_IDLE_POLL_S = 0.5
 """Longest sleep between runs of hooks that never declared when they need polling."""
+STALLED_RETRY_S = 0.05
+"""A stalled scheduler (`Scheduler.stalled`) is stepped again after this long even if nothing it knows changed."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class AsyncEngine:
         # seconds the idle loop waits between hook runs; a hook owner with work in flight (a KV pull) shortens it
         self.idle_wait: Callable[[], float | None] = lambda: 0.005
         self._needs_poll: dict[int, Callable[[], bool]] = {}  # id(hook) -> "has work that needs polling"
+        self._stalled_since: float | None = None  # monotonic time the scheduler was first seen stalled
         self._idle_wakes = 0  # consecutive idle wake-ups with nothing to do (back-off of undeclared hooks)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -211,8 +218,12 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a hook must not kill the step loop
                     log.exception("step hook failed")
             self._deliver_finished()
-            if not self.core.has_unfinished():
-                self._wake.wait(timeout=self.idle_timeout())
+            retry_in = self._stalled_retry_in()
+            if retry_in is not None or not self.core.has_unfinished():
+                timeout = self.idle_timeout()
+                if retry_in is not None:
+                    timeout = retry_in if timeout is None else min(timeout, retry_in)
+                self._wake.wait(timeout=timeout)
                 self._wake.clear()
                 self._idle_wakes += 1
                 continue
@@ -227,6 +238,21 @@ class AsyncEngine:
                 if not req.is_finished:  # finished ones go out with their end, below
                     self.publish(req)
             self._deliver_finished()
+
+    def _stalled_retry_in(self) -> float | None:
+        """Seconds until a stalled scheduler (its last step found nothing to run, nothing changed since) is stepped
+        again anyway; None when it is not stalled, or that time has come."""
+        if not self.core.is_stalled():
+            self._stalled_since = None
+            return None
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        left = self._stalled_since + STALLED_RETRY_S - now
+        if left <= 0:
+            self._stalled_since = None
+            return None
+        return left
 
     def _drain_calls(self) -> bool:
         """Run every pending call; True when there was any."""

@@ -363,6 +363,14 @@ class EngineCore:
             req.stop_reason = reason
             self.finish(req, "error")
 
+    def next_import_deadline(self) -> float | None:
+        """The earliest deadline (engine clock) of an import or an unconfirmed transfer; None when none has one.
+        An idle worker wakes by then to enforce it (`expire_imports`)."""
+        sched = self.scheduler
+        deadlines = [imp.deadline for imps in (sched.importing, sched.unconfirmed) for imp in imps.values()
+                     if imp.deadline is not None]
+        return min(deadlines, default=None)
+
     @property
     def num_importing(self) -> int:
         """Requests waiting for a transfer (WAITING_FOR_TRANSFER)."""
@@ -371,6 +379,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         """Requests a step can advance (importing ones wait for their transfer; see expire_imports)."""
         return self.scheduler.num_unfinished > 0
+
+    def is_stalled(self) -> bool:
+        """The last step found nothing to run and nothing changed since (`Scheduler.stalled`): another step would
+        be as empty, so a step loop waits for a change instead."""
+        return self.scheduler.stalled
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -5,8 +5,8 @@ One step:
     1. running requests in arrival order each get up to (target - computed) tokens of the remaining budget;
        when the pools cannot cover one, the latest-arrived running request is preempted (its caches freed,
        back to the front of the waiting queue, recomputed later) until it fits or it was itself the victim;
-    2. if nothing was preempted, waiting requests are admitted in order while budget and max_num_seqs allow,
-       starting at their prefix-cache hit.
+    2. if nothing was preempted, waiting requests are admitted in order while budget and max_num_seqs allow
+       (parked and importing requests hold running states too: they count), starting at their prefix-cache hit.
 
 Requests waiting for a transfer (a decode worker's imports, `engine/transfer.py`) sit in `importing`, state
 WAITING_FOR_TRANSFER, holding their destination pages; `schedule()` never looks at them. `transfer_done` moves one
@@ -115,11 +115,15 @@ class Scheduler:
         """Unconfirmed requests that reached their end (Request.held_finish): out of `running`, caches kept."""
         self._no_checkpoints = tuple((m.group.group_id, ()) for m in cache.states)
         self.num_preemptions = 0
+        self.version = 0
+        """Bumped by every change of the queues or of what requests hold (`stalled`)."""
+        self._stalled_at = -1
 
     # -- queue management ----------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.version += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -128,6 +132,7 @@ class Scheduler:
         (WAITING_FOR_TRANSFER) until `transfer_done` or `drop_import`; `schedule()` never looks at it."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.version += 1
         self.requests[req.request_id] = req
         self.importing[req.request_id] = imp
         req.status = RequestStatus.WAITING_FOR_TRANSFER
@@ -135,6 +140,7 @@ class Scheduler:
     def transfer_done(self, req: Request) -> None:
         """The transfer completed (`num_computed_tokens` set): the request queues ahead of new requests and is
         scheduled like any request that holds caches."""
+        self.version += 1
         self.importing.pop(req.request_id)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -147,11 +153,13 @@ class Scheduler:
     def confirm(self, req: Request) -> Import:
         """The producer confirmed the transfer: what `req` computes is publishable from now on. Returns the import
         (the caller publishes what it holds; a parked request is the caller's to finish)."""
+        self.version += 1
         return self.unconfirmed.pop(req.request_id)
 
     def park(self, req: Request, reason: str) -> None:
         """An unconfirmed request reached its end (`reason`): stop scheduling it, keep its caches, until `confirm`
         (then the caller finishes it) or `restart`."""
+        self.version += 1
         _remove(self.running, req)
         req.held_finish = reason
         self.parked[req.request_id] = req
@@ -159,6 +167,7 @@ class Scheduler:
     def restart(self, req: Request) -> Import | None:
         """The transfer an unconfirmed request ran on was refused: free its caches (nothing of them was published)
         and queue it first to compute from token 0. Returns its import."""
+        self.version += 1
         if not _remove(self.running, req):
             _remove(self.waiting, req)
         self.parked.pop(req.request_id, None)
@@ -170,6 +179,7 @@ class Scheduler:
 
     def drop_import(self, req: Request) -> Import:
         """Let an importing request go unscheduled (its pages are the caller's to free or quarantine)."""
+        self.version += 1
         imp = self.importing.pop(req.request_id)
         self.requests.pop(req.request_id, None)
         req.status = RequestStatus.WAITING
@@ -188,6 +198,7 @@ class Scheduler:
     def finish(self, req: Request, reason: str, free_caches: bool = True) -> None:
         """End a request. free_caches=False keeps its blocks/slot (a prefill worker pins them under a lease and
         calls `release` later)."""
+        self.version += 1
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if not _remove(self.running, req) and not _remove(self.waiting, req):
@@ -199,6 +210,7 @@ class Scheduler:
             self.cache.free(req)
 
     def release(self, req: Request) -> None:
+        self.version += 1
         self.cache.free(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -211,6 +223,19 @@ class Scheduler:
     def num_unfinished(self) -> int:
         """Requests a step can advance (importing ones wait for their transfer, not for steps)."""
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_seated(self) -> int:
+        """Requests that hold a running state: running, parked (their end reached on an unconfirmed transfer) and
+        importing (a transfer into their pages). `max_num_seqs` bounds them: the cache plan was sized for that."""
+        return len(self.running) + len(self.parked) + len(self.importing)
+
+    @property
+    def stalled(self) -> bool:
+        """The last `schedule()` found nothing to run (the head of the queue cannot get its caches: only parked or
+        importing requests hold them) and nothing changed since: another step would be as empty. Waiting for a
+        change (an answer, a deadline, a call) instead of stepping keeps an idle worker from spinning."""
+        return self._stalled_at == self.version
 
     # -- one step ------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -239,7 +264,7 @@ class Scheduler:
                 continue
             break
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and self.num_seated < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_computed_tokens > 0:  # already holds its caches (KV received by transfer)
                 hit, start = None, req.num_computed_tokens
@@ -272,6 +297,7 @@ class Scheduler:
             seqs.append(self._schedule_seq(req, num_new))
             budget -= num_new
 
+        self._stalled_at = self.version if not seqs and not preempted else -1
         copies = self.cache.take_group_state_copies()
         fresh = self.cache.take_group_fresh_blocks()
         return SchedulerOutput(

@@ -19,6 +19,9 @@ class IdleCore:
     def has_unfinished(self) -> bool:
         return False
 
+    def is_stalled(self) -> bool:
+        return False
+
 
 @pytest.fixture
 def engine() -> Iterator[AsyncEngine]:

@@ -8,6 +8,7 @@ empty afterwards, and nothing computed on refused pages may be in the prefix cac
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -302,4 +303,82 @@ def test_a_late_answer_never_applies_to_a_later_pull_under_the_same_id(p, colo):
         assert consumer.on_commit(d, new, False) is None  # the pages were never filled: P's no recomputes them
         _run(d)
         _same(d.make_output(new.req), want)
+    _empty(d)
+
+
+def _importing(p: EngineCore, d: EngineCore, rid: str, prompt: list[int]) -> Request:
+    """A request whose pull is in flight on D (WAITING_FOR_TRANSFER, its pages held); P's export is let go."""
+    preq = p.add_request(rid, prompt, SEEDED, prefill_only=True)
+    _run(p)
+    exp = export_prefilled(p, preq)
+    dreq = d.new_request(rid, prompt, SEEDED)
+    assert begin_import(d, dreq, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint))
+    release_export(p, preq, exp)
+    return dreq
+
+
+def test_parked_and_importing_requests_take_seats_of_max_num_seqs(p, colo):  # type: ignore[no-untyped-def]
+    """They hold running states (what the cache plan sized max_num_seqs for): with 4 seats, one parked and one
+    importing, at most 2 of 4 new requests are admitted; a seat given back admits one more."""
+    a_prompt, b_prompt, *others = random_prompts([37, 30, 20, 21, 22, 23], vocab=256, seed=36)
+    sp = dataclasses.replace(SEEDED, max_tokens=3)
+    want = _colocated(colo, "seats", a_prompt, sp)
+    d = _core(max_num_seqs=4)
+    a, _ = _handoff(p, d, "a", a_prompt, sp)
+    _steps_until(d, lambda: "a" in d.scheduler.parked)
+    _importing(p, d, "b", b_prompt)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    new = [d.add_request(f"o{i}", prompt, greedy) for i, prompt in enumerate(others)]
+    d.step()
+    assert [r.status for r in new].count(RequestStatus.RUNNING) == 2
+    assert d.scheduler.num_seated == 4
+    confirm_import(d, a)  # a ends: its seat goes to the next one
+    d.step()
+    assert [r.status for r in new].count(RequestStatus.RUNNING) == 3
+    d.abort("b")
+    _run(d)
+    _same(d.make_output(a), want)
+    for i, r in enumerate(new):
+        _same(d.make_output(r), _colocated(colo, f"seat-o{i}", others[i], greedy))
+    _empty(d)
+
+
+def test_a_head_that_cannot_fit_beside_a_parked_request_waits_without_stepping(p, colo):  # type: ignore[no-untyped-def]
+    """D's 11 blocks: a parked request holds 7, the next request needs 7 and nothing runs. The step thread must not
+    spin on empty steps until P answers (a few retries at most); the yes then lets it run, as colocated."""
+    from hybridpd.engine.async_engine import AsyncEngine
+
+    a_prompt, c_prompt = random_prompts([100, 100], vocab=256, seed=37)
+    sp = dataclasses.replace(SEEDED, max_tokens=5)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want_a = _colocated(colo, "stall-a", a_prompt, sp)
+    want_c = _colocated(colo, "stall-c", c_prompt, greedy)
+    d = _core(kv_bytes=192 * 2**10, max_model_len=128)
+    a, _ = _handoff(p, d, "a", a_prompt, sp)
+    _steps_until(d, lambda: "a" in d.scheduler.parked)
+    c = d.add_request("c", c_prompt, greedy)
+    d.step()
+    assert c.status is RequestStatus.WAITING and d.scheduler.stalled
+    steps = 0
+    step = d.step
+
+    def counted() -> list[Request]:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    d.step = counted  # type: ignore[method-assign]
+    engine = AsyncEngine(d)
+    try:
+        time.sleep(0.5)  # P's answer is late
+        assert steps < 25, f"{steps} empty steps while waiting for P's answer"
+        engine.call(lambda core: confirm_import(core, a)).result(timeout=10)
+        deadline = time.monotonic() + 30
+        while not engine.call(lambda core: c.is_finished).result(timeout=10):
+            assert time.monotonic() < deadline, "the head never ran after the parked request ended"
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    _same(d.make_output(a), want_a)
+    _same(d.make_output(c), want_c)
     _empty(d)

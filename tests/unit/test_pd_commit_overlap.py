@@ -343,3 +343,30 @@ def test_an_answer_that_never_comes_is_a_no_at_the_import_deadline(llm, prompt, 
             pair.close()
 
     asyncio.run(run())
+
+
+def test_an_idle_d_enforces_the_import_deadline_on_time(llm, prompt, monkeypatch):  # type: ignore[no-untyped-def]
+    """The answer never comes and the Commit RPC would time out much later than the import's deadline: D, idle with
+    only the parked request, wakes at that deadline by itself and recomputes the request there (as colocated)."""
+
+    async def run() -> None:
+        pair, gate = await gated_pair(monkeypatch)
+        try:
+            pair.d.commit_timeout_s = 60.0
+            pair.d.consumer.commit_grace_s = 0.6 - pair.d.consumer.timeout_s  # deadline: 0.6 s after the admit
+            sp = pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            t0 = asyncio.get_running_loop().time()
+            first, chunks, task = await start(pair, "idle", prompt, sp)
+            await gate.asked.wait()
+            await asyncio.wait_for(task, 20)
+            took = asyncio.get_running_loop().time() - t0
+            assert took < 3.0, f"the deadline (0.6 s) fired after {took:.1f} s"
+            assert_colocated(output(first, chunks), colocated(llm, prompt, sp), sp)
+            assert pair.d.consumer.num_recomputed == 0 and not pair.d.consumer.pending
+            gate.open(yes=True)  # the late yes ends P's lease and finds nothing to confirm on D
+            await until(lambda: asyncio.sleep(0, len(pair.p.leases) == 0))
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
