@@ -3,8 +3,9 @@
 json.loads and the schema's per-element checks hold the GIL: a 0.6 MB body (60,000 stop strings) takes tens of
 milliseconds, and on a thread that time is taken from the event loop all the same. Bodies over `INLINE_BYTES` are
 therefore parsed in one helper process, spawned by `start()` (which `proxy.server` calls before serving) or else on
-the first big body; one worker, so big bodies queue behind one another, never in front of small ones. Errors come
-back as `ApiError`s; a helper that died is replaced on the next big body (that request gets a 503).
+the first big body, from a thread (starting a process forks this one: up to a second on a loaded host, which the
+event loop must not wait out); one worker, so big bodies queue behind one another, never in front of small ones.
+Errors come back as `ApiError`s; a helper that died is replaced on the next big body (that request gets a 503).
 
     parser = BodyParser(model_name, limits); parser.start()    # optional: else spawned on the first big body
     req = await parser.parse(raw, chat)                          # CompletionRequest | ChatRequest, or ApiError
@@ -53,6 +54,7 @@ class BodyParser:
         self.model_name = model_name
         self.limits = limits
         self._helper: ProcessPoolExecutor | None = None
+        self._starting = asyncio.Lock()
 
     def start(self) -> None:
         if self._helper is None:
@@ -67,9 +69,12 @@ class BodyParser:
     async def parse(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
         if len(raw) <= INLINE_BYTES:
             return parse_body(raw, chat, self.model_name, self.limits)
-        self.start()
-        assert self._helper is not None
         loop = asyncio.get_running_loop()
+        if self._helper is None:
+            async with self._starting:  # one spawn however many big bodies arrive meanwhile
+                if self._helper is None:
+                    await loop.run_in_executor(None, self.start)
+        assert self._helper is not None
         try:
             ok, value = await loop.run_in_executor(self._helper, _parse_in_helper, raw, chat, self.model_name,
                                                    self.limits)
