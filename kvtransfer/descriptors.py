@@ -214,14 +214,14 @@ def group_runs(
         check_pairs(src, dst, src_pages, dst_pages, what)
         return np.empty((0, 3), dtype=np.int64)
     if n <= _SMALL and not isinstance(src, np.ndarray) and not isinstance(dst, np.ndarray):
-        s, d = [int(x) for x in src], [int(x) for x in dst]
+        si, di = [int(x) for x in src], [int(x) for x in dst]
         if (
-            min(s) <= 0 or max(s) >= src_pages or min(d) <= 0 or max(d) >= dst_pages
-            or len(set(s)) < n or len(set(d)) < n
+            min(si) <= 0 or max(si) >= src_pages or min(di) <= 0 or max(di) >= dst_pages
+            or len(set(si)) < n or len(set(di)) < n
         ):
-            _refuse(s, d, src_pages, dst_pages, what)
+            _refuse(si, di, src_pages, dst_pages, what)
         rows: list[list[int]] = []
-        for a, b in sorted(zip(s, d, strict=True)):
+        for a, b in sorted(zip(si, di, strict=True)):
             last = rows[-1] if rows else None
             if last is not None and a == last[0] + last[2] and b == last[1] + last[2]:
                 last[2] += 1

@@ -205,11 +205,12 @@ class PullHandle:
         seconds = time.perf_counter() - self.marks["begin"]
         nixl_descs = nixl_seconds = nixl_post = None
         if done and self._xfers:
-            tel = [agent.xfer_telemetry(x) for x in self._xfers]
-            if None not in tel:  # telemetry on: NIXL's descriptors after merging, first start -> last completion
-                nixl_descs = sum(t[0] for t in tel)  # type: ignore[index]
-                nixl_seconds = max(t[1] + t[3] for t in tel) - min(t[1] for t in tel)  # type: ignore[index]
-                nixl_post = max(t[2] for t in tel)  # type: ignore[index]
+            got = [agent.xfer_telemetry(x) for x in self._xfers]
+            tel = [t for t in got if t is not None]
+            if len(tel) == len(got):  # telemetry on: NIXL's descriptors after merging, first start -> last completion
+                nixl_descs = sum(t[0] for t in tel)
+                nixl_seconds = max(t[1] + t[3] for t in tel) - min(t[1] for t in tel)
+                nixl_post = max(t[2] for t in tel)
         # release every READ (cancels those still in flight); all must succeed for D's pages to be reusable
         reusable = all([agent.release_xfer(x) for x in self._xfers])
         self._xfers, self._pending = [], []
