@@ -21,7 +21,7 @@ from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.auth import open_channel, token_metadata
 from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
-from hybridpd.worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.worker.convert import chunk_of, sampling_params_from_proto, stats_response
 from hybridpd.worker.stream_text import streamable_end
 
 log = logging.getLogger("hybridpd.decode")
@@ -229,15 +229,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 text = delta.text
                 finished = delta.finish_reason is not None
                 end = streamable_end(text, sent_text, finished, max_stop)
-                chunk = pb.GenerateChunk(
-                    token_ids=delta.token_ids, text=text[sent_text:end],
-                    logprobs=delta.logprobs if want_logprobs else (),
-                    top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-                                  for top in delta.top_logprobs] if want_logprobs else [],
-                    finish_reason=delta.finish_reason or "", num_prompt_tokens=delta.num_prompt_tokens,
-                    num_cached_tokens=delta.num_cached_tokens,
-                    num_external_cached_tokens=delta.num_external_tokens,
-                )
+                chunk = chunk_of(delta, text[sent_text:end], want_logprobs)
                 sent_text = end
                 if timed and (delta.token_ids or finished):
                     timed = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hybridpd.engine.async_engine import OutputDelta
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.structured.spec import StructuredOutput
@@ -52,4 +53,23 @@ def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metr
         pools=pools, leases_pinned=leases, metrics_port=metrics_port, memory_bytes=memory,
         max_num_seqs=core.config.scheduler.max_num_seqs,
         max_generate=core.config.scheduler.max_num_seqs if max_generate is None else max_generate,
+    )
+
+
+def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateChunk:
+    """One stream message: the delta's tokens (and logprobs when asked), `text` the part of its text that may go
+    out now."""
+    return pb.GenerateChunk(
+        token_ids=delta.token_ids,
+        text=text,
+        logprobs=delta.logprobs if want_logprobs else (),
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in delta.top_logprobs
+        ]
+        if want_logprobs
+        else [],
+        finish_reason=delta.finish_reason or "",
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        num_external_cached_tokens=delta.num_external_tokens,
     )

@@ -15,27 +15,8 @@ from hybridpd.engine.core import EngineCore
 from hybridpd.engine.transfer import schedule_local
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.worker.context import WorkerContext, run_engine_call
-from hybridpd.worker.convert import sampling_params_from_proto
+from hybridpd.worker.convert import chunk_of, sampling_params_from_proto
 from hybridpd.worker.stream_text import streamable_end
-
-
-def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateChunk:
-    """One stream message: the delta's tokens (and logprobs when asked), `text` the part of its text that may go
-    out now."""
-    return pb.GenerateChunk(
-        token_ids=delta.token_ids,
-        text=text,
-        logprobs=delta.logprobs if want_logprobs else (),
-        top_logprobs=[
-            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top]) for top in delta.top_logprobs
-        ]
-        if want_logprobs
-        else [],
-        finish_reason=delta.finish_reason or "",
-        num_prompt_tokens=delta.num_prompt_tokens,
-        num_cached_tokens=delta.num_cached_tokens,
-        num_external_cached_tokens=delta.num_external_tokens,
-    )
 
 
 async def generate_locally(
