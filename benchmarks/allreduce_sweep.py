@@ -1,10 +1,7 @@
 """The collectives of a tensor-parallel decode step, each timed alone inside a CUDA graph on two GPUs: the
 all-reduce of [rows, hidden] (one per block) and the LM head's logits gather of [rows, vocab / tp]. NCCL reads
 its tuning variables (NCCL_PROTO, NCCL_ALGO, ...) at start-up, so compare settings by running this once per
-setting; each run prints one JSON line per shape and a table. Every run also times the one-shot symmetric-memory
-all-reduce (engine/parallel/allreduce.py, what `TPGroup.all_reduce` uses for small tensors) side by side with NCCL,
-and checks it: a chain of all-reduces in one graph (a stale read of a peer's previous buffer changes the sum) must
-give exactly NCCL's bits, in fp32 and bf16, on every rank.
+setting; each run prints one JSON line per shape and a table.
 
     NCCL_PROTO=LL python benchmarks/allreduce_sweep.py --rows 1,16,64,256 --hidden 4096 --vocab 131072
 """
@@ -43,41 +40,6 @@ def _graph_us(body: Any, x: torch.Tensor) -> float:
     return statistics.median(timed(graph.replay, 3, 20)) * 1e6 / REPS
 
 
-def _nccl(y: torch.Tensor) -> torch.Tensor:
-    torch.distributed.all_reduce(y)
-    return y
-
-
-def _chain(body: Any, x: torch.Tensor, steps: int = 64) -> torch.Tensor:
-    """`steps` chained all-reduces of x (with a rank-dependent twist each step) captured in one graph, replayed."""
-    scale = 1.0 + 0.25 * torch.distributed.get_rank()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body(x.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = x.clone()
-        for _ in range(steps):
-            y = body(y * scale) * 0.25
-    graph.replay()
-    torch.cuda.synchronize()
-    return y.clone()
-
-
-def _same_bits(tp: Any, rows: int, hidden: int, dtype: torch.dtype, rank: int) -> bool | None:
-    """One-shot == NCCL bit for bit on a chain of all-reduces (None: the one-shot kernel does not take this size)."""
-    g = torch.Generator(device=f"cuda:{rank}").manual_seed(1234 + rank)
-    x = torch.randn(rows, hidden, dtype=dtype, device=f"cuda:{rank}", generator=g)
-    if tp.one_shot is None or not tp.one_shot.fits(x):
-        return None
-    ok = torch.equal(_chain(tp.one_shot, x), _chain(_nccl, x))
-    flags = torch.tensor([int(ok)], device=x.device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-    return bool(flags.item())
-
-
 def rank_main(rank: int, args: argparse.Namespace, init: str, queue: Any) -> None:
     from hybridpd.engine.parallel.group import init_tp
 
@@ -86,21 +48,10 @@ def rank_main(rank: int, args: argparse.Namespace, init: str, queue: Any) -> Non
     rows = []
     for n in args.rows:
         x = torch.randn(n, args.hidden, dtype=torch.bfloat16, device=device) * 1e-3
-        ar = _graph_us(lambda y: _nccl(y) * 0.5, x)
-        one = _graph_us(lambda y: tp.one_shot(y) * 0.5, x) if tp.one_shot and tp.one_shot.fits(x) else None
+        ar = _graph_us(lambda y: tp.all_reduce(y) * 0.5, x)
         logits = torch.randn(n, args.vocab // 2, dtype=torch.bfloat16, device=device)
         gather = _graph_us(lambda y: tp.all_gather_last(y)[:, : args.vocab // 2] * 0.5, logits)
-        exact = {str(dt): _same_bits(tp, n, args.hidden, dt, rank) for dt in (torch.float32, torch.bfloat16)}
-        rows.append(
-            {
-                "rows": n,
-                "hidden": args.hidden,
-                "all_reduce_us": ar,
-                "one_shot_us": one,
-                "logits_gather_us": gather,
-                "one_shot_equals_nccl": exact,
-            }
-        )
+        rows.append({"rows": n, "hidden": args.hidden, "all_reduce_us": ar, "logits_gather_us": gather})
     if rank == 0:
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         queue.put([{**r, "env": env, "nccl": ".".join(map(str, torch.cuda.nccl.version()))} for r in rows])
@@ -131,8 +82,7 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r))
         print(
-            f"{setting:40} rows {r['rows']:4d}: NCCL all-reduce {r['all_reduce_us']:6.1f} us, one-shot "
-            f"{r['one_shot_us'] or float('nan'):6.1f} us (== NCCL: {r['one_shot_equals_nccl']}), "
+            f"{setting:40} rows {r['rows']:4d}: all-reduce {r['all_reduce_us']:6.1f} us, "
             f"logits gather {r['logits_gather_us']:7.1f} us"
         )
     if args.out:

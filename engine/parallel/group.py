@@ -2,8 +2,7 @@
 
 Ranks are processes on one host: rank r of a worker on `cuda:N` runs on `cuda:N+r`; on CPU every rank runs on the
 CPU. Tensors move over `group` (NCCL on CUDA, gloo on CPU); Python objects (the step each rank executes) move over
-`control`, a gloo group in both cases, so broadcasting a step never touches the GPU stream. On CUDA, small all-reduces
-(a decode step's activations) take PyTorch's one-shot symmetric-memory kernel instead of NCCL (allreduce.py).
+`control`, a gloo group in both cases, so broadcasting a step never touches the GPU stream.
 Ownership: `init_tp` is called once per process before the model is loaded; the group lives as long as the process.
 """
 
@@ -16,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hybridpd.engine.parallel import allreduce
 
 
 @dataclass(frozen=True)
@@ -27,16 +25,13 @@ class TPGroup:
     world: int
     group: Any  # torch.distributed ProcessGroup for tensors
     control: Any  # gloo ProcessGroup for objects
-    one_shot: Any = None  # allreduce.OneShotAllReduce for small CUDA tensors (None: `group` for every size)
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks; returns the sum (x itself, summed in place, unless the one-shot kernel took it)."""
-        if self.one_shot is not None and self.one_shot.fits(x):
-            return self.one_shot(x)  # type: ignore[no-any-return]
+        """Sum over ranks, in place; returns x."""
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -94,8 +89,7 @@ def init_tp(rank: int, world: int, init_method: str, device: str, timeout_s: flo
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else group
-    one_shot = allreduce.build(group, torch.device(device), world) if cuda else None
-    return TPGroup(rank, world, group, control, one_shot)
+    return TPGroup(rank, world, group, control)
 
 
 __all__ = ["TPGroup", "free_port", "init_tp", "rank_device"]
