@@ -1,20 +1,23 @@
-"""Checkpoint slots that share memory with attention blocks (arena.py): the pools, and a movable boundary between them.
+"""Checkpoint slots that share memory with attention blocks (arena.py): the pools and the rule that keeps them apart.
 
-    attention blocks   0 1 .. k-1 | k .. 2k-1 | ... | C*k .. (C+1)*k-1      range c = blocks [c*k, (c+1)*k)
-    state slots        0 1 .. S F | F+1       | ... | F+C                   checkpoint slot F + c covers range c
-                       attention: lowest free block first -->   <-- checkpoints: highest free range first
+    attention blocks   0 1 .. k-1 | k .. 2k-1 | 2k .. 3k-1 | ...      range c = blocks [c*k, (c+1)*k)
+    state slots        0 1 .. S F | F+1       | F+2        | ...      checkpoint slot F + c covers range c
 
 The rule: a held checkpoint slot (pending, cached, pinned or reserved) and a held attention block (in use or
-cached) never share memory. A checkpoint slot is taken only over a *free range* (all k blocks free in every
-attention pool); the overlay then references those blocks (`cover`) until the slot is free again (`uncover`), so
-the budget charges a checkpoint the k blocks it covers. Attention grows up from block 1 and checkpoints down from
-range C, so they meet at a boundary: the highest range no checkpoint holds (`boundary`). With no free range, the
-cache tree (tree.py, `make_room`) evicts the lowest checkpoint or the boundary range's cached blocks, whichever
-loses less. Running slots (1 .. S) are reserved memory: a running slot is taken there first.
+cached) never share memory.
+- A checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool); the range's
+  blocks are then referenced by the overlay (`cover`), so no attention allocation can hand them out and the budget
+  charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`uncover`).
+- With no free range the cache tree (tree.py, `_make_room_arena`) evicts the lowest checkpoint (its range comes
+  free) or the cached blocks of the unreferenced range whose eviction loses least; else the checkpoint is skipped.
+- Attention blocks are handed out clustered (outside every range first, then the range in use, then ranges that
+  hold a referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so
+  ranges with no referenced block, the only ones a checkpoint can take, stay as many as they can.
+Running slots (1 .. S) are reserved memory: a running slot is taken there first (a checkpoint never is).
 
 Several groups: every attention pool has the same ids (block j of every group is one arena page) and every state
-pool too; range c is held while any state pool holds slot F + c, and a rider state pool takes a range its leader
-holds already (one range serves every group's checkpoint at one hash).
+pool too; range c is held while any state pool holds slot F + c, and a rider state pool prefers a range its
+leader already holds (one range serves every group's checkpoint at one hash).
 
 Ownership: the coordinator builds the pools and one `Overlay`; the pools update its counters; the tree asks it for
 ranges. Single-threaded (the step loop). Tensor-free.
@@ -23,71 +26,167 @@ ranges. Single-threaded (the step loop). Tensor-free.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from hybridpd.engine.cache.arena import ArenaLayout
 from hybridpd.engine.cache.block_pool import BlockPool, PoolExhaustedError
 
+PICK_SAMPLE = 32
+"""Ranges with free blocks an allocation compares (the best of a sample: a full scan cost as much as the rest of
+the cache manager on a workload with no reuse)."""
+
 
 class ArenaAttentionPool(BlockPool):
-    """Attention blocks of the arena: free blocks are handed out lowest id first."""
+    """Attention blocks of the arena: free blocks are kept per range and handed out clustered (`_take_free`)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         super().__init__(num_blocks, name, page_bytes)
         self.overlay: Overlay | None = None
-        self._order = list(range(1, num_blocks))
-        """Min-heap over `_free` (entries not in `_free` are stale and skipped)."""
+        self._plain_sets: list[set[int]] = []
+        """Free blocks per range (index 0: blocks outside every range), filled by `bind`."""
+        self._with_plain: set[int] = set()
+        """Ranges (>= 1) with a free block."""
+        self._last = 0
+        self._score_base = 2
         self.num_overlaid = 0
         """Blocks referenced by the overlay (covered by a held checkpoint slot)."""
 
+    def bind(self, overlay: Overlay) -> None:
+        self.overlay = overlay
+        self._score_base = overlay.num_ranges + overlay.full + 2  # > every range index and every nref
+        self._plain_sets = [set() for _ in range(overlay.num_ranges + 1)]
+        for b in reversed(self._free):
+            c = overlay.range_of(b)
+            self._plain_sets[c].add(b)
+            if c:
+                self._with_plain.add(c)
+        self._free.clear()
+
     def _take_free(self, n: int) -> list[int]:
-        out, order, free = [], self._order, self._free
+        """Free blocks, clustered (see the module docstring)."""
+        out: list[int] = []
+        ov = self.overlay
+        assert ov is not None, "arena pools are bound to an overlay"
+        nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
-            b = heapq.heappop(order)
-            if b in free:
-                del free[b]
-                out.append(b)
-                self.overlay.busy(b, 1)  # type: ignore[union-attr]
+            c = self._pick_range()
+            plain = self._plain_sets[c]
+            while plain and len(out) < n:
+                out.append(plain.pop())
+                if c:
+                    nref[c] += 1
+                    if nplain[c] == full:
+                        ov.num_free_ranges -= 1
+                    nplain[c] -= 1
+            if c:
+                ov.unreferenced.discard(c)
+                if not plain:
+                    self._with_plain.discard(c)
         return out
 
+    def _pick_range(self) -> int:
+        """Range 0 while it has free blocks; else the range in use; else, of a sample, the best by (has a referenced
+        block, wholly free last, more referenced blocks, higher range) as one integer to maximise."""
+        sets = self._plain_sets
+        if sets[0]:
+            return 0
+        ov = self.overlay
+        assert ov is not None
+        nref, nplain, full = ov.nref, ov.nplain, ov.full
+        last = self._last
+        if last and sets[last] and nref[last]:
+            return last
+        m = self._score_base
+        best, best_score = 0, -1
+        for c in itertools.islice(self._with_plain, PICK_SAMPLE):
+            r = nref[c]
+            score = (m + r) * m + c if r else (c if nplain[c] == full else m + c)
+            if score > best_score:
+                best, best_score = c, score
+        self._last = best
+        return best
+
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
+        ov = self.overlay
+        assert ov is not None
+        c = ov.range_of(block_id)
+        if not c:
+            if was_plain:
+                self._plain_sets[0].discard(block_id)
+            return
+        ov.nref[c] += 1
+        ov.unreferenced.discard(c)
         if was_plain:
-            del self._free[block_id]
-            self.overlay.busy(block_id, 1)  # type: ignore[union-attr]
+            plain = self._plain_sets[c]
+            plain.discard(block_id)
+            if not plain:
+                self._with_plain.discard(c)
+            if ov.nplain[c] == ov.full:
+                ov.num_free_ranges -= 1
+            ov.nplain[c] -= 1
 
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
+        ov = self.overlay
+        assert ov is not None
+        c = ov.range_of(block_id)
+        if not c:
+            if now_plain:
+                self._plain_sets[0].add(block_id)
+            return
+        ov.nref[c] -= 1
+        if not ov.nref[c]:
+            ov.unreferenced.add(c)
         if now_plain:
-            self._on_plain(block_id)
+            self._plain_in(c, block_id)
+        else:
+            ov.clock += 1
+            ov.age[c] = ov.clock
 
     def _on_plain(self, block_id: int) -> None:
-        self._free[block_id] = None
-        heapq.heappush(self._order, block_id)
-        self.overlay.busy(block_id, -1)  # type: ignore[union-attr]
-        if len(self._order) > 2 * self.num_blocks:  # mostly stale: rebuild
-            self._order = sorted(self._free)
+        ov = self.overlay
+        c = block_id // ov.k  # type: ignore[union-attr]  # (`range_of`, inlined: once per eviction)
+        if 1 <= c <= ov.num_ranges:  # type: ignore[union-attr]
+            self._plain_in(c, block_id)
+        else:
+            self._plain_sets[0].add(block_id)
 
-    def cover(self, blocks: range) -> None:
-        """The overlay takes these free blocks (a checkpoint slot over them is held): it references them."""
-        for b in blocks:
-            del self._free[b]
-        self.ref_cnt[blocks.start : blocks.stop] = [1] * len(blocks)
-        self.num_plain -= len(blocks)
-        self.num_overlaid += len(blocks)
+    def _plain_in(self, c: int, block_id: int) -> None:
+        self._plain_sets[c].add(block_id)
+        self._with_plain.add(c)
+        self.overlay.plain_in(c)  # type: ignore[union-attr]
 
-    def uncover(self, blocks: range) -> None:
-        """The overlay gives these blocks back: free again."""
-        self.ref_cnt[blocks.start : blocks.stop] = [0] * len(blocks)
-        self.num_plain += len(blocks)
-        self.num_overlaid -= len(blocks)
-        for b in blocks:
-            self._free[b] = None
-            heapq.heappush(self._order, b)
+    def _is_free(self, block_id: int) -> bool:
+        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        return block_id in self._plain_sets[c] if self._plain_sets else False
+
+    def cover(self, c: int) -> None:
+        """The overlay takes free range c (a checkpoint slot over it is held): its blocks are referenced by it."""
+        ov = self.overlay
+        assert ov is not None
+        blocks = ov.blocks_of(c)
+        self.ref_cnt[blocks.start : blocks.stop] = [1] * ov.k
+        self.num_plain -= ov.k
+        self.num_overlaid += ov.k
+        self._plain_sets[c].clear()
+        self._with_plain.discard(c)
+
+    def uncover(self, c: int) -> None:
+        """The overlay gives range c back: its blocks are free again."""
+        ov = self.overlay
+        assert ov is not None
+        blocks = ov.blocks_of(c)
+        self.ref_cnt[blocks.start : blocks.stop] = [0] * ov.k
+        self.num_plain += ov.k
+        self.num_overlaid -= ov.k
+        self._plain_sets[c].update(blocks)
+        self._with_plain.add(c)
 
     def free_block_ids(self) -> list[int]:
-        return sorted(self._free)
+        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
 
     def own_refs(self, block_id: int) -> int:
-        ov = self.overlay
-        return int(ov is not None and block_id // ov.k in ov.held)
+        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
 
     def stats(self) -> dict[str, int]:
         s = super().stats()
@@ -166,7 +265,7 @@ class ArenaStatePool(BlockPool):
         self.ref_cnt[s] = 1
         if s > self.first_overlay:
             self.num_overlay_held += 1
-            self.overlay.hold(s - self.first_overlay)  # type: ignore[union-attr]
+            self.overlay.hold(self, s - self.first_overlay)  # type: ignore[union-attr]
         return s
 
     def _on_ref(self, slot: int, was_plain: bool) -> None:
@@ -181,7 +280,7 @@ class ArenaStatePool(BlockPool):
             heapq.heappush(self._running_free, slot)
         elif slot > self.first_overlay and self.overlay is not None:
             self.num_overlay_held -= 1
-            self.overlay.release(slot - self.first_overlay)
+            self.overlay.release(self, slot - self.first_overlay)
 
     def _is_free(self, slot: int) -> bool:
         if slot < self.first_overlay:
@@ -190,12 +289,16 @@ class ArenaStatePool(BlockPool):
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        held = sum(1 for s in range(self.first_overlay + 1, self.num_blocks) if not self._is_free(s))
+        held = sum(
+            1
+            for s in range(self.first_overlay + 1, self.num_blocks)
+            if self.ref_cnt[s] or self.block_hash[s] is not None
+        )
         assert held == self.num_overlay_held, (self.name, held, self.num_overlay_held)
 
 
 class Overlay:
-    """Which ranges are free, held by checkpoints, or busy with attention blocks (see the module docstring)."""
+    """Per-range counters over the attention pools and the state pools' holds (see the module docstring)."""
 
     def __init__(self, arena: ArenaLayout, attention: list[ArenaAttentionPool], states: list[ArenaStatePool]) -> None:
         self.k = arena.blocks_per_slot
@@ -203,97 +306,107 @@ class Overlay:
         """C: ranges 1 .. C (range 0 holds the null block and is never a checkpoint's)."""
         self.attention = attention
         self.states = states
+        self.full = self.k * len(attention)
+        """Free blocks of a whole range (every attention pool)."""
         n = self.num_ranges + 1
-        self.num_busy = [0] * n
-        """Held (in use or cached) attention blocks in each range, every pool; a range is free while 0 and not held."""
+        self.nplain = [self.full] * n
+        self.nref = [0] * n
+        self.unreferenced = set(range(1, n))
+        """Ranges with no referenced block (nref 0): the ones whose cached blocks may be evicted."""
         self.holders = [0] * n
-        """State pools holding each range's slot; the range is `held` (its blocks covered) while > 0."""
         self.held: set[int] = set()
-        self._free_heap = [-c for c in range(n - 1, 0, -1)]
-        """Max-heap (negated) of free ranges; entries of ranges no longer free are stale and skipped."""
+        self.age = [-1] * n
+        """When a cached block of each range was last released (a counter; -1: none since it was wholly free):
+        the longest unused ranges go first among equals (`CacheTree._pick_range`)."""
+        self.clock = 0
+        self._free_heap = list(range(1, n))
         self.num_free_ranges = self.num_ranges
         self.num_range_evictions = 0
-        """Boundary ranges whose cached blocks were evicted to make room for a checkpoint."""
+        """Ranges whose cached blocks were evicted to make room for a checkpoint."""
         for p in attention:
-            p.overlay = self
+            p.bind(self)
         for s in states:
             s.overlay = self
+
+    def range_of(self, block_id: int) -> int:
+        c = block_id // self.k
+        return c if 1 <= c <= self.num_ranges else 0
 
     def blocks_of(self, c: int) -> range:
         return range(c * self.k, (c + 1) * self.k)
 
-    def busy(self, block_id: int, delta: int) -> None:
-        """An attention block became held (delta 1) or free (-1)."""
-        c = block_id // self.k
-        if not 1 <= c <= self.num_ranges:
-            return
-        n = self.num_busy[c] = self.num_busy[c] + delta
-        if n == 0:
+    def plain_in(self, c: int, n: int = 1) -> None:
+        """n blocks of range c became free."""
+        self.nplain[c] += n
+        if self.nplain[c] == self.full:
             self.num_free_ranges += 1
-            heapq.heappush(self._free_heap, -c)
-        elif n == 1 and delta == 1:
-            self.num_free_ranges -= 1
-
-    def boundary(self) -> int | None:
-        """The highest range no checkpoint holds (where attention meets the checkpoints), None if all are held."""
-        c = self.num_ranges
-        while c in self.held:
-            c -= 1
-        return c or None
+            self.age[c] = -1
+            heapq.heappush(self._free_heap, c)
 
     def _shared(self, pool: ArenaStatePool) -> list[int]:
         """Ranges another state pool holds whose slot is free in `pool` (a rider's checkpoint shares them)."""
         if len(self.states) == 1:
             return []
-        return sorted(c for c in self.held if pool._is_free(pool.first_overlay + c))
+        first = pool.first_overlay
+        return sorted(c for c in self.held if not pool.ref_cnt[first + c] and pool.block_hash[first + c] is None)
 
     def available(self, pool: ArenaStatePool) -> int:
         return self.num_free_ranges + len(self._shared(pool))
 
     def pick_range(self, pool: ArenaStatePool) -> int | None:
-        """The range for a new checkpoint of `pool`: one another group holds already, else the highest free one."""
+        """The range for a new checkpoint of `pool`: one another group holds already, else the lowest free one."""
         shared = self._shared(pool)
         if shared:
             return shared[0]
         heap = self._free_heap
-        while heap and (self.num_busy[-heap[0]] or -heap[0] in self.held):
+        while heap:
+            c = heap[0]
+            if self.nplain[c] == self.full:
+                return c  # stays in the heap: it is skipped as stale once held
             heapq.heappop(heap)
-        return -heap[0] if heap else None
+        return None
 
-    def hold(self, c: int) -> None:
+    def hold(self, pool: ArenaStatePool, c: int) -> None:
         self.holders[c] += 1
         if self.holders[c] == 1:
-            assert not self.num_busy[c] and c not in self.held, (c, "range not free")
+            assert self.nplain[c] == self.full, (pool.name, c, "range not free")
             self.held.add(c)
             self.num_free_ranges -= 1
+            self.nplain[c] = 0
             for p in self.attention:
-                p.cover(self.blocks_of(c))
+                p.cover(c)
+            self.nref[c] = self.full
+            self.unreferenced.discard(c)
 
-    def release(self, c: int) -> None:
+    def release(self, pool: ArenaStatePool, c: int) -> None:
         self.holders[c] -= 1
         if self.holders[c] == 0:
             self.held.discard(c)
             for p in self.attention:
-                p.uncover(self.blocks_of(c))
-            self.num_free_ranges += 1
-            heapq.heappush(self._free_heap, -c)
+                p.uncover(c)
+            self.nref[c] = 0
+            self.unreferenced.add(c)
+            self.plain_in(c, self.full)
 
     def check_integrity(self) -> None:
-        """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any name),
-        and a range is held exactly while some state pool holds its slot."""
-        free = 0
+        """Counters match the pools; a held range's blocks are referenced by the overlay alone (free of any
+        name), and a range is held exactly while some state pool holds its slot."""
         for c in range(1, self.num_ranges + 1):
             blocks = self.blocks_of(c)
-            holders = sum(1 for s in self.states if not s._is_free(s.first_overlay + c))
+            plain = sum(1 for p in self.attention for b in blocks if not p.ref_cnt[b] and p.block_hash[b] is None)
+            ref = sum(1 for p in self.attention for b in blocks if p.ref_cnt[b])
+            assert (plain, ref) == (self.nplain[c], self.nref[c]), (c, plain, ref, self.nplain[c], self.nref[c])
+            holders = sum(
+                1
+                for s in self.states
+                if s.ref_cnt[s.first_overlay + c] or s.block_hash[s.first_overlay + c] is not None
+            )
             assert holders == self.holders[c] and (c in self.held) == (holders > 0), (c, holders, self.holders[c])
             if holders:
-                assert all(p.ref_cnt[b] == 1 and p.block_hash[b] is None for p in self.attention for b in blocks), c
-                continue
-            busy = sum(1 for p in self.attention for b in blocks if not p._is_free(b))
-            assert busy == self.num_busy[c], (c, busy, self.num_busy[c])
-            free += not busy
-            assert busy or -c in self._free_heap, (c, "a free range is in the heap")
-        assert free == self.num_free_ranges, (free, self.num_free_ranges)
+                for p in self.attention:
+                    assert all(p.ref_cnt[b] == 1 and p.block_hash[b] is None for b in blocks), (p.name, c)
+        assert self.unreferenced == {c for c in range(1, self.num_ranges + 1) if not self.nref[c]}, "unreferenced"
+        assert self.num_free_ranges == sum(1 for c in range(1, self.num_ranges + 1) if self.nplain[c] == self.full)
         for p in self.attention:
             assert p.num_overlaid == self.k * len(self.held), p.name
-            assert set(p._free) <= set(p._order), p.name
+            assert p._with_plain == {c for c in range(1, self.num_ranges + 1) if p._plain_sets[c]}, p.name

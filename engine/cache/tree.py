@@ -276,30 +276,32 @@ class CacheTree:
         node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
         if node is None or node.last_hit is None or node.demoted:
             return False
-        return self.num_states_cached + self.num_checkpoints_skipped - node.last_hit <= self.served_window
+        return self.num_states_cached - node.last_hit <= self.served_window
 
     def _stale(self, slot: int) -> bool:
         """The checkpoint in `slot` was last restored more than one turnover of the checkpoint ids ago."""
         node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
         last = node.last_hit if node is not None else None
-        return last is not None and SERVED_TURNOVERS * (self.num_states_cached + self.num_checkpoints_skipped - last) > self.served_window
+        return last is not None and SERVED_TURNOVERS * (self.num_states_cached - last) > self.served_window
 
     # -- ranges (arena) ----------------------------------------------------------------------------------------
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
-        """The boundary range when it has no referenced block and its eviction loses less per byte than `below` (the
-        lowest checkpoint's priority: that one goes instead); a priceless one only when `priceless_ok`."""
+        """Among the RANGE_CANDIDATES longest unused ranges with no referenced block, the one whose eviction loses
+        least per byte (ties: longest unused, most free blocks). None when none is cheaper than `below` (the lowest
+        checkpoint's priority: that one goes instead), or only priceless ones are left and not `priceless_ok`."""
         ov = self.overlay
         assert ov is not None
-        c = ov.num_ranges
-        while c and (c in ov.held or any(p.ref_cnt[b] for p in self.attention_pools for b in ov.blocks_of(c))):
-            c -= 1
-        if not c:
-            return None
         bound = INF if below is None else max(0.0, below - self.clock)
-        cost = self._range_cost(c, bound)
-        if cost > bound or (cost == INF and not priceless_ok):
+        age, nplain = ov.age, ov.nplain
+        best, best_key = None, (INF, 0, 0)
+        for _, _, c in heapq.nsmallest(RANGE_CANDIDATES, [(age[c], -nplain[c], c) for c in ov.unreferenced]):
+            cost = self._range_cost(c, bound)
+            key = (cost, age[c], -nplain[c])
+            if cost <= bound and (best is None or key < best_key):
+                best, best_key, bound = c, key, cost
+        if best is not None and best_key[0] == INF and not priceless_ok:
             return None
-        return c
+        return best
 
     def _range_cost(self, c: int, bound: float) -> float:
         """Credit per byte that evicting range c loses: every cached block in it, with its subtree when it has
@@ -466,7 +468,7 @@ class CacheTree:
         h = pool.block_hash[page]
         if h is not None and (kind == STATE or self.state is None):
             node = self.nodes[h]
-            node.last_hit = self.num_states_cached + self.num_checkpoints_skipped  # a restore (or, attention-only, a block reuse)
+            node.last_hit = self.num_states_cached  # a restore (or, attention-only, a block reuse)
             node.demoted = False  # restored: a real reuse point after all
 
     def _node(self, h: bytes, tokens: int) -> Node:
