@@ -80,8 +80,15 @@ class Node:
 
 
 class CacheTree:
-    def __init__(self, attention: list[BlockPool], state: list[BlockPool], budget_bytes: int, alpha: float = 1.0,
-                 block_size: int = 16, overlay: Overlay | None = None) -> None:
+    def __init__(
+        self,
+        attention: list[BlockPool],
+        state: list[BlockPool],
+        budget_bytes: int,
+        alpha: float = 1.0,
+        block_size: int = 16,
+        overlay: Overlay | None = None,
+    ) -> None:
         """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first; the others
         ride along (a rider names h only while its leader does). `overlay`: the arena's, if there is one."""
         self.chain: BlockPool | None = attention[0] if attention else None
