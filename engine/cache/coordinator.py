@@ -477,16 +477,10 @@ class HybridCacheManager:
         return ReservedCheckpoint(num_tokens, slots, h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        """The pulled checkpoint arrived: cache it (the lead group first, riders only where it did) and release
-        the reservation."""
+        """The pulled checkpoint arrived: cache it (the lead group first) and release the reservation."""
         for m, gid in self._state_gids:
-            slot = ckpt.slots[gid]
-            lead_has = m.leader is None or ckpt.block_hash in m.leader.cached
-            if lead_has and m.pool.cache(slot, ckpt.block_hash):
-                m.num_admitted += 1
-                if m.tree is not None:
-                    m.tree.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
-            m.pool.free([slot])
+            m.publish(ckpt.slots[gid], ckpt.block_hash, ckpt.num_tokens)
+        self.drop_checkpoint(ckpt)
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
         for m, gid in self._state_gids:
