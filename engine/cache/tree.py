@@ -240,11 +240,12 @@ class CacheTree:
         if c is not None:
             self._evict_range(c)
             return True
-        since = self._since_hit(lowest[1]) if checkpoint and lowest is not None else None
-        if since is not None and since <= self.served_window:  # it served a hit lately: it stays, the new,
-            if SERVED_TURNOVERS * since > self.served_window:  # speculative one is skipped; kept on an old hit,
-                self.clock = max(self.clock, lowest[2])  # time moves on (old popularity ages out)
-            return None
+        if checkpoint and lowest is not None:
+            since = self._since_hit(lowest[1])
+            if since is not None and since <= self.served_window:  # it served a hit lately: it stays, the new,
+                if SERVED_TURNOVERS * since > self.served_window:  # speculative one is skipped; kept on an old
+                    self.clock = max(self.clock, lowest[2])  # hit, time moves on (old popularity ages out)
+                return None
         return lowest
 
     def _evict_victim(self, victim: tuple[int, int, float]) -> None:
