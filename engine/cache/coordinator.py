@@ -483,8 +483,7 @@ class HybridCacheManager:
         self.drop_checkpoint(ckpt)
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        for m, gid in self._state_gids:
-            m.pool.free([ckpt.slots[gid]])
+        self.unpin_checkpoint(ckpt.slots)
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def seq_tables(self, req_id: str) -> Tables:
