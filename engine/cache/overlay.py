@@ -58,26 +58,24 @@ class ArenaAttentionPool(BlockPool):
     def _take_free(self, n: int) -> list[int]:
         """Free blocks, clustered (see the module docstring)."""
         out: list[int] = []
+        ov = self.overlay
+        assert ov is not None, "arena pools are bound to an overlay"
+        nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
             c = self._pick_range()
             plain = self._plain_sets[c]
             while plain and len(out) < n:
                 out.append(plain.pop())
                 if c:
-                    self._took(c)
+                    nref[c] += 1
+                    if nplain[c] == full:
+                        ov.num_free_ranges -= 1
+                    nplain[c] -= 1
+            if c:
+                ov.unreferenced.discard(c)
+                if not plain:
+                    self._with_plain.discard(c)
         return out
-
-    def _took(self, c: int) -> None:
-        """A free block of range c (>= 1), already out of its free set, got its first reference."""
-        ov = self.overlay
-        assert ov is not None, "arena pools are bound to an overlay"
-        ov.nref[c] += 1
-        ov.unreferenced.discard(c)
-        if not self._plain_sets[c]:
-            self._with_plain.discard(c)
-        if ov.nplain[c] == ov.full:
-            ov.num_free_ranges -= 1
-        ov.nplain[c] -= 1
 
     def _pick_range(self) -> int:
         """Range 0 while it has free blocks; else the range in use; else, of a sample, the best by (has a referenced
@@ -105,27 +103,37 @@ class ArenaAttentionPool(BlockPool):
         ov = self.overlay
         assert ov is not None
         c = ov.range_of(block_id)
+        if not c:
+            if was_plain:
+                self._plain_sets[0].discard(block_id)
+            return
+        ov.nref[c] += 1
+        ov.unreferenced.discard(c)
         if was_plain:
-            self._plain_sets[c].discard(block_id)
-        if c and was_plain:
-            self._took(c)
-        elif c:
-            ov.nref[c] += 1
-            ov.unreferenced.discard(c)
+            plain = self._plain_sets[c]
+            plain.discard(block_id)
+            if not plain:
+                self._with_plain.discard(c)
+            if ov.nplain[c] == ov.full:
+                ov.num_free_ranges -= 1
+            ov.nplain[c] -= 1
 
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
         ov = self.overlay
         assert ov is not None
         c = ov.range_of(block_id)
-        if c:
-            ov.nref[c] -= 1
-            if not ov.nref[c]:
-                ov.unreferenced.add(c)
-            if not now_plain:
-                ov.clock += 1
-                ov.age[c] = ov.clock
+        if not c:
+            if now_plain:
+                self._plain_sets[0].add(block_id)
+            return
+        ov.nref[c] -= 1
+        if not ov.nref[c]:
+            ov.unreferenced.add(c)
         if now_plain:
-            self._on_plain(block_id)
+            self._plain_in(c, block_id)
+        else:
+            ov.clock += 1
+            ov.age[c] = ov.clock
 
     def _on_plain(self, block_id: int) -> None:
         ov = self.overlay
