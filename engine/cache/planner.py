@@ -1,18 +1,27 @@
 """Capacity planner: split a memory budget between recurrent-state slots and attention blocks, exactly.
 
-One arena (a `policy` is given; the engine always gives one; arena.py has the picture): only the running requests'
-states are reserved; cached checkpoints and cached blocks share the rest physically, a checkpoint slot being k
-attention blocks of memory, so the split follows the workload:
+One arena (a `policy` is given; the engine always gives one): only the running requests' states are reserved;
+cached checkpoints and cached attention blocks share the rest *physically*: a checkpoint slot is k attention
+blocks of memory (arena.py has the picture, overlay.py the rule that keeps them apart), so the split follows the
+workload and nothing beyond the budget is allocated:
 
-    k                = ceil(bytes_per_state / bytes_per_block)
-    attention_blocks = floor((budget - (1 + max_num_seqs) * k * bytes_per_block) / bytes_per_block)  (0 = null)
+    k                = ceil(bytes_per_state / bytes_per_block)     (a state page rounded up to whole blocks)
+    attention_blocks = floor((budget - (1 + max_num_seqs) * k * bytes_per_block) / bytes_per_block) (0 = null)
+    state_slots      = 1 (null) + max_num_seqs (running) + 1 (pinned) + checkpoint ids
     checkpoint ids   = attention_blocks // k - 1, at most num_checkpoint_slots (None: no cap)
-    token_capacity   = (attention_blocks - 1) * block_size   (the optimum with no cached checkpoint, less the
-                                                              rounding of the reserved slots to k blocks)
+    token_capacity   = (attention_blocks - 1) * block_size     (with no cached checkpoint: the optimum, less the
+                                                                 rounding of the reserved slots to k blocks)
+    physical_bytes   = the arena = budget - (less than one block)
 
-Separate tensors (no policy, or a model without attention layers: nothing to overlay): state slots
-1 (null) + max_num_seqs + num_checkpoint_slots are reserved up front (with a policy only the running ones count
-against the budget) and attention gets the rest. Each pool keeps its natural page size.
+A model without attention layers has nothing to overlay: its checkpoint slots are reserved from the budget.
+
+Separate tensors (no policy: what the GPU kernel benchmarks plan; the engine always passes a policy): checkpoint
+slots are reserved up front and attention gets the rest (the cache manager still runs its one tree over them):
+
+    state_slots      = 1 (null) + max_num_seqs (running) + num_checkpoint_slots
+    attention_blocks = floor((budget - state_slots * bytes_per_state) / bytes_per_block)     (block 0 = null)
+
+Each pool keeps its natural page size: no padding to a common page, no inflated block size.
 """
 
 from __future__ import annotations
