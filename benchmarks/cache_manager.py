@@ -38,7 +38,8 @@ Reported per workload and policy:
 - first-reuse bound: the theoretical minus hits that no policy can have, because the boundary had never been a
   branch point (two computed sequences diverging) nor an end (of a prompt or a request) before;
 - us per scheduled request per step: wall (and CPU) time of schedule() + update_from_output() + finish() over the
-  run / (request, step) pairs, median of --repeats runs (the bookkeeping for the theoretical is outside the timing);
+  run / (request, step) pairs, median of --repeats runs (the fake model's sampled tokens and the bookkeeping for the
+  theoretical are outside the timing; `vllm_cache_baseline.py` times the same scope of vLLM's scheduler);
 - no_reuse: attention blocks the running requests can hold / floor((budget - max_num_seqs * state bytes) / block
   bytes), the one-state-per-running-request optimum.
 
@@ -300,8 +301,11 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
     while sched.num_unfinished:
         t0, c0 = time.perf_counter(), time.process_time()
         out = sched.schedule()
-        sampled = {s.request_id: (fake_token(sched.requests[s.request_id].num_tokens,
+        timed -= t0 - time.perf_counter()
+        cpu -= c0 - time.process_time()
+        sampled = {s.request_id: (fake_token(sched.requests[s.request_id].num_tokens,  # the fake model: untimed
                                              index[s.request_id]), 0.0) for s in out.seqs if s.sample}
+        t0, c0 = time.perf_counter(), time.process_time()
         advanced = sched.update_from_output(out, sampled)
         done = [r for r in advanced if len(r.output_token_ids) >= r.sampling_params.max_tokens]
         for r in done:

@@ -42,13 +42,7 @@ class LruTree(CacheTree):
         h = pool.block_hash[page]
         assert h is not None
         self._discard(kind, page)
-        if count:
-            pool.evict(page)
-            label = "state" if kind else "attention"
-            self.num_evicted[label] += 1
-            self.evicted_bytes[label] += pool.page_bytes
-        else:
-            pool.uncache(page)
+        pool.evict(page, count)
         self._drop_riders(kind, h, count)
         if all(p is None or p.lookup(h) is None for p in self.pool_of):
             del self.nodes[h]

@@ -158,7 +158,7 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
         if self.events is not None:
-            self.events.stored(self.event_group, block_hash)
+            self.events.append(True, self.event_group, block_hash)
         return True
 
     def rename(self, src: int, dst: int) -> None:
@@ -189,7 +189,7 @@ class BlockPool:
         if self.cached.get(h) == block_id:
             del self.cached[h]
             if self.events is not None:
-                self.events.removed(self.event_group, h)
+                self.events.append(False, self.event_group, h)
         if count:
             self.num_evictions += 1
         if self.ref_cnt[block_id] == 0:

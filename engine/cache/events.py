@@ -47,13 +47,8 @@ class CacheEventLog:
         self.overflowed = False
         """Set when events were dropped since the last drain: the consumer must resync from a snapshot."""
 
-    def stored(self, group: int, block_hash: bytes) -> None:
-        self._append(True, group, block_hash)
-
-    def removed(self, group: int, block_hash: bytes) -> None:
-        self._append(False, group, block_hash)
-
-    def _append(self, stored: bool, group: int, block_hash: bytes) -> None:
+    def append(self, stored: bool, group: int, block_hash: bytes) -> None:
+        """One event: `block_hash` of `group` became findable (`stored`) or stopped being findable."""
         with self._lock:  # a plain tuple here: the CacheEvent is built when drained (off the step loop's path)
             if len(self._events) >= self._capacity:
                 self._events.popleft()

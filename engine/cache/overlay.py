@@ -60,18 +60,15 @@ class ArenaAttentionPool(BlockPool):
         out: list[int] = []
         ov = self.overlay
         assert ov is not None, "arena pools are bound to an overlay"
-        nref, nplain, full = ov.nref, ov.nplain, ov.full
         while len(out) < n:
             c = self._pick_range()
             plain = self._plain_sets[c]
-            while plain and len(out) < n:
-                out.append(plain.pop())
-                if c:
-                    nref[c] += 1
-                    if nplain[c] == full:
-                        ov.num_free_ranges -= 1
-                    nplain[c] -= 1
+            m = min(len(plain), n - len(out))
+            out += [plain.pop() for _ in range(m)]
             if c:
+                ov.nref[c] += m
+                ov.num_free_ranges -= ov.nplain[c] == ov.full
+                ov.nplain[c] -= m
                 ov.unreferenced.discard(c)
                 if not plain:
                     self._with_plain.discard(c)

@@ -129,8 +129,6 @@ class CacheTree:
         """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
         self._since_refresh = 0
         self._going: set[bytes] = set()
-        self.evicted_bytes = {"attention": 0, "state": 0}
-        self.num_evicted = {"attention": 0, "state": 0}
         for p in self.pools:
             p.listener = self
 
@@ -275,7 +273,8 @@ class CacheTree:
         bound = INF if below is None else max(0.0, below - self.clock)
         age, nplain = ov.age, ov.nplain
         best, best_key = None, (INF, 0, 0)
-        for _, _, c in heapq.nsmallest(RANGE_CANDIDATES, [(age[c], -nplain[c], c) for c in ov.unreferenced]):
+        # no free range is left here, so the unreferenced ones each hold a cached block: ages are distinct clocks
+        for c in sorted(ov.unreferenced, key=age.__getitem__)[:RANGE_CANDIDATES]:
             cost = self._range_cost(c, bound)
             key = (cost, age[c], -nplain[c])
             if cost <= bound and (best is None or key < best_key):
@@ -348,7 +347,6 @@ class CacheTree:
                     continue
                 if pool is not self.chain:
                     pool.evict(b)  # a rider's page alone: its group only serves shorter hits
-                    self.evicted_bytes["attention"] += pool.page_bytes
                 else:
                     self._evict_subtree(self.nodes[h])
 
@@ -381,13 +379,7 @@ class CacheTree:
         h = pool.block_hash[page]
         assert h is not None
         self._discard(kind, page)
-        if count:
-            pool.evict(page)
-            label = "state" if kind else "attention"
-            self.num_evicted[label] += 1
-            self.evicted_bytes[label] += pool.page_bytes
-        else:
-            pool.uncache(page)
+        pool.evict(page, count)
         if self.riders[kind]:
             self._drop_riders(kind, h, count)
         if prio is not None and prio > self.clock:
@@ -410,11 +402,7 @@ class CacheTree:
             page = rider.lookup(h)
             if page is None:
                 continue
-            if count and rider.ref_cnt[page] == 0:
-                rider.evict(page)
-                self.evicted_bytes["state" if kind else "attention"] += rider.page_bytes
-            else:
-                rider.uncache(page)
+            rider.evict(page, count and rider.ref_cnt[page] == 0)
 
     def _unlink(self, node: Node) -> None:
         parent = node.parent

@@ -24,7 +24,7 @@ class _Cache:
 
     def store(self, group: int, h: bytes) -> None:
         self.held[group].add(h)
-        self.events.stored(group, h)
+        self.events.append(True, group, h)
 
     def cached_hashes(self) -> dict[int, set[bytes]]:
         return {g: set(h) for g, h in self.held.items()}

@@ -103,7 +103,7 @@ def test_salted_prompts_hash_apart(checkpoint_dir):  # type: ignore[no-untyped-d
 def test_event_log_overflow_and_gaps_mark_the_index_stale() -> None:
     log = CacheEventLog(capacity=2)
     for i in range(3):
-        log.stored(0, bytes([i]) * 16)
+        log.append(True, 0, bytes([i]) * 16)
     events, lost = log.drain()
     assert lost and len(events) == 2 and log.seq == 3
     index = WorkerCacheIndex(CacheShape(16, (0,), (), 16))

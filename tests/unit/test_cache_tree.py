@@ -37,7 +37,7 @@ def test_clock_rises_to_each_evicted_priority() -> None:
     assert low is not None and tree.clock == 0.0
     serve(s, "b", list(range(500, 528)))  # needs the whole budget: a's cache goes
     assert s.cache.recurrent.pool.lookup(a.block_hashes[2]) is None  # type: ignore[union-attr]
-    assert tree.num_evicted["state"] >= 1 and tree.clock >= low[2] > 0.0  # the checkpoint's value lifted it
+    assert tree.state.num_evictions >= 1 and tree.clock >= low[2] > 0.0  # the checkpoint's value lifted it
     s.cache.check_integrity()
 
 

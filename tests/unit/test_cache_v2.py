@@ -143,7 +143,7 @@ def test_one_budget_blocks_and_states_evict_each_other() -> None:
     b, _ = serve(s, "b", list(range(500, 528)))
     assert b.num_cached_tokens == 0
     assert rc.held_bytes() <= rc.budget_bytes
-    assert rc.num_evicted["state"] >= 1 and rc.num_evicted["attention"] >= 1
+    assert rc.state.num_evictions >= 1 and rc.chain.num_evictions >= 1
     again, _ = serve(s, "a2", P + [1])
     assert again.num_cached_tokens == 0  # nothing half-kept: no state without its chain
 
@@ -197,7 +197,7 @@ def test_lru_baseline_evicts_in_release_order_across_pools() -> None:
     serve(s, "a", P + [1])
     serve(s, "b", list(range(500, 528)))
     s.cache.check_integrity()
-    assert s.cache.tree is not None and s.cache.tree.num_evicted["state"] >= 1
+    assert s.cache.tree is not None and s.cache.tree.state.num_evictions >= 1
 
 
 def test_transfer_checkpoint_reserved_at_a_block_boundary_and_kept() -> None:
