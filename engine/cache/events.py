@@ -12,8 +12,9 @@ The router (proxy side) replays a worker's events into its index and computes a 
 worker: attention blocks up to the deepest block boundary where every recurrent group holds a checkpoint (what the
 worker's own hit search would return). Events are advisory: a lost, duplicated or reordered event only makes the
 router's guess worse; the worker always computes its real hit itself. `CacheEventLog` is bounded: when a consumer
-falls behind by more than `capacity` events the log drops the oldest ones and marks itself `overflowed`; the
-consumer then resyncs from a snapshot (`HybridCacheManager.cached_hashes()`).
+falls behind by more than `capacity` events (or nobody drains) the log drops every event and keeps none until the
+next drain, which says `overflowed`; the consumer then resyncs from a snapshot (`HybridCacheManager.cached_hashes()`),
+which holds everything the dropped events said.
 
 Ownership: the cache (step thread) appends; the worker's event stream drains. Tensor-free.
 """
@@ -45,16 +46,20 @@ class CacheEventLog:
         self.seq = 0
         """Number of events ever appended (monotonic; the consumer's position after a drain)."""
         self.overflowed = False
-        """Set when events were dropped since the last drain: the consumer must resync from a snapshot."""
+        """Set when events were dropped since the last drain (then none is kept): the consumer must resync from a
+        snapshot."""
 
     def append(self, stored: bool, group: int, block_hash: bytes) -> None:
         """One event: `block_hash` of `group` became findable (`stored`) or stopped being findable."""
         with self._lock:  # a plain tuple here: the CacheEvent is built when drained (off the step loop's path)
-            if len(self._events) >= self._capacity:
-                self._events.popleft()
-                self.overflowed = True
-            self._events.append((stored, group, block_hash))
             self.seq += 1
+            if self.overflowed:
+                return
+            if len(self._events) >= self._capacity:
+                self._events.clear()
+                self.overflowed = True
+                return
+            self._events.append((stored, group, block_hash))
 
     def drain(self) -> tuple[list[CacheEvent], bool]:
         """Take every queued event; returns (events, overflowed) and clears the overflow mark."""

@@ -60,8 +60,9 @@ class ArenaAttentionPool(BlockPool):
         out: list[int] = []
         ov = self.overlay
         assert ov is not None, "arena pools are bound to an overlay"
+        sample: list[tuple[int, int]] = []
         while len(out) < n:
-            c = self._pick_range()
+            c = self._pick_range(sample, n - len(out))
             plain = self._plain_sets[c]
             m = min(len(plain), n - len(out))
             out += [plain.pop() for _ in range(m)]
@@ -74,9 +75,11 @@ class ArenaAttentionPool(BlockPool):
                     self._with_plain.discard(c)
         return out
 
-    def _pick_range(self) -> int:
-        """Range 0 while it has free blocks; else the range in use; else, of a sample, the best by (has a referenced
-        block, wholly free last, more referenced blocks, higher range) as one integer to maximise."""
+    def _pick_range(self, sample: list[tuple[int, int]], want: int) -> int:
+        """Range 0 while it has free blocks; else the range in use; else, of the first PICK_SAMPLE ranges with free
+        blocks, the best by (has a referenced block, wholly free last, more referenced blocks, higher range) as one
+        integer to maximise. `sample`: (score, range) in the set's order, kept over one `_take_free`, where ranges
+        only leave the set (the one taken, emptied) and no other range's counts change."""
         sets = self._plain_sets
         if sets[0]:
             return 0
@@ -86,15 +89,14 @@ class ArenaAttentionPool(BlockPool):
         last = self._last
         if last and sets[last] and nref[last]:
             return last
-        m = self._score_base
-        best, best_score = 0, -1
-        for c in itertools.islice(self._with_plain, PICK_SAMPLE):
-            r = nref[c]
-            score = (m + r) * m + c if r else (c if nplain[c] == full else m + c)
-            if score > best_score:
-                best, best_score = c, score
-        self._last = best
-        return best
+        if not sample:  # (PICK_SAMPLE + want ranges: each pick empties one, at most `want` picks are left)
+            m, ranges = self._score_base, itertools.islice(self._with_plain, PICK_SAMPLE + want)
+            sample[:] = [((m + nref[c]) * m + c if nref[c] else (c if nplain[c] == full else m + c), c) for c in ranges]
+        best = max(sample[:PICK_SAMPLE], default=(0, 0))
+        if sample:
+            sample.remove(best)
+        self._last = best[1]
+        return best[1]
 
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
         ov = self.overlay
