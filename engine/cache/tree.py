@@ -60,13 +60,15 @@ def flops_saved(tokens: int) -> float:
 
 class Node:
     """One cached block hash: it exists exactly while the chain (first attention group) caches the hash or the lead
-    recurrent group holds a checkpoint named by it. Page ids stay in the pools (`pool.cached[hash]`)."""
+    recurrent group holds a checkpoint named by it. Page ids stay in the pools (`pool.cached[hash]`). A node that
+    leaves the tree (unlinked, no kids) is kept for the next one (`CacheTree._node`): one per block would make work
+    for the garbage collector, which traverses every live node."""
 
     __slots__ = ("hash", "tokens", "parent", "kids", "last_hit", "demoted")
 
-    def __init__(self, h: bytes, tokens: int) -> None:
-        self.hash = h
-        self.tokens = tokens
+    def __init__(self) -> None:
+        self.hash = b""
+        self.tokens = 0
         """Prefix length (tokens) at the end of this block."""
         self.parent: Node | None = None
         """The chain-cached node of the block before (None: the first block, or its parent was evicted): `parent`
@@ -119,6 +121,8 @@ class CacheTree:
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
         self.nodes: dict[bytes, Node] = {}
+        self._spare: list[Node] = []
+        """Nodes that left the tree (unlinked, no kids), reused by `_node`."""
         self.clock = 0.0
         self.num_states_cached = 0
         """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_since_hit`)."""
@@ -394,7 +398,9 @@ class CacheTree:
         else:
             self._requeue_block(h)  # the block it ended on may now be a dead end
         if (self.chain is None or h not in self.chain.cached) and (state is None or h not in state.cached):
-            self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
+            gone = self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
+            if gone is not None:
+                self._spare.append(gone)
 
     def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
         """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
@@ -443,7 +449,8 @@ class CacheTree:
     def _node(self, h: bytes, tokens: int) -> Node:
         node = self.nodes.get(h)
         if node is None:
-            node = self.nodes[h] = Node(h, tokens)
+            node = self.nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.last_hit, node.demoted = h, tokens, None, False
         return node
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
@@ -548,5 +555,6 @@ class CacheTree:
                 assert node.parent.kids.get(h) is node and self.chain.lookup(h) is not None  # type: ignore[union-attr]
                 assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
             assert all(k.parent is node for k in node.kids.values())
+        assert all(n.parent is None and not n.kids and self.nodes.get(n.hash) is not n for n in self._spare), "spare"
         if self.overlay is not None:
             self.overlay.check_integrity()
