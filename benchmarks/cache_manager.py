@@ -79,8 +79,11 @@ BS = 16
 GiB = 2**30
 GROUPS = [
     CacheGroup(0, FullAttentionSpec(BS, 8, 128, "bfloat16"), (3, 7, 11, 15)),
-    CacheGroup(1, RecurrentStateSpec("mamba2", (10240, 3), "bfloat16", (64, 64, 128), "float32"),
-               tuple(i for i in range(16) if i % 4 != 3)),
+    CacheGroup(
+        1,
+        RecurrentStateSpec("mamba2", (10240, 3), "bfloat16", (64, 64, 128), "float32"),
+        tuple(i for i in range(16) if i % 4 != 3),
+    ),
 ]
 BLOCK_BYTES = GROUPS[0].page_bytes_all_layers
 STATE_BYTES = GROUPS[1].page_bytes_all_layers
@@ -142,8 +145,14 @@ def few_shot(rng: random.Random, scale: float) -> Workload:
     return Workload("few_shot", items, 6.0, "8 x 3,000-token few-shot prefixes + unique 50-150, 30 decode")
 
 
-def chains(rng: random.Random, starts: list[list[int]], steps: int, extra: object, out_len: tuple[int, int],
-           first_index: int = 0) -> list[Item]:
+def chains(
+    rng: random.Random,
+    starts: list[list[int]],
+    steps: int,
+    extra: object,
+    out_len: tuple[int, int],
+    first_index: int = 0,
+) -> list[Item]:
     """Closed-loop sessions: step t+1's prompt = step t's prompt + its answer + extra(rng); it arrives when step t
     finished. Sessions interleave (indices are assigned in a shuffled start order). `first_index`: the workload
     index of the first item (answers are a function of it; `after` holds workload indices)."""
@@ -174,8 +183,13 @@ def agentic(rng: random.Random, scale: float) -> Workload:
     system, docs = toks(rng, 800), [toks(rng, 2000) for _ in range(4)]
     starts = [system + rng.choice(docs) + toks(rng, 100) for _ in range(int(100 * scale))]
     items = chains(rng, starts, 5, lambda r: toks(r, 300), (30, 100))
-    return Workload("agentic", items, 14.0, "system 800 + 1 of 4 shared 2,000-token tool outputs + task; "
-                                            "5 steps each appending answer + 300-token tool result")
+    return Workload(
+        "agentic",
+        items,
+        14.0,
+        "system 800 + 1 of 4 shared 2,000-token tool outputs + task; "
+        "5 steps each appending answer + 300-token tool result",
+    )
 
 
 def no_reuse(rng: random.Random, scale: float) -> Workload:
@@ -195,8 +209,13 @@ def chat_after_shared(rng: random.Random, scale: float) -> Workload:
     for it in chats:
         if it.after is None:
             it.after = tail[rng.randrange(len(tail))]
-    return Workload("chat_after_shared", first + chats, 18.0, "1,000 few_shot requests, then multi_turn's 160 "
-                    "chats in the same cache (phase figures: the chats)", measured_from=n)
+    return Workload(
+        "chat_after_shared",
+        first + chats,
+        18.0,
+        "1,000 few_shot requests, then multi_turn's 160 chats in the same cache (phase figures: the chats)",
+        measured_from=n,
+    )
 
 
 def prefix_shift(rng: random.Random, scale: float) -> Workload:
@@ -210,12 +229,29 @@ def prefix_shift(rng: random.Random, scale: float) -> Workload:
     rng.shuffle(second)
     for it in second:
         it.after = n - 1 - rng.randrange(min(64, n))
-    return Workload("prefix_shift", first + second, 10.0, "current's shape, then 30 new prefixes in the same cache "
-                    "(phase figures: the second half)", measured_from=n)
+    return Workload(
+        "prefix_shift",
+        first + second,
+        10.0,
+        "current's shape, then 30 new prefixes in the same cache (phase figures: the second half)",
+        measured_from=n,
+    )
 
 
-WORKLOADS = {f.__name__: f for f in (current, system_prompt, few_shot, multi_turn, multi_turn_tight, agentic,
-                                     no_reuse, chat_after_shared, prefix_shift)}
+WORKLOADS = {
+    f.__name__: f
+    for f in (
+        current,
+        system_prompt,
+        few_shot,
+        multi_turn,
+        multi_turn_tight,
+        agentic,
+        no_reuse,
+        chat_after_shared,
+        prefix_shift,
+    )
+}
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -269,8 +305,9 @@ def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) 
     if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
         slots = 1 + 3 * max_num_seqs
         blocks = (budget - slots * STATE_BYTES) // BLOCK_BYTES
-        return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, 256, BS), tree_cls=tree,
-                                  admission_cls=IntervalAdmission)
+        return HybridCacheManager(
+            GROUPS, PoolLayout(blocks, slots, 256, BS), tree_cls=tree, admission_cls=IntervalAdmission
+        )
     cp, adm = fixed_interval(528) if policy == "fixed" else (CachePolicy(), Admission)
     if arena:
         plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or 16, policy=cp)
@@ -278,16 +315,19 @@ def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) 
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    return HybridCacheManager(GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree,
-                              admission_cls=adm)
+    return HybridCacheManager(
+        GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree, admission_cls=adm
+    )
 
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:
     budget = int(w.budget_gib * GiB)
     cache = make_cache(policy, budget, args.max_num_seqs, args.arena)
     sched = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), cache)
-    reqs = [Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
-            for i, it in enumerate(w.items)]
+    reqs = [
+        Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
+        for i, it in enumerate(w.items)
+    ]
     index = {r.request_id: i for i, r in enumerate(reqs)}
     waiters: dict[int, list[int]] = {}
     for i, it in enumerate(w.items):
@@ -303,8 +343,17 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         out = sched.schedule()
         timed -= t0 - time.perf_counter()
         cpu -= c0 - time.process_time()
-        sampled = {s.request_id: (fake_token(sched.requests[s.request_id].num_tokens,  # the fake model: untimed
-                                             index[s.request_id]), 0.0) for s in out.seqs if s.sample}
+        sampled = {
+            s.request_id: (
+                fake_token(
+                    sched.requests[s.request_id].num_tokens,  # the fake model: untimed
+                    index[s.request_id],
+                ),
+                0.0,
+            )
+            for s in out.seqs
+            if s.sample
+        }
         t0, c0 = time.perf_counter(), time.process_time()
         advanced = sched.update_from_output(out, sampled)
         done = [r for r in advanced if len(r.output_token_ids) >= r.sampling_params.max_tokens]
@@ -329,11 +378,17 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
     prompt_tokens = sum(r.num_prompt_tokens for r in reqs)
     hit_tokens = sum(max(r.num_cached_tokens, 0) for r in reqs)
     out_ = {
-        "policy": policy, "budget_bytes": budget, "steps": steps, "scheduled_seqs": scheduled,
-        "us_per_seq_step": timed / max(scheduled, 1) * 1e6, "cpu_us_per_seq_step": cpu / max(scheduled, 1) * 1e6,
+        "policy": policy,
+        "budget_bytes": budget,
+        "steps": steps,
+        "scheduled_seqs": scheduled,
+        "us_per_seq_step": timed / max(scheduled, 1) * 1e6,
+        "cpu_us_per_seq_step": cpu / max(scheduled, 1) * 1e6,
         "prompt_tokens": prompt_tokens,
-        "hit_rate": hit_tokens / prompt_tokens, "theoretical": theo.hits / prompt_tokens,
-        "first_reuse_bound": theo.reachable / prompt_tokens, "preemptions": sched.num_preemptions,
+        "hit_rate": hit_tokens / prompt_tokens,
+        "theoretical": theo.hits / prompt_tokens,
+        "first_reuse_bound": theo.reachable / prompt_tokens,
+        "preemptions": sched.num_preemptions,
         "evictions": {p.name: p.num_evictions for p in cache.pools.values()},
         "checkpoints_admitted": cache.recurrent.num_admitted if cache.recurrent else 0,
         "arena": cache.cache_stats().get("arena"),
@@ -350,8 +405,12 @@ def phase_figures(reqs: list[Request], theo: Theoretical) -> dict[str, float]:
     hits = sum(max(r.num_cached_tokens, 0) for r in reqs)
     bound = sum(theo.per_request[r.request_id][1] for r in reqs)
     theoretical = sum(theo.per_request[r.request_id][0] for r in reqs)
-    return {"hit_rate": hits / prompt, "theoretical": theoretical / prompt, "first_reuse_bound": bound / prompt,
-            "ratio_to_bound": hits / bound if bound else 1.0}
+    return {
+        "hit_rate": hits / prompt,
+        "theoretical": theoretical / prompt,
+        "first_reuse_bound": bound / prompt,
+        "ratio_to_bound": hits / bound if bound else 1.0,
+    }
 
 
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
@@ -405,13 +464,20 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cache_manager.json")
-    p.add_argument("--no-arena", dest="arena", action="store_false",
-                   help="checkpoint ids outside the budget (the control plane before one arena backed both pools)")
+    p.add_argument(
+        "--no-arena",
+        dest="arena",
+        action="store_false",
+        help="checkpoint ids outside the budget (the control plane before one arena backed both pools)",
+    )
     args = p.parse_args()
     policies = args.policies.split(",")
     results: dict[str, dict[str, object]] = {}
-    print(f"block {BLOCK_BYTES / 2**10:.0f} KiB, state {STATE_BYTES / 2**20:.1f} MiB "
-          f"(= {STATE_BYTES / BLOCK_BYTES * BS:.0f} tokens of KV)", flush=True)
+    print(
+        f"block {BLOCK_BYTES / 2**10:.0f} KiB, state {STATE_BYTES / 2**20:.1f} MiB "
+        f"(= {STATE_BYTES / BLOCK_BYTES * BS:.0f} tokens of KV)",
+        flush=True,
+    )
     for name in args.workloads.split(","):
         w = WORKLOADS[name](random.Random(args.seed), args.scale)
         results[name] = {"notes": w.notes, "requests": len(w.items), "budget_gib": w.budget_gib}
@@ -427,26 +493,39 @@ def main() -> None:
             r["us_per_seq_step_runs"] = [x["us_per_seq_step"] for x in runs]
             r["cpu_us_per_seq_step"] = statistics.median(x["cpu_us_per_seq_step"] for x in runs)  # type: ignore[misc, type-var]
             results[name][pol] = r
-            print(f"{name:14s} {pol:6s} hit {r['hit_rate']:.4f} theo {r['theoretical']:.4f} "
-                  f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} us/seq-step {r['us_per_seq_step']:.2f} "
-                  f"evict {r['evictions']} ckpts {r['checkpoints_admitted']}", flush=True)
+            print(
+                f"{name:14s} {pol:6s} hit {r['hit_rate']:.4f} theo {r['theoretical']:.4f} "
+                f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} us/seq-step {r['us_per_seq_step']:.2f} "
+                f"evict {r['evictions']} ckpts {r['checkpoints_admitted']}",
+                flush=True,
+            )
             if "phase" in r:
                 ph = r["phase"]
-                print(f"{'':14s} {pol:6s} phase: hit {ph['hit_rate']:.4f} bound {ph['first_reuse_bound']:.4f} "  # type: ignore[index]
-                      f"ratio to bound {ph['ratio_to_bound']:.4f}", flush=True)  # type: ignore[index]
+                print(
+                    f"{'':14s} {pol:6s} phase: hit {ph['hit_rate']:.4f} bound {ph['first_reuse_bound']:.4f} "  # type: ignore[index]
+                    f"ratio to bound {ph['ratio_to_bound']:.4f}",  # type: ignore[index]
+                    flush=True,
+                )
         if name == "no_reuse":
             for pol in policies:
                 if "error" in results[name][pol]:  # type: ignore[operator]
                     continue
                 c = capacity(pol, int(w.budget_gib * GiB), args.max_num_seqs, w, args)
                 results[name][pol]["capacity"] = c  # type: ignore[index]
-                print(f"{name:14s} {pol:6s} capacity {c['blocks_held']}/{c['optimum_blocks']} = {c['ratio']:.4f}",
-                      flush=True)
+                print(
+                    f"{name:14s} {pol:6s} capacity {c['blocks_held']}/{c['optimum_blocks']} = {c['ratio']:.4f}",
+                    flush=True,
+                )
     lists = [it.prompt for it in WORKLOADS["current"](random.Random(args.seed), min(args.scale, 0.3)).items]
     report = {
-        "benchmark": "cache_manager", "args": vars(args), "python": platform.python_version(),
-        "machine": platform.machine(), "block_bytes": BLOCK_BYTES, "state_bytes": STATE_BYTES,
-        "cpu_ns_per_hashed_token": time_hashing(lists), "results": results,
+        "benchmark": "cache_manager",
+        "args": vars(args),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "block_bytes": BLOCK_BYTES,
+        "state_bytes": STATE_BYTES,
+        "cpu_ns_per_hashed_token": time_hashing(lists),
+        "results": results,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"hashing {report['cpu_ns_per_hashed_token']:.1f} ns/token (cpu); wrote {args.out}")

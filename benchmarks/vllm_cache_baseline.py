@@ -43,18 +43,37 @@ import tempfile
 import time
 from pathlib import Path
 
-_root = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2] for i, a in enumerate(sys.argv[1:])
-              if a.startswith("--engine-root")), None)
+_root = next(
+    (
+        a.split("=", 1)[1] if "=" in a else sys.argv[i + 2]
+        for i, a in enumerate(sys.argv[1:])
+        if a.startswith("--engine-root")
+    ),
+    None,
+)
 sys.path.insert(0, str(Path(_root).resolve() / "benchmarks") if _root else str(Path(__file__).resolve().parent))
 import cache_manager as cm  # noqa: E402  (the trace generators and fake_token; imports no torch)
 
 MODEL_CONFIG = {
-    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": cm.VOCAB,
-    "hidden_size": 1024, "num_hidden_layers": 16,
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "vocab_size": cm.VOCAB,
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
     "hybrid_override_pattern": "".join("*" if i % 4 == 3 else "M" for i in range(16)),  # ours: attention 3,7,11,15
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "attention_head_dim": 128,
-    "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 24, "conv_kernel": 4,
-    "expand": 2, "intermediate_size": 2048, "max_position_embeddings": 65536, "torch_dtype": "bfloat16",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 24,
+    "conv_kernel": 4,
+    "expand": 2,
+    "intermediate_size": 2048,
+    "max_position_embeddings": 65536,
+    "torch_dtype": "bfloat16",
     "mamba_ssm_cache_dtype": "float32",
 }
 
@@ -86,9 +105,14 @@ def build(budget_bytes: int, args: argparse.Namespace):
     Path(d, "config.json").write_text(json.dumps(MODEL_CONFIG))
     mc = ModelConfig(model=d, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=args.max_model_len)
     cc = CacheConfig(block_size=16, enable_prefix_caching=True, prefix_match_unit=args.prefix_match_unit)
-    sc = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
-                         async_scheduling=False)
+    sc = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
     ev = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if args.kv_events else None
     vc = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_events_config=ev)  # NemotronH hook:
     # mamba_cache_mode
@@ -98,15 +122,23 @@ def build(budget_bytes: int, args: argparse.Namespace):
     specs = {}
     for i, ch in enumerate(MODEL_CONFIG["hybrid_override_pattern"]):
         if ch == "*":
-            specs[f"model.layers.{i}.mixer.attn"] = FlashAttentionBackend.customize_spec(FullAttentionSpec(
-                block_size=cc.block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16))
+            specs[f"model.layers.{i}.mixer.attn"] = FlashAttentionBackend.customize_spec(
+                FullAttentionSpec(block_size=cc.block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+            )
         else:  # MambaBase.get_kv_cache_spec + MambaMixer2's replace(num_prefill_checkpoint_blocks=1, alignment=1)
             specs[f"model.layers.{i}.mixer"] = MambaSpec(
-                shapes=tuple(shapes), dtypes=tuple(dtypes), block_size=cc.mamba_block_size,
-                page_size_padded=cc.mamba_page_size_padded, mamba_cache_mode=cc.mamba_cache_mode,
-                num_speculative_blocks=0, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+                shapes=tuple(shapes),
+                dtypes=tuple(dtypes),
+                block_size=cc.mamba_block_size,
+                page_size_padded=cc.mamba_page_size_padded,
+                mamba_cache_mode=cc.mamba_cache_mode,
+                num_speculative_blocks=0,
+                num_prefill_checkpoint_blocks=1,
+                prefill_checkpoint_alignment=1,
+            )
     from vllm.v1.attention.backends import utils as bu
     from vllm.v1.attention.selector import get_mamba_attn_backend
+
     backends = [FlashAttentionBackend, get_mamba_attn_backend(specs["model.layers.0.mixer"].mamba_type)]
     layouts = [[x.name for x in bu.get_supported_kv_cache_layouts(backends)]]
     bu.resolve_kv_cache_layout(vc, layouts, list(specs.values()))  # EngineCore does this first (sets cc)
@@ -121,23 +153,40 @@ def build(budget_bytes: int, args: argparse.Namespace):
     block_size, hash_block_size = ku.resolve_kv_cache_block_sizes(kcc, vc)
     align = ku.resolve_cache_hit_alignment_tokens(kcc, vc, block_size, hash_block_size)
     kcc.hash_block_size, kcc.cache_hit_alignment_tokens = hash_block_size, align
-    sched = Scheduler(vllm_config=vc, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(vc),
-                      block_size=block_size, hash_block_size=hash_block_size, log_stats=args.log_stats)
+    sched = Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        log_stats=args.log_stats,
+    )
     hash_fn = ku.get_hash_fn_by_name(cc.prefix_caching_hash_algo) if hasattr(ku, "get_hash_fn_by_name") else None
     if hash_fn is None:
         from vllm.utils.hashing import get_hash_fn_by_name
+
         hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
     ku.init_none_hash(hash_fn)
     hasher = ku.get_request_block_hasher(hash_block_size, hash_fn, vc.num_hash_lookahead_tokens)
     info = {
-        "attention_block_size": cc.block_size, "mamba_block_size": cc.mamba_block_size,
-        "mamba_cache_mode": cc.mamba_cache_mode, "mamba_page_size_padded": cc.mamba_page_size_padded,
+        "attention_block_size": cc.block_size,
+        "mamba_block_size": cc.mamba_block_size,
+        "mamba_cache_mode": cc.mamba_cache_mode,
+        "mamba_page_size_padded": cc.mamba_page_size_padded,
         "mamba_state_bytes_per_layer": specs["model.layers.0.mixer"].real_page_size_bytes,
-        "scheduler_block_size": block_size, "hash_block_size": hash_block_size, "cache_hit_alignment_tokens": align,
-        "num_blocks": kcc.num_blocks, "groups": [
-            {"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
-             "block_size": g.kv_cache_spec.block_size, "page_bytes": g.kv_cache_spec.page_size_bytes}
-            for g in kcc.kv_cache_groups],
+        "scheduler_block_size": block_size,
+        "hash_block_size": hash_block_size,
+        "cache_hit_alignment_tokens": align,
+        "num_blocks": kcc.num_blocks,
+        "groups": [
+            {
+                "type": type(g.kv_cache_spec).__name__,
+                "layers": len(g.layer_names),
+                "block_size": g.kv_cache_spec.block_size,
+                "page_bytes": g.kv_cache_spec.page_size_bytes,
+            }
+            for g in kcc.kv_cache_groups
+        ],
         "kv_cache_tensors": len(kcc.kv_cache_tensors),
         "kv_cache_bytes": max(t.size for t in kcc.kv_cache_tensors),  # the tensors alias one allocation
         "prefix_match_unit": cc.prefix_match_unit,
@@ -154,9 +203,16 @@ def run(w: cm.Workload, args: argparse.Namespace) -> dict[str, object]:
 
     budget = int(w.budget_gib * cm.GiB)
     sched, hasher, info = build(budget, args)
-    reqs = [Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens, ignore_eos=True,
-                                                             detokenize=False), None, block_hasher=None)
-            for i, it in enumerate(w.items)]
+    reqs = [
+        Request(
+            f"r{i}",
+            list(it.prompt),
+            SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, detokenize=False),
+            None,
+            block_hasher=None,
+        )
+        for i, it in enumerate(w.items)
+    ]
     hashed = [0.0, 0.0]  # wall, CPU of the prompt hashing (timed: ours hashes prompts inside schedule())
 
     def add(r: Request) -> None:
@@ -188,10 +244,10 @@ def run(w: cm.Workload, args: argparse.Namespace) -> dict[str, object]:
         sampled = []
         for rid in ids:
             r = requests[rid]
-            sampled.append([cm.fake_token(r.num_tokens, index[rid])] if r.num_computed_tokens >= r.num_tokens
-                           else [])
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: k for k, rid in enumerate(ids)},
-                                sampled_token_ids=sampled)
+            sampled.append([cm.fake_token(r.num_tokens, index[rid])] if r.num_computed_tokens >= r.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={rid: k for k, rid in enumerate(ids)}, sampled_token_ids=sampled
+        )
         t0, c0 = time.perf_counter(), time.process_time()
         sched.update_from_output(out, mro)
         timed += time.perf_counter() - t0
@@ -213,10 +269,17 @@ def run(w: cm.Workload, args: argparse.Namespace) -> dict[str, object]:
     hit_tokens = sum(admitted_hit.values())
     n = max(scheduled, 1)
     return {
-        "budget_bytes": budget, "steps": steps, "scheduled_seqs": scheduled, "finished": finished,
-        "us_per_seq_step": (timed + hashed[0]) / n * 1e6, "cpu_us_per_seq_step": (cpu + hashed[1]) / n * 1e6,
-        "cpu_us_per_seq_step_without_prompt_hashing": cpu / n * 1e6, "kv_events": args.kv_events,
-        "prompt_hashing_cpu_s": hashed[1], "prompt_tokens": prompt_tokens, "hit_rate": hit_tokens / prompt_tokens,
+        "budget_bytes": budget,
+        "steps": steps,
+        "scheduled_seqs": scheduled,
+        "finished": finished,
+        "us_per_seq_step": (timed + hashed[0]) / n * 1e6,
+        "cpu_us_per_seq_step": (cpu + hashed[1]) / n * 1e6,
+        "cpu_us_per_seq_step_without_prompt_hashing": cpu / n * 1e6,
+        "kv_events": args.kv_events,
+        "prompt_hashing_cpu_s": hashed[1],
+        "prompt_tokens": prompt_tokens,
+        "hit_rate": hit_tokens / prompt_tokens,
         "preempted_requests": sum(1 for r in reqs if r.num_preemptions > 0),
         "config": info,
     }
@@ -241,20 +304,29 @@ def combine(pattern: str, out: str) -> None:
             row[side] = {
                 "cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
                 "cpu_us_per_seq_step_without_prompt_hashing": statistics.median(
-                    r.get("cpu_us_per_seq_step_without_prompt_hashing", 0.0) for r in runs),
+                    r.get("cpu_us_per_seq_step_without_prompt_hashing", 0.0) for r in runs
+                ),
                 "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
-                "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs], "hit_rate": runs[0]["hit_rate"],
-                "steps": runs[0]["steps"], "scheduled_seqs": runs[0]["scheduled_seqs"],
-                "digest": runs[0]["digest"], "config": runs[0]["config"],
-                "loadavg_end": [d.get("loadavg_end") for d in sides[side]]}
+                "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs],
+                "hit_rate": runs[0]["hit_rate"],
+                "steps": runs[0]["steps"],
+                "scheduled_seqs": runs[0]["scheduled_seqs"],
+                "digest": runs[0]["digest"],
+                "config": runs[0]["config"],
+                "loadavg_end": [d.get("loadavg_end") for d in sides[side]],
+            }
         for pol in ("ours", "fixed", "v1"):
             runs = [d["results"][wl][pol] for d in sides["ours_runs"] if pol in d["results"].get(wl, {})]
             if runs:
-                row[pol] = {"cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
-                            "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
-                            "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs], "hit_rate": runs[0]["hit_rate"],
-                            "theoretical": runs[0]["theoretical"], "steps": runs[0]["steps"],
-                            "scheduled_seqs": runs[0]["scheduled_seqs"]}
+                row[pol] = {
+                    "cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
+                    "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
+                    "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs],
+                    "hit_rate": runs[0]["hit_rate"],
+                    "theoretical": runs[0]["theoretical"],
+                    "steps": runs[0]["steps"],
+                    "scheduled_seqs": runs[0]["scheduled_seqs"],
+                }
         v = row.get("vllm", {}).get("cpu_us_per_seq_step")  # type: ignore[union-attr]
         for pol in ("ours", "fixed", "v1"):
             if pol in row and v:
@@ -265,20 +337,28 @@ def combine(pattern: str, out: str) -> None:
                 row[pol]["ratio_to_vllm_cpu_per_round"] = per  # type: ignore[index]
                 row[pol]["ratio_to_vllm_cpu_median_of_rounds"] = statistics.median(per)  # type: ignore[index]
         rows[wl] = row
-    report = {"benchmark": "vllm_cache_baseline (combined)", "rounds": len(sides["vllm"]),
-              "vllm": sides["vllm"][0]["vllm"] if sides["vllm"] else None, "results": rows}
+    report = {
+        "benchmark": "vllm_cache_baseline (combined)",
+        "rounds": len(sides["vllm"]),
+        "vllm": sides["vllm"][0]["vllm"] if sides["vllm"] else None,
+        "results": rows,
+    }
     Path(out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print("| trace | vLLM (528 hits) | vLLM (pmu 16) | ours | fixed | v1 | ours / vLLM | hit: vLLM / ours |")
     print("|---|---|---|---|---|---|---|---|")
     for wl, row in rows.items():
+
         def cell(k: str, row: dict[str, object] = row) -> str:
             x = row.get(k)
             return f"{x['cpu_us_per_seq_step']:.1f}" if isinstance(x, dict) else "-"
+
         o, vv = row.get("ours"), row.get("vllm")
         ratio = f"{o['ratio_to_vllm_cpu']:.2f}" if isinstance(o, dict) and "ratio_to_vllm_cpu" in o else "-"
         hits = f"{vv['hit_rate']:.3f} / {o['hit_rate']:.3f}" if isinstance(o, dict) and isinstance(vv, dict) else "-"
-        print(f"| {wl} | {cell('vllm')} | {cell('vllm_pmu16')} | {cell('ours')} | {cell('fixed')} | {cell('v1')} "
-              f"| {ratio} | {hits} |")
+        print(
+            f"| {wl} | {cell('vllm')} | {cell('vllm_pmu16')} | {cell('ours')} | {cell('fixed')} | {cell('v1')} "
+            f"| {ratio} | {hits} |"
+        )
     print(f"wrote {out}")
 
 
@@ -289,6 +369,7 @@ def profile_ours(names: list[str], args: argparse.Namespace, top: int = 25) -> N
     import pstats
 
     pr = cProfile.Profile()
+
     def wrapped(orig):  # type: ignore[no-untyped-def]
         def wrap(self, *a, **k):  # type: ignore[no-untyped-def]
             pr.enable()
@@ -296,6 +377,7 @@ def profile_ours(names: list[str], args: argparse.Namespace, top: int = 25) -> N
                 return orig(self, *a, **k)
             finally:
                 pr.disable()
+
         return wrap
 
     for name in ("schedule", "update_from_output", "finish"):
@@ -306,11 +388,15 @@ def profile_ours(names: list[str], args: argparse.Namespace, top: int = 25) -> N
         r = cm.run(cm.WORKLOADS[n](random.Random(args.seed), args.scale), "ours", args)
         st = pstats.Stats(pr)
         total = st.total_tt
-        print(f"{n}: engine from {sys.modules['hybridpd.engine.cache.coordinator'].__file__}; hit {r['hit_rate']:.4f}; "
-              f"profiled {total:.2f} s in the timed calls")
+        print(
+            f"{n}: engine from {sys.modules['hybridpd.engine.cache.coordinator'].__file__}; hit {r['hit_rate']:.4f}; "
+            f"profiled {total:.2f} s in the timed calls"
+        )
         for (f, line, fn), (_, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
-            print(f"  {tt / total * 100:5.1f}% self  {ct / total * 100:5.1f}% cum  {nc:9d} calls  "
-                  f"{f.replace(str(cm.Path(cm.__file__).resolve().parents[1]) + '/', '')}:{line}({fn})")
+            print(
+                f"  {tt / total * 100:5.1f}% self  {ct / total * 100:5.1f}% cum  {nc:9d} calls  "
+                f"{f.replace(str(cm.Path(cm.__file__).resolve().parents[1]) + '/', '')}:{line}({fn})"
+            )
 
 
 def main() -> None:
@@ -322,15 +408,30 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
-                   help="KV cache events on (null publisher), as ours always records them (default: on)")
-    p.add_argument("--log-stats", action=argparse.BooleanOptionalAction, default=True,
-                   help="Scheduler(log_stats=...): vLLM's serving default is on (prefix-cache and request stats)")
-    p.add_argument("--prefix-match-unit", type=int, default=None,
-                   help="CacheConfig.prefix_match_unit (default None: hits land on the 528-token block)")
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="KV cache events on (null publisher), as ours always records them (default: on)",
+    )
+    p.add_argument(
+        "--log-stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Scheduler(log_stats=...): vLLM's serving default is on (prefix-cache and request stats)",
+    )
+    p.add_argument(
+        "--prefix-match-unit",
+        type=int,
+        default=None,
+        help="CacheConfig.prefix_match_unit (default None: hits land on the 528-token block)",
+    )
     p.add_argument("--digest-only", action="store_true", help="print the trace digests and exit (any venv)")
-    p.add_argument("--profile-ours", action="store_true",
-                   help="cProfile ours on the workloads (repo venv; the engine imported by cache_manager.py)")
+    p.add_argument(
+        "--profile-ours",
+        action="store_true",
+        help="cProfile ours on the workloads (repo venv; the engine imported by cache_manager.py)",
+    )
     p.add_argument("--engine-root", help="import cache_manager.py and engine/ from this tree (e.g. a git archive)")
     p.add_argument("--combine", metavar="PREFIX", help="combine round files PREFIX*_{vllm,vllm_pmu16,ours}.json")
     p.add_argument("--out", default="vllm_cache_baseline.json")
@@ -350,6 +451,7 @@ def main() -> None:
         return
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no GPU here: only the config objects need a platform
     import vllm
+
     results: dict[str, object] = {}
     for n, w in traces.items():
         runs = [run(w, args) for _ in range(args.repeats)]
@@ -359,14 +461,23 @@ def main() -> None:
             r[k + "_runs"] = [x[k] for x in runs]
         r.update(requests=len(w.items), budget_gib=w.budget_gib, digest=digests[n], notes=w.notes)
         results[n] = r
-        print(f"{n:10s} vllm hit {r['hit_rate']:.4f} cpu us/seq-step {r['cpu_us_per_seq_step']:.2f} "
-              f"(without prompt hashing {r['cpu_us_per_seq_step_without_prompt_hashing']:.2f}) "
-              f"wall {r['us_per_seq_step']:.2f} "
-              f"runs {[round(x, 1) for x in r['cpu_us_per_seq_step_runs']]} steps {r['steps']} "
-              f"blocks {r['config']['num_blocks']} block {r['config']['attention_block_size']}", flush=True)
-    report = {"benchmark": "vllm_cache_baseline", "vllm": vllm.__version__, "args": vars(args),
-              "python": platform.python_version(), "machine": platform.machine(),
-              "loadavg_end": os.getloadavg(), "results": results}
+        print(
+            f"{n:10s} vllm hit {r['hit_rate']:.4f} cpu us/seq-step {r['cpu_us_per_seq_step']:.2f} "
+            f"(without prompt hashing {r['cpu_us_per_seq_step_without_prompt_hashing']:.2f}) "
+            f"wall {r['us_per_seq_step']:.2f} "
+            f"runs {[round(x, 1) for x in r['cpu_us_per_seq_step_runs']]} steps {r['steps']} "
+            f"blocks {r['config']['num_blocks']} block {r['config']['attention_block_size']}",
+            flush=True,
+        )
+    report = {
+        "benchmark": "vllm_cache_baseline",
+        "vllm": vllm.__version__,
+        "args": vars(args),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "loadavg_end": os.getloadavg(),
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 
