@@ -60,9 +60,10 @@ class ArenaAttentionPool(BlockPool):
         out: list[int] = []
         ov = self.overlay
         assert ov is not None, "arena pools are bound to an overlay"
-        sample: list[tuple[int, int]] = []
+        window: list[tuple[int, int]] = []
+        rest: list[tuple[int, int]] = []
         while len(out) < n:
-            c = self._pick_range(sample, n - len(out))
+            c = self._pick_range(window, rest, n - len(out))
             plain = self._plain_sets[c]
             m = min(len(plain), n - len(out))
             out += [plain.pop() for _ in range(m)]
@@ -75,28 +76,32 @@ class ArenaAttentionPool(BlockPool):
                     self._with_plain.discard(c)
         return out
 
-    def _pick_range(self, sample: list[tuple[int, int]], want: int) -> int:
+    def _pick_range(self, window: list[tuple[int, int]], rest: list[tuple[int, int]], want: int) -> int:
         """Range 0 while it has free blocks; else the range in use; else, of the first PICK_SAMPLE ranges with free
         blocks, the best by (has a referenced block, wholly free last, more referenced blocks, higher range) as one
-        integer to maximise. `sample`: (score, range) in the set's order, kept over one `_take_free`, where ranges
-        only leave the set (the one taken, emptied) and no other range's counts change."""
+        integer to maximise. Kept over one `_take_free`, where ranges only leave the set (the one taken, emptied) and
+        no other range's counts change: `window`, a heap of (-score, range) of the first PICK_SAMPLE in the set's
+        order, and `rest`, the next ones, last first."""
         sets = self._plain_sets
         if sets[0]:
             return 0
         ov = self.overlay
         assert ov is not None
-        nref, nplain, full = ov.nref, ov.nplain, ov.full
+        nref, free, full = ov.nref, ov.nplain, ov.full
         last = self._last
         if last and sets[last] and nref[last]:
             return last
-        if not sample:  # (PICK_SAMPLE + want ranges: each pick empties one, at most `want` picks are left)
+        if not window:  # (PICK_SAMPLE + want ranges: each pick empties one, at most `want` picks are left)
             m, ranges = self._score_base, itertools.islice(self._with_plain, PICK_SAMPLE + want)
-            sample[:] = [((m + nref[c]) * m + c if nref[c] else (c if nplain[c] == full else m + c), c) for c in ranges]
-        best = max(sample[:PICK_SAMPLE], default=(0, 0))
-        if sample:
-            sample.remove(best)
-        self._last = best[1]
-        return best[1]
+            rest[:] = [(-((m + nref[c]) * m + c if nref[c] else (c if free[c] == full else m + c)), c) for c in ranges]
+            window[:] = rest[:PICK_SAMPLE]
+            heapq.heapify(window)
+            rest[:] = rest[: PICK_SAMPLE - 1 : -1]
+        best = heapq.heappop(window)[1] if window else 0
+        if rest:
+            heapq.heappush(window, rest.pop())
+        self._last = best
+        return best
 
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
         ov = self.overlay
