@@ -158,6 +158,7 @@ class LeaderChannel:
         with self._cond:
             if self._error is not None or self._closing:
                 raise ChannelError("the control channel is closed") from self._error
+            queued = False
             for i, backlog in enumerate(self._backlog):
                 if backlog:  # a frame before this one is still going out: keep the order
                     backlog.append(frame)
@@ -171,7 +172,9 @@ class LeaderChannel:
                     break
                 if sent < len(frame):
                     backlog.append(frame[sent:])
-            self._cond.notify_all()
+                    queued = True
+            if queued:  # only then: waking the sender thread costs the caller a GIL hand-over
+                self._cond.notify_all()
         if error is not None:
             self.on_error(error)
             raise ChannelError(f"a follower rank is unreachable: {error}") from error

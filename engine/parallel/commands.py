@@ -1,29 +1,43 @@
 """The commands rank 0 sends its followers (`LeaderRunner` -> `follow`), in the form they travel in.
 
 A command is `(name, args, kwargs)`, a runner call. The step (`execute(out, params)`) is most of the traffic and
-goes in a compact form: the `SchedulerOutput` as plain tuples of its fields (pickled and rebuilt about twice as fast
-as the dataclasses), without the sampling parameters (followers never sample: their `DiscardingSampler` ignores
-them). Every other command travels as it is.
+goes in a compact form: the `SchedulerOutput` as plain tuples of its fields (pickled and rebuilt several times
+faster than the dataclasses), without the sampling parameters (followers never sample: their `DiscardingSampler`
+ignores them), and a sequence's block tables only when they are not the very tables (the same object: the cache
+manager rebuilds them only when the request's pages change) it had in the previous step. Every other command
+travels as it is.
 
-    ("execute", (out, params), {})  --encode-->  ("execute*", (seq fields...) per seq, (other output fields))
-                                    --decode-->  ("execute", (out', NO_PARAMS), {})   with out' == out
+    ("execute", (out, params), {})
+       --StepEncoder-->  ("execute*", ((rid, computed, tokens, sample, tables | None, slots, checkpoints), ...),
+                          (preempted, state copies, fresh blocks))
+       --StepDecoder-->  ("execute", (out', NO_PARAMS), {})   with out' == out
+
+Each side remembers the block tables of the last step it encoded or decoded (None: "the ones of the previous
+step"). The channel delivers every command, in order, or the worker ends, so the two memories never differ; a
+follower asked for tables it does not have fails (KeyError: it exits, the worker is restarted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 _STEP = "execute*"
-_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSeq))
-_OUT_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerOutput))
-assert _OUT_FIELDS[0] == "seqs" and len(_SEQ_FIELDS) > 1 and len(_OUT_FIELDS) > 2  # attrgetter gives tuples
-_seq_values = operator.attrgetter(*_SEQ_FIELDS)
-_out_rest = operator.attrgetter(*_OUT_FIELDS[1:])
+_SEQ_FIELDS = (
+    "request_id",
+    "num_computed_tokens",
+    "token_ids",
+    "sample",
+    "group_block_ids",
+    "group_state_slots",
+    "group_checkpoints",
+)
+_OUT_FIELDS = ("seqs", "preempted", "group_state_copies", "group_fresh_blocks")
+assert tuple(f.name for f in dataclasses.fields(ScheduledSeq)) == _SEQ_FIELDS, "encode every ScheduledSeq field"
+assert tuple(f.name for f in dataclasses.fields(SchedulerOutput)) == _OUT_FIELDS, "encode every output field"
 
 Command = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -44,22 +58,55 @@ class _NoParams(Mapping[str, None]):
 NO_PARAMS = _NoParams()
 
 
-def encode(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The wire form of runner call `name(*args, **kwargs)`."""
-    if name == "execute" and len(args) == 2 and not kwargs and type(args[0]) is SchedulerOutput:
-        out = args[0]
-        return (_STEP, tuple(map(_seq_values, out.seqs)), _out_rest(out))
-    return (name, args, kwargs)
+class StepEncoder:
+    """Rank 0's side (one per LeaderRunner; the step thread only)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, Any] = {}
+        """request id -> the block tables of the last encoded step."""
+
+    def encode(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The wire form of runner call `name(*args, **kwargs)`."""
+        if name != "execute" or len(args) != 2 or kwargs or type(args[0]) is not SchedulerOutput:
+            return (name, args, kwargs)
+        out: SchedulerOutput = args[0]
+        last = self._tables
+        seqs = tuple(
+            (
+                s.request_id,
+                s.num_computed_tokens,
+                s.token_ids,
+                s.sample,
+                None if last.get(s.request_id) is s.group_block_ids else s.group_block_ids,
+                s.group_state_slots,
+                s.group_checkpoints,
+            )
+            for s in out.seqs
+        )
+        self._tables = {s.request_id: s.group_block_ids for s in out.seqs}
+        return (_STEP, seqs, (out.preempted, out.group_state_copies, out.group_fresh_blocks))
 
 
-def decode(msg: tuple[Any, ...]) -> Command:
-    """The runner call a wire form stands for (what a follower executes)."""
-    if msg[0] == _STEP:
-        _, seqs, rest = msg
-        out = SchedulerOutput(tuple(ScheduledSeq(*v) for v in seqs), *rest)
-        return "execute", (out, NO_PARAMS), {}
-    name, args, kwargs = msg
-    return name, args, kwargs
+class StepDecoder:
+    """A follower's side (one per follow loop)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, Any] = {}
+        """request id -> the block tables of the last decoded step."""
+
+    def decode(self, msg: tuple[Any, ...]) -> Command:
+        """The runner call a wire form stands for (what the follower executes)."""
+        if msg[0] != _STEP:
+            name, args, kwargs = msg
+            return name, args, kwargs
+        _, wire, rest = msg
+        last = self._tables
+        seqs = tuple(
+            ScheduledSeq(rid, computed, tokens, sample, last[rid] if tables is None else tables, slots, checkpoints)
+            for rid, computed, tokens, sample, tables, slots, checkpoints in wire
+        )
+        self._tables = {s.request_id: s.group_block_ids for s in seqs}
+        return "execute", (SchedulerOutput(seqs, *rest), NO_PARAMS), {}
 
 
-__all__ = ["NO_PARAMS", "Command", "decode", "encode"]
+__all__ = ["NO_PARAMS", "Command", "StepDecoder", "StepEncoder"]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridpd.engine.parallel.channel import RANK_DIED_EXIT_CODE, LeaderChannel, LeaderGone
-from hybridpd.engine.parallel.commands import decode, encode
+from hybridpd.engine.parallel.commands import StepDecoder, StepEncoder
 from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_device
 
 log = logging.getLogger("hybridpd.tp")
@@ -53,6 +53,7 @@ class LeaderRunner:
     def __init__(self, runner: Any, tp: TPGroup) -> None:
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_encoder", StepEncoder())
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._runner, name)
@@ -67,7 +68,7 @@ class LeaderRunner:
             setattr(self._runner, name, value)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self._tp.broadcast(encode(name, args, kwargs))
+        self._tp.broadcast(self._encoder.encode(name, args, kwargs))
         return getattr(self._runner, name)(*args, **kwargs)
 
     def on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -99,6 +100,7 @@ def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:
     worker (restarted whole; fail closed rather than ranks out of step). When rank 0's process is gone (the worker
     stopped or was killed), the follower exits quietly."""
     runner.sampler = DiscardingSampler()
+    decoder = StepDecoder()
     while True:
         try:
             msg = tp.broadcast(None)
@@ -111,8 +113,9 @@ def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:
             os._exit(RANK_DIED_EXIT_CODE)
         if msg is None:
             return
-        name, args, kwargs = decode(msg)
+        name = msg[0]
         try:
+            name, args, kwargs = decoder.decode(msg)
             if name == ON_ALL:
                 fn, fn_args = args
                 tp.gather_objects(fn(runner, tp.rank, *fn_args))

@@ -1,0 +1,253 @@
+"""Tensor-parallel control messages: how long from rank 0 deciding a step to a follower holding it, and what rank 0
+spends sending it. CPU only, plain processes (rank 0 here, followers spawned; gloo + the engine's command channel).
+
+The messages are real: an `EngineCore` (a tiny random model with the Nemotron-H-8B layer pattern, so the same
+cache groups as the 8B preset) schedules requests whose prompts have --context tokens; its runner's `execute` is
+replaced by a recorder that returns a token for every sampling sequence, so the scheduler, cache manager and
+sampling parameters are the engine's. Kinds: decode steps at batch 1, 16, 64 (every sequence at about --context
+tokens, block tables of context/16 pages) and a prefill step (the first step of 64 such prompts: a
+max_num_batched_tokens chunk).
+
+Transports, each message sent --repeats times after --warmup, rank 0 busy (a Python loop standing for its own step)
+for --gap-ms after each send so that sends never queue:
+
+    gloo     torch.distributed.broadcast_object_list of (name, (out, params), {}) over the gloo group (the old path:
+             sizes, then bytes; rank 0 returns once both collectives are done)
+    raw      the channel (engine.parallel.channel: one length-prefixed pickle per follower over a Unix socket,
+             rank 0 does not wait) with the same (name, (out, params), {}) message
+    channel  what the engine sends now: the channel with the compact step (engine.parallel.commands: the
+             scheduler output as tuples, no sampling params), rebuilt into a SchedulerOutput on the follower
+
+    latency  = follower has the decoded command (perf_counter_ns, one clock on one host) - rank 0 starts sending;
+               with --world > 2, the last follower's (the step starts when every rank has it)
+    send     = rank 0's time inside the send call (pickling included)
+
+    python benchmarks/tp_control.py --out out/tp_control.json       (about 1 minute; --world 4 for TP 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+TRANSPORTS = ("gloo", "raw", "channel")
+
+
+def build_messages(context: int, steps: int) -> dict[str, list[tuple[Any, Any]]]:
+    """kind -> consecutive (SchedulerOutput, params) as EngineCore.step hands them to its runner."""
+    from hybridpd.engine import LLM, SamplingParams
+    from hybridpd.engine.models.checkpoint import NEMOTRON_H_8B_PATTERN, write_random_checkpoint
+
+    path = write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0, pattern=NEMOTRON_H_8B_PATTERN)
+    llm = LLM(model=path, max_num_seqs=64, kv_cache_memory_bytes=1 << 30, max_model_len=2 * context + 4 * steps)
+    core = llm.engine
+    seen: list[tuple[Any, Any]] = []
+
+    def record(out: Any, params: Any) -> dict[str, tuple[int, float]]:
+        seen.append((out, params))
+        return {s.request_id: (65, -0.5) for s in out.seqs if s.sample}
+
+    core.runner.execute = record
+    rnd = random.Random(0)
+    params = SamplingParams(max_tokens=4 * steps, temperature=0.7, top_p=0.95)
+    found: dict[str, list[tuple[Any, Any]]] = {}
+    for batch in (64, 16, 1):
+        rids = [f"cmpl-{rnd.getrandbits(128):032x}-0" for _ in range(batch)]
+        for rid in rids:  # lengths spread, so that sequences cross page boundaries at different steps
+            prompt = [rnd.randrange(1, 256) for _ in range(rnd.randrange(context // 2, 3 * context // 2 + 1))]
+            core.add_request(rid, prompt, params)
+        seen.clear()
+        while not seen or seen[-1][0].num_tokens != len(seen[-1][0].seqs):
+            core.step()
+        if batch == 64:
+            found["prefill"] = seen[:steps]
+        start = len(seen) - 1
+        for _ in range(steps - 1):
+            core.step()
+        found[f"decode b{batch}"] = seen[start:]
+        for rid in rids:
+            core.abort(rid)
+    llm.shutdown()
+    return {k: found[k] for k in ("decode b1", "decode b16", "decode b64", "prefill")}
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _send(tp: Any, transport: str, step: tuple[Any, Any], encoder: Any) -> None:
+    import torch.distributed as dist
+
+    if transport == "gloo":
+        dist.broadcast_object_list([("execute", step, {})], src=0, group=tp.control)
+    elif transport == "raw":
+        tp.broadcast(("execute", step, {}))
+    else:
+        tp.broadcast(encoder.encode("execute", step, {}))
+
+
+def _recv(tp: Any, transport: str, decoder: Any) -> Any:
+    import torch.distributed as dist
+
+    if transport == "gloo":
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=tp.control)
+        return box[0]
+    msg = tp.broadcast(None)
+    return decoder.decode(msg) if transport == "channel" else msg
+
+
+def _wire_bytes(transport: str, steps: list[tuple[Any, Any]]) -> int:
+    """The median pickled size of a message of `steps` (sent in that order)."""
+    from hybridpd.engine.parallel.commands import StepEncoder
+
+    encoder = StepEncoder()
+    wire = [encoder.encode("execute", s, {}) if transport == "channel" else ("execute", s, {}) for s in steps]
+    return int(statistics.median(len(pickle.dumps(w, protocol=pickle.HIGHEST_PROTOCOL)) for w in wire))
+
+
+def rank_cpus(world: int) -> list[int] | None:
+    """One CPU per rank (as a GPU rank runs on its own core: a follower woken on rank 0's core would preempt it and
+    count its own decoding as rank 0's send); None when there are fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cpus[:world] if len(cpus) >= world else None
+
+
+def follower(rank: int, world: int, init: str, cpu: int | None) -> None:
+    import torch.distributed as dist
+    from hybridpd.engine.parallel.commands import StepDecoder
+    from hybridpd.engine.parallel.group import init_tp
+
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    tp = init_tp(rank, world, init, "cpu")
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=tp.control)
+    for transport, count in box[0]:
+        decoder = StepDecoder()
+        dist.barrier(group=tp.control)
+        stamps = []
+        for _ in range(count):
+            _recv(tp, transport, decoder)
+            stamps.append(time.perf_counter_ns())
+        tp.gather_objects(stamps)
+    assert tp.broadcast(None) is None  # rank 0's stop
+
+
+def leader(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+    from hybridpd.engine.parallel.commands import StepEncoder
+    from hybridpd.engine.parallel.group import free_port, init_tp
+
+    messages = build_messages(args.context, args.steps)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cpus = None if args.no_pin else rank_cpus(args.world)
+    argv = [sys.executable, os.path.abspath(__file__), "--init", init, "--world", str(args.world)]
+    procs = []
+    for r in range(1, args.world):
+        pinning = ["--cpu", str(cpus[r])] if cpus else []
+        procs.append(subprocess.Popen([*argv, "--rank", str(r), *pinning], env=env))
+    if cpus:
+        os.sched_setaffinity(0, {cpus[0]})
+    tp = init_tp(0, args.world, init, "cpu")
+    count = args.warmup + args.repeats
+    plan = [(t, count) for _ in messages for t in TRANSPORTS]
+    dist.broadcast_object_list([plan], src=0, group=tp.control)
+    rows = []
+    for kind, steps in messages.items():
+        for transport in TRANSPORTS:
+            encoder = StepEncoder()
+            dist.barrier(group=tp.control)
+            starts, sends = [], []
+            for i in range(count):
+                step = steps[i % len(steps)]
+                t0 = time.perf_counter_ns()
+                _send(tp, transport, step, encoder)
+                t1 = time.perf_counter_ns()
+                starts.append(t0)
+                sends.append(t1 - t0)
+                _busy(args.gap_ms / 1e3)
+            got = tp.gather_objects([])[1:]
+            last = [max(f[i] for f in got) for i in range(count)]
+            lat = [(b - a) / 1e3 for a, b in zip(starts, last, strict=True)][args.warmup :]
+            send_us = [s / 1e3 for s in sends][args.warmup :]
+            rows.append(
+                {
+                    "kind": kind,
+                    "transport": transport,
+                    "seqs": len(steps[0][0].seqs),
+                    "tokens": steps[0][0].num_tokens,
+                    "bytes": _wire_bytes(transport, steps),
+                    "latency_us_median": statistics.median(lat),
+                    "latency_us_p90": statistics.quantiles(lat, n=10)[-1],
+                    "send_us_median": statistics.median(send_us),
+                    "send_us_p90": statistics.quantiles(send_us, n=10)[-1],
+                }
+            )
+    tp.broadcast(None)
+    for p in procs:
+        p.wait(timeout=60)
+    return {
+        "world": args.world,
+        "context": args.context,
+        "repeats": args.repeats,
+        "gap_ms": args.gap_ms,
+        "cpus": cpus,
+        "rows": rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    head = f"{'message':<11} {'seqs':>4} {'tokens':>6} {'transport':<8} {'bytes':>7} "
+    head += f"{'latency us (p50/p90)':>21} {'rank-0 send us (p50/p90)':>25}"
+    title = f"TP control messages: world {result['world']}, context {result['context']}, {result['repeats']} repeats, "
+    title += f"ranks on CPUs {result['cpus']}" if result["cpus"] else "ranks not pinned"
+    lines = [title, head]
+    for r in result["rows"]:
+        lat = f"{r['latency_us_median']:.0f} / {r['latency_us_p90']:.0f}"
+        send = f"{r['send_us_median']:.0f} / {r['send_us_p90']:.0f}"
+        lines.append(
+            f"{r['kind']:<11} {r['seqs']:>4} {r['tokens']:>6} {r['transport']:<8} {r['bytes']:>7} {lat:>21} {send:>25}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2, help="ranks (rank 0 + world-1 followers)")
+    ap.add_argument("--context", type=int, default=1024, help="tokens per sequence in the decode steps")
+    ap.add_argument("--steps", type=int, default=32, help="consecutive steps recorded per kind, sent in a cycle")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--gap-ms", type=float, default=2.0, help="rank 0's own work after each send")
+    ap.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (default: one CPU per rank)")
+    ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--init", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank:
+        follower(args.rank, args.world, args.init, args.cpu)
+        return
+    result = leader(args)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Rank 0's command channel to its follower ranks (engine/parallel/channel.py) and the compact form of a step
+(engine/parallel/commands.py), in one process: sockets, no torch.distributed.
+
+The channel must keep rank 0's order on every follower (also when a frame does not fit the socket buffer and the
+sender thread finishes it), never make rank 0 wait for a follower, and fail closed: a follower gone makes the send
+fail and `on_error` run, on whichever thread met it, and every later send raise."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+from hybridpd.engine.parallel.channel import ChannelError, LeaderChannel, LeaderGone, Listener, connect
+from hybridpd.engine.parallel.commands import NO_PARAMS, StepDecoder, StepEncoder
+from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+def _channels(world: int, errors: list[BaseException]) -> tuple[LeaderChannel, list[Any]]:
+    listener = Listener()
+    try:
+        followers = {r: connect(listener.address, r, 5.0) for r in reversed(range(1, world))}  # any connect order
+        leader = LeaderChannel(listener.accept(world, 5.0), on_error=errors.append)
+    finally:
+        listener.close()
+    return leader, [followers[r] for r in range(1, world)]
+
+
+def _receive_all(follower: Any, into: list[Any]) -> None:
+    while (msg := follower.recv()) is not None:
+        into.append(msg)
+
+
+def test_order_kept_for_every_follower_with_a_frame_larger_than_the_socket_buffer() -> None:
+    errors: list[BaseException] = []
+    leader, followers = _channels(3, errors)
+    big = bytes(range(256)) * (32 << 10)  # 8 MiB: far past a socket buffer, finished by the sender thread
+    before: list[Any] = [("step", i) for i in range(20)] + [("big", big)] + [("step", i) for i in range(20, 40)]
+    t0 = time.perf_counter()
+    for msg in before:
+        leader.send(msg)
+    assert leader.pending > 0  # nobody reads yet: send returned with the big frame's rest and what follows queued
+    assert time.perf_counter() - t0 < 5.0
+    got: list[list[Any]] = [[] for _ in followers]
+    readers = [threading.Thread(target=_receive_all, args=(f, g)) for f, g in zip(followers, got, strict=True)]
+    for t in readers:
+        t.start()
+    after: list[Any] = []
+    for i in range(40, 400):  # while the followers drain the backlog: new frames must queue behind it
+        after.append(("big", big[: 1 << 20]) if i % 50 == 0 else ("step", i))
+        leader.send(after[-1])
+    leader.send(None)
+    assert leader.close(timeout_s=30.0)
+    for t in readers:
+        t.join(timeout=30.0)
+    assert all(g == before + after for g in got)
+    assert not errors
+    with pytest.raises(LeaderGone):  # rank 0 closed its end: the follower's loop ends quietly
+        followers[0].recv()
+
+
+def test_dead_follower_fails_the_send_on_the_callers_thread() -> None:
+    errors: list[BaseException] = []
+    leader, followers = _channels(3, errors)
+    leader.send("first")
+    assert [f.recv() for f in followers] == ["first", "first"]
+    followers[1].close()  # rank 2's process is gone
+    with pytest.raises(ChannelError):
+        for _ in range(3):  # the first frame may still be taken by the kernel; the peer's end is closed by then
+            leader.send("second")
+    assert len(errors) == 1
+    with pytest.raises(ChannelError):  # failed for good: never a command that only some ranks run
+        leader.send("third")
+    assert len(errors) == 1
+    leader.close()
+
+
+def test_dead_follower_fails_the_channel_from_the_sender_thread() -> None:
+    errors: list[BaseException] = []
+    failed = threading.Event()
+    leader, followers = _channels(2, errors)
+    leader.on_error = lambda exc: (errors.append(exc), failed.set())  # type: ignore[func-returns-value]
+    leader.send(b"x" * (16 << 20))  # does not fit: the sender thread holds the rest
+    assert leader.pending == 1 and not errors
+    followers[0].close()
+    assert failed.wait(timeout=10.0), "the sender thread swallowed the error"
+    assert len(errors) == 1 and isinstance(errors[0], OSError)
+    with pytest.raises(ChannelError):
+        leader.send("next")
+    assert not leader.close(timeout_s=1.0)
+
+
+def _seq(rid: str, computed: int, tables: Any, slot: int = 1) -> ScheduledSeq:
+    return ScheduledSeq(rid, computed, (65,), True, tables, ((1, slot),), ((1, ()),))
+
+
+def test_steps_round_trip_with_tables_sent_only_when_changed() -> None:
+    """Consecutive steps as the scheduler makes them: a request's tables are the same object until its pages
+    change. Every decoded step equals the original; unchanged tables are not sent again."""
+    a1, a2, b1 = ((0, (1, 2, 3)),), ((0, (1, 2, 3, 512)),), ((0, (9, 10)),)
+    prefill = ScheduledSeq("b", 0, tuple(range(40)), False, b1, ((1, 3),), ((1, ((32, 5),)),))
+    steps = [
+        SchedulerOutput((_seq("a", 40, a1),), (), ((1, ((5, 6),)),), ((0, (1, 2, 3)),)),
+        SchedulerOutput((_seq("a", 41, a1), prefill), ("c",), (), ((0, (9, 10)),)),
+        SchedulerOutput((_seq("a", 48, a2), _seq("b", 40, b1, slot=3)), (), (), ((0, (512,)),)),
+        SchedulerOutput((_seq("b", 41, b1, slot=3),), ("a",), (), ()),  # a preempted
+        SchedulerOutput((_seq("a", 0, a2), _seq("b", 42, b1, slot=3)), (), (), ()),  # a back, its tables not
+    ]  # in the previous step: sent again
+    enc, dec = StepEncoder(), StepDecoder()
+    sent_tables = []
+    for out in steps:
+        wire = pickle.loads(pickle.dumps(enc.encode("execute", (out, {"a": object()}), {})))
+        sent_tables.append([seq[4] is not None for seq in wire[1]])
+        name, args, kwargs = dec.decode(wire)
+        assert name == "execute" and kwargs == {}
+        got, params = args
+        assert got == out and all(type(s) is ScheduledSeq for s in got.seqs)
+        assert params is NO_PARAMS and params["a"] is None  # followers never sample
+    assert sent_tables == [[True], [False, True], [True, False], [False], [True, False]]
+    other: tuple[str, tuple[int, ...], dict[str, Any]] = ("zero_block_tail", (4, 3, 0), {})
+    assert dec.decode(enc.encode(*other)) == other
+
+
+def test_a_follower_missing_tables_fails_instead_of_guessing() -> None:
+    enc = StepEncoder()
+    tables = ((0, (1, 2)),)
+    enc.encode("execute", (SchedulerOutput((_seq("a", 5, tables),), ()), {}), {})
+    later = enc.encode("execute", (SchedulerOutput((_seq("a", 6, tables),), ()), {}), {})
+    with pytest.raises(KeyError):  # a follower that missed the first step
+        StepDecoder().decode(later)
