@@ -8,6 +8,9 @@ fail and `on_error` run, on whichever thread met it, and every later send raise.
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from typing import Any
@@ -130,3 +133,35 @@ def test_a_follower_missing_tables_fails_instead_of_guessing() -> None:
     later = enc.encode("execute", (SchedulerOutput((_seq("a", 6, tables),), ()), {}), {})
     with pytest.raises(KeyError):  # a follower that missed the first step
         StepDecoder().decode(later)
+
+
+def test_idle_follower_outlives_the_group_timeout() -> None:
+    """A worker with no requests for longer than its group's timeout keeps its ranks: a follower waits for rank 0's
+    next command on the channel, not in a gloo collective that times out (and would end the worker)."""
+    import torch.distributed as dist
+    from hybridpd.engine.parallel.group import free_port, init_tp
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    script = textwrap.dedent(f"""
+        from hybridpd.engine.parallel.group import init_tp
+        print("ready", flush=True)
+        tp = init_tp(1, 2, {init!r}, "cpu", timeout_s=1.0)
+        print(tp.broadcast(None), tp.broadcast(None), flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        tp = init_tp(0, 2, init, "cpu", timeout_s=1.0)
+        try:
+            tp.broadcast("early")
+            time.sleep(2.5)  # longer than the group's timeout
+            tp.broadcast("late")
+            out, _ = child.communicate(timeout=30)
+            assert child.returncode == 0 and out == "early late\n"
+        finally:
+            assert isinstance(tp.channel, LeaderChannel)
+            tp.channel.close()
+            dist.destroy_process_group()
+    finally:
+        if child.poll() is None:
+            child.kill()
