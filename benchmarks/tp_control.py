@@ -22,7 +22,7 @@ for --gap-ms after each send so that sends never queue:
                with --world > 2, the last follower's (the step starts when every rank has it)
     send     = rank 0's time inside the send call (pickling included)
 
-    python benchmarks/tp_control.py --out out/tp_control.json       (about 1 minute; --world 4 for TP 4)
+    python benchmarks/tp_control.py --out out/tp_control.json       (under a minute; --world 4 for TP 4)
 """
 
 from __future__ import annotations

@@ -63,7 +63,10 @@ class Listener:
     """Rank 0's end of the set-up: a listening socket at `address` until `close` (which removes it)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="hybridpd-tp-")  # mode 0700
+        base = tempfile.gettempdir()
+        if len(base) > 64 and os.path.isdir("/tmp"):  # a socket path holds at most ~100 bytes
+            base = "/tmp"
+        self._dir = tempfile.mkdtemp(prefix="hybridpd-tp-", dir=base)  # mode 0700
         self.address = os.path.join(self._dir, "control")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
