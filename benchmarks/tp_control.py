@@ -23,6 +23,14 @@ for --gap-ms after each send so that sends never queue:
     send     = rank 0's time inside the send call (pickling included)
 
     python benchmarks/tp_control.py --out out/tp_control.json       (under a minute; --world 4 for TP 4)
+
+--engine PRESET (or "tiny"): the decode step through the whole engine instead, control path included: for each of
+--tp-sizes, `LLM(tensor_parallel_size=N)` (a preset: config only, `load_format="dummy"`, bf16 on CUDA) runs --batch
+requests of --context-token prompts to decode, then `EngineCore.step` is timed over --engine-steps decode steps
+(wall clock; the step ends with rank 0 reading the sampled tokens, so it waits for every rank's GPU work), with
+rank 0's time inside the channel's send.
+
+    python benchmarks/tp_control.py --engine nemotron-h-8b --device cuda --tp-sizes 1,2 --out out/tp_engine.json
 """
 
 from __future__ import annotations
@@ -209,6 +217,107 @@ def leader(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _time_sends(channel: Any) -> list[float]:
+    """Seconds of every later `channel.send` (rank 0's time sending a command)."""
+    sends: list[float] = []
+    send = channel.send
+
+    def timed_send(obj: Any) -> None:
+        t0 = time.perf_counter()
+        send(obj)
+        sends.append(time.perf_counter() - t0)
+
+    channel.send = timed_send
+    return sends
+
+
+def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode step of the whole engine at each TP size (see the module docstring)."""
+    from hybridpd.engine import LLM, SamplingParams
+    from hybridpd.engine.models.checkpoint import (
+        NEMOTRON_H_8B_PATTERN,
+        write_preset_checkpoint,
+        write_random_checkpoint,
+    )
+
+    cuda = args.device.startswith("cuda")
+    settings: dict[str, Any] = {"device": args.device, "dtype": "bfloat16" if cuda else "float32"}
+    if args.engine == "tiny":
+        path = write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0, pattern=NEMOTRON_H_8B_PATTERN)
+    else:
+        path = write_preset_checkpoint(tempfile.mkdtemp(), args.engine, weights=False)
+        settings["load_format"] = "dummy"
+    if not cuda:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = []
+    for tp in (int(t) for t in args.tp_sizes.split(",")):
+        n = args.engine_steps
+        llm = LLM(
+            model=path,
+            tensor_parallel_size=tp,
+            max_num_seqs=args.batch,
+            max_model_len=2 * args.context + n + 64,
+            **settings,
+        )
+        core = llm.engine
+        sends = _time_sends(core.followers.tp.channel) if core.followers is not None else []
+        rnd = random.Random(0)
+        params = SamplingParams(max_tokens=n + 64, temperature=0.0, ignore_eos=True)
+        for i in range(args.batch):
+            prompt = [rnd.randrange(1, 256) for _ in range(rnd.randrange(args.context // 2, 3 * args.context // 2))]
+            core.add_request(f"r{i}", prompt, params)
+        while True:  # prefill, then a few decode steps (CUDA graphs captured, allocator warm)
+            core.step()
+            decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in core.scheduler.running)
+            if decoding and len(core.scheduler.running) == args.batch:
+                break
+        for _ in range(8):
+            core.step()
+        sends.clear()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - t0)
+        sends = list(sends)  # not the stop command
+        llm.shutdown()
+        rows.append(
+            {
+                "tp": tp,
+                "batch": args.batch,
+                "step_ms_median": statistics.median(times) * 1e3,
+                "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
+                "send_us_median": statistics.median(sends) * 1e6 if sends else None,
+                "sends_per_step": len(sends) / n,
+            }
+        )
+    base = rows[0]["step_ms_median"]
+    for r in rows:
+        r["vs_first"] = r["step_ms_median"] / base
+    return {
+        "engine": args.engine,
+        "device": args.device,
+        "context": args.context,
+        "steps": args.engine_steps,
+        "rows": rows,
+    }
+
+
+def engine_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"engine decode step: {result['engine']} on {result['device']}, context ~{result['context']}, "
+        f"median of {result['steps']} steps",
+        f"{'tp':>3} {'batch':>5} {'step ms (p50/p90)':>18} {'vs first':>9} {'rank-0 send us':>15} {'sends/step':>10}",
+    ]
+    for r in result["rows"]:
+        step = f"{r['step_ms_median']:.2f} / {r['step_ms_p90']:.2f}"
+        send = "-" if r["send_us_median"] is None else f"{r['send_us_median']:.0f}"
+        lines.append(
+            f"{r['tp']:>3} {r['batch']:>5} {step:>18} {r['vs_first']:>9.2f} {send:>15} {r['sends_per_step']:>10.1f}"
+        )
+    return "\n".join(lines)
+
+
 def table(result: dict[str, Any]) -> str:
     head = f"{'message':<11} {'seqs':>4} {'tokens':>6} {'transport':<8} {'bytes':>7} "
     head += f"{'latency us (p50/p90)':>21} {'rank-0 send us (p50/p90)':>25}"
@@ -232,6 +341,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gap-ms", type=float, default=2.0, help="rank 0's own work after each send")
+    ap.add_argument("--engine", default=None, help="a preset (or tiny): time the whole engine's decode step")
+    ap.add_argument("--device", default="cpu", help="--engine: cuda or cpu")
+    ap.add_argument("--tp-sizes", default="1,2", help="--engine: TP sizes, the first is the reference")
+    ap.add_argument("--batch", type=int, default=64, help="--engine: requests decoding together")
+    ap.add_argument("--engine-steps", type=int, default=50, help="--engine: decode steps timed")
     ap.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (default: one CPU per rank)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -241,12 +355,12 @@ def main() -> None:
     if args.rank:
         follower(args.rank, args.world, args.init, args.cpu)
         return
-    result = leader(args)
+    result = engine_steps(args) if args.engine else leader(args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    print(table(result))
+    print(engine_table(result) if args.engine else table(result))
 
 
 if __name__ == "__main__":
