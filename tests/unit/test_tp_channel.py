@@ -16,7 +16,14 @@ import time
 from typing import Any
 
 import pytest
-from hybridpd.engine.parallel.channel import ChannelError, LeaderChannel, LeaderGone, Listener, connect
+from hybridpd.engine.parallel.channel import (
+    RANK_DIED_EXIT_CODE,
+    ChannelError,
+    LeaderChannel,
+    LeaderGone,
+    Listener,
+    connect,
+)
 from hybridpd.engine.parallel.commands import NO_PARAMS, StepDecoder, StepEncoder
 from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -135,33 +142,55 @@ def test_a_follower_missing_tables_fails_instead_of_guessing() -> None:
         StepDecoder().decode(later)
 
 
-def test_idle_follower_outlives_the_group_timeout() -> None:
-    """A worker with no requests for longer than its group's timeout keeps its ranks: a follower waits for rank 0's
-    next command on the channel, not in a gloo collective that times out (and would end the worker)."""
+def test_follower_loop_idle_failing_and_orphaned() -> None:
+    """Two followers running the real loop (executor.follow) with rank 0 in this process:
+    - idle longer than the group's timeout, they are still there (they wait on the channel, not in a gloo
+      collective that times out and would end the worker);
+    - a command that fails on a follower makes it exit with RANK_DIED_EXIT_CODE (rank 0's watchdog then ends the
+      worker);
+    - rank 0 gone (its end of the channel closed without a stop command): the other one exits quietly."""
     import torch.distributed as dist
     from hybridpd.engine.parallel.group import free_port, init_tp
 
     init = f"tcp://127.0.0.1:{free_port()}"
     script = textwrap.dedent(f"""
+        import sys
+        from hybridpd.engine.parallel.executor import follow
         from hybridpd.engine.parallel.group import init_tp
+        rank = int(sys.argv[1])
+        class Runner:
+            def zero_block_tail(self, block, start, group):
+                assert not (rank == 2 and block < 0), "a failing call"
+                print("ran", block, flush=True)
         print("ready", flush=True)
-        tp = init_tp(1, 2, {init!r}, "cpu", timeout_s=1.0)
-        print(tp.broadcast(None), tp.broadcast(None), flush=True)
+        tp = init_tp(rank, 3, {init!r}, "cpu", timeout_s=1.0)
+        follow(Runner(), tp)
+        print("left the loop", flush=True)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (1, 2)
+    ]
     try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        tp = init_tp(0, 2, init, "cpu", timeout_s=1.0)
+        assert all(c.stdout is not None and c.stdout.readline() == "ready\n" for c in children)
+        tp = init_tp(0, 3, init, "cpu", timeout_s=1.0)
         try:
-            tp.broadcast("early")
-            time.sleep(2.5)  # longer than the group's timeout
-            tp.broadcast("late")
-            out, _ = child.communicate(timeout=30)
-            assert child.returncode == 0 and out == "early late\n"
+            tp.broadcast(("zero_block_tail", (1, 0, 0), {}))
+            time.sleep(2.0)  # longer than the group's timeout
+            tp.broadcast(("zero_block_tail", (2, 0, 0), {}))
+            tp.broadcast(("zero_block_tail", (-1, 0, 0), {}))  # fails on rank 2
+            assert children[1].wait(timeout=30) == RANK_DIED_EXIT_CODE
         finally:
             assert isinstance(tp.channel, LeaderChannel)
-            tp.channel.close()
+            tp.channel.close()  # no stop command: as if rank 0's process were gone
             dist.destroy_process_group()
+        out, err = children[0].communicate(timeout=30)
+        assert children[0].returncode == 0 and out == "ran 1\nran 2\nran -1\n", err[-2000:]
+        assert "Traceback" not in err
+        assert "zero_block_tail failed; exiting" in children[1].communicate(timeout=30)[1]
     finally:
-        if child.poll() is None:
-            child.kill()
+        for c in children:
+            if c.poll() is None:
+                c.kill()
