@@ -266,11 +266,13 @@ def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.batch):
             prompt = [rnd.randrange(1, 256) for _ in range(rnd.randrange(args.context // 2, 3 * args.context // 2))]
             core.add_request(f"r{i}", prompt, params)
-        while True:  # prefill, then a few decode steps (CUDA graphs captured, allocator warm)
+        for _ in range(100 * args.batch):  # prefill, then a few decode steps (CUDA graphs captured, allocator warm)
             core.step()
             decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in core.scheduler.running)
             if decoding and len(core.scheduler.running) == args.batch:
                 break
+        else:
+            raise RuntimeError(f"the {args.batch} requests never decoded together (cache too small?)")
         for _ in range(8):
             core.step()
         sends.clear()

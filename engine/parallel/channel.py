@@ -9,10 +9,11 @@ a Unix socket (the ranks are processes of one host).
 
 Rank 0 never waits for a follower: the common frame (a step, a few KB to a few hundred KB) goes into the socket
 buffer in one system call on the caller's thread, and a frame that does not fit is finished by the sender thread
-while rank 0 goes on with its own step. Order is kept per follower (a frame goes to the backlog whenever one is
-pending). A send that fails (a follower gone: EPIPE / ECONNRESET) fails the channel: every later `send` raises
-ChannelError and `on_error` runs once (by default it ends the process with RANK_DIED_EXIT_CODE: ranks out of step
-must never compute again; the worker is restarted whole).
+while rank 0 goes on with its own step. (A thread for every frame would wait for the GIL while rank 0's step runs
+Python: up to the interpreter's switch interval, milliseconds.) Order is kept per follower (a frame goes to the
+backlog whenever one is pending). A send that fails (a follower gone: EPIPE / ECONNRESET) fails the channel: every
+later `send` raises ChannelError and `on_error` runs once (by default it ends the process with RANK_DIED_EXIT_CODE:
+ranks out of step must never compute again; the worker is restarted whole).
 
 Set-up (`Listener`, `connect`): rank 0 listens on a socket in a fresh 0700 directory (only this user can connect),
 tells the followers its path over another channel (the worker's gloo group), and accepts exactly one connection per
