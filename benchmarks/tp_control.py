@@ -28,7 +28,8 @@ for --gap-ms after each send so that sends never queue:
 --tp-sizes, `LLM(tensor_parallel_size=N)` (a preset: config only, `load_format="dummy"`, bf16 on CUDA) runs --batch
 requests of --context-token prompts to decode, then `EngineCore.step` is timed over --engine-steps decode steps
 (wall clock; the step ends with rank 0 reading the sampled tokens, so it waits for every rank's GPU work), with
-rank 0's time inside the channel's send.
+rank 0's time inside its broadcast of each command. This mode runs on an engine from before the channel as well
+(copy this file out and run it in that checkout): the before / after of the same step.
 
     python benchmarks/tp_control.py --engine nemotron-h-8b --device cuda --tp-sizes 1,2 --out out/tp_engine.json
 """
@@ -217,17 +218,19 @@ def leader(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _time_sends(channel: Any) -> list[float]:
-    """Seconds of every later `channel.send` (rank 0's time sending a command)."""
+def _time_sends(tp: Any) -> list[float]:
+    """Seconds of every later `tp.broadcast` on rank 0 (its time sending a command; this works on engines from
+    before the channel too, whose broadcast was gloo's broadcast_object_list)."""
     sends: list[float] = []
-    send = channel.send
+    broadcast = tp.broadcast
 
-    def timed_send(obj: Any) -> None:
+    def timed(obj: Any) -> Any:
         t0 = time.perf_counter()
-        send(obj)
+        out = broadcast(obj)
         sends.append(time.perf_counter() - t0)
+        return out
 
-    channel.send = timed_send
+    object.__setattr__(tp, "broadcast", timed)  # TPGroup is frozen; the instance attribute shadows the method
     return sends
 
 
@@ -260,7 +263,7 @@ def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
             **settings,
         )
         core = llm.engine
-        sends = _time_sends(core.followers.tp.channel) if core.followers is not None else []
+        sends = _time_sends(core.followers.tp) if core.followers is not None else []
         rnd = random.Random(0)
         params = SamplingParams(max_tokens=n + 64, temperature=0.0, ignore_eos=True)
         for i in range(args.batch):
