@@ -2,21 +2,22 @@
 spends sending it. CPU only, plain processes (rank 0 here, followers spawned; gloo + the engine's command channel).
 
 The messages are real: an `EngineCore` (a tiny random model with the Nemotron-H-8B layer pattern, so the same
-cache groups as the 8B preset) schedules requests whose prompts have --context tokens; its runner's `execute` is
-replaced by a recorder that returns a token for every sampling sequence, so the scheduler, cache manager and
-sampling parameters are the engine's. Kinds: decode steps at batch 1, 16, 64 (every sequence at about --context
-tokens, block tables of context/16 pages) and a prefill step (the first step of 64 such prompts: a
-max_num_batched_tokens chunk).
+cache groups as the 8B preset) schedules requests whose prompts have about --context tokens (0.5x to 1.5x); its
+runner's `execute` is replaced by a recorder that returns a token for every sampling sequence, so the scheduler,
+cache manager and sampling parameters are the engine's. Kinds, each --steps consecutive steps: decode at batch 1,
+16, 64 (block tables of about context/16 pages; a table changes when its sequence starts a page) and prefill (the
+first steps of 64 such prompts: max_num_batched_tokens chunks).
 
-Transports, each message sent --repeats times after --warmup, rank 0 busy (a Python loop standing for its own step)
-for --gap-ms after each send so that sends never queue:
+Transports, the steps sent in order (cycling) --repeats times after --warmup, rank 0 busy (a Python loop standing
+for its own step) for --gap-ms after each send so that sends never queue:
 
     gloo     torch.distributed.broadcast_object_list of (name, (out, params), {}) over the gloo group (the old path:
              sizes, then bytes; rank 0 returns once both collectives are done)
     raw      the channel (engine.parallel.channel: one length-prefixed pickle per follower over a Unix socket,
              rank 0 does not wait) with the same (name, (out, params), {}) message
     channel  what the engine sends now: the channel with the compact step (engine.parallel.commands: the
-             scheduler output as tuples, no sampling params), rebuilt into a SchedulerOutput on the follower
+             scheduler output as tuples, no sampling params, block tables only when changed), rebuilt into a
+             SchedulerOutput on the follower
 
     latency  = follower has the decoded command (perf_counter_ns, one clock on one host) - rank 0 starts sending;
                with --world > 2, the last follower's (the step starts when every rank has it)
