@@ -235,41 +235,26 @@ def _time_sends(tp: Any) -> list[float]:
     return sends
 
 
-def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
-    """The decode step of the whole engine at each TP size (see the module docstring)."""
+def _engine_row(path: str, tp: int, settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One engine at `tp`: its decode step, timed; the engine is shut down before returning."""
     from hybridpd.engine import LLM, SamplingParams
-    from hybridpd.engine.models.checkpoint import (
-        NEMOTRON_H_8B_PATTERN,
-        write_preset_checkpoint,
-        write_random_checkpoint,
-    )
 
-    cuda = args.device.startswith("cuda")
-    settings: dict[str, Any] = {"device": args.device, "dtype": "bfloat16" if cuda else "float32"}
-    if args.engine == "tiny":
-        path = write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0, pattern=NEMOTRON_H_8B_PATTERN)
-    else:
-        path = write_preset_checkpoint(tempfile.mkdtemp(), args.engine, weights=False)
-        settings["load_format"] = "dummy"
-    if not cuda:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rows = []
-    for tp in (int(t) for t in args.tp_sizes.split(",")):
-        n = args.engine_steps
-        llm = LLM(
-            model=path,
-            tensor_parallel_size=tp,
-            max_num_seqs=args.batch,
-            max_model_len=2 * args.context + n + 64,
-            **settings,
-        )
-        core = llm.engine
-        sends = _time_sends(core.followers.tp) if core.followers is not None else []
-        rnd = random.Random(0)
-        params = SamplingParams(max_tokens=n + 64, temperature=0.0, ignore_eos=True)
-        for i in range(args.batch):
-            prompt = [rnd.randrange(1, 256) for _ in range(rnd.randrange(args.context // 2, 3 * args.context // 2))]
-            core.add_request(f"r{i}", prompt, params)
+    n = args.engine_steps
+    llm = LLM(
+        model=path,
+        tensor_parallel_size=tp,
+        max_num_seqs=args.batch,
+        max_model_len=2 * args.context + n + 64,
+        **settings,
+    )
+    core = llm.engine
+    sends = _time_sends(core.followers.tp) if core.followers is not None else []
+    rnd = random.Random(0)
+    params = SamplingParams(max_tokens=n + 64, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [rnd.randrange(1, 256) for _ in range(rnd.randrange(args.context // 2, 3 * args.context // 2))]
+        core.add_request(f"r{i}", prompt, params)
+    try:
         for _ in range(100 * args.batch):  # prefill, then a few decode steps (CUDA graphs captured, allocator warm)
             core.step()
             decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in core.scheduler.running)
@@ -286,17 +271,45 @@ def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
             core.step()
             times.append(time.perf_counter() - t0)
         sends = list(sends)  # not the stop command
+    finally:
         llm.shutdown()
-        rows.append(
-            {
-                "tp": tp,
-                "batch": args.batch,
-                "step_ms_median": statistics.median(times) * 1e3,
-                "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
-                "send_us_median": statistics.median(sends) * 1e6 if sends else None,
-                "sends_per_step": len(sends) / n,
-            }
-        )
+    return {
+        "tp": tp,
+        "batch": args.batch,
+        "step_ms_median": statistics.median(times) * 1e3,
+        "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
+        "send_us_median": statistics.median(sends) * 1e6 if sends else None,
+        "sends_per_step": len(sends) / n,
+    }
+
+
+def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode step of the whole engine at each TP size (see the module docstring)."""
+    import gc
+
+    import torch
+    from hybridpd.engine.models.checkpoint import (
+        NEMOTRON_H_8B_PATTERN,
+        write_preset_checkpoint,
+        write_random_checkpoint,
+    )
+
+    cuda = args.device.startswith("cuda")
+    settings: dict[str, Any] = {"device": args.device, "dtype": "bfloat16" if cuda else "float32"}
+    if args.engine == "tiny":
+        path = write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0, pattern=NEMOTRON_H_8B_PATTERN)
+    else:
+        path = write_preset_checkpoint(tempfile.mkdtemp(), args.engine, weights=False)
+        settings["load_format"] = "dummy"
+    if not cuda:  # a smoke test: ranks share the cores, no spinning thread pools
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+    rows = []
+    for tp in (int(t) for t in args.tp_sizes.split(",")):
+        rows.append(_engine_row(path, tp, settings, args))
+        gc.collect()  # the engine's memory back before the next one plans its cache
+        if cuda:
+            torch.cuda.empty_cache()
     base = rows[0]["step_ms_median"]
     for r in rows:
         r["vs_first"] = r["step_ms_median"] / base
