@@ -196,6 +196,8 @@ class LeaderChannel:
             self._cond.notify_all()
             delivered = self._cond.wait_for(lambda: self._error is not None or not any(self._backlog), timeout_s)
             delivered = delivered and self._error is None
+            if self._error is None and not delivered:  # the sender thread stops without reporting it
+                self._error = ChannelError("closed with commands undelivered")
         self._thread.join(timeout=1.0)
         for s in self._socks:
             s.close()
@@ -212,12 +214,16 @@ class LeaderChannel:
                 poller = select.poll()  # not select(): file descriptors past 1024 in a busy worker
                 for s in waiting:
                     poller.register(s, select.POLLOUT)
-                poller.poll(500)
+                poller.poll(100)
                 with self._cond:
+                    if self._error is not None:  # closed meanwhile
+                        return
                     self._write_backlogs()
                     self._cond.notify_all()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a socket closed under it
                 with self._cond:
+                    if self._error is not None:
+                        return
                     self._error = exc
                     self._cond.notify_all()
                 self.on_error(exc)

@@ -194,3 +194,15 @@ def test_follower_loop_idle_failing_and_orphaned() -> None:
         for c in children:
             if c.poll() is None:
                 c.kill()
+
+
+def test_close_with_a_follower_not_reading_gives_up_without_failing_the_worker() -> None:
+    errors: list[BaseException] = []
+    leader, followers = _channels(2, errors)
+    leader.send(b"x" * (16 << 20))  # never read
+    assert not leader.close(timeout_s=0.2)
+    time.sleep(0.3)  # past the sender thread's poll: it must stop quietly (on_error would end the worker)
+    assert not errors
+    with pytest.raises(ChannelError):
+        leader.send("after close")
+    followers[0].close()
