@@ -3,9 +3,9 @@
 A command is `(name, args, kwargs)`, a runner call. The step (`execute(out, params)`) is most of the traffic and
 goes in a compact form: the `SchedulerOutput` as plain tuples of its fields (pickled and rebuilt several times
 faster than the dataclasses), without the sampling parameters (followers never sample: their `DiscardingSampler`
-ignores them), and a sequence's block tables only when they are not the very tables (the same object: the cache
-manager rebuilds them only when the request's pages change) it had in the previous step. Every other command
-travels as it is.
+ignores them), and a sequence's block tables only when they are not the very tables it had in the previous step
+(the same tuple object, so the same content: the cache manager builds them again only when the request's pages
+change; tables that could change in place are sent every step). Every other command travels as it is.
 
     ("execute", (out, params), {})
        --StepEncoder-->  ("execute*", ((rid, computed, tokens, sample, tables | None, slots, checkpoints), ...),
@@ -63,28 +63,35 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._tables: dict[str, Any] = {}
-        """request id -> the block tables of the last encoded step."""
+        """request id -> the block tables of the last encoded step (immutable ones only)."""
 
     def encode(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The wire form of runner call `name(*args, **kwargs)`."""
         if name != "execute" or len(args) != 2 or kwargs or type(args[0]) is not SchedulerOutput:
             return (name, args, kwargs)
         out: SchedulerOutput = args[0]
-        last = self._tables
-        seqs = tuple(
-            (
-                s.request_id,
-                s.num_computed_tokens,
-                s.token_ids,
-                s.sample,
-                None if last.get(s.request_id) is s.group_block_ids else s.group_block_ids,
-                s.group_state_slots,
-                s.group_checkpoints,
+        last: dict[str, Any] = self._tables
+        now: dict[str, Any] = {}
+        seqs = []
+        for s in out.seqs:
+            rid, tables = s.request_id, s.group_block_ids
+            if last.get(rid) is tables:
+                sent = None
+                now[rid] = tables
+            else:
+                sent = tables
+                if _immutable(tables):  # a table that could change in place is sent every step
+                    now[rid] = tables
+            seqs.append(
+                (rid, s.num_computed_tokens, s.token_ids, s.sample, sent, s.group_state_slots, s.group_checkpoints)
             )
-            for s in out.seqs
-        )
-        self._tables = {s.request_id: s.group_block_ids for s in out.seqs}
-        return (_STEP, seqs, (out.preempted, out.group_state_copies, out.group_fresh_blocks))
+        self._tables = now
+        return (_STEP, tuple(seqs), (out.preempted, out.group_state_copies, out.group_fresh_blocks))
+
+
+def _immutable(tables: Any) -> bool:
+    """Tuples all the way down: the same object is the same tables forever."""
+    return type(tables) is tuple and all(type(t) is tuple and type(t[1]) is tuple for t in tables)
 
 
 class StepDecoder:

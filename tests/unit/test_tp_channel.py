@@ -133,6 +133,17 @@ def test_steps_round_trip_with_tables_sent_only_when_changed() -> None:
     assert dec.decode(enc.encode(*other)) == other
 
 
+def test_tables_that_could_change_in_place_are_sent_every_step() -> None:
+    enc, dec = StepEncoder(), StepDecoder()
+    pages = [1, 2]
+    tables = ((0, pages),)  # a list inside: the same object may hold other pages next step
+    for _ in range(2):
+        wire = enc.encode("execute", (SchedulerOutput((_seq("a", 5, tables),), ()), {}), {})
+        assert wire[1][0][4] == ((0, pages),)
+        assert dec.decode(pickle.loads(pickle.dumps(wire)))[1][0].seqs[0].group_block_ids == ((0, pages),)
+        pages.append(3)
+
+
 def test_a_follower_missing_tables_fails_instead_of_guessing() -> None:
     enc = StepEncoder()
     tables = ((0, (1, 2)),)
