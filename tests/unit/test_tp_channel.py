@@ -157,22 +157,28 @@ def test_follower_loop_idle_failing_and_orphaned() -> None:
     """Two followers running the real loop (executor.follow) with rank 0 in this process:
     - idle longer than the group's timeout, they are still there (they wait on the channel, not in a gloo
       collective that times out and would end the worker);
+    - a command larger than a socket buffer followed at once by a collective that needs it (`on_all`: pages
+      written on every rank, results gathered) completes, in order;
     - a command that fails on a follower makes it exit with RANK_DIED_EXIT_CODE (rank 0's watchdog then ends the
       worker);
     - rank 0 gone (its end of the channel closed without a stop command): the other one exits quietly."""
+    import torch
     import torch.distributed as dist
+    from hybridpd.engine.parallel.executor import ON_ALL
     from hybridpd.engine.parallel.group import free_port, init_tp
+    from hybridpd.engine.parallel.handoff import write_pages
 
     init = f"tcp://127.0.0.1:{free_port()}"
     script = textwrap.dedent(f"""
-        import sys
+        import sys, torch
         from hybridpd.engine.parallel.executor import follow
         from hybridpd.engine.parallel.group import init_tp
         rank = int(sys.argv[1])
         class Runner:
+            group_tensors = {{0: [torch.zeros(2, 1 << 18)]}}
             def zero_block_tail(self, block, start, group):
                 assert not (rank == 2 and block < 0), "a failing call"
-                print("ran", block, flush=True)
+                print("ran", block, int(self.group_tensors[0][0].sum()), flush=True)
         print("ready", flush=True)
         tp = init_tp(rank, 3, {init!r}, "cpu", timeout_s=1.0)
         follow(Runner(), tp)
@@ -190,6 +196,9 @@ def test_follower_loop_idle_failing_and_orphaned() -> None:
         try:
             tp.broadcast(("zero_block_tail", (1, 0, 0), {}))
             time.sleep(2.0)  # longer than the group's timeout
+            payload = [[torch.full((1, 1 << 18), float(r))] for r in range(3)]  # 3 MiB
+            tp.broadcast((ON_ALL, (write_pages, (0, [1], payload)), {}))
+            assert tp.gather_objects(None) == [None, None, None]
             tp.broadcast(("zero_block_tail", (2, 0, 0), {}))
             tp.broadcast(("zero_block_tail", (-1, 0, 0), {}))  # fails on rank 2
             assert children[1].wait(timeout=30) == RANK_DIED_EXIT_CODE
@@ -198,7 +207,7 @@ def test_follower_loop_idle_failing_and_orphaned() -> None:
             tp.channel.close()  # no stop command: as if rank 0's process were gone
             dist.destroy_process_group()
         out, err = children[0].communicate(timeout=30)
-        assert children[0].returncode == 0 and out == "ran 1\nran 2\nran -1\n", err[-2000:]
+        assert children[0].returncode == 0 and out == "ran 1 0\nran 2 262144\nran -1 262144\n", err[-2000:]
         assert "Traceback" not in err
         assert "zero_block_tail failed; exiting" in children[1].communicate(timeout=30)[1]
     finally:
