@@ -296,6 +296,8 @@ def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
 
     cuda = args.device.startswith("cuda")
     settings: dict[str, Any] = {"device": args.device, "dtype": "bfloat16" if cuda else "float32"}
+    if cuda:  # room for what an engine before it may still hold
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.engine == "tiny":
         path = write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0, pattern=NEMOTRON_H_8B_PATTERN)
     else:
@@ -365,6 +367,7 @@ def main() -> None:
     ap.add_argument("--tp-sizes", default="1,2", help="--engine: TP sizes, the first is the reference")
     ap.add_argument("--batch", type=int, default=64, help="--engine: requests decoding together")
     ap.add_argument("--engine-steps", type=int, default=50, help="--engine: decode steps timed")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="--engine on CUDA: each engine's share")
     ap.add_argument("--no-pin", action="store_true", help="leave the ranks unpinned (default: one CPU per rank)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
