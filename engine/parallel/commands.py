@@ -8,36 +8,41 @@ ignores them), and a sequence's block tables only when they are not the very tab
 change; tables that could change in place are sent every step). Every other command travels as it is.
 
     ("execute", (out, params), {})
-       --StepEncoder-->  ("execute*", ((rid, computed, tokens, sample, tables | None, slots, checkpoints), ...),
-                          (preempted, state copies, fresh blocks))
+       --StepEncoder-->  ("execute*", (every ScheduledSeq field but the tables, per seq),
+                          (tables | None, per seq), (every other SchedulerOutput field))
        --StepDecoder-->  ("execute", (out', NO_PARAMS), {})   with out' == out
 
-Each side remembers the block tables of the last step it encoded or decoded (None: "the ones of the previous
-step"). The channel delivers every command, in order, or the worker ends, so the two memories never differ; a
-follower asked for tables it does not have fails (KeyError: it exits, the worker is restarted).
+The fields are read from the dataclasses, so a field added to either travels without a change here. Each side
+remembers the block tables of the last step it encoded or decoded (None: "the ones of the previous step"). The
+channel delivers every command, in order, or the worker ends, so the two memories never differ; a follower asked
+for tables it does not have fails (KeyError: it exits, the worker is restarted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import operator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 _STEP = "execute*"
-_SEQ_FIELDS = (
-    "request_id",
-    "num_computed_tokens",
-    "token_ids",
-    "sample",
-    "group_block_ids",
-    "group_state_slots",
-    "group_checkpoints",
-)
-_OUT_FIELDS = ("seqs", "preempted", "group_state_copies", "group_fresh_blocks")
-assert tuple(f.name for f in dataclasses.fields(ScheduledSeq)) == _SEQ_FIELDS, "encode every ScheduledSeq field"
-assert tuple(f.name for f in dataclasses.fields(SchedulerOutput)) == _OUT_FIELDS, "encode every output field"
+_SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSeq))
+_TABLES = _SEQ_FIELDS.index("group_block_ids")
+_RID = _SEQ_FIELDS.index("request_id") - (_SEQ_FIELDS.index("request_id") > _TABLES)
+_OUT_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerOutput) if f.name != "seqs")
+
+
+def _values(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """obj -> the tuple of its attributes `names` (attrgetter, which returns a bare value for one name)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda obj: tuple(getattr(obj, n) for n in names)
+
+
+_seq_rest = _values(_SEQ_FIELDS[:_TABLES] + _SEQ_FIELDS[_TABLES + 1 :])
+_out_rest = _values(_OUT_FIELDS)
 
 Command = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -72,21 +77,18 @@ class StepEncoder:
         out: SchedulerOutput = args[0]
         last: dict[str, Any] = self._tables
         now: dict[str, Any] = {}
-        seqs = []
+        tables: list[Any] = []
         for s in out.seqs:
-            rid, tables = s.request_id, s.group_block_ids
-            if last.get(rid) is tables:
-                sent = None
-                now[rid] = tables
+            rid, t = s.request_id, s.group_block_ids
+            if last.get(rid) is t:
+                tables.append(None)
+                now[rid] = t
             else:
-                sent = tables
-                if _immutable(tables):  # a table that could change in place is sent every step
-                    now[rid] = tables
-            seqs.append(
-                (rid, s.num_computed_tokens, s.token_ids, s.sample, sent, s.group_state_slots, s.group_checkpoints)
-            )
+                tables.append(t)
+                if _immutable(t):  # a table that could change in place is sent every step
+                    now[rid] = t
         self._tables = now
-        return (_STEP, tuple(seqs), (out.preempted, out.group_state_copies, out.group_fresh_blocks))
+        return (_STEP, tuple(map(_seq_rest, out.seqs)), tuple(tables), _out_rest(out))
 
 
 def _immutable(tables: Any) -> bool:
@@ -106,14 +108,14 @@ class StepDecoder:
         if msg[0] != _STEP:
             name, args, kwargs = msg
             return name, args, kwargs
-        _, wire, rest = msg
-        last = self._tables
+        _, rests, tables, out_rest = msg
+        last, k = self._tables, _TABLES
         seqs = tuple(
-            ScheduledSeq(rid, computed, tokens, sample, last[rid] if tables is None else tables, slots, checkpoints)
-            for rid, computed, tokens, sample, tables, slots, checkpoints in wire
+            ScheduledSeq(*v[:k], last[v[_RID]] if t is None else t, *v[k:]) for v, t in zip(rests, tables, strict=True)
         )
         self._tables = {s.request_id: s.group_block_ids for s in seqs}
-        return "execute", (SchedulerOutput(seqs, *rest), NO_PARAMS), {}
+        out = SchedulerOutput(seqs=seqs, **dict(zip(_OUT_FIELDS, out_rest, strict=True)))
+        return "execute", (out, NO_PARAMS), {}
 
 
 __all__ = ["NO_PARAMS", "Command", "StepDecoder", "StepEncoder"]

@@ -122,7 +122,7 @@ def test_steps_round_trip_with_tables_sent_only_when_changed() -> None:
     sent_tables = []
     for out in steps:
         wire = pickle.loads(pickle.dumps(enc.encode("execute", (out, {"a": object()}), {})))
-        sent_tables.append([seq[4] is not None for seq in wire[1]])
+        sent_tables.append([tables is not None for tables in wire[2]])
         name, args, kwargs = dec.decode(wire)
         assert name == "execute" and kwargs == {}
         got, params = args
@@ -139,7 +139,7 @@ def test_tables_that_could_change_in_place_are_sent_every_step() -> None:
     tables = ((0, pages),)  # a list inside: the same object may hold other pages next step
     for _ in range(2):
         wire = enc.encode("execute", (SchedulerOutput((_seq("a", 5, tables),), ()), {}), {})
-        assert wire[1][0][4] == ((0, pages),)
+        assert wire[2] == (((0, pages),),)
         assert dec.decode(pickle.loads(pickle.dumps(wire)))[1][0].seqs[0].group_block_ids == ((0, pages),)
         pages.append(3)
 
