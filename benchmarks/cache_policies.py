@@ -33,8 +33,8 @@ class LruTree(CacheTree):
     def demote(self, h: bytes) -> None:
         pass
 
-    def _served(self, slot: int) -> bool:
-        return False
+    def _since_hit(self, slot: int) -> int | None:
+        return None
 
     def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
         pool = self.pool_of[kind]

@@ -131,26 +131,7 @@ class HybridCacheManager:
         self._alloc_order = self._gids if layout.arena is None else [*self._state_gids, *self._block_gids]
         """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
         imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
-        self.overlay: Overlay | None = None
-        if layout.arena is not None and self.states:
-            self.overlay = Overlay(
-                layout.arena,
-                [m.pool for m in self.blocks],  # type: ignore[misc]
-                [m.pool for m in self.states],
-            )  # type: ignore[misc]
-        budget = layout.budget_bytes
-        if budget is None:
-            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        self.tree = tree_cls(
-            [m.pool for m in self.blocks],
-            [m.pool for m in self.states],
-            budget,
-            self.policy.alpha,
-            layout.block_size,
-            self.overlay,
-        )
-        for leader in [*self.blocks[:1], *self.states[:1]]:
-            leader.tree = self.tree
+        self.overlay, self.tree = self._build_tree(layout, tree_cls)
         self._tables: dict[str, Tables] = {}
         """request -> `seq_tables` as last built: dropped when its pages change (`allocate`, `free`, `quarantine`)."""
         self._covers: dict[str, int] = {}
@@ -159,12 +140,30 @@ class HybridCacheManager:
         """request -> checkpoint boundaries still to save (`Admission.admit`), ascending."""
         self._noted: dict[str, int] = {}
         """request -> how many of its block hashes the admission has seen."""
-        self._reserved: dict[int, int] = {}
-        """checkpoint slot reserved for a pull (lead group's id) -> its boundary (tokens)."""
         self.quarantined: list[str] = []
         """Holders of pages a transfer could not cancel (see `quarantine`)."""
         self.counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
         self.external_counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
+
+    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> tuple[Overlay | None, CacheTree]:
+        """The arena's overlay (when the layout has one) and the cache tree over every pool, the leaders told."""
+        overlay = None
+        if layout.arena is not None and self.states:
+            overlay = Overlay(layout.arena, [m.pool for m in self.blocks], [m.pool for m in self.states])  # type: ignore[misc]
+        budget = layout.budget_bytes
+        if budget is None:
+            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
+        tree = tree_cls(
+            [m.pool for m in self.blocks],
+            [m.pool for m in self.states],
+            budget,
+            self.policy.alpha,
+            layout.block_size,
+            overlay,
+        )
+        for leader in [*self.blocks[:1], *self.states[:1]]:
+            leader.tree = tree
+        return overlay, tree
 
     def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
         """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""
@@ -410,9 +409,7 @@ class HybridCacheManager:
         of their own (never handed out again, never hashed), so the request id holds nothing and may compute
         afresh. Returns the holder."""
         holder = f"quarantine:{req.request_id}:{len(self.quarantined)}"
-        self.quarantined.append(holder)
-        if checkpoint is not None:
-            self._reserved.pop(checkpoint.slots[self.states[0].group.group_id], None)  # its slots stay held
+        self.quarantined.append(holder)  # `checkpoint`'s slots stay held: nobody frees them
         self._forget(req.request_id)
         for m in self.managers:
             m.disown(req.request_id, holder)
@@ -477,26 +474,16 @@ class HybridCacheManager:
         if h in self.states[0].pool.cached or not self._state_room():
             return None
         slots = {gid: m.pool.allocate_checkpoint(1)[0] for m, gid in self._state_gids}
-        self._reserved[slots[self.states[0].group.group_id]] = num_tokens
         return ReservedCheckpoint(num_tokens, slots, h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        """The pulled checkpoint arrived: cache it (the lead group first, riders only where it did) and release
-        the reservation."""
-        self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
+        """The pulled checkpoint arrived: cache it (the lead group first) and release the reservation."""
         for m, gid in self._state_gids:
-            slot = ckpt.slots[gid]
-            lead_has = m.leader is None or ckpt.block_hash in m.leader.cached
-            if lead_has and m.pool.cache(slot, ckpt.block_hash):
-                m.num_admitted += 1
-                if m.tree is not None:
-                    m.tree.on_state_cached(ckpt.block_hash, ckpt.num_tokens)
-            m.pool.free([slot])
+            m.publish(ckpt.slots[gid], ckpt.block_hash, ckpt.num_tokens)
+        self.drop_checkpoint(ckpt)
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        self._reserved.pop(ckpt.slots[self.states[0].group.group_id], None)
-        for m, gid in self._state_gids:
-            m.pool.free([ckpt.slots[gid]])
+        self.unpin_checkpoint(ckpt.slots)
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def seq_tables(self, req_id: str) -> Tables:

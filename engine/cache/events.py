@@ -48,19 +48,17 @@ class CacheEventLog:
         """Set when events were dropped since the last drain: the consumer must resync from a snapshot."""
 
     def stored(self, group: int, block_hash: bytes) -> None:
+        self._append(True, group, block_hash)
+
+    def removed(self, group: int, block_hash: bytes) -> None:
+        self._append(False, group, block_hash)
+
+    def _append(self, stored: bool, group: int, block_hash: bytes) -> None:
         with self._lock:  # a plain tuple here: the CacheEvent is built when drained (off the step loop's path)
             if len(self._events) >= self._capacity:
                 self._events.popleft()
                 self.overflowed = True
-            self._events.append((True, group, block_hash))
-            self.seq += 1
-
-    def removed(self, group: int, block_hash: bytes) -> None:
-        with self._lock:
-            if len(self._events) >= self._capacity:
-                self._events.popleft()
-                self.overflowed = True
-            self._events.append((False, group, block_hash))
+            self._events.append((stored, group, block_hash))
             self.seq += 1
 
     def drain(self) -> tuple[list[CacheEvent], bool]:

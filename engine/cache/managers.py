@@ -244,18 +244,20 @@ class RecurrentManager:
 
     def release_step_refs(self) -> None:
         """After a step ran: publish written checkpoints (cached, unreferenced) and drop restore references."""
-        tree, leader = self.tree, self.leader
         for p in self.pending:
-            if leader is not None and p.block_hash not in leader.cached:
-                continue  # the lead group did not keep it: a rider alone serves no hit
-            if not self.pool.cache(p.slot, p.block_hash):
-                continue
-            self.num_admitted += 1
-            if tree is not None:
-                tree.on_state_cached(p.block_hash, p.num_tokens)
-            if p.rolling:
+            if self.publish(p.slot, p.block_hash, p.num_tokens) and p.rolling:
                 self._replace_rolling(p.req_id, p.block_hash)
         self.drop_step_refs()  # the published ones stay cached: freeing only drops this step's references
+
+    def publish(self, slot: int, h: bytes, num_tokens: int) -> bool:
+        """Name a written checkpoint `h` (a rider only where its lead group did: alone it serves no hit); True if
+        it is cached now."""
+        if (self.leader is not None and h not in self.leader.cached) or not self.pool.cache(slot, h):
+            return False
+        self.num_admitted += 1
+        if self.tree is not None:
+            self.tree.on_state_cached(h, num_tokens)
+        return True
 
     def drop_step_refs(self) -> None:
         """A step failed: its checkpoints were not (fully) written. Free their slots unpublished, drop restores."""

@@ -1,23 +1,16 @@
-"""Checkpoint slots that share memory with attention blocks (arena.py): the pools and the rule that keeps them apart.
+"""Checkpoint slots that share memory with attention blocks (arena.py): the pools, and the rule that keeps them apart.
 
     attention blocks   0 1 .. k-1 | k .. 2k-1 | 2k .. 3k-1 | ...      range c = blocks [c*k, (c+1)*k)
     state slots        0 1 .. S F | F+1       | F+2        | ...      checkpoint slot F + c covers range c
 
-The rule: a held checkpoint slot (pending, cached, pinned or reserved) and a held attention block (in use or
-cached) never share memory.
-- A checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool); the range's
-  blocks are then referenced by the overlay (`cover`), so no attention allocation can hand them out and the budget
-  charges the checkpoint k blocks, what it covers. When the slot is free again the blocks come back (`uncover`).
-- With no free range the cache tree (tree.py, `_make_room_arena`) evicts the lowest checkpoint (its range comes
-  free) or the cached blocks of the unreferenced range whose eviction loses least; else the checkpoint is skipped.
-- Attention blocks are handed out clustered (outside every range first, then the range in use, then ranges that
-  hold a referenced block, then ranges with none, free ranges last) and checkpoints take the lowest free range, so
-  ranges with no referenced block, the only ones a checkpoint can take, stay as many as they can.
-Running slots (1 .. S) are reserved memory: a running slot is taken there first (a checkpoint never is).
-
-Several groups: every attention pool has the same ids (block j of every group is one arena page) and every state
-pool too; range c is held while any state pool holds slot F + c, and a rider state pool prefers a range its
-leader already holds (one range serves every group's checkpoint at one hash).
+A held checkpoint slot (pending, cached, pinned or reserved) and a held attention block (in use or cached) never
+share memory: a checkpoint slot is taken only over a *free range* (all k blocks free in every attention pool),
+whose blocks the overlay then references (`cover`) until the slot is free again (`uncover`); the budget charges a
+checkpoint the k blocks it covers. Attention blocks are handed out clustered (outside every range first, then the
+range in use, then ranges that hold a referenced block, free ranges last), so ranges with no referenced block, the
+only ones whose cached blocks the tree (`make_room`) may evict for a checkpoint, stay as many as they can. Running
+slots (1 .. S) are reserved memory. Several groups: block j (slot s) is one arena page of every attention (state)
+pool; range c is held while any state pool holds slot F + c, and a rider takes a range its leader holds already.
 
 Ownership: the coordinator builds the pools and one `Overlay`; the pools update its counters; the tree asks it for
 ranges. Single-threaded (the step loop). Tensor-free.

@@ -4,29 +4,20 @@
         r:  h0  h1  h2  h3 | h4' h5' | decode ...       branch point: the end of the longest prefix seen
             \\___ hit ___/  ^ branch  ^ prompt end       before; prompt end; while decoding, a rolling
                                                         request end at each block boundary (replacing the last)
-    the tree: a Node per cached block hash (tokens, parent, kids, last_hit, demoted; page ids stay in the pools)
+    the tree: a Node per cached block hash (page ids stay in the pools)
         root -- h0 -- h1 -- h2 -- h3 -- h4' -- h5'
                       |           \\-- h4 -- h5
                     [s@h1]      [s@h3]    [s@h5]  [s@h5']
     one heap: leaf blocks nobody references (h5, h5') + checkpoints nobody references ([s@h1], [s@h3], ...)
         priority = clock when released + compute saved per byte (0: a dead-end block, a superseded checkpoint);
         evict the lowest; clock := its priority, so old popularity ages out (GreedyDual)
-    the arena: checkpoint slot F+c is the memory of attention blocks [c*k, (c+1)*k), a range (overlay.py)
+    the arena (overlay.py): a checkpoint needs a free range of k blocks; with none, `make_room` evicts the lowest
+        checkpoint, or the unreferenced range whose blocks (with the subtrees below them and the checkpoints they
+        name) lose less per byte; a checkpoint that served a hit lately stays and the new one is skipped
 
-Invariants (`check_integrity`):
-- a node exists exactly while the chain (first attention group) caches its hash or the lead recurrent group holds a
-  checkpoint named by it; `parent` / `kids` link chain-cached nodes only, so a cached chain never has a hole;
-- only leaf blocks and unreferenced checkpoints are queued; evicting a block takes the unreferenced checkpoint
-  named by it (its chain is gone); evicting a checkpoint re-queues its block (a dead end now);
-- every other group's page h (a rider) exists only while its leader holds h and leaves with it, so one queued item
-  stands for the pages of every group at one hash, valued by the bytes of all of them;
-- held pages (in use + cached, every pool) x page bytes <= budget.
-
-The arena: a checkpoint needs a free range. With none, `make_room` evicts the lowest checkpoint when it is the
-lowest item of all; else the unreferenced range whose eviction loses least (the credit, priority - clock, of its
-blocks, of the subtrees below them and of the checkpoints they name, per byte: `_range_cost`) when cheaper than
-the lowest checkpoint; else that checkpoint, unless it served a hit lately (`_served`): then the new checkpoint
-is skipped, and when the kept one's hit is stale the clock rises to its priority.
+Evicting a block takes the unreferenced checkpoint named by it (its chain is gone); evicting a checkpoint re-queues
+its block (a dead end now). Every other group's page h (a rider) leaves with its leader's page h, so one queued item
+stands for the pages of every group at one hash. Invariants are stated at the fields (`check_integrity`).
 
 Ownership: the coordinator owns one CacheTree and calls `make_room` before every allocation; the pools call
 `on_release` / `on_acquire` (the tree is their listener); the managers tell it what was cached. Single-threaded
@@ -68,7 +59,8 @@ def flops_saved(tokens: int) -> float:
 
 
 class Node:
-    """One cached block hash. Page ids stay in the pools (`pool.cached[hash]`); the tree keeps the shape."""
+    """One cached block hash: it exists exactly while the chain (first attention group) caches the hash or the lead
+    recurrent group holds a checkpoint named by it. Page ids stay in the pools (`pool.cached[hash]`)."""
 
     __slots__ = ("hash", "tokens", "parent", "kids", "last_hit", "demoted")
 
@@ -77,9 +69,10 @@ class Node:
         self.tokens = tokens
         """Prefix length (tokens) at the end of this block."""
         self.parent: Node | None = None
-        """The chain-cached node of the block before (None: the first block, or its parent was evicted)."""
+        """The chain-cached node of the block before (None: the first block, or its parent was evicted): `parent`
+        and `kids` link chain-cached nodes only, so a cached chain never has a hole."""
         self.kids: dict[bytes, Node] = {}
-        """Chain-cached nodes whose parent this is; a block with kids is not evictable."""
+        """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
         self.last_hit: int | None = None
         """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
         self.demoted = False
@@ -96,8 +89,8 @@ class CacheTree:
         block_size: int = 16,
         overlay: Overlay | None = None,
     ) -> None:
-        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first.
-        `overlay`: the arena's, when checkpoint slots share memory with attention blocks."""
+        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first; the others
+        ride along (a rider names h only while its leader does). `overlay`: the arena's, if there is one."""
         self.chain: BlockPool | None = attention[0] if attention else None
         self.state: BlockPool | None = state[0] if state else None
         self.pool_of = (self.chain, self.state)
@@ -109,15 +102,17 @@ class CacheTree:
         self._state_ids = {id(p) for p in state}
         self.attention_pools = list(attention)
         self.budget_bytes = budget_bytes
+        """Held pages (in use + cached, every pool) x page bytes never exceed this."""
         self.block_size = block_size
         self.overlay = overlay
         self.unit_bytes = [sum(p.page_bytes for p in g) for g in (attention, state)]
-        """Kind -> bytes of one item (the leader's page and its riders' pages at one hash)."""
+        """Kind -> bytes of one item (the leader's page and its riders' pages at one hash; arena: what it covers)."""
         if overlay is not None and state and attention:
-            self.unit_bytes[STATE] = overlay.k * self.unit_bytes[BLOCK]  # what it covers
+            self.unit_bytes[STATE] = overlay.k * self.unit_bytes[BLOCK]
         self._scale = alpha * max(self.unit_bytes[STATE if state else BLOCK], 1) / flops_saved(REFERENCE_TOKENS)
         self.queued: tuple[dict[int, tuple[float, int, float]], ...] = ({}, {})
-        """Kind -> {page: (priority, release order, clock when queued)}: the live entries of `_heap`."""
+        """Kind -> {page: (priority, release order, clock when queued)}: the live entries of `_heap`; exactly the
+        unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
         self._heap: list[tuple[float, int, int]] = []
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
         self._order = 0
@@ -126,7 +121,7 @@ class CacheTree:
         self.nodes: dict[bytes, Node] = {}
         self.clock = 0.0
         self.num_states_cached = 0
-        """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_served`)."""
+        """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_since_hit`)."""
         ids = overlay.num_ranges if overlay is not None else (self.state.capacity if self.state else 0)
         self.served_window = SERVED_TURNOVERS * ids
         self.num_checkpoints_skipped = 0
@@ -211,20 +206,13 @@ class CacheTree:
             self._evict_victim(victim)
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
+        """State ids first (freeing ranges: `_arena_victim`), then the attention blocks besides the ranges taken."""
         asked = tuple((id(p), n) for p, n in needs)
-        failed = self._failed_room
-        if checkpoint and failed is not None and failed[0] == asked and failed[1] == self._version():
+        if checkpoint and self._failed_room == (asked, self._version()):
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
-        state_needs: list[tuple[BlockPool, int]] = []
-        attn_needs: list[tuple[BlockPool, int]] = []
-        for p, n in needs:
-            if n:
-                (state_needs if id(p) in self._state_ids else attn_needs).append((p, n))
-        while True:
-            ranges = max((p.overlay_needed(n, checkpoint) for p, n in state_needs), default=0)  # type: ignore
-            if all(p.available(checkpoint) >= n for p, n in state_needs):
-                return self._fill_attention(attn_needs, self.overlay.k * ranges)  # type: ignore[union-attr]
+        states = [(p, n) for p, n in needs if n and id(p) in self._state_ids]
+        while not all(p.available(checkpoint) >= n for p, n in states):
             victim = self._arena_victim(checkpoint)
             if victim is None:
                 if checkpoint:
@@ -233,32 +221,32 @@ class CacheTree:
                 return False
             if victim is not True:
                 self._evict_victim(victim)  # type: ignore[arg-type]
+        taken = self.overlay.k * max((p.overlay_needed(n, checkpoint) for p, n in states), default=0)  # type: ignore
+        for p, n in needs:
+            while n and id(p) not in self._state_ids and p.num_plain - taken < n:
+                victim = self._lowest()
+                if victim is None:
+                    return False
+                self._evict_victim(victim)
+        return True
 
     def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
         """What frees a range: the lowest checkpoint, or (True) a range evicted here; None: nothing may go."""
         victim = self._lowest()
         if victim is not None and victim[0] == STATE:
             return victim
-        lowest_state = self._lowest(STATE) if self.state is not None else None
-        c = self._pick_range(lowest_state[2] if lowest_state is not None else None, not checkpoint)
+        lowest = self._lowest(STATE) if self.state is not None else None
+        c = self._pick_range(lowest[2] if lowest is not None else None, not checkpoint)
         if c is not None:
             self._evict_range(c)
             return True
-        if checkpoint and lowest_state is not None and self._served(lowest_state[1]):
-            if self._stale(lowest_state[1]):  # kept on an old hit: the refused newcomer ranked below it,
-                self.clock = max(self.clock, lowest_state[2])  # so time moves on (old popularity ages out)
-            return None  # a checkpoint that served a hit lately stays; the new, speculative one is skipped
-        return lowest_state
-
-    def _fill_attention(self, attn_needs: list[tuple[BlockPool, int]], taken: int) -> bool:
-        """Arena: evict the lowest items until every attention pool has `n` free blocks besides the `taken` ones."""
-        for p, n in attn_needs:
-            while p.num_plain - taken < n:
-                victim = self._lowest()
-                if victim is None:
-                    return False
-                self._evict_victim(victim)
-        return True
+        if checkpoint and lowest is not None:
+            since = self._since_hit(lowest[1])
+            if since is not None and since <= self.served_window:  # it served a hit lately: it stays, the new,
+                if SERVED_TURNOVERS * since > self.served_window:  # speculative one is skipped; kept on an old
+                    self.clock = max(self.clock, lowest[2])  # hit, time moves on (old popularity ages out)
+                return None
+        return lowest
 
     def _evict_victim(self, victim: tuple[int, int, float]) -> None:
         """Evict `_lowest`'s answer; once per queue turnover, re-value the queue (`refresh`)."""
@@ -270,19 +258,12 @@ class CacheTree:
     def _version(self) -> int:
         return sum(p.version for p in self.pools) + self.version
 
-    # -- hits (served checkpoints) -----------------------------------------------------------------------------
-    def _served(self, slot: int) -> bool:
-        """The checkpoint in `slot` was restored within `served_window` checkpoints cached and not superseded."""
+    def _since_hit(self, slot: int) -> int | None:
+        """Checkpoints cached since the one in `slot` was last restored (None: never, or superseded since)."""
         node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
         if node is None or node.last_hit is None or node.demoted:
-            return False
-        return self.num_states_cached - node.last_hit <= self.served_window
-
-    def _stale(self, slot: int) -> bool:
-        """The checkpoint in `slot` was last restored more than one turnover of the checkpoint ids ago."""
-        node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
-        last = node.last_hit if node is not None else None
-        return last is not None and SERVED_TURNOVERS * (self.num_states_cached - last) > self.served_window
+            return None
+        return self.num_states_cached - node.last_hit
 
     # -- ranges (arena) ----------------------------------------------------------------------------------------
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
@@ -479,17 +460,11 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self.nodes.get(h)
-        if node is None:
-            node = self.nodes[h] = Node(h, tokens)
-        elif node.parent is not None:
-            return
-        if parent is None:
-            return
-        pb = self.chain.cached.get(parent)  # type: ignore[union-attr]
-        if pb is None:
-            return  # the parent is gone: this block heads an unreachable chain and stays a leaf
-        up = self.nodes[parent]
+        node = self._node(h, tokens)
+        pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
+        if node.parent is not None or pb is None:
+            return  # linked already, a first block, or the parent is gone (this block heads an unreachable chain)
+        up = self.nodes[parent]  # type: ignore[index]
         node.parent = up
         up.kids[h] = node
         self._discard(BLOCK, pb)  # no longer a leaf

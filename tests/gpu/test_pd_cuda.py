@@ -23,17 +23,26 @@ NEW = 16
 def test_pd_on_cuda_matches_colocated(name: str, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     model = checkpoint_dir(name)
     two = torch.cuda.device_count() >= 2
-    common = ["--device", "cuda:0", "--dtype", "float32", "--checkpoint-interval", "32",
-              "--kv-cache-memory-bytes", str(256 * 2**20)]
+    common = [
+        "--device",
+        "cuda:0",
+        "--dtype",
+        "float32",
+        "--checkpoint-interval",
+        "32",
+        "--kv-cache-memory-bytes",
+        str(256 * 2**20),
+    ]
     decode_env = {"CUDA_VISIBLE_DEVICES": "1"} if two else None
-    cluster = start_cluster(model, worker_args=common, prefill_env={"CUDA_VISIBLE_DEVICES": "0"},
-                            decode_env=decode_env)
+    cluster = start_cluster(model, worker_args=common, prefill_env={"CUDA_VISIBLE_DEVICES": "0"}, decode_env=decode_env)
     try:
         prompts = random_prompts(LENGTHS, vocab=256, seed=11)
-        llm = LLM(model=model, device="cuda:0", dtype="float32", checkpoint_interval=32,
-                  kv_cache_memory_bytes=256 * 2**20)
-        local = llm.generate(prompt_token_ids=prompts,
-                             sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+        llm = LLM(
+            model=model, device="cuda:0", dtype="float32", checkpoint_interval=32, kv_cache_memory_bytes=256 * 2**20
+        )
+        local = llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+        )
         for p, lo in zip(prompts, local, strict=True):
             body = complete(cluster, p, NEW)
             choice = body["choices"][0]

@@ -2,7 +2,7 @@
 
 The chats' restored states are superseded by each turn's own request-end checkpoint; the few-shot phase's
 checkpoints stop being restored. Neither may keep outranking the chats' new checkpoints (a hit protects a checkpoint
-only while it is recent and not superseded, tree.py `_served`): the chats reach their first-reuse bound, as they
+only while it is recent and not superseded, tree.py `_since_hit`): the chats reach their first-reuse bound, as they
 do alone. Before that rule they reached 0.82 of it here (0.914 at the benchmark's full scale).
 """
 
@@ -27,7 +27,7 @@ def test_chats_after_a_shared_prefix_phase_hit_their_bound() -> None:
 
 
 def test_ageing_does_not_run_away_on_a_small_arena() -> None:
-    """The clock rises on a skipped checkpoint only when the kept one's hit is old (tree.py `_stale`): raising it
+    """The clock rises on a skipped checkpoint only when the kept one's hit is old (tree.py `_arena_victim`): raising it
     on every skip priced the hot prefixes' ranges at nothing on a small arena (0.45 of the theoretical here, 0.86
     before any ageing; 0.83 now)."""
     w = cm.current(random.Random(0), 0.3)

@@ -30,14 +30,20 @@ GROUPS = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, MAMBA, (1, 2))]
 BLOCK, STATE = 64, 160
 P = list(range(100, 112))
 
+
 def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
     """The first group's entry of a per-group tuple ((group id, value), ...) (`empty` when there is none)."""
     return pairs[0][1] if pairs else empty
 
 
-
-def make(budget: int = 10_000, policy: CachePolicy | None = None, blocks: int = 64, slots: int = 16,
-         max_num_seqs: int = 2, groups: list[CacheGroup] = GROUPS) -> Scheduler:
+def make(
+    budget: int = 10_000,
+    policy: CachePolicy | None = None,
+    blocks: int = 64,
+    slots: int = 16,
+    max_num_seqs: int = 2,
+    groups: list[CacheGroup] = GROUPS,
+) -> Scheduler:
     layout = PoolLayout(blocks, slots, 0, BS, budget, policy or CachePolicy())
     return Scheduler(SchedulerConfig(max_num_seqs, 64), HybridCacheManager(groups, layout))
 
@@ -105,8 +111,10 @@ def test_interval_fallback_and_fixed_interval_policy() -> None:
     _, outs = serve(s, "a", P + [1, 2, 3, 4, 5], max_tokens=5)  # 17 + 4 computed
     assert boundaries(outs) == [8, 16, 20]  # interval 8, prompt end 16 (= (N-1) // 4 * 4), rolling end 20
     policy, admission = fixed_interval(8)
-    v1 = Scheduler(SchedulerConfig(2, 64), HybridCacheManager(GROUPS, PoolLayout(64, 16, 0, BS, 10_000, policy),
-                                                             admission_cls=admission))
+    v1 = Scheduler(
+        SchedulerConfig(2, 64),
+        HybridCacheManager(GROUPS, PoolLayout(64, 16, 0, BS, 10_000, policy), admission_cls=admission),
+    )
     _, outs = serve(v1, "a", P + [1, 2, 3, 4, 5], max_tokens=5)
     assert boundaries(outs) == [8, 16]
 
@@ -263,9 +271,10 @@ def test_superseded_checkpoints_on_an_unbranched_path_keep_only_recency() -> Non
     t2, outs = serve(s, "t2", t1.all_token_ids + [50, 51, 52], max_tokens=6)  # restores 20, rolling end 28
     assert t2.num_cached_tokens == 20 and boundaries(outs) == [24, 28]
     assert rc.nodes[end1].demoted and rc._value(STATE_ITEM, end1) == 0.0  # turn 2 went on past it: recency only
-    assert not rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored by t2, then superseded
+    assert rc._since_hit(rec.pool.lookup(end1)) is None  # type: ignore[arg-type]  # restored by t2, then superseded
     assert rc.nodes[t1.block_hashes[3 - 1]].demoted  # turn 1's prompt end, superseded by turn 1's own end
     # a checkpoint two requests branched from is a branch point: never demoted, and a restore undoes a demotion
     serve(s, "b", t1.all_token_ids[:20] + [9, 9, 9], max_tokens=1)
-    assert not rc.nodes[end1].demoted and rc._served(rec.pool.lookup(end1))  # type: ignore[arg-type]  # restored, recent
+    since = rc._since_hit(rec.pool.lookup(end1))  # type: ignore[arg-type]
+    assert not rc.nodes[end1].demoted and since is not None and since <= rc.served_window  # restored, recent
     s.cache.check_integrity()
