@@ -5,7 +5,8 @@ milliseconds, and on a thread that time is taken from the event loop all the sam
 therefore parsed in one helper process, spawned by `start()` (which `proxy.server` calls before serving) or else on
 the first big body, from a thread (starting a process forks this one: up to a second on a loaded host, which the
 event loop must not wait out); one worker, so big bodies queue behind one another, never in front of small ones.
-Errors come back as `ApiError`s; a helper that died is replaced on the next big body (that request gets a 503).
+Errors come back as `ApiError`s; a helper that died is replaced on the next big body (that request gets a 503). A
+helper whose proxy died without closing it (killed) exits within a second: it watches its parent.
 
     parser = BodyParser(model_name, limits); parser.start()    # optional: else spawned on the first big body
     req = await parser.parse(raw, chat)                          # CompletionRequest | ChatRequest, or ApiError
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -47,6 +51,17 @@ def _ready() -> bool:
     return True
 
 
+def _exit_with_parent(parent: int) -> None:
+    """The helper's initializer: leave when the proxy that started it is gone (its queue never closes for it)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="body-parser-parent-watch", daemon=True).start()
+
+
 class BodyParser:
     """Owned by the app (`close()` in its lifespan's shutdown). Event loop only."""
 
@@ -58,7 +73,12 @@ class BodyParser:
 
     def start(self) -> None:
         if self._helper is None:
-            self._helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self._helper = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
+            )
             self._helper.submit(_ready)  # spawn it now, not on the first big body
 
     def close(self) -> None:
@@ -76,12 +96,14 @@ class BodyParser:
                     await loop.run_in_executor(None, self.start)
         assert self._helper is not None
         try:
-            ok, value = await loop.run_in_executor(self._helper, _parse_in_helper, raw, chat, self.model_name,
-                                                   self.limits)
+            ok, value = await loop.run_in_executor(
+                self._helper, _parse_in_helper, raw, chat, self.model_name, self.limits
+            )
         except BrokenProcessPool:
             self._helper = None  # replaced on the next big body
-            raise ApiError(503, "the request parser restarted; retry", code="overloaded",
-                           headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                503, "the request parser restarted; retry", code="overloaded", headers={"Retry-After": "1"}
+            ) from None
         if ok:
             return value  # type: ignore[no-any-return]
         status, message, param, code = value

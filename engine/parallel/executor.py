@@ -4,16 +4,19 @@ their EngineCore's runner, executing what rank 0 broadcasts.
 
     rank 0 (the caller's process)                 ranks 1..tp-1 (spawned processes)
     EngineCore.step -> LeaderRunner.execute(out)  follow(): loop { msg = broadcast(); runner.<name>(*args) }
-        broadcast (name, args) on the gloo group           same model forward on its head slice
-        runner.execute(out) on its head slice              collectives meet rank 0's inside the forward
+        broadcast (name, args) on the channel              same model forward on its head slice
+        (sent, not waited for: engine.parallel.channel;    collectives meet rank 0's inside the forward
+         the step in compact form: engine.parallel.commands)
+        runner.execute(out) on its head slice
 
 Every rank builds the same cache plan (same budget: the minimum over ranks, engine.core; same per-rank page
 shapes), so block ids and state slots mean the same pages everywhere. Sampling happens on rank 0 only (every rank
 has all logits; followers discard theirs).
 
 Faults: a follower that dies leaves rank 0 inside a collective that may never return (NCCL), so rank 0's watchdog
-ends the whole process (exit code 70): the worker is restarted whole and no request gets a wrong token. Followers
-exit when rank 0's process is gone.
+ends the whole process (exit code 70): the worker is restarted whole and no request gets a wrong token. A command
+rank 0 cannot deliver ends it the same way (the channel's error handler). Followers exit when rank 0's process is
+gone (its end of the channel closes).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hybridpd.engine.parallel.channel import RANK_DIED_EXIT_CODE, LeaderChannel, LeaderGone
+from hybridpd.engine.parallel.commands import StepDecoder, StepEncoder
 from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_device
 
 log = logging.getLogger("hybridpd.tp")
@@ -38,7 +43,6 @@ log = logging.getLogger("hybridpd.tp")
 BROADCAST_CALLS = frozenset({"execute", "copy_states", "zero_blocks", "zero_block_tail"})
 """Runner methods that change the caches or run the model: every rank must run them, in the same order."""
 
-RANK_DIED_EXIT_CODE = 70
 ON_ALL = "<on_all>"
 """The broadcast name of `LeaderRunner.on_all` (a function run on every rank, results gathered)."""
 
@@ -49,6 +53,7 @@ class LeaderRunner:
     def __init__(self, runner: Any, tp: TPGroup) -> None:
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_encoder", StepEncoder())
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._runner, name)
@@ -63,7 +68,7 @@ class LeaderRunner:
             setattr(self._runner, name, value)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self._tp.broadcast((name, args, kwargs))
+        self._tp.broadcast(self._encoder.encode(name, args, kwargs))
         return getattr(self._runner, name)(*args, **kwargs)
 
     def on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -95,9 +100,12 @@ def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:
     worker (restarted whole; fail closed rather than ranks out of step). When rank 0's process is gone (the worker
     stopped or was killed), the follower exits quietly."""
     runner.sampler = DiscardingSampler()
+    decoder = StepDecoder()
     while True:
         try:
             msg = tp.broadcast(None)
+        except LeaderGone:  # rank 0's process ended without a stop command
+            os._exit(0)
         except Exception:
             if leader_pid is not None and not _alive(leader_pid):
                 os._exit(0)
@@ -105,8 +113,9 @@ def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:
             os._exit(RANK_DIED_EXIT_CODE)
         if msg is None:
             return
-        name, args, kwargs = msg
+        name = msg[0]
         try:
+            name, args, kwargs = decoder.decode(msg)
             if name == ON_ALL:
                 fn, fn_args = args
                 tp.gather_objects(fn(runner, tp.rank, *fn_args))
@@ -178,9 +187,20 @@ class Followers:
         atexit.register(self._closing)
         threading.Thread(target=self._watch, name="tp-followers-watch", daemon=True).start()
         self.tp = init_tp(0, world, init, rank_config(config, 0).model.device)
+        assert isinstance(self.tp.channel, LeaderChannel)
+        self.tp.channel.on_error = self._unreachable
 
     def _closing(self) -> None:
         self.closing = True
+
+    def _unreachable(self, exc: BaseException) -> None:
+        """A command could not reach a follower (the channel's error handler, any thread): ranks out of step."""
+        if self.closing:
+            return
+        log.error(
+            "tensor-parallel rank 0 could not send a command (%s): the worker exits so that it is restarted whole", exc
+        )
+        os._exit(RANK_DIED_EXIT_CODE)
 
     def close(self) -> None:
         """Stop the followers (they leave their loop and exit on their own), leave the group (a new engine may
@@ -194,6 +214,9 @@ class Followers:
             self.tp.broadcast(None)
         except Exception:  # a follower already gone: nothing left to stop
             log.warning("tensor-parallel followers did not take the stop message")
+        assert isinstance(self.tp.channel, LeaderChannel)
+        if not self.tp.channel.close():
+            log.warning("tensor-parallel followers did not take every command before the stop")
         dist.destroy_process_group()
 
     def _watch(self) -> None:
@@ -231,7 +254,15 @@ def start_tensor_parallel(config: Any) -> Followers | None:
     return Followers(config)
 
 
-__all__ = ["BROADCAST_CALLS", "Followers", "LeaderRunner", "follow", "follower_main", "start_tensor_parallel"]
+__all__ = [
+    "BROADCAST_CALLS",
+    "RANK_DIED_EXIT_CODE",
+    "Followers",
+    "LeaderRunner",
+    "follow",
+    "follower_main",
+    "start_tensor_parallel",
+]
 
 
 if __name__ == "__main__":  # a follower rank, started by Followers

@@ -1,9 +1,13 @@
 """The tensor-parallel process group of one worker and the few collectives the model and the executor use.
 
 Ranks are processes on one host: rank r of a worker on `cuda:N` runs on `cuda:N+r`; on CPU every rank runs on the
-CPU. Tensors move over `group` (NCCL on CUDA, gloo on CPU); Python objects (the step each rank executes) move over
-`control`, a gloo group in both cases, so broadcasting a step never touches the GPU stream.
-Ownership: `init_tp` is called once per process before the model is loaded; the group lives as long as the process.
+CPU. Tensors move over `group` (NCCL on CUDA, gloo on CPU); Python objects that every rank contributes (the cache
+budget, the plans, `gather_objects`) move over `control`, a gloo group in both cases. Rank 0's commands (the step
+each rank executes: `broadcast`) move over `channel` (engine.parallel.channel: one Unix-socket message per
+follower, sent without waiting for it), set up by `init_tp` through the control group. Neither touches the GPU
+stream.
+Ownership: `init_tp` is called once per process before the model is loaded; the group lives as long as the process
+(rank 0 closes the channel when it stops its followers).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hybridpd.engine.parallel.channel import FollowerChannel, LeaderChannel, Listener, connect
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class TPGroup:
     world: int
     group: Any  # torch.distributed ProcessGroup for tensors
     control: Any  # gloo ProcessGroup for objects
+    channel: LeaderChannel | FollowerChannel | None = None
+    """Rank 0's commands: its LeaderChannel on rank 0, a FollowerChannel on the others (None: no commands)."""
 
     @property
     def is_leader(self) -> bool:
@@ -59,10 +66,15 @@ class TPGroup:
         return out
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's obj on every rank (others pass None)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0's obj on every rank, in the order rank 0 sent them (others pass None and wait for the next one).
+        Rank 0 returns at once (obj is pickled before it returns; the followers may not have it yet): the ranks
+        meet in the collectives of the commands they run."""
+        if isinstance(self.channel, LeaderChannel):
+            self.channel.send(obj)
+            return obj
+        if isinstance(self.channel, FollowerChannel):
+            return self.channel.recv()
+        raise RuntimeError("this tensor-parallel group has no command channel")
 
 
 def free_port() -> int:
@@ -89,7 +101,21 @@ def init_tp(rank: int, world: int, init_method: str, device: str, timeout_s: flo
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else group
-    return TPGroup(rank, world, group, control)
+    return TPGroup(rank, world, group, control, open_channel(rank, world, control, timeout_s))
 
 
-__all__ = ["TPGroup", "free_port", "init_tp", "rank_device"]
+def open_channel(rank: int, world: int, control: Any, timeout_s: float) -> LeaderChannel | FollowerChannel:
+    """The command channel of the group: rank 0 listens and tells the others where over `control`."""
+    if rank == 0:
+        listener = Listener()
+        try:
+            dist.broadcast_object_list([listener.address], src=0, group=control)
+            return LeaderChannel(listener.accept(world, timeout_s))
+        finally:
+            listener.close()
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return connect(box[0], rank, timeout_s)
+
+
+__all__ = ["TPGroup", "free_port", "init_tp", "open_channel", "rank_device"]

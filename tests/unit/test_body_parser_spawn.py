@@ -49,3 +49,36 @@ def test_a_slow_helper_spawn_never_stalls_the_event_loop() -> None:
     assert first.prompts == ("a" * (INLINE_BYTES + 10),)
     assert helper is not None
     assert ticks >= 25, ticks  # the loop kept running through the 0.5 s spawn (blocked, it ticks once or twice)
+
+
+def test_the_helper_exits_when_its_proxy_is_killed() -> None:
+    """A proxy killed without closing its parser (SIGKILL, OOM) must not leave the helper process behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, time\n"
+        "from hybridpd.proxy.body_parser import BodyParser\n"
+        "from hybridpd.proxy.config import RequestLimits\n"
+        "p = BodyParser('m', RequestLimits()); p.start()\n"
+        "print(p._helper.submit(os.getpid).result(timeout=60), flush=True); time.sleep(60)\n"
+    )
+    proxy = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        helper = int(proxy.stdout.readline())  # type: ignore[union-attr]
+        os.kill(helper, 0)  # alive while its proxy is
+        proxy.send_signal(signal.SIGKILL)
+        proxy.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(helper, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(helper, signal.SIGKILL)
+        raise AssertionError("the parser helper outlived its killed proxy")
+    finally:
+        proxy.kill()

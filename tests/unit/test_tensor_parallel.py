@@ -130,7 +130,7 @@ def test_generate_cli_tp2_matches_tp1(model_dir):  # type: ignore[no-untyped-def
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stderr[-2000:]
     got = [json.loads(line)["token_ids"] for line in run.stdout.splitlines() if line.startswith("{")]
-    assert got == want
+    assert got == want, f"stdout: {run.stdout[-1500:]}\nstderr: {run.stderr[-2500:]}"
 
 
 def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[no-untyped-def]
