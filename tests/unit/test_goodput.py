@@ -34,6 +34,7 @@ def test_goodput_is_the_last_rate_of_the_passing_prefix() -> None:
         "measured": 2,
         "interpolated": pytest.approx(2 + 2 * (0.95 - 0.9) / (0.95 - 0.5)),
         "lower_bound": 0.0,
+        "highest_passing": 6,
     }
     assert goodput([(1, 0.5), (2, 0.99)])["measured"] == 0  # the lowest rate failed: no goodput
     assert goodput([(3, 0.99), (1, 1.0)])["measured"] == 3  # order of the points does not matter
@@ -218,3 +219,18 @@ def test_sweep_deadline_reserves_the_later_configurations_setup() -> None:
     end = sweep_deadline(now + 100.0, reserved_s=40.0, sweeps_left=3)
     assert 19.0 < end - now < 21.0  # (100 - 40) / 3
     assert sweep_deadline(now + 10.0, reserved_s=40.0, sweeps_left=2) - now < 1.0  # nothing left: ends at once
+
+
+def test_a_ratio_decided_by_a_non_monotonic_curve_is_not_robust() -> None:
+    """Colocated fails 8 req/s but passes 12 (noise): 1P1D's 3x by the conservative goodput is 1x read literally."""
+    from benchmarks.goodput_report import _ratio
+
+    pts = {"colocated": [(4, 1.0), (8, 0.47), (12, 1.0)], "1p1d": [(4, 1.0), (8, 1.0), (12, 1.0), (16, 0.43)]}
+    rows = {k: [{"rate": r, "attainment": {s.name: {"both": a} for s in SLOS}} for r, a in v] for k, v in pts.items()}
+    pd, co = config_goodput(rows["1p1d"], 2)["tight"], config_goodput(rows["colocated"], 2)["tight"]
+    assert (pd["per_gpu"], co["per_gpu"], co["per_gpu_highest_passing"]) == (6, 2, 6)
+    assert "NOT ROBUST" in _ratio("x", pd, co, 2.0)
+    monotonic = config_goodput(
+        [{"rate": r, "attainment": {s.name: {"both": a} for s in SLOS}} for r, a in ((4, 1.0), (8, 0.5), (12, 0.4))], 2
+    )["tight"]
+    assert _ratio("x", pd, monotonic, 2.0).endswith("PASS")
