@@ -305,7 +305,7 @@ def _ratio(label: str, num: dict[str, float], den: dict[str, float], bar: float)
     # with a lower-bound numerator, says nothing.
     if (verdict == "PASS" and den.get("lower_bound")) or (verdict == "FAIL" and num.get("lower_bound")):
         verdict = "INCONCLUSIVE (a sweep ended before its knee: extend the rates)"
-    elif _ok(_literal(num) / _literal(den) >= bar if _literal(den) else True) != verdict:
+    elif _ok(_literal(num) / _literal(den) >= bar) != verdict:  # literal >= measured: den's is > 0 here
         verdict = (
             f"NOT ROBUST (the literal reading, highest passing rate: {_literal(num):.2f} / {_literal(den):.2f} "
             "per GPU, decides the other way: attainment is not monotonic in the rate; repeat with longer windows)"

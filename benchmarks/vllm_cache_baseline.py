@@ -285,6 +285,18 @@ def run(w: cm.Workload, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _medians(runs: list[dict], first: tuple[str, ...]) -> dict[str, object]:
+    """One side's rounds: median CPU and wall time per request-step, every round's CPU time, and the fields every
+    round shares (hit rate, steps, ... and `first`) from the first round."""
+    shared = ("hit_rate", "steps", "scheduled_seqs", *first)
+    return {
+        "cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
+        "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
+        "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs],
+        **{k: runs[0][k] for k in shared},
+    }
+
+
 def combine(pattern: str, out: str) -> None:
     """Medians over interleaved rounds: {pattern}{r}_vllm.json, _vllm_pmu16.json (this script, --repeats 1) and
     _ours.json (cache_manager.py --repeats 1), one file each per round; writes `out` and prints the table."""
@@ -302,31 +314,16 @@ def combine(pattern: str, out: str) -> None:
             if not runs:
                 continue
             row[side] = {
-                "cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
+                **_medians(runs, ("digest", "config")),
                 "cpu_us_per_seq_step_without_prompt_hashing": statistics.median(
                     r.get("cpu_us_per_seq_step_without_prompt_hashing", 0.0) for r in runs
                 ),
-                "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
-                "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs],
-                "hit_rate": runs[0]["hit_rate"],
-                "steps": runs[0]["steps"],
-                "scheduled_seqs": runs[0]["scheduled_seqs"],
-                "digest": runs[0]["digest"],
-                "config": runs[0]["config"],
                 "loadavg_end": [d.get("loadavg_end") for d in sides[side]],
             }
         for pol in ("ours", "fixed", "v1"):
             runs = [d["results"][wl][pol] for d in sides["ours_runs"] if pol in d["results"].get(wl, {})]
             if runs:
-                row[pol] = {
-                    "cpu_us_per_seq_step": statistics.median(r["cpu_us_per_seq_step"] for r in runs),
-                    "wall_us_per_seq_step": statistics.median(r["us_per_seq_step"] for r in runs),
-                    "cpu_runs": [r["cpu_us_per_seq_step"] for r in runs],
-                    "hit_rate": runs[0]["hit_rate"],
-                    "theoretical": runs[0]["theoretical"],
-                    "steps": runs[0]["steps"],
-                    "scheduled_seqs": runs[0]["scheduled_seqs"],
-                }
+                row[pol] = _medians(runs, ("theoretical",))
         v = row.get("vllm", {}).get("cpu_us_per_seq_step")  # type: ignore[union-attr]
         for pol in ("ours", "fixed", "v1"):
             if pol in row and v:

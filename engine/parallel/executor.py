@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hybridpd.engine.parallel.channel import RANK_DIED_EXIT_CODE, LeaderChannel, LeaderGone
+from hybridpd.engine.parallel.channel import RANK_DIED_EXIT_CODE, LeaderChannel, LeaderGone, fail_worker
 from hybridpd.engine.parallel.commands import StepDecoder, StepEncoder
 from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_device
 
@@ -195,12 +195,8 @@ class Followers:
 
     def _unreachable(self, exc: BaseException) -> None:
         """A command could not reach a follower (the channel's error handler, any thread): ranks out of step."""
-        if self.closing:
-            return
-        log.error(
-            "tensor-parallel rank 0 could not send a command (%s): the worker exits so that it is restarted whole", exc
-        )
-        os._exit(RANK_DIED_EXIT_CODE)
+        if not self.closing:
+            fail_worker(exc)
 
     def close(self) -> None:
         """Stop the followers (they leave their loop and exit on their own), leave the group (a new engine may
