@@ -121,7 +121,7 @@ class CacheTree:
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
         self.nodes: dict[bytes, Node] = {}
-        self._spare: list[Node] = []
+        self._spare = [Node() for _ in range(sum(p.capacity for p in self.pool_of if p is not None))]
         """Nodes that left the tree (unlinked, no kids), reused by `_node`."""
         self.clock = 0.0
         self.num_states_cached = 0
@@ -183,7 +183,10 @@ class CacheTree:
         self._since_refresh = 0
         self.version += 1
         names = [p.block_hash if p is not None else [] for p in self.pool_of]
-        self._rebuild(lambda kind, page, entry: entry[2] + self._value(kind, names[kind][page]))
+        value = {names[STATE][s]: self._value(STATE, names[STATE][s]) for s in self.queued[STATE]}
+        # (a leaf block with a queued checkpoint is valued as that checkpoint: one anchor walk for both)
+        self._rebuild(lambda kind, page, entry: entry[2] + (
+            value[h] if (h := names[kind][page]) in value else self._value(kind, h)))
 
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
