@@ -149,7 +149,7 @@ class CacheTree:
         if len(self._heap) > 4 * (len(self.queued[0]) + len(self.queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
         elif len(self._state_heap) > 4 * len(self.queued[STATE]) + 64:
-            self._rebuild(lambda kind, page, entry: entry[0])
+            self._rebuild_states()
 
     def _discard(self, kind: int, page: int) -> None:
         self.version += 1
@@ -165,7 +165,10 @@ class CacheTree:
                 heap.append((prio, entry[1], page << 1 | kind))
         heapq.heapify(heap)
         self._heap = heap
-        self._state_heap = [(prio, order, key >> 1) for prio, order, key in heap if key & 1 == STATE]
+        self._rebuild_states()
+
+    def _rebuild_states(self) -> None:
+        self._state_heap = [(entry[0], entry[1], page) for page, entry in self.queued[STATE].items()]
         heapq.heapify(self._state_heap)
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
