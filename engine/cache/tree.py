@@ -204,9 +204,12 @@ class CacheTree:
         self.version += 1
         names = [p.block_hash if p is not None else [] for p in self.pool_of]
         value = {names[STATE][s]: self._value(STATE, names[STATE][s]) for s in self.queued[STATE]}
-        # (a leaf block with a queued checkpoint is valued as that checkpoint: one anchor walk for both)
-        self._rebuild(lambda kind, page, entry: entry[2] + (
-            value[h] if (h := names[kind][page]) in value else self._value(kind, h)))
+
+        def priority(kind: int, page: int, entry: tuple[float, int, float]) -> float:
+            h = names[kind][page]  # a leaf block with a queued checkpoint is valued as that checkpoint
+            return entry[2] + (value[h] if h in value else self._value(kind, h))
+
+        self._rebuild(priority)
 
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
