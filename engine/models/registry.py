@@ -108,6 +108,19 @@ def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     return dtype
 
 
+def build_on_meta(path: str, dtype: str = "float32") -> CausalLM:
+    """The model of a checkpoint directory built on the meta device (shapes only, no weights read). Raises
+    ModelLoadError like load_model for a config it cannot build."""
+    cfg = read_model_config(Path(path))
+    arch = resolve_architecture(cfg)
+    cls = ARCHITECTURES[arch]
+    try:
+        with torch.device("meta"):
+            return cls(cfg, _resolve_dtype(dtype, cfg))
+    except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
+        raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_format: str = "auto") -> CausalLM:
     """Load a supported HF-format model directory onto `device` in `dtype` ("float32", "bfloat16", "float16" or
     "auto" = the config's dtype). Raises ModelLoadError for a missing directory, missing or malformed config.json,
@@ -122,11 +135,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but CUDA is not available")
-    try:
-        with torch.device("meta"):
-            model = cls(cfg, dtype)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
-        raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
+    model = build_on_meta(path, dtype)
     if load_format == "dummy":
         _fill_dummy(model, cls, arch, cfg, dtype, target)
     else:
@@ -205,4 +214,4 @@ def _tie_or_fail(
         )
 
 
-__all__ = ["ARCHITECTURES", "load_model", "read_model_config", "resolve_architecture", "weight_files"]
+__all__ = ["ARCHITECTURES", "build_on_meta", "load_model", "read_model_config", "resolve_architecture", "weight_files"]

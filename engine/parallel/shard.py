@@ -49,9 +49,20 @@ def _need(count: int, what: str, tp: TPGroup) -> None:
         raise ValueError(f"{what}={count} is not divisible by tensor_parallel_size={tp.world}")
 
 
+def _need_groups(count: int, what: str, tp: TPGroup) -> None:
+    """Groups (KV heads, Mamba groups, GDN key heads) are split when tp divides them, replicated when they divide
+    tp."""
+    if count % tp.world and tp.world % count:
+        raise ValueError(
+            f"{what}={count} can be neither split over nor replicated on tensor_parallel_size={tp.world} ranks "
+            f"(one of the two must divide the other)"
+        )
+
+
 def shard_attention(m: NemotronHAttention | Qwen3_5Attention, tp: TPGroup, gated: bool) -> None:
     d = m.head_dim
     _need(m.heads, "num_attention_heads", tp)
+    _need_groups(m.kv_heads, "num_key_value_heads", tp)
     heads = split_range(m.heads, tp.world, tp.rank)
     kv = group_share(m.kv_heads, tp.world, tp.rank)
     q_width = 2 * d if gated else d  # Qwen3.5: per head | query | gate |
@@ -76,6 +87,7 @@ def _vector(p: nn.Parameter, rows: Any) -> nn.Parameter:
 def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_heads, "mamba_num_heads", tp)
+    _need_groups(c.n_groups, "n_groups", tp)
     heads = split_range(c.num_heads, tp.world, tp.rank)
     groups = group_share(c.n_groups, tp.world, tp.rank)
     inter = c.intermediate_size
@@ -100,6 +112,7 @@ def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
 def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_v_heads, "linear_num_value_heads", tp)
+    _need_groups(c.num_k_heads, "linear_num_key_heads", tp)
     v_heads = split_range(c.num_v_heads, tp.world, tp.rank)
     k_heads = group_share(c.num_k_heads, tp.world, tp.rank)
     conv = index(gdn_conv_channels(c.num_k_heads, c.head_k_dim, c.head_v_dim, k_heads, v_heads))
@@ -115,9 +128,10 @@ def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     m.cfg = dataclasses.replace(c, num_k_heads=len(k_heads), num_v_heads=len(v_heads))
 
 
-def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup) -> None:
-    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces)."""
-    _need(down.in_features, "intermediate_size", tp)
+def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup, what: str = "intermediate_size") -> None:
+    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces); `what`:
+    the config field of the width (for the error when tp does not divide it)."""
+    _need(down.in_features, what, tp)
     cols = index([split_range(down.in_features, tp.world, tp.rank)])
     for lin in up:
         take_rows(lin, cols)
@@ -135,10 +149,12 @@ def shard_moe(m: NemotronHMoE, tp: TPGroup, expert_parallel: bool = False) -> No
     (and fc2_latent_proj, linear, on the partial sum); or, with `expert_parallel`, whole routed experts per rank
     (engine.parallel.experts). Either way the block's output is reduced once."""
     if expert_parallel:
-        shard_moe_experts(m, tp, _split_mlp)
+        shard_moe_experts(m, tp, lambda up, down, t: _split_mlp(up, down, t, "moe_shared_expert_intermediate_size"))
     else:
-        for e in [*m.experts, m.shared_experts]:
-            _split_mlp([e.up_proj], e.down_proj, tp)
+        for e in m.experts:
+            _split_mlp([e.up_proj], e.down_proj, tp, "moe_intermediate_size")
+        shared = m.shared_experts
+        _split_mlp([shared.up_proj], shared.down_proj, tp, "moe_shared_expert_intermediate_size")
     if m.latent and m.fc2_latent_proj.bias is not None and not tp.is_leader:
         m.fc2_latent_proj.bias.data.zero_()
     all_reduce_output(m, tp)
@@ -194,6 +210,15 @@ def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
     )
 
 
+def check_shardable(path: str, world: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError, naming the config field, when the checkpoint at `path` cannot be cut over `world` ranks:
+    the sharding itself run for rank 0 on the model built on the meta device (no weights, no process group), so
+    a worker refuses such a model before it starts any other rank."""
+    from hybridpd.engine.models.registry import build_on_meta
+
+    shard_model(build_on_meta(path), TPGroup(rank=0, world=world, group=None, control=None), expert_parallel)
+
+
 def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     """Cut `model` (as loaded by engine.models.registry) to rank tp.rank's slice, in place; returns it. Raises
     ValueError when a head count cannot be split over tp.world ranks. `expert_parallel`: MoE blocks keep whole
@@ -211,4 +236,4 @@ def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     return model
 
 
-__all__ = ["shard_model"]
+__all__ = ["check_shardable", "shard_model"]
