@@ -18,7 +18,7 @@ from hybridpd.engine.errors import ModelLoadError
 from hybridpd.engine.models.base import CausalLM
 from hybridpd.engine.models.layers import torch_dtype
 from hybridpd.engine.models.nemotron_h import NemotronHForCausalLM
-from hybridpd.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+from hybridpd.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,15 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # text part only
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,  # text part only
 }
 MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

@@ -11,7 +11,7 @@ What each rank holds (H heads, KV key/value heads, G Mamba groups, Kh GDN key he
     Gated DeltaNet value heads split, key heads split or replicated; conv | q (Kh*dk) | k (Kh*dk) | v (Hv*dv) |
                    cut the same way per part; out_proj row-parallel
     MLP / MoE      intermediate split (every expert and the shared expert); one all-reduce per MLP / MoE block;
-                   the router is replicated
+                   the router (and Qwen3.5-MoE's shared-expert gate) is replicated
     embedding      vocabulary rows split (engine.parallel.layers); LM head gathers the logits
 
 The model's `args` become the rank's (local head counts), so `cache_specs` gives each rank the cache of its slice
@@ -28,6 +28,7 @@ from hybridpd.engine.models.layers import MLP, GatedMLP
 from hybridpd.engine.models.mamba2 import Mamba2Mixer
 from hybridpd.engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
 from hybridpd.engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
+from hybridpd.engine.models.sparse_moe import SparseMoeBlock
 from hybridpd.engine.parallel.experts import shard_moe_experts
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.layers import (
@@ -190,14 +191,30 @@ def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup, expert_parallel: 
     )
 
 
-def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
+def shard_sparse_moe(m: SparseMoeBlock, tp: TPGroup, expert_parallel: bool = False) -> None:
+    """Qwen3.5-MoE's block: every routed expert's and the shared expert's intermediate width cut (the router and
+    the shared expert's sigmoid gate, computed on the whole input, replicated); the block's output (routed plus
+    gated shared partial sums) reduced once."""
+    if expert_parallel:
+        raise ValueError("expert parallelism supports NemotronH MoE blocks only (drop --enable-expert-parallel)")
+    for e in m.experts:
+        _split_mlp([e.gate_proj, e.up_proj], e.down_proj, tp, "moe_intermediate_size")
+    shared = m.shared_expert
+    _split_mlp([shared.gate_proj, shared.up_proj], shared.down_proj, tp, "shared_expert_intermediate_size")
+    all_reduce_output(m, tp)
+
+
+def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup, expert_parallel: bool = False) -> None:
     layer: Any
     for layer in model.model.layers:
         if layer.layer_type == "linear_attention":
             shard_gdn(layer.linear_attn, tp)
         else:
             shard_attention(layer.self_attn, tp, gated=True)
-        shard_mlp(layer.mlp, tp)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            shard_sparse_moe(layer.mlp, tp, expert_parallel)
+        else:
+            shard_mlp(layer.mlp, tp)
     _shard_vocab(model, model.model, "embed_tokens", tp)
     a = model.args
     layers: list[Any] = list(model.model.layers)
@@ -229,7 +246,7 @@ def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     if isinstance(model, NemotronHForCausalLM):
         shard_nemotron_h(model, tp, expert_parallel)
     elif isinstance(model, Qwen3_5ForCausalLM):
-        shard_qwen3_5(model, tp)
+        shard_qwen3_5(model, tp, expert_parallel)
     else:
         raise ValueError(f"tensor parallelism does not support {type(model).__name__}")
     model.tp_rank, model.tp_size = tp.rank, tp.world
