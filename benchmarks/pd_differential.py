@@ -55,6 +55,9 @@ class Case:
     """(kind "text" | "id", position, length): before sending, run the request without stops on the colocated
     cluster and stop at what its output has there (a stop string of `length` characters at character `position`,
     or the token id at `position`), so that stops really trigger, at P's first token (position 0) or later."""
+    continues: bool = False
+    """The prompt is put after an earlier completion's prompt and output (token ids): D holds that output's blocks
+    in its prefix cache, P never saw them."""
 
 
 class RequestGen:
@@ -99,7 +102,7 @@ class RequestGen:
             b["temperature"] = 0.0
         else:
             b["temperature"] = r.choice([0.5, 0.8, 1.0, 1.5])
-            b["seed"] = r.randrange(10_000)
+            b["seed"] = r.choice([r.randrange(10_000), r.randrange(10_000), -r.randrange(1, 10), 2**63 - 1 - r.randrange(3)])
             if r.random() < 0.4:
                 b["top_p"] = r.choice([0.5, 0.9, 0.99])
             if r.random() < 0.4:
@@ -132,7 +135,7 @@ class RequestGen:
             else:
                 b["logprobs"] = r.choice([0, 1, 3, 5])
         if r.random() < 0.12:
-            b["max_tokens"] = max(1, min(room, r.choice([64, 100])))
+            b["max_tokens"] = max(1, min(room, r.choice([64, 100, 200])))
         if r.random() < 0.3:
             b["stream"] = True
             if r.random() < 0.6:
@@ -181,6 +184,9 @@ class RequestGen:
             return Case(self.n, "chat/completions", body)
         length = self.prompt_len()
         prompt: Any = self.token_prompt(length)
+        if r.random() < 0.15:
+            return Case(self.n, "completions", {"model": self.model, "prompt": prompt[:r.choice([1, 5, 16, 17])],
+                                                **self.sampling(40, chat=False)}, continues=True)
         if r.random() < 0.2:
             prompt = self.text(max(1, length // 4))
         if r.random() < 0.1:
@@ -219,6 +225,24 @@ def resolve_stop(client: httpx.Client, co_url: str, case: Case) -> None:
         if text[pos:pos + length]:
             case.body["stop"] = [text[pos:pos + length]]
     case.stop_from_output = None
+
+
+def resolve_continuation(case: Case, history: list[list[int]]) -> None:
+    """Put a `continues` case's prompt after the latest earlier prompt + output (the colocated answer's)."""
+    if case.continues and history:
+        case.body["prompt"] = history[-1] + case.body["prompt"]
+        case.body["max_tokens"] = max(1, min(case.body["max_tokens"], MAX_MODEL_LEN - len(case.body["prompt"])))
+        case.continues = False
+
+
+def _remember(case: Case, answer: dict[str, Any], history: list[list[int]]) -> None:
+    prompt, body = case.body.get("prompt"), answer["body"]
+    if (answer["status"] == 200 and isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+            and isinstance(body, dict)):
+        choices = body["choices"]
+        first = choices[0] if isinstance(choices, list) else choices.get(0)
+        if first and first.get("token_ids") and not case.body.get("echo"):
+            history.append(list(prompt) + list(first["token_ids"]))
 
 
 def call(client: httpx.Client, url: str, case: Case) -> dict[str, Any]:
@@ -303,30 +327,39 @@ def _short(v: Any) -> str:
 
 
 def compare(pd_url: str, co_url: str, cases: list[Case], timeout: float = 120.0,
-            statuses: dict[str, int] | None = None) -> list[tuple[Case, list[str]]]:
-    """Send each case to both clusters (PD first), in order; the cases whose answers differ, with the differences.
-    A 5xx or an exception (hang: timeout) on either side is a difference too. `statuses` counts PD's answers
-    (status, or finish reasons of a 200)."""
+            statuses: dict[str, int] | None = None, concurrency: int = 1) -> list[tuple[Case, list[str]]]:
+    """Send each case to both clusters and compare: `concurrency` cases at a time go to PD together, then the same
+    cases to the colocated cluster together (batches of several requests on each worker). The cases whose answers
+    differ, with the differences; a 5xx or an exception (hang: timeout) on either side is a difference too.
+    `statuses` counts PD's answers (status, or finish reasons of a 200)."""
     bad = []
     statuses = {} if statuses is None else statuses
-    with httpx.Client(timeout=timeout) as client:
-        for case in cases:
-            resolve_stop(client, co_url, case)
-            got = []
-            for url in (pd_url, co_url):
-                try:
-                    got.append(call(client, url, case))
-                except Exception as e:  # noqa: BLE001
-                    got.append({"status": "exception", "body": f"{type(e).__name__}: {e}"})
-            diffs = diff(got[0], got[1])
-            for key in _outcomes(got[0]):
-                statuses[key] = statuses.get(key, 0) + 1
-            if any(g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500)
-                   for g in got):
-                diffs.append(f"server error: pd {got[0]['status']} colocated {got[1]['status']}: "
-                             f"{_short(got[0]['body'])}")
-            if diffs:
-                bad.append((case, diffs))
+    history: list[list[int]] = []
+
+    def one(client: httpx.Client, url: str, case: Case) -> dict[str, Any]:
+        try:
+            return call(client, url, case)
+        except Exception as e:  # noqa: BLE001
+            return {"status": "exception", "body": f"{type(e).__name__}: {e}"}
+
+    with httpx.Client(timeout=timeout) as client, ThreadPoolExecutor(max(1, concurrency)) as pool:
+        for at in range(0, len(cases), max(1, concurrency)):
+            group = cases[at:at + max(1, concurrency)]
+            for case in group:
+                resolve_continuation(case, history)
+                resolve_stop(client, co_url, case)
+            answers = {url: list(pool.map(lambda c, u=url: one(client, u, c), group)) for url in (pd_url, co_url)}
+            for case, got in zip(group, zip(answers[pd_url], answers[co_url], strict=True), strict=True):
+                _remember(case, got[1], history)
+                diffs = diff(got[0], got[1])
+                for key in _outcomes(got[0]):
+                    statuses[key] = statuses.get(key, 0) + 1
+                if any(g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500)
+                       for g in got):
+                    diffs.append(f"server error: pd {got[0]['status']} colocated {got[1]['status']}: "
+                                 f"{_short(got[0]['body'])}")
+                if diffs:
+                    bad.append((case, diffs))
     return bad
 
 
@@ -335,7 +368,14 @@ def _outcomes(answer: dict[str, Any]) -> list[str]:
     if answer["status"] != 200 or not isinstance(body, dict):
         return [f"{answer['status']}: {_short(body)[:80]}"]
     choices = body["choices"]
-    return [f"finish={c.get('finish_reason')}" for c in (choices.values() if isinstance(choices, dict) else choices)]
+    hits = (body.get("usage") or {}).get("hybridpd") or {}
+    return [f"finish={c.get('finish_reason')}" for c in (choices.values() if isinstance(choices, dict) else choices)] + [
+        f"hit:{k}" for k in ("prefill_cached_tokens", "decode_local_cached_tokens") if hits.get(k)]
+
+
+def stop_all(clusters: list[Any]) -> None:
+    with ThreadPoolExecutor(max(1, len(clusters))) as pool:
+        list(pool.map(lambda c: c.stop(), clusters))
 
 
 def make_model(family: str, out_dir: str) -> str:
@@ -348,7 +388,8 @@ def start_pair(model: str, max_model_len: int = MAX_MODEL_LEN) -> tuple[Any, Any
     """A 1P1D cluster and a colocated one on `model`, started at the same time."""
     from hybridpd.deploy.local_cluster import start_cluster
 
-    args = ["--max-model-len", str(max_model_len), "--checkpoint-interval", "32"]
+    args = ["--max-model-len", str(max_model_len), "--checkpoint-interval", "32",
+            "--kv-cache-memory-bytes", str(32 * 2**20)]
     proxy = ["--max-model-len", str(max_model_len)]
     with ThreadPoolExecutor(2) as pool:
         pd = pool.submit(start_cluster, model, worker_args=args, proxy_args=proxy)
@@ -364,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pd-url", help="an already running PD proxy (with --colocated-url): no clusters started")
     ap.add_argument("--colocated-url")
     ap.add_argument("--model-name", default=None)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once on each cluster")
     args = ap.parse_args(argv)
     failures = 0
     for family in args.family or sorted(FAMILIES):
@@ -379,11 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             cases = [gen.next() for _ in range(args.requests)]
             t1 = time.time()
             statuses: dict[str, int] = {}
-            bad = compare(pd_url, co_url, cases, statuses=statuses)
+            bad = compare(pd_url, co_url, cases, statuses=statuses, concurrency=args.concurrency)
         finally:
             if stop:
-                for c in stop:
-                    c.stop()
+                stop_all(list(stop))
         kinds = {"chat": sum(c.endpoint.startswith("chat") for c in cases),
                  "stream": sum(bool(c.body.get("stream")) for c in cases),
                  "sampled": sum(bool(c.body.get("temperature")) for c in cases),

@@ -6,27 +6,39 @@ logprobs within 1e-4, finish reasons, usage, streams put together). `python -m b
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from benchmarks.pd_differential import RequestGen, compare, start_pair
+from benchmarks.pd_differential import RequestGen, compare, start_pair, stop_all
 
 REQUESTS = 20
 """Per family; the sample below covers chat and completions, streams, seeded sampling, n > 1 and stops at P's
 first token and later (asserted, so the sample cannot quietly lose them)."""
 
 
-@pytest.fixture(scope="module", params=["nemotron_attn_mid", "qwen_attn_last"])
-def pair(request: Any, checkpoint_dir: Any) -> Iterator[tuple[Any, Any]]:
-    pd, co = start_pair(checkpoint_dir(request.param))
-    yield pd, co
-    pd.stop()
-    co.stop()
+FAMILIES = ("nemotron_attn_mid", "qwen_attn_last")
 
 
-def test_pd_answers_equal_colocated_on_a_random_sample(pair: tuple[Any, Any]) -> None:
-    pd, co = pair
+@pytest.fixture(scope="module")
+def pairs(checkpoint_dir: Any) -> Iterator[dict[str, tuple[Any, Any]]]:
+    """Per family, a 1P1D cluster and a colocated one, all started at once (their start-up overlaps)."""
+    with ThreadPoolExecutor(len(FAMILIES)) as pool:
+        futures = {name: pool.submit(start_pair, checkpoint_dir(name)) for name in FAMILIES}
+        errors = [f.exception() for f in futures.values()]
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    try:
+        if any(errors):
+            raise next(e for e in errors if e is not None)
+        yield started
+    finally:
+        stop_all([c for pair in started.values() for c in pair])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pd_answers_equal_colocated_on_a_random_sample(pairs: dict[str, tuple[Any, Any]], family: str) -> None:
+    pd, co = pairs[family]
     gen = RequestGen(seed=3, model_name=pd.model_name)
     cases = [gen.next() for _ in range(REQUESTS)]
     statuses: dict[str, int] = {}
