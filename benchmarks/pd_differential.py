@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import jsonschema
 
 BLOCK = 16
 MAX_MODEL_LEN = 256
@@ -295,6 +297,36 @@ def merge_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def constraint_violations(case: Case, answer: dict[str, Any]) -> list[str]:
+    """A structured case's finished choices (finish_reason "stop") must match its constraint, whatever the cluster."""
+    spec = case.body.get("structured_outputs") or {}
+    fmt = case.body.get("response_format") or {}
+    if fmt.get("type") == "json_schema":
+        spec = {"json": fmt["json_schema"]["schema"]}
+    body = answer["body"]
+    if not spec or answer["status"] != 200 or not isinstance(body, dict):
+        return []
+    choices = body["choices"]
+    out = []
+    for c in choices.values() if isinstance(choices, dict) else choices:
+        text = c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
+        if c.get("finish_reason") != "stop" or case.body.get("stop") or case.body.get("stop_token_ids"):
+            continue
+        ok = True
+        if "choice" in spec:
+            ok = text in spec["choice"]
+        elif "regex" in spec:
+            ok = re.fullmatch(spec["regex"], text) is not None
+        elif "json" in spec:
+            try:
+                jsonschema.validate(json.loads(text), spec["json"])
+            except (ValueError, jsonschema.ValidationError):
+                ok = False
+        if not ok:
+            out.append(f"choice {c.get('index')}: {text!r} does not match {_short(spec)}")
+    return out
+
+
 def diff(a: Any, b: Any, path: str = "") -> list[str]:
     """Where two JSON values differ (floats within TOL; IGNORED_KEYS skipped)."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -352,6 +384,8 @@ def compare(pd_url: str, co_url: str, cases: list[Case], timeout: float = 120.0,
             for case, got in zip(group, zip(answers[pd_url], answers[co_url], strict=True), strict=True):
                 _remember(case, got[1], history)
                 diffs = diff(got[0], got[1])
+                diffs += [f"pd {v}" for v in constraint_violations(case, got[0])]
+                diffs += [f"colocated {v}" for v in constraint_violations(case, got[1])]
                 for key in _outcomes(got[0]):
                     statuses[key] = statuses.get(key, 0) + 1
                 if any(g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500)

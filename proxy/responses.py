@@ -7,9 +7,9 @@ Logprobs (when asked for):
   completions: `{tokens, token_logprobs, text_offset, top_logprobs}`; `top_logprobs` per token is a dict
                {token text: logprob} of the alternatives the worker returned plus the chosen token. `text_offset`
                is each token's start in the choice's text (echoed prompt included), from decoding the tokens before
-               it (special tokens add nothing; a character split over tokens starts at its first token), never
-               past the text sent so far: the same whatever deltas the workers' output came in (PD sends the
-               first token alone).
+               it as the workers do (special tokens add nothing; a character split over tokens starts at its first
+               token), never past the end of a whole answer's text (a stop string may cut it): the same whatever
+               deltas the workers' output came in (PD sends the first token alone).
   chat:        `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 Tool calls (chat with `tools`, tool_choice not "none"): the text is parsed (proxy.tools): `message.tool_calls`
 [{id, type, function: {name, arguments}}] and the text before the first call as `content`; streamed, a call is
@@ -137,7 +137,8 @@ class CompletionFormatter(_Formatter):
         self._echo_sent.add(index)
         return self._echo[index]
 
-    def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str, whole: bool = False
+                  ) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         tokens: list[str] = []
@@ -146,15 +147,18 @@ class CompletionFormatter(_Formatter):
         tops: list[dict[str, float]] = []
         base = self._text_len.get(index, 0) + len(prefix)
         self._start.setdefault(index, base)
-        end = base + sum(len(d.text) for d in deltas)  # the text sent so far, these deltas' included
+        whole_end = base + sum(len(d.text) for d in deltas)  # `deltas` are the whole output: the text's end
         for d in deltas:
+            end = whole_end if whole else base + len(d.text)
             offset = base
             for i, tid in enumerate(d.token_ids):
                 text = self.token_text(tid)
                 lp = _lp(d.logprobs, i)
                 tokens.append(text)
                 values.append(lp)
-                offsets.append(min(self._offset(index, tid, offset), end))
+                exact = self._offset(index, tid, offset)
+                # never past the text's end (a stop string cut it); in a stream, the end is unknown yet
+                offsets.append(min(exact, end) if whole or self._decode is None else exact)
                 offset += len(self.visible_text(tid))
                 alts = d.top_logprobs[i] if i < len(d.top_logprobs) else ()
                 top = {self.token_text(t): float(v) for t, v in alts}
@@ -178,7 +182,8 @@ class CompletionFormatter(_Formatter):
         for index, deltas in enumerate(choices):
             prefix = self._echo_text(index)
             out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
-                        "logprobs": self._logprobs(index, deltas, prefix), "finish_reason": deltas[-1].finish_reason,
+                        "logprobs": self._logprobs(index, deltas, prefix, whole=True),
+                        "finish_reason": deltas[-1].finish_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)

@@ -71,7 +71,17 @@ def test_completion_text_offsets_do_not_depend_on_how_the_output_was_chunked(che
         assert body["choices"][0]["text"] == echo + "5é"
         return body["choices"][0]["logprobs"]["text_offset"]  # type: ignore[no-any-return]
 
+    def streamed(splits: list[tuple[int, int, str]], ids: tuple[int, ...] = ids) -> list[int]:
+        fmt = CompletionFormatter("id", 0, "m", tok.token_text, True, tok.visible_text, decode=tok.decode)
+        return [o for a, b, text in splits for o in fmt.chunk(0, Delta(ids[a:b], text, (0.0,) * (b - a), None),
+                                                                None, False)["choices"][0]["logprobs"]["text_offset"]]
+
+    abc = tuple(tok.encode("abc"))  # a worker holds text back that could still begin a stop string ("abX")
+    assert streamed([(0, 2, ""), (2, 3, "abc")], abc) == streamed([(0, 3, "abc")], abc) == [0, 1, 2]
+
     want = [0, 1, 1, 2]
+    assert streamed([(0, 1, "5"), (1, 2, ""), (2, 4, "é")]) == want
+    assert streamed([(0, 2, "5"), (2, 3, "é"), (3, 4, "")]) == want
     assert offsets([(0, 4, "5é")]) == want  # colocated, one delta
     assert offsets([(0, 1, "5"), (1, 2, ""), (2, 4, "é")]) == want  # PD: P's token, then "é" held back a delta
     assert offsets([(0, 2, "5"), (2, 3, "é"), (3, 4, "")]) == want
