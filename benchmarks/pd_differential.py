@@ -33,17 +33,36 @@ BLOCK = 16
 MAX_MODEL_LEN = 256
 VOCAB = 256  # byte tokens of the built-in tokenizer: any id below is an ordinary token
 TOL = 1e-4
-FAMILIES = {"nemotron_h": {"hybrid_override_pattern": "M*-MM-"},
-            "qwen3_5": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}}
-WORDS = ("alpha beta gamma delta the quick brown fox jumps over lazy dog json data give me some numbers "
-         "please write hello world ok").split()
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "s": {"type": "string", "maxLength": 4}},
-          "required": ["n", "s"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"]}}}]
+FAMILIES: dict[str, dict[str, Any]] = {
+    "nemotron_h": {"hybrid_override_pattern": "M*-MM-"},
+    "qwen3_5": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+}
+WORDS = (
+    "alpha beta gamma delta the quick brown fox jumps over lazy dog json data give me some numbers "
+    "please write hello world ok"
+).split()
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "s": {"type": "string", "maxLength": 4}},
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 4},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    }
+]
 IGNORED_KEYS = {"id", "created", "system_fingerprint", "prompt_tokens_details", "hybridpd", "model"}
 """Fields that may differ legitimately: ids, clocks, and where in the cluster a prompt was found cached."""
 
@@ -70,8 +89,9 @@ class RequestGen:
         self.rng = random.Random(seed)
         self.model = model_name
         self.max_len = max_model_len
-        self.prefixes = [[self.rng.randrange(VOCAB) for _ in range(self.rng.choice([16, 32, 48, 100]))]
-                         for _ in range(4)]
+        self.prefixes = [
+            [self.rng.randrange(VOCAB) for _ in range(self.rng.choice([16, 32, 48, 100]))] for _ in range(4)
+        ]
         self.n = 0
 
     def prompt_len(self) -> int:
@@ -104,7 +124,9 @@ class RequestGen:
             b["temperature"] = 0.0
         else:
             b["temperature"] = r.choice([0.5, 0.8, 1.0, 1.5])
-            b["seed"] = r.choice([r.randrange(10_000), r.randrange(10_000), -r.randrange(1, 10), 2**63 - 1 - r.randrange(3)])
+            b["seed"] = r.choice(
+                [r.randrange(10_000), r.randrange(10_000), -r.randrange(1, 10), 2**63 - 1 - r.randrange(3)]
+            )
             if r.random() < 0.4:
                 b["top_p"] = r.choice([0.5, 0.9, 0.99])
             if r.random() < 0.4:
@@ -122,7 +144,9 @@ class RequestGen:
         if r.random() < 0.25:
             b["min_tokens"] = r.randrange(0, b["max_tokens"] + 1)
         if r.random() < 0.25:
-            b["logit_bias"] = {str(r.randrange(VOCAB)): r.choice([-100, -5, 3, 8, 100]) for _ in range(r.randrange(1, 4))}
+            b["logit_bias"] = {
+                str(r.randrange(VOCAB)): r.choice([-100, -5, 3, 8, 100]) for _ in range(r.randrange(1, 4))
+            }
         if r.random() < 0.25:
             b["stop_token_ids"] = [r.randrange(512) for _ in range(r.randrange(1, 30))]
         if r.random() < 0.25:
@@ -174,8 +198,12 @@ class RequestGen:
         if chat:
             msgs = [{"role": "user", "content": self.text(r.randrange(1, 12))}]
             if r.random() < 0.3:
-                msgs = [{"role": "system", "content": "be brief"}, *msgs,
-                        {"role": "assistant", "content": self.text(3)}, {"role": "user", "content": self.text(2)}]
+                msgs = [
+                    {"role": "system", "content": "be brief"},
+                    *msgs,
+                    {"role": "assistant", "content": self.text(3)},
+                    {"role": "user", "content": self.text(2)},
+                ]
             body = {"model": self.model, "messages": msgs, **self.sampling(60, chat=True)}
             extra = r.random()
             if extra < 0.15:
@@ -187,15 +215,20 @@ class RequestGen:
         length = self.prompt_len()
         prompt: Any = self.token_prompt(length)
         if r.random() < 0.15:
-            return Case(self.n, "completions", {"model": self.model, "prompt": prompt[:r.choice([1, 5, 16, 17])],
-                                                **self.sampling(40, chat=False)}, continues=True)
+            return Case(
+                self.n,
+                "completions",
+                {"model": self.model, "prompt": prompt[: r.choice([1, 5, 16, 17])], **self.sampling(40, chat=False)},
+                continues=True,
+            )
         if r.random() < 0.2:
             prompt = self.text(max(1, length // 4))
         if r.random() < 0.1:
             prompt = [prompt, self.token_prompt(self.prompt_len() // 2 + 1)]
-        room = self.max_len - max(len(p) if isinstance(p, list) else len(p) for p in
-                                  (prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str)
-                                   else [prompt]))
+        room = self.max_len - max(
+            len(p) if isinstance(p, list) else len(p)
+            for p in (prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str) else [prompt])
+        )
         body = {"model": self.model, "prompt": prompt, **self.sampling(room, chat=False)}
         if r.random() < 0.15 and "logprobs" not in body:
             body["echo"] = True
@@ -222,10 +255,10 @@ def resolve_stop(client: httpx.Client, co_url: str, case: Case) -> None:
     else:
         text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
         if case.body.get("echo") and isinstance(case.body.get("prompt"), str):
-            text = text[len(case.body["prompt"]):]
+            text = text[len(case.body["prompt"]) :]
         pos = min(pos, max(0, len(text) - length))
-        if text[pos:pos + length]:
-            case.body["stop"] = [text[pos:pos + length]]
+        if text[pos : pos + length]:
+            case.body["stop"] = [text[pos : pos + length]]
     case.stop_from_output = None
 
 
@@ -239,8 +272,13 @@ def resolve_continuation(case: Case, history: list[list[int]]) -> None:
 
 def _remember(case: Case, answer: dict[str, Any], history: list[list[int]]) -> None:
     prompt, body = case.body.get("prompt"), answer["body"]
-    if (answer["status"] == 200 and isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-            and isinstance(body, dict)):
+    if (
+        answer["status"] == 200
+        and isinstance(prompt, list)
+        and prompt
+        and isinstance(prompt[0], int)
+        and isinstance(body, dict)
+    ):
         choices = body["choices"]
         first = choices[0] if isinstance(choices, list) else choices.get(0)
         if first and first.get("token_ids") and not case.body.get("echo"):
@@ -251,8 +289,10 @@ def call(client: httpx.Client, url: str, case: Case) -> dict[str, Any]:
     """The answer as one comparable object: status, and the body (a stream's chunks merged per choice)."""
     if not case.body.get("stream"):
         r = client.post(f"{url}/v1/{case.endpoint}", json=case.body)
-        return {"status": r.status_code, "body": r.json() if r.headers.get("content-type", "").startswith(
-            "application/json") else r.text}
+        return {
+            "status": r.status_code,
+            "body": r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text,
+        }
     chunks: list[Any] = []
     with client.stream("POST", f"{url}/v1/{case.endpoint}", json=case.body) as r:
         if r.status_code != 200:
@@ -279,8 +319,17 @@ def merge_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         if ch.get("usage"):
             out["usage"] = ch["usage"]
         for c in ch.get("choices", []):
-            m = choices.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None,
-                                                "stop_reason": None, "logprobs": {}, "tool_calls": []})
+            m = choices.setdefault(
+                c["index"],
+                {
+                    "text": "",
+                    "token_ids": [],
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "logprobs": {},
+                    "tool_calls": [],
+                },
+            )
             delta = c.get("delta", c)
             m["text"] += delta.get("text") or delta.get("content") or ""
             m["reasoning"] = m.get("reasoning", "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
@@ -358,8 +407,14 @@ def _short(v: Any) -> str:
     return s if len(s) < 200 else s[:200] + "..."
 
 
-def compare(pd_url: str, co_url: str, cases: list[Case], timeout: float = 120.0,
-            statuses: dict[str, int] | None = None, concurrency: int = 1) -> list[tuple[Case, list[str]]]:
+def compare(
+    pd_url: str,
+    co_url: str,
+    cases: list[Case],
+    timeout: float = 120.0,
+    statuses: dict[str, int] | None = None,
+    concurrency: int = 1,
+) -> list[tuple[Case, list[str]]]:
     """Send each case to both clusters and compare: `concurrency` cases at a time go to PD together, then the same
     cases to the colocated cluster together (batches of several requests on each worker). The cases whose answers
     differ, with the differences; a 5xx or an exception (hang: timeout) on either side is a difference too.
@@ -376,7 +431,7 @@ def compare(pd_url: str, co_url: str, cases: list[Case], timeout: float = 120.0,
 
     with httpx.Client(timeout=timeout) as client, ThreadPoolExecutor(max(1, concurrency)) as pool:
         for at in range(0, len(cases), max(1, concurrency)):
-            group = cases[at:at + max(1, concurrency)]
+            group = cases[at : at + max(1, concurrency)]
             for case in group:
                 resolve_continuation(case, history)
                 resolve_stop(client, co_url, case)
@@ -388,10 +443,12 @@ def compare(pd_url: str, co_url: str, cases: list[Case], timeout: float = 120.0,
                 diffs += [f"colocated {v}" for v in constraint_violations(case, got[1])]
                 for key in _outcomes(got[0]):
                     statuses[key] = statuses.get(key, 0) + 1
-                if any(g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500)
-                       for g in got):
-                    diffs.append(f"server error: pd {got[0]['status']} colocated {got[1]['status']}: "
-                                 f"{_short(got[0]['body'])}")
+                if any(
+                    g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500) for g in got
+                ):
+                    diffs.append(
+                        f"server error: pd {got[0]['status']} colocated {got[1]['status']}: {_short(got[0]['body'])}"
+                    )
                 if diffs:
                     bad.append((case, diffs))
     return bad
@@ -403,8 +460,9 @@ def _outcomes(answer: dict[str, Any]) -> list[str]:
         return [f"{answer['status']}: {_short(body)[:80]}"]
     choices = body["choices"]
     hits = (body.get("usage") or {}).get("hybridpd") or {}
-    return [f"finish={c.get('finish_reason')}" for c in (choices.values() if isinstance(choices, dict) else choices)] + [
-        f"hit:{k}" for k in ("prefill_cached_tokens", "decode_local_cached_tokens") if hits.get(k)]
+    return [
+        f"finish={c.get('finish_reason')}" for c in (choices.values() if isinstance(choices, dict) else choices)
+    ] + [f"hit:{k}" for k in ("prefill_cached_tokens", "decode_local_cached_tokens") if hits.get(k)]
 
 
 def stop_all(clusters: list[Any]) -> None:
@@ -422,8 +480,14 @@ def start_pair(model: str, max_model_len: int = MAX_MODEL_LEN) -> tuple[Any, Any
     """A 1P1D cluster and a colocated one on `model`, started at the same time."""
     from hybridpd.deploy.local_cluster import start_cluster
 
-    args = ["--max-model-len", str(max_model_len), "--checkpoint-interval", "32",
-            "--kv-cache-memory-bytes", str(32 * 2**20)]
+    args = [
+        "--max-model-len",
+        str(max_model_len),
+        "--checkpoint-interval",
+        "32",
+        "--kv-cache-memory-bytes",
+        str(32 * 2**20),
+    ]
     proxy = ["--max-model-len", str(max_model_len)]
     with ThreadPoolExecutor(2) as pool:
         pd = pool.submit(start_cluster, model, worker_args=args, proxy_args=proxy)
@@ -459,16 +523,21 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if stop:
                 stop_all(list(stop))
-        kinds = {"chat": sum(c.endpoint.startswith("chat") for c in cases),
-                 "stream": sum(bool(c.body.get("stream")) for c in cases),
-                 "sampled": sum(bool(c.body.get("temperature")) for c in cases),
-                 "n>1": sum(c.body.get("n", 1) > 1 for c in cases)}
+        kinds = {
+            "chat": sum(c.endpoint.startswith("chat") for c in cases),
+            "stream": sum(bool(c.body.get("stream")) for c in cases),
+            "sampled": sum(bool(c.body.get("temperature")) for c in cases),
+            "n>1": sum(c.body.get("n", 1) > 1 for c in cases),
+        }
         for case, diffs in bad:
             print(f"[{family} #{case.index}] {case.endpoint} {json.dumps(case.body)}")
             for d in diffs[:8]:
                 print(f"    {d}")
-        print(f"{family}: {len(cases)} requests {kinds}, {len(bad)} differ; start {t1 - t0:.1f} s, "
-              f"requests {time.time() - t1:.1f} s", flush=True)
+        print(
+            f"{family}: {len(cases)} requests {kinds}, {len(bad)} differ; start {t1 - t0:.1f} s, "
+            f"requests {time.time() - t1:.1f} s",
+            flush=True,
+        )
         print(f"    PD outcomes: {json.dumps(dict(sorted(statuses.items(), key=lambda kv: -kv[1])))}")
         failures += len(bad)
     return 1 if failures else 0

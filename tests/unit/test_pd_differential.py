@@ -64,8 +64,9 @@ def test_completion_text_offsets_do_not_depend_on_how_the_output_was_chunked(che
     ids = (five, e1, e2, special)
 
     def offsets(splits: list[tuple[int, int, str]], echo: str = "") -> list[int]:
-        fmt = CompletionFormatter("id", 0, "m", tok.token_text, True, tok.visible_text, echo=[echo] if echo else (),
-                                  decode=tok.decode)
+        fmt = CompletionFormatter(
+            "id", 0, "m", tok.token_text, True, tok.visible_text, echo=[echo] if echo else (), decode=tok.decode
+        )
         deltas = [Delta(ids[a:b], text, (0.0,) * (b - a), None) for a, b, text in splits]
         body = fmt.full([deltas], [])
         assert body["choices"][0]["text"] == echo + "5é"
@@ -73,8 +74,13 @@ def test_completion_text_offsets_do_not_depend_on_how_the_output_was_chunked(che
 
     def streamed(splits: list[tuple[int, int, str]], ids: tuple[int, ...] = ids) -> list[int]:
         fmt = CompletionFormatter("id", 0, "m", tok.token_text, True, tok.visible_text, decode=tok.decode)
-        return [o for a, b, text in splits for o in fmt.chunk(0, Delta(ids[a:b], text, (0.0,) * (b - a), None),
-                                                                None, False)["choices"][0]["logprobs"]["text_offset"]]
+        return [
+            o
+            for a, b, text in splits
+            for o in fmt.chunk(0, Delta(ids[a:b], text, (0.0,) * (b - a), None), None, False)["choices"][0]["logprobs"][
+                "text_offset"
+            ]
+        ]
 
     abc = tuple(tok.encode("abc"))  # a worker holds text back that could still begin a stop string ("abX")
     assert streamed([(0, 2, ""), (2, 3, "abc")], abc) == streamed([(0, 3, "abc")], abc) == [0, 1, 2]
