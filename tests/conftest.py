@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # name -> (family, overrides). Two layer patterns per family: attention early vs late, several recurrent in a row.
-CHECKPOINTS = {
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron_attn_mid": ("nemotron_h", {"hybrid_override_pattern": "M*-MM-"}),
     "nemotron_attn_last": ("nemotron_h", {"hybrid_override_pattern": "MMM-M*"}),
     "qwen_attn_last": ("qwen3_5", {"layer_types": ["linear_attention", "linear_attention", "linear_attention",
