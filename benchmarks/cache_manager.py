@@ -45,11 +45,14 @@ Reported per workload and policy:
 
     python benchmarks/cache_manager.py --out docs/results/cache_manager.json
     python benchmarks/cache_manager.py --scale 0.2 --repeats 1 --workloads current   # a quick look
+    python benchmarks/cache_manager.py --policies ours --repeats 1 --digest   # + `decision_digest` per workload:
+        # sha256 over every step's scheduler output; equal digests = identical decisions (compare two commits)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import random
@@ -336,6 +339,7 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         else:
             waiters.setdefault(it.after, []).append(i)
     theo, admitted = Theoretical(), set()
+    digest = hashlib.sha256() if getattr(args, "digest", False) else None
     steps = scheduled = 0
     timed = cpu = 0.0
     while sched.num_unfinished:
@@ -362,6 +366,8 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         timed += time.perf_counter() - t0
         cpu += time.process_time() - c0
         cache.events.drain_from()  # what a subscribed worker's event stream does, off the step thread: untimed
+        if digest is not None:  # every decision: block tables, slots, checkpoints, restores, fresh blocks, hits
+            digest.update(repr(out).encode())
         for s in out.seqs:  # bookkeeping for the theoretical, untimed
             if s.request_id not in admitted:
                 admitted.add(s.request_id)
@@ -396,6 +402,8 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
     out_["ratio"] = out_["hit_rate"] / out_["theoretical"] if out_["theoretical"] else 1.0  # type: ignore[operator]
     if w.measured_from:
         out_["phase"] = phase_figures(reqs[w.measured_from :], theo)
+    if digest is not None:
+        out_["decision_digest"] = digest.hexdigest()
     return out_
 
 
@@ -464,6 +472,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cache_manager.json")
+    p.add_argument("--digest", action="store_true", help="sha256 over every step's scheduler output (untimed)")
     p.add_argument(
         "--no-arena",
         dest="arena",

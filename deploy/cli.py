@@ -16,7 +16,7 @@ from hybridpd.deploy.cli_parser import SuggestingParser
 from hybridpd.deploy.engine_flags import add_engine_args, engine_config_from_args
 from hybridpd.engine.errors import HybridPDError
 
-FAMILIES = ("nemotron_h", "qwen3_5")
+FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe")
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

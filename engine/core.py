@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hybridpd.engine.cache.coordinator import HybridCacheManager
@@ -26,7 +26,7 @@ from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dt
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
 from hybridpd.engine.parallel.group import TPGroup
-from hybridpd.engine.parallel.shard import shard_model
+from hybridpd.engine.parallel.shard import check_shardable, shard_model
 from hybridpd.engine.request import Request, RequestOutput
 from hybridpd.engine.runner import ModelRunner
 from hybridpd.engine.sampling_params import SamplingParams
@@ -68,17 +68,37 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
         spawns the followers when config.parallel.tensor_parallel_size > 1."""
-        from hybridpd.engine.models.registry import load_model, read_model_config
+        from hybridpd.engine.models.registry import read_model_config
 
         config.validate()
         config = resolve_auto(config)
         self.config = config
-        mc, cc, sc = config.model, config.cache, config.scheduler
+        mc = config.model
         require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
+        world = config.parallel.tensor_parallel_size
+        if tp is None and world > 1:  # a model that cannot be cut fails here, before any other rank starts
+            try:
+                check_shardable(mc.path, world, config.parallel.enable_expert_parallel)
+            except ValueError as e:
+                raise InvalidRequestError(f"tensor parallelism: {e}") from None
         self.followers = start_tensor_parallel(config) if tp is None else None
         self.tp = self.followers.tp if self.followers is not None else tp
+        try:
+            self._start(config, hf_config)
+        except BaseException:
+            if self.followers is not None:  # stop the ranks this engine started: the caller sees only its error
+                self.followers.abort()
+                self.followers = None
+            raise
+
+    def _start(self, config: EngineConfig, hf_config: dict[str, Any]) -> None:
+        """Everything after the ranks exist: the model (rank's slice), the cache plan every rank agrees on, the
+        scheduler, the runner, the tokenizer."""
+        from hybridpd.engine.models.registry import load_model
+
+        mc, cc = config.model, config.cache
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
         if self.tp is not None:
             shard_model(self.model, self.tp, config.parallel.enable_expert_parallel)
@@ -144,14 +164,16 @@ class EngineCore:
             """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
             try:
                 p = plan_capacity(self.groups, budget, num_seqs, cc.num_checkpoint_slots, self.max_model_len,
-                                  cc.resolved_checkpoint_interval(), policy=cc.cache_policy())
+                                  cc.resolved_checkpoint_interval(), policy=cc.cache_policy(),
+                                  block_size=cc.block_size)
             except CapacityError:
                 return None
             return None if p.attention_blocks and p.token_capacity < self.max_model_len else p
 
         fitted = fit_running_seqs(plan, sc.max_num_seqs)
         if fitted is None:
-            one = plan_capacity(self.groups, 1 << 50, 1, 0, self.max_model_len, cc.resolved_checkpoint_interval())
+            one = plan_capacity(self.groups, 1 << 50, 1, 0, self.max_model_len, cc.resolved_checkpoint_interval(),
+                                block_size=cc.block_size)
             need = one.bytes_per_state * 2 + (-(-self.max_model_len // one.block_size) + 2) * one.bytes_per_block
             raise InvalidRequestError(
                 f"the model does not fit: one request of max_model_len={self.max_model_len} tokens needs "

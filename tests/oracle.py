@@ -82,6 +82,21 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, dtype: str = "f
     return tokens, logprobs
 
 
+def hf_greedy_uncached(path: str, prompt: list[int], max_new_tokens: int, dtype: str = "float32",
+                       device: str = "cpu") -> tuple[list[int], list[float]]:
+    """Greedy continuation by one uncached transformers forward per token: for models whose `generate` cannot
+    run (transformers' cache needs an attention layer to report its length)."""
+    model = hf_model(path, dtype, device)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        last = _uncached_logprobs(model, prompt + tokens, device)[-1]
+        best = int(torch.argmax(last))
+        tokens.append(best)
+        logprobs.append(float(last[best]))
+    return tokens, logprobs
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

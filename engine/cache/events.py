@@ -37,10 +37,13 @@ class CacheEvent:
 
 
 class CacheEventLog:
-    """A bounded, thread-safe queue of cache events with a running sequence number."""
+    """A bounded queue of cache events with a running sequence number. One thread appends (the step loop) without
+    a lock: each event is one `deque.append`, atomic under the GIL; `drain_from` (any thread) pops what is there.
+    The lock only orders a drain against the append that finds the log full and empties it."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._events: deque[tuple[bool, int, bytes]] = deque()
+        self._events: deque[tuple[int, bool, int, bytes]] = deque()
+        """(sequence number, stored, group, block hash): built into `CacheEvent`s when drained."""
         self._capacity = capacity
         self._lock = threading.Lock()
         self.seq = 0
@@ -51,15 +54,15 @@ class CacheEventLog:
 
     def append(self, stored: bool, group: int, block_hash: bytes) -> None:
         """One event: `block_hash` of `group` became findable (`stored`) or stopped being findable."""
-        with self._lock:  # a plain tuple here: the CacheEvent is built when drained (off the step loop's path)
-            self.seq += 1
-            if self.overflowed:
-                return
-            if len(self._events) >= self._capacity:
-                self._events.clear()
-                self.overflowed = True
-                return
-            self._events.append((stored, group, block_hash))
+        self.seq = seq = self.seq + 1
+        if self.overflowed:
+            return
+        if len(self._events) < self._capacity:
+            self._events.append((seq, stored, group, block_hash))
+            return
+        with self._lock:
+            self._events.clear()
+            self.overflowed = True
 
     def drain(self) -> tuple[list[CacheEvent], bool]:
         """Take every queued event; returns (events, overflowed) and clears the overflow mark."""
@@ -70,8 +73,8 @@ class CacheEventLog:
         """`drain` with the sequence number just before the first returned event: (first_seq, events, overflowed);
         the events are numbered first_seq + 1, first_seq + 2, ..."""
         with self._lock:
-            raw, lost = list(self._events), self.overflowed
-            self._events.clear()
+            pop, lost = self._events.popleft, self.overflowed
+            raw = [pop() for _ in range(len(self._events))]
             self.overflowed = False
-            first = self.seq - len(raw)
-        return first, [CacheEvent(*e) for e in raw], lost
+        first = raw[0][0] - 1 if raw else self.seq
+        return first, [CacheEvent(*e[1:]) for e in raw], lost

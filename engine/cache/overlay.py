@@ -49,7 +49,7 @@ class ArenaAttentionPool(BlockPool):
         self._score_base = overlay.num_ranges + overlay.full + 2  # > every range index and every nref
         self._plain_sets = [set() for _ in range(overlay.num_ranges + 1)]
         for b in reversed(self._free):
-            c = overlay.range_of(b)
+            c = overlay.range_ids[b]
             self._plain_sets[c].add(b)
             if c:
                 self._with_plain.add(c)
@@ -61,7 +61,7 @@ class ArenaAttentionPool(BlockPool):
         ov = self.overlay
         assert ov is not None, "arena pools are bound to an overlay"
         window: list[tuple[int, int]] = []
-        rest: list[tuple[int, int]] = []
+        rest: list[int] = []
         while len(out) < n:
             c = self._pick_range(window, rest, n - len(out))
             plain = self._plain_sets[c]
@@ -76,12 +76,12 @@ class ArenaAttentionPool(BlockPool):
                     self._with_plain.discard(c)
         return out
 
-    def _pick_range(self, window: list[tuple[int, int]], rest: list[tuple[int, int]], want: int) -> int:
+    def _pick_range(self, window: list[tuple[int, int]], rest: list[int], want: int) -> int:
         """Range 0 while it has free blocks; else the range in use; else, of the first PICK_SAMPLE ranges with free
         blocks, the best by (has a referenced block, wholly free last, more referenced blocks, higher range) as one
         integer to maximise. Kept over one `_take_free`, where ranges only leave the set (the one taken, emptied) and
         no other range's counts change: `window`, a heap of (-score, range) of the first PICK_SAMPLE in the set's
-        order, and `rest`, the next ones, last first."""
+        order, and `rest`, the next ones, last first (scored when they enter the window)."""
         sets = self._plain_sets
         if sets[0]:
             return 0
@@ -91,22 +91,24 @@ class ArenaAttentionPool(BlockPool):
         last = self._last
         if last and sets[last] and nref[last]:
             return last
+        m = self._score_base
+        score = lambda c: -((m + nref[c]) * m + c if nref[c] else (c if free[c] == full else m + c))  # noqa: E731
         if not window:  # (PICK_SAMPLE + want ranges: each pick empties one, at most `want` picks are left)
-            m, ranges = self._score_base, itertools.islice(self._with_plain, PICK_SAMPLE + want)
-            rest[:] = [(-((m + nref[c]) * m + c if nref[c] else (c if free[c] == full else m + c)), c) for c in ranges]
-            window[:] = rest[:PICK_SAMPLE]
+            ranges = list(itertools.islice(self._with_plain, PICK_SAMPLE + want))
+            window[:] = [(score(c), c) for c in ranges[:PICK_SAMPLE]]
             heapq.heapify(window)
-            rest[:] = rest[: PICK_SAMPLE - 1 : -1]
+            rest[:] = ranges[: PICK_SAMPLE - 1 : -1]
         best = heapq.heappop(window)[1] if window else 0
         if rest:
-            heapq.heappush(window, rest.pop())
+            c = rest.pop()
+            heapq.heappush(window, (score(c), c))
         self._last = best
         return best
 
     def _on_ref(self, block_id: int, was_plain: bool) -> None:
         ov = self.overlay
         assert ov is not None
-        c = ov.range_of(block_id)
+        c = ov.range_ids[block_id]
         if not c:
             if was_plain:
                 self._plain_sets[0].discard(block_id)
@@ -125,35 +127,29 @@ class ArenaAttentionPool(BlockPool):
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
         ov = self.overlay
         assert ov is not None
-        c = ov.range_of(block_id)
-        if not c:
-            if now_plain:
-                self._plain_sets[0].add(block_id)
+        c = ov.range_ids[block_id]
+        if c:
+            ov.nref[c] -= 1
+            if not ov.nref[c]:
+                ov.unreferenced.add(c)
+            if not now_plain:
+                ov.clock += 1
+                ov.age[c] = ov.clock
+                return
+        elif not now_plain:
             return
-        ov.nref[c] -= 1
-        if not ov.nref[c]:
-            ov.unreferenced.add(c)
-        if now_plain:
-            self._plain_in(c, block_id)
-        else:
-            ov.clock += 1
-            ov.age[c] = ov.clock
+        self._on_plain(block_id)
 
     def _on_plain(self, block_id: int) -> None:
         ov = self.overlay
-        c = block_id // ov.k  # type: ignore[union-attr]  # (`range_of`, inlined: once per eviction)
-        if 1 <= c <= ov.num_ranges:  # type: ignore[union-attr]
-            self._plain_in(c, block_id)
-        else:
-            self._plain_sets[0].add(block_id)
-
-    def _plain_in(self, c: int, block_id: int) -> None:
+        c = ov.range_ids[block_id]  # type: ignore[union-attr]
         self._plain_sets[c].add(block_id)
-        self._with_plain.add(c)
-        self.overlay.plain_in(c)  # type: ignore[union-attr]
+        if c:
+            self._with_plain.add(c)
+            ov.plain_in(c)  # type: ignore[union-attr]
 
     def _is_free(self, block_id: int) -> bool:
-        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        c = self.overlay.range_ids[block_id] if self.overlay is not None else 0
         return block_id in self._plain_sets[c] if self._plain_sets else False
 
     def cover(self, c: int) -> None:
@@ -182,7 +178,7 @@ class ArenaAttentionPool(BlockPool):
         return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
 
     def own_refs(self, block_id: int) -> int:
-        c = self.overlay.range_of(block_id) if self.overlay is not None else 0
+        c = self.overlay.range_ids[block_id] if self.overlay is not None else 0
         return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
 
     def stats(self) -> dict[str, int]:
@@ -320,14 +316,13 @@ class Overlay:
         self.num_free_ranges = self.num_ranges
         self.num_range_evictions = 0
         """Ranges whose cached blocks were evicted to make room for a checkpoint."""
+        self.range_ids = [c for c in range(n) for _ in range(self.k)]
+        """Attention block -> its range (0: outside every range)."""
+        self.range_ids += [0] * (max(p.num_blocks for p in attention) - len(self.range_ids))
         for p in attention:
             p.bind(self)
         for s in states:
             s.overlay = self
-
-    def range_of(self, block_id: int) -> int:
-        c = block_id // self.k
-        return c if 1 <= c <= self.num_ranges else 0
 
     def blocks_of(self, c: int) -> range:
         return range(c * self.k, (c + 1) * self.k)

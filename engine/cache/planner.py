@@ -108,9 +108,11 @@ def plan_capacity(
     max_model_len: int,
     checkpoint_interval: int,
     policy: CachePolicy | None = None,
+    block_size: int = 0,
 ) -> CapacityPlan:
     """`num_checkpoint_slots`: at most this many checkpoint ids (None: as many as the arena holds; without a
-    policy, 2 * max_num_seqs)."""
+    policy, 2 * max_num_seqs). `block_size`: the hashing block of a model without attention layers (its states'
+    checkpoint boundaries; default: `checkpoint_interval`); an attention group's own block size otherwise."""
     if policy is not None and any(g.is_attention for g in groups):
         return _plan_arena(groups, budget_bytes, max_num_seqs, num_checkpoint_slots, max_model_len,
                            checkpoint_interval, policy)
@@ -120,15 +122,18 @@ def plan_capacity(
         per_state = sum(g.page_bytes_all_layers for g in groups)
         num_checkpoint_slots = min(num_checkpoint_slots, max(0, budget_bytes // max(per_state, 1) - 1 - max_num_seqs))
     return _plan_separate(groups, budget_bytes, max_num_seqs, num_checkpoint_slots, max_model_len,
-                          checkpoint_interval, policy)
+                          checkpoint_interval, policy, block_size)
 
 
 def _plan_separate(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, num_ckpt: int,
-                   max_model_len: int, checkpoint_interval: int, policy: CachePolicy | None) -> CapacityPlan:
+                   max_model_len: int, checkpoint_interval: int, policy: CachePolicy | None,
+                   states_block_size: int = 0) -> CapacityPlan:
     """One tensor per group: state slots first (with a policy only the running ones count), attention the rest."""
     attn = [g for g in groups if g.is_attention]
     rec = [g for g in groups if not g.is_attention]
-    block_size = attn[0].spec.block_size if attn else checkpoint_interval  # type: ignore[union-attr]
+    block_size = attn[0].spec.block_size if attn else (states_block_size or checkpoint_interval)  # type: ignore[union-attr]
+    if block_size <= 0:
+        raise CapacityError("a model without attention layers needs a block size for its checkpoints")
     bytes_per_block = sum(g.page_bytes_all_layers for g in attn)
     bytes_per_state = sum(g.page_bytes_all_layers for g in rec)
     num_ckpt = num_ckpt if rec else 0
@@ -145,7 +150,7 @@ def _plan_separate(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: in
     if remaining < 0:
         raise CapacityError(f"KV cache budget of {budget_bytes} bytes cannot hold {num_slots} state slots")
     token_capacity = max(0, blocks - 1) * block_size
-    per_seq_tokens = cdiv(max_model_len, block_size) * block_size
+    per_seq_tokens = cdiv(max_model_len, block_size) * block_size if attn else 0
     return CapacityPlan(
         kv_cache_memory_bytes=budget_bytes, block_size=block_size, attention_blocks=blocks,
         token_capacity=token_capacity, bytes_per_token=bytes_per_block // block_size if attn else 0,

@@ -117,11 +117,13 @@ class CacheTree:
         unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
         self._heap: list[tuple[float, int, int]] = []
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
+        self._state_heap: list[tuple[float, int, int]] = []
+        """(priority, release order, page) of the checkpoints alone, as lazy: the arena's lowest checkpoint."""
         self._order = 0
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
         self.nodes: dict[bytes, Node] = {}
-        self._spare: list[Node] = []
+        self._spare = [Node() for _ in range(sum(p.capacity for p in self.pool_of if p is not None))]
         """Nodes that left the tree (unlinked, no kids), reused by `_node`."""
         self.clock = 0.0
         self.num_states_cached = 0
@@ -139,11 +141,15 @@ class CacheTree:
     # -- the heap ------------------------------------------------------------------------------------------------
     def _queue(self, kind: int, page: int, base: float, priority: float) -> None:
         self.version += 1
-        self._order += 1
-        self.queued[kind][page] = (priority, self._order, base)
-        heapq.heappush(self._heap, (priority, self._order, page << 1 | kind))
+        self._order = order = self._order + 1
+        self.queued[kind][page] = (priority, order, base)
+        heapq.heappush(self._heap, (priority, order, page << 1 | kind))
+        if kind == STATE:
+            heapq.heappush(self._state_heap, (priority, order, page))
         if len(self._heap) > 4 * (len(self.queued[0]) + len(self.queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
+        elif len(self._state_heap) > 4 * len(self.queued[STATE]) + 64:
+            self._rebuild_states()
 
     def _discard(self, kind: int, page: int) -> None:
         self.version += 1
@@ -159,6 +165,11 @@ class CacheTree:
                 heap.append((prio, entry[1], page << 1 | kind))
         heapq.heapify(heap)
         self._heap = heap
+        self._rebuild_states()
+
+    def _rebuild_states(self) -> None:
+        self._state_heap = [(entry[0], entry[1], page) for page, entry in self.queued[STATE].items()]
+        heapq.heapify(self._state_heap)
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
         """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
@@ -173,9 +184,18 @@ class CacheTree:
             return None
         if kind is None or key & 1 == kind:
             return key & 1, key >> 1, prio
+        if kind == STATE:  # the top is a block: the checkpoints' own heap
+            heap, q = self._state_heap, queued[STATE]
+            while heap:
+                prio, order, page = heap[0]
+                entry = q.get(page)
+                if entry is not None and entry[1] == order:
+                    return STATE, page, prio
+                heapq.heappop(heap)
+            return None
         if not queued[kind]:
             return None
-        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is the other kind: scan this one's entries
+        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is a checkpoint: scan the blocks' entries
         return kind, page, entry[0]
 
     def refresh(self) -> None:
@@ -183,7 +203,13 @@ class CacheTree:
         self._since_refresh = 0
         self.version += 1
         names = [p.block_hash if p is not None else [] for p in self.pool_of]
-        self._rebuild(lambda kind, page, entry: entry[2] + self._value(kind, names[kind][page]))
+        value = {names[STATE][s]: self._value(STATE, names[STATE][s]) for s in self.queued[STATE]}
+
+        def priority(kind: int, page: int, entry: tuple[float, int, float]) -> float:
+            h = names[kind][page]  # a leaf block with a queued checkpoint is valued as that checkpoint
+            return entry[2] + (value[h] if h in value else self._value(kind, h))
+
+        self._rebuild(priority)
 
     # -- budget ------------------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -537,6 +563,7 @@ class CacheTree:
             for page, (prio, order, _) in q.items()
         }
         assert live <= set(self._heap), "every queued item has its heap entry"
+        assert {(p, o, k >> 1) for p, o, k in live if k & 1 == STATE} <= set(self._state_heap), "checkpoint heap"
         for kind, p in enumerate(self.pool_of):
             if p is None:
                 continue

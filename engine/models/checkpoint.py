@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from hybridpd.engine.tokenizer import write_tokenizer_files
 
-FAMILIES = ("nemotron_h", "qwen3_5")
+FAMILIES = ("nemotron_h", "qwen3_5", "qwen3_5_moe")
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
@@ -144,6 +144,17 @@ def qwen3_5_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def qwen3_5_moe_config(**overrides: Any) -> dict[str, Any]:
+    """qwen3_5_config plus the sparse MoE block's fields (4 experts, top 2 at the tiny size)."""
+    hidden = int(overrides.get("hidden_size", 64))
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+           "shared_expert_intermediate_size": 2 * hidden}
+    moe.update({k: overrides.pop(k) for k in list(overrides) if k in moe})
+    cfg = qwen3_5_config(**overrides)
+    cfg.pop("intermediate_size", None)
+    return {**cfg, **moe}
+
+
 QK_CORRELATION = 0.9
 """GDN keys are initialised as 0.9 * the query weights + noise (in in_proj_qkv and conv1d), so a token's query
 finds its own key, as in a trained model. With independent q/k the GDN outputs are tiny cancellations that its
@@ -232,6 +243,11 @@ def write_random_checkpoint(
         cfg_kwargs = qwen3_5_config(**overrides)
         config = Qwen3_5TextConfig(**cfg_kwargs)
         model_cls = Qwen3_5ForCausalLM
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        config = Qwen3_5MoeTextConfig(**qwen3_5_moe_config(**overrides))
+        model_cls = Qwen3_5MoeForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     out = Path(out_dir)
@@ -243,7 +259,7 @@ def write_random_checkpoint(
         return str(out)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
-    _reinit(model, family, config, seed)
+    _reinit(model, "qwen3_5" if family == "qwen3_5_moe" else family, config, seed)
     model.save_pretrained(str(out), safe_serialization=True)
     write_tokenizer_files(out, config.vocab_size, config.max_position_embeddings)
     return str(out)
@@ -266,6 +282,10 @@ def hf_config(family: str, **overrides: Any) -> Any:
         from transformers import Qwen3_5TextConfig
 
         return Qwen3_5TextConfig(**qwen3_5_config(**overrides))
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**qwen3_5_moe_config(**overrides))
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

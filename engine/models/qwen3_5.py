@@ -9,6 +9,10 @@
 
 Also loads the text part of a multimodal `Qwen3_5ForConditionalGeneration` checkpoint (config `text_config`,
 weights `model.language_model.*`; the vision tower and MTP weights are ignored).
+
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe_text`, and the text part of
+`Qwen3_5MoeForConditionalGeneration`) is the same model with every GatedMLP replaced by a sparse MoE block
+(engine.models.sparse_moe; config `num_experts` > 0).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
 from hybridpd.engine.models.reference import StepMetadata, paged_attention
+from hybridpd.engine.models.sparse_moe import SparseMoeArgs, SparseMoeBlock, split_fused_experts
 from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
 
@@ -75,6 +80,8 @@ class Qwen3_5Args:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     gdn: GatedDeltaNetConfig
+    moe: SparseMoeArgs | None = None
+    """Qwen3.5-MoE: every layer's MLP is a sparse MoE block; None: dense GatedMLPs."""
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Args:
@@ -122,6 +129,7 @@ class Qwen3_5Args:
                 activation=act,
                 norm_eps=eps,
             ),
+            moe=SparseMoeArgs.from_dict(cfg),
         )
 
 
@@ -198,7 +206,10 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(a.gdn)
         else:
             self.self_attn = Qwen3_5Attention(a)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act)
+        self.mlp: GatedMLP | SparseMoeBlock = (
+            SparseMoeBlock(a.hidden_size, a.moe, a.hidden_act) if a.moe is not None
+            else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act)
+        )
         self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.norm_eps)
 
@@ -318,11 +329,23 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @staticmethod
     def split_checkpoint_tensor(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return [(name, tensor)]
+        """MoE: transformers' fused 3-D expert tensors become the per-expert weights the Hub ships."""
+        return split_fused_experts(name, tensor) or [(name, tensor)]
 
     @staticmethod
     def keep_fp32(name: str) -> bool:
         return False
 
 
-__all__ = ["Qwen3_5Args", "Qwen3_5ForCausalLM"]
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: the same model, every MLP a sparse MoE block (its args' `moe`)."""
+
+    architecture = "Qwen3_5MoeForCausalLM"
+
+    def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
+        super().__init__(config, dtype)
+        if self.args.moe is None:
+            raise ValueError("a Qwen3.5-MoE config needs num_experts > 0")
+
+
+__all__ = ["Qwen3_5Args", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]

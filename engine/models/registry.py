@@ -18,7 +18,7 @@ from hybridpd.engine.errors import ModelLoadError
 from hybridpd.engine.models.base import CausalLM
 from hybridpd.engine.models.layers import torch_dtype
 from hybridpd.engine.models.nemotron_h import NemotronHForCausalLM
-from hybridpd.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+from hybridpd.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,15 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,  # text part only
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,  # text part only
 }
 MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
@@ -108,6 +112,19 @@ def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     return dtype
 
 
+def build_on_meta(path: str, dtype: str = "float32") -> CausalLM:
+    """The model of a checkpoint directory built on the meta device (shapes only, no weights read). Raises
+    ModelLoadError like load_model for a config it cannot build."""
+    cfg = read_model_config(Path(path))
+    arch = resolve_architecture(cfg)
+    cls = ARCHITECTURES[arch]
+    try:
+        with torch.device("meta"):
+            return cls(cfg, _resolve_dtype(dtype, cfg))
+    except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
+        raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_format: str = "auto") -> CausalLM:
     """Load a supported HF-format model directory onto `device` in `dtype` ("float32", "bfloat16", "float16" or
     "auto" = the config's dtype). Raises ModelLoadError for a missing directory, missing or malformed config.json,
@@ -122,11 +139,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but CUDA is not available")
-    try:
-        with torch.device("meta"):
-            model = cls(cfg, dtype)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
-        raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
+    model = build_on_meta(path, dtype)
     if load_format == "dummy":
         _fill_dummy(model, cls, arch, cfg, dtype, target)
     else:
@@ -205,4 +218,4 @@ def _tie_or_fail(
         )
 
 
-__all__ = ["ARCHITECTURES", "load_model", "read_model_config", "resolve_architecture", "weight_files"]
+__all__ = ["ARCHITECTURES", "build_on_meta", "load_model", "read_model_config", "resolve_architecture", "weight_files"]

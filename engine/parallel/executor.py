@@ -186,7 +186,11 @@ class Followers:
         self.closing = False
         atexit.register(self._closing)
         threading.Thread(target=self._watch, name="tp-followers-watch", daemon=True).start()
-        self.tp = init_tp(0, world, init, rank_config(config, 0).model.device)
+        try:
+            self.tp = init_tp(0, world, init, rank_config(config, 0).model.device)
+        except BaseException:
+            self.abort()
+            raise
         assert isinstance(self.tp.channel, LeaderChannel)
         self.tp.channel.on_error = self._unreachable
 
@@ -214,6 +218,24 @@ class Followers:
         if not self.tp.channel.close():
             log.warning("tensor-parallel followers did not take every command before the stop")
         dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Rank 0 failed while starting (after its followers were spawned): kill them wherever they are in their
+        own start (no stop message: they may not be listening yet), close the channel, leave the group, so that
+        the caller's error is the whole story and a later engine may start in this process."""
+        import torch.distributed as dist
+
+        self.closing = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+        channel = getattr(getattr(self, "tp", None), "channel", None)
+        if isinstance(channel, LeaderChannel):
+            channel.close(timeout_s=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _watch(self) -> None:
         while not self.closing:

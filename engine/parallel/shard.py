@@ -11,7 +11,7 @@ What each rank holds (H heads, KV key/value heads, G Mamba groups, Kh GDN key he
     Gated DeltaNet value heads split, key heads split or replicated; conv | q (Kh*dk) | k (Kh*dk) | v (Hv*dv) |
                    cut the same way per part; out_proj row-parallel
     MLP / MoE      intermediate split (every expert and the shared expert); one all-reduce per MLP / MoE block;
-                   the router is replicated
+                   the router (and Qwen3.5-MoE's shared-expert gate) is replicated
     embedding      vocabulary rows split (engine.parallel.layers); LM head gathers the logits
 
 The model's `args` become the rank's (local head counts), so `cache_specs` gives each rank the cache of its slice
@@ -28,6 +28,7 @@ from hybridpd.engine.models.layers import MLP, GatedMLP
 from hybridpd.engine.models.mamba2 import Mamba2Mixer
 from hybridpd.engine.models.nemotron_h import NemotronHAttention, NemotronHForCausalLM, NemotronHMoE
 from hybridpd.engine.models.qwen3_5 import Qwen3_5Attention, Qwen3_5ForCausalLM
+from hybridpd.engine.models.sparse_moe import SparseMoeBlock
 from hybridpd.engine.parallel.experts import shard_moe_experts
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.layers import (
@@ -49,9 +50,20 @@ def _need(count: int, what: str, tp: TPGroup) -> None:
         raise ValueError(f"{what}={count} is not divisible by tensor_parallel_size={tp.world}")
 
 
+def _need_groups(count: int, what: str, tp: TPGroup) -> None:
+    """Groups (KV heads, Mamba groups, GDN key heads) are split when tp divides them, replicated when they divide
+    tp."""
+    if count % tp.world and tp.world % count:
+        raise ValueError(
+            f"{what}={count} can be neither split over nor replicated on tensor_parallel_size={tp.world} ranks "
+            f"(one of the two must divide the other)"
+        )
+
+
 def shard_attention(m: NemotronHAttention | Qwen3_5Attention, tp: TPGroup, gated: bool) -> None:
     d = m.head_dim
     _need(m.heads, "num_attention_heads", tp)
+    _need_groups(m.kv_heads, "num_key_value_heads", tp)
     heads = split_range(m.heads, tp.world, tp.rank)
     kv = group_share(m.kv_heads, tp.world, tp.rank)
     q_width = 2 * d if gated else d  # Qwen3.5: per head | query | gate |
@@ -76,6 +88,7 @@ def _vector(p: nn.Parameter, rows: Any) -> nn.Parameter:
 def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_heads, "mamba_num_heads", tp)
+    _need_groups(c.n_groups, "n_groups", tp)
     heads = split_range(c.num_heads, tp.world, tp.rank)
     groups = group_share(c.n_groups, tp.world, tp.rank)
     inter = c.intermediate_size
@@ -100,6 +113,7 @@ def shard_mamba(m: Mamba2Mixer, tp: TPGroup) -> None:
 def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     c = m.cfg
     _need(c.num_v_heads, "linear_num_value_heads", tp)
+    _need_groups(c.num_k_heads, "linear_num_key_heads", tp)
     v_heads = split_range(c.num_v_heads, tp.world, tp.rank)
     k_heads = group_share(c.num_k_heads, tp.world, tp.rank)
     conv = index(gdn_conv_channels(c.num_k_heads, c.head_k_dim, c.head_v_dim, k_heads, v_heads))
@@ -115,9 +129,10 @@ def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
     m.cfg = dataclasses.replace(c, num_k_heads=len(k_heads), num_v_heads=len(v_heads))
 
 
-def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup) -> None:
-    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces)."""
-    _need(down.in_features, "intermediate_size", tp)
+def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup, what: str = "intermediate_size") -> None:
+    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces); `what`:
+    the config field of the width (for the error when tp does not divide it)."""
+    _need(down.in_features, what, tp)
     cols = index([split_range(down.in_features, tp.world, tp.rank)])
     for lin in up:
         take_rows(lin, cols)
@@ -135,10 +150,12 @@ def shard_moe(m: NemotronHMoE, tp: TPGroup, expert_parallel: bool = False) -> No
     (and fc2_latent_proj, linear, on the partial sum); or, with `expert_parallel`, whole routed experts per rank
     (engine.parallel.experts). Either way the block's output is reduced once."""
     if expert_parallel:
-        shard_moe_experts(m, tp, _split_mlp)
+        shard_moe_experts(m, tp, lambda up, down, t: _split_mlp(up, down, t, "moe_shared_expert_intermediate_size"))
     else:
-        for e in [*m.experts, m.shared_experts]:
-            _split_mlp([e.up_proj], e.down_proj, tp)
+        for e in m.experts:
+            _split_mlp([e.up_proj], e.down_proj, tp, "moe_intermediate_size")
+        shared = m.shared_experts
+        _split_mlp([shared.up_proj], shared.down_proj, tp, "moe_shared_expert_intermediate_size")
     if m.latent and m.fc2_latent_proj.bias is not None and not tp.is_leader:
         m.fc2_latent_proj.bias.data.zero_()
     all_reduce_output(m, tp)
@@ -174,14 +191,30 @@ def shard_nemotron_h(model: NemotronHForCausalLM, tp: TPGroup, expert_parallel: 
     )
 
 
-def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
+def shard_sparse_moe(m: SparseMoeBlock, tp: TPGroup, expert_parallel: bool = False) -> None:
+    """Qwen3.5-MoE's block: every routed expert's and the shared expert's intermediate width cut (the router and
+    the shared expert's sigmoid gate, computed on the whole input, replicated); the block's output (routed plus
+    gated shared partial sums) reduced once."""
+    if expert_parallel:
+        raise ValueError("expert parallelism supports NemotronH MoE blocks only (drop --enable-expert-parallel)")
+    for e in m.experts:
+        _split_mlp([e.gate_proj, e.up_proj], e.down_proj, tp, "moe_intermediate_size")
+    shared = m.shared_expert
+    _split_mlp([shared.gate_proj, shared.up_proj], shared.down_proj, tp, "shared_expert_intermediate_size")
+    all_reduce_output(m, tp)
+
+
+def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup, expert_parallel: bool = False) -> None:
     layer: Any
     for layer in model.model.layers:
         if layer.layer_type == "linear_attention":
             shard_gdn(layer.linear_attn, tp)
         else:
             shard_attention(layer.self_attn, tp, gated=True)
-        shard_mlp(layer.mlp, tp)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            shard_sparse_moe(layer.mlp, tp, expert_parallel)
+        else:
+            shard_mlp(layer.mlp, tp)
     _shard_vocab(model, model.model, "embed_tokens", tp)
     a = model.args
     layers: list[Any] = list(model.model.layers)
@@ -194,6 +227,15 @@ def shard_qwen3_5(model: Qwen3_5ForCausalLM, tp: TPGroup) -> None:
     )
 
 
+def check_shardable(path: str, world: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError, naming the config field, when the checkpoint at `path` cannot be cut over `world` ranks:
+    the sharding itself run for rank 0 on the model built on the meta device (no weights, no process group), so
+    a worker refuses such a model before it starts any other rank."""
+    from hybridpd.engine.models.registry import build_on_meta
+
+    shard_model(build_on_meta(path), TPGroup(rank=0, world=world, group=None, control=None), expert_parallel)
+
+
 def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     """Cut `model` (as loaded by engine.models.registry) to rank tp.rank's slice, in place; returns it. Raises
     ValueError when a head count cannot be split over tp.world ranks. `expert_parallel`: MoE blocks keep whole
@@ -204,11 +246,11 @@ def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     if isinstance(model, NemotronHForCausalLM):
         shard_nemotron_h(model, tp, expert_parallel)
     elif isinstance(model, Qwen3_5ForCausalLM):
-        shard_qwen3_5(model, tp)
+        shard_qwen3_5(model, tp, expert_parallel)
     else:
         raise ValueError(f"tensor parallelism does not support {type(model).__name__}")
     model.tp_rank, model.tp_size = tp.rank, tp.world
     return model
 
 
-__all__ = ["shard_model"]
+__all__ = ["check_shardable", "shard_model"]

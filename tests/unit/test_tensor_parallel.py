@@ -35,6 +35,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
     # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE
     "nemotron_tp4": ("nemotron_h", {"hybrid_override_pattern": "M*EM-", "num_attention_heads": 4, "head_dim": 16}),
+    # no attention layer at all: the cache holds recurrent states only
+    "nemotron_states_only": ("nemotron_h", {"hybrid_override_pattern": "M-ME"}),
+    # 3 KV heads: neither split over nor replicated on 2 ranks
+    "nemotron_kv3": ("nemotron_h", {"hybrid_override_pattern": "*M", "num_attention_heads": 6, "head_dim": 16,
+                                    "num_key_value_heads": 3}),
 }
 LENGTHS = [3, 40, 70]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -93,6 +98,7 @@ def assert_same(tp1, tpn) -> None:  # type: ignore[no-untyped-def]
         ("nemotron_moe_kv1_g1", 2, True),
         ("qwen", 2, False),
         ("nemotron_tp4", 4, False),
+        ("nemotron_states_only", 2, False),
     ],
 )
 def test_tp_matches_tp1(name, tp, ep, model_dir):  # type: ignore[no-untyped-def]
@@ -104,6 +110,22 @@ def test_tp_matches_tp1(name, tp, ep, model_dir):  # type: ignore[no-untyped-def
     # each rank holds its slice of every recurrent state (and of every page, unless KV heads are replicated)
     assert info_n["bytes_per_state"] < info1["bytes_per_state"]
     assert info_n["bytes_per_token"] <= info1["bytes_per_token"]
+
+
+def test_unsplittable_model_is_refused_before_any_rank_starts(model_dir):  # type: ignore[no-untyped-def]
+    """A head count TP cannot cut: a clear error naming the config field, no follower spawned, and the process can
+    start another engine afterwards (no process group left behind)."""
+    import torch.distributed as dist
+    from hybridpd.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="num_key_value_heads=3"):
+        LLM(model=model_dir("nemotron_kv3"), tensor_parallel_size=2, **SETTINGS)
+    assert not dist.is_initialized()
+    llm = LLM(model=model_dir("nemotron_kv3"), **SETTINGS)
+    try:
+        assert len(llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].token_ids) == 6
+    finally:
+        llm.shutdown()
 
 
 def test_generate_cli_tp2_matches_tp1(model_dir):  # type: ignore[no-untyped-def]

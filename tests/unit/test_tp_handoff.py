@@ -2,7 +2,8 @@
 export/import API with the planned pieces (engine.parallel.handoff: each D rank's head slice of every page rebuilt
 from the P ranks' slices, a stand-in for per-rank NIXL READs): tokens equal the colocated TP 1 engine's, with and
 without D's own prefix hit, a pulled checkpoint included. Models: NemotronH with 2 KV heads (split at TP 2) and one
-Mamba B/C group (replicated at TP 2: conv state moved by channel ranges of x, B and C), and Qwen3.5 (GDN)."""
+Mamba B/C group (replicated at TP 2: conv state moved by channel ranges of x, B and C), Qwen3.5 (GDN), and a
+model with no attention layer (recurrent states alone)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron": ("nemotron_h", {"hybrid_override_pattern": "M*E-M", "num_key_value_heads": 2, "n_groups": 1}),
     "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
+    "states_only": ("nemotron_h", {"hybrid_override_pattern": "M-M"}),
 }
 
 
@@ -41,7 +43,9 @@ def _run(core: EngineCore) -> None:
         core.step()
 
 
-@pytest.mark.parametrize(("name", "tp_p", "tp_d"), [("nemotron", 1, 2), ("nemotron", 2, 1), ("qwen", 1, 2)])
+@pytest.mark.parametrize(
+    ("name", "tp_p", "tp_d"), [("nemotron", 1, 2), ("nemotron", 2, 1), ("qwen", 1, 2), ("states_only", 2, 1)]
+)
 def test_handoff_between_tp_sizes_matches_colocated(tmp_path, name, tp_p, tp_d) -> None:  # type: ignore[no-untyped-def]
     from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
