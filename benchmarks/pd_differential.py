@@ -353,7 +353,7 @@ def constraint_violations(case: Case, answer: dict[str, Any]) -> list[str]:
     if fmt.get("type") == "json_schema":
         spec = {"json": fmt["json_schema"]["schema"]}
     body = answer["body"]
-    if not spec or answer["status"] != 200 or not isinstance(body, dict):
+    if not spec or answer["status"] != 200 or not isinstance(body, dict) or case.body.get("echo"):
         return []
     choices = body["choices"]
     out = []
@@ -476,8 +476,12 @@ def make_model(family: str, out_dir: str) -> str:
     return write_random_checkpoint(out_dir, family, seed=0, **FAMILIES[family])
 
 
-def start_pair(model: str, max_model_len: int = MAX_MODEL_LEN) -> tuple[Any, Any]:
-    """A 1P1D cluster and a colocated one on `model`, started at the same time."""
+def start_pair(
+    model: str, max_model_len: int = MAX_MODEL_LEN, pd_proxy_args: list[str] | None = None
+) -> tuple[Any, Any]:
+    """A 1P1D cluster and a colocated one on `model`, started at the same time. `pd_proxy_args`: more flags of the
+    PD cluster's proxy (e.g. `--routing cache_aware --prefill-decode always`: whole requests on the prefill
+    worker)."""
     from hybridpd.deploy.local_cluster import start_cluster
 
     args = [
@@ -490,7 +494,7 @@ def start_pair(model: str, max_model_len: int = MAX_MODEL_LEN) -> tuple[Any, Any
     ]
     proxy = ["--max-model-len", str(max_model_len)]
     with ThreadPoolExecutor(2) as pool:
-        pd = pool.submit(start_cluster, model, worker_args=args, proxy_args=proxy)
+        pd = pool.submit(start_cluster, model, worker_args=args, proxy_args=[*proxy, *(pd_proxy_args or [])])
         co = pool.submit(start_cluster, model, colocated=True, worker_args=args, proxy_args=proxy)
         return pd.result(), co.result()
 
@@ -504,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--colocated-url")
     ap.add_argument("--model-name", default=None)
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once on each cluster")
+    ap.add_argument(
+        "--pd-proxy-args",
+        default="",
+        help="more flags of the PD proxy, e.g. '--routing cache_aware "
+        "--prefill-decode always' (whole requests on the prefill worker) or '--skip-prefill always'",
+    )
     args = ap.parse_args(argv)
     failures = 0
     for family in args.family or sorted(FAMILIES):
@@ -512,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             pd_url, co_url, name, stop = args.pd_url, args.colocated_url, args.model_name or "", None
         else:
             model = make_model(family, tempfile.mkdtemp(prefix=f"pd-diff-{family}-"))
-            pd, co = start_pair(model)
+            pd, co = start_pair(model, pd_proxy_args=args.pd_proxy_args.split())
             pd_url, co_url, name, stop = pd.url, co.url, pd.model_name, (pd, co)
         try:
             gen = RequestGen(args.seed, name)
