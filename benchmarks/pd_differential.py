@@ -76,6 +76,8 @@ class Case:
     """(kind "text" | "id", position, length): before sending, run the request without stops on the colocated
     cluster and stop at what its output has there (a stop string of `length` characters at character `position`,
     or the token id at `position`), so that stops really trigger, at P's first token (position 0) or later."""
+    abandon: bool = False
+    """A stream the client hangs up on after its first chunk (not compared; what follows must still agree)."""
     continues: bool = False
     """The prompt is put after an earlier completion's prompt and output (token ids): D holds that output's blocks
     in its prefix cache, P never saw them."""
@@ -184,6 +186,10 @@ class RequestGen:
     def next(self) -> Case:
         case = self._next()
         r = self.rng
+        if r.random() < 0.05:
+            case.body.update(stream=True, max_tokens=60, ignore_eos=True)
+            case.abandon = True
+            return case
         if r.random() < 0.3 and case.body.get("max_tokens", 2) > 1:
             kind = r.choice(["text", "id"])
             case.stop_from_output = (kind, r.choice([0, 0, 1, 2, r.randrange(8)]), r.choice([1, 1, 2, 3]))
@@ -294,6 +300,11 @@ def call(client: httpx.Client, url: str, case: Case) -> dict[str, Any]:
             "body": r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text,
         }
     chunks: list[Any] = []
+    if case.abandon:
+        with client.stream("POST", f"{url}/v1/{case.endpoint}", json=case.body) as r:
+            for _ in r.iter_bytes():
+                break  # hang up after the first bytes
+        return {"status": "abandoned", "body": None}
     with client.stream("POST", f"{url}/v1/{case.endpoint}", json=case.body) as r:
         if r.status_code != 200:
             r.read()
@@ -444,7 +455,9 @@ def compare(
                 for key in _outcomes(got[0]):
                     statuses[key] = statuses.get(key, 0) + 1
                 if any(
-                    g["status"] != 200 and not (isinstance(g["status"], int) and 400 <= g["status"] < 500) for g in got
+                    g["status"] not in (200, "abandoned")
+                    and not (isinstance(g["status"], int) and 400 <= g["status"] < 500)
+                    for g in got
                 ):
                     diffs.append(
                         f"server error: pd {got[0]['status']} colocated {got[1]['status']}: {_short(got[0]['body'])}"
@@ -468,6 +481,20 @@ def _outcomes(answer: dict[str, Any]) -> list[str]:
 def stop_all(clusters: list[Any]) -> None:
     with ThreadPoolExecutor(max(1, len(clusters))) as pool:
         list(pool.map(lambda c: c.stop(), clusters))
+
+
+def leftovers(clusters: list[Any], wait_s: float = 20.0) -> list[str]:
+    """What the clusters' workers still hold once every request has ended (pages in use, pinned leases, a failed
+    integrity check); waits up to `wait_s` for aborts and releases to land."""
+    deadline = time.time() + wait_s
+    while True:
+        stats = [c.worker_stats(w) for c in clusters for w in c.prefill + c.decode]
+        held = [f"{s.role} {p.kind}: {p.in_use} pages in use" for s in stats for p in s.pools if p.in_use]
+        held += [f"{s.role}: {s.leases_pinned} leases pinned" for s in stats if s.leases_pinned]
+        held += [f"{s.role} {p.kind}: integrity check failed" for s in stats for p in s.pools if not p.integrity_ok]
+        if not held or time.time() > deadline:
+            return held
+        time.sleep(0.5)
 
 
 def make_model(family: str, out_dir: str) -> str:
@@ -530,6 +557,11 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.time()
             statuses: dict[str, int] = {}
             bad = compare(pd_url, co_url, cases, statuses=statuses, concurrency=args.concurrency)
+            if stop:
+                held = leftovers(list(stop))
+                if held:
+                    print(f"{family}: after the requests, workers still hold: {held}")
+                    failures += 1
         finally:
             if stop:
                 stop_all(list(stop))
