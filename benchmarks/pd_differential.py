@@ -504,7 +504,10 @@ def make_model(family: str, out_dir: str) -> str:
 
 
 def start_pair(
-    model: str, max_model_len: int = MAX_MODEL_LEN, pd_proxy_args: list[str] | None = None
+    model: str,
+    max_model_len: int = MAX_MODEL_LEN,
+    pd_proxy_args: list[str] | None = None,
+    worker_args: list[str] | None = None,
 ) -> tuple[Any, Any]:
     """A 1P1D cluster and a colocated one on `model`, started at the same time. `pd_proxy_args`: more flags of the
     PD cluster's proxy (e.g. `--routing cache_aware --prefill-decode always`: whole requests on the prefill
@@ -518,6 +521,7 @@ def start_pair(
         "32",
         "--kv-cache-memory-bytes",
         str(32 * 2**20),
+        *(worker_args or []),
     ]
     proxy = ["--max-model-len", str(max_model_len)]
     with ThreadPoolExecutor(2) as pool:
@@ -534,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pd-url", help="an already running PD proxy (with --colocated-url): no clusters started")
     ap.add_argument("--colocated-url")
     ap.add_argument("--model-name", default=None)
+    ap.add_argument("--worker-args", default="", help="more flags of every worker, e.g. '--block-size 32'")
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once on each cluster")
     ap.add_argument(
         "--pd-proxy-args",
@@ -549,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             pd_url, co_url, name, stop = args.pd_url, args.colocated_url, args.model_name or "", None
         else:
             model = make_model(family, tempfile.mkdtemp(prefix=f"pd-diff-{family}-"))
-            pd, co = start_pair(model, pd_proxy_args=args.pd_proxy_args.split())
+            pd, co = start_pair(model, pd_proxy_args=args.pd_proxy_args.split(), worker_args=args.worker_args.split())
             pd_url, co_url, name, stop = pd.url, co.url, pd.model_name, (pd, co)
         try:
             gen = RequestGen(args.seed, name)
