@@ -27,7 +27,6 @@ Ownership: the coordinator owns one CacheTree and calls `make_room` before every
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -120,9 +119,6 @@ class CacheTree:
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
         self._state_heap: list[tuple[float, int, int]] = []
         """(priority, release order, page) of the checkpoints alone, as lazy: the arena's lowest checkpoint."""
-        self._dead: deque[tuple[float, int, int]] = deque()
-        """(priority, release order, page) of the queued dead-end leaf blocks (lazy, as `_heap`): in the heap's order
-        already, as the clock only rises, so they skip the heap (`_lowest` takes the lower of the two tops)."""
         self._order = 0
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
@@ -177,9 +173,7 @@ class CacheTree:
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
         """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
-        heap, queued, dead = self._heap, self.queued, self._dead
-        while dead and (queued[BLOCK].get(dead[0][2]) or (0, 0))[1] != dead[0][1]:
-            dead.popleft()
+        heap, queued = self._heap, self.queued
         while heap:
             prio, order, key = heap[0]
             entry = queued[key & 1].get(key >> 1)
@@ -187,10 +181,6 @@ class CacheTree:
                 break
             heapq.heappop(heap)
         else:
-            prio, order = INF, 0
-        if dead and kind != STATE and dead[0][:2] < (prio, order):  # the heap's order, dead ends in their own queue
-            return BLOCK, dead[0][2], dead[0][0]
-        if not heap:
             return None
         if kind is None or key & 1 == kind:
             return key & 1, key >> 1, prio
@@ -319,8 +309,6 @@ class CacheTree:
             key = (cost, age[c], -nplain[c])
             if cost <= bound and (best is None or key < best_key):
                 best, best_key, bound = c, key, cost
-            if cost == 0.0:
-                break  # none later beats it: oldest first, and nothing costs less
         if best is not None and best_key[0] == INF and not priceless_ok:
             return None
         return best
@@ -524,24 +512,11 @@ class CacheTree:
     def _requeue_block(self, h: bytes) -> None:
         chain = self.chain
         b = chain.cached.get(h) if chain is not None else None
-        if b is None or chain.ref_cnt[b] or self.nodes[h].kids:  # type: ignore[union-attr]
-            return
-        if self.state is not None and h not in self.state.cached:
-            self._queue_dead_end(b)
-        else:
+        if b is not None and chain.ref_cnt[b] == 0 and not self.nodes[h].kids:  # type: ignore[union-attr]
             self._push(BLOCK, b, h)
 
     def _push(self, kind: int, page: int, h: bytes) -> None:
         self._queue(kind, page, self.clock, self.clock + self._value(kind, h))
-
-    def _queue_dead_end(self, page: int) -> None:
-        """A leaf block with no checkpoint (no hit can stop there): queued at the clock, in `_dead`, not the heap."""
-        self.version += 1
-        self._order += 1
-        self.queued[BLOCK][page] = (self.clock, self._order, self.clock)
-        self._dead.append((self.clock, self._order, page))
-        if len(self._dead) > 4 * len(self.queued[BLOCK]) + 64:  # mostly stale: drop those
-            self._dead = deque(e for e in self._dead if self.queued[BLOCK].get(e[2], (0, 0))[1] == e[1])
 
     # -- value -------------------------------------------------------------------------------------------------
     def _value(self, kind: int, h: bytes | None) -> float:
@@ -587,7 +562,7 @@ class CacheTree:
             for kind, q in enumerate(self.queued)
             for page, (prio, order, _) in q.items()
         }
-        assert live <= {*self._heap, *((p, o, b << 1) for p, o, b in self._dead)}, "a heap (or dead-end) entry each"
+        assert live <= set(self._heap), "every queued item has its heap entry"
         assert {(p, o, k >> 1) for p, o, k in live if k & 1 == STATE} <= set(self._state_heap), "checkpoint heap"
         for kind, p in enumerate(self.pool_of):
             if p is None:
