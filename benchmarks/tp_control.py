@@ -308,7 +308,10 @@ def engine_steps(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
     rows = []
     for tp in (int(t) for t in args.tp_sizes.split(",")):
+        start = time.perf_counter()
         rows.append(_engine_row(path, tp, settings, args))
+        took = time.perf_counter() - start  # progress: a call that runs out of time still shows the sizes done
+        print(f"engine TP {tp}: step p50 {rows[-1]['step_ms_median']:.2f} ms ({took:.0f} s with start-up)", flush=True)
         gc.collect()  # the engine's memory back before the next one plans its cache
         if cuda:
             torch.cuda.empty_cache()

