@@ -4,9 +4,10 @@
          |
          +- repetition / presence / frequency penalties   (rows that ask; token history from the request)
          +- logit_bias                                    (one scatter over every biased (row, token))
-         +- min_tokens: EOS and stop_token_ids -> -inf     (rows still short of min_tokens)
          +- structured output: tokens the row's grammar does not allow -> -inf (one bitmask per step,
          |                     engine.structured.matchers)
+         +- min_tokens: EOS and stop_token_ids -> -inf     (rows still short of min_tokens, unless that leaves a
+         |                     structured row no token: its grammar can only end, and it does)
          |
          +- greedy rows: argmax
          +- other rows:  / temperature -> top-k and top-p (one descending sort) -> exponential race
@@ -131,13 +132,19 @@ class Sampler:
             x = x.clone() if x is logits else x
             x.index_put_((self._t(bias_rows), self._t(bias_ids)),
                          torch.tensor(bias_vals, dtype=x.dtype, device=self.device), accumulate=True)
+        structured = self._constrain is not None and any(p.structured_output is not None for p in params)
+        if structured:
+            x = x.clone() if x is logits else x
+            self._constrain(x, rids, params)  # type: ignore[misc]
         mask_rows, mask_ids = self._min_tokens_masks(rids, params, x.shape[-1])
         if mask_rows:
             x = x.clone() if x is logits else x
-            x[self._t(mask_rows), self._t(mask_ids)] = float("-inf")
-        if self._constrain is not None and any(p.structured_output is not None for p in params):
-            x = x.clone() if x is logits else x
-            self._constrain(x, rids, params)
+            rows_t, ids_t = self._t(mask_rows), self._t(mask_ids)
+            kept = x[rows_t, ids_t]
+            x[rows_t, ids_t] = float("-inf")
+            if structured:  # a grammar that allows nothing but the end ends, min_tokens or not
+                dead = torch.isneginf(x).all(dim=-1)[rows_t]
+                x[rows_t[dead], ids_t[dead]] = kept[dead]
         return x
 
     def _t(self, values: list[int]) -> torch.Tensor:

@@ -359,7 +359,8 @@ class _Proxy:
                                 tools=req.tools if isinstance(req, ChatRequest) else None)
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs,
-                                      self.visible_text, echo=echoes if any(echoes) else ())
+                                      self.visible_text, echo=echoes if any(echoes) else (),
+                                      decode=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:

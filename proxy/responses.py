@@ -6,8 +6,10 @@ order). A formatter keeps per-choice state (text offsets, whether the echo was s
 Logprobs (when asked for):
   completions: `{tokens, token_logprobs, text_offset, top_logprobs}`; `top_logprobs` per token is a dict
                {token text: logprob} of the alternatives the worker returned plus the chosen token. `text_offset`
-               is the character offset in the choice's text (echoed prompt included): special tokens the text
-               skips add nothing, and offsets are exact at every delta boundary.
+               is each token's start in the choice's text (echoed prompt included), from decoding the tokens before
+               it as the workers do (special tokens add nothing; a character split over tokens starts at its first
+               token), never past the end of a whole answer's text (a stop string may cut it): the same whatever
+               deltas the workers' output came in (PD sends the first token alone).
   chat:        `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
 Tool calls (chat with `tools`, tool_choice not "none"): the text is parsed (proxy.tools): `message.tool_calls`
 [{id, type, function: {name, arguments}}] and the text before the first call as `content`; streamed, a call is
@@ -24,12 +26,24 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.proxy.generation import Delta, Usage
 from hybridpd.proxy.tools import ToolSpec, ToolStream, parse_output
 
 DONE = "data: [DONE]\n\n"
 
 TokenText = Callable[[int], str]
+Decode = Callable[[Sequence[int]], str]
+
+
+class _Decoder:
+    """`Decode` (special tokens skipped) in the shape IncrementalDetokenizer expects."""
+
+    def __init__(self, decode: Decode) -> None:
+        self._decode = decode
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(ids)
 
 
 def sse(obj: Any) -> str:
@@ -95,11 +109,27 @@ class CompletionFormatter(_Formatter):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, *args: Any, echo: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: Sequence[str] = (), decode: Decode | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._echo = list(echo)  # per choice: the prompt text to put in front (empty: no echo)
         self._echo_sent: set[int] = set()
         self._text_len: dict[int, int] = {}
+        self._decode = _Decoder(decode) if decode is not None else None
+        self._ids: dict[int, list[int]] = {}  # per choice: output tokens so far (text offsets)
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._start: dict[int, int] = {}  # per choice: where the output starts (after the echo)
+
+    def _offset(self, index: int, tid: int, visible_end: int) -> int:
+        """Where token `tid` starts: the choice's decoded output before it (`visible_end`, the sum of the tokens'
+        own texts, without a tokenizer to decode with)."""
+        if self._decode is None:
+            return visible_end
+        detok = self._detok.setdefault(index, IncrementalDetokenizer(self._decode))
+        ids = self._ids.setdefault(index, [])
+        offset = self._start[index] + len(detok.text)
+        ids.append(tid)
+        detok.update(ids)
+        return offset
 
     def _echo_text(self, index: int) -> str:
         if index in self._echo_sent or index >= len(self._echo):
@@ -107,7 +137,8 @@ class CompletionFormatter(_Formatter):
         self._echo_sent.add(index)
         return self._echo[index]
 
-    def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str, whole: bool = False
+                  ) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         tokens: list[str] = []
@@ -115,22 +146,26 @@ class CompletionFormatter(_Formatter):
         offsets: list[int] = []
         tops: list[dict[str, float]] = []
         base = self._text_len.get(index, 0) + len(prefix)
+        self._start.setdefault(index, base)
+        whole_end = base + sum(len(d.text) for d in deltas)  # `deltas` are the whole output: the text's end
         for d in deltas:
-            end = base + len(d.text)
+            end = whole_end if whole else base + len(d.text)
             offset = base
             for i, tid in enumerate(d.token_ids):
                 text = self.token_text(tid)
                 lp = _lp(d.logprobs, i)
                 tokens.append(text)
                 values.append(lp)
-                offsets.append(min(offset, end))
+                exact = self._offset(index, tid, offset)
+                # never past the text's end (a stop string cut it); in a stream, the end is unknown yet
+                offsets.append(min(exact, end) if whole or self._decode is None else exact)
                 offset += len(self.visible_text(tid))
                 alts = d.top_logprobs[i] if i < len(d.top_logprobs) else ()
                 top = {self.token_text(t): float(v) for t, v in alts}
                 if lp is not None:
                     top.setdefault(text, lp)
                 tops.append(top)
-            base = end
+            base += len(d.text)
         self._text_len[index] = base
         return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": tops}
 
@@ -147,7 +182,8 @@ class CompletionFormatter(_Formatter):
         for index, deltas in enumerate(choices):
             prefix = self._echo_text(index)
             out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
-                        "logprobs": self._logprobs(index, deltas, prefix), "finish_reason": deltas[-1].finish_reason,
+                        "logprobs": self._logprobs(index, deltas, prefix, whole=True),
+                        "finish_reason": deltas[-1].finish_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)

@@ -59,6 +59,7 @@ HEAVY_FIRST = (
     "tests/integration/test_serve_ray.py",
     "tests/integration/test_ray_multinode.py",
     "tests/integration/test_pd_cluster.py",  # 20-30 s
+    "tests/unit/test_pd_differential.py",  # 25-40 s: four clusters
     "tests/unit/test_split_groups.py",
     "tests/unit/test_goodput.py",
     "tests/integration/test_kvtransfer.py",

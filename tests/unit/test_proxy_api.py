@@ -262,10 +262,11 @@ def test_colocated_sends_no_params() -> None:
 
 
 def test_proxy_imports_neither_torch_nor_engine() -> None:
-    """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors), and
-    the block hashing every worker uses (the router's cache index hashes prompts the same way)."""
+    """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors), the
+    block hashing every worker uses (the router's cache index hashes prompts the same way), and the incremental
+    detokenizer (logprob text offsets follow the text the workers decode)."""
     shared = ("hybridpd.engine", "hybridpd.engine.errors", "hybridpd.engine.chat_template",
-              "hybridpd.engine.cache", "hybridpd.engine.cache.hashing")
+              "hybridpd.engine.cache", "hybridpd.engine.cache.hashing", "hybridpd.engine.detokenizer")
     code = ("import sys, hybridpd.proxy.app, hybridpd.proxy.server, tests.support.live_stack; "
             "bad = [m for m in sys.modules if (m.split('.')[0] == 'torch' or m.startswith('hybridpd.engine')) "
             f"and m not in {shared!r}]; "

@@ -54,6 +54,17 @@ def test_regex_choice_json_object_and_grammar(llm: LLM) -> None:
         assert re.fullmatch(r"x\d\d[!?]", out.text), out.text
 
 
+def test_a_grammar_that_can_only_end_ends_before_min_tokens(llm: LLM) -> None:
+    """min_tokens bans EOS; once the grammar allows nothing but EOS, the grammar wins (no token is allowed
+    otherwise: the row used to sample token 0, off the grammar). Stop ids are banned the same way."""
+    for params in (dict(min_tokens=12), dict(min_tokens=12, stop_token_ids=[0, 1]),
+                   dict(min_tokens=12, temperature=1.0, seed=3)):
+        out = llm.generate(["Pick one."], SamplingParams(
+            max_tokens=16, **{"temperature": 0.0, **params},  # type: ignore[arg-type]
+            structured_output={"choice": ["red", "green", "blue"]}))[0]
+        assert out.text in ("red", "green", "blue") and out.finish_reason == "stop", (params, out.text)
+
+
 def test_logprobs_stop_strings_and_batching_with_unconstrained_rows(llm: LLM) -> None:
     params = [SamplingParams(max_tokens=30, temperature=0.0, top_logprobs=3, structured_output={"regex": "ab+c"}),
               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
