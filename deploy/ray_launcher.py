@@ -42,14 +42,19 @@ def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: floa
 
 class WorkerProcess:
     """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
-    tests/launchers without Ray."""
+    tests/launchers without Ray.
+
+    Ports: the first start lets the worker bind free ports itself (port 0; its ready line reports them), so no other
+    process can take a port between choosing and binding it (a port picked here and bound seconds later, after the
+    model loads, can meanwhile become some connection's ephemeral port). Restarts ask for the same ports; if those
+    were taken meanwhile, the worker comes back on new ones rather than not at all."""
 
     def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
                  restart: bool = True, ready_timeout_s: float = 300.0) -> None:
         self.host = host
-        self.grpc_port = free_port(host)
-        self.metrics_port = free_port(host)
-        self.argv = argv + ["--host", host, "--port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
+        self.base_argv = list(argv)
+        self.grpc_port = 0
+        self.metrics_port = 0
         self.env = {**os.environ, **(env or {})}
         self.restart = restart
         self.ready_timeout_s = ready_timeout_s
@@ -60,6 +65,12 @@ class WorkerProcess:
         self._start()
         self._watch = threading.Thread(target=self._supervise, daemon=True)
         self._watch.start()
+
+    @property
+    def argv(self) -> list[str]:
+        """The worker's command line: the caller's arguments and this process's host and ports."""
+        ports = ["--port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
+        return [*self.base_argv, "--host", self.host, *ports]
 
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridpd.deploy.cli", "worker", *self.argv],
@@ -76,6 +87,8 @@ class WorkerProcess:
                 continue
             if msg.get("event") == "ready":
                 self.info = msg
+                self.grpc_port = int(msg.get("grpc_port") or self.grpc_port)
+                self.metrics_port = int(msg.get("metrics_port") or self.metrics_port)
                 threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                 return
         raise RuntimeError("worker did not become ready in time")
@@ -95,7 +108,16 @@ class WorkerProcess:
                 try:
                     self._start()
                 except Exception:  # noqa: BLE001
-                    log.exception("worker restart failed")
+                    if self._stopping or not (self.grpc_port or self.metrics_port):
+                        log.exception("worker restart failed")
+                        continue
+                    log.warning("worker %s did not come back on ports %d / %d (taken meanwhile?): restarting it on "
+                                "new ones", self.info.get("role"), self.grpc_port, self.metrics_port)
+                    self.grpc_port = self.metrics_port = 0
+                    try:
+                        self._start()
+                    except Exception:  # noqa: BLE001
+                        log.exception("worker restart failed")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -70,6 +70,7 @@ HEAVY_FIRST = (
     "tests/unit/test_tp_handoff.py",
     "tests/unit/test_engine_oracle.py",
     "tests/unit/test_zero_blocks.py",
+    "tests/integration/test_worker_ports.py",
 )
 
 
