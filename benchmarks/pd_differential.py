@@ -514,6 +514,18 @@ def leftovers(clusters: list[Any], wait_s: float = 20.0) -> list[str]:
         time.sleep(0.5)
 
 
+def transfer_failures(cluster: Any) -> dict[str, float]:
+    """The decode workers' failed KV pulls by reason (a failed pull is computed locally: right output, no PD)."""
+    out: dict[str, float] = {}
+    for w in cluster.decode:
+        text = httpx.get(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("hybridpd_kv_transfer_failures_total{") and float(line.rsplit(" ", 1)[1]):
+                key = line.rsplit(" ", 1)[0].split("{", 1)[1].rstrip("}")
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def make_model(family: str, out_dir: str) -> str:
     from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
@@ -599,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
             statuses: dict[str, int] = {}
             bad = compare(pd_url, co_url, cases, statuses=statuses, concurrency=args.concurrency)
             if stop:
+                failed = transfer_failures(stop[0])
+                if failed:
+                    print(f"{family}: failed KV pulls on D (computed locally): {failed}")
                 held = leftovers(list(stop))
                 if held:
                     print(f"{family}: after the requests, workers still hold: {held}")
