@@ -275,6 +275,20 @@ def grouped_moe_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def sort_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs of idx [T, k] sorted by expert, without a host sync: (order [T*k]: flat pair index
+    of each sorted row, offs [E] int32: the grouped GEMM's cumulative row ends per expert, pos [T*k]: the sorted
+    row that holds each flat pair)."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would size its output on the host (a sync)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=idx.device)
+    return order, offs, pos
+
+
 def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Routed experts without a host sync: token copies sorted by expert, two grouped GEMMs, then each token's k
     outputs gathered back, weighted and summed in fp32 (one kernel). x [T, in] bf16; weights fp32 / idx [T, k].
@@ -282,13 +296,7 @@ def moe_routed(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     from hybridpd.engine.kernels.fused import moe_combine
 
     T, top = idx.shape
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(moe.stacked_up_proj.shape[0], dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would size its output on the host (a sync)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=x.device)  # row of the sorted copies that holds (t, k)
+    order, offs, pos = sort_by_expert(idx, moe.stacked_up_proj.shape[0])
     up = torch._grouped_mm(x[order // top], moe.stacked_up_proj.transpose(1, 2), offs=offs)
     act_fn = moe.experts[0].act
     act = relu2_fast(up) if act_fn is relu2_reference else act_fn(up)
@@ -309,4 +317,4 @@ def moe_routed_masked(moe: Any, x: torch.Tensor, weights: torch.Tensor, idx: tor
 
 
 __all__ = ["conv_prefill", "gdn_mixer", "grouped_moe_available", "mamba2_mixer", "moe_routed", "moe_routed_masked",
-           "relu2_fast", "stack_experts", "varlen_attention"]
+           "relu2_fast", "sort_by_expert", "stack_experts", "varlen_attention"]

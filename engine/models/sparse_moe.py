@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hybridpd.engine.models.fast_path import grouped_moe_available
+from hybridpd.engine.models.fast_path import grouped_moe_available, sort_by_expert
 from hybridpd.engine.models.layers import GatedMLP
 from torch import nn
 
@@ -98,13 +98,7 @@ class SparseMoeBlock(nn.Module):
         k outputs weighted and summed in fp32. No host sync. (Runs on the CPU in fp32 too, for tests.)"""
         assert self.stacked_gate_up is not None and self.stacked_down is not None
         T, top = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.stacked_gate_up.shape[0], dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount sizes its output on the host (a sync)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel(), device=x.device)
+        order, offs, pos = sort_by_expert(idx, self.stacked_gate_up.shape[0])
         gate_up = torch._grouped_mm(x[order // top], self.stacked_gate_up.transpose(1, 2), offs=offs)
         if x.is_cuda:
             from hybridpd.engine.kernels.fused import moe_combine, silu_mul
