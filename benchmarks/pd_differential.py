@@ -8,6 +8,11 @@ cluster and to a colocated cluster of the same model; the two answers must agree
 1e-4), finish reasons, usage counts, and for streams the deltas put together.
 
     python -m benchmarks.pd_differential --requests 300 --seed 1 --family nemotron_h
+    python -m benchmarks.pd_differential --requests 120 --family qwen3_5_moe --prefill-args "--tensor-parallel-size 2"
+
+`--family` picks a tiny random model (FAMILIES: hybrids, the Qwen3.5 MoE, models without attention layers);
+`--prefill-args` / `--decode-args` give the PD cluster's workers of one role more flags (PD between different tensor
+parallel sizes; the colocated reference keeps `--worker-args` only).
 
 prints one line per difference (and the request that gave it) and a summary; exits 1 when any differ.
 `tests/unit/test_pd_differential.py` runs a fixed sample in CI.
@@ -33,10 +38,20 @@ BLOCK = 16
 MAX_MODEL_LEN = 256
 VOCAB = 256  # byte tokens of the built-in tokenizer: any id below is an ordinary token
 TOL = 1e-4
-FAMILIES: dict[str, dict[str, Any]] = {
-    "nemotron_h": {"hybrid_override_pattern": "M*-MM-"},
-    "qwen3_5": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nemotron_h": ("nemotron_h", {"hybrid_override_pattern": "M*-MM-"}),
+    "qwen3_5": (
+        "qwen3_5",
+        {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+    ),
+    "qwen3_5_moe": (
+        "qwen3_5_moe",
+        {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+    ),
+    "nemotron_h_no_attn": ("nemotron_h", {"hybrid_override_pattern": "M-M"}),
+    "qwen3_5_no_attn": ("qwen3_5", {"layer_types": ["linear_attention", "linear_attention"]}),
 }
+"""Name -> (checkpoint family, config overrides); the `_no_attn` ones have no attention layer at all."""
 WORDS = (
     "alpha beta gamma delta the quick brown fox jumps over lazy dog json data give me some numbers "
     "please write hello world ok"
@@ -475,7 +490,9 @@ def _outcomes(answer: dict[str, Any]) -> list[str]:
     hits = (body.get("usage") or {}).get("hybridpd") or {}
     return [
         f"finish={c.get('finish_reason')}" for c in (choices.values() if isinstance(choices, dict) else choices)
-    ] + [f"hit:{k}" for k in ("prefill_cached_tokens", "decode_local_cached_tokens") if hits.get(k)]
+    ] + [
+        f"hit:{k}" for k in ("prefill_cached_tokens", "decode_local_cached_tokens", "transferred_tokens") if hits.get(k)
+    ]
 
 
 def stop_all(clusters: list[Any]) -> None:
@@ -497,10 +514,23 @@ def leftovers(clusters: list[Any], wait_s: float = 20.0) -> list[str]:
         time.sleep(0.5)
 
 
+def transfer_failures(cluster: Any) -> dict[str, float]:
+    """The decode workers' failed KV pulls by reason (a failed pull is computed locally: right output, no PD)."""
+    out: dict[str, float] = {}
+    for w in cluster.decode:
+        text = httpx.get(f"http://127.0.0.1:{w.info['metrics_port']}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("hybridpd_kv_transfer_failures_total{") and float(line.rsplit(" ", 1)[1]):
+                key = line.rsplit(" ", 1)[0].split("{", 1)[1].rstrip("}")
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def make_model(family: str, out_dir: str) -> str:
     from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
-    return write_random_checkpoint(out_dir, family, seed=0, **FAMILIES[family])
+    kind, overrides = FAMILIES[family]
+    return write_random_checkpoint(out_dir, kind, seed=0, **overrides)
 
 
 def start_pair(
@@ -508,10 +538,13 @@ def start_pair(
     max_model_len: int = MAX_MODEL_LEN,
     pd_proxy_args: list[str] | None = None,
     worker_args: list[str] | None = None,
+    prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
 ) -> tuple[Any, Any]:
     """A 1P1D cluster and a colocated one on `model`, started at the same time. `pd_proxy_args`: more flags of the
     PD cluster's proxy (e.g. `--routing cache_aware --prefill-decode always`: whole requests on the prefill
-    worker)."""
+    worker). `prefill_args` / `decode_args`: more flags of the PD cluster's prefill / decode worker only (e.g.
+    `--tensor-parallel-size 2` on one role: PD between different TP sizes)."""
     from hybridpd.deploy.local_cluster import start_cluster
 
     args = [
@@ -525,7 +558,14 @@ def start_pair(
     ]
     proxy = ["--max-model-len", str(max_model_len)]
     with ThreadPoolExecutor(2) as pool:
-        pd = pool.submit(start_cluster, model, worker_args=args, proxy_args=[*proxy, *(pd_proxy_args or [])])
+        pd = pool.submit(
+            start_cluster,
+            model,
+            worker_args=args,
+            proxy_args=[*proxy, *(pd_proxy_args or [])],
+            prefill_args=prefill_args,
+            decode_args=decode_args,
+        )
         co = pool.submit(start_cluster, model, colocated=True, worker_args=args, proxy_args=proxy)
         return pd.result(), co.result()
 
@@ -539,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--colocated-url")
     ap.add_argument("--model-name", default=None)
     ap.add_argument("--worker-args", default="", help="more flags of every worker, e.g. '--block-size 32'")
+    ap.add_argument("--prefill-args", default="", help="more flags of the PD prefill worker only")
+    ap.add_argument("--decode-args", default="", help="more flags of the PD decode worker only")
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once on each cluster")
     ap.add_argument(
         "--pd-proxy-args",
@@ -554,7 +596,13 @@ def main(argv: list[str] | None = None) -> int:
             pd_url, co_url, name, stop = args.pd_url, args.colocated_url, args.model_name or "", None
         else:
             model = make_model(family, tempfile.mkdtemp(prefix=f"pd-diff-{family}-"))
-            pd, co = start_pair(model, pd_proxy_args=args.pd_proxy_args.split(), worker_args=args.worker_args.split())
+            pd, co = start_pair(
+                model,
+                pd_proxy_args=args.pd_proxy_args.split(),
+                worker_args=args.worker_args.split(),
+                prefill_args=args.prefill_args.split(),
+                decode_args=args.decode_args.split(),
+            )
             pd_url, co_url, name, stop = pd.url, co.url, pd.model_name, (pd, co)
         try:
             gen = RequestGen(args.seed, name)
@@ -563,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
             statuses: dict[str, int] = {}
             bad = compare(pd_url, co_url, cases, statuses=statuses, concurrency=args.concurrency)
             if stop:
+                failed = transfer_failures(stop[0])
+                if failed:
+                    print(f"{family}: failed KV pulls on D (computed locally): {failed}")
                 held = leftovers(list(stop))
                 if held:
                     print(f"{family}: after the requests, workers still hold: {held}")
