@@ -105,19 +105,17 @@ class WorkerProcess:
             if self.proc is not None and self.proc.poll() is not None and not self._stopping and self.restart:
                 log.warning("worker %s died (exit %s): restarting", self.info.get("role"), self.proc.returncode)
                 self.restarts += 1
-                try:
-                    self._start()
-                except Exception:  # noqa: BLE001
-                    if self._stopping or not (self.grpc_port or self.metrics_port):
-                        log.exception("worker restart failed")
-                        continue
-                    log.warning("worker %s did not come back on ports %d / %d (taken meanwhile?): restarting it on "
-                                "new ones", self.info.get("role"), self.grpc_port, self.metrics_port)
-                    self.grpc_port = self.metrics_port = 0
+                for retry in (False, True):  # on its ports, then (they may have been taken meanwhile) on new ones
                     try:
                         self._start()
+                        break
                     except Exception:  # noqa: BLE001
-                        log.exception("worker restart failed")
+                        if retry or self._stopping or not (self.grpc_port or self.metrics_port):
+                            log.exception("worker restart failed")
+                            break
+                        log.warning("worker %s did not come back on ports %d / %d: restarting it on new ones",
+                                    self.info.get("role"), self.grpc_port, self.metrics_port)
+                        self.grpc_port = self.metrics_port = 0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -117,10 +117,14 @@ def build_on_meta(path: str, dtype: str = "float32") -> CausalLM:
     ModelLoadError like load_model for a config it cannot build."""
     cfg = read_model_config(Path(path))
     arch = resolve_architecture(cfg)
-    cls = ARCHITECTURES[arch]
+    return _on_meta(path, arch, cfg, _resolve_dtype(dtype, cfg))
+
+
+def _on_meta(path: str, arch: str, cfg: dict[str, Any], dtype: str) -> CausalLM:
     try:
         with torch.device("meta"):
-            return cls(cfg, _resolve_dtype(dtype, cfg))
+            model: CausalLM = ARCHITECTURES[arch](cfg, dtype)
+            return model
     except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
         raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
 
@@ -139,7 +143,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but CUDA is not available")
-    model = build_on_meta(path, dtype)
+    model = _on_meta(path, arch, cfg, dtype)
     if load_format == "dummy":
         _fill_dummy(model, cls, arch, cfg, dtype, target)
     else:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hybridpd.engine.models.fast_path import grouped_moe_available, sort_by_expert
+from hybridpd.engine.models.fast_path import grouped_moe_available, moe_routed_masked, sort_by_expert
 from hybridpd.engine.models.layers import GatedMLP
 from torch import nn
 
@@ -70,7 +70,7 @@ class SparseMoeBlock(nn.Module):
         elif grouped_moe_available(x):
             routed = self.routed_grouped(x, weights, idx)
         else:
-            routed = self._routed_masked(x, weights, idx)
+            routed = moe_routed_masked(self, x, weights, idx)  # every expert on every token: no host sync
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward_fused(x)
         return routed.to(x.dtype) + shared
 
@@ -84,13 +84,6 @@ class SparseMoeBlock(nn.Module):
         for e in torch.unique(idx).tolist():
             tok, pos = torch.where(idx == e)
             routed.index_add_(0, tok, (self.experts[e](x[tok]) * weights[tok, pos, None]).float())
-        return routed
-
-    def _routed_masked(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, weighted by its routing weight (0 where not chosen): no host sync."""
-        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(self.experts):
-            routed += expert(x).float() * (weights * (idx == e)).sum(-1)[:, None]
         return routed
 
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,17 @@ def path(tmp_path_factory):  # type: ignore[no-untyped-def]
     return write_random_checkpoint(str(tmp_path_factory.mktemp("qmoe")), "qwen3_5_moe", seed=1, **MODEL)
 
 
+def _generate(path: str, dtype: str, new: int) -> tuple[list[list[int]], list]:  # type: ignore[type-arg]
+    """Greedy outputs of the fast path with CUDA graphs (checked to have replayed)."""
+    prompts = random_prompts(LENGTHS, vocab=256, seed=1)
+    llm = LLM(model=path, device="cuda", dtype=dtype, max_num_batched_tokens=48, kv_cache_memory_bytes=256 << 20,
+              max_model_len=512)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=new, temperature=0,
+                                                                                  ignore_eos=True))
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+    return prompts, outs
+
+
 def test_grouped_routing_equals_reference_on_cuda() -> None:
     torch.manual_seed(0)
     block = SparseMoeBlock(128, SparseMoeArgs(8, 2, 64, 96), "silu").cuda().bfloat16()
@@ -38,12 +49,7 @@ def test_grouped_routing_equals_reference_on_cuda() -> None:
 
 
 def test_cuda_fp32_matches_transformers(path):  # type: ignore[no-untyped-def]
-    prompts = random_prompts(LENGTHS, vocab=256, seed=1)
-    llm = LLM(model=path, device="cuda", dtype="float32", max_num_batched_tokens=48, kv_cache_memory_bytes=256 << 20,
-              max_model_len=512)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=16, temperature=0,
-                                                                                  ignore_eos=True))
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+    prompts, outs = _generate(path, "float32", 16)
     for p, o in zip(prompts, outs, strict=True):
         toks, lps = hf_greedy(path, p, 16, "float32", "cuda")
         assert o.token_ids == toks
@@ -51,12 +57,7 @@ def test_cuda_fp32_matches_transformers(path):  # type: ignore[no-untyped-def]
 
 
 def test_cuda_bf16_as_precise_as_transformers_bf16(path):  # type: ignore[no-untyped-def]
-    prompts = random_prompts(LENGTHS, vocab=256, seed=1)
-    llm = LLM(model=path, device="cuda", dtype="bfloat16", max_num_batched_tokens=48, kv_cache_memory_bytes=256 << 20,
-              max_model_len=512)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, temperature=0,
-                                                                                  ignore_eos=True))
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0
+    prompts, outs = _generate(path, "bfloat16", 12)
     truth = hf_model(path, "float32", "cuda")
     ours = score_under(truth, prompts, [(o.token_ids, o.logprobs) for o in outs], "cuda")
     theirs = score_under(truth, prompts, [hf_greedy(path, p, 12, "bfloat16", "cuda") for p in prompts], "cuda")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hybridpd.engine import LLM, SamplingParams
 from hybridpd.engine.models.checkpoint import write_random_checkpoint
+from hybridpd.engine.models.fast_path import moe_routed_masked
 from hybridpd.engine.models.sparse_moe import SparseMoeArgs, SparseMoeBlock, split_fused_experts
 
 from tests.oracle import hf_greedy, random_prompts
@@ -63,7 +64,7 @@ def test_grouped_routing_equals_the_reference_loop() -> None:
     want = block._routed_reference(x, weights, idx)
     block.fuse()
     assert torch.allclose(block.routed_grouped(x, weights, idx), want, atol=1e-5)
-    assert torch.allclose(block._routed_masked(x, weights, idx), want, atol=1e-5)
+    assert torch.allclose(moe_routed_masked(block, x, weights, idx), want, atol=1e-5)
 
 
 def test_fused_expert_tensors_split_into_per_expert_weights() -> None:
