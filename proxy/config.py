@@ -53,10 +53,10 @@ class RoutingWeights:
     (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
     slower than this gets no more."""
     decode_balance: float = 1.0
-    """auto also balances decoding: a prefill worker takes a whole request while the decode worker the request would
-    go to runs more than this many times the whole requests the prefill worker would run with it (so on a
-    decode-heavy load the two GPUs share the decoding, as colocated replicas do), and its own tokens come no slower
-    than the decode worker's (measured). 0: only under saturation."""
+    """auto also balances: a prefill worker takes a whole request while the decode worker the request would go to
+    has more than this many times the requests the prefill worker would then hold in flight (its whole requests and
+    the prompts it computes for decode workers), so a decode-heavy load is shared between the GPUs as colocated
+    replicas share it. 0: only under saturation."""
     prefill_decode_max_queue_s: float = 0.5
     """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
     token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""

@@ -23,8 +23,8 @@ stream, so it is measured (`StepCosts.handoff_s`, shown in /v1/cluster) but not 
 
 P-alone (checked first): the request goes whole to a prefill worker (DecodeService.Generate on it, no params; P's
 engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is busier than
-the prefill worker (balance: it has more than `decode_balance` x the whole requests P would run with this one in
-flight, and P's own tokens, measured while it runs whole requests, come no slower than D's), or is saturated
+the prefill worker (balance: it has more than `decode_balance` x the requests P would hold with this one in flight,
+P's whole requests and the prompts it computes for decode workers, its router's count), or is saturated
 
     in flight >= decode_saturation x its capacity (Stats' max_generate: its max_num_seqs), or
     its measured seconds per output token > tpot_budget_s (when set; while it runs any request)
@@ -37,9 +37,11 @@ ignored and the next request probes it). Among those, the cheapest by P's cost +
 requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
 the price of decode steps slowed by P's prefill chunks. Balance is what keeps a cluster from wasting a GPU when the
 P:D split does not match the load: on a decode-heavy load (short prompts, long answers) P's GPU would otherwise
-idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas; on a
-prefill-heavy load P's queue keeps it prefilling (the queue bound above), and with a TPOT target set P stops taking
-whole requests once its chunks slow them past it. `prefill_decode` never / always turn it off / force it.
+idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. Balance
+counts requests, as least-loaded routing between colocated replicas does: P's queue bound and the comparison of
+measured paces are saturation's (a prefill time per token measured under load includes the queue, and would shut
+P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
+`prefill_decode` never / always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
@@ -265,15 +267,14 @@ class Placer:
         w = self.w
         if whole >= self.membership.capacity.get(addr, 0):
             return False  # its cap (unknown: none)
-        if self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s > w.prefill_decode_max_queue_s:
-            return False  # its prefill role comes first
         gap = self.costs.token_s.get(addr) if whole else None  # its own pace (stale once it runs none: probe)
         if gap is not None and w.tpot_budget_s > 0 and gap > w.tpot_budget_s:
             return False
-        if balancing:  # D is not saturated: share the decoding, never make P the busier or the slower one
-            return whole + 1 <= w.decode_balance * d_running and not (
-                gap is not None and d_gap is not None and gap > d_gap
-            )
+        if balancing:  # D is not saturated: share the work as colocated replicas would, never make P the busier
+            # what P holds: its whole requests and the prompts it computes for decode workers (its router's count)
+            return self.prefill.in_flight(addr) + 1 <= w.decode_balance * d_running
+        if self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s > w.prefill_decode_max_queue_s:
+            return False  # its prefill role comes first
         return not (by_time and gap is not None and d_gap is not None and gap >= d_gap and w.tpot_budget_s > 0)
 
     def expect(self, addr: str, hashes: tuple[bytes, ...], num_prompt_tokens: int, checkpoint_tokens: int) -> None:

@@ -92,48 +92,54 @@ def test_no_prefill_alone_while_its_own_tokens_are_over_budget() -> None:
 
 
 def test_balance_shares_the_decoding_when_the_decode_worker_is_busier() -> None:
-    """On a decode-heavy load the prefill worker takes whole requests until it runs as many as the decode worker
+    """On a decode-heavy load the prefill worker takes whole requests until it holds as many as the decode worker
     (decode_balance 1), so the pair shares the decoding as two colocated replicas would; never at low load."""
     placer, prefill, decode, _ = _placer(decode_balance=1.0)
     assert placer.place(PROMPT).kind == "pd"  # nothing in flight anywhere: the PD path (low-load TTFT)
     kinds = []
-    for _ in range(8):  # the proxy counts what it sends: PD on D's router, P-alone as whole requests on P
+    for _ in range(8):  # counted as generation does: D's router for PD, P's router + whole_started for P-alone
         p = placer.place(PROMPT)
         kinds.append(p.kind)
         if p.kind == "pd":
             decode.take("d")
         else:
             assert p.decode_addr == "p" and "balance" in p.reason
+            prefill.take("p", tokens=len(PROMPT))
             placer.whole_started("p")
     assert kinds == ["pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone"]
     assert (decode.in_flight("d"), placer.whole_on_prefill["p"]) == (4, 4)
     decode.take("d")
     assert placer.place(PROMPT).kind == "pd"  # P is at its cap (4 whole requests)
     placer.whole_ended("p")
-    prefill.take("p", tokens=10**6)  # P's prefill queue is long: its role comes first
-    assert placer.place(PROMPT).kind == "pd"
-    prefill.release("p", tokens=10**6)
-    assert placer.place(PROMPT).kind == "prefill_alone"
+    prefill.release("p", tokens=len(PROMPT))
+    assert placer.place(PROMPT).kind == "prefill_alone"  # 3 + 1 <= 5
 
 
-def test_balance_never_makes_the_prefill_worker_the_slower_one() -> None:
-    placer, _, decode, _ = _placer(decode_balance=1.0)
+def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_target() -> None:
+    placer, prefill, decode, _ = _placer(decode_balance=1.0, tpot_budget_s=0.05)
     for _ in range(3):
         decode.take("d")
-    placer.whole_started("p")
-    placer.costs.token_gap("d", 0.020)
-    placer.costs.token_gap("p", 0.015)
-    assert placer.place(PROMPT).kind == "prefill_alone"  # P runs 1 < 3 and its tokens come faster
-    placer.costs.token_gap("p", 0.100)  # its prefill chunks slow its own decodes below D's pace
+    prefill.take("p", tokens=500)
+    prefill.take("p", tokens=500)  # two PD prompts being computed on P: it holds 2, +1 <= 3
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    prefill.take("p", tokens=500)  # 3 + 1 > 3
     assert placer.place(PROMPT).kind == "pd"
-    placer.whole_ended("p")
-    assert placer.place(PROMPT).kind == "prefill_alone"  # runs none: its figure is stale, probe it again
-    placer2, _, decode2, _ = _placer(decode_balance=0.5)
-    for _ in range(3):
+    prefill.release("p", tokens=500)
+    prefill.release("p", tokens=500)
+    prefill.take("p", tokens=8)  # now one whole request (counted on P's router, as generation does) and one prompt
+    placer.whole_started("p")
+    placer.costs.token_gap("p", 0.04)
+    assert placer.place(PROMPT).kind == "prefill_alone"  # 2 + 1 <= 3, its tokens within the 50 ms target
+    placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its own decodes past the target
+    assert placer.place(PROMPT).kind == "pd"
+    placer2, prefill2, decode2, _ = _placer(decode_balance=0.5)
+    for _ in range(4):
         decode2.take("d")
-    assert placer2.place(PROMPT).kind == "prefill_alone"  # 1 <= 0.5 x 3
-    placer2.whole_started("p")
-    assert placer2.place(PROMPT).kind == "pd"  # 2 > 0.5 x 3
+    assert placer2.place(PROMPT).kind == "prefill_alone"  # 0 + 1 <= 0.5 x 4
+    prefill2.take("p", tokens=8)
+    assert placer2.place(PROMPT).kind == "prefill_alone"  # 1 + 1 <= 2
+    prefill2.take("p", tokens=8)
+    assert placer2.place(PROMPT).kind == "pd"  # 2 + 1 > 2
 
 
 def test_never_and_always() -> None:
