@@ -12,8 +12,9 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
 
 Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
-prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, or when D's estimated
-time to the first token is below the PD path's:
+prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, when P holds more
+requests than D (balance, below: `decode_balance` x (D's in flight + 1) <= P's, D not saturated), or when D's
+estimated time to the first token is below the PD path's:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
     pd_s   = P's cost x step.prefill_token_s         (P samples the first token: the proxy streams it at once)
@@ -37,10 +38,12 @@ ignored and the next request probes it). Among those, the cheapest by P's cost +
 requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
 the price of decode steps slowed by P's prefill chunks. Balance is what keeps a cluster from wasting a GPU when the
 P:D split does not match the load: on a decode-heavy load (short prompts, long answers) P's GPU would otherwise
-idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. Balance
-counts requests, as least-loaded routing between colocated replicas does: P's queue bound and the comparison of
-measured paces are saturation's (a prefill time per token measured under load includes the queue, and would shut
-P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
+idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. With both
+directions (P-alone while D holds more, skip-P while P holds more) a loaded pair places whole requests on the less
+loaded worker, as least-loaded routing between two colocated replicas does, and keeps the PD path for when the two
+hold as much (and for low load, where nothing is in flight). Balance counts requests: P's queue bound and the
+comparison of measured paces are saturation's (a prefill time per token measured under load includes the queue,
+and would shut P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
 `prefill_decode` never / always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
@@ -189,16 +192,14 @@ class Placer:
         if w.skip_prefill != "never" and p_addr is not None:
             skip_s = w.decode_prefill_cost * remainder * self.costs.decode_token_s
             pd_s = p_cost * self.costs.prefill_token_s
+            why = None
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
+                why = f"remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms"
+            elif w.skip_prefill == "auto":
+                why = self._prefill_busier(p_addr, best_skip[1])
+            if why is not None:
                 return self._decided(
-                    Placement(
-                        None,
-                        best_skip[1],
-                        best_skip[2],
-                        hashes=h,
-                        kind="skip_prefill",
-                        reason=f"skip-P: remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms",
-                    )
+                    Placement(None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill", reason=f"skip-P: {why}")
                 )
         if p_addr is None:
             if w.skip_prefill != "never":  # no prefill worker up: the decode worker computes the prompt itself
@@ -209,6 +210,16 @@ class Placer:
                 )
             self.prefill.choose()  # raises NoWorkerError
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
+
+    def _prefill_busier(self, p_addr: str, d_addr: str) -> str | None:
+        """Balance, the other way (module doc): prefill worker `p_addr` holds more than `decode_balance` x what decode
+        worker `d_addr` would hold with this request, and D has room: D computes it whole (None: not so)."""
+        assert self.prefill is not None
+        w = self.w
+        p_holds, d_holds = self.prefill.in_flight(p_addr), self.decode.in_flight(d_addr)
+        if w.decode_balance <= 0 or w.decode_balance * (d_holds + 1) > p_holds or self.decode_saturated(d_addr):
+            return None
+        return f"balance: {p_holds} in flight on {p_addr}, {d_holds} on {d_addr}"
 
     # -- P-alone -----------------------------------------------------------------------------------------------------
     def decode_saturated(self, addr: str) -> str | None:

@@ -142,6 +142,25 @@ def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_tar
     assert placer2.place(PROMPT).kind == "pd"  # 2 + 1 > 2
 
 
+def test_balance_the_other_way_the_decode_worker_computes_the_prompt_itself() -> None:
+    """P holds more than D: the decode worker takes the request whole (skip-P), as the less loaded of two colocated
+    replicas would, although the cost model alone would send it through P."""
+    for balance, want in ((1.0, "skip_prefill"), (0.0, "pd")):
+        placer, prefill, decode, _ = _placer(decode_balance=balance, skip_prefill="auto")
+        assert placer.place(PROMPT).kind == "pd"  # by cost: D's own prefill 2.8 ms against P's 1.4
+        decode.take("d")
+        prefill.take("p", tokens=1)
+        assert placer.place(PROMPT).kind == "pd"  # P holds 1 < D's 1 + 1
+        prefill.take("p", tokens=1)
+        p = placer.place(PROMPT)  # P holds 2 >= D's 1 + 1 (and P's cost, 7 + 2 tokens queued, still below D's)
+        assert p.kind == want, p
+        if balance:
+            assert "balance" in p.reason and p.decode_addr == "d" and p.prefill_addr is None
+            for _ in range(8):
+                decode.take("d")  # D saturated (9 of 10): never more work on it for balance's sake
+            assert placer.place(PROMPT).kind == "prefill_alone"
+
+
 def test_never_and_always() -> None:
     placer, _, decode, _ = _placer(prefill_decode="never")
     for _ in range(10):
