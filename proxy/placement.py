@@ -12,9 +12,9 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
 
 Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
-prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, when P holds more
-requests than D (balance, below: `decode_balance` x (D's in flight + 1) <= P's, D not saturated), or when D's
-estimated time to the first token is below the PD path's:
+prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, when P holds as
+many requests as D or more (balance, below: `decode_balance` x D's in flight <= P's, something in flight, D not
+saturated), or when D's estimated time to the first token is below the PD path's:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
     pd_s   = P's cost x step.prefill_token_s         (P samples the first token: the proxy streams it at once)
@@ -39,9 +39,12 @@ requests. Its time to the first token is P's prefill, as under PD; what it saves
 the price of decode steps slowed by P's prefill chunks. Balance is what keeps a cluster from wasting a GPU when the
 P:D split does not match the load: on a decode-heavy load (short prompts, long answers) P's GPU would otherwise
 idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. With both
-directions (P-alone while D holds more, skip-P while P holds more) a loaded pair places whole requests on the less
-loaded worker, as least-loaded routing between two colocated replicas does, and keeps the PD path for when the two
-hold as much (and for low load, where nothing is in flight). Balance counts requests: P's queue bound and the
+directions (P-alone while D holds more, skip-P while P holds as much or more) a loaded pair places whole requests
+on the less loaded worker, as least-loaded routing between two colocated replicas does: D then computes its own
+prompts, so P is not slowed, as a decode host, by prefilling D's (measured on two H100s: with P-alone alone, P's
+own tokens came slower than a 50 ms target and D kept ~80 % of a chat load). The PD path stays for low load (nothing
+in flight anywhere: the cost model), for saturated workers, and where a TPOT target shuts P out. Balance counts
+requests: P's queue bound and the
 comparison of measured paces are saturation's (a prefill time per token measured under load includes the queue,
 and would shut P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
 `prefill_decode` never / always turn it off / force it.
@@ -212,12 +215,14 @@ class Placer:
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
 
     def _prefill_busier(self, p_addr: str, d_addr: str) -> str | None:
-        """Balance, the other way (module doc): prefill worker `p_addr` holds more than `decode_balance` x what decode
-        worker `d_addr` would hold with this request, and D has room: D computes it whole (None: not so)."""
+        """Balance, the other way (module doc): prefill worker `p_addr` holds at least `decode_balance` x what decode
+        worker `d_addr` holds, something is in flight, and D has room: D computes it whole (None: not so)."""
         assert self.prefill is not None
         w = self.w
         p_holds, d_holds = self.prefill.in_flight(p_addr), self.decode.in_flight(d_addr)
-        if w.decode_balance <= 0 or w.decode_balance * (d_holds + 1) > p_holds or self.decode_saturated(d_addr):
+        if w.decode_balance <= 0 or p_holds + d_holds == 0 or w.decode_balance * d_holds > p_holds:
+            return None  # off, nothing in flight (low load: the cost model), or D the busier
+        if self.decode_saturated(d_addr):
             return None
         return f"balance: {p_holds} in flight on {p_addr}, {d_holds} on {d_addr}"
 

@@ -143,17 +143,19 @@ def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_tar
 
 
 def test_balance_the_other_way_the_decode_worker_computes_the_prompt_itself() -> None:
-    """P holds more than D: the decode worker takes the request whole (skip-P), as the less loaded of two colocated
-    replicas would, although the cost model alone would send it through P."""
-    for balance, want in ((1.0, "skip_prefill"), (0.0, "pd")):
+    """P holds as much as D or more: the decode worker takes the request whole (skip-P), as the less loaded of two
+    colocated replicas would, although the cost model alone would send it through P; with balance off, PD."""
+    for balance, want in ((1.0, ["pd", "prefill_alone", "skip_prefill", "skip_prefill"]), (0.0, ["pd"] * 4)):
         placer, prefill, decode, _ = _placer(decode_balance=balance, skip_prefill="auto")
-        assert placer.place(PROMPT).kind == "pd"  # by cost: D's own prefill 2.8 ms against P's 1.4
+        got = [placer.place(PROMPT).kind]  # nothing in flight: by cost, D's own prefill 2.8 ms against P's 1.4
         decode.take("d")
+        got.append(placer.place(PROMPT).kind)  # D holds 1, P 0: P takes it whole
         prefill.take("p", tokens=1)
-        assert placer.place(PROMPT).kind == "pd"  # P holds 1 < D's 1 + 1
+        got.append(placer.place(PROMPT).kind)  # P holds 1 (a prompt it computes), D 1
         prefill.take("p", tokens=1)
-        p = placer.place(PROMPT)  # P holds 2 >= D's 1 + 1 (and P's cost, 7 + 2 tokens queued, still below D's)
-        assert p.kind == want, p
+        p = placer.place(PROMPT)  # P holds 2 (its cost, 7 + 2 tokens queued, still below D's own prefill)
+        got.append(p.kind)
+        assert got == want
         if balance:
             assert "balance" in p.reason and p.decode_addr == "d" and p.prefill_addr is None
             for _ in range(8):
