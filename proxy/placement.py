@@ -36,17 +36,15 @@ prefill_decode_max_queue_s, and (tpot_budget_s set) while it runs whole requests
 at most tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is
 ignored and the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole
 requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
-the price of decode steps slowed by P's prefill chunks. Balance is what keeps a cluster from wasting a GPU when the
-P:D split does not match the load: on a decode-heavy load (short prompts, long answers) P's GPU would otherwise
-idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. With both
-directions (P-alone while D holds more, skip-P while P holds as much or more) a loaded pair places whole requests
-on the less loaded worker, as least-loaded routing between two colocated replicas does: D then computes its own
-prompts, so P is not slowed, as a decode host, by prefilling D's (measured on two H100s: with P-alone alone, P's
-own tokens came slower than a 50 ms target and D kept ~80 % of a chat load). The PD path stays for low load (nothing
-in flight anywhere: the cost model), for saturated workers, and where a TPOT target shuts P out. Balance counts
-requests: P's queue bound and the
-comparison of measured paces are saturation's (a prefill time per token measured under load includes the queue,
-and would shut P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
+the price of decode steps slowed by P's prefill chunks.
+
+Balance (`decode_balance` > 0; off by default: on two H100s it did not raise chat goodput, docs/BENCHMARKS.md):
+meant to keep a cluster from wasting a GPU when the P:D split does not match the load (on a decode-heavy load P's
+GPU idles between prompts while D decodes everything). Both ways, by request counts as least-loaded routing between
+colocated replicas does: P-alone while D holds more than `decode_balance` x what P would then hold (P's router
+count: its whole requests and the prompts it computes), skip-P while P holds at least `decode_balance` x D's, with
+something in flight and the worker not saturated. P's queue bound and pace comparison are saturation's (a prefill
+time per token measured under load includes the queue); its cap and, with a TPOT target, its own pace bound it.
 `prefill_decode` never / always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
