@@ -73,6 +73,10 @@ CONFIGS = {
     "adaptive": ClusterConfig(
         "adaptive", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05")
     ),
+    # the same with balance on (proxy/placement.py: whole requests on the less loaded worker under load)
+    "balanced": ClusterConfig(
+        "balanced", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05,decode_balance=1")
+    ),
 }
 """Add a configuration here (and name it in --configs). `routing` may list alternatives ("a|b"): the first the
 proxy offers is used. One whose routing the proxy does not offer is not run, and says so in the table."""

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The decode-balancing placement on two GPUs (one call, < 9.5 min; carry .whl): chat-like goodput, colocated x2
-# against the adaptive 1P1D (PD + skip-P + P-alone with balance) at the same seeded arrivals, 24 s windows, RATES
+# The balancing placement on two GPUs (one call, < 9.5 min; carry .whl): chat-like goodput, colocated x2
+# against the balanced 1P1D (PD + skip-P + P-alone, decode_balance=1) at the same seeded arrivals, 24 s windows, RATES
 # around colocated's loose threshold; then the Qwen3.5-MoE CUDA tests on GPU 0 (GPU_TESTS, when time is left).
 set -uo pipefail
 START=$(date +%s); OUT=${OUT:-out}; mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
 DL=${DEADLINE_S:-420}
 timeout $((DL + 45)) python3 benchmarks/goodput.py --device cuda --dtype bfloat16 --preset nemotron-h-8b \
-  --workloads "${WORKLOAD:-chat}" --gpus 0,1 --configs "${CONFIGS:-colocated,adaptive}" --rates "${RATES:-10,12,14}" \
+  --workloads "${WORKLOAD:-chat}" --gpus 0,1 --configs "${CONFIGS:-colocated,balanced}" --rates "${RATES:-10,12,14}" \
   --duration "${DURATION:-24}" --drain 8 --warmup-requests 16 --low-load 3 --deadline-s "$DL" \
   --out-dir "$OUT/balance" > "$OUT/balance.log" 2>&1
 echo "goodput: exit $? ($(( $(date +%s) - START )) s)"

@@ -12,9 +12,9 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
 
 Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
-prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, when P holds as
-many requests as D or more (balance, below: `decode_balance` x D's in flight <= P's, something in flight, D not
-saturated), or when D's estimated time to the first token is below the PD path's:
+prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, with balance on
+whenever something is in flight and D is not saturated (below), or when D's estimated time to the first token is
+below the PD path's:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
     pd_s   = P's cost x step.prefill_token_s         (P samples the first token: the proxy streams it at once)
@@ -42,8 +42,9 @@ Balance (`decode_balance` > 0; off by default: on two H100s it did not raise cha
 meant to keep a cluster from wasting a GPU when the P:D split does not match the load (on a decode-heavy load P's
 GPU idles between prompts while D decodes everything). Both ways, by request counts as least-loaded routing between
 colocated replicas does: P-alone while D holds more than `decode_balance` x what P would then hold (P's router
-count: its whole requests and the prompts it computes), skip-P while P holds at least `decode_balance` x D's, with
-something in flight and the worker not saturated. P's queue bound and pace comparison are saturation's (a prefill
+count: its whole requests and the prompts it computes); otherwise, with something in flight and D not saturated,
+skip-P: the colocated placement rather than PD, which would make P compute D's prompt and slow P's own streams.
+PD stays for low load and saturated decode workers. P's queue bound and pace comparison are saturation's (a prefill
 time per token measured under load includes the queue); its cap and, with a TPOT target, its own pace bound it.
 `prefill_decode` never / always turn it off / force it.
 
@@ -213,15 +214,15 @@ class Placer:
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
 
     def _prefill_busier(self, p_addr: str, d_addr: str) -> str | None:
-        """Balance, the other way (module doc): prefill worker `p_addr` holds at least `decode_balance` x what decode
-        worker `d_addr` holds, something is in flight, and D has room: D computes it whole (None: not so)."""
+        """Balance, the other way (module doc): P-alone was not chosen, something is in flight and decode worker
+        `d_addr` is not saturated: D computes the request whole (None: not so)."""
         assert self.prefill is not None
         w = self.w
         p_holds, d_holds = self.prefill.in_flight(p_addr), self.decode.in_flight(d_addr)
-        if w.decode_balance <= 0 or p_holds + d_holds == 0 or w.decode_balance * d_holds > p_holds:
-            return None  # off, nothing in flight (low load: the cost model), or D the busier
-        if self.decode_saturated(d_addr):
-            return None
+        if w.decode_balance <= 0 or p_holds + d_holds == 0 or self.decode_saturated(d_addr):
+            return None  # off, nothing in flight (low load: the cost model), or D saturated
+        # P did not take it whole (it holds as much, or its cap or pace shut it out): the colocated placement, not
+        # PD, which would make P compute D's prompt and slow P's own streams further
         return f"balance: {p_holds} in flight on {p_addr}, {d_holds} on {d_addr}"
 
     # -- P-alone -----------------------------------------------------------------------------------------------------

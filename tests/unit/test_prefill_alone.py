@@ -143,22 +143,24 @@ def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_tar
 
 
 def test_balance_the_other_way_the_decode_worker_computes_the_prompt_itself() -> None:
-    """P holds as much as D or more: the decode worker takes the request whole (skip-P), as the less loaded of two
-    colocated replicas would, although the cost model alone would send it through P; with balance off, PD."""
+    """Under load, a request P does not take whole goes whole to D (skip-P, the colocated placement), not through P,
+    although the cost model alone would choose PD; with balance off, PD; D saturated: P-alone."""
     for balance, want in ((1.0, ["pd", "prefill_alone", "skip_prefill", "skip_prefill"]), (0.0, ["pd"] * 4)):
-        placer, prefill, decode, _ = _placer(decode_balance=balance, skip_prefill="auto")
+        placer, prefill, decode, membership = _placer(decode_balance=balance, skip_prefill="auto")
         got = [placer.place(PROMPT).kind]  # nothing in flight: by cost, D's own prefill 2.8 ms against P's 1.4
         decode.take("d")
         got.append(placer.place(PROMPT).kind)  # D holds 1, P 0: P takes it whole
         prefill.take("p", tokens=1)
-        got.append(placer.place(PROMPT).kind)  # P holds 1 (a prompt it computes), D 1
-        prefill.take("p", tokens=1)
-        p = placer.place(PROMPT)  # P holds 2 (its cost, 7 + 2 tokens queued, still below D's own prefill)
+        got.append(placer.place(PROMPT).kind)  # P holds 1 (a prompt it computes), D 1: D takes it whole
+        decode.take("d")
+        membership.capacity["p"] = 0  # P holds less than D, but its cap shuts it out: still D, whole
+        p = placer.place(PROMPT)
         got.append(p.kind)
         assert got == want
         if balance:
             assert "balance" in p.reason and p.decode_addr == "d" and p.prefill_addr is None
-            for _ in range(8):
+            membership.capacity["p"] = 4
+            for _ in range(7):
                 decode.take("d")  # D saturated (9 of 10): never more work on it for balance's sake
             assert placer.place(PROMPT).kind == "prefill_alone"
 
