@@ -45,6 +45,8 @@ Reported per workload and policy:
 
     python benchmarks/cache_manager.py --out docs/results/cache_manager.json
     python benchmarks/cache_manager.py --scale 0.2 --repeats 1 --workloads current   # a quick look
+    python benchmarks/cache_manager.py --policies ours --repeats 1 --workloads current --scale 0.3 --budget-gib 4 \
+        --max-num-seqs 32 --max-num-batched-tokens 4096 [--no-arena]   # a small arena (held-out style)
     python benchmarks/cache_manager.py --policies ours --repeats 1 --digest   # + `decision_digest` per workload:
         # sha256 over every step's scheduler output; equal digests = identical decisions (compare two commits)
 """
@@ -471,6 +473,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-gib", type=float, default=None, help="every workload's budget (default: its own)")
     p.add_argument("--out", default="cache_manager.json")
     p.add_argument("--digest", action="store_true", help="sha256 over every step's scheduler output (untimed)")
     p.add_argument(
@@ -489,6 +492,8 @@ def main() -> None:
     )
     for name in args.workloads.split(","):
         w = WORKLOADS[name](random.Random(args.seed), args.scale)
+        if args.budget_gib is not None:
+            w.budget_gib = args.budget_gib
         results[name] = {"notes": w.notes, "requests": len(w.items), "budget_gib": w.budget_gib}
         for pol in policies:
             try:
