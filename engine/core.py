@@ -20,6 +20,7 @@ import torch
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
 from hybridpd.engine.cache.specs import group_layers
+from hybridpd.engine.async_step import StepPipeline
 from hybridpd.engine.config import EngineConfig
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dtype
@@ -119,6 +120,8 @@ class EngineCore:
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
+        if self.tp is not None and config.scheduler.async_scheduling:
+            self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
             self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
         self.eos_token_ids = tuple(self.model.eos_token_ids)
@@ -149,6 +152,8 @@ class EngineCore:
         self.clock: Callable[[], float] = time.monotonic
         """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
+        self.pipeline: StepPipeline | None = StepPipeline(self) if self.config.scheduler.async_scheduling else None
+        """Asynchronous scheduling (engine.async_step): the step in flight; None: every step is synchronous."""
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _plan(self, specs: dict) -> CapacityPlan:
@@ -283,6 +288,8 @@ class EngineCore:
             free_caches = self._give_back_import(req)
         elif req.request_id in self.scheduler.unconfirmed:  # ends before its transfer was confirmed: none of it out
             self._give_back_unconfirmed(req)
+        if free_caches and self.pipeline is not None and self.pipeline.defer_free(req):
+            free_caches = False  # a launched step still computes it: its pages are freed once that step is done
         self.scheduler.finish(req, reason, free_caches=free_caches)
         self.runner.sampler.forget(req.request_id)
         self.structured.forget(req.request_id)
@@ -409,19 +416,30 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
+        """Schedule, execute, update. Returns requests that advanced this step (finished ones included). With
+        asynchronous scheduling the step after it may already be launched (engine.async_step.StepPipeline)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         if self.scheduler.importing or self.scheduler.unconfirmed:
             self.expire_imports()
         t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
-        params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
         try:
-            sampled = self.runner.execute(out, params)
+            sampled = self.runner.execute(out, self.step_params(out))
         except Exception:
             self.cache.on_step_failed()
             raise
+        return self.process_step(out, sampled, self.runner.sampler.take_top_logprobs(), t0)
+
+    def step_params(self, out: SchedulerOutput) -> dict[str, SamplingParams]:
+        requests = self.scheduler.requests
+        return {s.request_id: requests[s.request_id].sampling_params for s in out.seqs}
+
+    def process_step(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]],
+                     top_logprobs: dict[str, list[tuple[int, float]]], t0: float) -> list[Request]:
+        """A computed step's results into its requests: counts, tokens, published blocks, stop checks, finishes."""
         advanced = self.scheduler.update_from_output(out, sampled)
-        for rid, top in self.runner.sampler.take_top_logprobs().items():
+        for rid, top in top_logprobs.items():
             if rid in self.scheduler.requests:
                 self.scheduler.requests[rid].output_top_logprobs.append(top)
         for req in advanced:

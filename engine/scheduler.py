@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from hybridpd.engine.transfer import Import
 
 
+PLACEHOLDER_TOKEN = -1
+"""The input token of a step scheduled before it is known on the host (`Scheduler.schedule_ahead`): the runner feeds
+the real one from the previous step's samples, on the device. Out of every vocabulary, so it never passes unfed."""
+
+
 def _remove(queue: list[Request] | deque[Request], req: Request) -> bool:
     """Remove `req` from `queue` by identity (`in` / `remove` would compare Requests field by field, as a dataclass
     does). False when it is not there."""
@@ -304,6 +309,32 @@ class Scheduler:
             seqs=tuple(seqs),
             preempted=tuple(preempted),
             group_state_copies=tuple((gid, tuple(c)) for gid, c in copies.items()),
+            group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
+        )
+
+    def schedule_ahead(self, rows: list[tuple[Request, int]]) -> SchedulerOutput | None:
+        """The decode step after the one in flight (asynchronous scheduling), before its tokens are known: each
+        `(request, tokens it will have computed once the step in flight is done)` computes one token, the
+        placeholder for the one the step in flight samples. The caller keeps it what `schedule()` would give then
+        (the running requests that stay, in order, nothing waiting). None when a row could save a checkpoint (its
+        boundary's hash needs the unknown token) or the pools cannot cover every row without preempting: the caller
+        waits for the step in flight and schedules as usual (pages already added stay with their requests)."""
+        if len(rows) > self.config.max_num_batched_tokens:
+            return None
+        cache = self.cache
+        if any(cache.may_checkpoint(req, computed + 1) for req, computed in rows):
+            return None
+        seqs = []
+        for req, computed in rows:
+            if not cache.allocate(req, computed + 1):
+                return None
+            blocks, slots = cache.seq_tables(req.request_id)
+            seqs.append(ScheduledSeq(req.request_id, computed, (PLACEHOLDER_TOKEN,), True, blocks, slots,
+                                     self._no_checkpoints))
+        fresh = cache.take_group_fresh_blocks()
+        return SchedulerOutput(
+            seqs=tuple(seqs), preempted=(),
+            group_state_copies=tuple((gid, tuple(c)) for gid, c in cache.take_group_state_copies().items()),
             group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
         )
 

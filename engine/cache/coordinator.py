@@ -310,15 +310,21 @@ class HybridCacheManager:
     ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
         """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
         ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
-        if not self.states or not self.enable_prefix_caching:
-            return self._no_checkpoints
-        if not self.admission.every_chunk and end % self.block_size:
-            targets = self._targets.get(req.request_id)
-            if not targets or targets[0] > end:
-                return self._no_checkpoints  # most decode steps
+        if not self.may_checkpoint(req, end):
+            return self._no_checkpoints  # most decode steps
         self.update_hashes(req)
         due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
         return tuple([(gid, tuple(c)) for gid, c in self._reserve(req, due, rolling).items()])
+
+    def may_checkpoint(self, req: Request, end: int) -> bool:
+        """Whether `checkpoint_plan` of a chunk ending at `end` could save a checkpoint (read-only). A step scheduled
+        before its input token is known (asynchronous scheduling) must not: the boundary's hash needs that token."""
+        if not self.states or not self.enable_prefix_caching:
+            return False
+        if not self.admission.every_chunk and end % self.block_size:
+            targets = self._targets.get(req.request_id)
+            return bool(targets) and targets[0] <= end
+        return True
 
     def _reserve(self, req: Request, boundaries: list[int], rolling: int | None) -> dict[int, list[tuple[int, int]]]:
         """A slot in every recurrent group for each boundary (and the rolling request-end one) not cached or
