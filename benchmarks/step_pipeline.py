@@ -85,13 +85,23 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization
     total = args.warmup + args.steps
-    llm = LLM(model=args.path, device=args.device, dtype="bfloat16" if cuda else "float32",
-              tensor_parallel_size=args.tp, async_scheduling=args.mode == "async", max_num_seqs=args.batch,
-              max_model_len=args.context + total + 64, max_num_batched_tokens=args.max_batched_tokens,
-              enable_prefix_caching=args.prefix_caching == "on", **settings)
+    llm = LLM(
+        model=args.path,
+        device=args.device,
+        dtype="bfloat16" if cuda else "float32",
+        tensor_parallel_size=args.tp,
+        async_scheduling=args.mode == "async",
+        max_num_seqs=args.batch,
+        max_model_len=args.context + total + 64,
+        max_num_batched_tokens=args.max_batched_tokens,
+        enable_prefix_caching=args.prefix_caching == "on",
+        **settings,
+    )
     core = llm.engine
-    log(f"[tp {args.tp} {args.mode}] engine up in {time.perf_counter() - t_start:.0f} s "
-        f"({'fast path' if core.runner.fast_path else 'reference path'})")
+    log(
+        f"[tp {args.tp} {args.mode}] engine up in {time.perf_counter() - t_start:.0f} s "
+        f"({'fast path' if core.runner.fast_path else 'reference path'})"
+    )
     try:
         rnd = random.Random(0)
         params = SamplingParams(max_tokens=total + 32, temperature=0.0, ignore_eos=True)
@@ -104,9 +114,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             if len(running) == args.batch and all(r.output_token_ids for r in running):
                 break
             if time.perf_counter() - t > args.phase_timeout:
-                raise RuntimeError(f"prefill not done after {n + 1} steps ({len(running)} running, "
-                                   f"{len(core.scheduler.waiting)} waiting; max_num_seqs "
-                                   f"{core.config.scheduler.max_num_seqs})")
+                raise RuntimeError(
+                    f"prefill not done after {n + 1} steps ({len(running)} running, "
+                    f"{len(core.scheduler.waiting)} waiting; max_num_seqs "
+                    f"{core.config.scheduler.max_num_seqs})"
+                )
         log(f"[tp {args.tp} {args.mode}] prefill: {n + 1} steps, {time.perf_counter() - t:.1f} s")
         t = time.perf_counter()
         for _ in range(args.warmup):  # CUDA graph capture, allocator warm
@@ -127,8 +139,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         llm.shutdown()
     row: dict[str, Any] = {
-        "tp": args.tp, "mode": args.mode, "batch": args.batch, "context": args.context,
-        "step_ms_median": statistics.median(times) * 1e3, "step_ms_mean": statistics.fmean(times) * 1e3,
+        "tp": args.tp,
+        "mode": args.mode,
+        "batch": args.batch,
+        "context": args.context,
+        "step_ms_median": statistics.median(times) * 1e3,
+        "step_ms_mean": statistics.fmean(times) * 1e3,
         "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
         "ahead_fraction": (pipe.num_ahead - ahead0) / args.steps if pipe is not None else 0.0,
     }
@@ -148,23 +164,45 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             if left < 20:
                 rows.append({"tp": tp, "mode": mode, "error": "not run: the time budget is spent"})
                 continue
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--path", path, "--tp", str(tp),
-                   "--mode", mode, "--settings", json.dumps(settings), *args.passthrough]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                "--path",
+                path,
+                "--tp",
+                str(tp),
+                "--mode",
+                mode,
+                "--settings",
+                json.dumps(settings),
+                *args.passthrough,
+            ]
             start = time.monotonic()
             try:
                 done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=min(args.job_timeout, left))
                 lines = done.stdout.strip().splitlines()
-                row = json.loads(lines[-1]) if done.returncode == 0 and lines else \
-                    {"tp": tp, "mode": mode, "error": f"exit code {done.returncode}"}
+                row = (
+                    json.loads(lines[-1])
+                    if done.returncode == 0 and lines
+                    else {"tp": tp, "mode": mode, "error": f"exit code {done.returncode}"}
+                )
             except subprocess.TimeoutExpired:
                 row = {"tp": tp, "mode": mode, "error": "timed out (see the progress lines above)"}
             row["seconds"] = time.monotonic() - start
             rows.append(row)
             log(f"[tp {tp} {mode}] {json.dumps(row)}")
-    return {"preset": args.preset, "device": args.device, "device_name": device_name(args.device),
-            "batch": args.batch, "context": args.context, "steps": args.steps,
-            "prefix_caching": args.prefix_caching, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "rows": rows}
+    return {
+        "preset": args.preset,
+        "device": args.device,
+        "device_name": device_name(args.device),
+        "batch": args.batch,
+        "context": args.context,
+        "steps": args.steps,
+        "prefix_caching": args.prefix_caching,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "rows": rows,
+    }
 
 
 def device_name(device: str) -> str:
@@ -177,10 +215,12 @@ def device_name(device: str) -> str:
 
 def table(result: dict[str, Any]) -> str:
     ok = {(r["tp"], r["mode"]): r for r in result["rows"] if "error" not in r}
-    lines = [f"engine decode step, {result['preset']} on {result['device_name']}, batch {result['batch']}, context "
-             f"{result['context']}, prefix caching {result['prefix_caching']}, median of {result['steps']} steps",
-             f"{'tp':>3} {'mode':>6} {'step ms p50':>11} {'p90':>7} {'ahead':>6} {'host ms':>8} {'vs TP 1':>8} "
-             f"{'async/sync':>10}"]
+    lines = [
+        f"engine decode step, {result['preset']} on {result['device_name']}, batch {result['batch']}, context "
+        f"{result['context']}, prefix caching {result['prefix_caching']}, median of {result['steps']} steps",
+        f"{'tp':>3} {'mode':>6} {'step ms p50':>11} {'p90':>7} {'ahead':>6} {'host ms':>8} {'vs TP 1':>8} "
+        f"{'async/sync':>10}",
+    ]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"{r['tp']:>3} {r['mode']:>6} FAILED: {r['error']}")
@@ -189,14 +229,17 @@ def table(result: dict[str, Any]) -> str:
         vs_tp1 = f"{r['step_ms_median'] / base['step_ms_median']:.3f}" if base else "-"
         vs_sync = f"{r['step_ms_median'] / sync['step_ms_median']:.3f}" if sync else "-"
         host = f"{r['host_ms_mean']:.2f}" if "host_ms_mean" in r else "-"
-        lines.append(f"{r['tp']:>3} {r['mode']:>6} {r['step_ms_median']:>11.2f} {r['step_ms_p90']:>7.2f} "
-                     f"{r['ahead_fraction']:>6.0%} {host:>8} {vs_tp1:>8} {vs_sync:>10}")
+        lines.append(
+            f"{r['tp']:>3} {r['mode']:>6} {r['step_ms_median']:>11.2f} {r['step_ms_p90']:>7.2f} "
+            f"{r['ahead_fraction']:>6.0%} {host:>8} {vs_tp1:>8} {vs_sync:>10}"
+        )
     for tp in sorted({t for t, _ in ok if t > 1}):
         for mode in ("sync", "async"):
             if (tp, mode) in ok and (1, "sync") in ok:
                 ratio = ok[(tp, mode)]["step_ms_median"] / ok[(1, "sync")]["step_ms_median"]
-                lines.append(f"bar: TP {tp} {mode} / TP 1 sync = {ratio:.3f} (<= 0.6: "
-                             f"{'met' if ratio <= 0.6 else 'not met'})")
+                lines.append(
+                    f"bar: TP {tp} {mode} / TP 1 sync = {ratio:.3f} (<= 0.6: {'met' if ratio <= 0.6 else 'not met'})"
+                )
         if (tp, "async") in ok and (1, "async") in ok:
             ratio = ok[(tp, "async")]["step_ms_median"] / ok[(1, "async")]["step_ms_median"]
             lines.append(f"bar: TP {tp} async / TP 1 async = {ratio:.3f}")
@@ -230,9 +273,21 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return
-    args.passthrough = [a for name in ("batch", "context", "steps", "warmup", "max_batched_tokens",
-                                       "prefix_caching", "gpu_memory_utilization", "phase_timeout", "device")
-                        for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    args.passthrough = [
+        a
+        for name in (
+            "batch",
+            "context",
+            "steps",
+            "warmup",
+            "max_batched_tokens",
+            "prefix_caching",
+            "gpu_memory_utilization",
+            "phase_timeout",
+            "device",
+        )
+        for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
+    ]
     result = run_all(args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -138,9 +138,15 @@ class StepPipeline:
         for rid in live if ok else ():
             req, s = cur.requests[rid], by_id[rid]
             p = req.sampling_params
-            if (not s.sample or p.structured is not None or p.has_penalties or req.prefill_only
-                    or req.compute_target is not None or req.held_from is not None
-                    or len(req.output_token_ids) < p.min_tokens):
+            if (
+                not s.sample
+                or p.structured is not None
+                or p.has_penalties
+                or req.prefill_only
+                or req.compute_target is not None
+                or req.held_from is not None
+                or len(req.output_token_ids) < p.min_tokens
+            ):
                 ok = False
                 break
             if len(req.output_token_ids) + 1 >= p.max_tokens or req.num_tokens + 1 >= core.max_model_len:
@@ -151,8 +157,9 @@ class StepPipeline:
             self.num_sync_fallbacks += 1
         return ahead
 
-    def _process(self, cur: _Launched, sampled: dict[str, tuple[int, float]],
-                 top: dict[str, list[tuple[int, float]]], t0: float) -> list[Request]:
+    def _process(
+        self, cur: _Launched, sampled: dict[str, tuple[int, float]], top: dict[str, list[tuple[int, float]]], t0: float
+    ) -> list[Request]:
         """`cur`'s results into its requests that have not ended (the others' rows are overrun rows), then its
         deferred frees."""
         core = self.core

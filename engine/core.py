@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from hybridpd.engine.async_step import StepPipeline
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
 from hybridpd.engine.cache.specs import group_layers
-from hybridpd.engine.async_step import StepPipeline
 from hybridpd.engine.config import EngineConfig
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dtype

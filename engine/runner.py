@@ -208,7 +208,8 @@ class ModelRunner:
         fed = None
         if feed is not None:
             assert self.last_tokens is not None, "a fed step needs the previous step's samples"
-            fed = self.last_tokens.index_select(0, to_device(list(feed), torch.int64, self.device))  # no wait for the running step
+            index = to_device(list(feed), torch.int64, self.device)  # pinned: no wait for the step running
+            fed = self.last_tokens.index_select(0, index)
         self.last_tokens = None
         got = self._forward(out, fed)
         if got is None:

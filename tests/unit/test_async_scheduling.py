@@ -21,8 +21,12 @@ from tests.oracle import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SETTINGS: dict[str, Any] = {"kv_cache_memory_bytes": 16 * 2**20, "max_model_len": 256, "block_size": 16,
-                            "max_num_batched_tokens": 64}
+SETTINGS: dict[str, Any] = {
+    "kv_cache_memory_bytes": 16 * 2**20,
+    "max_model_len": 256,
+    "block_size": 16,
+    "max_num_batched_tokens": 64,
+}
 
 
 def _engines(path: str, **extra: Any) -> tuple[LLM, LLM]:
@@ -42,7 +46,7 @@ def _params(i: int, probe: RequestOutput, vocab: int) -> SamplingParams:
         SamplingParams(max_tokens=20, temperature=0.8, seed=11, stop_token_ids=(toks[2], toks[9])),
         SamplingParams(max_tokens=12, logit_bias={3: 1.5, vocab - 1: -2.0}, top_logprobs=2, **greedy),
         SamplingParams(max_tokens=15, stop_token_ids=(toks[4],), min_tokens=8, **greedy),
-        SamplingParams(max_tokens=24, stop=(text[len(text) // 2: len(text) // 2 + 2],), **greedy),
+        SamplingParams(max_tokens=24, stop=(text[len(text) // 2 : len(text) // 2 + 2],), **greedy),
         SamplingParams(max_tokens=3, **greedy),
         SamplingParams(max_tokens=24, stop_token_ids=(toks[11],), top_logprobs=1, **greedy),
     ]
@@ -60,8 +64,12 @@ def _same(a: list[RequestOutput], b: list[RequestOutput], bitwise: bool = True) 
         else:
             assert x.logprobs == pytest.approx(y.logprobs, rel=0, abs=1e-4)
             assert [[t for t, _ in top] for top in x.top_logprobs] == [[t for t, _ in top] for top in y.top_logprobs]
-        assert (x.text, x.finish_reason, x.num_cached_tokens, x.num_preemptions) == \
-               (y.text, y.finish_reason, y.num_cached_tokens, y.num_preemptions)
+        assert (x.text, x.finish_reason, x.num_cached_tokens, x.num_preemptions) == (
+            y.text,
+            y.finish_reason,
+            y.num_cached_tokens,
+            y.num_preemptions,
+        )
 
 
 def _cache_state(llm: LLM) -> tuple[Any, ...]:
@@ -81,8 +89,10 @@ def test_async_matches_sync(name, checkpoint_dir):  # type: ignore[no-untyped-de
     probes = sync.generate(prompt_token_ids=prompts, sampling_params=greedy)
     fast.generate(prompt_token_ids=prompts, sampling_params=greedy)
     params = [_params(i, p, vocab) for i, p in enumerate(probes)]
-    first = [sync.generate(prompt_token_ids=prompts, sampling_params=params),
-             fast.generate(prompt_token_ids=prompts, sampling_params=params)]
+    first = [
+        sync.generate(prompt_token_ids=prompts, sampling_params=params),
+        fast.generate(prompt_token_ids=prompts, sampling_params=params),
+    ]
     _same(*first, bitwise=False)
     assert {o.finish_reason for o in first[0]} >= {"stop", "length"}
     # a second round continues every conversation: prefix hits on what the first round published
@@ -102,8 +112,9 @@ def test_async_penalties_alone_never_run_ahead(checkpoint_dir):  # type: ignore[
     """A batch whose every step needs the last token on the host (penalties) runs synchronously, exactly."""
     sync, fast = _engines(checkpoint_dir("nemotron_attn_mid"))
     prompts = random_prompts([6, 9], sync.engine.vocab_size, seed=5)
-    params = SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=0.7, repetition_penalty=1.3,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, presence_penalty=0.7, repetition_penalty=1.3, ignore_eos=True
+    )
     _same(*[llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)])
     assert fast.engine.pipeline.num_ahead == 0
 
@@ -115,8 +126,17 @@ def test_async_bitwise_when_every_end_is_known(name, checkpoint_dir):  # type: i
     sync, fast = _engines(checkpoint_dir(name))
     vocab = sync.engine.vocab_size
     prompts = random_prompts([5, 19, 33, 8, 21, 12], vocab, seed=9)
-    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.7, seed=i,
-                             top_logprobs=i % 3, logit_bias={i: 1.0}) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=6 + 3 * i,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.7,
+            seed=i,
+            top_logprobs=i % 3,
+            logit_bias={i: 1.0},
+        )
+        for i in range(len(prompts))
+    ]
     _same(*[llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)])
     assert fast.engine.pipeline.num_ahead > 10 and fast.engine.pipeline.num_overrun == 0
 
@@ -128,11 +148,13 @@ def test_pages_of_a_step_in_flight_stay_held(checkpoint_dir):  # type: ignore[no
     _, fast = _engines(checkpoint_dir("nemotron_attn_mid"))
     core = fast.engine
     prompts = random_prompts([7, 30, 12, 21], core.vocab_size, seed=2)
-    probes = fast.generate(prompt_token_ids=prompts,
-                           sampling_params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    probes = fast.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     for i, (p, probe) in enumerate(zip(prompts, probes, strict=True)):
-        core.add_request(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0,
-                                                    stop_token_ids=(probe.token_ids[3 + i],)))
+        core.add_request(
+            f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(probe.token_ids[3 + i],))
+        )
     checked = aborted = 0
     while core.has_unfinished():
         core.step()
@@ -150,3 +172,71 @@ def test_pages_of_a_step_in_flight_stay_held(checkpoint_dir):  # type: ignore[no
             checked += s.request_id not in core.scheduler.requests
     assert aborted and checked > 0  # rows of ended requests were in flight, and their pages held
     assert all(h["in_use"] == 0 for h in core.pool_health())
+
+
+def test_pd_decode_worker_with_async_scheduling_matches_colocated(checkpoint_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """A decode worker with asynchronous scheduling continuing three handed-off requests at once (imported pages and
+    states, the first token from P, output held until P confirms) gives the colocated engine's tokens; P's
+    prefill-only steps stay synchronous."""
+    import asyncio
+    import dataclasses
+
+    from hybridpd.proto import hybridpd_pb2 as pb
+
+    from tests.support.pd_pair import FakeContext, make_pair
+
+    path = checkpoint_dir("nemotron_attn_mid")
+    colocated = LLM(model=path, **SETTINGS)
+    prompts = random_prompts([40, 23, 57], colocated.engine.vocab_size, seed=4)
+    probes = colocated.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    stops = [p.token_ids[4 + 2 * i] for i, p in enumerate(probes)]
+    want = [
+        o.token_ids
+        for o in colocated.generate(
+            prompt_token_ids=prompts,
+            sampling_params=[SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(s,)) for s in stops],
+        )
+    ]
+
+    def config(asynchronous: bool):  # type: ignore[no-untyped-def]
+        from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=ModelConfig(path=path, dtype="float32", device="cpu", max_model_len=256),
+            cache=CacheConfig(block_size=16, kv_cache_memory_bytes=16 * 2**20),
+            scheduler=dataclasses.replace(SchedulerConfig(max_num_batched_tokens=64), async_scheduling=asynchronous),
+        )
+
+    async def one(pair, i: int) -> list[int]:  # type: ignore[no-untyped-def]
+        sp = pb.SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stops[i]])
+        pre = await pair.p.Prefill(
+            pb.PrefillRequest(request_id=f"q{i}", prompt_token_ids=prompts[i], sampling_params=sp), FakeContext()
+        )
+        gen = pb.GenerateRequest(request_id=f"q{i}", prompt_token_ids=prompts[i], sampling_params=sp)
+        gen.params.CopyFrom(pre.params)
+        gen.first_token.token_id = pre.first.token_ids[0]
+        toks = [pre.first.token_ids[0]]
+        async for chunk in pair.d.Generate(gen, FakeContext()):
+            toks += list(chunk.token_ids)
+        return toks
+
+    async def run() -> tuple[list[list[int]], int]:
+        pair = await make_pair(path, monkeypatch, p_config=config(False), d_config=config(True))
+        try:
+            got = await asyncio.gather(*(one(pair, i) for i in range(len(prompts))))
+            assert pair.d.consumer.num_recomputed == 0 and len(pair.pulls) == len(prompts)
+
+            def check(core) -> int:  # type: ignore[no-untyped-def]
+                assert not core.has_unfinished() and core.pipeline.in_flight is None
+                core.cache.check_integrity()
+                return core.pipeline.num_ahead
+
+            return list(got), await pair.d.ctx.aengine.acall(check)
+        finally:
+            pair.close()
+
+    got, ahead = asyncio.run(run())
+    assert got == want
+    assert ahead > 0
