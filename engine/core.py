@@ -406,8 +406,10 @@ class EngineCore:
         return len(self.scheduler.importing)
 
     def has_unfinished(self) -> bool:
-        """Requests a step can advance (importing ones wait for their transfer; see expire_imports)."""
-        return self.scheduler.num_unfinished > 0
+        """Requests a step can advance (importing ones wait for their transfer; see expire_imports), or a step still
+        in flight (asynchronous scheduling: one of ended requests only, its pages come back when it is read)."""
+        in_flight = self.pipeline is not None and self.pipeline.in_flight is not None
+        return self.scheduler.num_unfinished > 0 or in_flight
 
     def is_stalled(self) -> bool:
         """The last step found nothing to run and nothing changed since (`Scheduler.stalled`): another step would

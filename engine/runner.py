@@ -189,8 +189,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """Run one step; returns {request_id: (token, logprob)} for the sequences that sample (the top logprobs of
         rows that asked wait in `sampler.take_top_logprobs()`)."""
-        step = self.launch(out, params)
-        sampled, self.sampler._top = step.resolve()
+        sampled, top = self.launch(out, params).resolve()
+        self.sampler.hold_top_logprobs(top)
         return sampled
 
     @torch.inference_mode()

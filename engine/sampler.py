@@ -96,6 +96,10 @@ class Sampler:
         self.generators.pop(request_id, None)
         self._skips.pop(request_id, None)
 
+    def hold_top_logprobs(self, top: dict[str, TopLogprobs]) -> None:
+        """What `take_top_logprobs` hands over next (a step sampled with `sample_rows` and resolved by the runner)."""
+        self._top = top
+
     def take_top_logprobs(self) -> dict[str, TopLogprobs]:
         """{request id: [(token id, logprob), ...] best first} of the last `sample`, for rows with top_logprobs."""
         top, self._top = self._top, {}

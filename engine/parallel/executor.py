@@ -92,6 +92,9 @@ class DiscardingSampler:
     def take_top_logprobs(self) -> dict[str, Any]:
         return {}
 
+    def hold_top_logprobs(self, _top: dict[str, Any]) -> None:
+        pass
+
     def sample(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> tuple[list[int], list[float]]:
         return [0] * len(rids), [0.0] * len(rids)
 

@@ -240,3 +240,20 @@ def test_pd_decode_worker_with_async_scheduling_matches_colocated(checkpoint_dir
     got, ahead = asyncio.run(run())
     assert got == want
     assert ahead > 0
+
+
+def test_an_abort_between_steps_leaves_no_pages_behind(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Every request of the step in flight aborted between steps (a worker's call): the engine still has work (that
+    step), and reading it gives every page back."""
+    _, fast = _engines(checkpoint_dir("nemotron_attn_mid"))
+    core = fast.engine
+    for i, p in enumerate(random_prompts([9, 14], core.vocab_size, seed=6)):
+        core.add_request(f"a{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    while core.pipeline.in_flight is None:
+        core.step()
+    for rid in ("a0", "a1"):
+        core.abort(rid)
+    assert core.has_unfinished() and any(h["in_use"] for h in core.pool_health())
+    while core.has_unfinished():
+        core.step()
+    assert core.pipeline.in_flight is None and all(h["in_use"] == 0 for h in core.pool_health())
