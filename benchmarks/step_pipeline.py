@@ -2,10 +2,10 @@
 
 What is timed is the real step loop: `EngineCore.step()` called back to back (schedule, inputs, the TP followers'
 command, forward, sampling, reading the tokens, stop checks, finishes), wall clock per call, with --batch requests
-of --context-token prompts all decoding (equal lengths: every row crosses a page boundary at the same step, so with
-prefix caching on, 1 step in block_size saves rolling checkpoints and runs synchronously; --prefix-caching off
-removes that). Asynchronous scheduling (`async_scheduling=True`) launches step N+1 before reading step N's tokens;
-its row shows the share of steps launched ahead. On CPU (a smoke test, tiny model) the model's forward time is
+of --context to --context + --spread - 1 token prompts all decoding (spread lengths: rows cross page boundaries at
+different steps, so with prefix caching on, nearly every step saves some rolling checkpoints). Asynchronous
+scheduling (`async_scheduling=True`) launches step N+1 before reading step N's tokens; its row shows the share of
+steps launched ahead. On CPU (a smoke test, tiny model) the model's forward time is
 measured too, and "host ms" = step - model: the host work of a step, which a GPU step overlaps when run ahead.
 
 Each (TP, mode) runs in its own process (plain processes, no Ray; the TP followers are the engine's own), with a
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tp,
         async_scheduling=args.mode == "async",
         max_num_seqs=args.batch,
-        max_model_len=args.context + total + 64,
+        max_model_len=args.context + args.spread + total + 64,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=args.prefix_caching == "on",
         **settings,
@@ -106,7 +106,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         rnd = random.Random(0)
         params = SamplingParams(max_tokens=total + 32, temperature=0.0, ignore_eos=True)
         for i in range(args.batch):
-            core.add_request(f"r{i}", [rnd.randrange(1, 256) for _ in range(args.context)], params)
+            n = args.context + (i % args.spread if args.spread else 0)
+            core.add_request(f"r{i}", [rnd.randrange(1, 256) for _ in range(n)], params)
         t = time.perf_counter()
         for n in range(10_000):  # prefill, until every request decodes
             core.step()
@@ -126,7 +127,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         log(f"[tp {args.tp} {args.mode}] warm-up: {args.warmup} steps, {time.perf_counter() - t:.1f} s")
         clock = ModelClock(core.model) if not cuda else None
         pipe = core.pipeline
-        ahead0 = pipe.num_ahead if pipe is not None else 0
+        before = dict(vars(pipe)) if pipe is not None else {}
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -146,8 +147,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_median": statistics.median(times) * 1e3,
         "step_ms_mean": statistics.fmean(times) * 1e3,
         "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
-        "ahead_fraction": (pipe.num_ahead - ahead0) / args.steps if pipe is not None else 0.0,
+        "ahead_fraction": (pipe.num_ahead - before["num_ahead"]) / args.steps if pipe is not None else 0.0,
     }
+    if pipe is not None:
+        row["late_checkpoints"] = pipe.num_late_checkpoints - before["num_late_checkpoints"]
+        row["sync_fallbacks"] = pipe.num_sync_fallbacks - before["num_sync_fallbacks"]
     if clock is not None:
         row["model_ms_mean"] = clock.seconds / args.steps * 1e3
         row["host_ms_mean"] = row["step_ms_mean"] - row["model_ms_mean"]
@@ -260,6 +264,7 @@ def main() -> None:
     shared.add_argument("--context", type=int, default=1024)
     shared.add_argument("--steps", type=int, default=100)
     shared.add_argument("--warmup", type=int, default=12)
+    shared.add_argument("--spread", type=int, default=16, help="prompt lengths context .. context + spread - 1")
     shared.add_argument("--max-batched-tokens", type=int, default=8192)
     shared.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     shared.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -280,6 +285,7 @@ def main() -> None:
             "context",
             "steps",
             "warmup",
+            "spread",
             "max_batched_tokens",
             "prefix_caching",
             "gpu_memory_utilization",

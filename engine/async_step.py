@@ -10,16 +10,23 @@ Exactness: a step runs ahead only when it is exactly the step `Scheduler.schedul
 processed, plus rows of requests that turn out to end at step N. The invariants that make that safe:
 
  1. Ahead only if every running request was in step N and sampled there, nothing waits to be admitted, no row could
-    save a recurrent checkpoint (its boundary is named by a hash of the token not known yet), the pools cover every
-    row without preempting, and every row's sampling needs nothing of N's token on the host: no penalties (token
-    history), no structured output (the grammar's next mask), min_tokens already reached, no prefill-only or
-    compute-target request, no output held back on an unconfirmed transfer. Otherwise the step is synchronous.
+    save a recurrent checkpoint other than its rolling one (4), the pools cover every row without preempting, and
+    every row's sampling needs nothing of N's token on the host: no penalties (token history), no structured
+    output (the grammar's next mask), min_tokens already reached, no prefill-only or compute-target request, no
+    output held back on an unconfirmed transfer. Otherwise the step is synchronous.
  2. Requests whose end at step N is known (max_tokens, max_model_len) are not in step N+1 at all.
  3. A request that ends at step N for a reason known only then (a stop token or string, EOS) or is aborted still
     runs in step N+1 (an "overrun" row): that row's results are dropped (nothing appended, counted or hashed), and
     the request's pages and running state are freed only once step N+1 is done (`defer_free`), so no other request
     can be given them while N+1 writes them. What N+1 wrote there is never published: blocks are hashed up to the
     computed count, which a dropped row does not advance, and step N+1 saves no checkpoint (1).
+ 4. A row of step N+1 that reaches a block boundary would save its rolling (request-end) checkpoint there, but the
+    boundary is named by a hash of N's token, unknown when N+1 is planned. It is planned one step late, exactly as
+    `schedule()` would have planned it (same call, same hash, same dedupe), once N is read and before anything is
+    launched after N+1: its running state, which holds the boundary's state until the next step runs, is copied
+    into the checkpoint slot, stream-ordered after N+1. The checkpoint is published only once that copy is done:
+    with the step after N+1 when one was launched ahead (`held`), else right after waiting for the copy. An ended
+    request's frees come after the publication, as in the synchronous engine.
 So every kept row computes what the synchronous step would, from the same token, state and pages, and the
 prefix cache publishes the same blocks and checkpoints. Rows never read each other, but an overrun row is one more
 row in the batch: unseeded random sampling (from the engine's shared generator) draws differently than the
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hybridpd.engine.cache.managers import PendingCheckpoint
     from hybridpd.engine.core import EngineCore
     from hybridpd.engine.request import Request
     from hybridpd.engine.runner import LaunchedStep
@@ -54,9 +62,17 @@ class _Launched:
     """Request id -> its row in the step's samples (what a step fed from this one reads)."""
     deferred: list[Request] = field(default_factory=list)
     """Requests that ended while this step was in flight: their pages are freed once it is done."""
+    late: list[tuple[Request, int]] = field(default_factory=list)
+    """(request, block boundary) of rows whose rolling checkpoint is planned after this step (invariant 4)."""
+    held: list[list[PendingCheckpoint]] | None = None
+    """Checkpoints of the step before this one, copied after it: published with the step after this one."""
 
     def live(self, requests: dict[str, Request]) -> tuple[str, ...]:
         return tuple(rid for rid, req in self.requests.items() if requests.get(rid) is req)
+
+    def live_late(self, requests: dict[str, Request]) -> list[tuple[Request, int]]:
+        """`late` without rows of requests that have ended (the synchronous engine never ran those rows)."""
+        return [(req, b) for req, b in self.late if requests.get(req.request_id) is req]
 
 
 class StepPipeline:
@@ -69,6 +85,8 @@ class StepPipeline:
         """Steps launched before the previous step's tokens were read."""
         self.num_overrun = 0
         """Rows computed for requests that had already ended (their results dropped)."""
+        self.num_late_checkpoints = 0
+        """Rolling checkpoints planned one step late (invariant 4)."""
         self.num_sync_fallbacks = 0
         """Steps after which the next one could not be launched ahead (invariant 1): it was scheduled synchronously."""
 
@@ -82,9 +100,15 @@ class StepPipeline:
         try:
             if cur is None:
                 cur = self._launch(core.scheduler.schedule(), None)
+            marks = core.cache.pending_marks()
+            late = core.scheduler.plan_late_checkpoints(cur.live_late(core.scheduler.requests))
             ahead = self._plan_ahead(cur)
+            if late:
+                self._save_late(cur, late, marks, ahead is not None)
             if ahead is not None:
-                self.in_flight = self._launch(ahead, tuple(cur.sample_index[s.request_id] for s in ahead.seqs))
+                out, rows_late = ahead
+                self.in_flight = self._launch(out, tuple(cur.sample_index[s.request_id] for s in out.seqs))
+                self.in_flight.late = rows_late
                 self.num_ahead += 1
             sampled, top = cur.step.resolve()
         except Exception:
@@ -111,6 +135,7 @@ class StepPipeline:
             return
         f.step.resolve()
         self.num_overrun += len(f.requests) - len(f.live(self.core.scheduler.requests))
+        self.core.cache.on_step_done([])  # late checkpoints copied before it are written now: publish them
         self._release(f)
 
     # -- parts ---------------------------------------------------------------------------------------------------
@@ -126,7 +151,22 @@ class StepPipeline:
         sample_index = {rid: i for i, rid in enumerate(s.request_id for s in out.seqs if s.sample)}
         return _Launched(out, step, {rid: requests[rid] for rid in rids}, sample_index)
 
-    def _plan_ahead(self, cur: _Launched) -> SchedulerOutput | None:
+    def _save_late(self, cur: _Launched, copies: dict[int, list[tuple[int, int]]], marks: list[int],
+                   ahead: bool) -> None:
+        """Copy the running states of `cur`'s rows that reached a block boundary into their rolling checkpoints,
+        after `cur` and before anything after it. With a step launched ahead the copy may still be queued when
+        `cur` is read, so the checkpoints are published with the step after `cur` (`held`); else the copy is waited
+        for and they are published with `cur`, as the synchronous engine does."""
+        core = self.core
+        for gid, pairs in copies.items():
+            core.runner.copy_states(tuple(pairs), gid)
+        self.num_late_checkpoints += len(next(iter(copies.values())))
+        if ahead:
+            cur.held = core.cache.hold_pending(marks)
+        else:
+            core.runner.synchronize()
+
+    def _plan_ahead(self, cur: _Launched) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
         """The step after `cur` if it can be launched before `cur`'s tokens are read (invariants 1 and 2)."""
         core, sched = self.core, self.core.scheduler
         live = cur.live(sched.requests)
@@ -171,6 +211,8 @@ class StepPipeline:
             sampled = {r: v for r, v in sampled.items() if r in live}
             top = {r: v for r, v in top.items() if r in live}
         advanced = core.process_step(out, sampled, top, t0)
+        if cur.held is not None:  # published with the step launched after `cur` (`_save_late`)
+            core.cache.release_held(cur.held)
         self._release(cur)
         return advanced
 
@@ -181,6 +223,9 @@ class StepPipeline:
     def _abandon(self, cur: _Launched | None) -> None:
         """A launch or a wait failed: nothing in flight is published; the pages deferred to either step are freed
         (the caller ends every request with an error)."""
+        for f in (cur, self.in_flight):
+            if f is not None and f.held is not None:
+                self.core.cache.release_held(f.held)  # unpublished: dropped with the others
         self.core.cache.on_step_failed()
         for f in (cur, self.in_flight):
             if f is not None:

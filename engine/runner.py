@@ -122,10 +122,15 @@ class ModelRunner:
         """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device([c[0] for c in copies], torch.int64, self.device)  # pinned: no wait for a running step
+        dst = to_device([c[1] for c in copies], torch.int64, self.device)
         for t in self.group_tensors[group_id]:
             t.index_copy_(0, dst, t.index_select(0, src))
+
+    def synchronize(self) -> None:
+        """Wait until this rank's device has run everything launched so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def zero_blocks(self, block_ids: tuple[int, ...], group_id: int) -> int:
         """Zero fresh blocks of one attention group: one launch."""

@@ -105,6 +105,7 @@ def test_async_matches_sync(name, checkpoint_dir):  # type: ignore[no-untyped-de
     assert pipeline is not None and sync.engine.pipeline is None
     assert pipeline.num_ahead > 20  # steps launched before the previous step's tokens were read
     assert pipeline.num_overrun > 0  # rows of requests that had already ended: computed, never used
+    assert pipeline.num_late_checkpoints > 0  # rolling checkpoints of rows that crossed a page boundary ahead
     assert pipeline.num_sync_fallbacks > 0  # penalties / min_tokens / block boundaries: synchronous steps
 
 
