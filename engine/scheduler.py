@@ -312,7 +312,9 @@ class Scheduler:
             group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
         )
 
-    def schedule_ahead(self, rows: list[tuple[Request, int]]) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
+    def schedule_ahead(
+        self, rows: list[tuple[Request, int]]
+    ) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
         """The decode step after the one in flight (asynchronous scheduling), before its tokens are known: each
         `(request, tokens it will have computed once the step in flight is done)` computes one token, the
         placeholder for the one the step in flight samples. The caller keeps it what `schedule()` would give then
