@@ -8,6 +8,10 @@ scheduling (`async_scheduling=True`) launches step N+1 before reading step N's t
 steps launched ahead. On CPU (a smoke test, tiny model) the model's forward time is
 measured too, and "host ms" = step - model: the host work of a step, which a GPU step overlaps when run ahead.
 
+With --identity 1 (default) each configuration then generates greedily for 16 fixed prompts, once with ends known
+in advance (max_tokens) and once ending at stop tokens (overrun rows under asynchronous scheduling), and the table
+says whether asynchronous scheduling gave the synchronous engine's tokens and logprobs at each TP size.
+
 Each (TP, mode) runs in its own process (plain processes, no Ray; the TP followers are the engine's own), with a
 time limit, so a configuration that fails or hangs reports that and the others still run. Progress lines
 (load, prefill, warm-up, timing) are printed as they happen: a run cut short shows where it stopped.
@@ -133,10 +137,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             t = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t)
+        after = dict(vars(pipe)) if pipe is not None else {}
+        model_seconds = clock.seconds if clock is not None else 0.0
         if pipe is not None:
             pipe.drain()
         if len(core.scheduler.running) != args.batch:
             raise RuntimeError(f"only {len(core.scheduler.running)} of {args.batch} requests ran the timed steps")
+        identity = outputs(llm) if args.identity else None
     finally:
         llm.shutdown()
     row: dict[str, Any] = {
@@ -147,15 +154,58 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_median": statistics.median(times) * 1e3,
         "step_ms_mean": statistics.fmean(times) * 1e3,
         "step_ms_p90": statistics.quantiles(times, n=10)[-1] * 1e3,
-        "ahead_fraction": (pipe.num_ahead - before["num_ahead"]) / args.steps if pipe is not None else 0.0,
+        "ahead_fraction": (after["num_ahead"] - before["num_ahead"]) / args.steps if pipe is not None else 0.0,
     }
     if pipe is not None:
-        row["late_checkpoints"] = pipe.num_late_checkpoints - before["num_late_checkpoints"]
-        row["sync_fallbacks"] = pipe.num_sync_fallbacks - before["num_sync_fallbacks"]
+        row["late_checkpoints"] = after["num_late_checkpoints"] - before["num_late_checkpoints"]
+        row["sync_fallbacks"] = after["num_sync_fallbacks"] - before["num_sync_fallbacks"]
+    if identity is not None:
+        row["identity"] = identity
     if clock is not None:
-        row["model_ms_mean"] = clock.seconds / args.steps * 1e3
+        row["model_ms_mean"] = model_seconds / args.steps * 1e3
         row["host_ms_mean"] = row["step_ms_mean"] - row["model_ms_mean"]
     return row
+
+
+def outputs(llm: Any) -> dict[str, Any]:
+    """Greedy outputs of 16 fixed prompts after the timing (its requests aborted): ends known in advance
+    (max_tokens: every step's batch is the synchronous one) and ends at a stop token taken from the first run
+    (overrun rows). The parent compares them across modes."""
+    from hybridpd.engine import SamplingParams
+
+    core = llm.engine
+    for rid in list(core.scheduler.requests):
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    rnd = random.Random(1)
+    longest = min(300, core.max_model_len - 30)
+    prompts = [[rnd.randrange(1, 256) for _ in range(rnd.randrange(8, longest))] for _ in range(16)]
+    plain = llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    stop = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=[
+            SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(o.token_ids[4 + i % 12],))
+            for i, o in enumerate(plain)
+        ],
+    )
+    return {k: [[o.token_ids, o.logprobs] for o in outs] for k, outs in (("known_ends", plain), ("stops", stop))}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per run: same tokens, same logprobs bit for bit, the largest logprob difference."""
+    out = {}
+    for k in a:
+        toks = all(x[0] == y[0] for x, y in zip(a[k], b[k], strict=True))
+        diffs = [abs(u - v) for x, y in zip(a[k], b[k], strict=True) for u, v in zip(x[1], y[1], strict=False)]
+        out[k] = {
+            "same_tokens": toks,
+            "bitwise": toks and all(x[1] == y[1] for x, y in zip(a[k], b[k], strict=True)),
+            "max_logprob_diff": max(diffs, default=0.0),
+        }
+    return out
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -196,7 +246,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             row["seconds"] = time.monotonic() - start
             rows.append(row)
             log(f"[tp {tp} {mode}] {json.dumps(row)}")
+    checks = {}
+    by = {(r["tp"], r["mode"]): r.get("identity") for r in rows}
+    for tp in sorted({t for t, _ in by}):
+        if by.get((tp, "sync")) and by.get((tp, "async")):
+            checks[f"tp{tp}: async vs sync"] = compare(by[(tp, "sync")], by[(tp, "async")])
     return {
+        "identity": checks,
         "preset": args.preset,
         "device": args.device,
         "device_name": device_name(args.device),
@@ -237,6 +293,12 @@ def table(result: dict[str, Any]) -> str:
             f"{r['tp']:>3} {r['mode']:>6} {r['step_ms_median']:>11.2f} {r['step_ms_p90']:>7.2f} "
             f"{r['ahead_fraction']:>6.0%} {host:>8} {vs_tp1:>8} {vs_sync:>10}"
         )
+    for name, check in result.get("identity", {}).items():
+        for run, c in check.items():
+            lines.append(
+                f"identity {name}, {run}: same tokens {c['same_tokens']}, logprobs bit for bit "
+                f"{c['bitwise']}, max logprob diff {c['max_logprob_diff']:.2e}"
+            )
     for tp in sorted({t for t, _ in ok if t > 1}):
         for mode in ("sync", "async"):
             if (tp, mode) in ok and (1, "sync") in ok:
@@ -269,6 +331,7 @@ def main() -> None:
     shared.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     shared.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     shared.add_argument("--phase-timeout", type=float, default=120.0)
+    shared.add_argument("--identity", type=int, default=1, help="1: also compare greedy outputs across modes")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -290,6 +353,7 @@ def main() -> None:
             "prefix_caching",
             "gpu_memory_utilization",
             "phase_timeout",
+            "identity",
             "device",
         )
         for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
