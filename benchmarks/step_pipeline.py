@@ -249,8 +249,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     checks = {}
     by = {(r["tp"], r["mode"]): r.get("identity") for r in rows}
     for tp in sorted({t for t, _ in by}):
-        if by.get((tp, "sync")) and by.get((tp, "async")):
-            checks[f"tp{tp}: async vs sync"] = compare(by[(tp, "sync")], by[(tp, "async")])
+        sync, fast = by.get((tp, "sync")), by.get((tp, "async"))
+        if sync and fast:
+            checks[f"tp{tp}: async vs sync"] = compare(sync, fast)
     return {
         "identity": checks,
         "preset": args.preset,
