@@ -63,6 +63,9 @@ class Sampler:
         self._eos: tuple[int, ...] = ()
         self._top: dict[str, TopLogprobs] = {}
         self._constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None] | None = None
+        self.unread_outputs = 0
+        """Tokens every row has sampled that its request does not hold yet (1 in a step launched before the previous
+        one was read: asynchronous scheduling), counted towards min_tokens."""
 
     def bind_constraint(self, constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None]) -> None:
         """`constrain(logits, request ids, params)` masks, in place, what each structured row may not sample."""
@@ -215,7 +218,7 @@ class Sampler:
             if p.min_tokens <= 0:
                 continue
             h = self._lookup(rids[i])
-            if h is not None and len(h.output_token_ids) >= p.min_tokens:
+            if h is not None and len(h.output_token_ids) + self.unread_outputs >= p.min_tokens:
                 continue
             banned = {t for t in (*self._eos, *p.stop_token_ids) if t < vocab}
             rows += [i] * len(banned)

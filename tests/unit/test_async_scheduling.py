@@ -6,8 +6,8 @@ tests check, on both hybrid families, that nothing observable differs from the s
 (bit for bit), top logprobs, text, finish reasons, stop reasons, prefix hits of a second round (cached blocks and
 recurrent checkpoints published from the first), what the prefix cache holds afterwards, pool integrity; and that
 the run-ahead really happened, extra steps of ended requests included (else the comparison would prove nothing).
-Sampling features that need step N's token on the host before step N+1 (penalties, structured output, min_tokens
-still masking) make those steps synchronous; they are in the mix too."""
+Sampling features that need step N's token on the host before step N+1 (penalties, structured output) make those
+steps synchronous; they are in the mix too, with min_tokens (which needs only the count of unread tokens)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def _params(i: int, probe: RequestOutput, vocab: int) -> SamplingParams:
         SamplingParams(max_tokens=15, stop_token_ids=(toks[4],), min_tokens=8, **greedy),
         SamplingParams(max_tokens=24, stop=(text[len(text) // 2 : len(text) // 2 + 2],), **greedy),
         SamplingParams(max_tokens=3, **greedy),
+        SamplingParams(max_tokens=10, presence_penalty=0.5, stop_token_ids=(toks[7],), **greedy),
         SamplingParams(max_tokens=24, stop_token_ids=(toks[11],), top_logprobs=1, **greedy),
     ]
     return mix[i % len(mix)]
@@ -106,7 +107,7 @@ def test_async_matches_sync(name, checkpoint_dir):  # type: ignore[no-untyped-de
     assert pipeline.num_ahead > 20  # steps launched before the previous step's tokens were read
     assert pipeline.num_overrun > 0  # rows of requests that had already ended: computed, never used
     assert pipeline.num_late_checkpoints > 0  # rolling checkpoints of rows that crossed a page boundary ahead
-    assert pipeline.num_sync_fallbacks > 0  # penalties / min_tokens / block boundaries: synchronous steps
+    assert pipeline.num_sync_fallbacks > 0  # penalties, admissions: synchronous steps
 
 
 def test_async_penalties_alone_never_run_ahead(checkpoint_dir):  # type: ignore[no-untyped-def]
