@@ -202,10 +202,10 @@ def routing_weights(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _max_decode_share_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-decode-share", type=float, default=0.25, metavar="SHARE",
+    p.add_argument("--max-decode-share", type=float, default=0.5, metavar="SHARE",
                    help="prefill workers: the mixed role's cap, whole requests (prompt and decode, sent by the proxy "
                         "while the decode workers are saturated) running on a prefill worker at once, as a share of "
-                        "its --max-num-seqs; 0: prefill only (default: 0.25)")
+                        "its --max-num-seqs; 0: prefill only (default: 0.5)")
 
 
 def check_max_decode_share(value: float) -> None:

@@ -27,7 +27,7 @@ def generate_capacity(max_num_seqs: int, share: float) -> int:
 class MixedGenerateServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     """Generate and Abort on a prefill worker (registered on its gRPC server next to `PrefillServicer`)."""
 
-    def __init__(self, prefill: PrefillServicer, max_decode_share: float = 0.25) -> None:
+    def __init__(self, prefill: PrefillServicer, max_decode_share: float = 0.5) -> None:
         if not 0 <= max_decode_share <= 1:
             raise ValueError(f"max_decode_share must be in [0, 1], got {max_decode_share}")
         self.prefill = prefill

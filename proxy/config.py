@@ -11,8 +11,8 @@ from hybridpd.proxy.credentials import CLUSTER_TOKEN_ENV
 
 RoutingPolicy = Literal["round_robin", "least_loaded", "cache_aware", "adaptive"]
 """cache_aware: proxy/placement.py (cached prefixes, load, skip-prefill by cost, whole requests on a prefill worker
-while the decode workers are saturated); adaptive: the same (the name the goodput benchmark uses for a cluster that
-moves work between the roles)."""
+while the decode workers are saturated or busier than it); adaptive: the same (the name the goodput benchmark uses
+for a cluster that moves work between the roles)."""
 ROUTING_POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "cache_aware", "adaptive")
 
 SkipPrefill = Literal["auto", "never", "always"]
@@ -43,7 +43,8 @@ class RoutingWeights:
     reported, not weighed in placement: P's answer carries the first token)."""
     prefill_decode: PrefillDecode = "auto"
     """When a prefill worker runs a whole request itself (P-alone, its mixed role): auto: while the decode worker
-    the request would go to is saturated and a prefill worker has room (below); never; always (tests)."""
+    the request would go to is saturated or busier than the prefill worker (decode_balance), and a prefill worker
+    has room (below); never; always (tests)."""
     decode_saturation: float = 0.9
     """A decode worker is saturated with this share of the whole requests it takes (its Stats' max_generate, its
     max_num_seqs) in flight from this proxy ..."""
@@ -51,6 +52,11 @@ class RoutingWeights:
     """... or while its measured time per output token (moving average over its streams) is above this, seconds
     (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
     slower than this gets no more."""
+    decode_balance: float = 1.0
+    """auto also balances: a prefill worker takes a whole request while the decode worker the request would go to
+    has more than this many times the requests the prefill worker would then hold in flight (its whole requests and
+    the prompts it computes for decode workers), so a decode-heavy load is shared between the GPUs as colocated
+    replicas share it. 0: only under saturation."""
     prefill_decode_max_queue_s: float = 0.5
     """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
     token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""

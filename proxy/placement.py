@@ -22,7 +22,9 @@ The PD handoff (pull, commit, resume) comes after the first token and delays onl
 stream, so it is measured (`StepCosts.handoff_s`, shown in /v1/cluster) but not weighed against D's prefill.
 
 P-alone (checked first): the request goes whole to a prefill worker (DecodeService.Generate on it, no params; P's
-engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is saturated
+engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is busier than
+the prefill worker (balance: it has more than `decode_balance` x the requests P would hold with this one in flight,
+P's whole requests and the prompts it computes for decode workers, its router's count), or is saturated
 
     in flight >= decode_saturation x its capacity (Stats' max_generate: its max_num_seqs), or
     its measured seconds per output token > tpot_budget_s (when set; while it runs any request)
@@ -33,8 +35,13 @@ prefill_decode_max_queue_s, and (tpot_budget_s set) while it runs whole requests
 at most tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is
 ignored and the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole
 requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
-the price of decode steps slowed by P's prefill chunks: hence only under saturation. `prefill_decode` never /
-always turn it off / force it.
+the price of decode steps slowed by P's prefill chunks. Balance is what keeps a cluster from wasting a GPU when the
+P:D split does not match the load: on a decode-heavy load (short prompts, long answers) P's GPU would otherwise
+idle between prompts while D decodes everything, and 1P1D would deliver less than two colocated replicas. Balance
+counts requests, as least-loaded routing between colocated replicas does: P's queue bound and the comparison of
+measured paces are saturation's (a prefill time per token measured under load includes the queue, and would shut
+P out exactly when it should take work); its cap and, with a TPOT target set, its own pace bound it.
+`prefill_decode` never / always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
@@ -216,27 +223,23 @@ class Placer:
         return None
 
     def _prefill_alone(self, d_addr: str, hashes: list[bytes], n: int) -> Placement | None:
-        """A prefill worker to run the whole request, when D is saturated and one has room (module doc)."""
+        """A prefill worker to run the whole request, when D is saturated or busier than it, and one has room
+        (module doc)."""
         assert self.prefill is not None
         w = self.w
         if w.prefill_decode == "never":
             return None
-        why = self.decode_saturated(d_addr) if w.prefill_decode == "auto" else "always"
-        if why is None:
+        auto = w.prefill_decode == "auto"
+        why = self.decode_saturated(d_addr) if auto else "always"
+        d_running = self.decode.in_flight(d_addr)
+        if why is None and not (w.decode_balance > 0 and d_running > 0):
             return None
         d_gap = self.costs.token_s.get(d_addr)
-        by_time = why.endswith("per token")
+        by_time = why is not None and why.endswith("per token")
         best: tuple[float, str, int] | None = None
         for addr in self.prefill.rotation(self.prefill.addrs):
             whole = self.whole_on_prefill.get(addr, 0)
-            queue_s = self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s
-            # its own pace, against the budget when one is set (stale once it runs none: probe again)
-            gap = self.costs.token_s.get(addr) if whole and w.tpot_budget_s > 0 else None
-            if w.prefill_decode == "auto" and (
-                whole >= self.membership.capacity.get(addr, 0)
-                or queue_s > w.prefill_decode_max_queue_s
-                or (gap is not None and (gap > w.tpot_budget_s or (by_time and d_gap is not None and gap >= d_gap)))
-            ):
+            if auto and not self._has_room(addr, whole, why is None, by_time, d_running, d_gap):
                 continue
             idx = self.membership.index(addr) if hashes else None
             hit = idx.usable_hit(hashes, n) if idx else 0
@@ -249,14 +252,30 @@ class Placer:
                 best = (cost, addr, hit)
         if best is None:
             return None
-        return Placement(
-            None,
-            best[1],
-            best[2],
-            hashes=tuple(hashes),
-            kind="prefill_alone",
-            reason=f"P-alone: decode worker {d_addr} saturated ({why})",
-        )
+        if why is None:
+            whole = self.whole_on_prefill.get(best[1], 0)
+            why = f"balance: {d_running} in flight on {d_addr}, {whole} whole here"
+        else:
+            why = f"decode worker {d_addr} saturated ({why})"
+        return Placement(None, best[1], best[2], hashes=tuple(hashes), kind="prefill_alone", reason=f"P-alone: {why}")
+
+    def _has_room(
+        self, addr: str, whole: int, balancing: bool, by_time: bool, d_running: int, d_gap: float | None
+    ) -> bool:
+        """May prefill worker `addr`, running `whole` whole requests, take one more (auto)?"""
+        assert self.prefill is not None
+        w = self.w
+        if whole >= self.membership.capacity.get(addr, 0):
+            return False  # its cap (unknown: none)
+        gap = self.costs.token_s.get(addr) if whole else None  # its own pace (stale once it runs none: probe)
+        if gap is not None and w.tpot_budget_s > 0 and gap > w.tpot_budget_s:
+            return False
+        if balancing:  # D is not saturated: share the work as colocated replicas would, never make P the busier
+            # what P holds: its whole requests and the prompts it computes for decode workers (its router's count)
+            return self.prefill.in_flight(addr) + 1 <= w.decode_balance * d_running
+        if self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s > w.prefill_decode_max_queue_s:
+            return False  # its prefill role comes first
+        return not (by_time and gap is not None and d_gap is not None and gap >= d_gap and w.tpot_budget_s > 0)
 
     def expect(self, addr: str, hashes: tuple[bytes, ...], num_prompt_tokens: int, checkpoint_tokens: int) -> None:
         """`addr` was sent the prompt: it will publish the full blocks of the N-1 tokens it computes or pulls, and

@@ -36,7 +36,7 @@ class WorkerOptions:
     tls: object = None  # worker.auth.TlsFiles: serve (and call peers) over TLS
     prefill_peers: tuple[str, ...] = ()  # decode: pull only from these P addresses (empty: any that proves the token)
     max_pinned_fraction: float = 0.5  # prefill: pages pinned for transfers, at most this share of each pool
-    max_decode_share: float = 0.25  # prefill (mixed role): whole requests at once, this share of max_num_seqs (0: off)
+    max_decode_share: float = 0.5  # prefill (mixed role): whole requests at once, this share of max_num_seqs (0: off)
     nixl_progress_thread: bool = False  # NIXL's own progress thread (busy-polls a core); off: the step loop polls
     register_with: tuple[str, ...] = ()  # proxy URLs to register with (worker/announce.py); empty: static only
     heartbeat_s: float = 1.0  # registration renewal period (a registration expires after 5 of them)

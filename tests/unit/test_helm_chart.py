@@ -396,8 +396,8 @@ def _worker_args(cluster: dict[str, Any], role: str) -> argparse.Namespace:
 def test_prefill_max_decode_share_reaches_prefill_workers_only() -> None:
     values = load_values()
     default = render_raycluster(values)
-    assert values["prefill"]["maxDecodeShare"] == 0.25
-    assert _worker_args(default, "prefill").max_decode_share == 0.25
+    assert values["prefill"]["maxDecodeShare"] == 0.5
+    assert _worker_args(default, "prefill").max_decode_share == 0.5
     values["prefill"]["maxDecodeShare"] = 0.1
     cluster = render_raycluster(values)
     assert schema_errors(cluster) == []
@@ -459,12 +459,12 @@ def test_helm_template_matches_and_validates(service_monitor: bool) -> None:
 def test_helm_template_with_overrides() -> None:
     """`--set image=...` and `--set model.path=...` reach every Ray container through tpl."""
     out = _helm("template", "r1", str(CHART), "--set", "image=registry.example/hybridpd:9", "--set",
-                "model.path=/models/other", "--set", "prefill.maxDecodeShare=0.5")
+                "model.path=/models/other", "--set", "prefill.maxDecodeShare=0.3")
     (cluster,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "RayCluster"]
     values = load_values()
     values["image"] = "registry.example/hybridpd:9"
     values["model"]["path"] = "/models/other"
-    values["prefill"]["maxDecodeShare"] = 0.5
+    values["prefill"]["maxDecodeShare"] = 0.3
     assert cluster == render_raycluster(values, release="r1")
-    assert _worker_args(cluster, "prefill").max_decode_share == 0.5
+    assert _worker_args(cluster, "prefill").max_decode_share == 0.3
     assert "--model /models/other" in worker_group(cluster, "decode")["template"]["spec"]["containers"][0]["args"][0]

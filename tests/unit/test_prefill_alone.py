@@ -1,13 +1,15 @@
-"""P-alone, the prefill worker's mixed role: the placement sends a whole request to a prefill worker only while the
-decode worker is saturated (by count against its capacity, or by its measured time per token) and a prefill worker
-has room (its cap, its queue); through the real proxy with FAKE workers (no model): the path taken and counted, a
-prefill worker that refuses it before any chunk replaced by a decode worker, one that dies mid-stream an error
-(never a wrong answer), drain. The outputs against a real engine: tests/unit/test_prefill_alone_engine.py."""
+"""P-alone, the prefill worker's mixed role: the placement sends a whole request to a prefill worker while the
+decode worker is saturated (by count against its capacity, or by its measured time per token) or busier than the
+prefill worker (balance), and a prefill worker has room (its cap, its queue); through the real proxy with FAKE
+workers (no model): the path taken and counted, a prefill worker that refuses it before any chunk replaced by a
+decode worker, one that dies mid-stream an error (never a wrong answer), drain. The outputs against a real engine:
+tests/unit/test_prefill_alone_engine.py."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
@@ -28,7 +30,8 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12)
 def _placer(**weights: object) -> tuple[Placer, Router, Router, SimpleNamespace]:
     prefill, decode = Router(["p"], "cache_aware"), Router(["d"], "cache_aware")
     membership = SimpleNamespace(index=lambda addr: None, room={}, capacity={"d": 10, "p": 4})
-    w = RoutingWeights(**{"skip_prefill": "never", **weights})  # type: ignore[arg-type]
+    # decode_balance 0: saturation alone (balance has tests of its own below)
+    w = RoutingWeights(**{"skip_prefill": "never", "decode_balance": 0.0, **weights})  # type: ignore[arg-type]
     return Placer(membership, prefill, decode, w), prefill, decode, membership  # type: ignore[arg-type]
 
 
@@ -86,6 +89,57 @@ def test_no_prefill_alone_while_its_own_tokens_are_over_budget() -> None:
     assert placer.place(PROMPT).kind == "prefill_alone"
     placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its decodes past the budget
     assert placer.place(PROMPT).kind == "pd"
+
+
+def test_balance_shares_the_decoding_when_the_decode_worker_is_busier() -> None:
+    """On a decode-heavy load the prefill worker takes whole requests until it holds as many as the decode worker
+    (decode_balance 1), so the pair shares the decoding as two colocated replicas would; never at low load."""
+    placer, prefill, decode, _ = _placer(decode_balance=1.0)
+    assert placer.place(PROMPT).kind == "pd"  # nothing in flight anywhere: the PD path (low-load TTFT)
+    kinds = []
+    for _ in range(8):  # counted as generation does: D's router for PD, P's router + whole_started for P-alone
+        p = placer.place(PROMPT)
+        kinds.append(p.kind)
+        if p.kind == "pd":
+            decode.take("d")
+        else:
+            assert p.decode_addr == "p" and "balance" in p.reason
+            prefill.take("p", tokens=len(PROMPT))
+            placer.whole_started("p")
+    assert kinds == ["pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone"]
+    assert (decode.in_flight("d"), placer.whole_on_prefill["p"]) == (4, 4)
+    decode.take("d")
+    assert placer.place(PROMPT).kind == "pd"  # P is at its cap (4 whole requests)
+    placer.whole_ended("p")
+    prefill.release("p", tokens=len(PROMPT))
+    assert placer.place(PROMPT).kind == "prefill_alone"  # 3 + 1 <= 5
+
+
+def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_target() -> None:
+    placer, prefill, decode, _ = _placer(decode_balance=1.0, tpot_budget_s=0.05)
+    for _ in range(3):
+        decode.take("d")
+    prefill.take("p", tokens=500)
+    prefill.take("p", tokens=500)  # two PD prompts being computed on P: it holds 2, +1 <= 3
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    prefill.take("p", tokens=500)  # 3 + 1 > 3
+    assert placer.place(PROMPT).kind == "pd"
+    prefill.release("p", tokens=500)
+    prefill.release("p", tokens=500)
+    prefill.take("p", tokens=8)  # now one whole request (counted on P's router, as generation does) and one prompt
+    placer.whole_started("p")
+    placer.costs.token_gap("p", 0.04)
+    assert placer.place(PROMPT).kind == "prefill_alone"  # 2 + 1 <= 3, its tokens within the 50 ms target
+    placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its own decodes past the target
+    assert placer.place(PROMPT).kind == "pd"
+    placer2, prefill2, decode2, _ = _placer(decode_balance=0.5)
+    for _ in range(4):
+        decode2.take("d")
+    assert placer2.place(PROMPT).kind == "prefill_alone"  # 0 + 1 <= 0.5 x 4
+    prefill2.take("p", tokens=8)
+    assert placer2.place(PROMPT).kind == "prefill_alone"  # 1 + 1 <= 2
+    prefill2.take("p", tokens=8)
+    assert placer2.place(PROMPT).kind == "pd"  # 2 + 1 > 2
 
 
 def test_never_and_always() -> None:
@@ -204,6 +258,30 @@ def test_unsaturated_decode_keeps_pd(share: str) -> None:
         _complete(s, [3, 1, 4])
         assert not s.prefill[0].whole.generates and len(s.decode[0].generates) == 1
         assert _paths(s) == {"pd": 1.0}
+
+
+def test_concurrent_decode_heavy_streams_are_shared_with_the_prefill_worker() -> None:
+    """Balance through the real proxy: D is far from saturated (4 of 8), yet with streams already running on it the
+    next ones go whole to P, and every answer is right."""
+    with _stack(decode_saturation=0.9, decode_balance=1.0) as s:
+        _ready(s)
+        p, d = s.prefill[0], s.decode[0]
+        d.token_delay_s = p.whole.token_delay_s = 0.05
+        prompts = [[3, 1, 4, i] for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            futures = []
+            for prompt in prompts:  # one at a time into flight: each placement sees the streams before it
+                futures.append(pool.submit(_complete, s, prompt, max_tokens=8))
+                wait_for(
+                    "the stream to start",
+                    lambda: len(p.prefills) + len(p.whole.generates) >= len(futures),
+                    timeout=10,
+                    interval=0.01,
+                )
+            got = [f.result()["choices"][0]["token_ids"] for f in futures]
+        assert got == [list(reversed(x)) * 2 for x in prompts]  # the fake rule (cycled: ignore_eos)
+        assert len(p.whole.generates) == 2 and len(d.generates) == 2  # PD, P-alone, PD, P-alone
+        assert _paths(s) == {"pd": 2.0, "prefill_alone": 2.0}
 
 
 def _counts(s: LiveStack) -> tuple[dict[str, int], dict[str, int], dict[str, int], int, int]:

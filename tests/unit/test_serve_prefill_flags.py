@@ -43,11 +43,11 @@ def test_serve_help_documents_max_decode_share() -> None:
     sub = cli.build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     options = " ".join(sub.format_help().split("options:", 1)[1].split())
     entry = options[options.index("--max-decode-share SHARE") :][:400]
-    assert "whole requests" in entry and "(default: 0.25)" in entry
+    assert "whole requests" in entry and "(default: 0.5)" in entry
 
 
 @pytest.mark.parametrize(
-    ("flags", "share"), [((), 0.25), (("--max-decode-share", "0.1"), 0.1), (("--max-decode-share=0",), 0.0)]
+    ("flags", "share"), [((), 0.5), (("--max-decode-share", "0.1"), 0.1), (("--max-decode-share=0",), 0.0)]
 )
 def test_the_share_reaches_each_prefill_worker_and_only_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: tuple[str, ...], share: float
