@@ -135,12 +135,13 @@ class EngineCore:
         policy = cc.cache_policy()
         log.info(
             "engine: model %s, %s on %s, block size %d, prefix caching %s, checkpoints %s%s, "
-            "zero fresh blocks %s, max %d seqs x %d batched tokens, max_model_len %d, %s path%s",
+            "zero fresh blocks %s, max %d seqs x %d batched tokens, max_model_len %d, %s path%s%s",
             mc.path, mc.dtype, self.device, cc.block_size, "on" if cc.enable_prefix_caching else "off",
             self.cache.admission.name, f" (interval {policy.interval})" if policy.interval else "",
             "on" if zero else "off", self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
             self.max_model_len, "batched (fast)" if self.runner.fast_path else "reference",
             "" if not self.runner.fast_path else (", CUDA graphs" if self.runner.graphs is not None else ", eager"),
+            ", asynchronous scheduling" if config.scheduler.async_scheduling else "",
         )
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
