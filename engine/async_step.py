@@ -189,7 +189,8 @@ class StepPipeline:
             ):
                 ok = False
                 break
-            if len(req.output_token_ids) + 1 >= p.max_tokens or req.num_tokens + 1 >= core.max_model_len:
+            outputs = len(req.output_token_ids) + 1  # once cur's token is in (EngineCore.check_stop's length rule)
+            if req.num_tokens + 1 >= core.max_model_len or outputs >= max(p.max_tokens, p.min_tokens):
                 continue  # ends with cur's token, known now: not in the next step (invariant 2)
             rows.append((req, s.num_computed_tokens + s.num_new_tokens))
         ahead = sched.schedule_ahead(rows) if ok and rows else None

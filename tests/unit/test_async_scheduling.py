@@ -49,6 +49,7 @@ def _params(i: int, probe: RequestOutput, vocab: int) -> SamplingParams:
         SamplingParams(max_tokens=24, stop=(text[len(text) // 2 : len(text) // 2 + 2],), **greedy),
         SamplingParams(max_tokens=3, **greedy),
         SamplingParams(max_tokens=10, presence_penalty=0.5, stop_token_ids=(toks[7],), **greedy),
+        SamplingParams(max_tokens=4, min_tokens=7, ignore_eos=True, **greedy),  # min_tokens outlasts max_tokens
         SamplingParams(max_tokens=24, stop_token_ids=(toks[11],), top_logprobs=1, **greedy),
     ]
     return mix[i % len(mix)]
@@ -85,7 +86,7 @@ def _cache_state(llm: LLM) -> tuple[Any, ...]:
 def test_async_matches_sync(name, checkpoint_dir):  # type: ignore[no-untyped-def]
     sync, fast = _engines(checkpoint_dir(name))
     vocab = sync.engine.vocab_size
-    prompts = random_prompts([5, 19, 33, 8, 47, 12, 26, 3, 40, 21], vocab, seed=3)
+    prompts = random_prompts([5, 19, 33, 8, 47, 12, 26, 3, 40, 21, 17, 30, 9], vocab, seed=3)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     probes = sync.generate(prompt_token_ids=prompts, sampling_params=greedy)
     fast.generate(prompt_token_ids=prompts, sampling_params=greedy)
