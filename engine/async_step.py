@@ -11,10 +11,9 @@ processed, plus rows of requests that turn out to end at step N. The invariants 
 
  1. Ahead only if every running request was in step N and sampled there, nothing waits to be admitted, no row could
     save a recurrent checkpoint other than its rolling one (4), the pools cover every row without preempting, and
-    every row's sampling needs nothing of N's token on the host: no penalties (token history), no structured
-    output (the grammar's next mask), no prefill-only or compute-target request, no output held back on an
-    unconfirmed transfer. Otherwise the step is synchronous. (min_tokens needs only the count: the sampler counts
-    the unread token, `Sampler.unread_outputs`.)
+    every row's sampling needs nothing of N's token on the host: no structured output (the grammar's next mask), no
+    prefill-only or compute-target request, no output held back on an unconfirmed transfer. Otherwise the step is
+    synchronous. (min_tokens and the penalties take the unread token from the device: `Sampler.unread_tokens`.)
  2. Requests whose end at step N is known (max_tokens, max_model_len) are not in step N+1 at all.
  3. A request that ends at step N for a reason known only then (a stop token or string, EOS) or is aborted still
     runs in step N+1 (an "overrun" row): that row's results are dropped (nothing appended, counted or hashed), and
@@ -182,7 +181,6 @@ class StepPipeline:
             if (
                 not s.sample
                 or p.structured is not None
-                or p.has_penalties
                 or req.prefill_only
                 or req.compute_target is not None
                 or req.held_from is not None

@@ -221,6 +221,7 @@ class ModelRunner:
             return LaunchedStep(None)
         logits, lse, rids = got
         self.sampler.unread_outputs = 0 if feed is None else 1  # each fed row's previous token is not read yet
+        self.sampler.unread_tokens = fed
         rows = self.sampler.sample_rows(logits, rids, [params[r] for r in rids], lse)  # type: ignore[misc]
         tokens = rows.tokens if rows is not None else None
         if self.token_group is not None:  # every rank holds the samples its next fed step reads

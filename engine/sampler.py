@@ -64,8 +64,10 @@ class Sampler:
         self._top: dict[str, TopLogprobs] = {}
         self._constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None] | None = None
         self.unread_outputs = 0
-        """Tokens every row has sampled that its request does not hold yet (1 in a step launched before the previous
-        one was read: asynchronous scheduling), counted towards min_tokens."""
+        self.unread_tokens: torch.Tensor | None = None
+        """A step launched before the previous one was read (asynchronous scheduling): every row has one sampled
+        token its request does not hold yet (`unread_outputs` 1), on the device, row by row (`unread_tokens`);
+        min_tokens counts it, the penalties count it in the row's output history. 0 / None otherwise."""
 
     def bind_constraint(self, constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None]) -> None:
         """`constrain(logits, request ids, params)` masks, in place, what each structured row may not sample."""
@@ -182,17 +184,24 @@ class Sampler:
         return to_device(values, dtype, self.device)
 
     def _penalise(self, x: torch.Tensor, rows: list[int], rids: list[str], params: list[SamplingParams]) -> None:
+        """Every index and value goes up through pinned memory (`_t`, `_upload`): nothing here waits for a step
+        still running on the device (asynchronous scheduling)."""
         vocab = x.shape[-1]
         hist = [self._lookup(rids[r]) for r in rows]
         outputs = [h.output_token_ids if h is not None else [] for h in hist]
         prompts = [h.prompt_token_ids if h is not None else [] for h in hist]
         n = len(rows)
+        rows_t = self._t(rows)
         counts = torch.zeros(n, vocab + 1, dtype=x.dtype, device=self.device)  # column `vocab` absorbs bad ids
         local = list(chain.from_iterable([j] * len(o) for j, o in enumerate(outputs)))
         if local:
             ids = self._t(list(chain.from_iterable(outputs))).clamp_(0, vocab)
             counts.index_put_((self._t(local), ids), torch.ones(len(local), dtype=x.dtype, device=self.device),
                               accumulate=True)
+        if self.unread_tokens is not None:  # each row's last token, sampled but not read into its request yet
+            ids = self.unread_tokens.index_select(0, rows_t).clamp(0, vocab)
+            counts.index_put_((torch.arange(n, device=self.device), ids),
+                              torch.ones(n, dtype=x.dtype, device=self.device), accumulate=True)
         seen = counts > 0
         rep = [params[r].repetition_penalty for r in rows]
         if any(v != 1.0 for v in rep):
@@ -202,13 +211,13 @@ class Sampler:
                 ids = self._t(list(chain.from_iterable(prompts))).clamp_(0, vocab)
                 in_prompt[self._t(local_p), ids] = True
             hit = (seen | in_prompt)[:, :vocab]
-            r = torch.tensor(rep, dtype=x.dtype, device=self.device).unsqueeze(1)
-            sub = x[rows]
+            r = self._upload(rep, x.dtype).unsqueeze(1)
+            sub = x[rows_t]
             sub = torch.where(hit, torch.where(sub > 0, sub / r, sub * r), sub)
-            x[rows] = sub
-        freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=x.dtype, device=self.device)
-        pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=x.dtype, device=self.device)
-        x[rows] -= freq.unsqueeze(1) * counts[:, :vocab] + pres.unsqueeze(1) * seen[:, :vocab].to(x.dtype)
+            x[rows_t] = sub
+        freq = self._upload([params[r].frequency_penalty for r in rows], x.dtype)
+        pres = self._upload([params[r].presence_penalty for r in rows], x.dtype)
+        x[rows_t] -= freq.unsqueeze(1) * counts[:, :vocab] + pres.unsqueeze(1) * seen[:, :vocab].to(x.dtype)
 
     def _min_tokens_masks(self, rids: list[str], params: list[SamplingParams], vocab: int
                           ) -> tuple[list[int], list[int]]:

@@ -6,11 +6,12 @@ tests check, on both hybrid families, that nothing observable differs from the s
 (bit for bit), top logprobs, text, finish reasons, stop reasons, prefix hits of a second round (cached blocks and
 recurrent checkpoints published from the first), what the prefix cache holds afterwards, pool integrity; and that
 the run-ahead really happened, extra steps of ended requests included (else the comparison would prove nothing).
-Sampling features that need step N's token on the host before step N+1 (penalties, structured output) make those
-steps synchronous; they are in the mix too, with min_tokens (which needs only the count of unread tokens)."""
+Penalties and min_tokens take step N's token from the device; a batch with a request that needs it on the host
+(structured output) or with requests waiting to be admitted runs synchronously."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -108,18 +109,26 @@ def test_async_matches_sync(name, checkpoint_dir):  # type: ignore[no-untyped-de
     assert pipeline.num_ahead > 20  # steps launched before the previous step's tokens were read
     assert pipeline.num_overrun > 0  # rows of requests that had already ended: computed, never used
     assert pipeline.num_late_checkpoints > 0  # rolling checkpoints of rows that crossed a page boundary ahead
-    assert pipeline.num_sync_fallbacks > 0  # penalties, admissions: synchronous steps
+    assert pipeline.num_sync_fallbacks > 0  # admissions (chunked prompts waiting): synchronous steps
 
 
-def test_async_penalties_alone_never_run_ahead(checkpoint_dir):  # type: ignore[no-untyped-def]
-    """A batch whose every step needs the last token on the host (penalties) runs synchronously, exactly."""
+def test_async_penalties_run_ahead_bit_for_bit(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Penalties count the token a step launched ahead has not read yet from the device (its row's sample): the
+    same counts, so the same logits, bit for bit."""
     sync, fast = _engines(checkpoint_dir("nemotron_attn_mid"))
-    prompts = random_prompts([6, 9], sync.engine.vocab_size, seed=5)
-    params = SamplingParams(
-        max_tokens=8, temperature=0.0, presence_penalty=0.7, repetition_penalty=1.3, ignore_eos=True
-    )
-    _same(*[llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)])
-    assert fast.engine.pipeline.num_ahead == 0
+    prompts = random_prompts([6, 9, 14], sync.engine.vocab_size, seed=5)
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.5, repetition_penalty=3.0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=3, frequency_penalty=1.0, presence_penalty=1.0,
+                       min_tokens=6, ignore_eos=True),
+    ]
+    outs = [llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)]
+    _same(*outs)
+    assert fast.engine.pipeline.num_ahead > 5 and fast.engine.pipeline.num_overrun == 0
+    plain = sync.generate(prompt_token_ids=prompts, sampling_params=[
+        dataclasses.replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) for p in params])
+    assert any(a.token_ids != b.token_ids for a, b in zip(plain, outs[0], strict=True))  # the penalties bite
 
 
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_last"])
