@@ -66,6 +66,9 @@ class StepStats:
 
 
 class EngineCore:
+    pipeline: StepPipeline | None = None
+    """Asynchronous scheduling (engine.async_step): the step in flight; None: every step is synchronous."""
+
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
         spawns the followers when config.parallel.tensor_parallel_size > 1."""
@@ -153,8 +156,8 @@ class EngineCore:
         self.clock: Callable[[], float] = time.monotonic
         """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
-        self.pipeline: StepPipeline | None = StepPipeline(self) if self.config.scheduler.async_scheduling else None
-        """Asynchronous scheduling (engine.async_step): the step in flight; None: every step is synchronous."""
+        if self.config.scheduler.async_scheduling:
+            self.pipeline = StepPipeline(self)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _plan(self, specs: dict) -> CapacityPlan:
