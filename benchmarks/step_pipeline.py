@@ -6,7 +6,8 @@ of --context to --context + --spread - 1 token prompts all decoding (spread leng
 different steps, so with prefix caching on, nearly every step saves some rolling checkpoints). Asynchronous
 scheduling (`async_scheduling=True`) launches step N+1 before reading step N's tokens; its row shows the share of
 steps launched ahead. On CPU (a smoke test, tiny model) the model's forward time is
-measured too, and "host ms" = step - model: the host work of a step, which a GPU step overlaps when run ahead.
+measured too, and "host ms" = the step thread's CPU time outside the model per step (thread CPU time, so a loaded
+machine does not inflate it): the host work of a step, which a GPU step overlaps when run ahead.
 
 With --identity 1 (default) each configuration then generates greedily for 16 fixed prompts, once with ends known
 in advance (max_tokens) and once ending at stop tokens (overrun rows under asynchronous scheduling), and the table
@@ -62,16 +63,20 @@ class ModelClock:
 
     def __init__(self, model: Any) -> None:
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        """This thread's CPU time inside the model (one intra-op thread: the model's compute), robust to a loaded
+        machine taking the core away."""
         for name in ("forward_reference", "forward_varlen", "compute_logits"):
             setattr(model, name, self._timed(getattr(model, name)))
 
     def _timed(self, fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
+                self.cpu_seconds += time.thread_time() - c
 
         return run
 
@@ -133,12 +138,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         pipe = core.pipeline
         before = dict(vars(pipe)) if pipe is not None else {}
         times = []
+        cpu0 = time.thread_time()
         for _ in range(args.steps):
             t = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t)
+        cpu_seconds = time.thread_time() - cpu0
         after = dict(vars(pipe)) if pipe is not None else {}
         model_seconds = clock.seconds if clock is not None else 0.0
+        model_cpu_seconds = clock.cpu_seconds if clock is not None else 0.0
         if pipe is not None:
             pipe.drain()
         if len(core.scheduler.running) != args.batch:
@@ -164,6 +172,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if clock is not None:
         row["model_ms_mean"] = model_seconds / args.steps * 1e3
         row["host_ms_mean"] = row["step_ms_mean"] - row["model_ms_mean"]
+        row["host_cpu_ms_mean"] = (cpu_seconds - model_cpu_seconds) / args.steps * 1e3
     return row
 
 
@@ -289,7 +298,7 @@ def table(result: dict[str, Any]) -> str:
         base, sync = ok.get((1, r["mode"])), ok.get((r["tp"], "sync"))
         vs_tp1 = f"{r['step_ms_median'] / base['step_ms_median']:.3f}" if base else "-"
         vs_sync = f"{r['step_ms_median'] / sync['step_ms_median']:.3f}" if sync else "-"
-        host = f"{r['host_ms_mean']:.2f}" if "host_ms_mean" in r else "-"
+        host = f"{r['host_cpu_ms_mean']:.2f}" if "host_cpu_ms_mean" in r else "-"
         lines.append(
             f"{r['tp']:>3} {r['mode']:>6} {r['step_ms_median']:>11.2f} {r['step_ms_p90']:>7.2f} "
             f"{r['ahead_fraction']:>6.0%} {host:>8} {vs_tp1:>8} {vs_sync:>10}"
