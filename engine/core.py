@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from hybridpd.engine.async_step import StepPipeline
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
 from hybridpd.engine.cache.specs import group_layers
@@ -65,6 +66,9 @@ class StepStats:
 
 
 class EngineCore:
+    pipeline: StepPipeline | None = None
+    """Asynchronous scheduling (engine.async_step): the step in flight; None: every step is synchronous."""
+
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
         """`tp`: this process is a tensor-parallel follower rank (engine.parallel.executor); None: rank 0, which
         spawns the followers when config.parallel.tensor_parallel_size > 1."""
@@ -119,6 +123,8 @@ class EngineCore:
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
+        if self.tp is not None and config.scheduler.async_scheduling:
+            self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
             self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
         self.eos_token_ids = tuple(self.model.eos_token_ids)
@@ -132,12 +138,13 @@ class EngineCore:
         policy = cc.cache_policy()
         log.info(
             "engine: model %s, %s on %s, block size %d, prefix caching %s, checkpoints %s%s, "
-            "zero fresh blocks %s, max %d seqs x %d batched tokens, max_model_len %d, %s path%s",
+            "zero fresh blocks %s, max %d seqs x %d batched tokens, max_model_len %d, %s path%s%s",
             mc.path, mc.dtype, self.device, cc.block_size, "on" if cc.enable_prefix_caching else "off",
             self.cache.admission.name, f" (interval {policy.interval})" if policy.interval else "",
             "on" if zero else "off", self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
             self.max_model_len, "batched (fast)" if self.runner.fast_path else "reference",
             "" if not self.runner.fast_path else (", CUDA graphs" if self.runner.graphs is not None else ", eager"),
+            ", asynchronous scheduling" if config.scheduler.async_scheduling else "",
         )
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
@@ -149,6 +156,8 @@ class EngineCore:
         self.clock: Callable[[], float] = time.monotonic
         """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
+        if self.config.scheduler.async_scheduling:
+            self.pipeline = StepPipeline(self)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _plan(self, specs: dict) -> CapacityPlan:
@@ -283,6 +292,8 @@ class EngineCore:
             free_caches = self._give_back_import(req)
         elif req.request_id in self.scheduler.unconfirmed:  # ends before its transfer was confirmed: none of it out
             self._give_back_unconfirmed(req)
+        if free_caches and self.pipeline is not None and self.pipeline.defer_free(req):
+            free_caches = False  # a launched step still computes it: its pages are freed once that step is done
         self.scheduler.finish(req, reason, free_caches=free_caches)
         self.runner.sampler.forget(req.request_id)
         self.structured.forget(req.request_id)
@@ -399,8 +410,10 @@ class EngineCore:
         return len(self.scheduler.importing)
 
     def has_unfinished(self) -> bool:
-        """Requests a step can advance (importing ones wait for their transfer; see expire_imports)."""
-        return self.scheduler.num_unfinished > 0
+        """Requests a step can advance (importing ones wait for their transfer; see expire_imports), or a step still
+        in flight (asynchronous scheduling: one of ended requests only, its pages come back when it is read)."""
+        in_flight = self.pipeline is not None and self.pipeline.in_flight is not None
+        return self.scheduler.num_unfinished > 0 or in_flight
 
     def is_stalled(self) -> bool:
         """The last step found nothing to run and nothing changed since (`Scheduler.stalled`): another step would
@@ -409,19 +422,30 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule, execute, update. Returns requests that advanced this step (finished ones included)."""
+        """Schedule, execute, update. Returns requests that advanced this step (finished ones included). With
+        asynchronous scheduling the step after it may already be launched (engine.async_step.StepPipeline)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         if self.scheduler.importing or self.scheduler.unconfirmed:
             self.expire_imports()
         t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
-        params = {s.request_id: self.scheduler.requests[s.request_id].sampling_params for s in out.seqs}
         try:
-            sampled = self.runner.execute(out, params)
+            sampled = self.runner.execute(out, self.step_params(out))
         except Exception:
             self.cache.on_step_failed()
             raise
+        return self.process_step(out, sampled, self.runner.sampler.take_top_logprobs(), t0)
+
+    def step_params(self, out: SchedulerOutput) -> dict[str, SamplingParams]:
+        requests = self.scheduler.requests
+        return {s.request_id: requests[s.request_id].sampling_params for s in out.seqs}
+
+    def process_step(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]],
+                     top_logprobs: dict[str, list[tuple[int, float]]], t0: float) -> list[Request]:
+        """A computed step's results into its requests: counts, tokens, published blocks, stop checks, finishes."""
         advanced = self.scheduler.update_from_output(out, sampled)
-        for rid, top in self.runner.sampler.take_top_logprobs().items():
+        for rid, top in top_logprobs.items():
             if rid in self.scheduler.requests:
                 self.scheduler.requests[rid].output_top_logprobs.append(top)
         for req in advanced:

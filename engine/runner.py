@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSp
 from hybridpd.engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
 from hybridpd.engine.models.batch import ForwardBatch, GroupViews, SeqInfo
 from hybridpd.engine.models.varlen import VarlenBatch, build_varlen_views
-from hybridpd.engine.sampler import Sampler
+from hybridpd.engine.sampler import SampledRows, Sampler, TopLogprobs, to_device
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerOutput
 
@@ -84,6 +85,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.caches, max(1, plan.state_slots_running), max_blocks,
                                        plan.block_size, self.conv_width, device, self.views)
         self.sampler = Sampler(device, seed)
+        self.last_tokens: torch.Tensor | None = None
+        """The last launched step's sampled tokens, on the device (what a fed step reads: `launch`)."""
+        self.token_group: Any = None
+        """Tensor-parallel ranks with asynchronous scheduling: each launch shares rank 0's samples with the other
+        ranks (engine.parallel.group.TPGroup.broadcast_tokens), whose next fed step reads them; None otherwise."""
         self.zero_fresh_blocks = zero_fresh_blocks
         self.num_zeroed_blocks = 0
         self.num_graph_checkpoints = 0
@@ -116,10 +122,15 @@ class ModelRunner:
         """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device([c[0] for c in copies], torch.int64, self.device)  # pinned: no wait for a running step
+        dst = to_device([c[1] for c in copies], torch.int64, self.device)
         for t in self.group_tensors[group_id]:
             t.index_copy_(0, dst, t.index_select(0, src))
+
+    def synchronize(self) -> None:
+        """Wait until this rank's device has run everything launched so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def zero_blocks(self, block_ids: tuple[int, ...], group_id: int) -> int:
         """Zero fresh blocks of one attention group: one launch."""
@@ -181,46 +192,79 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
-        """Run one step; returns {request_id: (token, logprob)} for the sequences that sample."""
+        """Run one step; returns {request_id: (token, logprob)} for the sequences that sample (the top logprobs of
+        rows that asked wait in `sampler.take_top_logprobs()`)."""
+        sampled, top = self.launch(out, params).resolve()
+        self.sampler.hold_top_logprobs(top)
+        return sampled
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, params: Mapping[str, SamplingParams | None],
+               feed: tuple[int, ...] | None = None) -> LaunchedStep:
+        """Start one step without waiting for its tokens (`LaunchedStep.resolve` does). `feed`: the step's input
+        token of each sequence is not known on the host yet: it is the previous launch's sampled row `feed[i]`,
+        copied on the device (every sequence then computes one token)."""
         for gid, copies in out.group_state_copies:
             self.copy_states(copies, gid)
         for gid, fresh in out.group_fresh_blocks:
             self.zero_blocks(fresh, gid)
         if out.is_empty:
-            return {}
-        return self._forward(out, params)
+            return LaunchedStep(None)
+        fed = None
+        if feed is not None:
+            assert self.last_tokens is not None, "a fed step needs the previous step's samples"
+            index = to_device(list(feed), torch.int64, self.device)  # pinned: no wait for the step running
+            fed = self.last_tokens.index_select(0, index)
+        self.last_tokens = None
+        got = self._forward(out, fed)
+        if got is None:
+            return LaunchedStep(None)
+        logits, lse, rids = got
+        self.sampler.unread_outputs = 0 if feed is None else 1  # each fed row's previous token is not read yet
+        self.sampler.unread_tokens = fed
+        rows = self.sampler.sample_rows(logits, rids, [params[r] for r in rids], lse)  # type: ignore[misc]
+        tokens = rows.tokens if rows is not None else None
+        if self.token_group is not None:  # every rank holds the samples its next fed step reads
+            tokens = self.token_group.broadcast_tokens(tokens, len(rids), self.device)
+        self.last_tokens = tokens
+        return LaunchedStep(rows)
 
-    def _forward_reference(self, out: SchedulerOutput, params: dict[str, SamplingParams]
-                           ) -> dict[str, tuple[int, float]]:
+    def _forward_reference(self, out: SchedulerOutput, fed: torch.Tensor | None) -> Logits | None:
         batch = self.build_batch(out)
+        if fed is not None:  # one token per sequence: row i is sequence i, in every view
+            for b in (batch, *batch.views):
+                b.input_ids[: len(fed)] = fed
         hidden = self.model.forward_reference(batch, self.caches)
         rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs, strict=True) if o.sample]
         rids = [o.request_id for o in out.seqs if o.sample]
         if not rids:
-            return {}
-        return self._sample(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), rids, params)
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), None, rids
 
-    def _forward_varlen(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
+    def _forward_varlen(self, out: SchedulerOutput, fed: torch.Tensor | None) -> Logits | None:
         """The batched path: a decode step replays its CUDA graph; any other step builds its metadata vectorised,
         uploads it once, runs one forward and the logits of the sampled rows."""
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and self.graphs.can_run(out.seqs):
-            logits, lse = self.graphs.run(out.seqs)
+            logits, lse = self.graphs.run(out.seqs, fed)
             self._graph_checkpoints(out.seqs)
             if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
-                return {}
+                return None
             if len(rids) < len(out.seqs):
                 keep = torch.tensor([i for i, o in enumerate(out.seqs) if o.sample], dtype=torch.long,
                                     device=self.device)
                 logits, lse = logits[keep], lse[keep]
-            return self._sample(logits, rids, params, lse)
+            return logits, lse, rids
         sample = [o.sample for o in out.seqs]
         metas = build_varlen_views(out.seqs, self.block_size, self.conv_width, self.device, self.views,
                                    sample=sample)
+        if fed is not None:  # one token per sequence: row i is sequence i, in every view
+            for m in metas:
+                m.input_ids[: len(fed)] = fed
         hidden = self.model.forward_varlen(VarlenBatch(metas, self.views.layer_views), self.caches)
         if not rids:
-            return {}
-        return self._sample(self.model.compute_logits(hidden[metas[0].sample_rows]), rids, params)
+            return None
+        return self.model.compute_logits(hidden[metas[0].sample_rows]), None, rids
 
     def _graph_checkpoints(self, seqs) -> None:  # type: ignore[no-untyped-def]
         """After a decode graph's replay: its rows' checkpoints (the state after the row's token, copied from the
@@ -237,7 +281,21 @@ class ModelRunner:
                 self.copy_states(pairs, seqs[0].group_state_slots[k][0])
                 self.num_graph_checkpoints += len(pairs)
 
-    def _sample(self, logits: torch.Tensor, rids: list[str], params: dict[str, SamplingParams],
-                lse: torch.Tensor | None = None) -> dict[str, tuple[int, float]]:
-        tokens, logprobs = self.sampler.sample(logits, rids, [params[r] for r in rids], lse)
-        return {r: (t, lp) for r, t, lp in zip(rids, tokens, logprobs, strict=True)}
+
+Logits = tuple[torch.Tensor, torch.Tensor | None, list[str]]
+"""The sampled rows' logits, their logsumexp when the forward computed it, and the rows' request ids."""
+
+
+class LaunchedStep:
+    """A step whose samples may still be computed on the device (`ModelRunner.launch`). None: nothing sampled (or
+    a follower rank, which never reads its samples)."""
+
+    def __init__(self, rows: SampledRows | None) -> None:
+        self.rows = rows
+
+    def resolve(self) -> tuple[dict[str, tuple[int, float]], dict[str, TopLogprobs]]:
+        """({request id: (token, logprob)}, {request id: top logprobs}) of the rows that sampled: waits for them."""
+        if self.rows is None:
+            return {}, {}
+        tokens, logprobs, top = self.rows.resolve()
+        return {r: (t, lp) for r, t, lp in zip(self.rows.request_ids, tokens, logprobs, strict=True)}, top

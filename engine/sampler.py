@@ -32,6 +32,14 @@ from hybridpd.engine.sampling_params import SamplingParams
 TopLogprobs = list[tuple[int, float]]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # type: ignore[type-arg]
+    """`values` on `device`. On CUDA through pinned memory, without waiting for the stream: a step launched while
+    the previous one still runs must not wait for it (a copy from pageable memory would)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class _History(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -55,6 +63,11 @@ class Sampler:
         self._eos: tuple[int, ...] = ()
         self._top: dict[str, TopLogprobs] = {}
         self._constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None] | None = None
+        self.unread_outputs = 0
+        self.unread_tokens: torch.Tensor | None = None
+        """A step launched before the previous one was read (asynchronous scheduling): every row has one sampled
+        token its request does not hold yet (`unread_outputs` 1), on the device, row by row (`unread_tokens`);
+        min_tokens counts it, the penalties count it in the row's output history. 0 / None otherwise."""
 
     def bind_constraint(self, constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None]) -> None:
         """`constrain(logits, request ids, params)` masks, in place, what each structured row may not sample."""
@@ -88,6 +101,10 @@ class Sampler:
         self.generators.pop(request_id, None)
         self._skips.pop(request_id, None)
 
+    def hold_top_logprobs(self, top: dict[str, TopLogprobs]) -> None:
+        """What `take_top_logprobs` hands over next (a step sampled with `sample_rows` and resolved by the runner)."""
+        self._top = top
+
     def take_top_logprobs(self) -> dict[str, TopLogprobs]:
         """{request id: [(token id, logprob), ...] best first} of the last `sample`, for rows with top_logprobs."""
         top, self._top = self._top, {}
@@ -99,6 +116,15 @@ class Sampler:
         lse: torch.Tensor | None = None,
     ) -> tuple[list[int], list[float]]:
         """`lse`: logsumexp of the raw logits per row when the caller has it (a CUDA graph computes it)."""
+        tokens, logprobs, self._top = self.sample_rows(logits, request_ids, params, lse).resolve()
+        return tokens, logprobs
+
+    def sample_rows(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+        lse: torch.Tensor | None = None,
+    ) -> SampledRows:
+        """`sample` without reading the results: the tokens stay on the device (a step launched before this one's
+        tokens are read is fed from them) and their copies to the host are only started."""
         logits = logits.float()
         if lse is None:  # log_softmax(x)[t] = x[t] - lse: no [rows, vocab] tensor written
             lse = torch.logsumexp(logits, dim=-1)
@@ -107,11 +133,15 @@ class Sampler:
         if not all(p.greedy for p in params):
             tokens = torch.where(self._greedy_mask(params), tokens, self._sample(x, request_ids, params))
         chosen = logits.gather(1, tokens.view(-1, 1)).view(-1) - lse
-        self._top_logprobs(logits, lse, request_ids, params)
-        return tokens.tolist(), chosen.tolist()
+        k = max((p.top_logprobs for p in params), default=0)
+        top = None
+        if k > 0:
+            values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+            top = (values - lse[:, None], ids)
+        return SampledRows(tokens, chosen, top, request_ids, [p.top_logprobs for p in params])
 
     def _greedy_mask(self, params: list[SamplingParams]) -> torch.Tensor:
-        return torch.tensor([p.greedy for p in params], device=self.device)
+        return self._upload([p.greedy for p in params], torch.bool)
 
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself when no row asks
@@ -131,7 +161,7 @@ class Sampler:
         if bias_rows:
             x = x.clone() if x is logits else x
             x.index_put_((self._t(bias_rows), self._t(bias_ids)),
-                         torch.tensor(bias_vals, dtype=x.dtype, device=self.device), accumulate=True)
+                         self._upload(bias_vals, x.dtype), accumulate=True)
         structured = self._constrain is not None and any(p.structured_output is not None for p in params)
         if structured:
             x = x.clone() if x is logits else x
@@ -148,20 +178,30 @@ class Sampler:
         return x
 
     def _t(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return self._upload(values, torch.int64)
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+        return to_device(values, dtype, self.device)
 
     def _penalise(self, x: torch.Tensor, rows: list[int], rids: list[str], params: list[SamplingParams]) -> None:
+        """Every index and value goes up through pinned memory (`_t`, `_upload`): nothing here waits for a step
+        still running on the device (asynchronous scheduling)."""
         vocab = x.shape[-1]
         hist = [self._lookup(rids[r]) for r in rows]
         outputs = [h.output_token_ids if h is not None else [] for h in hist]
         prompts = [h.prompt_token_ids if h is not None else [] for h in hist]
         n = len(rows)
+        rows_t = self._t(rows)
         counts = torch.zeros(n, vocab + 1, dtype=x.dtype, device=self.device)  # column `vocab` absorbs bad ids
         local = list(chain.from_iterable([j] * len(o) for j, o in enumerate(outputs)))
         if local:
             ids = self._t(list(chain.from_iterable(outputs))).clamp_(0, vocab)
             counts.index_put_((self._t(local), ids), torch.ones(len(local), dtype=x.dtype, device=self.device),
                               accumulate=True)
+        if self.unread_tokens is not None:  # each row's last token, sampled but not read into its request yet
+            ids = self.unread_tokens.index_select(0, rows_t).clamp(0, vocab)
+            counts.index_put_((torch.arange(n, device=self.device), ids),
+                              torch.ones(n, dtype=x.dtype, device=self.device), accumulate=True)
         seen = counts > 0
         rep = [params[r].repetition_penalty for r in rows]
         if any(v != 1.0 for v in rep):
@@ -171,13 +211,13 @@ class Sampler:
                 ids = self._t(list(chain.from_iterable(prompts))).clamp_(0, vocab)
                 in_prompt[self._t(local_p), ids] = True
             hit = (seen | in_prompt)[:, :vocab]
-            r = torch.tensor(rep, dtype=x.dtype, device=self.device).unsqueeze(1)
-            sub = x[rows]
+            r = self._upload(rep, x.dtype).unsqueeze(1)
+            sub = x[rows_t]
             sub = torch.where(hit, torch.where(sub > 0, sub / r, sub * r), sub)
-            x[rows] = sub
-        freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=x.dtype, device=self.device)
-        pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=x.dtype, device=self.device)
-        x[rows] -= freq.unsqueeze(1) * counts[:, :vocab] + pres.unsqueeze(1) * seen[:, :vocab].to(x.dtype)
+            x[rows_t] = sub
+        freq = self._upload([params[r].frequency_penalty for r in rows], x.dtype)
+        pres = self._upload([params[r].presence_penalty for r in rows], x.dtype)
+        x[rows_t] -= freq.unsqueeze(1) * counts[:, :vocab] + pres.unsqueeze(1) * seen[:, :vocab].to(x.dtype)
 
     def _min_tokens_masks(self, rids: list[str], params: list[SamplingParams], vocab: int
                           ) -> tuple[list[int], list[int]]:
@@ -187,7 +227,7 @@ class Sampler:
             if p.min_tokens <= 0:
                 continue
             h = self._lookup(rids[i])
-            if h is not None and len(h.output_token_ids) >= p.min_tokens:
+            if h is not None and len(h.output_token_ids) + self.unread_outputs >= p.min_tokens:
                 continue
             banned = {t for t in (*self._eos, *p.stop_token_ids) if t < vocab}
             rows += [i] * len(banned)
@@ -198,8 +238,7 @@ class Sampler:
         """One token per row by temperature, top-k, top-p and the exponential race (greedy rows get a value too;
         the caller ignores it)."""
         vocab = x.shape[-1]
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=x.dtype,
-                            device=self.device)
+        temp = self._upload([p.temperature if p.temperature > 0 else 1.0 for p in params], x.dtype)
         x = x / temp.unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
@@ -219,21 +258,43 @@ class Sampler:
         pos = torch.arange(x.shape[-1], device=self.device).unsqueeze(0)
         drop = pos >= self._t(top_k).unsqueeze(1)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        p = torch.tensor(top_p, dtype=x.dtype, device=self.device).unsqueeze(1)
+        p = self._upload(top_p, x.dtype).unsqueeze(1)
         probs = torch.softmax(sorted_x, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
         sorted_x = sorted_x.masked_fill((cum - probs) > p, float("-inf"))
         return torch.full_like(x, float("-inf")).scatter_(1, order, sorted_x)
 
-    def _top_logprobs(self, logits: torch.Tensor, lse: torch.Tensor, rids: list[str], params: list[SamplingParams]
-                      ) -> None:
-        k = max((p.top_logprobs for p in params), default=0)
-        self._top = {}
-        if k <= 0:
-            return
-        values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-        values = values - lse[:, None]
-        values_l, ids_l = values.tolist(), ids.tolist()
-        for i, (rid, p) in enumerate(zip(rids, params, strict=True)):
-            if p.top_logprobs > 0:
-                self._top[rid] = list(zip(ids_l[i][: p.top_logprobs], values_l[i][: p.top_logprobs], strict=True))
+
+class SampledRows:
+    """One step's samples: `tokens` [rows] on the device (what a step launched before they are read is fed from),
+    and their copies to the host, started at once (non-blocking into pinned memory on CUDA) so that `resolve` waits
+    for this step's sampling only, not for a step launched after it."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 request_ids: list[str], top_counts: list[int]) -> None:
+        self.tokens = tokens
+        self.request_ids = request_ids
+        self._top_counts = top_counts
+        parts = [tokens, chosen, *(top or ())]
+        self._event = None
+        if tokens.device.type == "cuda":
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(host, parts, strict=True):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            parts = host
+        self._host = parts
+
+    def resolve(self) -> tuple[list[int], list[float], dict[str, TopLogprobs]]:
+        """(tokens, chosen-token logprobs, {request id: top logprobs} for rows that asked): waits for the copies."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, chosen, *top = (t.tolist() for t in self._host)
+        out: dict[str, TopLogprobs] = {}
+        if top:
+            values, ids = top
+            for i, (rid, k) in enumerate(zip(self.request_ids, self._top_counts, strict=True)):
+                if k > 0:
+                    out[rid] = list(zip(ids[i][:k], values[i][:k], strict=True))
+        return tokens, chosen, out

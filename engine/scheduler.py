@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from hybridpd.engine.transfer import Import
 
 
+PLACEHOLDER_TOKEN = -1
+"""The input token of a step scheduled before it is known on the host (`Scheduler.schedule_ahead`): the runner feeds
+the real one from the previous step's samples, on the device. Out of every vocabulary, so it never passes unfed."""
+
+
 def _remove(queue: list[Request] | deque[Request], req: Request) -> bool:
     """Remove `req` from `queue` by identity (`in` / `remove` would compare Requests field by field, as a dataclass
     does). False when it is not there."""
@@ -306,6 +311,56 @@ class Scheduler:
             group_state_copies=tuple((gid, tuple(c)) for gid, c in copies.items()),
             group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
         )
+
+    def schedule_ahead(
+        self, rows: list[tuple[Request, int]]
+    ) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
+        """The decode step after the one in flight (asynchronous scheduling), before its tokens are known: each
+        `(request, tokens it will have computed once the step in flight is done)` computes one token, the
+        placeholder for the one the step in flight samples. The caller keeps it what `schedule()` would give then
+        (the running requests that stay, in order, nothing waiting). Returns the step and its rows that reach a
+        block boundary, (request, boundary): their rolling checkpoints are planned one step late, once the token
+        that names the boundary is known (the caller copies the state before the step after). None when a row
+        could save any other checkpoint, or the pools cannot cover every row without preempting: the caller
+        waits for the step in flight and schedules as usual (pages already added stay with their requests)."""
+        if len(rows) > self.config.max_num_batched_tokens:
+            return None
+        cache = self.cache
+        late = []
+        for req, computed in rows:
+            kind = cache.checkpoint_kind(req, computed + 1)
+            if kind == "planned":
+                return None
+            if kind == "rolling":
+                late.append((req, computed + 1))
+        seqs = []
+        for req, computed in rows:
+            if not cache.allocate(req, computed + 1):
+                return None
+            blocks, slots = cache.seq_tables(req.request_id)
+            seqs.append(
+                ScheduledSeq(req.request_id, computed, (PLACEHOLDER_TOKEN,), True, blocks, slots, self._no_checkpoints)
+            )
+        fresh = cache.take_group_fresh_blocks()
+        out = SchedulerOutput(
+            seqs=tuple(seqs),
+            preempted=(),
+            group_state_copies=tuple((gid, tuple(c)) for gid, c in cache.take_group_state_copies().items()),
+            group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
+        )
+        return out, late
+
+    def plan_late_checkpoints(self, late: list[tuple[Request, int]]) -> dict[int, list[tuple[int, int]]]:
+        """The rolling checkpoints of rows that reached a block boundary in a step scheduled ahead (`late` from
+        `schedule_ahead`), planned now that the boundary's token is known, exactly as `schedule()` would have
+        planned them with that step: {recurrent group id: [(running slot, checkpoint slot)]}, the copies that save
+        them (the running state holds the boundary's state until the next step runs)."""
+        copies: dict[int, list[tuple[int, int]]] = {}
+        for req, boundary in late:
+            running = dict(self.cache.seq_tables(req.request_id)[1])
+            for gid, planned in self.cache.checkpoint_plan(req, boundary - 1, boundary):
+                copies.setdefault(gid, []).extend((running[gid], slot) for _, slot in planned)
+        return copies
 
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         cache = self.cache

@@ -26,7 +26,7 @@ from hybridpd.engine.cache.arena import ArenaLayout
 from hybridpd.engine.cache.block_pool import BlockPool
 from hybridpd.engine.cache.events import CacheEventLog
 from hybridpd.engine.cache.hashing import append_block_hashes, extra_keys
-from hybridpd.engine.cache.managers import AttentionManager, GroupManager, RecurrentManager
+from hybridpd.engine.cache.managers import AttentionManager, GroupManager, PendingCheckpoint, RecurrentManager
 from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup
 from hybridpd.engine.cache.tree import CacheTree
@@ -310,15 +310,44 @@ class HybridCacheManager:
     ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
         """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
         ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
-        if not self.states or not self.enable_prefix_caching:
-            return self._no_checkpoints
-        if not self.admission.every_chunk and end % self.block_size:
-            targets = self._targets.get(req.request_id)
-            if not targets or targets[0] > end:
-                return self._no_checkpoints  # most decode steps
+        if not self.may_checkpoint(req, end):
+            return self._no_checkpoints  # most decode steps
         self.update_hashes(req)
         due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
         return tuple([(gid, tuple(c)) for gid, c in self._reserve(req, due, rolling).items()])
+
+    def may_checkpoint(self, req: Request, end: int) -> bool:
+        """Whether `checkpoint_plan` of a chunk ending at `end` could save a checkpoint (read-only)."""
+        return self.checkpoint_kind(req, end) is not None
+
+    def checkpoint_kind(self, req: Request, end: int) -> str | None:
+        """What `checkpoint_plan` of a chunk ending at `end` could save (read-only): None, "rolling" (only the
+        request-end checkpoint of a decode row at a block boundary) or "planned" (any other). A step scheduled
+        before its input token is known (asynchronous scheduling) cannot plan one: the boundary's hash needs that
+        token; a rolling one is planned one step late instead (engine/async_step.py)."""
+        if not self.states or not self.enable_prefix_caching:
+            return None
+        targets = self._targets.get(req.request_id)
+        if self.admission.every_chunk or (targets and targets[0] <= end):
+            return "planned"
+        return None if end % self.block_size else "rolling"
+
+    def pending_marks(self) -> list[int]:
+        """How many checkpoints each recurrent group has pending (to publish at the next `on_step_done`)."""
+        return [len(m.pending) for m in self.states]
+
+    def hold_pending(self, marks: list[int]) -> list[list[PendingCheckpoint]]:
+        """Take the checkpoints planned since `pending_marks()` gave `marks` out of the next `on_step_done` (their
+        copy runs after the step in flight: they are published after the step after it); `release_held` puts them
+        back."""
+        held = [m.pending[k:] for m, k in zip(self.states, marks, strict=True)]
+        for m, k in zip(self.states, marks, strict=True):
+            del m.pending[k:]
+        return held
+
+    def release_held(self, held: list[list[PendingCheckpoint]]) -> None:
+        for m, h in zip(self.states, held, strict=True):
+            m.pending.extend(h)
 
     def _reserve(self, req: Request, boundaries: list[int], rolling: int | None) -> dict[int, list[tuple[int, int]]]:
         """A slot in every recurrent group for each boundary (and the rolling request-end one) not cached or

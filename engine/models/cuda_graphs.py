@@ -86,6 +86,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool: Any = None
         self.num_replays = 0
+        self._uploaded = torch.cuda.Event() if pin else None
+        """Recorded after each step's copies: the next step refills the pinned mirrors only once they are done
+        (with asynchronous scheduling the host fills step N+1's before it has waited for anything of step N)."""
 
     # view 0's buffers (the only ones of a model with one group of each kind)
     @property
@@ -105,6 +108,8 @@ class DecodeGraphs:
         per-step tensor construction) and copied with one H2D copy per buffer; rows n..b are padding
         (PAD_SLOT_ID, context 0)."""
         n, bs, views = len(seqs), self.block_size, self.views
+        if self._uploaded is not None:  # a step launched before the last one was read: its copies may be pending
+            self._uploaded.synchronize()
         h = self.host_np
         h["ids"][:n] = [s.token_ids[0] for s in seqs]
         p = h["positions"]
@@ -127,6 +132,8 @@ class DecodeGraphs:
                 slots[:n] = views.state_slots(seqs, k)
                 slots[n:b] = PAD_SLOT_ID
                 v.slots[:b].copy_(v.host["slots"][:b], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
@@ -182,15 +189,18 @@ class DecodeGraphs:
         self.graphs[b] = (graph, out)
 
     @torch.inference_mode()
-    def run(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def run(self, seqs, fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         """Logits [len(seqs), vocab] of a decode-only step and their logsumexp [len(seqs)] (can_run must
-        hold)."""
+        hold). `fed`: the rows' input tokens, already on the device (a step launched before the previous one's
+        tokens were read): copied over the uploaded ids, on the device, before the replay."""
         n = len(seqs)
         b = self.bucket(n)
         assert b is not None
         if b not in self.graphs:
             self._capture(b)
         self._upload(seqs, b)
+        if fed is not None:
+            self.ids[:n].copy_(fed)
         graph, (logits, lse) = self.graphs[b]
         graph.replay()
         self.num_replays += 1

@@ -7,8 +7,8 @@ ignores them), and a sequence's block tables only when they are not the very tab
 (the same tuple object, so the same content: the cache manager builds them again only when the request's pages
 change; tables that could change in place are sent every step). Every other command travels as it is.
 
-    ("execute", (out, params), {})
-       --StepEncoder-->  ("execute*", (every ScheduledSeq field but the tables, per seq),
+    ("execute", (out, params), {})            (or "launch", (out, params, feed): asynchronous scheduling)
+       --StepEncoder-->  ("execute*", "execute", (), (every ScheduledSeq field but the tables, per seq),
                           (tables | None, per seq), (every other SchedulerOutput field))
        --StepDecoder-->  ("execute", (out', NO_PARAMS), {})   with out' == out
 
@@ -28,6 +28,8 @@ from typing import Any
 from hybridpd.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 _STEP = "execute*"
+_STEP_CALLS = frozenset({"execute", "launch"})
+"""Runner calls whose first argument is the step (`launch` has a third: which samples feed its input tokens)."""
 _SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSeq))
 _TABLES = _SEQ_FIELDS.index("group_block_ids")
 _RID = _SEQ_FIELDS.index("request_id") - (_SEQ_FIELDS.index("request_id") > _TABLES)
@@ -72,7 +74,7 @@ class StepEncoder:
 
     def encode(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The wire form of runner call `name(*args, **kwargs)`."""
-        if name != "execute" or len(args) != 2 or kwargs or type(args[0]) is not SchedulerOutput:
+        if name not in _STEP_CALLS or not 2 <= len(args) <= 3 or kwargs or type(args[0]) is not SchedulerOutput:
             return (name, args, kwargs)
         out: SchedulerOutput = args[0]
         last: dict[str, Any] = self._tables
@@ -88,7 +90,7 @@ class StepEncoder:
                 if _immutable(t):  # a table that could change in place is sent every step
                     now[rid] = t
         self._tables = now
-        return (_STEP, tuple(map(_seq_rest, out.seqs)), tuple(tables), _out_rest(out))
+        return (_STEP, name, args[2:], tuple(map(_seq_rest, out.seqs)), tuple(tables), _out_rest(out))
 
 
 def _immutable(tables: Any) -> bool:
@@ -108,14 +110,14 @@ class StepDecoder:
         if msg[0] != _STEP:
             name, args, kwargs = msg
             return name, args, kwargs
-        _, rests, tables, out_rest = msg
+        _, name, extra, rests, tables, out_rest = msg
         last, k = self._tables, _TABLES
         seqs = tuple(
             ScheduledSeq(*v[:k], last[v[_RID]] if t is None else t, *v[k:]) for v, t in zip(rests, tables, strict=True)
         )
         self._tables = {s.request_id: s.group_block_ids for s in seqs}
         out = SchedulerOutput(seqs=seqs, **dict(zip(_OUT_FIELDS, out_rest, strict=True)))
-        return "execute", (out, NO_PARAMS), {}
+        return name, (out, NO_PARAMS, *extra), {}
 
 
 __all__ = ["NO_PARAMS", "Command", "StepDecoder", "StepEncoder"]

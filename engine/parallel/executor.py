@@ -8,6 +8,8 @@ their EngineCore's runner, executing what rank 0 broadcasts.
         (sent, not waited for: engine.parallel.channel;    collectives meet rank 0's inside the forward
          the step in compact form: engine.parallel.commands)
         runner.execute(out) on its head slice
+    (asynchronous scheduling: `launch(out, params, feed)` the same way; each launch ends with rank 0's sampled
+     tokens broadcast to every rank, which a step fed from them reads on the device)
 
 Every rank builds the same cache plan (same budget: the minimum over ranks, engine.core; same per-rank page
 shapes), so block ids and state slots mean the same pages everywhere. Sampling happens on rank 0 only (every rank
@@ -40,7 +42,7 @@ from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_dev
 
 log = logging.getLogger("hybridpd.tp")
 
-BROADCAST_CALLS = frozenset({"execute", "copy_states", "zero_blocks", "zero_block_tail"})
+BROADCAST_CALLS = frozenset({"execute", "launch", "copy_states", "zero_blocks", "zero_block_tail"})
 """Runner methods that change the caches or run the model: every rank must run them, in the same order."""
 
 ON_ALL = "<on_all>"
@@ -90,8 +92,15 @@ class DiscardingSampler:
     def take_top_logprobs(self) -> dict[str, Any]:
         return {}
 
+    def hold_top_logprobs(self, _top: dict[str, Any]) -> None:
+        pass
+
     def sample(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> tuple[list[int], list[float]]:
         return [0] * len(rids), [0.0] * len(rids)
+
+    def sample_rows(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> None:
+        """Nothing: with asynchronous scheduling the runner receives rank 0's samples instead (TPGroup)."""
+        return None
 
 
 def follow(runner: Any, tp: TPGroup, leader_pid: int | None = None) -> None:

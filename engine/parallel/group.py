@@ -54,6 +54,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.stack(parts)
 
+    def broadcast_tokens(self, tokens: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+        """Rank 0's `n` sampled token ids (int64, on the device) on every rank (others pass None). Enqueued on the
+        device like the model's collectives: nobody waits for it on the host."""
+        if tokens is None:
+            tokens = torch.empty(n, dtype=torch.int64, device=device)
+        dist.broadcast(tokens, src=0, group=self.group)
+        return tokens
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's value (the cache budget all ranks can hold)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -99,9 +99,12 @@ class Pair:
 
 
 async def make_pair(
-    model: str, monkeypatch: pytest.MonkeyPatch, lease_seconds: float = 30.0, max_pinned_fraction: float = 0.5
+    model: str, monkeypatch: pytest.MonkeyPatch, lease_seconds: float = 30.0, max_pinned_fraction: float = 0.5,
+    p_config: EngineConfig | None = None, d_config: EngineConfig | None = None,
 ) -> Pair:
-    p_core, d_core = EngineCore(engine_config(model)), EngineCore(engine_config(model))
+    """`p_config` / `d_config`: each side's engine (default: `engine_config(model)`)."""
+    p_core = EngineCore(p_config or engine_config(model))
+    d_core = EngineCore(d_config or engine_config(model))
     p_ctx = WorkerContext(role="prefill", aengine=AsyncEngine(p_core), model_name="m", address="p:1")
     d_ctx = WorkerContext(role="decode", aengine=AsyncEngine(d_core), model_name="m", address="d:1")
     p = PrefillServicer(p_ctx, lease_seconds, max_pinned_fraction)

@@ -123,3 +123,24 @@ def test_grouped_moe_matches_expert_loop():  # type: ignore[no-untyped-def]
     assert idx.unique().numel() > 3  # several experts are really used
     torch.testing.assert_close(fast.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert moe(x).shape == ref.shape  # after stacking, the reference loop still runs on the experts' views
+
+
+def test_fast_path_async_scheduling_feeds_tokens_on_the_device(model_path, one_torch_thread):  # type: ignore[no-untyped-def]
+    """The batched path's fed steps (asynchronous scheduling: a decode step's input ids copied from the previous
+    step's samples on the device, over the uploaded placeholders) give the synchronous engine's tokens, with the
+    request ending at a stop token while the next step already holds it."""
+    path = model_path("nemotron_moe")
+    prompt = random_prompts([7], vocab=256, seed=4)
+    engines = []
+    for asynchronous in (False, True):
+        with forward_path(True):
+            engines.append(LLM(model=path, device="cpu", dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                               max_model_len=64, async_scheduling=asynchronous))
+    probe = engines[0].generate(prompt_token_ids=prompt,
+                                sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    stop = SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(probe.token_ids[2],))
+    sync, fast = (llm.generate(prompt_token_ids=prompt, sampling_params=stop)[0] for llm in engines)
+    assert fast.token_ids == sync.token_ids == probe.token_ids[: len(sync.token_ids)]
+    assert fast.logprobs == sync.logprobs
+    pipeline = engines[1].engine.pipeline
+    assert engines[1].engine.runner.fast_path and pipeline.num_ahead > 0 and pipeline.num_overrun > 0

@@ -112,6 +112,28 @@ def test_tp_matches_tp1(name, tp, ep, model_dir):  # type: ignore[no-untyped-def
     assert info_n["bytes_per_token"] <= info1["bytes_per_token"]
 
 
+def test_tp2_async_scheduling_matches_tp1(model_dir):  # type: ignore[no-untyped-def]
+    """Asynchronous scheduling at TP 2: every rank's step N+1 reads rank 0's samples of step N on the device (a
+    broadcast at the end of each launch); requests that end at a stop token leave overrun rows. Same tokens as the
+    synchronous TP 1 engine."""
+    path = model_dir("nemotron_moe_kv1_g1")
+    prompts = random_prompts(LENGTHS, 500, seed=3)
+    ref_llm = LLM(model=path, **SETTINGS)
+    probes = ref_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(p.token_ids[2 + i],))
+              for i, p in enumerate(probes)]
+    ref = [(o.token_ids, o.logprobs) for o in ref_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = LLM(model=path, tensor_parallel_size=2, async_scheduling=True, **SETTINGS)
+    try:
+        got = [(o.token_ids, o.logprobs) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        pipeline = llm.engine.pipeline
+        assert pipeline.num_ahead > 0 and pipeline.num_overrun > 0, vars(pipeline)
+        llm.engine.cache.check_integrity()
+    finally:
+        llm.shutdown()
+    assert_same(ref, got)
+
+
 def test_unsplittable_model_is_refused_before_any_rank_starts(model_dir):  # type: ignore[no-untyped-def]
     """A head count TP cannot cut: a clear error naming the config field, no follower spawned, and the process can
     start another engine afterwards (no process group left behind)."""

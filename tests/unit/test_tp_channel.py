@@ -122,13 +122,16 @@ def test_steps_round_trip_with_tables_sent_only_when_changed() -> None:
     sent_tables = []
     for out in steps:
         wire = pickle.loads(pickle.dumps(enc.encode("execute", (out, {"a": object()}), {})))
-        sent_tables.append([tables is not None for tables in wire[2]])
+        sent_tables.append([tables is not None for tables in wire[4]])
         name, args, kwargs = dec.decode(wire)
         assert name == "execute" and kwargs == {}
         got, params = args
         assert got == out and all(type(s) is ScheduledSeq for s in got.seqs)
         assert params is NO_PARAMS and params["a"] is None  # followers never sample
     assert sent_tables == [[True], [False, True], [True, False], [False], [True, False]]
+    fed = SchedulerOutput((_seq("b", 43, b1, slot=3),), ())  # asynchronous scheduling: a step fed from samples
+    assert dec.decode(pickle.loads(pickle.dumps(enc.encode("launch", (fed, {}, (0,)), {})))) == \
+        ("launch", (fed, NO_PARAMS, (0,)), {})
     other: tuple[str, tuple[int, ...], dict[str, Any]] = ("zero_block_tail", (4, 3, 0), {})
     assert dec.decode(enc.encode(*other)) == other
 
@@ -139,7 +142,7 @@ def test_tables_that_could_change_in_place_are_sent_every_step() -> None:
     tables = ((0, pages),)  # a list inside: the same object may hold other pages next step
     for _ in range(2):
         wire = enc.encode("execute", (SchedulerOutput((_seq("a", 5, tables),), ()), {}), {})
-        assert wire[2] == (((0, pages),),)
+        assert wire[4] == (((0, pages),),)
         assert dec.decode(pickle.loads(pickle.dumps(wire)))[1][0].seqs[0].group_block_ids == ((0, pages),)
         pages.append(3)
 
