@@ -66,6 +66,9 @@ class _Launched:
     """(request, block boundary) of rows whose rolling checkpoint is planned after this step (invariant 4)."""
     held: list[list[PendingCheckpoint]] | None = None
     """Checkpoints of the step before this one, copied after it: published with the step after this one."""
+    publishes: frozenset[str] = frozenset()
+    """Requests whose late checkpoints (the previous step's `held`) are published once this step is done: one that
+    ends before then is freed after that publication too (as in the synchronous engine: publish, then free)."""
 
     def live(self, requests: dict[str, Request]) -> tuple[str, ...]:
         return tuple(rid for rid, req in self.requests.items() if requests.get(rid) is req)
@@ -109,6 +112,8 @@ class StepPipeline:
                 out, rows_late = ahead
                 self.in_flight = self._launch(out, tuple(cur.sample_index[s.request_id] for s in out.seqs))
                 self.in_flight.late = rows_late
+                if cur.held is not None:
+                    self.in_flight.publishes = frozenset(p.req_id for group in cur.held for p in group)
                 self.num_ahead += 1
             sampled, top = cur.step.resolve()
         except Exception:
@@ -121,9 +126,10 @@ class StepPipeline:
 
     def defer_free(self, req: Request) -> bool:
         """`req` ends now: True if a launched step still computes it (its pages are freed once that step is done,
-        invariant 3); False: free them now."""
+        invariant 3) or its late checkpoint is published with that step (freed after it, invariant 4); False: free
+        them now."""
         f = self.in_flight
-        if f is not None and f.requests.get(req.request_id) is req:
+        if f is not None and (f.requests.get(req.request_id) is req or req.request_id in f.publishes):
             f.deferred.append(req)
             return True
         return False
