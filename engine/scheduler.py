@@ -328,7 +328,7 @@ class Scheduler:
         cache = self.cache
         late = []
         for req, computed in rows:
-            kind = cache.checkpoint_kind(req, computed + 1)
+            kind = cache.checkpoint_kind(req, computed + 1, computed)
             if kind == "planned":
                 return None
             if kind == "rolling":

@@ -320,16 +320,19 @@ class HybridCacheManager:
         """Whether `checkpoint_plan` of a chunk ending at `end` could save a checkpoint (read-only)."""
         return self.checkpoint_kind(req, end) is not None
 
-    def checkpoint_kind(self, req: Request, end: int) -> str | None:
-        """What `checkpoint_plan` of a chunk ending at `end` could save (read-only): None, "rolling" (only the
+    def checkpoint_kind(self, req: Request, end: int, start: int | None = None) -> str | None:
+        """What `checkpoint_plan` of a chunk (start, end] could save (read-only): None, "rolling" (only the
         request-end checkpoint of a decode row at a block boundary) or "planned" (any other). A step scheduled
         before its input token is known (asynchronous scheduling) cannot plan one: the boundary's hash needs that
-        token; a rolling one is planned one step late instead (engine/async_step.py)."""
+        token; a rolling one is planned one step late instead (engine/async_step.py). `start` None: any chunk
+        ending at `end` (with a fixed interval, one that may hold a block boundary)."""
         if not self.states or not self.enable_prefix_caching:
             return None
         targets = self._targets.get(req.request_id)
-        if self.admission.every_chunk or (targets and targets[0] <= end):
+        if targets and targets[0] <= end:
             return "planned"
+        if self.admission.every_chunk:  # every block boundary past the prompt is saved (Admission.due)
+            return "planned" if start is None or start // self.block_size < end // self.block_size else None
         return None if end % self.block_size else "rolling"
 
     def pending_marks(self) -> list[int]:

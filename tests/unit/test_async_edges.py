@@ -32,3 +32,16 @@ def test_a_late_checkpoint_of_a_request_ending_on_its_boundary_is_published_befo
     assert fast.engine.pipeline.num_late_checkpoints > 0
     assert [m.rolling for m in fast.engine.cache.states] == [{} for _ in fast.engine.cache.states]
     assert _cache_state(sync) == _cache_state(fast)
+
+
+def test_a_checkpoint_interval_leaves_only_boundary_steps_synchronous(checkpoint_dir: Any) -> None:
+    """With a fixed checkpoint interval every decode row that reaches a block boundary saves a checkpoint planned
+    with its step's token (a synchronous step), but the steps in between save nothing and run ahead; the results
+    and the cache (those checkpoints included) are the synchronous engine's."""
+    sync, fast = _engines(checkpoint_dir("nemotron_attn_mid"), checkpoint_interval=32)
+    prompts = random_prompts([10, 12, 30], sync.engine.vocab_size, seed=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    _same(*[llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)])
+    pipe = fast.engine.pipeline
+    assert pipe.num_ahead > 20 and pipe.num_sync_fallbacks > 0 and pipe.num_late_checkpoints == 0
+    assert _cache_state(sync) == _cache_state(fast)
