@@ -147,9 +147,14 @@ class AsyncEngine:
         self._thread.join(timeout=10)
         pipe = self.core.pipeline
         if pipe is not None:  # how much ran ahead: the asynchronous mode really ran (tests over real processes)
-            log.info("asynchronous scheduling: %d steps launched ahead, %d overrun rows, %d late checkpoints, %d "
-                     "synchronous fallbacks", pipe.num_ahead, pipe.num_overrun, pipe.num_late_checkpoints,
-                     pipe.num_sync_fallbacks)
+            log.info(
+                "asynchronous scheduling: %d steps launched ahead, %d overrun rows, %d late checkpoints, %d "
+                "synchronous fallbacks",
+                pipe.num_ahead,
+                pipe.num_overrun,
+                pipe.num_late_checkpoints,
+                pipe.num_sync_fallbacks,
+            )
 
     # -- step thread -----------------------------------------------------------------------------------------------
     def publish(self, req: Request) -> None:

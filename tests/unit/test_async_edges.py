@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine import SamplingParams
 
 from tests.oracle import random_prompts
-from tests.unit.test_async_scheduling import SETTINGS, _cache_state, _engines, _same
+from tests.unit.test_async_scheduling import _cache_state, _engines, _same
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
