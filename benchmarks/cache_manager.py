@@ -46,7 +46,7 @@ Reported per workload and policy:
     python benchmarks/cache_manager.py --out docs/results/cache_manager.json
     python benchmarks/cache_manager.py --scale 0.2 --repeats 1 --workloads current   # a quick look
     python benchmarks/cache_manager.py --policies ours --repeats 1 --workloads current --scale 0.3 --budget-gib 4 \
-        --max-num-seqs 32 --max-num-batched-tokens 4096 [--no-arena]   # a small arena (held-out style)
+        --max-num-seqs 32 --max-num-batched-tokens 4096 [--no-arena [--speculative-share]]   # a small arena
     python benchmarks/cache_manager.py --policies ours --repeats 1 --digest   # + `decision_digest` per workload:
         # sha256 over every step's scheduler output; equal digests = identical decisions (compare two commits)
 """
@@ -78,6 +78,7 @@ from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridpd.engine.scheduler import Scheduler  # noqa: E402
 
 from benchmarks.cache_policies import IntervalAdmission, LruTree, fixed_interval  # noqa: E402
+from benchmarks.cache_range_free import ShareCacheManager  # noqa: E402
 
 VOCAB = 150_000
 BS = 16
@@ -303,9 +304,12 @@ class Theoretical:
             self.ends.add(req.block_hashes[b - 1])
 
 
-def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) -> HybridCacheManager:
+def make_cache(
+    policy: str, budget: int, max_num_seqs: int, arena: bool = True, share: bool = False
+) -> HybridCacheManager:
     """`arena`: the engine's plan (one arena: checkpoint slots overlay attention blocks, planner.py); False: the
-    same byte budget with checkpoint ids outside it (before the arena)."""
+    same byte budget with checkpoint ids outside it (before the arena); `share` (range-free only): speculative
+    checkpoints limited to the budget share their reuse earns (cache_range_free.py)."""
     tree = CacheTree if policy == "ours" else LruTree
     if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
         slots = 1 + 3 * max_num_seqs
@@ -320,14 +324,15 @@ def make_cache(policy: str, budget: int, max_num_seqs: int, arena: bool = True) 
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    return HybridCacheManager(
-        GROUPS, PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp), tree_cls=tree, admission_cls=adm
-    )
+    layout = PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp)
+    if share and policy == "ours":
+        return ShareCacheManager(GROUPS, layout)
+    return HybridCacheManager(GROUPS, layout, tree_cls=tree, admission_cls=adm)
 
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:
     budget = int(w.budget_gib * GiB)
-    cache = make_cache(policy, budget, args.max_num_seqs, args.arena)
+    cache = make_cache(policy, budget, args.max_num_seqs, args.arena, getattr(args, "speculative_share", False))
     sched = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), cache)
     reqs = [
         Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
@@ -426,7 +431,7 @@ def phase_figures(reqs: list[Request], theo: Theoretical) -> dict[str, float]:
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
     """Attention blocks that max_num_seqs running requests can hold after a no-reuse run left the cache full of
     whatever its policy keeps: one long request grows until allocation fails, the others hold one block each."""
-    cache = make_cache(policy, budget, max_num_seqs, args.arena)
+    cache = make_cache(policy, budget, max_num_seqs, args.arena, getattr(args, "speculative_share", False))
     sched = Scheduler(SchedulerConfig(max_num_seqs, args.max_num_batched_tokens), cache)
     for i, it in enumerate(junk.items):
         sched.add_request(Request(f"j{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens)))
@@ -482,7 +487,14 @@ def main() -> None:
         action="store_false",
         help="checkpoint ids outside the budget (the control plane before one arena backed both pools)",
     )
+    p.add_argument(
+        "--speculative-share",
+        action="store_true",
+        help="with --no-arena, policy ours: the speculative-checkpoint rule of cache_range_free.py (an experiment)",
+    )
     args = p.parse_args()
+    if args.speculative_share and args.arena:
+        p.error("--speculative-share needs --no-arena (the arena throttles checkpoints by its free ranges)")
     policies = args.policies.split(",")
     results: dict[str, dict[str, object]] = {}
     print(
