@@ -145,7 +145,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
-        pipe = self.core.pipeline
+        pipe = getattr(self.core, "pipeline", None)  # a core without the asynchronous mode (test doubles) has none
         if pipe is not None:  # how much ran ahead: the asynchronous mode really ran (tests over real processes)
             log.info(
                 "asynchronous scheduling: %d steps launched ahead, %d overrun rows, %d late checkpoints, %d "
