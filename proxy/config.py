@@ -53,10 +53,10 @@ class RoutingWeights:
     (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
     slower than this gets no more."""
     decode_balance: float = 0.0
-    """Balance (off by default: on two H100s it did not raise chat goodput, see docs/BENCHMARKS.md): a prefill worker
-    takes a whole request while the decode worker has more than this many times the requests the prefill worker
-    would then hold in flight (its whole requests and the prompts it computes), and the decode worker computes one
-    whole (skip-P) while the prefill worker holds at least this many times the decode worker's. 0: off."""
+    """Balance (off by default: on two H100s it did not raise chat goodput, see docs/BENCHMARKS.md): under load a
+    prefill worker takes a whole request while the decode worker has more than this many times the requests the
+    prefill worker would then hold in flight (its whole requests and the prompts it computes); a request it does not
+    take goes whole to the decode worker (skip-P) unless that one is saturated. 0: off."""
     prefill_decode_max_queue_s: float = 0.5
     """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
     token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""
