@@ -95,9 +95,8 @@ class StepPipeline:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
+        """`EngineCore.step` with asynchronous scheduling (after its expired imports)."""
         core = self.core
-        if core.scheduler.importing or core.scheduler.unconfirmed:
-            core.expire_imports()
         t0 = time.perf_counter()
         cur, self.in_flight = self.in_flight, None
         try:
@@ -183,18 +182,16 @@ class StepPipeline:
         ok = not sched.waiting and not sched.unconfirmed and len(live) == len(sched.running)
         for rid in live if ok else ():
             req, s = cur.requests[rid], by_id[rid]
-            p = req.sampling_params
             if (
                 not s.sample
-                or p.structured is not None
+                or req.sampling_params.structured is not None
                 or req.prefill_only
                 or req.compute_target is not None
                 or req.held_from is not None
             ):
                 ok = False
                 break
-            outputs = len(req.output_token_ids) + 1  # once cur's token is in (EngineCore.check_stop's length rule)
-            if req.num_tokens + 1 >= core.max_model_len or outputs >= max(p.max_tokens, p.min_tokens):
+            if core.length_reached(req, ahead=1):
                 continue  # ends with cur's token, known now: not in the next step (invariant 2)
             rows.append((req, s.num_computed_tokens + s.num_new_tokens))
         ahead = sched.schedule_ahead(rows) if ok and rows else None

@@ -424,10 +424,10 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Schedule, execute, update. Returns requests that advanced this step (finished ones included). With
         asynchronous scheduling the step after it may already be launched (engine.async_step.StepPipeline)."""
-        if self.pipeline is not None:
-            return self.pipeline.step()
         if self.scheduler.importing or self.scheduler.unconfirmed:
             self.expire_imports()
+        if self.pipeline is not None:
+            return self.pipeline.step()
         t0 = time.perf_counter()
         out: SchedulerOutput = self.scheduler.schedule()
         try:
@@ -468,7 +468,7 @@ class EngineCore:
         p = req.sampling_params
         tok = req.output_token_ids[-1]
         if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids were masked; stop strings wait too
-            return "length" if req.num_tokens >= self.max_model_len else None
+            return "length" if self.length_reached(req) else None
         if not p.ignore_eos and tok in self.eos_token_ids:
             req.stop_reason = tok
             return "stop"
@@ -484,9 +484,16 @@ class EngineCore:
                 if s in tail:
                     req.stop_reason = s
                     return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if self.length_reached(req):
             return "length"
         return None
+
+    def length_reached(self, req: Request, ahead: int = 0) -> bool:
+        """Whether `req`'s length ends it once `ahead` more tokens are in: max_model_len, or max_tokens (never before
+        min_tokens). `check_stop`'s length rule; asynchronous scheduling asks it one token ahead."""
+        p = req.sampling_params
+        outputs = len(req.output_token_ids) + ahead
+        return req.num_tokens + ahead >= self.max_model_len or outputs >= max(p.max_tokens, p.min_tokens)
 
     def _decoded(self, req: Request) -> str:
         """The output text so far, detokenized incrementally (O(new tokens) a step; engine/detokenizer.py); once

@@ -198,7 +198,7 @@ class Placer:
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
                 why = f"remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms"
             elif w.skip_prefill == "auto":
-                why = self._prefill_busier(p_addr, best_skip[1])
+                why = self._colocated_fallback(p_addr, best_skip[1])
             if why is not None:
                 return self._decided(
                     Placement(None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill", reason=f"skip-P: {why}")
@@ -213,9 +213,9 @@ class Placer:
             self.prefill.choose()  # raises NoWorkerError
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
 
-    def _prefill_busier(self, p_addr: str, d_addr: str) -> str | None:
-        """Balance, the other way (module doc): P-alone was not chosen, something is in flight and decode worker
-        `d_addr` is not saturated: D computes the request whole (None: not so)."""
+    def _colocated_fallback(self, p_addr: str, d_addr: str) -> str | None:
+        """Balance's fallback (module doc): P-alone was not chosen, something is in flight and decode worker `d_addr`
+        is not saturated: D computes the request whole, as a colocated replica would (None: not so)."""
         assert self.prefill is not None
         w = self.w
         p_holds, d_holds = self.prefill.in_flight(p_addr), self.decode.in_flight(d_addr)

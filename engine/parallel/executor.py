@@ -95,9 +95,6 @@ class DiscardingSampler:
     def hold_top_logprobs(self, _top: dict[str, Any]) -> None:
         pass
 
-    def sample(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> tuple[list[int], list[float]]:
-        return [0] * len(rids), [0.0] * len(rids)
-
     def sample_rows(self, logits: Any, rids: list[str], params: Any, lse: Any = None) -> None:
         """Nothing: with asynchronous scheduling the runner receives rank 0's samples instead (TPGroup)."""
         return None
