@@ -44,9 +44,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop or ()))
     prompts = args.prompt or ["Hello, hybrid world"]
-    for out in llm.generate(prompts, params):
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "num_cached_tokens": out.num_cached_tokens}))
+    try:
+        for out in llm.generate(prompts, params):
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                              "num_cached_tokens": out.num_cached_tokens}))
+    finally:
+        llm.shutdown()  # tensor-parallel ranks stopped and the group left before the interpreter tears down
     return 0
 
 

@@ -201,7 +201,12 @@ class Followers:
         self.tp.channel.on_error = self._unreachable
 
     def _closing(self) -> None:
-        self.closing = True
+        """At interpreter exit: an engine nobody shut down still stops its followers and leaves the group (a
+        process group alive while the interpreter tears down can abort it: "terminate called ...")."""
+        try:
+            self.close()
+        except Exception:  # exiting anyway; the followers exit when this process is gone
+            self.closing = True
 
     def _unreachable(self, exc: BaseException) -> None:
         """A command could not reach a follower (the channel's error handler, any thread): ranks out of step."""
@@ -216,6 +221,7 @@ class Followers:
         if self.closing:
             return
         self.closing = True
+        atexit.unregister(self._closing)
         try:
             self.tp.broadcast(None)
         except Exception:  # a follower already gone: nothing left to stop
