@@ -282,7 +282,7 @@ class SampledRows:
             for h, t in zip(host, parts, strict=True):
                 h.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tokens.device))  # the copies' stream, not the current device's
             parts = host
         self._host = parts
 

@@ -133,7 +133,7 @@ class DecodeGraphs:
                 slots[n:b] = PAD_SLOT_ID
                 v.slots[:b].copy_(v.host["slots"][:b], non_blocking=True)
         if self._uploaded is not None:
-            self._uploaded.record()
+            self._uploaded.record(torch.cuda.current_stream(self.device))  # the copies' stream, not the current one's
 
     def bucket(self, n: int) -> int | None:
         for b in self.buckets:
