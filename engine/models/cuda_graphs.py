@@ -183,7 +183,9 @@ class DecodeGraphs:
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # captured on this device's stream: torch.cuda.graph's default capture stream is one per process, made on
+        # whichever device was current at the process's first capture (another engine's, say)
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             out = self._forward(b)
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)
