@@ -466,8 +466,10 @@ class EngineCore:
 
     def check_stop(self, req: Request) -> str | None:
         p = req.sampling_params
-        tok = req.output_token_ids[-1]
-        if len(req.output_token_ids) < p.min_tokens:  # EOS and stop ids were masked; stop strings wait too
+        outputs = req.output_token_ids
+        num_outputs = len(outputs)
+        tok = outputs[-1]
+        if num_outputs < p.min_tokens:  # EOS and stop ids were masked; stop strings wait too
             return "length" if self.length_reached(req) else None
         if not p.ignore_eos and tok in self.eos_token_ids:
             req.stop_reason = tok
@@ -484,7 +486,9 @@ class EngineCore:
                 if s in tail:
                     req.stop_reason = s
                     return "stop"
-        if self.length_reached(req):
+        # `length_reached(req)`, inlined: once per request per step
+        if len(req.prompt_token_ids) + num_outputs >= self.max_model_len or num_outputs >= max(p.max_tokens,
+                                                                                             p.min_tokens):
             return "length"
         return None
 

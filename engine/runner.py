@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from itertools import accumulate, chain, compress
 from typing import Any
 
 import torch
@@ -169,27 +170,32 @@ class ModelRunner:
 
     def _build_view(self, out: SchedulerOutput, blocks: list[tuple[int, ...]], slots: list[int],
                     checkpoints: list[tuple[tuple[int, int], ...]]) -> ForwardBatch:
+        """Column by column (C-level map/zip over the sequences, no Python statement per sequence): one host tensor
+        holds every block table, each sequence's `block_table` is its slice of it (CPU: the model batches index
+        tensors)."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        mapping: list[int] = []
-        seqs: list[SeqInfo] = []
-        for s, table, slot, ckpts in zip(out.seqs, blocks, slots, checkpoints, strict=True):
-            start = s.num_computed_tokens
-            seqs.append(
-                SeqInfo(
-                    query_start=len(ids), num_new_tokens=s.num_new_tokens, num_computed_tokens=start,
-                    block_table=torch.tensor(table, dtype=torch.int64),  # CPU: the model batches index tensors
-                    state_slot=slot if slot > 0 else PAD_SLOT_ID,
-                    has_initial_state=s.has_initial_state, checkpoints=list(ckpts),
-                )
-            )
-            ids.extend(s.token_ids)
-            for p in range(start, start + s.num_new_tokens):
-                pos.append(p)
-                mapping.append(table[p // bs] * bs + p % bs if table else PAD_SLOT_ID)
+        seqs = out.seqs
+        if not len(blocks) == len(slots) == len(checkpoints) == len(seqs):
+            raise ValueError("one block table, state slot and checkpoint list per scheduled sequence")
+        n_new = [len(s.token_ids) for s in seqs]
+        starts = [s.num_computed_tokens for s in seqs]
+        query_starts = list(accumulate(n_new, initial=0))
+        ids = list(chain.from_iterable(s.token_ids for s in seqs))
+        if len(ids) == len(seqs):  # decode: one token per sequence, at its computed count
+            pos = starts
+            mapping = [table[p // bs] * bs + p % bs if table else PAD_SLOT_ID
+                       for p, table in zip(pos, blocks, strict=True)]
+        else:
+            pos = list(chain.from_iterable(range(c, c + n) for c, n in zip(starts, n_new, strict=True)))
+            mapping = list(chain.from_iterable(
+                [table[p // bs] * bs + p % bs for p in range(c, c + n)] if table else [PAD_SLOT_ID] * n
+                for c, n, table in zip(starts, n_new, blocks, strict=True)))
+        tables = torch.tensor(list(chain.from_iterable(blocks)), dtype=torch.int64).split(list(map(len, blocks)))
+        infos = list(map(SeqInfo, query_starts, n_new, starts, tables,
+                         [slot if slot > 0 else PAD_SLOT_ID for slot in slots], [c > 0 for c in starts],
+                         map(list, checkpoints)))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return ForwardBatch(input_ids=t(ids), positions=t(pos), slot_mapping=t(mapping), seqs=seqs, block_size=bs)
+        return ForwardBatch(input_ids=t(ids), positions=t(pos), slot_mapping=t(mapping), seqs=infos, block_size=bs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
@@ -234,7 +240,7 @@ class ModelRunner:
         logits, lse, rids = got
         self.sampler.unread_outputs = 0 if feed is None else 1  # each fed row's previous token is not read yet
         self.sampler.unread_tokens = fed
-        rows = self.sampler.sample_rows(logits, rids, [params[r] for r in rids], lse)  # type: ignore[misc]
+        rows = self.sampler.sample_rows(logits, rids, list(map(params.__getitem__, rids)), lse)  # type: ignore[misc]
         tokens = rows.tokens if rows is not None else None
         if self.token_group is not None:  # every rank holds the samples its next fed step reads
             tokens = self.token_group.broadcast_tokens(tokens, len(rids), self.device)
@@ -247,10 +253,11 @@ class ModelRunner:
             for b in (batch, *batch.views):
                 b.input_ids[: len(fed)] = fed
         hidden = self.model.forward_reference(batch, self.caches)
-        rows = [s.query_start + s.num_new_tokens - 1 for s, o in zip(batch.seqs, out.seqs, strict=True) if o.sample]
-        rids = [o.request_id for o in out.seqs if o.sample]
-        if not rids:
+        sample = [o.sample for o in out.seqs]
+        if not any(sample):
             return None
+        rids = list(compress([o.request_id for o in out.seqs], sample))
+        rows = list(compress([s.query_start + s.num_new_tokens - 1 for s in batch.seqs], sample))
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), None, rids
 
     def _forward_varlen(self, out: SchedulerOutput, fed: torch.Tensor | None) -> Logits | None:
@@ -310,4 +317,4 @@ class LaunchedStep:
         if self.rows is None:
             return {}, {}
         tokens, logprobs, top = self.rows.resolve()
-        return {r: (t, lp) for r, t, lp in zip(self.rows.request_ids, tokens, logprobs, strict=True)}, top
+        return dict(zip(self.rows.request_ids, zip(tokens, logprobs, strict=True), strict=True)), top

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import chain
+from operator import attrgetter
 from typing import Protocol
 
 import torch
@@ -43,6 +44,14 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 class _History(Protocol):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+
+
+_plain_key = attrgetter("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                        "structured_output", "min_tokens", "top_logprobs")
+_PLAIN = (0.0, 0.0, 0.0, 1.0, None, None, 0, 0)
+"""A row whose parameters read so (`_plain_key`) is greedy with nothing to apply: no penalty, bias, grammar,
+min_tokens or top logprobs. A step of such rows only is its logits' argmax (`Sampler.sample_rows`' fast path:
+no per-row Python loop)."""
 
 
 class Sampler:
@@ -128,6 +137,10 @@ class Sampler:
         logits = logits.float()
         if lse is None:  # log_softmax(x)[t] = x[t] - lse: no [rows, vocab] tensor written
             lse = torch.logsumexp(logits, dim=-1)
+        if all(map(_PLAIN.__eq__, map(_plain_key, params))):  # what the rest does for such rows, without its loops
+            tokens = torch.argmax(logits, dim=-1)
+            chosen = logits.gather(1, tokens.view(-1, 1)).view(-1) - lse
+            return SampledRows(tokens, chosen, None, request_ids, [0] * len(params))
         x = self._process(logits, request_ids, params)
         tokens = torch.argmax(x, dim=-1)
         if not all(p.greedy for p in params):

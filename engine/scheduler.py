@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PrefixHit
@@ -85,6 +86,9 @@ class ScheduledSeq:
         return self.num_computed_tokens > 0
 
 
+_TOKEN_IDS = attrgetter("token_ids")
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
@@ -97,7 +101,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(map(len, map(_TOKEN_IDS, self.seqs)))  # no Python frame per sequence
 
     @property
     def is_empty(self) -> bool:
@@ -252,7 +256,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(req.target_tokens - req.num_computed_tokens, budget)
+            target = req.compute_target  # req.target_tokens, inlined: once per request per step
+            if target is None:
+                target = len(req.prompt_token_ids) + len(req.output_token_ids)
+            num_new = min(target - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -371,12 +378,16 @@ class Scheduler:
         # no checkpoint of state computed on an unconfirmed transfer: it would be published when written
         ckpts = self._no_checkpoints if self.unconfirmed and rid in self.unconfirmed else cache.checkpoint_plan(
             req, start, end)
+        outputs = req.output_token_ids
+        past_prompt = start - len(req.prompt_token_ids)
+        # a decode row's one token read directly (`token_slice` builds a list first): once per request per step
+        tokens = (outputs[past_prompt],) if num_new == 1 and past_prompt >= 0 else tuple(req.token_slice(start, end))
         # Positional (fields in declaration order): keywords cost about 2.5x as much, once per request per step.
         return ScheduledSeq(
             rid,  # request_id
             start,  # num_computed_tokens
-            tuple(req.token_slice(start, end)),  # token_ids
-            req.compute_target is None and end == req.num_tokens,  # sample
+            tokens,  # token_ids
+            req.compute_target is None and past_prompt + num_new == len(outputs),  # sample: end == num_tokens
             blocks,  # group_block_ids
             slots,  # group_state_slots
             ckpts,  # group_checkpoints
