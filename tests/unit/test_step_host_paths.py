@@ -30,8 +30,17 @@ def per_sequence_view(out: SchedulerOutput, blocks, slots, checkpoints) -> Forwa
     seqs: list[SeqInfo] = []
     for s, table, slot, ckpts in zip(out.seqs, blocks, slots, checkpoints, strict=True):
         start = s.num_computed_tokens
-        seqs.append(SeqInfo(len(ids), s.num_new_tokens, start, torch.tensor(table, dtype=torch.int64),
-                            slot if slot > 0 else PAD_SLOT_ID, s.has_initial_state, list(ckpts)))
+        seqs.append(
+            SeqInfo(
+                len(ids),
+                s.num_new_tokens,
+                start,
+                torch.tensor(table, dtype=torch.int64),
+                slot if slot > 0 else PAD_SLOT_ID,
+                s.has_initial_state,
+                list(ckpts),
+            )
+        )
         ids.extend(s.token_ids)
         for p in range(start, start + s.num_new_tokens):
             pos.append(p)
@@ -71,8 +80,16 @@ def test_reference_batch_equals_the_per_sequence_loop(decode_only: bool) -> None
         ModelRunner._build_view(runner, out, blocks[:-1], slots, ckpts)  # type: ignore[arg-type]
 
 
-SAMPLER_IGNORES_WHEN_GREEDY = {"max_tokens", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                               "include_stop_str_in_output"}
+SAMPLER_IGNORES_WHEN_GREEDY = {
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+}
 """SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed)."""
 
 
@@ -81,9 +98,16 @@ def test_plain_key_covers_every_field_the_sampler_reads() -> None:
     keyed = set(sampler_module._plain_key.__reduce__()[1])
     assert keyed | SAMPLER_IGNORES_WHEN_GREEDY == {f.name for f in dataclasses.fields(SamplingParams)}
     assert sampler_module._plain_key(SamplingParams(temperature=0)) == sampler_module._PLAIN
-    for change in (dict(temperature=0.5), dict(presence_penalty=0.1), dict(frequency_penalty=-0.1),
-                   dict(repetition_penalty=1.1), dict(logit_bias={3: 1.0}), dict(min_tokens=1), dict(top_logprobs=1),
-                   dict(structured_output=StructuredOutput("regex", "a+"))):
+    for change in (
+        dict(temperature=0.5),
+        dict(presence_penalty=0.1),
+        dict(frequency_penalty=-0.1),
+        dict(repetition_penalty=1.1),
+        dict(logit_bias={3: 1.0}),
+        dict(min_tokens=1),
+        dict(top_logprobs=1),
+        dict(structured_output=StructuredOutput("regex", "a+")),
+    ):
         params = SamplingParams(**{"temperature": 0, **change})
         assert sampler_module._plain_key(params) != sampler_module._PLAIN, change
 
