@@ -73,6 +73,10 @@ class _Launched:
     def live(self, requests: dict[str, Request]) -> tuple[str, ...]:
         return tuple(rid for rid, req in self.requests.items() if requests.get(rid) is req)
 
+    def any_live(self, requests: dict[str, Request]) -> bool:
+        """`bool(self.live(requests))`, stopping at the first live row."""
+        return any(requests.get(rid) is req for rid, req in self.requests.items())
+
     def live_late(self, requests: dict[str, Request]) -> list[tuple[Request, int]]:
         """`late` without rows of requests that have ended (the synchronous engine never ran those rows)."""
         return [(req, b) for req, b in self.late if requests.get(req.request_id) is req]
@@ -104,7 +108,8 @@ class StepPipeline:
                 cur = self._launch(core.scheduler.schedule(), None)
             marks = core.cache.pending_marks()
             late = core.scheduler.plan_late_checkpoints(cur.live_late(core.scheduler.requests))
-            ahead = self._plan_ahead(cur)
+            live = cur.live(core.scheduler.requests)  # no request ends before `_process`: one look for both
+            ahead = self._plan_ahead(cur, live)
             if late:
                 self._save_late(cur, late, marks, ahead is not None)
             if ahead is not None:
@@ -118,8 +123,8 @@ class StepPipeline:
         except Exception:
             self._abandon(cur)
             raise
-        advanced = self._process(cur, sampled, top, t0)
-        if self.in_flight is not None and not self.in_flight.live(core.scheduler.requests):
+        advanced = self._process(cur, live, sampled, top, t0)
+        if self.in_flight is not None and not self.in_flight.any_live(core.scheduler.requests):
             self.drain()  # only ended requests in it: nothing to wait for later, and their pages come back now
         return advanced
 
@@ -171,10 +176,12 @@ class StepPipeline:
         else:
             core.runner.synchronize()
 
-    def _plan_ahead(self, cur: _Launched) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
-        """The step after `cur` if it can be launched before `cur`'s tokens are read (invariants 1 and 2)."""
+    def _plan_ahead(
+        self, cur: _Launched, live: tuple[str, ...]
+    ) -> tuple[SchedulerOutput, list[tuple[Request, int]]] | None:
+        """The step after `cur` if it can be launched before `cur`'s tokens are read (invariants 1 and 2); `live`:
+        its rows whose requests have not ended (`_Launched.live`)."""
         core, sched = self.core, self.core.scheduler
-        live = cur.live(sched.requests)
         if not live:
             return None
         rows: list[tuple[Request, int]] = []
@@ -200,14 +207,19 @@ class StepPipeline:
         return ahead
 
     def _process(
-        self, cur: _Launched, sampled: dict[str, tuple[int, float]], top: dict[str, list[tuple[int, float]]], t0: float
+        self,
+        cur: _Launched,
+        live_rows: tuple[str, ...],
+        sampled: dict[str, tuple[int, float]],
+        top: dict[str, list[tuple[int, float]]],
+        t0: float,
     ) -> list[Request]:
-        """`cur`'s results into its requests that have not ended (the others' rows are overrun rows), then its
-        deferred frees."""
+        """`cur`'s results into its requests that have not ended (`live_rows`; the others' rows are overrun rows),
+        then its deferred frees."""
         core = self.core
-        live = set(cur.live(core.scheduler.requests))
         out = cur.out
-        if len(live) < len(out.seqs):
+        if len(live_rows) < len(out.seqs):
+            live = set(live_rows)
             self.num_overrun += len(out.seqs) - len(live)
             out = dataclasses.replace(out, seqs=tuple(s for s in out.seqs if s.request_id in live))
             sampled = {r: v for r, v in sampled.items() if r in live}
