@@ -33,6 +33,7 @@ _STEP_CALLS = frozenset({"execute", "launch"})
 _SEQ_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduledSeq))
 _TABLES = _SEQ_FIELDS.index("group_block_ids")
 _RID = _SEQ_FIELDS.index("request_id") - (_SEQ_FIELDS.index("request_id") > _TABLES)
+_NUM_REST = len(_SEQ_FIELDS) - 1
 _OUT_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerOutput) if f.name != "seqs")
 
 
@@ -112,10 +113,11 @@ class StepDecoder:
             return name, args, kwargs
         _, name, extra, rests, tables, out_rest = msg
         last, k = self._tables, _TABLES
-        seqs = tuple(
-            ScheduledSeq(*v[:k], last[v[_RID]] if t is None else t, *v[k:]) for v, t in zip(rests, tables, strict=True)
-        )
-        self._tables = {s.request_id: s.group_block_ids for s in seqs}
+        cols = list(zip(*rests, strict=True)) or [()] * _NUM_REST  # field by field: one map builds the sequences
+        rids = cols[_RID]
+        seq_tables = [last[rid] if t is None else t for rid, t in zip(rids, tables, strict=True)]
+        seqs = tuple(map(ScheduledSeq, *cols[:k], seq_tables, *cols[k:]))
+        self._tables = dict(zip(rids, seq_tables, strict=True))
         out = SchedulerOutput(seqs=seqs, **dict(zip(_OUT_FIELDS, out_rest, strict=True)))
         return name, (out, NO_PARAMS, *extra), {}
 

@@ -127,3 +127,23 @@ def test_plain_greedy_step_equals_the_general_path(monkeypatch: pytest.MonkeyPat
         monkeypatch.undo()
         assert fast.resolve() == slow.resolve()
         assert torch.equal(fast.tokens, slow.tokens)
+
+
+def test_tp_step_command_round_trips_empty_and_full_steps() -> None:
+    """The follower rebuilds the step field by field (`StepDecoder`): an empty step (only preemptions) and a batch of
+    64 come back equal."""
+    import pickle
+
+    from hybridpd.engine.parallel.commands import StepDecoder, StepEncoder
+
+    enc, dec = StepEncoder(), StepDecoder()
+    rnd = random.Random(1)
+    tables = {f"r{i}": ((0, tuple(rnd.randrange(1, 99) for _ in range(3))),) for i in range(64)}
+    for k in range(3):
+        seqs = tuple(
+            ScheduledSeq(rid, 9 + k, (k,), True, t, ((1, i + 1),), ((1, ()),))
+            for i, (rid, t) in enumerate(tables.items())
+        )
+        for out in (SchedulerOutput(seqs, ()), SchedulerOutput((), ("gone",))):
+            wire = pickle.loads(pickle.dumps(enc.encode("execute", (out, {}), {})))
+            assert dec.decode(wire)[1][0] == out
