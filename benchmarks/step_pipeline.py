@@ -13,6 +13,10 @@ With --identity 1 (default) each configuration then generates greedily for 16 fi
 in advance (max_tokens) and once ending at stop tokens (overrun rows under asynchronous scheduling), and the table
 says whether asynchronous scheduling gave the synchronous engine's tokens and logprobs at each TP size.
 
+With --profile N each configuration then runs --profile-steps more steps under cProfile and lists its N costliest
+functions (own and cumulative ms per step, wall clock, profiler overhead included): where a GPU step's host time
+goes.
+
 Each (TP, mode) runs in its own process (plain processes, no Ray; the TP followers are the engine's own), with a
 time limit, so a configuration that fails or hangs reports that and the others still run. Progress lines
 (load, prefill, warm-up, timing) are printed as they happen: a run cut short shows where it stopped.
@@ -93,7 +97,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = json.loads(args.settings)
     if cuda:
         settings["gpu_memory_utilization"] = args.gpu_memory_utilization
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     llm = LLM(
         model=args.path,
         device=args.device,
@@ -151,6 +155,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             pipe.drain()
         if len(core.scheduler.running) != args.batch:
             raise RuntimeError(f"only {len(core.scheduler.running)} of {args.batch} requests ran the timed steps")
+        profile = profile_steps(core, args.profile_steps, args.profile) if args.profile else None
         identity = outputs(llm) if args.identity else None
     finally:
         llm.shutdown()
@@ -169,11 +174,39 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         row["sync_fallbacks"] = after["num_sync_fallbacks"] - before["num_sync_fallbacks"]
     if identity is not None:
         row["identity"] = identity
+    if profile is not None:
+        row["profile"] = profile
     if clock is not None:
         row["model_ms_mean"] = model_seconds / args.steps * 1e3
         row["host_ms_mean"] = row["step_ms_mean"] - row["model_ms_mean"]
         row["host_cpu_ms_mean"] = (cpu_seconds - model_cpu_seconds) / args.steps * 1e3
     return row
+
+
+def profile_steps(core: Any, steps: int, top: int) -> list[dict[str, Any]]:
+    """cProfile of `steps` more decode steps (wall clock; on CPU the model's forward is in it too): the `top`
+    functions by own time, each with calls, own and cumulative ms per step. The timing above ran without it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    prof.disable()
+    if core.pipeline is not None:
+        core.pipeline.drain()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [
+        {
+            "function": f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})",
+            "calls_per_step": nc / steps,
+            "own_ms_per_step": tt / steps * 1e3,
+            "cum_ms_per_step": ct / steps * 1e3,
+        }
+        for (file, line, name), (_cc, nc, tt, ct, _callers) in rows
+    ]
 
 
 def outputs(llm: Any) -> dict[str, Any]:
@@ -309,6 +342,12 @@ def table(result: dict[str, Any]) -> str:
                 f"identity {name}, {run}: same tokens {c['same_tokens']}, logprobs bit for bit "
                 f"{c['bitwise']}, max logprob diff {c['max_logprob_diff']:.2e}"
             )
+    for r in result["rows"]:
+        for i, f in enumerate(r.get("profile", [])):
+            if not i:
+                lines.append(f"profile tp {r['tp']} {r['mode']} (ms per step; calls, own, cumulative):")
+            own, cum = f["own_ms_per_step"], f["cum_ms_per_step"]
+            lines.append(f"  {f['calls_per_step']:>7.1f} {own:>7.3f} {cum:>7.3f}  {f['function']}")
     for tp in sorted({t for t, _ in ok if t > 1}):
         for mode in ("sync", "async"):
             if (tp, mode) in ok and (1, "sync") in ok:
@@ -342,6 +381,14 @@ def main() -> None:
     shared.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     shared.add_argument("--phase-timeout", type=float, default=120.0)
     shared.add_argument("--identity", type=int, default=1, help="1: also compare greedy outputs across modes")
+    shared.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="N > 0: after the timing, cProfile --profile-steps "
+        "more steps and report the N costliest functions (ms per step, profiler overhead included)",
+    )
+    shared.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
@@ -364,6 +411,8 @@ def main() -> None:
             "gpu_memory_utilization",
             "phase_timeout",
             "identity",
+            "profile",
+            "profile_steps",
             "device",
         )
         for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
