@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hybridpd.proxy.routing import Router
 
+from tests.polling import wait_for
 from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
@@ -86,3 +87,29 @@ def test_least_loaded_avoids_busy_decode(policy: str, expected: list[int]) -> No
                                                              "ignore_eos": True})
                 assert r.status_code == 200
             assert [len(_ids(s, 0)), len(_ids(s, 1))] == expected
+
+
+def test_a_worker_that_stops_answering_health_gets_no_new_requests() -> None:
+    """A frozen worker (SIGSTOP, a wedged event loop) keeps its connections open, so no call fails and its feed does
+    not break: only the health probe sees it. While its probe times out, new requests go to the other worker of its
+    role; once it answers again it is back in rotation. A role whose every worker is unresponsive still routes
+    (slow is not gone: better to wait than to refuse)."""
+    with LiveStack(n_prefill=2, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=0.3) as s:
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}
+        s.prefill[0].health_delay_s = s.decode[1].health_delay_s = 5.0
+        wait_for("probes see the stall", lambda: s.http.get("/health").json()["ready"] == {"prefill": 1, "decode": 1},
+                 timeout=10, interval=0.05)
+        for _ in range(4):
+            assert s.http.post("/v1/completions", json=body).status_code == 200
+        assert [len(p.prefills) for p in s.prefill] == [0, 4] and [len(_ids(s, i)) for i in (0, 1)] == [4, 0]
+        s.prefill[1].health_delay_s = 5.0  # every prefill worker unresponsive: they still get requests
+        wait_for("no prefill worker answers", lambda: s.http.get("/health").json()["ready"]["prefill"] == 0, timeout=10,
+                 interval=0.05)
+        assert s.http.post("/v1/completions", json=body).status_code == 200
+        s.prefill[0].health_delay_s = s.prefill[1].health_delay_s = s.decode[1].health_delay_s = 0.0
+        wait_for("all answer again", lambda: s.http.get("/health").json()["ready"] == {"prefill": 2, "decode": 2},
+                 timeout=10, interval=0.05)
+        for _ in range(4):
+            assert s.http.post("/v1/completions", json=body).status_code == 200
+        assert min(len(p.prefills) for p in s.prefill) >= 2 and len(_ids(s, 1)) == 2
