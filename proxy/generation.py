@@ -32,6 +32,7 @@ capacity, the request is shed with 503 and `Retry-After` (all down: 503 worker_u
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -60,6 +61,34 @@ _RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.
 # down, at its mixed-role cap, or a worker without the mixed role.
 _WHOLE_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               grpc.StatusCode.UNIMPLEMENTED})
+
+
+FROZEN_CHECK_S = 0.25
+"""How often a Prefill in flight checks whether its worker stopped answering health probes."""
+
+
+class _WorkerFrozen(Exception):
+    """The prefill worker stopped answering health probes while another one answers: its Prefill was given up."""
+
+
+async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
+                                 timeout: float) -> pb.PrefillResponse:
+    """P.Prefill on `addr`; given up (cancelled, _WorkerFrozen) once the health monitor finds `addr` unresponsive
+    while another prefill worker answers. A frozen worker keeps its connection open, so the call alone would wait
+    for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes."""
+    if len(router.members) < 2:
+        return await clients.prefill_call(addr, req, timeout)
+    call = asyncio.ensure_future(clients.prefill_call(addr, req, timeout))
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=FROZEN_CHECK_S)
+            if done:
+                return call.result()
+            if router.is_unresponsive(addr) and any(a != addr for a in router.addrs):
+                raise _WorkerFrozen(addr)
+    finally:
+        if not call.done():
+            call.cancel()
 
 
 @dataclass(frozen=True)
@@ -268,8 +297,13 @@ class Generation:
             self._s.prefill_addr = addr
             t0 = time.perf_counter()
             try:
-                resp = await self.cluster.clients.prefill_call(addr, req, timeout)
+                resp = await _prefill_unless_frozen(self.cluster.clients, router, addr, req, timeout)
                 break
+            except _WorkerFrozen:
+                log.warning("request %s: prefill worker %s stopped answering; trying another", self.req.request_id,
+                            addr)
+                refused.add(addr)
+                continue
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None

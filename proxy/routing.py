@@ -87,6 +87,9 @@ class Router:
         else:
             self._unresponsive.discard(addr)
 
+    def is_unresponsive(self, addr: str) -> bool:
+        return addr in self._unresponsive
+
     def is_routable(self, addr: str) -> bool:
         return addr in self.addrs
 

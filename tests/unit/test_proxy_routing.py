@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hybridpd.proxy.routing import Router
 
@@ -113,3 +115,17 @@ def test_a_worker_that_stops_answering_health_gets_no_new_requests() -> None:
         for _ in range(4):
             assert s.http.post("/v1/completions", json=body).status_code == 200
         assert min(len(p.prefills) for p in s.prefill) >= 2 and len(_ids(s, 1)) == 2
+
+
+def test_a_prefill_on_a_worker_that_freezes_goes_to_another() -> None:
+    """A Prefill in flight on a worker whose health probe stops answering is given up (cancelled: the worker frees
+    what it prefilled when it resumes) and sent to another prefill worker that answers, instead of waiting for
+    the frozen one for as long as it stays frozen."""
+    with LiveStack(n_prefill=2, n_decode=1, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=0.3) as s:
+        s.prefill[0].delay_s = s.prefill[0].health_delay_s = 30.0  # frozen: answers nothing
+        t0 = time.perf_counter()
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=20)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 10
+        assert [len(p.prefills) for p in s.prefill] == [1, 1]
+        assert s.decode[0].generates[-1].params.prefill_address == s.prefill[1].address
