@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from hybridpd.proto import hybridpd_pb2 as pb
@@ -68,7 +68,7 @@ FROZEN_CHECK_S = 0.25
 
 
 class _WorkerFrozen(Exception):
-    """The prefill worker stopped answering health probes while another one answers: its Prefill was given up."""
+    """A worker stopped answering health probes while another of its role answers: the call to it was given up."""
 
 
 async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
@@ -383,7 +383,13 @@ class Generation:
         assert self._s.call is not None and self._s.decode_addr is not None
         while True:
             try:
-                chunk = await self._s.call.read()
+                chunk = await (self._s.call.read() if self._s.got_chunk else self._first_read_unless_frozen())
+            except _WorkerFrozen:
+                self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
+                if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
+                    continue
+                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} stopped answering",
+                                          code="worker_unavailable")) from None
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
@@ -401,6 +407,26 @@ class Generation:
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
+
+    async def _first_read_unless_frozen(self) -> Any:
+        """The Generate stream's first read; _WorkerFrozen (the stream cancelled) once the health monitor finds its
+        decode worker unresponsive while another decode worker not tried yet answers."""
+        s, router = self._s, self.cluster.decode
+        assert s.call is not None and s.decode_addr is not None
+        if s.on_prefill or len(router.members) < 2:
+            return await s.call.read()
+        read = asyncio.ensure_future(s.call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=FROZEN_CHECK_S)
+                if done:
+                    return read.result()
+                if router.is_unresponsive(s.decode_addr) and any(
+                        a not in (*s.decode_tried, s.decode_addr) for a in router.addrs):
+                    raise _WorkerFrozen(s.decode_addr)
+        finally:
+            if not read.done():
+                read.cancel()
 
     def _retry_decode(self, code: grpc.StatusCode) -> bool:
         """Generate failed with `code` before sending anything: D was unreachable, or (P-alone) the prefill worker

@@ -129,3 +129,19 @@ def test_a_prefill_on_a_worker_that_freezes_goes_to_another() -> None:
         assert r.status_code == 200 and time.perf_counter() - t0 < 10
         assert [len(p.prefills) for p in s.prefill] == [1, 1]
         assert s.decode[0].generates[-1].params.prefill_address == s.prefill[1].address
+
+
+def test_a_generate_on_a_decode_worker_that_freezes_before_its_first_token_goes_to_another() -> None:
+    """Generate sent to a decode worker that then stops answering (health probes time out) and has sent nothing
+    yet: the stream is cancelled and the request goes to another decode worker (computing the prompt itself), as
+    when the worker is unreachable; the answer is whole."""
+    with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=0.3) as s:
+        s.decode[0].token_delay_s = s.decode[0].health_delay_s = 30.0  # frozen: answers nothing
+        t0 = time.perf_counter()
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3}, timeout=20)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 10
+        assert r.json()["choices"][0]["token_ids"] == [3, 2, 1]  # (the fake answers the prompt reversed)
+        assert len(_ids(s, 0)) == 1 and len(_ids(s, 1)) == 1
+        assert not s.decode[1].generates[-1].HasField("params")  # computed there: P's lease was given back
+        wait_for("P's lease released", lambda: s.prefill[0].releases, timeout=5, interval=0.05)
