@@ -142,14 +142,16 @@ class CacheTree:
     def _queue(self, kind: int, page: int, base: float, priority: float) -> None:
         self.version += 1
         self._order = order = self._order + 1
-        self.queued[kind][page] = (priority, order, base)
-        heapq.heappush(self._heap, (priority, order, page << 1 | kind))
+        queued = self.queued
+        queued[kind][page] = (priority, order, base)
+        heap = self._heap
+        heapq.heappush(heap, (priority, order, page << 1 | kind))
         if kind == STATE:
             heapq.heappush(self._state_heap, (priority, order, page))
-        if len(self._heap) > 4 * (len(self.queued[0]) + len(self.queued[1])) + 64:  # mostly stale: rebuild
+            if len(self._state_heap) > 4 * len(queued[STATE]) + 64:
+                self._rebuild_states()
+        if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
-        elif len(self._state_heap) > 4 * len(self.queued[STATE]) + 64:
-            self._rebuild_states()
 
     def _discard(self, kind: int, page: int) -> None:
         self.version += 1
@@ -250,12 +252,18 @@ class CacheTree:
             if victim is not True:
                 self._evict_victim(victim)  # type: ignore[arg-type]
         taken = self.overlay.k * max((p.overlay_needed(n, checkpoint) for p, n in states), default=0)  # type: ignore
+        heap, queued = self._heap, self.queued
         for p, n in needs:
             while n and id(p) not in self._state_ids and p.num_plain - taken < n:
-                victim = self._lowest()
-                if victim is None:
+                while heap:  # the lowest live entry, popped (`_lowest`, inlined: one per evicted block)
+                    prio, order, key = heapq.heappop(heap)
+                    entry = queued[key & 1].get(key >> 1)
+                    if entry is not None and entry[1] == order:
+                        break
+                else:
                     return False
-                self._evict_victim(victim)
+                self._evict_victim((key & 1, key >> 1, prio))
+                heap = self._heap  # (a refresh rebuilds it)
         return True
 
     def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
@@ -345,9 +353,16 @@ class CacheTree:
         while stack:
             node = pop()
             seen += 1
+            kids = node.kids
+            while len(kids) == 1 and node.hash not in states:  # a plain stretch: no credit, nothing queued
+                if seen >= MAX_RANGE_SUBTREE:
+                    return INF
+                for node in kids.values():  # (its one kid; the stack would pop it next)
+                    kids = node.kids
+                seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
-            h, kids = node.hash, node.kids
+            h = node.hash
             if kids:
                 push(kids.values())
                 if h not in states:
@@ -403,30 +418,47 @@ class CacheTree:
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
-        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
-        pool = self.pool_of[kind]
-        assert pool is not None
-        h = pool.block_hash[page]
-        assert h is not None
-        self._discard(kind, page)
-        pool.evict(page, count)
-        if self.riders[kind]:
-            self._drop_riders(kind, h, count)
+        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint); the
+        clock rises to `prio`, the evicted item's priority."""
         if prio is not None and prio > self.clock:
             self.clock = prio
-        node = self.nodes[h]
-        state = self.state
         if kind == BLOCK:
-            self._unlink(node)
-            slot = state.cached.get(h) if state is not None else None
-            if slot is not None and state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
-                self.evict(STATE, slot)  # its chain is gone: the state is useless
+            self._evict_block(page, count)
         else:
-            self._requeue_block(h)  # the block it ended on may now be a dead end
-        if (self.chain is None or h not in self.chain.cached) and (state is None or h not in state.cached):
-            gone = self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
-            if gone is not None:
-                self._spare.append(gone)
+            self._evict_state(page, count)
+
+    def _evict_block(self, page: int, count: bool) -> None:
+        """The chain's page goes, with the unreferenced checkpoint named by it (its chain is gone)."""
+        chain = self.chain
+        h = chain.block_hash[page]  # type: ignore[union-attr]
+        self.queued[BLOCK].pop(page, None)
+        chain.evict(page, count)  # type: ignore[union-attr]
+        if self.riders[BLOCK]:
+            self._drop_riders(BLOCK, h, count)  # type: ignore[arg-type]
+        node = self.nodes[h]  # type: ignore[index]
+        if node.parent is not None:
+            self._unlink(node)
+        state = self.state
+        slot = state.cached.get(h) if state is not None else None  # type: ignore[arg-type]
+        if slot is None:
+            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
+        elif state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
+            self._evict_state(slot, True)  # takes the node
+        # else: a referenced checkpoint keeps the node
+
+    def _evict_state(self, slot: int, count: bool) -> None:
+        """The lead state pool's checkpoint goes; the block it ended on may now be a dead end."""
+        state = self.state
+        h = state.block_hash[slot]  # type: ignore[union-attr]
+        self.queued[STATE].pop(slot, None)
+        state.evict(slot, count)  # type: ignore[union-attr]
+        if self.riders[STATE]:
+            self._drop_riders(STATE, h, count)  # type: ignore[arg-type]
+        chain = self.chain
+        if chain is None or h not in chain.cached:
+            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
+        else:
+            self._requeue_block(h)  # type: ignore[arg-type]
 
     def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
         """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
@@ -441,25 +473,30 @@ class CacheTree:
         if parent is None:
             return
         node.parent = None
-        del parent.kids[node.hash]
-        if parent.kids:
+        kids = parent.kids
+        del kids[node.hash]
+        if kids:
             return
-        if parent.hash in self._going and (self.state is None or parent.hash not in self.state.cached):
+        h = parent.hash
+        if h in self._going and (self.state is None or h not in self.state.cached):
             return  # a dead end that this subtree eviction takes next: queuing it would change nothing
-        self._requeue_block(parent.hash)  # a new leaf
+        chain = self.chain
+        b = chain.cached.get(h)  # type: ignore[union-attr]
+        if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
+            self._push(BLOCK, b, h)  # a new leaf
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
         h = pool.block_hash[page]
         assert h is not None
-        kind = self.kind_of.get(id(pool))
-        if kind is None:  # a rider: leaves with its leader's page, or now if the leader lost h
-            if self.leader_of[id(pool)].lookup(h) is None:
-                pool.uncache(page)
-            return
-        if kind == BLOCK and self.nodes[h].kids:
-            return  # not a leaf: queued when its last kid goes
-        self._push(kind, page, h)
+        if pool is self.chain:
+            if self.nodes[h].kids:
+                return  # not a leaf: queued when its last kid goes
+            self._push(BLOCK, page, h)
+        elif pool is self.state:
+            self._push(STATE, page, h)
+        elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
+            pool.uncache(page)  # leader lost h
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
         kind = self.kind_of.get(id(pool))
@@ -481,14 +518,18 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self._node(h, tokens)
+        node = self.nodes.get(h)
+        if node is None:
+            node = self._node(h, tokens)
+        elif node.parent is not None:
+            return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
-        if node.parent is not None or pb is None:
-            return  # linked already, a first block, or the parent is gone (this block heads an unreachable chain)
+        if pb is None:
+            return  # a first block, or the parent is gone (this block heads an unreachable chain)
         up = self.nodes[parent]  # type: ignore[index]
         node.parent = up
         up.kids[h] = node
-        self._discard(BLOCK, pb)  # no longer a leaf
+        self.queued[BLOCK].pop(pb, None)  # no longer a leaf
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
@@ -516,7 +557,8 @@ class CacheTree:
             self._push(BLOCK, b, h)
 
     def _push(self, kind: int, page: int, h: bytes) -> None:
-        self._queue(kind, page, self.clock, self.clock + self._value(kind, h))
+        clock = self.clock
+        self._queue(kind, page, clock, clock + self._value(kind, h))
 
     # -- value -------------------------------------------------------------------------------------------------
     def _value(self, kind: int, h: bytes | None) -> float:
