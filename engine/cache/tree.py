@@ -518,15 +518,17 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self.nodes.get(h)
-        if node is None:
-            node = self._node(h, tokens)
+        nodes = self.nodes
+        node = nodes.get(h)
+        if node is None:  # (`_node`, inlined: once per cached block)
+            node = nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.last_hit, node.demoted = h, tokens, None, False
         elif node.parent is not None:
             return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
         if pb is None:
             return  # a first block, or the parent is gone (this block heads an unreachable chain)
-        up = self.nodes[parent]  # type: ignore[index]
+        up = nodes[parent]  # type: ignore[index]
         node.parent = up
         up.kids[h] = node
         self.queued[BLOCK].pop(pb, None)  # no longer a leaf
