@@ -64,7 +64,7 @@ class Node:
     leaves the tree (unlinked, no kids) is kept for the next one (`CacheTree._node`): one per block would make work
     for the garbage collector, which traverses every live node."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "last_hit", "demoted")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "last_hit", "demoted")
 
     def __init__(self) -> None:
         self.hash = b""
@@ -75,6 +75,8 @@ class Node:
         and `kids` link chain-cached nodes only, so a cached chain never has a hole."""
         self.kids: dict[bytes, Node] = {}
         """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
+        self.kid: Node | None = None
+        """The one node in `kids` when there is exactly one, else None (what the walks test)."""
         self.last_hit: int | None = None
         """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
         self.demoted = False
@@ -353,16 +355,15 @@ class CacheTree:
         while stack:
             node = pop()
             seen += 1
-            kids = node.kids
-            while len(kids) == 1 and node.hash not in states:  # a plain stretch: no credit, nothing queued
+            kid = node.kid
+            while kid is not None and node.hash not in states:  # a plain stretch: no credit, nothing queued
                 if seen >= MAX_RANGE_SUBTREE:
                     return INF
-                for node in kids.values():  # (its one kid; the stack would pop it next)
-                    kids = node.kids
+                node, kid = kid, kid.kid  # (its one kid: the stack would pop it next)
                 seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
-            h = node.hash
+            h, kids = node.hash, node.kids
             if kids:
                 push(kids.values())
                 if h not in states:
@@ -476,7 +477,10 @@ class CacheTree:
         kids = parent.kids
         del kids[node.hash]
         if kids:
+            if len(kids) == 1:
+                (parent.kid,) = kids.values()
             return
+        parent.kid = None
         h = parent.hash
         if h in self._going and (self.state is None or h not in self.state.cached):
             return  # a dead end that this subtree eviction takes next: queuing it would change nothing
@@ -530,7 +534,9 @@ class CacheTree:
             return  # a first block, or the parent is gone (this block heads an unreachable chain)
         up = nodes[parent]  # type: ignore[index]
         node.parent = up
-        up.kids[h] = node
+        kids = up.kids
+        kids[h] = node
+        up.kid = node if len(kids) == 1 else None
         self.queued[BLOCK].pop(pb, None)  # no longer a leaf
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
@@ -589,7 +595,7 @@ class CacheTree:
         for _ in range(MAX_ANCHOR_WALK):
             if p is None:
                 return 0
-            if len(p.kids) >= 2 or p.hash in states:
+            if p.kid is None or p.hash in states:  # (p has a kid, the node below: no `kid` means several)
                 return p.tokens
             p = p.parent
         return 0
@@ -626,6 +632,8 @@ class CacheTree:
                 assert node.parent.kids.get(h) is node and self.chain.lookup(h) is not None  # type: ignore[union-attr]
                 assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
             assert all(k.parent is node for k in node.kids.values())
-        assert all(n.parent is None and not n.kids and self.nodes.get(n.hash) is not n for n in self._spare), "spare"
+            assert node.kid is (next(iter(node.kids.values())) if len(node.kids) == 1 else None), "the one kid"
+        for n in self._spare:
+            assert n.parent is None and not n.kids and n.kid is None and self.nodes.get(n.hash) is not n, "spare"
         if self.overlay is not None:
             self.overlay.check_integrity()
