@@ -239,7 +239,7 @@ class CacheTree:
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
         """State ids first (freeing ranges: `_arena_victim`), then the attention blocks besides the ranges taken."""
-        asked = tuple((id(p), n) for p, n in needs)
+        asked = tuple((id(p), n) for p, n in needs) if checkpoint else ()
         if checkpoint and self._failed_room == (asked, self._version()):
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
