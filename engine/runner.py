@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -204,6 +205,17 @@ class ModelRunner:
         """Start one step without waiting for its tokens (`LaunchedStep.resolve` does). `feed`: the step's input
         token of each sequence is not known on the host yet: it is the previous launch's sampled row `feed[i]`,
         copied on the device (every sequence then computes one token)."""
+        with self._on_device():
+            return self._launch(out, params, feed)
+
+    def _on_device(self) -> AbstractContextManager[Any]:
+        """The engine's device made current while a step is enqueued: Triton launches its kernels on the current
+        device's stream and a CUDA graph is captured there, and the thread that steps the engine may have another
+        device current (every thread starts on cuda:0). Nothing on the CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
+    def _launch(self, out: SchedulerOutput, params: Mapping[str, SamplingParams | None],
+                feed: tuple[int, ...] | None) -> LaunchedStep:
         for gid, copies in out.group_state_copies:
             self.copy_states(copies, gid)
         for gid, fresh in out.group_fresh_blocks:

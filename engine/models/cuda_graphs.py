@@ -85,6 +85,11 @@ class DecodeGraphs:
         """Per view: block table, slot mapping, state slots (one view unless a kind has several groups)."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool: Any = None
+        self._stream: Any = None
+        """The stream every graph is captured on (made at the first capture): the engine device's own
+        (torch.cuda.graph's default is one per process, made on whichever device was current at its first capture:
+        another engine's, say), and one for all of them (the allocator reuses a pool's freed blocks only on the
+        stream they were allocated on: graphs captured on one stream share their intermediates' memory)."""
         self.num_replays = 0
         self._uploaded = torch.cuda.Event() if pin else None
         """Recorded after each step's copies: the next step refills the pinned mirrors only once they are done
@@ -176,14 +181,16 @@ class DecodeGraphs:
             v.slot_mapping[:b].fill_(PAD_SLOT_ID)
             v.slots[:b].fill_(PAD_SLOT_ID)
         self.ctx_len[:b].zero_()
-        side = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             out = self._forward(b)
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)

@@ -171,6 +171,10 @@ def _exit_when_gone(pid: int) -> None:
     threading.Thread(target=watch, name="tp-leader-watch", daemon=True).start()
 
 
+EXIT_CLOSE_TIMEOUT_S = 10.0
+"""How long interpreter exit waits for an engine nobody shut down to stop its followers and leave the group."""
+
+
 class Followers:
     """Rank 0's handle on ranks 1..tp-1: starts them (`python -m hybridpd.engine.parallel.executor`, the config
     pickled on stdin: no re-import of the caller's main module), joins the group with them, watches them."""
@@ -202,11 +206,19 @@ class Followers:
 
     def _closing(self) -> None:
         """At interpreter exit: an engine nobody shut down still stops its followers and leaves the group (a
-        process group alive while the interpreter tears down can abort it: "terminate called ...")."""
-        try:
-            self.close()
-        except Exception:  # exiting anyway; the followers exit when this process is gone
-            self.closing = True
+        process group alive while the interpreter tears down can abort it: "terminate called ..."). Bounded: a
+        step thread still inside a collective must not hold the exit (the followers exit once this process is
+        gone)."""
+
+        def close_quietly() -> None:
+            try:
+                self.close()
+            except Exception:
+                self.closing = True
+
+        closer = threading.Thread(target=close_quietly, name="tp-close-at-exit", daemon=True)
+        closer.start()
+        closer.join(timeout=EXIT_CLOSE_TIMEOUT_S)
 
     def _unreachable(self, exc: BaseException) -> None:
         """A command could not reach a follower (the channel's error handler, any thread): ranks out of step."""

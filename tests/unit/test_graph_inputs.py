@@ -88,3 +88,53 @@ def test_upload_of_every_view_equals_build_varlen_views() -> None:
         assert graphs.inputs[1].slot_mapping[0] != graphs.inputs[0].slot_mapping[0], step
         for v in graphs.inputs:
             assert (v.slots[len(seqs):b] == PAD_SLOT_ID).all() and (v.slot_mapping[len(seqs):b] == PAD_SLOT_ID).all()
+
+
+class _SpyEvent:
+    """The graphs' `_uploaded` CUDA event, on CPU: what the pinned mirrors held each time `_upload` waited on it,
+    and whether the static buffers already held the mirrors' values (the copies issued) when it was recorded."""
+
+    def __init__(self, graphs: DecodeGraphs) -> None:
+        self.graphs = graphs
+        self.b = 0
+        """The bucket of the step being uploaded."""
+        self.calls: list[tuple[str, list[torch.Tensor], bool]] = []
+
+    def _mirrors(self) -> list[torch.Tensor]:
+        g = self.graphs
+        views = [t for v in g.inputs for t in (*v.host.values(), v.host_table)]
+        return [t.clone() for t in (*g.host.values(), *views)]
+
+    def _copied(self) -> bool:
+        g = self.graphs
+        pairs = [(getattr(g, k), g.host[k]) for k in g.host]
+        pairs += [(getattr(v, k), v.host[k]) for v in g.inputs for k in v.host]
+        return all(torch.equal(dev[: self.b], host[: self.b]) for dev, host in pairs)
+
+    def synchronize(self) -> None:
+        self.calls.append(("wait", self._mirrors(), False))
+
+    def record(self, _stream: object = None) -> None:
+        self.calls.append(("record", self._mirrors(), self._copied()))
+
+
+def test_upload_refills_the_pinned_mirrors_only_after_the_previous_copies(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA the mirrors' copies are non-blocking, and with asynchronous scheduling (or a step that samples
+    nothing) the host fills the next step's before anything waited for them: `_upload` waits on the event first,
+    writes nothing before, and records it after issuing every copy (on CPU a copy is done at once, so the event
+    is a spy here; tests/gpu/test_pinned_copies_cuda.py holds the real copies back behind a long kernel)."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    views = GroupViews(layer_views=(0, 0, 1, 1), attention=(True, True), recurrent=(True, True))
+    graphs = DecodeGraphs(None, None, 16, 40, BS, 4, torch.device("cpu"), views)
+    spy = _SpyEvent(graphs)
+    graphs._uploaded = spy  # type: ignore[assignment]
+    for ctxs in ([40, 17, 300, 5, 64], [41, 18, 301, 6, 65], [42, 19]):
+        seqs = [_split_seq(f"r{i}", c, 1 + 40 * i, 1 + i) for i, c in enumerate(ctxs)]
+        spy.b = graphs.bucket(len(seqs)) or 0
+        graphs._upload(seqs, spy.b)
+    assert [c[0] for c in spy.calls] == ["wait", "record"] * 3
+    assert all(copied for kind, _, copied in spy.calls if kind == "record")
+    for i in (2, 4):  # each wait saw the mirrors as the previous step's copies read them; then the step changed them
+        waited, before, after = spy.calls[i][1], spy.calls[i - 1][1], spy.calls[i + 1][1]
+        assert all(torch.equal(a, b) for a, b in zip(waited, before, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(after, waited, strict=True))
