@@ -64,7 +64,7 @@ class Node:
     leaves the tree (unlinked, no kids) is kept for the next one (`CacheTree._node`): one per block would make work
     for the garbage collector, which traverses every live node."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "last_hit", "demoted")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "demoted")
 
     def __init__(self) -> None:
         self.hash = b""
@@ -77,6 +77,8 @@ class Node:
         """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
         self.kid: Node | None = None
         """The one node in `kids` when there is exactly one, else None (what the walks test)."""
+        self.ckpt = False
+        """The lead state pool names a checkpoint `hash` (cached or in use)."""
         self.last_hit: int | None = None
         """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
         self.demoted = False
@@ -356,7 +358,7 @@ class CacheTree:
             node = pop()
             seen += 1
             kid = node.kid
-            while kid is not None and node.hash not in states:  # a plain stretch: no credit, nothing queued
+            while kid is not None and not node.ckpt:  # a plain stretch: no credit, nothing queued
                 if seen >= MAX_RANGE_SUBTREE:
                     return INF
                 node, kid = kid, kid.kid  # (its one kid: the stack would pop it next)
@@ -366,7 +368,7 @@ class CacheTree:
             h, kids = node.hash, node.kids
             if kids:
                 push(kids.values())
-                if h not in states:
+                if not node.ckpt:
                     continue  # not queued (it has kids) and no checkpoint: no credit
             entry = block_q.get(cached[h])
             one = (entry[0] - clock) * block_bytes if entry is not None and entry[0] > clock else 0.0
@@ -459,6 +461,7 @@ class CacheTree:
         if chain is None or h not in chain.cached:
             self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
         else:
+            self.nodes[h].ckpt = False  # type: ignore[index]
             self._requeue_block(h)  # type: ignore[arg-type]
 
     def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
@@ -517,7 +520,7 @@ class CacheTree:
         node = self.nodes.get(h)
         if node is None:
             node = self.nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.last_hit, node.demoted = h, tokens, None, False
+            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
         return node
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
@@ -526,7 +529,7 @@ class CacheTree:
         node = nodes.get(h)
         if node is None:  # (`_node`, inlined: once per cached block)
             node = nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.last_hit, node.demoted = h, tokens, None, False
+            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
         elif node.parent is not None:
             return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
@@ -541,7 +544,7 @@ class CacheTree:
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
-        self._node(h, tokens)
+        self._node(h, tokens).ckpt = True
         self.num_states_cached += 1
         self._requeue_block(h)
 
@@ -576,7 +579,7 @@ class CacheTree:
         if node is None or node.demoted:
             return 0.0
         if kind == BLOCK and self.state is not None:
-            if node.hash not in self.state.cached:
+            if not node.ckpt:
                 return 0.0  # dead end: no hit can stop here
             kind = STATE  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = node.tokens, self._anchor(node)
@@ -590,12 +593,11 @@ class CacheTree:
     def _anchor(self, node: Node) -> int:
         """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root, or none within
         MAX_ANCHOR_WALK ancestors): what a hit would fall back to without this entry."""
-        states = self.state.cached if self.state is not None else {}
         p = node.parent
         for _ in range(MAX_ANCHOR_WALK):
             if p is None:
                 return 0
-            if p.kid is None or p.hash in states:  # (p has a kid, the node below: no `kid` means several)
+            if p.kid is None or p.ckpt:  # (p has a kid, the node below: no `kid` means several)
                 return p.tokens
             p = p.parent
         return 0
@@ -633,6 +635,7 @@ class CacheTree:
                 assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
             assert all(k.parent is node for k in node.kids.values())
             assert node.kid is (next(iter(node.kids.values())) if len(node.kids) == 1 else None), "the one kid"
+            assert node.ckpt == (self.state is not None and h in self.state.cached), "ckpt"
         for n in self._spare:
             assert n.parent is None and not n.kids and n.kid is None and self.nodes.get(n.hash) is not n, "spare"
         if self.overlay is not None:
