@@ -490,16 +490,16 @@ class CacheTree:
         chain = self.chain
         b = chain.cached.get(h)  # type: ignore[union-attr]
         if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
-            self._push(BLOCK, b, h)  # a new leaf
+            self._push_block(b, parent)  # a new leaf
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
         h = pool.block_hash[page]
         assert h is not None
         if pool is self.chain:
-            if self.nodes[h].kids:
-                return  # not a leaf: queued when its last kid goes
-            self._push(BLOCK, page, h)
+            node = self.nodes[h]
+            if not node.kids:  # (else not a leaf: queued when its last kid goes)
+                self._push_block(page, node)
         elif pool is self.state:
             self._push(STATE, page, h)
         elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
@@ -570,6 +570,13 @@ class CacheTree:
     def _push(self, kind: int, page: int, h: bytes) -> None:
         clock = self.clock
         self._queue(kind, page, clock, clock + self._value(kind, h))
+
+    def _push_block(self, page: int, node: Node) -> None:
+        """`_push` of a chain block, with a dead end (the common case) queued at value 0 without `_value`."""
+        if self.state is not None and not node.ckpt:
+            self._queue(BLOCK, page, self.clock, self.clock)
+        else:
+            self._push(BLOCK, page, node.hash)
 
     # -- value -------------------------------------------------------------------------------------------------
     def _value(self, kind: int, h: bytes | None) -> float:
