@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy
-from hybridpd.engine.cache.tree import CacheTree
+from hybridpd.engine.cache.tree import STATE, CacheTree
 
 
 class LruTree(CacheTree):
@@ -46,6 +46,8 @@ class LruTree(CacheTree):
         self._drop_riders(kind, h, count)
         if all(p is None or p.lookup(h) is None for p in self.pool_of):
             del self.nodes[h]
+        elif kind == STATE:
+            self.nodes[h].ckpt = False
 
 
 class IntervalAdmission(Admission):

@@ -30,12 +30,10 @@ class PoolExhaustedError(RuntimeError):
 
 class BlockPool:
     events: CacheEventLog | None = None
-    """Set by the cache manager: every hash that becomes findable (`cache`) or stops being findable is reported."""
+    """Where names that become findable (`cache`) or stop being findable are reported, as group `event_group`."""
     event_group: int = 0
-    """The pool's cache group id in those events."""
     listener: CacheTree
-    """The cache tree (set by it before any page is cached): hears `on_release` (a cached page's last reference
-    went: evictable now) and `on_acquire` (referenced again)."""
+    """The cache tree: hears `on_release` (a cached page is evictable now) and `on_acquire` (referenced again)."""
 
     def __init__(self, num_blocks: int, name: str = "pool", page_bytes: int = 0) -> None:
         if num_blocks < 2:
@@ -62,8 +60,7 @@ class BlockPool:
     # -- queries -----------------------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        """Usable pages (the null page excluded)."""
-        return self.num_blocks - 1
+        return self.num_blocks - 1  # the null page excluded
 
     @property
     def num_free(self) -> int:
@@ -82,7 +79,6 @@ class BlockPool:
         return self.capacity - self.num_plain
 
     def held_bytes(self) -> int:
-        """Bytes the held pages take (what the budget charges)."""
         return self.num_held * self.page_bytes
 
     def available(self, checkpoint: bool = False) -> int:
@@ -111,8 +107,7 @@ class BlockPool:
         return out
 
     def allocate_checkpoint(self, n: int) -> list[int]:
-        """Ids for checkpoints (arena state pools take them from the overlay region)."""
-        return self.allocate(n)
+        return self.allocate(n)  # (arena state pools take checkpoint ids from the overlay region)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         self.version += 1
@@ -162,8 +157,7 @@ class BlockPool:
         return True
 
     def rename(self, src: int, dst: int) -> None:
-        """Move the name of cached `src` to unnamed `dst`, which holds the same content; `src` becomes free. Used when
-        a request recomputed a cached block: its live copy takes over the name."""
+        """Move the name of cached `src` to unnamed `dst` (a recomputed copy of it); `src` becomes free."""
         self.version += 1
         h = self.block_hash[src]
         assert h is not None and self.ref_cnt[src] == 0 and self.block_hash[dst] is None and dst != NULL_BLOCK_ID
@@ -179,8 +173,7 @@ class BlockPool:
         self.evict(block_id, count=False)
 
     def evict(self, block_id: int, count: bool = True) -> None:
-        """The tree's eviction of one cached page (`count`: an eviction, not a deliberate drop): its name goes; an
-        unreferenced page becomes free."""
+        """The page's name goes (`count`: an eviction, not a deliberate drop); an unreferenced page becomes free."""
         self.version += 1
         h = self.block_hash[block_id]
         if h is None:
@@ -199,7 +192,6 @@ class BlockPool:
 
     # -- where free ids live (arena pools replace these) ------------------------------------------------------
     def _take_free(self, n: int) -> list[int]:
-        """Take n free ids (the caller checked there are n)."""
         pop = self._free.popitem
         return [pop()[0] for _ in range(n)]
 

@@ -1,19 +1,12 @@
-"""The hybrid cache manager: one manager per group, reconciled into one answer per request.
+"""The hybrid cache manager: one manager per group (managers.py), reconciled into one answer per request.
 
-Groups: any number of attention groups (e.g. layers with different KV head shapes) and of recurrent groups (e.g.
-Mamba-2 and Gated-DeltaNet states), one manager each (managers.py), each with its own pool and ids; the scheduler
-hands the runner one block table per attention group and one slot per recurrent group.
+Groups: any number of attention and recurrent groups, each with its own pool and ids; the runner gets one block
+table per attention group and one slot per recurrent group. Hit search: each group answers the longest prefix it
+serves within a bound, the bound shrinks to the shortest answer until every group agrees, capped at N-1.
+Memory: `CacheTree` (tree.py) evicts, `Admission` (admission.py) picks checkpoints, and with an `arena` checkpoint
+slots share memory with attention blocks (overlay.py).
 
-Hit search: every group answers the longest prefix it alone serves within a bound (attention left to right over
-full blocks; recurrent right to left over checkpoint boundaries); the bound shrinks to the shortest answer until
-every group agrees, capped at N-1 (a request must compute at least its last token to sample).
-
-Memory: cached blocks and checkpoints share one byte budget with the running requests' pages; `CacheTree`
-(tree.py) frees room in its eviction order and `Admission` (admission.py) decides where checkpoints are saved.
-With an `arena` (the engine's plan) checkpoint slots share memory with attention blocks (overlay.py).
-
-Ownership: the scheduler calls this (single thread); the PD adapters call the transfer methods on the step thread.
-Tensor-free.
+Ownership: the scheduler calls this; the PD adapters call the transfer methods, on the step thread. Tensor-free.
 """
 
 from __future__ import annotations
@@ -72,12 +65,6 @@ class GroupCounters:
     hits: int = 0
 
 
-def group_label(group: CacheGroup, groups: list[CacheGroup]) -> str:
-    """The group's name in counters and metrics: its kind, or kind:id when several groups share a kind."""
-    same = sum(1 for g in groups if g.kind == group.kind)
-    return group.kind if same == 1 else f"{group.kind}:{group.group_id}"
-
-
 @dataclass(frozen=True)
 class PoolLayout:
     """From the planner: blocks per attention pool, slots per state pool (every group of a kind gets that many)."""
@@ -93,9 +80,6 @@ class PoolLayout:
     arena: ArenaLayout | None = None
     """One arena backs both kinds (checkpoint slots overlay attention blocks)."""
 
-    def resolved_policy(self) -> CachePolicy:
-        return self.policy if self.policy is not None else CachePolicy(self.checkpoint_interval)
-
 
 class HybridCacheManager:
     def __init__(
@@ -110,9 +94,10 @@ class HybridCacheManager:
         self.groups = groups
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.policy = layout.resolved_policy()
+        self.policy = layout.policy if layout.policy is not None else CachePolicy(layout.checkpoint_interval)
         self.admission = admission_cls(self.policy, layout.block_size)
-        self.labels = {g.group_id: group_label(g, groups) for g in groups}
+        kinds = [g.kind for g in groups]  # a group's name in counters: its kind, or kind:id when kinds repeat
+        self.labels = {g.group_id: g.kind if kinds.count(g.kind) == 1 else f"{g.kind}:{g.group_id}" for g in groups}
         self.blocks: list[AttentionManager] = []
         """Attention groups' managers; the first is the chain (its blocks are the tree's nodes)."""
         self.states: list[RecurrentManager] = []
@@ -310,15 +295,11 @@ class HybridCacheManager:
     ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
         """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
         ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
-        if not self.may_checkpoint(req, end):
+        if self.checkpoint_kind(req, end) is None:
             return self._no_checkpoints  # most decode steps
         self.update_hashes(req)
         due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
         return tuple([(gid, tuple(c)) for gid, c in self._reserve(req, due, rolling).items()])
-
-    def may_checkpoint(self, req: Request, end: int) -> bool:
-        """Whether `checkpoint_plan` of a chunk ending at `end` could save a checkpoint (read-only)."""
-        return self.checkpoint_kind(req, end) is not None
 
     def checkpoint_kind(self, req: Request, end: int, start: int | None = None) -> str | None:
         """What `checkpoint_plan` of a chunk (start, end] could save (read-only): None, "rolling" (only the

@@ -1,20 +1,11 @@
 """Cache events: what a worker's cache stored and removed, for the router's per-worker cache index.
 
-A worker's cache emits one event each time a cached entry becomes findable by a prefix-hit search (`stored`) or
-stops being findable (`removed`):
-
-- attention group k: a full block whose chained hash is `block_hash` is in group k's hash map (a later request with
-  the same prefix would hit it);
-- recurrent group k: a checkpoint (saved state) at the boundary of the block whose hash is `block_hash` is cached
-  in group k.
-
-The router (proxy side) replays a worker's events into its index and computes a prompt's *usable hit* on that
-worker: attention blocks up to the deepest block boundary where every recurrent group holds a checkpoint (what the
-worker's own hit search would return). Events are advisory: a lost, duplicated or reordered event only makes the
-router's guess worse; the worker always computes its real hit itself. `CacheEventLog` is bounded: when a consumer
-falls behind by more than `capacity` events (or nobody drains) the log drops every event and keeps none until the
-next drain, which says `overflowed`; the consumer then resyncs from a snapshot (`HybridCacheManager.cached_hashes()`),
-which holds everything the dropped events said.
+One event each time an entry becomes findable by a hit search (`stored`) or stops being findable: in attention
+group k, a full block named `block_hash`; in recurrent group k, a checkpoint at the end of that block. The router
+replays them to guess a prompt's usable hit on the worker (blocks up to the deepest boundary where every recurrent
+group holds a checkpoint). Events are advisory: a lost or reordered one only worsens the guess. The log is
+bounded: past `capacity` undrained events it keeps none until the next drain, which says `overflowed`; the
+consumer then resyncs from `HybridCacheManager.cached_hashes()`.
 
 Ownership: the cache (step thread) appends; the worker's event stream drains. Tensor-free.
 """

@@ -11,20 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from array import array
 from collections.abc import Sequence
 
 HASH_SEED = b"hybridpd/prefix-cache/v1"
 _ROOT = hashlib.sha256(HASH_SEED).digest()[:16]
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
-    h = hashlib.sha256(parent if parent is not None else _ROOT)
-    h.update(array("q", token_ids).tobytes())
-    if extra:
-        h.update(b"\x00salt\x00")
-        h.update(extra)
-    return h.digest()[:16]
 
 
 def extra_keys(cache_salt: str | None) -> bytes:
@@ -32,10 +22,7 @@ def extra_keys(cache_salt: str | None) -> bytes:
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> None:
-    """Append hashes for every newly full block of `token_ids` (the request's tokens so far) to `hashes`.
-
-    Same values as chaining `hash_block` block by block; the new blocks' tokens are packed to bytes in one go and
-    each block hashes a slice of them (no per-block list slice or array)."""
+    """Append hashes for every newly full block of `token_ids` (the request's tokens so far) to `hashes`."""
     start, num_full = len(hashes), len(token_ids) // block_size
     if num_full <= start:
         return
@@ -45,7 +32,7 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
 def append_block_hashes(hashes: list[bytes], new_blocks: Sequence[int], block_size: int, extra: bytes = b"") -> None:
     """Append the hashes of the full blocks `new_blocks` (the tokens of the blocks after the last hashed one, a
     multiple of block_size) to `hashes`: `extend_block_hashes` without the request's earlier tokens."""
-    data = struct.pack(f"{len(new_blocks)}q", *new_blocks)  # == array("q", ...).tobytes(), faster
+    data = struct.pack(f"{len(new_blocks)}q", *new_blocks)  # the tokens as int64, packed in one go
     step = block_size * 8  # bytes per block: tokens are packed as int64
     salt = b"\x00salt\x00" + extra if extra else b""
     parent = hashes[-1] if hashes else _ROOT

@@ -105,14 +105,15 @@ class AttentionManager:
         n_full = min(num_computed // self.block_size, len(block_hashes), len(blocks))
         if n_full <= done:
             return  # no block filled since the last call (most decode steps)
-        tree, pool, leader = self.tree, self.pool, self.leader
+        tree, pool, leader, bs = self.tree, self.pool, self.leader, self.block_size
+        name = pool.cache
         for i in range(done, n_full):
             h = block_hashes[i]
             if leader is not None and h not in leader.cached:
                 continue  # riders name only what the chain holds (the chain was cached first)
-            if pool.cache(blocks[i], h):
+            if name(blocks[i], h):
                 if tree is not None:
-                    tree.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * self.block_size)
+                    tree.on_block_cached(h, block_hashes[i - 1] if i else None, (i + 1) * bs)
                 continue
             other = pool.cached.get(h)  # a recomputed block: our live copy takes the name, the old one is freed
             if (

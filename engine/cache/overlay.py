@@ -146,7 +146,10 @@ class ArenaAttentionPool(BlockPool):
         self._plain_sets[c].add(block_id)
         if c:
             self._with_plain.add(c)
-            ov.plain_in(c)  # type: ignore[union-attr]
+            if ov.nplain[c] + 1 < ov.full:  # type: ignore[union-attr]
+                ov.nplain[c] += 1  # type: ignore[union-attr]
+            else:
+                ov.plain_in(c)  # type: ignore[union-attr]  # (the range is wholly free now)
 
     def _is_free(self, block_id: int) -> bool:
         c = self.overlay.range_ids[block_id] if self.overlay is not None else 0

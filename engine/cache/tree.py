@@ -64,7 +64,7 @@ class Node:
     leaves the tree (unlinked, no kids) is kept for the next one (`CacheTree._node`): one per block would make work
     for the garbage collector, which traverses every live node."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "last_hit", "demoted")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "demoted")
 
     def __init__(self) -> None:
         self.hash = b""
@@ -75,6 +75,10 @@ class Node:
         and `kids` link chain-cached nodes only, so a cached chain never has a hole."""
         self.kids: dict[bytes, Node] = {}
         """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
+        self.kid: Node | None = None
+        """The one node in `kids` when there is exactly one, else None (what the walks test)."""
+        self.ckpt = False
+        """The lead state pool names a checkpoint `hash` (cached or in use)."""
         self.last_hit: int | None = None
         """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
         self.demoted = False
@@ -142,14 +146,16 @@ class CacheTree:
     def _queue(self, kind: int, page: int, base: float, priority: float) -> None:
         self.version += 1
         self._order = order = self._order + 1
-        self.queued[kind][page] = (priority, order, base)
-        heapq.heappush(self._heap, (priority, order, page << 1 | kind))
+        queued = self.queued
+        queued[kind][page] = (priority, order, base)
+        heap = self._heap
+        heapq.heappush(heap, (priority, order, page << 1 | kind))
         if kind == STATE:
             heapq.heappush(self._state_heap, (priority, order, page))
-        if len(self._heap) > 4 * (len(self.queued[0]) + len(self.queued[1])) + 64:  # mostly stale: rebuild
+            if len(self._state_heap) > 4 * len(queued[STATE]) + 64:
+                self._rebuild_states()
+        if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
-        elif len(self._state_heap) > 4 * len(self.queued[STATE]) + 64:
-            self._rebuild_states()
 
     def _discard(self, kind: int, page: int) -> None:
         self.version += 1
@@ -235,7 +241,7 @@ class CacheTree:
 
     def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
         """State ids first (freeing ranges: `_arena_victim`), then the attention blocks besides the ranges taken."""
-        asked = tuple((id(p), n) for p, n in needs)
+        asked = tuple((id(p), n) for p, n in needs) if checkpoint else ()
         if checkpoint and self._failed_room == (asked, self._version()):
             self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
             return False
@@ -250,12 +256,18 @@ class CacheTree:
             if victim is not True:
                 self._evict_victim(victim)  # type: ignore[arg-type]
         taken = self.overlay.k * max((p.overlay_needed(n, checkpoint) for p, n in states), default=0)  # type: ignore
+        heap, queued = self._heap, self.queued
         for p, n in needs:
             while n and id(p) not in self._state_ids and p.num_plain - taken < n:
-                victim = self._lowest()
-                if victim is None:
+                while heap:  # the lowest live entry, popped (`_lowest`, inlined: one per evicted block)
+                    prio, order, key = heapq.heappop(heap)
+                    entry = queued[key & 1].get(key >> 1)
+                    if entry is not None and entry[1] == order:
+                        break
+                else:
                     return False
-                self._evict_victim(victim)
+                self._evict_victim((key & 1, key >> 1, prio))
+                heap = self._heap  # (a refresh rebuilds it)
         return True
 
     def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
@@ -345,12 +357,18 @@ class CacheTree:
         while stack:
             node = pop()
             seen += 1
+            kid = node.kid
+            while kid is not None and not node.ckpt:  # a plain stretch: no credit, nothing queued
+                if seen >= MAX_RANGE_SUBTREE:
+                    return INF
+                node, kid = kid, kid.kid  # (its one kid: the stack would pop it next)
+                seen += 1
             if seen > MAX_RANGE_SUBTREE:
                 return INF
             h, kids = node.hash, node.kids
             if kids:
                 push(kids.values())
-                if h not in states:
+                if not node.ckpt:
                     continue  # not queued (it has kids) and no checkpoint: no credit
             entry = block_q.get(cached[h])
             one = (entry[0] - clock) * block_bytes if entry is not None and entry[0] > clock else 0.0
@@ -403,30 +421,48 @@ class CacheTree:
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
-        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint)."""
-        pool = self.pool_of[kind]
-        assert pool is not None
-        h = pool.block_hash[page]
-        assert h is not None
-        self._discard(kind, page)
-        pool.evict(page, count)
-        if self.riders[kind]:
-            self._drop_riders(kind, h, count)
+        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint); the
+        clock rises to `prio`, the evicted item's priority."""
         if prio is not None and prio > self.clock:
             self.clock = prio
-        node = self.nodes[h]
-        state = self.state
         if kind == BLOCK:
-            self._unlink(node)
-            slot = state.cached.get(h) if state is not None else None
-            if slot is not None and state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
-                self.evict(STATE, slot)  # its chain is gone: the state is useless
+            self._evict_block(page, count)
         else:
-            self._requeue_block(h)  # the block it ended on may now be a dead end
-        if (self.chain is None or h not in self.chain.cached) and (state is None or h not in state.cached):
-            gone = self.nodes.pop(h, None)  # (a block's eviction may have taken its checkpoint's node already)
-            if gone is not None:
-                self._spare.append(gone)
+            self._evict_state(page, count)
+
+    def _evict_block(self, page: int, count: bool) -> None:
+        """The chain's page goes, with the unreferenced checkpoint named by it (its chain is gone)."""
+        chain = self.chain
+        h = chain.block_hash[page]  # type: ignore[union-attr]
+        self.queued[BLOCK].pop(page, None)
+        chain.evict(page, count)  # type: ignore[union-attr]
+        if self.riders[BLOCK]:
+            self._drop_riders(BLOCK, h, count)  # type: ignore[arg-type]
+        node = self.nodes[h]  # type: ignore[index]
+        if node.parent is not None:
+            self._unlink(node)
+        state = self.state
+        slot = state.cached.get(h) if state is not None else None  # type: ignore[arg-type]
+        if slot is None:
+            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
+        elif state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
+            self._evict_state(slot, True)  # takes the node
+        # else: a referenced checkpoint keeps the node
+
+    def _evict_state(self, slot: int, count: bool) -> None:
+        """The lead state pool's checkpoint goes; the block it ended on may now be a dead end."""
+        state = self.state
+        h = state.block_hash[slot]  # type: ignore[union-attr]
+        self.queued[STATE].pop(slot, None)
+        state.evict(slot, count)  # type: ignore[union-attr]
+        if self.riders[STATE]:
+            self._drop_riders(STATE, h, count)  # type: ignore[arg-type]
+        chain = self.chain
+        if chain is None or h not in chain.cached:
+            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
+        else:
+            self.nodes[h].ckpt = False  # type: ignore[index]
+            self._requeue_block(h)  # type: ignore[arg-type]
 
     def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
         """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
@@ -441,25 +477,33 @@ class CacheTree:
         if parent is None:
             return
         node.parent = None
-        del parent.kids[node.hash]
-        if parent.kids:
+        kids = parent.kids
+        del kids[node.hash]
+        if kids:
+            if len(kids) == 1:
+                (parent.kid,) = kids.values()
             return
-        if parent.hash in self._going and (self.state is None or parent.hash not in self.state.cached):
+        parent.kid = None
+        h = parent.hash
+        if h in self._going and (self.state is None or h not in self.state.cached):
             return  # a dead end that this subtree eviction takes next: queuing it would change nothing
-        self._requeue_block(parent.hash)  # a new leaf
+        chain = self.chain
+        b = chain.cached.get(h)  # type: ignore[union-attr]
+        if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
+            self._push_block(b, parent)  # a new leaf
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
         h = pool.block_hash[page]
         assert h is not None
-        kind = self.kind_of.get(id(pool))
-        if kind is None:  # a rider: leaves with its leader's page, or now if the leader lost h
-            if self.leader_of[id(pool)].lookup(h) is None:
-                pool.uncache(page)
-            return
-        if kind == BLOCK and self.nodes[h].kids:
-            return  # not a leaf: queued when its last kid goes
-        self._push(kind, page, h)
+        if pool is self.chain:
+            node = self.nodes[h]
+            if not node.kids:  # (else not a leaf: queued when its last kid goes)
+                self._push_block(page, node)
+        elif pool is self.state:
+            self._push(STATE, page, h)
+        elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
+            pool.uncache(page)  # leader lost h
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
         kind = self.kind_of.get(id(pool))
@@ -476,23 +520,31 @@ class CacheTree:
         node = self.nodes.get(h)
         if node is None:
             node = self.nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.last_hit, node.demoted = h, tokens, None, False
+            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
         return node
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self._node(h, tokens)
+        nodes = self.nodes
+        node = nodes.get(h)
+        if node is None:  # (`_node`, inlined: once per cached block)
+            node = nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
+        elif node.parent is not None:
+            return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
-        if node.parent is not None or pb is None:
-            return  # linked already, a first block, or the parent is gone (this block heads an unreachable chain)
-        up = self.nodes[parent]  # type: ignore[index]
+        if pb is None:
+            return  # a first block, or the parent is gone (this block heads an unreachable chain)
+        up = nodes[parent]  # type: ignore[index]
         node.parent = up
-        up.kids[h] = node
-        self._discard(BLOCK, pb)  # no longer a leaf
+        kids = up.kids
+        kids[h] = node
+        up.kid = node if len(kids) == 1 else None
+        self.queued[BLOCK].pop(pb, None)  # no longer a leaf
 
     def on_state_cached(self, h: bytes, tokens: int) -> None:
         """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
-        self._node(h, tokens)
+        self._node(h, tokens).ckpt = True
         self.num_states_cached += 1
         self._requeue_block(h)
 
@@ -516,7 +568,15 @@ class CacheTree:
             self._push(BLOCK, b, h)
 
     def _push(self, kind: int, page: int, h: bytes) -> None:
-        self._queue(kind, page, self.clock, self.clock + self._value(kind, h))
+        clock = self.clock
+        self._queue(kind, page, clock, clock + self._value(kind, h))
+
+    def _push_block(self, page: int, node: Node) -> None:
+        """`_push` of a chain block, with a dead end (the common case) queued at value 0 without `_value`."""
+        if self.state is not None and not node.ckpt:
+            self._queue(BLOCK, page, self.clock, self.clock)
+        else:
+            self._push(BLOCK, page, node.hash)
 
     # -- value -------------------------------------------------------------------------------------------------
     def _value(self, kind: int, h: bytes | None) -> float:
@@ -526,7 +586,7 @@ class CacheTree:
         if node is None or node.demoted:
             return 0.0
         if kind == BLOCK and self.state is not None:
-            if node.hash not in self.state.cached:
+            if not node.ckpt:
                 return 0.0  # dead end: no hit can stop here
             kind = STATE  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = node.tokens, self._anchor(node)
@@ -540,12 +600,11 @@ class CacheTree:
     def _anchor(self, node: Node) -> int:
         """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root, or none within
         MAX_ANCHOR_WALK ancestors): what a hit would fall back to without this entry."""
-        states = self.state.cached if self.state is not None else {}
         p = node.parent
         for _ in range(MAX_ANCHOR_WALK):
             if p is None:
                 return 0
-            if len(p.kids) >= 2 or p.hash in states:
+            if p.kid is None or p.ckpt:  # (p has a kid, the node below: no `kid` means several)
                 return p.tokens
             p = p.parent
         return 0
@@ -582,6 +641,9 @@ class CacheTree:
                 assert node.parent.kids.get(h) is node and self.chain.lookup(h) is not None  # type: ignore[union-attr]
                 assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
             assert all(k.parent is node for k in node.kids.values())
-        assert all(n.parent is None and not n.kids and self.nodes.get(n.hash) is not n for n in self._spare), "spare"
+            assert node.kid is (next(iter(node.kids.values())) if len(node.kids) == 1 else None), "the one kid"
+            assert node.ckpt == (self.state is not None and h in self.state.cached), "ckpt"
+        for n in self._spare:
+            assert n.parent is None and not n.kids and n.kid is None and self.nodes.get(n.hash) is not n, "spare"
         if self.overlay is not None:
             self.overlay.check_integrity()

@@ -11,14 +11,16 @@ A hit is the largest checkpoint boundary <= min(attention hit, N - 1).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
-from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys, hash_block
+from hybridpd.engine.cache.hashing import HASH_SEED, extend_block_hashes, extra_keys
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.request import Request
@@ -376,6 +378,15 @@ def test_block_hashes_are_fixed_values() -> None:
     extend_block_hashes(salted, list(range(32)), 16, extra_keys("tenant"))
     assert [x.hex() for x in salted] == KNOWN_SALTED
     assert extra_keys(None) == extra_keys("") == b""
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """The definition in hashing.py's docstring, one block at a time (the reference for the batched hashing)."""
+    h = hashlib.sha256(parent if parent is not None else hashlib.sha256(HASH_SEED).digest()[:16])
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"\x00salt\x00" + extra)
+    return h.digest()[:16]
 
 
 def test_batched_hashing_equals_the_per_block_chain_and_incremental_growth() -> None:
