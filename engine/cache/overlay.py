@@ -177,13 +177,6 @@ class ArenaAttentionPool(BlockPool):
         self._plain_sets[c].update(blocks)
         self._with_plain.add(c)
 
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
-
-    def own_refs(self, block_id: int) -> int:
-        c = self.overlay.range_ids[block_id] if self.overlay is not None else 0
-        return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
-
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["in_use"] -= self.num_overlaid
@@ -212,12 +205,6 @@ class ArenaStatePool(BlockPool):
         assert self.overlay is not None
         overlay = self.overlay.available(self)
         return overlay if checkpoint else overlay + len(self._running_free)
-
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
-
-    def own_refs(self, block_id: int) -> int:
-        return int(bool(self._pinned) and block_id == self.first_overlay)
 
     def stats(self) -> dict[str, int]:
         s = super().stats()

@@ -492,7 +492,7 @@ class CacheTree:
         elif pool is self.state:
             self._push(STATE, page, h)
         elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
-            pool.uncache(page)  # leader lost h
+            pool.evict(page, count=False)  # leader lost h
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
         kind = self.kind_of.get(id(pool))

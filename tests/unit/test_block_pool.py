@@ -161,7 +161,7 @@ def test_cache_refuses_duplicates_and_renames(pool: BlockPool) -> None:
     assert pool.cache(b, H[7]) is False  # same content already held by a
     assert pool.cache(a, H[8]) is False  # a is already named
     assert pool.lookup(H[7]) == a and pool.block_hash[b] is None
-    pool.uncache(a)
+    pool.evict(a, count=False)
     assert pool.lookup(H[7]) is None and pool.num_evictions == 0
     assert pool.cache(b, H[7]) is True
     pool.free([b, a])
