@@ -328,7 +328,7 @@ class EngineCore:
         if len(req.output_token_ids) == n:
             return
         del req.output_token_ids[n:], req.output_logprobs[n:], req.output_top_logprobs[n:]
-        req.stop_reason, req.detokenizer = None, None
+        req.stop_reason, req.stop_text_end, req.detokenizer = None, None, None
         del req.block_hashes[req.num_tokens // self.cache.block_size:]
         sampler = self.runner.sampler
         sampler.forget(req.request_id)
@@ -476,13 +476,16 @@ class EngineCore:
             req.stop_reason = tok
             return "stop"
         if p.stop and self.tokenizer is not None:
-            before = len(req.detokenizer.text) if req.detokenizer is not None else 0
+            # the text before this token (decoded now if no check saw it: under min_tokens, a first token from P)
+            before = len(self._decoded(req, upto=len(req.output_token_ids) - 1))
             text = self._decoded(req)
             # only the new text and the few characters before it can complete a stop string not seen before
-            tail = text[max(0, before - max(len(s) for s in p.stop) + 1):]
+            start = max(0, before - max(len(s) for s in p.stop) + 1)
+            tail = text[start:]
             for s in p.stop:
                 if s in tail:
                     req.stop_reason = s
+                    req.stop_text_end = start + tail.index(s) + len(s)
                     return "stop"
         if self.length_reached(req):
             return "length"
@@ -495,13 +498,17 @@ class EngineCore:
         outputs = len(req.output_token_ids) + ahead
         return req.num_tokens + ahead >= self.max_model_len or outputs >= max(p.max_tokens, p.min_tokens)
 
-    def _decoded(self, req: Request) -> str:
-        """The output text so far, detokenized incrementally (O(new tokens) a step; engine/detokenizer.py); once
-        the request has finished, including what was held back as an incomplete character."""
+    def _decoded(self, req: Request, upto: int | None = None) -> str:
+        """The output text so far (of the first `upto` tokens when given), detokenized incrementally (O(new tokens)
+        a step; engine/detokenizer.py); once the request has finished, including what was held back as an
+        incomplete character."""
         detok = req.detokenizer
         if detok is None:
             detok = req.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        if req.is_finished:
+        if upto is not None:
+            if detok.num_seen < upto:  # (behind: copy the prefix once, not every step)
+                detok.update(req.output_token_ids[:upto])
+        elif req.is_finished:
             detok.finish(req.output_token_ids)
         else:
             detok.update(req.output_token_ids)
@@ -511,9 +518,9 @@ class EngineCore:
         if self.tokenizer is None:
             return ""
         text = self._decoded(req)
-        if isinstance(req.stop_reason, str) and req.stop_reason in text:
-            cut = text.find(req.stop_reason)
-            text = text[: cut + len(req.stop_reason)] if req.sampling_params.include_stop_str_in_output else text[:cut]
+        end = req.stop_text_end
+        if end is not None and isinstance(req.stop_reason, str):
+            text = text[:end] if req.sampling_params.include_stop_str_in_output else text[: end - len(req.stop_reason)]
         return text
 
     def make_output(self, req: Request) -> RequestOutput:

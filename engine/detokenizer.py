@@ -41,6 +41,11 @@ class IncrementalDetokenizer:
             self._pieces.clear()
         return self._text
 
+    @property
+    def num_seen(self) -> int:
+        """Tokens given so far (their text may be partly held back)."""
+        return self._seen
+
     def update(self, ids: Sequence[int]) -> str:
         """Take the request's tokens so far (a prefix of them was given before); return the text that became
         final with them ("" while an incomplete character is held back)."""

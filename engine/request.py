@@ -53,6 +53,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    stop_text_end: int | None = None
+    """Where the output text ends when a stop string ended the request: the end of the match check_stop found
+    (occurrences before min_tokens are ordinary text); the text is cut before the match unless
+    include_stop_str_in_output."""
     detokenizer: Any = None
     """hybridpd.engine.detokenizer.IncrementalDetokenizer of the output, made on first use (EngineCore._decoded)."""
     block_hashes: list[bytes] = field(default_factory=list)

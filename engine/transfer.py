@@ -169,7 +169,8 @@ def first_token_problem(core: EngineCore, req: Request, token_id: int) -> str | 
     if not 0 <= token_id < core.vocab_size:
         return f"first token id {token_id} is outside the vocabulary [0, {core.vocab_size})"
     probe = dataclasses.replace(req, output_token_ids=[int(token_id)], output_logprobs=[0.0],
-                                output_top_logprobs=[], detokenizer=None, stop_reason=None)
+                                output_top_logprobs=[], detokenizer=None, stop_reason=None,
+                                stop_text_end=None)
     reason = core.check_stop(probe)
     if reason is not None:
         return f"the first token ends the request ({reason}): nothing is left to decode"

@@ -35,10 +35,17 @@ def _host(addr: str) -> str:
 
 
 async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, Any]:
+    """One worker's Health; a worker that does not answer in time (frozen: its connections stay open, so no call
+    fails) gets no new requests while another of its role answers (Router.set_unresponsive)."""
+    router = cluster.prefill if role == "prefill" else cluster.decode
     try:
         h = await cluster.clients.health(role, addr)
     except grpc.aio.AioRpcError as err:
+        if router is not None:
+            router.set_unresponsive(addr, True)
         return {"role": role, "address": addr, "ready": False, "error": f"{err.code().name}: {err.details()}"}
+    if router is not None:
+        router.set_unresponsive(addr, False)
     if cluster.membership is not None:
         cluster.membership.worker_draining(addr, h.draining)
     return {"role": role, "address": addr, "ready": h.ready, "worker_id": h.worker_id, "epoch": h.epoch,

@@ -32,11 +32,12 @@ capacity, the request is shed with 503 and `Retry-After` (all down: 503 worker_u
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from hybridpd.proto import hybridpd_pb2 as pb
@@ -60,6 +61,34 @@ _RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.
 # down, at its mixed-role cap, or a worker without the mixed role.
 _WHOLE_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               grpc.StatusCode.UNIMPLEMENTED})
+
+
+FROZEN_CHECK_S = 0.25
+"""How often a Prefill in flight checks whether its worker stopped answering health probes."""
+
+
+class _WorkerFrozen(Exception):
+    """A worker stopped answering health probes while another of its role answers: the call to it was given up."""
+
+
+async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
+                                 timeout: float) -> pb.PrefillResponse:
+    """P.Prefill on `addr`; given up (cancelled, _WorkerFrozen) once the health monitor finds `addr` unresponsive
+    while another prefill worker answers. A frozen worker keeps its connection open, so the call alone would wait
+    for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes."""
+    if len(router.members) < 2:
+        return await clients.prefill_call(addr, req, timeout)
+    call = asyncio.ensure_future(clients.prefill_call(addr, req, timeout))
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=FROZEN_CHECK_S)
+            if done:
+                return call.result()
+            if router.is_unresponsive(addr) and any(a != addr for a in router.addrs):
+                raise _WorkerFrozen(addr)
+    finally:
+        if not call.done():
+            call.cancel()
 
 
 @dataclass(frozen=True)
@@ -268,8 +297,13 @@ class Generation:
             self._s.prefill_addr = addr
             t0 = time.perf_counter()
             try:
-                resp = await self.cluster.clients.prefill_call(addr, req, timeout)
+                resp = await _prefill_unless_frozen(self.cluster.clients, router, addr, req, timeout)
                 break
+            except _WorkerFrozen:
+                log.warning("request %s: prefill worker %s stopped answering; trying another", self.req.request_id,
+                            addr)
+                refused.add(addr)
+                continue
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
@@ -349,7 +383,13 @@ class Generation:
         assert self._s.call is not None and self._s.decode_addr is not None
         while True:
             try:
-                chunk = await self._s.call.read()
+                chunk = await (self._s.call.read() if self._s.got_chunk else self._first_read_unless_frozen())
+            except _WorkerFrozen:
+                self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
+                if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
+                    continue
+                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} stopped answering",
+                                          code="worker_unavailable")) from None
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
@@ -367,6 +407,26 @@ class Generation:
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
+
+    async def _first_read_unless_frozen(self) -> Any:
+        """The Generate stream's first read; _WorkerFrozen (the stream cancelled) once the health monitor finds its
+        decode worker unresponsive while another decode worker not tried yet answers."""
+        s, router = self._s, self.cluster.decode
+        assert s.call is not None and s.decode_addr is not None
+        if s.on_prefill or len(router.members) < 2:
+            return await s.call.read()
+        read = asyncio.ensure_future(s.call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=FROZEN_CHECK_S)
+                if done:
+                    return read.result()
+                if router.is_unresponsive(s.decode_addr) and any(
+                        a not in (*s.decode_tried, s.decode_addr) for a in router.addrs):
+                    raise _WorkerFrozen(s.decode_addr)
+        finally:
+            if not read.done():
+                read.cancel()
 
     def _retry_decode(self, code: grpc.StatusCode) -> bool:
         """Generate failed with `code` before sending anything: D was unreachable, or (P-alone) the prefill worker

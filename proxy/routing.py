@@ -38,6 +38,8 @@ class Router:
         self._members: list[str] = list(addrs)
         self._blocked: set[str] = set()
         """Members that get no new request (draining, or down until they are heard from again)."""
+        self._unresponsive: set[str] = set()
+        """Members whose last health probe got no answer (frozen, wedged): skipped while another member answers."""
         self._in_flight = dict.fromkeys(self._members, 0)
         self._tokens = dict.fromkeys(self._members, 0)
         self._cursor = 0
@@ -45,8 +47,10 @@ class Router:
     # -- membership ------------------------------------------------------------------------------------------------
     @property
     def addrs(self) -> tuple[str, ...]:
-        """The routable members, in join order."""
-        return tuple(a for a in self._members if a not in self._blocked)
+        """The routable members, in join order: neither blocked nor unresponsive, or, when every unblocked member
+        is unresponsive, those (a slow worker may still answer; refusing would be certain to fail)."""
+        up = tuple(a for a in self._members if a not in self._blocked)
+        return tuple(a for a in up if a not in self._unresponsive) or up
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -64,6 +68,7 @@ class Router:
         if addr in self._members:
             self._members.remove(addr)
         self._blocked.discard(addr)
+        self._unresponsive.discard(addr)
         if not self._in_flight.get(addr):
             self._in_flight.pop(addr, None)
             self._tokens.pop(addr, None)
@@ -75,8 +80,18 @@ class Router:
         elif addr in self._members:
             self._blocked.discard(addr)
 
+    def set_unresponsive(self, addr: str, unresponsive: bool) -> None:
+        """The health probe's verdict on a member: no answer in time (skip it while others answer), or answered."""
+        if unresponsive:
+            self._unresponsive.add(addr)
+        else:
+            self._unresponsive.discard(addr)
+
+    def is_unresponsive(self, addr: str) -> bool:
+        return addr in self._unresponsive
+
     def is_routable(self, addr: str) -> bool:
-        return addr in self._members and addr not in self._blocked
+        return addr in self.addrs
 
     # -- load ------------------------------------------------------------------------------------------------------
     def in_flight(self, addr: str) -> int:

@@ -140,6 +140,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.metrics_port = metrics_port
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
+        self.health_delay_s = 0.0
         self.generates: list[pb.GenerateRequest] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
         self.aborts: list[str] = []
@@ -202,6 +203,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
                                    compat_hash="fake")
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True,
                                  worker_id=self.worker_id)
 

@@ -24,3 +24,20 @@ def test_stop_string_and_stop_token(checkpoint_dir):  # type: ignore[no-untyped-
         max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[tok]))[0]
     assert by_id.finish_reason == "stop"
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
+
+
+def test_stop_string_seen_before_min_tokens_does_not_cut(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Stop strings wait for min_tokens: an earlier occurrence is kept, the text ends where the match was found
+    (as vLLM cuts it), not at the first occurrence anywhere in the output."""
+    llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), kv_cache_memory_bytes=16 * 2**20, max_model_len=256)
+    forced = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias={70: 100.0})
+    full = llm.generate(prompt_token_ids=[[65, 66, 67]], sampling_params=forced)[0]
+    assert full.token_ids == [70] * 8
+    one = full.text[: len(full.text) // 8]
+    assert one and full.text == one * 8
+    for stop, include, want in ((one, False, 3), (one, True, 4), (one * 2, False, 2), (one * 2, True, 4)):
+        out = llm.generate(prompt_token_ids=[[65, 66, 67]], sampling_params=SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True, logit_bias={70: 100.0}, min_tokens=4, stop=[stop],
+            include_stop_str_in_output=include))[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) == 4, (stop, include)
+        assert out.text == one * want, (stop, include, out.text)

@@ -139,7 +139,8 @@ def test_pd_continues_from_p_first_token_exactly_as_colocated(llm, monkeypatch):
 
 def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch):  # type: ignore[no-untyped-def]
     """max_tokens 1, the first token a stop token, a stop string within the first token; and a stop string spanning
-    the first and second tokens (D must see the first token's text, and P must hold it back as D would). The logit
+    the first and second tokens (D must see the first token's text, and P must hold it back as D would), also one
+    the first token holds but min_tokens defers (the text ends at the later match, on D as colocated). The logit
     bias makes every output token "a" (the built-in tokenizer is byte-level)."""
     prompt = llm.tokenizer.encode("Once upon a time there was")
     a = llm.tokenizer.encode("a")[-1]
@@ -153,6 +154,9 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
         "stop string": sp(stop=["a"], include_stop_str_in_output=True),
     }
     spanning = [sp(stop=["aa"]), sp(stop=["aa"], include_stop_str_in_output=True), sp(stop=["aab"])]
+    # a stop string the first token(s) already hold, ignored until min_tokens: the text ends at the later match
+    held_by_min_tokens = [(sp(stop=["a"], min_tokens=2), "a"), (sp(stop=["a"], min_tokens=3,
+                          include_stop_str_in_output=True), "aaa"), (sp(stop=["aa"], min_tokens=4), "aa")]
 
     async def run() -> None:
         pair = await make_pair(default_model_path(), monkeypatch)
@@ -165,6 +169,10 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
             for i, params in enumerate(spanning):
                 got = await through_pd(pair, f"spanning{i}", prompt, params)
                 assert got["called_d"] and got["response"].first.text == ""  # "a" could begin the stop string
+                assert_same(got, colocated(llm, prompt, params), params)
+            for i, (params, want) in enumerate(held_by_min_tokens):
+                got = await through_pd(pair, f"min-tokens{i}", prompt, params)
+                assert got["called_d"] and got["text"] == want, (params, got["text"])
                 assert_same(got, colocated(llm, prompt, params), params)
             await settle(pair)
         finally:

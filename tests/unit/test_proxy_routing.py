@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hybridpd.proxy.routing import Router
 
+from tests.polling import wait_for
 from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
@@ -86,3 +89,59 @@ def test_least_loaded_avoids_busy_decode(policy: str, expected: list[int]) -> No
                                                              "ignore_eos": True})
                 assert r.status_code == 200
             assert [len(_ids(s, 0)), len(_ids(s, 1))] == expected
+
+
+def test_a_worker_that_stops_answering_health_gets_no_new_requests() -> None:
+    """A frozen worker (SIGSTOP, a wedged event loop) keeps its connections open, so no call fails and its feed does
+    not break: only the health probe sees it. While its probe times out, new requests go to the other worker of its
+    role; once it answers again it is back in rotation. A role whose every worker is unresponsive still routes
+    (slow is not gone: better to wait than to refuse)."""
+    with LiveStack(n_prefill=2, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=1.0) as s:
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}
+        s.prefill[0].health_delay_s = s.decode[1].health_delay_s = 5.0
+        wait_for("probes see the stall", lambda: s.http.get("/health").json()["ready"] == {"prefill": 1, "decode": 1},
+                 timeout=10, interval=0.05)
+        for _ in range(4):
+            assert s.http.post("/v1/completions", json=body).status_code == 200
+        assert [len(p.prefills) for p in s.prefill] == [0, 4] and [len(_ids(s, i)) for i in (0, 1)] == [4, 0]
+        s.prefill[1].health_delay_s = 5.0  # every prefill worker unresponsive: they still get requests
+        wait_for("no prefill worker answers", lambda: s.http.get("/health").json()["ready"]["prefill"] == 0, timeout=10,
+                 interval=0.05)
+        assert s.http.post("/v1/completions", json=body).status_code == 200
+        s.prefill[0].health_delay_s = s.prefill[1].health_delay_s = s.decode[1].health_delay_s = 0.0
+        wait_for("all answer again", lambda: s.http.get("/health").json()["ready"] == {"prefill": 2, "decode": 2},
+                 timeout=10, interval=0.05)
+        for _ in range(4):
+            assert s.http.post("/v1/completions", json=body).status_code == 200
+        assert min(len(p.prefills) for p in s.prefill) >= 1 and len(_ids(s, 1)) >= 1  # both back in rotation
+
+
+def test_a_prefill_on_a_worker_that_freezes_goes_to_another() -> None:
+    """A Prefill in flight on a worker whose health probe stops answering is given up (cancelled: the worker frees
+    what it prefilled when it resumes) and sent to another prefill worker that answers, instead of waiting for
+    the frozen one for as long as it stays frozen."""
+    with LiveStack(n_prefill=2, n_decode=1, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=1.0) as s:
+        s.prefill[0].delay_s = s.prefill[0].health_delay_s = 30.0  # frozen: answers nothing
+        t0 = time.perf_counter()
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=20)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 10
+        assert [len(p.prefills) for p in s.prefill] == [1, 1]
+        assert s.decode[0].generates[-1].params.prefill_address == s.prefill[1].address
+
+
+def test_a_generate_on_a_decode_worker_that_freezes_before_its_first_token_goes_to_another() -> None:
+    """Generate sent to a decode worker that then stops answering (health probes time out) and has sent nothing
+    yet: the stream is cancelled and the request goes to another decode worker (computing the prompt itself), as
+    when the worker is unreachable; the answer is whole."""
+    with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1,
+                   control_timeout_s=1.0) as s:
+        s.decode[0].token_delay_s = s.decode[0].health_delay_s = 30.0  # frozen: answers nothing
+        t0 = time.perf_counter()
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3}, timeout=20)
+        assert r.status_code == 200 and time.perf_counter() - t0 < 10
+        assert r.json()["choices"][0]["token_ids"] == [3, 2, 1]  # (the fake answers the prompt reversed)
+        assert len(_ids(s, 0)) == 1 and len(_ids(s, 1)) == 1
+        assert not s.decode[1].generates[-1].HasField("params")  # computed there: P's lease was given back
+        wait_for("P's lease released", lambda: s.prefill[0].releases, timeout=5, interval=0.05)
