@@ -85,10 +85,6 @@ class BlockPool:
         """Ids an allocation can take now without evicting (`checkpoint`: for `allocate_checkpoint`)."""
         return self.num_plain
 
-    def free_block_ids(self) -> list[int]:
-        """Pages nobody references: the free ones (next handed out first), then the cached ones (release order)."""
-        return [*reversed(self._free), *self._idle]
-
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, referenced once each (never evicts: the tree makes room first)."""

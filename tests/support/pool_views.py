@@ -15,6 +15,12 @@ def own_refs(pool: BlockPool, page: int) -> int:
     return 0
 
 
+def free_order(pool: BlockPool) -> list[int]:
+    """A plain pool's unreferenced pages: the free ones (next handed out first), then the cached ones (release
+    order)."""
+    return [*reversed(pool._free), *pool._idle]
+
+
 def free_pages(pool: BlockPool) -> set[int]:
     """Pages nobody references and no name holds (what an allocation may hand out)."""
     return {b for b in range(1, pool.num_blocks) if not pool.ref_cnt[b] and pool.block_hash[b] is None}
