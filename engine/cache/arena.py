@@ -93,14 +93,6 @@ class ArenaLayout:
             end = max(end, (self.state_slots - 1) * self.slot_stride + self.state_bytes)
         return end
 
-    def slot_blocks(self, slot: int) -> range:
-        """The attention blocks checkpoint slot `slot` shares memory with (empty for running slots)."""
-        c = slot - self.first_overlay_slot
-        if not self.state_bytes or c < 1:
-            return range(0)
-        k = self.blocks_per_slot
-        return range(c * k, (c + 1) * k)
-
 
 def _align(n: int) -> int:
     return -(-n // PART_ALIGN) * PART_ALIGN
@@ -130,8 +122,9 @@ def page_bytes(groups: list[CacheGroup]) -> int:
     return _page_parts(groups)[1]
 
 
-def plan_arena(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int,
-               max_checkpoint_slots: int | None) -> ArenaLayout:
+def plan_arena(
+    groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, max_checkpoint_slots: int | None
+) -> ArenaLayout:
     """The largest arena within `budget_bytes`: S = max_num_seqs running slots reserved, the rest attention blocks,
     checkpoint ids over them. Raises ValueError for a layout without attention (nothing to overlay)."""
     attn = [g for g in groups if g.is_attention]
@@ -147,13 +140,19 @@ def plan_arena(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int,
     if max_checkpoint_slots is not None:
         ckpt = min(ckpt, max_checkpoint_slots)
     layout = ArenaLayout(block_bytes, state_bytes, k, blocks, max_num_seqs if rec else 0, ckpt, ())
-    parts = [ArenaPart(g.group_id, name, dtype, layout.attention_offset + off, block_bytes, blocks, shape)
-             for g, name, dtype, shape, off in a_parts]
-    parts += [ArenaPart(g.group_id, name, dtype, off, layout.slot_stride, layout.state_slots, shape)
-              for g, name, dtype, shape, off in s_parts]
+    parts = [
+        ArenaPart(g.group_id, name, dtype, layout.attention_offset + off, block_bytes, blocks, shape)
+        for g, name, dtype, shape, off in a_parts
+    ]
+    parts += [
+        ArenaPart(g.group_id, name, dtype, off, layout.slot_stride, layout.state_slots, shape)
+        for g, name, dtype, shape, off in s_parts
+    ]
     for p in parts:
         elem = dtype_bytes(p.dtype)
         if p.offset % elem or p.page_stride % elem:
-            raise ValueError(f"arena part g{p.group_id}.{p.name}: offset {p.offset} / stride {p.page_stride} B are "
-                             f"not multiples of its {elem}-byte dtype")
+            raise ValueError(
+                f"arena part g{p.group_id}.{p.name}: offset {p.offset} / stride {p.page_stride} B are "
+                f"not multiples of its {elem}-byte dtype"
+            )
     return ArenaLayout(block_bytes, state_bytes, k, blocks, layout.running_slots, ckpt, tuple(parts))

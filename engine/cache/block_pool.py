@@ -85,14 +85,6 @@ class BlockPool:
         """Ids an allocation can take now without evicting (`checkpoint`: for `allocate_checkpoint`)."""
         return self.num_plain
 
-    def own_refs(self, block_id: int) -> int:
-        """References the pool itself holds on a page (arena pools: the overlay's cover, the pinned slot)."""
-        return 0
-
-    def free_block_ids(self) -> list[int]:
-        """Pages nobody references: the free ones (next handed out first), then the cached ones (release order)."""
-        return [*reversed(self._free), *self._idle]
-
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, referenced once each (never evicts: the tree makes room first)."""
@@ -167,10 +159,6 @@ class BlockPool:
         self.block_hash[dst] = h
         self.cached[h] = dst
         self._on_plain(src)
-
-    def uncache(self, block_id: int) -> None:
-        """Forget the page's content without counting an eviction (an unreferenced page becomes free)."""
-        self.evict(block_id, count=False)
 
     def evict(self, block_id: int, count: bool = True) -> None:
         """The page's name goes (`count`: an eviction, not a deliberate drop); an unreferenced page becomes free."""

@@ -278,7 +278,7 @@ class RecurrentManager:
         if self.tree is not None:
             self.tree.evict(STATE, slot, count=False)
         else:
-            self.pool.uncache(slot)
+            self.pool.evict(slot, count=False)
 
     def free(self, req_id: str) -> None:
         self.rolling.pop(req_id, None)

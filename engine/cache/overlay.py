@@ -58,8 +58,6 @@ class ArenaAttentionPool(BlockPool):
     def _take_free(self, n: int) -> list[int]:
         """Free blocks, clustered (see the module docstring)."""
         out: list[int] = []
-        ov = self.overlay
-        assert ov is not None, "arena pools are bound to an overlay"
         window: list[tuple[int, int]] = []
         rest: list[int] = []
         while len(out) < n:
@@ -68,13 +66,20 @@ class ArenaAttentionPool(BlockPool):
             m = min(len(plain), n - len(out))
             out += [plain.pop() for _ in range(m)]
             if c:
-                ov.nref[c] += m
-                ov.num_free_ranges -= ov.nplain[c] == ov.full
-                ov.nplain[c] -= m
-                ov.unreferenced.discard(c)
-                if not plain:
-                    self._with_plain.discard(c)
+                self._referenced_free(c, m)
         return out
+
+    def _referenced_free(self, c: int, m: int) -> None:
+        """m free blocks of range c (>= 1) got their first reference (they left `_plain_sets[c]`)."""
+        ov = self.overlay
+        assert ov is not None
+        ov.nref[c] += m
+        ov.unreferenced.discard(c)
+        if ov.nplain[c] == ov.full:
+            ov.num_free_ranges -= 1
+        ov.nplain[c] -= m
+        if not self._plain_sets[c]:
+            self._with_plain.discard(c)
 
     def _pick_range(self, window: list[tuple[int, int]], rest: list[int], want: int) -> int:
         """Range 0 while it has free blocks; else the range in use; else, of the first PICK_SAMPLE ranges with free
@@ -109,20 +114,13 @@ class ArenaAttentionPool(BlockPool):
         ov = self.overlay
         assert ov is not None
         c = ov.range_ids[block_id]
-        if not c:
-            if was_plain:
-                self._plain_sets[0].discard(block_id)
-            return
-        ov.nref[c] += 1
-        ov.unreferenced.discard(c)
         if was_plain:
-            plain = self._plain_sets[c]
-            plain.discard(block_id)
-            if not plain:
-                self._with_plain.discard(c)
-            if ov.nplain[c] == ov.full:
-                ov.num_free_ranges -= 1
-            ov.nplain[c] -= 1
+            self._plain_sets[c].discard(block_id)
+            if c:
+                self._referenced_free(c, 1)
+        elif c:  # a cached block, referenced again
+            ov.nref[c] += 1
+            ov.unreferenced.discard(c)
 
     def _on_unref(self, block_id: int, now_plain: bool) -> None:
         ov = self.overlay
@@ -177,13 +175,6 @@ class ArenaAttentionPool(BlockPool):
         self._plain_sets[c].update(blocks)
         self._with_plain.add(c)
 
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
-
-    def own_refs(self, block_id: int) -> int:
-        c = self.overlay.range_ids[block_id] if self.overlay is not None else 0
-        return int(bool(c) and c in self.overlay.held)  # type: ignore[union-attr]
-
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["in_use"] -= self.num_overlaid
@@ -212,12 +203,6 @@ class ArenaStatePool(BlockPool):
         assert self.overlay is not None
         overlay = self.overlay.available(self)
         return overlay if checkpoint else overlay + len(self._running_free)
-
-    def free_block_ids(self) -> list[int]:
-        return [b for b in range(1, self.num_blocks) if not self.ref_cnt[b]]
-
-    def own_refs(self, block_id: int) -> int:
-        return int(bool(self._pinned) and block_id == self.first_overlay)
 
     def stats(self) -> dict[str, int]:
         s = super().stats()

@@ -138,7 +138,6 @@ class CacheTree:
         self._failed_room: tuple[object, int] | None = None
         """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
         self._since_refresh = 0
-        self._going: set[bytes] = set()
         for p in self.pools:
             p.listener = self
 
@@ -256,18 +255,12 @@ class CacheTree:
             if victim is not True:
                 self._evict_victim(victim)  # type: ignore[arg-type]
         taken = self.overlay.k * max((p.overlay_needed(n, checkpoint) for p, n in states), default=0)  # type: ignore
-        heap, queued = self._heap, self.queued
         for p, n in needs:
             while n and id(p) not in self._state_ids and p.num_plain - taken < n:
-                while heap:  # the lowest live entry, popped (`_lowest`, inlined: one per evicted block)
-                    prio, order, key = heapq.heappop(heap)
-                    entry = queued[key & 1].get(key >> 1)
-                    if entry is not None and entry[1] == order:
-                        break
-                else:
+                victim = self._lowest()
+                if victim is None:
                     return False
-                self._evict_victim((key & 1, key >> 1, prio))
-                heap = self._heap  # (a refresh rebuilds it)
+                self._evict_victim(victim)
         return True
 
     def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
@@ -408,7 +401,6 @@ class CacheTree:
             stack.extend(node.kids.values())
         chain = self.chain
         assert chain is not None
-        self._going = {n.hash for n in order}
         for node in reversed(order):
             page = chain.cached.get(node.hash)
             if page is None:
@@ -417,7 +409,6 @@ class CacheTree:
                 self.evict(BLOCK, page)
             else:
                 self._unlink(node)
-        self._going = set()
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
@@ -485,12 +476,10 @@ class CacheTree:
             return
         parent.kid = None
         h = parent.hash
-        if h in self._going and (self.state is None or h not in self.state.cached):
-            return  # a dead end that this subtree eviction takes next: queuing it would change nothing
         chain = self.chain
         b = chain.cached.get(h)  # type: ignore[union-attr]
         if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
-            self._push_block(b, parent)  # a new leaf
+            self._push(BLOCK, b, h)  # a new leaf
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
@@ -499,11 +488,11 @@ class CacheTree:
         if pool is self.chain:
             node = self.nodes[h]
             if not node.kids:  # (else not a leaf: queued when its last kid goes)
-                self._push_block(page, node)
+                self._push(BLOCK, page, h)
         elif pool is self.state:
             self._push(STATE, page, h)
         elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
-            pool.uncache(page)  # leader lost h
+            pool.evict(page, count=False)  # leader lost h
 
     def on_acquire(self, pool: BlockPool, page: int) -> None:
         kind = self.kind_of.get(id(pool))
@@ -525,17 +514,13 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        nodes = self.nodes
-        node = nodes.get(h)
-        if node is None:  # (`_node`, inlined: once per cached block)
-            node = nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
-        elif node.parent is not None:
+        node = self._node(h, tokens)
+        if node.parent is not None:
             return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
         if pb is None:
             return  # a first block, or the parent is gone (this block heads an unreachable chain)
-        up = nodes[parent]  # type: ignore[index]
+        up = self.nodes[parent]  # type: ignore[index]
         node.parent = up
         kids = up.kids
         kids[h] = node
@@ -570,13 +555,6 @@ class CacheTree:
     def _push(self, kind: int, page: int, h: bytes) -> None:
         clock = self.clock
         self._queue(kind, page, clock, clock + self._value(kind, h))
-
-    def _push_block(self, page: int, node: Node) -> None:
-        """`_push` of a chain block, with a dead end (the common case) queued at value 0 without `_value`."""
-        if self.state is not None and not node.ckpt:
-            self._queue(BLOCK, page, self.clock, self.clock)
-        else:
-            self._push(BLOCK, page, node.hash)
 
     # -- value -------------------------------------------------------------------------------------------------
     def _value(self, kind: int, h: bytes | None) -> float:

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.overlay_spy import spy_overlay
+from tests.support.pool_views import own_refs, slot_blocks
 from tests.unit.test_cache_properties import BS, GDN, Harness, ReqSpec, Trace, req_specs
 
 GiB = 2**30
@@ -170,7 +171,7 @@ class ArenaHarness(Harness):
         self.arena: ArenaLayout = self.plan.arena
 
     def clobber_blocks_of(self, slot: int) -> None:
-        for b in self.arena.slot_blocks(slot):
+        for b in slot_blocks(self.arena, slot):
             self.shadow.attn[b] = ("clobbered by a checkpoint", ())
 
     def clobber_slot_over(self, block: int) -> None:
@@ -209,7 +210,7 @@ class ArenaHarness(Harness):
         assert set(attn.req_blocks) == set(holders) == set(rec.running_slot)
         held = Counter(b for rid in holders for b in attn.req_blocks[rid])
         for b in range(1, attn.pool.num_blocks):
-            assert attn.pool.ref_cnt[b] == held[b] + attn.pool.own_refs(b), (b, held[b])
+            assert attn.pool.ref_cnt[b] == held[b] + own_refs(attn.pool, b), (b, held[b])
         slots = [rec.running_slot[rid] for rid in holders]
         assert len(set(slots)) == len(slots) and NULL_BLOCK_ID not in slots
         assert self.arena.first_overlay_slot not in slots  # pinned; a running slot past the reserved ones (leases
@@ -218,7 +219,7 @@ class ArenaHarness(Harness):
         pool = rec.pool
         for s in range(self.arena.first_overlay_slot + 1, pool.num_blocks):
             if pool.ref_cnt[s] or pool.block_hash[s] is not None:
-                for b in self.arena.slot_blocks(s):
+                for b in slot_blocks(self.arena, s):
                     assert held[b] == 0 and attn.pool.block_hash[b] is None, (s, b, "overlaps a held block")
             assert pool.ref_cnt[s] == (s in slots), s  # between steps a checkpoint is cached or free
 

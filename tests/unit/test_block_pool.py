@@ -12,6 +12,8 @@ import pytest
 from hybridpd.engine.cache.block_pool import BlockPool, PoolExhaustedError
 from hybridpd.engine.cache.specs import NULL_BLOCK_ID
 
+from tests.support.pool_views import free_order
+
 H = [bytes([i]) * 16 for i in range(16)]  # distinct fake block hashes
 
 
@@ -44,7 +46,7 @@ def pool() -> Iterator[BlockPool]:
 def test_fresh_pool_hands_out_ids_in_order(pool: BlockPool) -> None:
     assert pool.capacity == 5
     assert pool.num_free == 5
-    assert pool.free_block_ids() == [1, 2, 3, 4, 5]
+    assert free_order(pool) == [1, 2, 3, 4, 5]
     assert pool.allocate(2) == [1, 2]
     assert pool.allocate(3) == [3, 4, 5]
     assert pool.num_free == 0
@@ -72,7 +74,7 @@ def test_failed_allocation_changes_nothing(pool: BlockPool) -> None:
     pool.allocate(4)
     with pytest.raises(PoolExhaustedError):
         pool.allocate(2)
-    assert pool.free_block_ids() == [5]
+    assert free_order(pool) == [5]
     assert pool.allocate(1) == [5]
     pool.free([1, 2, 3, 4, 5])
 
@@ -82,9 +84,9 @@ def test_allocation_takes_free_blocks_only_and_never_evicts(pool: BlockPool) -> 
     assert pool.cache(1, H[1])
     pool.free([1])  # cached: the tree hears it is evictable; it is not free
     assert pool.listener.log == [("release", 1)]  # type: ignore[attr-defined]
-    assert pool.free_block_ids() == [4, 5, 1] and pool.num_plain == 2
+    assert free_order(pool) == [4, 5, 1] and pool.num_plain == 2
     pool.free([2])  # no hash: free, handed out next
-    assert pool.free_block_ids() == [2, 4, 5, 1]
+    assert free_order(pool) == [2, 4, 5, 1]
     assert pool.allocate(3) == [2, 4, 5]
     with pytest.raises(PoolExhaustedError, match="asked for 1 blocks, 0 free"):
         pool.allocate(1)  # only the tree evicts
@@ -93,7 +95,7 @@ def test_allocation_takes_free_blocks_only_and_never_evicts(pool: BlockPool) -> 
     assert pool.lookup(H[1]) is None and pool.num_evictions == 1
     assert pool.allocate(1) == [1]
     pool.free([3, 2, 4, 5, 1])
-    assert pool.free_block_ids() == [1, 5, 4, 2, 3]
+    assert free_order(pool) == [1, 5, 4, 2, 3]
 
 
 def test_released_in_order_evicted_pages_free_first(pool: BlockPool) -> None:
@@ -102,9 +104,9 @@ def test_released_in_order_evicted_pages_free_first(pool: BlockPool) -> None:
         assert pool.cache(b, h)
     pool.free(reversed(req))  # the convention: tail first
     assert pool.listener.log == [("release", 3), ("release", 2), ("release", 1)]  # type: ignore[attr-defined]
-    assert pool.free_block_ids() == [4, 5, 3, 2, 1]
+    assert free_order(pool) == [4, 5, 3, 2, 1]
     pool.evict(3)  # an evicted page is the next one handed out
-    assert pool.free_block_ids() == [3, 4, 5, 2, 1]
+    assert free_order(pool) == [3, 4, 5, 2, 1]
     assert pool.allocate(3) == [3, 4, 5]
     assert pool.lookup(H[2]) is None and pool.lookup(H[0]) == 1 and pool.lookup(H[1]) == 2
     pool.free([4, 5, 3])
@@ -115,22 +117,22 @@ def test_touch_reuses_a_cached_block_and_takes_it_out_of_the_queue(pool: BlockPo
     assert pool.cache(b1, H[1]) and pool.cache(b2, H[2])
     pool.free([b2, b1])
     assert pool.stats() == {"total": 5, "free": 3, "cached": 2, "in_use": 0}
-    assert pool.free_block_ids() == [3, 4, 5, 2, 1]
+    assert free_order(pool) == [3, 4, 5, 2, 1]
 
     hit = pool.lookup(H[1])
     assert hit == 1
     pool.touch([hit])
     assert pool.ref_cnt[1] == 1 and pool.listener.log[-1] == ("acquire", 1)  # type: ignore[attr-defined]
-    assert pool.free_block_ids() == [3, 4, 5, 2]
+    assert free_order(pool) == [3, 4, 5, 2]
     assert pool.lookup(H[1]) == 1  # still cached while in use
     assert pool.stats() == {"total": 5, "free": 3, "cached": 1, "in_use": 1}
 
     pool.touch([1])  # a second holder
     assert pool.ref_cnt[1] == 2
     pool.free([1])
-    assert pool.ref_cnt[1] == 1 and 1 not in pool.free_block_ids()
+    assert pool.ref_cnt[1] == 1 and 1 not in free_order(pool)
     pool.free([1])
-    assert pool.free_block_ids() == [3, 4, 5, 2, 1]
+    assert free_order(pool) == [3, 4, 5, 2, 1]
     assert pool.num_evictions == 0
 
 
@@ -140,7 +142,7 @@ def test_rename_moves_a_name_to_the_live_copy(pool: BlockPool) -> None:
     pool.free([old])
     pool.rename(old, live)  # a request recomputed H[4] into `live`: it takes the name, `old` is free
     assert pool.lookup(H[4]) == live and pool.block_hash[old] is None
-    assert pool.free_block_ids()[0] == old and pool.num_evictions == 0
+    assert free_order(pool)[0] == old and pool.num_evictions == 0
     pool.free([live])
     assert pool.stats() == {"total": 5, "free": 4, "cached": 1, "in_use": 0}
 
@@ -161,7 +163,7 @@ def test_cache_refuses_duplicates_and_renames(pool: BlockPool) -> None:
     assert pool.cache(b, H[7]) is False  # same content already held by a
     assert pool.cache(a, H[8]) is False  # a is already named
     assert pool.lookup(H[7]) == a and pool.block_hash[b] is None
-    pool.uncache(a)
+    pool.evict(a, count=False)
     assert pool.lookup(H[7]) is None and pool.num_evictions == 0
     assert pool.cache(b, H[7]) is True
     pool.free([b, a])

@@ -60,6 +60,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.cache_policies import IntervalAdmission, LruTree
+from tests.support.pool_views import own_refs
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -191,7 +192,7 @@ class Side:
         for m in cache.blocks:
             held = Counter(b for blocks in m.req_blocks.values() for b in blocks)
             for b in range(1, m.pool.num_blocks):
-                assert m.pool.ref_cnt[b] == held[b] + m.pool.own_refs(b), (self.name, m.group.group_id, b)
+                assert m.pool.ref_cnt[b] == held[b] + own_refs(m.pool, b), (self.name, m.group.group_id, b)
                 if held[b] > 1:
                     assert m.pool.block_hash[b] is not None
         reserved = Counter((gid, slot) for imp in self.sched.importing.values() if imp.checkpoint
@@ -203,7 +204,7 @@ class Side:
             assert len(set(running)) == len(running)
             for b in range(1, rm.pool.num_blocks):
                 want = running.count(b) + pins[(gid, b)] + reserved[(gid, b)] + ((gid, b) in self.quarantined_slots)
-                want += rm.pool.own_refs(b)  # the arena's pinned slot
+                want += own_refs(rm.pool, b)  # the arena's pinned slot
                 assert rm.pool.ref_cnt[b] == want, (self.name, gid, b, rm.pool.ref_cnt[b], want)
                 if b in running:
                     assert rm.pool.block_hash[b] is None
@@ -435,7 +436,7 @@ class PDHarness:
                     for b in m.req_pages(holder)}
             for gid, pool in side.cache.pools.items():
                 pool.check_integrity()
-                in_use = {b for b in range(1, pool.num_blocks) if pool.ref_cnt[b] > pool.own_refs(b)}
+                in_use = {b for b in range(1, pool.num_blocks) if pool.ref_cnt[b] > own_refs(pool, b)}
                 quarantined = {b for g, b in held | side.quarantined_slots if g == gid}
                 assert in_use == quarantined, (side.name, gid, in_use, quarantined)
             for m in side.cache.blocks:

@@ -28,6 +28,7 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 from benchmarks.cache_policies import IntervalAdmission
+from tests.support.pool_views import free_order
 
 BS, INTERVAL = 4, 8
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -119,9 +120,9 @@ def test_cold_request_gets_fresh_blocks_slot_and_checkpoints() -> None:
     # published: all 5 full attention blocks, both checkpoints; freed tail first
     assert [attn_pool(s).lookup(h) for h in req.block_hashes] == [1, 2, 3, 4, 5]
     assert state_pool(s).lookup(req.block_hashes[1]) == 2 and state_pool(s).lookup(req.block_hashes[3]) == 3
-    assert attn_pool(s).free_block_ids()[-5:] == [5, 4, 3, 2, 1]
+    assert free_order(attn_pool(s))[-5:] == [5, 4, 3, 2, 1]
     # checkpoints 2, 3 are cached (back of the queue); the running slot holds nothing reusable: front
-    assert state_pool(s).free_block_ids() == [1, 4, 5, 6, 2, 3]
+    assert free_order(state_pool(s)) == [1, 4, 5, 6, 2, 3]
     assert counters(s) == {"attention": (20, 0), "mamba2": (20, 0)}
 
 
@@ -142,7 +143,7 @@ def test_repeated_prompt_hits_largest_checkpoint_and_copies_state() -> None:
     assert counters(s) == {"attention": (40, 16), "mamba2": (40, 16)}
     # block 6 recomputed tokens 16..19, which block 5 already names: the live copy takes the name (the chain stays
     # evictable) and block 5, free now, is the first block handed out (before any cached block is evicted)
-    assert attn_pool(s).block_hash[5] is None and attn_pool(s).free_block_ids()[0] == 5
+    assert attn_pool(s).block_hash[5] is None and free_order(attn_pool(s))[0] == 5
     assert attn_pool(s).block_hash[6] is not None
     assert attn_pool(s).num_evictions == 0
 
@@ -213,9 +214,9 @@ def test_checkpoints_planned_within_chunks_and_published_after_the_step() -> Non
     assert lead(out.seqs[0].group_checkpoints) == ((8, 2),)
     h8 = req.block_hashes[1]
     assert sp.lookup(h8) is None  # not written yet: not visible to hits
-    assert sp.ref_cnt[2] == 1 and 2 not in sp.free_block_ids()  # protected until the step ran
+    assert sp.ref_cnt[2] == 1 and 2 not in free_order(sp)  # protected until the step ran
     step_done(s, out)
-    assert sp.lookup(h8) == 2 and sp.ref_cnt[2] == 0 and sp.free_block_ids()[-1] == 2  # published, evictable
+    assert sp.lookup(h8) == 2 and sp.ref_cnt[2] == 0 and free_order(sp)[-1] == 2  # published, evictable
 
     out = s.schedule()
     assert lead(out.seqs[0].group_checkpoints) == ((16, 3),)
@@ -249,18 +250,18 @@ def test_restored_checkpoint_protected_until_the_copy_ran() -> None:
     add(s, "b", A)
     out = s.schedule()
     assert lead(out.group_state_copies) == ((3, 1),)
-    assert sp.ref_cnt[3] == 1 and 3 not in sp.free_block_ids()
+    assert sp.ref_cnt[3] == 1 and 3 not in free_order(sp)
     assert sp.lookup(s.requests["b"].block_hashes[3]) == 3  # still named
     step_done(s, out)
     # released after the step: the restored checkpoint is now the most recently used cached slot
-    assert sp.ref_cnt[3] == 0 and sp.free_block_ids() == [1, 4, 5, 6, 2, 3]
+    assert sp.ref_cnt[3] == 0 and free_order(sp) == [1, 4, 5, 6, 2, 3]
 
 
 def test_checkpoints_are_evictable_lru() -> None:
     s = make(state_slots=4, max_num_seqs=1)  # null + 3 slots: running + 2 checkpoints
     a, _ = serve(s, "a", A)
     sp = state_pool(s)
-    assert sp.free_block_ids() == [1, 2, 3]  # running slot 1 (free) first, then ckpt 8 -> 2, ckpt 16 -> 3
+    assert free_order(sp) == [1, 2, 3]  # running slot 1 (free) first, then ckpt 8 -> 2, ckpt 16 -> 3
     b, (out,) = serve(s, "b", list(range(200, 220)))
     # b's running slot takes the free slot 1; its checkpoints evict a's, oldest first
     assert lead(out.seqs[0].group_state_slots, PAD_SLOT_ID) == 1

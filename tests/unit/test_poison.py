@@ -32,6 +32,7 @@ from hybridpd.engine import LLM, SamplingParams
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
 
 from tests.oracle import reference_set
+from tests.support.pool_views import free_pages, slot_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,7 +79,7 @@ class Poisoner:
         self.slots = self._unowned(cache.recurrent.pool)
         arena = self.engine.plan.arena  # a checkpoint slot's memory is attention blocks': free only if they are
         if arena is not None:
-            self.slots = {s for s in self.slots if set(arena.slot_blocks(s)) <= self.blocks}
+            self.slots = {s for s in self.slots if set(slot_blocks(arena, s)) <= self.blocks}
         blocks = torch.tensor(sorted(self.blocks), dtype=torch.int64)
         slots = torch.tensor(sorted(self.slots), dtype=torch.int64)
         for kv in runner.attention_tensors:
@@ -89,7 +90,7 @@ class Poisoner:
     @staticmethod
     def _unowned(pool) -> set[int]:  # type: ignore[no-untyped-def]
         """The null page plus every free page without a hash (cached pages hold prefix content: kept)."""
-        return {0} | {b for b in pool.free_block_ids() if pool.block_hash[b] is None}
+        return {0} | free_pages(pool)
 
     def step(self):  # type: ignore[no-untyped-def]
         self.poison()

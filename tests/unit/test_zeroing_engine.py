@@ -26,6 +26,7 @@ from hybridpd.engine.models import nemotron_h, qwen3_5
 from hybridpd.engine.models.reference import StepMetadata
 
 from tests.oracle import random_prompts, reference_set
+from tests.support.pool_views import free_pages
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -113,7 +114,7 @@ def poison_free_blocks_every_step(engine) -> None:  # type: ignore[no-untyped-de
     step, pool = engine.step, engine.cache.attention.pool
 
     def poisoned_step():  # type: ignore[no-untyped-def]
-        ids = [b for b in pool.free_block_ids() if pool.block_hash[b] is None]
+        ids = sorted(free_pages(pool))
         for kv in engine.runner.attention_tensors:
             kv[torch.tensor(ids, dtype=torch.int64)] = float("nan")
         return step()
