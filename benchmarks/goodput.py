@@ -402,8 +402,14 @@ def check_path(run: Cluster, args: argparse.Namespace) -> list[dict[str, Any]]:
     return infos
 
 
+def _covering(overrides: dict[str, Any], longest: int) -> dict[str, Any]:
+    """Checkpoint overrides with max_position_embeddings raised to `longest` where below it (the engine refuses a
+    max_model_len past it)."""
+    return {**overrides, "max_position_embeddings": max(int(overrides.get("max_position_embeddings", 4096)), longest)}
+
+
 def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[str, list[str], int, int]:
-    from hybridpd.engine.models.checkpoint import write_preset_checkpoint, write_random_checkpoint
+    from hybridpd.engine.models.checkpoint import preset, write_random_checkpoint
 
     from benchmarks.offline_throughput import PATTERN, SIZES
 
@@ -420,12 +426,13 @@ def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[st
     ]
     if args.model:
         model = args.model
-    elif args.preset:
-        model = write_preset_checkpoint(f"{tmp}/model", args.preset, weights=False)
+    elif args.preset:  # the synthetic checkpoint's trained length covers the longest request (else refused)
+        family, overrides = preset(args.preset)
+        model = write_random_checkpoint(f"{tmp}/model", family, seed=0, weights=False, **_covering(overrides, longest))
         wargs += ["--load-format", "dummy"]
     else:
         overrides = {**SIZES[args.size], **(PATTERN[args.family] if args.size != "tiny" else {})}
-        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **overrides)  # type: ignore[arg-type]
+        model = write_random_checkpoint(f"{tmp}/model", args.family, seed=0, **_covering(overrides, longest))  # type: ignore[arg-type]
     if args.kv_cache_memory_bytes:
         wargs += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     elif args.device != "cpu":

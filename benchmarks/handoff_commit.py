@@ -45,7 +45,8 @@ def main() -> int:
 
     from tests.oracle import random_prompts
 
-    model = args.model or str(write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0))
+    model = args.model or str(write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0,
+                                                        max_position_embeddings=8192))
     # two workers may share one GPU: each gets a fixed cache budget rather than a share of the GPU
     c = start_cluster(model, worker_args=["--device", args.device, "--dtype", args.dtype, "--max-model-len", "8192",
                                           "--kv-cache-memory-bytes", str(2 << 30)])

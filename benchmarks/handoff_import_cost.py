@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print("prompt tokens | " + " | ".join(f"{k} ms" for k in PHASES))
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_checkpoint(
-            f"{tmp}/m", "nemotron_h", seed=0, hidden_size=64, pattern="MMMM*MMMM-", vocab_size=512
+            f"{tmp}/m", "nemotron_h", seed=0, hidden_size=64, pattern="MMMM*MMMM-", vocab_size=512,
+            max_position_embeddings=max(4096, *(int(x) + 64 for x in args.tokens.split(","))),
         )
         for n in (int(x) for x in args.tokens.split(",")):
             row = measure(model, n, args.requests, args.device)

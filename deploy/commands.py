@@ -16,12 +16,19 @@ from hybridpd.engine.errors import HybridPDError
 
 
 def _model_max_len(model: str, override: int | None) -> int:
-    if override:
-        return override
-    import json
+    """--max-model-len checked against the checkpoint's config.json as the engine checks it (too long: an error
+    before anything starts), or the checkpoint's own length when not given."""
+    from hybridpd.engine.config import resolve_max_model_len
 
-    with open(os.path.join(model, "config.json")) as f:
-        return int(json.load(f).get("max_position_embeddings") or 4096)
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read the model's config ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return resolve_max_model_len(override, hf_config, model)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

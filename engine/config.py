@@ -10,8 +10,11 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import logging
+import os
 import textwrap
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -22,6 +25,12 @@ DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 ZeroMode = Literal["auto", "on", "off"]
 LoadFormat = Literal["auto", "dummy"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+DEFAULT_MAX_MODEL_LEN = 4096
+"""max_model_len of a checkpoint whose config.json names no max_position_embeddings."""
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+"""Set to 1 (or true) to allow a max_model_len past the checkpoint's max_position_embeddings (vLLM's variable)."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,8 @@ class ModelConfig:
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto: cuda when a CUDA device is visible, else cpu."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings."""
+    """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings (4096 when its config.json
+    has none). Larger than max_position_embeddings is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM)."""
     seed: int = 0
     """Random seed of the engine's sampler."""
     load_format: LoadFormat = "auto"
@@ -144,6 +154,38 @@ class EngineConfig:
         if self.parallel.tensor_parallel_size < 1:
             raise InvalidRequestError(
                 f"tensor_parallel_size must be >= 1, got {self.parallel.tensor_parallel_size}")
+
+
+def checkpoint_max_len(hf_config: Mapping[str, Any]) -> int | None:
+    """The checkpoint's trained context: max_position_embeddings of config.json (of its text_config in a multimodal
+    checkpoint). None when it names none."""
+    text = hf_config.get("text_config")
+    for cfg in (hf_config, text if isinstance(text, Mapping) else {}):
+        value = cfg.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Mapping[str, Any], model: str = "the model") -> int:
+    """The engine's max_model_len: `requested`, or (None / 0) the checkpoint's max_position_embeddings. Like vLLM, a
+    requested length past the checkpoint's (and past its model_max_length, when config.json has one) is refused
+    with InvalidRequestError unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; a checkpoint naming neither accepts any."""
+    limit = checkpoint_max_len(hf_config)
+    if not requested:
+        return limit or DEFAULT_MAX_MODEL_LEN
+    if requested < 0:
+        raise InvalidRequestError(f"max_model_len must be >= 1, got {requested}")
+    override = hf_config.get("model_max_length")
+    if limit is None or requested <= limit or (isinstance(override, int) and requested <= override):
+        return requested
+    msg = f"max_model_len ({requested}) is greater than max_position_embeddings ({limit}) of {model} (config.json)"
+    if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "0").strip().lower() in ("1", "true"):
+        log.warning("%s; allowed by %s: positions past the trained length may give garbage", msg,
+                    ALLOW_LONG_MAX_MODEL_LEN_ENV)
+        return requested
+    raise InvalidRequestError(f"{msg}. Lower --max-model-len, or set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it "
+                              f"(positions past the trained length may give garbage output)")
 
 
 def config_sections(root: type = EngineConfig) -> dict[str, type]:

@@ -21,7 +21,7 @@ from hybridpd.engine.async_step import StepPipeline
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capacity
 from hybridpd.engine.cache.specs import group_layers
-from hybridpd.engine.config import EngineConfig
+from hybridpd.engine.config import EngineConfig, resolve_max_model_len
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dtype
 from hybridpd.engine.errors import InvalidRequestError
@@ -81,6 +81,7 @@ class EngineCore:
         require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         hf_config = read_model_config(mc.path)
+        self.max_model_len = resolve_max_model_len(mc.max_model_len, hf_config, mc.path)
         world = config.parallel.tensor_parallel_size
         if tp is None and world > 1:  # a model that cannot be cut fails here, before any other rank starts
             try:
@@ -106,8 +107,6 @@ class EngineCore:
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
         if self.tp is not None:
             shard_model(self.model, self.tp, config.parallel.enable_expert_parallel)
-        model_max = int(hf_config.get("max_position_embeddings") or 4096)
-        self.max_model_len = mc.max_model_len or model_max
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
