@@ -371,6 +371,12 @@ def _prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
     if isinstance(v, list) and v and isinstance(v[0], str | list):
         if len(v) > MAX_PROMPTS:
             raise bad_request(f"'prompt' holds {len(v)} prompts; at most {MAX_PROMPTS} per request", param="prompt")
+        kind = type(v[0])
+        odd = next((i for i, p in enumerate(v) if isinstance(p, str | list) and not isinstance(p, kind)), None)
+        if odd is not None:  # vLLM's type: a string, token ids, a list of strings or a list of token-id lists
+            raise bad_request(f"'prompt' mixes strings and token-id lists (prompt[0] is {_json_type(v[0])}, "
+                              f"prompt[{odd}] is {_json_type(v[odd])}): send all strings or all token-id lists",
+                              param="prompt")
         return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(v))
     return (_one_prompt(v, "prompt"),)
 

@@ -259,6 +259,8 @@ def test_colocated_sends_no_params() -> None:
         # no tokenizer: text prompts are refused, token ids are served
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "text"})
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 2], "text"]})  # a mixed batch
+        assert r.status_code == 400 and "mixes" in r.json()["error"]["message"] and not s.decode[0].generates[1:]
 
 
 def test_proxy_imports_neither_torch_nor_engine() -> None:
