@@ -7,13 +7,15 @@ token ids need the tokenizer, so they are checked after tokenization (`resolve_m
 checked by the app. Strings holding a lone UTF-16 surrogate (`"\ud800"`, valid JSON, not valid text) and JSON
 nested too deeply are 400s.
 
-Semantics follow vLLM's OpenAI server: `n` samples per prompt, `logprobs` (completions: int 0..20 alternatives;
-chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2], `repetition_penalty` > 0 (1 = off),
-`min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `stop` + `include_stop_str_in_output`, a list of
-prompts, `echo` (completions, without logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`),
-`user` (accepted, unused). Structured output (`response_format`, `structured_outputs`, `guided_*`:
-proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages and assistant
-`tool_calls` in the history: proxy.tools) on chat; structured output on completions too.
+Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per prompt, `logprobs` (completions:
+int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2],
+`repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `stop` +
+`include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
+logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is none), `user` (accepted, unused).
+Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
+`tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
+structured output on completions too. vLLM extras the engine does not implement (`min_p`, `use_beam_search`,
+`priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`) are refused unless at their no-op value.
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "audio": _is_none,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_none,
+    # vLLM sampling extras the engine does not implement (vLLM also refuses a non-zero priority without priority
+    # scheduling, and min_p outside [0, 1])
+    "min_p": lambda v: v is None or v == 0,
+    "use_beam_search": _falsy,
+    "priority": lambda v: v is None or v == 0,
+    "allowed_token_ids": _falsy,
+    "bad_words": _falsy,
+    "truncate_prompt_tokens": _is_none,
 }
 _UNSUPPORTED_COMPLETION = {
     "best_of": lambda v: v is None or v == 1,
@@ -303,8 +313,8 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     temperature = f.get_float("temperature")
-    if temperature is not None and temperature < 0.0:
-        raise bad_request(f"'temperature' must be >= 0, got {temperature}", param="temperature")
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
     repetition = f.get_float("repetition_penalty")
     if repetition is not None and not 0.0 < repetition <= 100.0:
         raise bad_request(f"'repetition_penalty' must be in (0, 100], got {repetition}", param="repetition_penalty")
@@ -336,7 +346,7 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
 def _stream(f: _Fields) -> StreamOptions:
     stream = bool(f.get_bool("stream"))
     opts = f.get_object("stream_options")
-    if opts is None:
+    if opts is None or (not opts and not stream):  # vLLM: an empty object is no options
         return StreamOptions(stream=stream)
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")

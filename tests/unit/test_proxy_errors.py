@@ -46,6 +46,15 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
     (CMPL, cmpl(temperature="hot"), 400, "temperature", None),
     (CMPL, cmpl(temperature=-0.1), 400, "temperature", None),
+    (CMPL, cmpl(temperature=2.5), 400, "temperature", None),  # vLLM (and OpenAI): [0, 2]
+    (CHAT, chat(temperature=3), 400, "temperature", None),
+    # vLLM parameters the engine does not implement: refused when set, never silently ignored
+    (CMPL, cmpl(min_p=0.5), 400, "min_p", "unsupported_parameter"),
+    (CHAT, chat(use_beam_search=True), 400, "use_beam_search", "unsupported_parameter"),
+    (CMPL, cmpl(priority=1), 400, "priority", "unsupported_parameter"),
+    (CMPL, cmpl(allowed_token_ids=[1, 2]), 400, "allowed_token_ids", "unsupported_parameter"),
+    (CHAT, chat(bad_words=["x"]), 400, "bad_words", "unsupported_parameter"),
+    (CMPL, cmpl(truncate_prompt_tokens=2), 400, "truncate_prompt_tokens", "unsupported_parameter"),
     (CMPL, cmpl(top_p=0), 400, "top_p", None),
     (CMPL, cmpl(top_p=1.5), 400, "top_p", None),
     (CHAT, chat(top_p=-1), 400, "top_p", None),
@@ -159,8 +168,12 @@ def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
 
 def test_no_op_defaults_accepted(stack: LiveStack) -> None:
     body = cmpl(best_of=1, n=1, logit_bias={}, presence_penalty=0, frequency_penalty=0.0, echo=False, tools=None,
-                response_format={"type": "text"}, user="u", some_future_field=1, max_tokens=2)
+                response_format={"type": "text"}, user="u", some_future_field=1, max_tokens=2, min_p=0.0,
+                use_beam_search=False, priority=0, allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None,
+                temperature=2)
     assert post(stack, CMPL, body).status_code == 200
+    for path, body in ((CMPL, cmpl(max_tokens=2)), (CHAT, chat(max_tokens=2))):  # vLLM: stream_options {} = none
+        assert post(stack, path, {**body, "stream_options": {}}).status_code == 200
 
 
 def test_malformed_json(stack: LiveStack) -> None:
