@@ -244,8 +244,9 @@ class RequestGen:
             )
         if r.random() < 0.2:
             prompt = self.text(max(1, length // 4))
-        if r.random() < 0.1:
-            prompt = [prompt, self.token_prompt(self.prompt_len() // 2 + 1)]
+        if r.random() < 0.1:  # a batch: all text or all token ids (a mixed one is a 400, as in vLLM)
+            second = self.prompt_len() // 2 + 1
+            prompt = [prompt, self.text(max(1, second // 4)) if isinstance(prompt, str) else self.token_prompt(second)]
         room = self.max_len - max(
             len(p) if isinstance(p, list) else len(p)
             for p in (prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str) else [prompt])
