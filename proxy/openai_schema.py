@@ -15,7 +15,9 @@ logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is 
 Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
 `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
 structured output on completions too. vLLM extras the engine does not implement (`min_p`, `use_beam_search`,
-`priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`) are refused unless at their no-op value.
+`priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; on chat `chat_template_kwargs`,
+`add_generation_prompt`, `continue_final_message`, `chat_template`, `documents`, `echo`) are refused unless at their
+no-op value.
 """
 
 from __future__ import annotations
@@ -139,7 +141,14 @@ _UNSUPPORTED_COMPLETION = {
     "tools": _falsy,
     "tool_choice": lambda v: v is None or v == "none",
 }
-_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {}
+_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {  # vLLM's chat-rendering extras: the server's template only
+    "chat_template_kwargs": _falsy,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": _falsy,
+    "chat_template": _is_none,
+    "documents": _falsy,
+    "echo": _falsy,
+}
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 

@@ -55,6 +55,13 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, cmpl(allowed_token_ids=[1, 2]), 400, "allowed_token_ids", "unsupported_parameter"),
     (CHAT, chat(bad_words=["x"]), 400, "bad_words", "unsupported_parameter"),
     (CMPL, cmpl(truncate_prompt_tokens=2), 400, "truncate_prompt_tokens", "unsupported_parameter"),
+    # vLLM chat-rendering extras the proxy does not implement: refused rather than rendering another prompt
+    (CHAT, chat(chat_template_kwargs={"enable_thinking": False}), 400, "chat_template_kwargs", "unsupported_parameter"),
+    (CHAT, chat(add_generation_prompt=False), 400, "add_generation_prompt", "unsupported_parameter"),
+    (CHAT, chat(continue_final_message=True), 400, "continue_final_message", "unsupported_parameter"),
+    (CHAT, chat(chat_template="{{ 'x' }}"), 400, "chat_template", "unsupported_parameter"),
+    (CHAT, chat(documents=[{"text": "x"}]), 400, "documents", "unsupported_parameter"),
+    (CHAT, chat(echo=True), 400, "echo", "unsupported_parameter"),
     (CMPL, cmpl(top_p=0), 400, "top_p", None),
     (CMPL, cmpl(top_p=1.5), 400, "top_p", None),
     (CHAT, chat(top_p=-1), 400, "top_p", None),
@@ -172,6 +179,9 @@ def test_no_op_defaults_accepted(stack: LiveStack) -> None:
                 use_beam_search=False, priority=0, allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None,
                 temperature=2)
     assert post(stack, CMPL, body).status_code == 200
+    body = chat(max_tokens=2, chat_template_kwargs={}, add_generation_prompt=True, continue_final_message=False,
+                chat_template=None, documents=None, echo=False)
+    assert post(stack, CHAT, body).status_code == 200
     for path, body in ((CMPL, cmpl(max_tokens=2)), (CHAT, chat(max_tokens=2))):  # vLLM: stream_options {} = none
         assert post(stack, path, {**body, "stream_options": {}}).status_code == 200
 
