@@ -75,8 +75,9 @@ def check_port_free(host: str, port: int) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: TIME_WAIT is not "busy"
         try:
             s.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port)") from None
+        except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+            why = getattr(e, "strerror", None) or e
+            raise ConfigError(f"cannot listen on {host}:{port}: {why} (choose another --port)") from None
 
 
 def resolve_secrets(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -118,14 +119,17 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
-    cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
-                      model_name=model_name, tokenizer_path=args.tokenizer or args.model,
-                      chat_template=args.chat_template,
-                      routing=args.routing, api_key=api_key,
-                      max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
-                      request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args),
-                      routing_weights=routing_weights(args),
-                      cache_event_drop_fraction=args.cache_event_drop_fraction)
+    try:
+        cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
+                          model_name=model_name, tokenizer_path=args.tokenizer or args.model,
+                          chat_template=args.chat_template,
+                          routing=args.routing, api_key=api_key,
+                          max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
+                          request_timeout_s=args.request_timeout, cluster_token=token, **proxy_limits(args),
+                          routing_weights=routing_weights(args),
+                          cache_event_drop_fraction=args.cache_event_drop_fraction)
+    except ValueError as e:  # ProxyConfig's own checks (max_model_len, timeouts, ...)
+        raise ConfigError(str(e)) from None
     run(cfg)
     return 0
 
@@ -155,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(f"--{role}-resources must be a JSON object of resource amounts: {e}") from None
     config = engine_config_from_args(args)
+    config.validate()  # bad engine flags: refused here, before Ray and the workers start
     model = config.model.path
     if not os.path.isfile(os.path.join(model, "config.json")):
         from hybridpd.engine.errors import ModelLoadError
