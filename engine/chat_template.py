@@ -122,21 +122,51 @@ class ChatTemplate:
         return self.has_template
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, template_kwargs: Mapping[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text of `messages` ([{"role", "content", ...}]; an assistant's `tool_calls` and a tool
         message's `tool_call_id` as transformers passes them) with `tools` (OpenAI tool objects, or None) as the
-        template's `tools` variable. The fallback format has no place for tools. Raises ChatTemplateError."""
+        template's `tools` variable. `template_kwargs`: more template variables (e.g. Qwen's `enable_thinking`;
+        vLLM's `chat_template_kwargs`); they cannot replace the ones named here. `continue_final_message`: the
+        text ends where the last message's content ends (no end-of-turn after it), so that the model continues
+        that message (vLLM's and transformers' semantics; needs add_generation_prompt False). The fallback format
+        has no place for tools or extra variables. Raises ChatTemplateError."""
         if not messages:
             raise ChatTemplateError("cannot apply the chat template to no messages")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+        extra = dict(template_kwargs or {})
+        clash = sorted(k for k in extra if k in RESERVED_VARIABLES or k in self.special_tokens or k.startswith("_"))
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(clash)}")
         if self._compiled is None:
-            return render_fallback(messages, add_generation_prompt)
-        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        try:
-            return str(self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
-                                             tools=list(tools) if tools else None, documents=None,
-                                             **self.special_tokens))
-        except Exception as e:  # the template's raise_exception(), sandbox violations, any other template bug
-            raise ChatTemplateError(str(e) or type(e).__name__) from None
+            text = render_fallback(messages, add_generation_prompt)
+        else:
+            plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            try:
+                text = str(self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt,
+                                                 tools=list(tools) if tools else None, documents=None,
+                                                 **self.special_tokens, **extra))
+            except Exception as e:  # the template's raise_exception(), sandbox violations, any other template bug
+                raise ChatTemplateError(str(e) or type(e).__name__) from None
+        return _cut_after_final(text, messages[-1]) if continue_final_message else text
+
+
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+"""Template variables `render` sets itself (chat_template_kwargs may not replace them)."""
+
+
+def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+    """`text` up to the end of the final message's content (its last occurrence): what follows it (an end-of-turn
+    token, a newline) would close the message the model is asked to continue."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text content")
+    for needle in (content, content.strip()):  # templates that strip the content render the second
+        end = text.rfind(needle)
+        if end >= 0:
+            return text[: end + len(needle)]
+    raise ChatTemplateError("continue_final_message: the final message's content is not in the rendered prompt")
 
 
 def _compile(source: str) -> Any:

@@ -86,16 +86,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, rendered by the model's chat template
-        (with `tools`, OpenAI tool objects, when given) and generated; one RequestOutput per conversation."""
+        (with `tools`, OpenAI tool objects, when given; `chat_template_kwargs` as more template variables, e.g.
+        {"enable_thinking": False}; `continue_final_message`: continue the last message, as vLLM's `LLM.chat`)
+        and generated; one RequestOutput per conversation."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequestError("this checkpoint has no tokenizer: chat needs one")
         if not messages:
             raise InvalidRequestError("chat needs at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        ids = [tok.encode_chat(list(c), add_generation_prompt, tools) for c in conversations]
+        if continue_final_message:
+            add_generation_prompt = False  # vLLM's LLM.chat: continuing a message opens no new turn
+        ids = [tok.encode_chat(list(c), add_generation_prompt, tools, chat_template_kwargs, continue_final_message)
+               for c in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
 
     def _tokenize(

@@ -99,19 +99,24 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """Render messages ([{"role", "content"}]) with `tools` (OpenAI tool objects) to the prompt text. Raises
-        ChatTemplateError."""
-        return self.chat_template.render(messages, add_generation_prompt, tools=tools)
+        """Render messages ([{"role", "content"}]) with `tools` (OpenAI tool objects) to the prompt text
+        (`ChatTemplate.render` for the other arguments). Raises ChatTemplateError."""
+        return self.chat_template.render(messages, add_generation_prompt, tools=tools, template_kwargs=template_kwargs,
+                                         continue_final_message=continue_final_message)
 
     def encode_chat(
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The prompt's token ids (special tokens added only when the template does not write them itself)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, continue_final_message)
         return self.encode(text, add_special_tokens=not self.chat_template.carries_special_tokens)
 
 

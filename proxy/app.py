@@ -229,7 +229,7 @@ class _Proxy:
         """(token ids, echo text) per prompt. Worker thread."""
         if isinstance(req, ChatRequest):
             tok = self._require_tokenizer("chat messages")
-            text = tok.render_chat(req.messages, list(req.tools.tools) if req.tools is not None else None)
+            text = tok.render_chat(req.messages, list(req.tools.tools) if req.tools is not None else None, req.render)
             if len(text) > tok.max_chars(self.config.max_model_len):
                 raise bad_request("the messages hold more tokens than this model's maximum context length of "
                                   f"{self.config.max_model_len}", param="messages", code="context_length_exceeded")
@@ -310,8 +310,10 @@ class _Proxy:
         tok = self._require_tokenizer("/tokenize")
         strs = body.get("return_token_strs")
         if "messages" in body:
-            req = parse_chat({"messages": body["messages"], "tools": body.get("tools")}, self.config.model_name)
-            ids = tok.encode_rendered(tok.render_chat(req.messages, list(req.tools.tools) if req.tools else None))
+            fields = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            req = parse_chat({k: body[k] for k in fields if k in body}, self.config.model_name)
+            tools = list(req.tools.tools) if req.tools else None
+            ids = tok.encode_rendered(tok.render_chat(req.messages, tools, req.render))
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

@@ -14,10 +14,10 @@ int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency p
 logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is none), `user` (accepted, unused).
 Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
 `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
-structured output on completions too. vLLM extras the engine does not implement (`min_p`, `use_beam_search`,
-`priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; on chat `chat_template_kwargs`,
-`add_generation_prompt`, `continue_final_message`, `chat_template`, `documents`, `echo`) are refused unless at their
-no-op value.
+structured output on completions too. Chat rendering as vLLM's: `chat_template_kwargs` (more template variables,
+e.g. `enable_thinking`), `add_generation_prompt`, `continue_final_message`. vLLM extras the engine does not implement
+(`min_p`, `use_beam_search`, `priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; on chat a
+per-request `chat_template`, `documents`, `echo`) are refused unless at their no-op value.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpd.proxy.errors import ApiError, bad_request
@@ -108,6 +108,37 @@ class ChatRequest:
     cache_salt: str = ""
     n: int = 1
     tools: ToolSpec | None = None
+    render: ChatRender = field(default_factory=lambda: ChatRender())
+
+
+@dataclass(frozen=True)
+class ChatRender:
+    """How the messages become the prompt (vLLM's chat-rendering fields): `template_kwargs` are more template
+    variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}); `continue_final_message` continues the last
+    message instead of opening an assistant turn."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def _chat_render(f: _Fields) -> ChatRender:
+    """The rendering fields: both add_generation_prompt and continue_final_message true is a 400; continuing a
+    message alone opens no new turn (add_generation_prompt false)."""
+    add = f.get_bool("add_generation_prompt")
+    cont = bool(f.get_bool("continue_final_message"))
+    if cont and add:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          param="continue_final_message")
+    kwargs = f.get_object("chat_template_kwargs") or {}
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise bad_request(f"'chat_template_kwargs' is longer than {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON",
+                          param="chat_template_kwargs")
+    return ChatRender(add_generation_prompt=not cont if add is None else add, continue_final_message=cont,
+                      template_kwargs=tuple(kwargs.items()))
+
+
+MAX_TEMPLATE_KWARGS_CHARS = 65536
 
 
 def _is_none(v: Any) -> bool:
@@ -142,9 +173,6 @@ _UNSUPPORTED_COMPLETION = {
     "tool_choice": lambda v: v is None or v == "none",
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {  # vLLM's chat-rendering extras: the server's template only
-    "chat_template_kwargs": _falsy,
-    "add_generation_prompt": lambda v: v is None or v is True,
-    "continue_final_message": _falsy,
     "chat_template": _is_none,
     "documents": _falsy,
     "echo": _falsy,
@@ -496,6 +524,7 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
         cache_salt=_cache_salt(f),
         n=n,
         tools=tools,
+        render=_chat_render(f),
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from hybridpd.engine import chat_template
 from hybridpd.proxy.errors import bad_request
-from hybridpd.proxy.openai_schema import ChatMessage
+from hybridpd.proxy.openai_schema import ChatMessage, ChatRender
 from tokenizers import Tokenizer
 
 
@@ -97,13 +97,18 @@ class PromptTokenizer:
             self._longest_token = max((len(t) for t in vocab), default=1)
         return num_tokens * self._longest_token * 4 + 1024
 
-    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None) -> str:
-        """The chat prompt text: the model's template (given `tools`, OpenAI tool objects), else the fallback
-        format. A template error is a 400."""
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None,
+                    render: ChatRender | None = None) -> str:
+        """The chat prompt text: the model's template (given `tools`, OpenAI tool objects, and `render`'s
+        rendering fields), else the fallback format. A template error is a 400."""
+        r = render or ChatRender()
         try:
-            return self._template.render(_plain(messages), tools=tools)
+            return self._template.render(_plain(messages), r.add_generation_prompt, tools=tools,
+                                         template_kwargs=dict(r.template_kwargs),
+                                         continue_final_message=r.continue_final_message)
         except chat_template.ChatTemplateError as exc:  # jinja2 errors and the template's own raise_exception()
-            raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
+            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+            raise bad_request(f"the chat template rejected the messages: {exc}", param=param) from None
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         return self.encode_rendered(self.render_chat(messages))

@@ -178,3 +178,38 @@ def test_renderer_loads_no_torch() -> None:
                          cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+THINKING = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{% endif %}")
+
+
+def test_template_kwargs_and_continue_final_message_match_transformers(tmp_path: Path) -> None:
+    """vLLM's chat_template_kwargs (e.g. Qwen's enable_thinking) and continue_final_message, as transformers
+    renders them; through the engine's Tokenizer and the proxy's PromptTokenizer alike."""
+    from hybridpd.proxy.openai_schema import ChatRender
+    from transformers import AutoTokenizer
+
+    root = _tiny(tmp_path, chat_template=THINKING)
+    theirs = AutoTokenizer.from_pretrained(str(root))
+    ours, proxy = Tokenizer.from_pretrained(root), PromptTokenizer.from_dir(root)
+    chat = [{"role": "user", "content": "hi"}]
+    want = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert "<think></think>" in want
+    assert ours.apply_chat_template(chat, True, template_kwargs={"enable_thinking": False}) == want
+    render = ChatRender(template_kwargs=(("enable_thinking", False),))
+    assert proxy.render_chat([ChatMessage(**m) for m in chat], None, render) == want
+    assert "<think>" not in ours.apply_chat_template(chat, True, template_kwargs={"enable_thinking": True})
+    prefill = [*chat, {"role": "assistant", "content": "The answer is "}]
+    want = theirs.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    assert want.endswith("The answer is ") and "</assistant>" not in want.rsplit("<assistant>", 1)[1]
+    assert ours.apply_chat_template(prefill, False, continue_final_message=True) == want
+    render = ChatRender(add_generation_prompt=False, continue_final_message=True)
+    assert proxy.render_chat([ChatMessage(**m) for m in prefill], None, render) == want
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, {"_secret": 1}):
+        with pytest.raises(ChatTemplateError, match="chat_template_kwargs"):
+            ours.apply_chat_template(chat, True, template_kwargs=bad)
+    with pytest.raises(ChatTemplateError, match="both"):
+        ours.apply_chat_template(prefill, True, continue_final_message=True)

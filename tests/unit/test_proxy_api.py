@@ -162,6 +162,22 @@ def test_chat_non_stream_and_logprobs(stack: LiveStack) -> None:
     assert list(stack.decode[0].generates[-1].prompt_token_ids) == list(prompt.encode())
 
 
+def test_chat_rendering_fields_reach_the_prompt(stack: LiveStack) -> None:
+    """add_generation_prompt false / continue_final_message: the prompt sent to the worker (fallback template);
+    /tokenize renders alike."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    cases = [({"add_generation_prompt": False}, "<|user|>\nhi\n<|assistant|>\nSure, \n"),
+             ({"continue_final_message": True}, "<|user|>\nhi\n<|assistant|>\nSure, "),
+             ({"chat_template_kwargs": {"enable_thinking": False}},
+              "<|user|>\nhi\n<|assistant|>\nSure, \n<|assistant|>\n")]
+    for fields, prompt in cases:
+        r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 2, **fields})
+        assert r.status_code == 200, r.text
+        assert list(stack.decode[0].generates[-1].prompt_token_ids) == list(prompt.encode()), fields
+        r = stack.http.post("/tokenize", json={"model": MODEL, "messages": msgs, **fields})
+        assert r.status_code == 200 and r.json()["tokens"] == list(prompt.encode()), fields
+
+
 def test_chat_default_max_tokens_is_rest_of_context(stack: LiveStack) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     r = stack.http.post("/v1/chat/completions", json=body)
