@@ -265,6 +265,10 @@ class EngineCore:
         if bad_bias:
             raise InvalidRequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
+        bad_allowed = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad_allowed:
+            raise InvalidRequestError(f"allowed_token_ids token id {bad_allowed[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
         if params.structured is not None:  # compiled here, once per spec: a malformed one is refused up front
             self.structured.check(params.structured)
         req = Request(

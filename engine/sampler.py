@@ -2,6 +2,7 @@
 
     raw logits --log_softmax--> logprobs returned (chosen token + top-k alternatives), as `transformers` reports
          |
+         +- allowed_token_ids: every other token -> -inf   (rows that ask, greedy included)
          +- repetition / presence / frequency penalties   (rows that ask; token history from the request)
          +- logit_bias                                    (one scatter over every biased (row, token))
          +- structured output: tokens the row's grammar does not allow -> -inf (one bitmask per step,
@@ -10,7 +11,7 @@
          |                     structured row no token: its grammar can only end, and it does)
          |
          +- greedy rows: argmax
-         +- other rows:  / temperature -> top-k and top-p (one descending sort) -> exponential race
+         +- other rows:  / temperature -> min_p -> top-k and top-p (one descending sort) -> exponential race
                           argmax(probs / q), q ~ Exp(1): one draw per row from the request's own generator when
                           it has a seed, from the sampler's generator otherwise
 
@@ -47,11 +48,11 @@ class _History(Protocol):
 
 
 _plain_key = attrgetter("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                        "structured_output", "min_tokens", "top_logprobs")
-_PLAIN = (0.0, 0.0, 0.0, 1.0, None, None, 0, 0)
+                        "structured_output", "min_tokens", "top_logprobs", "allowed_token_ids")
+_PLAIN = (0.0, 0.0, 0.0, 1.0, None, None, 0, 0, None)
 """A row whose parameters read so (`_plain_key`) is greedy with nothing to apply: no penalty, bias, grammar,
-min_tokens or top logprobs. A step of such rows only is its logits' argmax (`Sampler.sample_rows`' fast path:
-no per-row Python loop)."""
+min_tokens, allowed-token list or top logprobs (min_p, top-k and top-p act after temperature: never on greedy
+rows). A step of such rows only is its logits' argmax (`Sampler.sample_rows`' fast path: no per-row Python loop)."""
 
 
 class Sampler:
@@ -157,12 +158,12 @@ class Sampler:
         return self._upload([p.greedy for p in params], torch.bool)
 
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        """Penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself when no row asks
-        for any."""
+        """Allowed tokens, penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself
+        when no row asks for any."""
+        x = self._allow_only(logits, params)
         rows = [i for i, p in enumerate(params) if p.has_penalties]
-        x = logits
         if rows:
-            x = x.clone()
+            x = x.clone() if x is logits else x
             self._penalise(x, rows, rids, params)
         bias_rows, bias_ids, bias_vals = [], [], []
         for i, p in enumerate(params):
@@ -189,6 +190,20 @@ class Sampler:
                 dead = torch.isneginf(x).all(dim=-1)[rows_t]
                 x[rows_t[dead], ids_t[dead]] = kept[dead]
         return x
+
+    def _allow_only(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Rows with `allowed_token_ids`: every other token -> -inf (a copy of `logits`; `logits` itself if none)."""
+        masked = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if not masked:
+            return logits
+        vocab = logits.shape[-1]
+        rows = [i for i in masked for t in params[i].allowed_token_ids or () if t < vocab]
+        ids = [t for i in masked for t in params[i].allowed_token_ids or () if t < vocab]
+        keep = torch.ones(logits.shape, dtype=torch.bool, device=self.device)
+        keep[self._t(masked)] = False
+        if rows:
+            keep[self._t(rows), self._t(ids)] = True
+        return logits.masked_fill(~keep, float("-inf"))
 
     def _t(self, values: list[int]) -> torch.Tensor:
         return self._upload(values, torch.int64)
@@ -253,6 +268,9 @@ class Sampler:
         vocab = x.shape[-1]
         temp = self._upload([p.temperature if p.temperature > 0 else 1.0 for p in params], x.dtype)
         x = x / temp.unsqueeze(1)
+        min_p = [p.min_p for p in params]
+        if any(v > 0.0 for v in min_p):
+            x = self._min_p(x, min_p)
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p):
@@ -264,6 +282,12 @@ class Sampler:
             if p.seed is not None and not p.greedy:
                 q[i].exponential_(generator=self._generator(rid, p, vocab))
         return torch.argmax(probs / q, dim=-1)
+
+    def _min_p(self, x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+        """vLLM's rule: -inf every token whose probability is below min_p x the row's largest (0 keeps all)."""
+        probs = torch.softmax(x, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * self._upload(min_p, x.dtype).unsqueeze(1)
+        return x.masked_fill(probs < threshold, float("-inf"))
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """Keep each row's top_k logits and then the smallest set whose probability reaches top_p; -inf the rest."""

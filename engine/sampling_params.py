@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridpd.engine.errors import InvalidRequestError
@@ -23,6 +23,11 @@ class SamplingParams:
     stop strings not checked, until that many tokens), `logit_bias` ({token id: bias} added to the logits),
     `logprobs` (return the chosen token's logprob; always computed) with `top_logprobs` alternatives per step.
     Penalties and biases shape sampling; the returned logprobs are those of the raw model distribution.
+
+    `min_p` in [0, 1] (0 = off): after temperature, tokens whose probability is below min_p x the most likely
+    token's are dropped, before top-k and top-p (vLLM's order); greedy rows ignore it. `allowed_token_ids`: a
+    non-empty list of token ids; every other token is masked before sampling, greedy rows included (ids are
+    checked against the vocabulary when the engine takes the request).
 
     `structured_output` (engine.structured): the output must match a JSON schema, regex, choice, grammar or a
     tool-call format; tokens the grammar does not allow next are masked, and generation stops when the grammar is
@@ -46,6 +51,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     top_logprobs: int = 0
     structured_output: StructuredOutput | Mapping[str, object] | None = None
+    min_p: float = 0.0
+    allowed_token_ids: Sequence[int] | None = None
+    """Stored as a tuple (hashable); None: every token allowed."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "structured_output", _structured(self.structured_output))
@@ -56,6 +64,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
         pairs = bias.items() if isinstance(bias, Mapping) else bias
         object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in pairs)) or None)
@@ -94,6 +104,14 @@ class SamplingParams:
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or \
                 not 0 <= self.top_logprobs <= 20:
             raise bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple) or not self.allowed_token_ids:
+                raise bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise bad(f"allowed_token_ids must be non-negative integers, got {t!r}")
         for t, b in self.logit_bias or ():  # type: ignore[misc]
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"logit_bias keys must be token ids, got {t!r}")

@@ -9,14 +9,15 @@ nested too deeply are 400s.
 
 Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per prompt, `logprobs` (completions:
 int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2],
-`repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `stop` +
+`repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `min_p` in
+[0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `stop` +
 `include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
 logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is none), `user` (accepted, unused).
 Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
 `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
 structured output on completions too. Chat rendering as vLLM's: `chat_template_kwargs` (more template variables,
 e.g. `enable_thinking`), `add_generation_prompt`, `continue_final_message`. vLLM extras the engine does not implement
-(`min_p`, `use_beam_search`, `priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`; on chat a
+(`use_beam_search`, `priority`, `bad_words`, `truncate_prompt_tokens`; on chat a
 per-request `chat_template`, `documents`, `echo`) are refused unless at their no-op value.
 """
 
@@ -62,6 +63,9 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     structured: Structured | None = None
     """(kind, spec) the output must match (engine.structured.spec), compiled by the first worker."""
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    """None: every token allowed; else non-empty (ids checked against the vocabulary after tokenization)."""
 
 
 @dataclass(frozen=True)
@@ -158,11 +162,9 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _is_none,
     # vLLM sampling extras the engine does not implement (vLLM also refuses a non-zero priority without priority
-    # scheduling, and min_p outside [0, 1])
-    "min_p": lambda v: v is None or v == 0,
+    # scheduling)
     "use_beam_search": _falsy,
     "priority": lambda v: v is None or v == 0,
-    "allowed_token_ids": _falsy,
     "bad_words": _falsy,
     "truncate_prompt_tokens": _is_none,
 }
@@ -319,6 +321,16 @@ def _token_ids(v: Any, name: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _allowed_token_ids(v: Any) -> tuple[int, ...] | None:
+    """None when absent; an empty list is a 400 (vLLM: "allowed_token_ids is not None and empty")."""
+    if v is None:
+        return None
+    ids = _token_ids(v, "allowed_token_ids")
+    if not ids:
+        raise bad_request("'allowed_token_ids' must not be empty", param="allowed_token_ids")
+    return ids
+
+
 def _stop(f: _Fields) -> tuple[str, ...]:
     v = f.body.get("stop")
     if v is None:
@@ -360,6 +372,8 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
         raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     stop_ids = f.body.get("stop_token_ids")
     return SamplingOptions(
+        min_p=f.get_float("min_p", 0.0, 1.0) or 0.0,
+        allowed_token_ids=_allowed_token_ids(f.body.get("allowed_token_ids")),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -29,6 +29,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         top_logprobs=int(p.top_logprobs) if p.logprobs else 0,
         structured_output=(StructuredOutput(p.structured_output.kind, p.structured_output.spec)
                            if p.HasField("structured_output") else None),
+        min_p=float(p.min_p),
+        allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids) or None,
     )
 
 

@@ -1,9 +1,9 @@
 """The prefill worker samples the first output token, and the decode worker continues from it: PD output equals a
-colocated engine's, token for token, for seeded sampling with penalties, min_tokens, logit bias and logprobs,
-structured output, and stop strings that span the first and second token; a first token that ends the request
-leaves nothing leased and needs no decode worker; a block-aligned prompt D holds whole pulls only the state; a
-failed pull recomputes the prompt and the first token with the same result. Driven in one process on the built-in
-model (it has a tokenizer) with the pair of tests/support."""
+colocated engine's, token for token, for seeded sampling with penalties, min_tokens, logit bias, min_p and
+logprobs, structured output, allowed_token_ids, and stop strings that span the first and second token; a first
+token that ends the request leaves nothing leased and needs no decode worker; a block-aligned prompt D holds whole
+pulls only the state; a failed pull recomputes the prompt and the first token with the same result. Driven in one
+process on the built-in model (it has a tokenizer) with the pair of tests/support."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ SEEDED = dict(
     logprobs=True,
     top_logprobs=3,
     logit_bias={7: 2.5, 11: -3.0},
+    min_p=0.05,
 )
 JSON = pb.StructuredOutput(
     kind="json",
@@ -103,17 +104,21 @@ def test_pd_continues_from_p_first_token_exactly_as_colocated(llm, monkeypatch):
     seeded = pb.SamplingParams(**SEEDED)  # type: ignore[arg-type]
     greedy_json = pb.SamplingParams(max_tokens=24, temperature=0.0, structured_output=JSON)
     sampled_json = pb.SamplingParams(max_tokens=24, temperature=1.0, seed=5, structured_output=JSON)
+    allowed = sorted(set(tok.encode(" the cat sat on a mat")))
+    greedy_allowed = pb.SamplingParams(max_tokens=6, temperature=0.0, allowed_token_ids=allowed)
 
     async def run() -> None:
         pair = await make_pair(default_model_path(), monkeypatch)
         try:
             for i, (prompt, sp) in enumerate(
-                [(prompts[0], seeded), (prompts[1], greedy_json), (prompts[1], sampled_json)]
+                [(prompts[0], seeded), (prompts[1], greedy_json), (prompts[1], sampled_json),
+                 (prompts[0], greedy_allowed)]
             ):
                 got = await through_pd(pair, f"r{i}", prompt, sp)
                 assert got["called_d"] and pair.d.consumer.num_recomputed == 0
                 assert_same(got, colocated(llm, prompt, sp), sp)
-            assert len(pair.pulls) == 3
+            assert set(got["tokens"]) <= set(allowed) and len(got["tokens"]) == 6
+            assert len(pair.pulls) == 4
             # a block-aligned prompt D has cached whole: it pulls the recurrent state alone (no attention block)
             aligned, greedy = (prompts[0] * 8)[:32], pb.SamplingParams(max_tokens=4, temperature=0.0)
             for rid in ("aligned-1", "aligned-2"):

@@ -49,10 +49,16 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, cmpl(temperature=2.5), 400, "temperature", None),  # vLLM (and OpenAI): [0, 2]
     (CHAT, chat(temperature=3), 400, "temperature", None),
     # vLLM parameters the engine does not implement: refused when set, never silently ignored
-    (CMPL, cmpl(min_p=0.5), 400, "min_p", "unsupported_parameter"),
+    (CMPL, cmpl(min_p=1.5), 400, "min_p", None),
+    (CHAT, chat(min_p=-0.1), 400, "min_p", None),
+    (CMPL, cmpl(min_p="0.1"), 400, "min_p", None),
     (CHAT, chat(use_beam_search=True), 400, "use_beam_search", "unsupported_parameter"),
     (CMPL, cmpl(priority=1), 400, "priority", "unsupported_parameter"),
-    (CMPL, cmpl(allowed_token_ids=[1, 2]), 400, "allowed_token_ids", "unsupported_parameter"),
+    (CMPL, cmpl(allowed_token_ids=[]), 400, "allowed_token_ids", None),
+    (CMPL, cmpl(allowed_token_ids=[-1]), 400, "allowed_token_ids", None),
+    (CHAT, chat(allowed_token_ids=["1"]), 400, "allowed_token_ids", None),
+    (CMPL, cmpl(allowed_token_ids=3), 400, "allowed_token_ids", None),
+    (CMPL, cmpl(allowed_token_ids=[1, 100000]), 400, "allowed_token_ids", None),  # outside the vocabulary
     (CHAT, chat(bad_words=["x"]), 400, "bad_words", "unsupported_parameter"),
     (CMPL, cmpl(truncate_prompt_tokens=2), 400, "truncate_prompt_tokens", "unsupported_parameter"),
     # vLLM chat-rendering extras the proxy does not implement: refused rather than rendering another prompt
@@ -173,6 +179,20 @@ def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
     assert "in [1, 9223372036854775807], got 1180591620717411303424" in err["message"]
     err = post(stack, CMPL, cmpl(max_tokens=0)).json()["error"]
     assert "'max_tokens' must be >= 1, got 0" in err["message"]
+
+
+def test_min_p_and_allowed_token_ids_reach_both_workers(stack: LiveStack) -> None:
+    """The prefill worker samples the first token: both workers get the fields, and convert them to the engine's."""
+    from hybridpd.worker.convert import sampling_params_from_proto
+
+    body = cmpl(max_tokens=3, temperature=0.8, min_p=0.25, allowed_token_ids=[5, 7, 9])
+    assert post(stack, CMPL, body).status_code == 200
+    for sent in (stack.prefill[0].prefills[-1].sampling_params, stack.decode[0].generates[-1].sampling_params):
+        params = sampling_params_from_proto(sent)
+        assert params.min_p == 0.25 and params.allowed_token_ids == (5, 7, 9)
+    assert post(stack, CHAT, chat(max_tokens=2)).status_code == 200
+    params = sampling_params_from_proto(stack.decode[0].generates[-1].sampling_params)
+    assert params.min_p == 0.0 and params.allowed_token_ids is None
 
 
 def test_no_op_defaults_accepted(stack: LiveStack) -> None:

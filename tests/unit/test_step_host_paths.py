@@ -89,8 +89,10 @@ SAMPLER_IGNORES_WHEN_GREEDY = {
     "stop_token_ids",
     "ignore_eos",
     "include_stop_str_in_output",
+    "min_p",
 }
-"""SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed)."""
+"""SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed; min_p,
+like top-k and top-p, acts after temperature, on sampled rows only)."""
 
 
 def test_plain_key_covers_every_field_the_sampler_reads() -> None:
@@ -107,6 +109,7 @@ def test_plain_key_covers_every_field_the_sampler_reads() -> None:
         dict(min_tokens=1),
         dict(top_logprobs=1),
         dict(structured_output=StructuredOutput("regex", "a+")),
+        dict(allowed_token_ids=[3]),
     ):
         params = SamplingParams(**{"temperature": 0, **change})
         assert sampler_module._plain_key(params) != sampler_module._PLAIN, change
