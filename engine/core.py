@@ -269,6 +269,14 @@ class EngineCore:
         if bad_allowed:
             raise InvalidRequestError(f"allowed_token_ids token id {bad_allowed[0]} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
+        if params.bad_words:  # tokenized here, as vLLM's engine does (update_from_tokenizer)
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words need the model's tokenizer, and this engine has none")
+            params = params.with_bad_words_token_ids(self.tokenizer.encode)
+            bad_word = [t for seq in params.bad_words_token_ids for t in seq if t >= self.vocab_size]
+            if bad_word:
+                raise InvalidRequestError(f"bad_words token id {bad_word[0]} is outside the vocabulary "
+                                          f"[0, {self.vocab_size})")
         if params.structured is not None:  # compiled here, once per spec: a malformed one is refused up front
             self.structured.check(params.structured)
         req = Request(

@@ -3,6 +3,7 @@
     raw logits --log_softmax--> logprobs returned (chosen token + top-k alternatives), as `transformers` reports
          |
          +- allowed_token_ids: every other token -> -inf   (rows that ask, greedy included)
+         +- bad_words: a word's last token -> -inf when the output ends with the rest of the word (vLLM's rule)
          +- repetition / presence / frequency penalties   (rows that ask; token history from the request)
          +- logit_bias                                    (one scatter over every biased (row, token))
          +- structured output: tokens the row's grammar does not allow -> -inf (one bitmask per step,
@@ -48,10 +49,11 @@ class _History(Protocol):
 
 
 _plain_key = attrgetter("temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                        "structured_output", "min_tokens", "top_logprobs", "allowed_token_ids")
-_PLAIN = (0.0, 0.0, 0.0, 1.0, None, None, 0, 0, None)
+                        "structured_output", "min_tokens", "top_logprobs", "allowed_token_ids",
+                        "bad_words_token_ids")
+_PLAIN = (0.0, 0.0, 0.0, 1.0, None, None, 0, 0, None, ())
 """A row whose parameters read so (`_plain_key`) is greedy with nothing to apply: no penalty, bias, grammar,
-min_tokens, allowed-token list or top logprobs (min_p, top-k and top-p act after temperature: never on greedy
+min_tokens, allowed-token list, bad words or top logprobs (min_p, top-k and top-p act after temperature: never on greedy
 rows). A step of such rows only is its logits' argmax (`Sampler.sample_rows`' fast path: no per-row Python loop)."""
 
 
@@ -158,9 +160,13 @@ class Sampler:
         return self._upload([p.greedy for p in params], torch.bool)
 
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        """Allowed tokens, penalties, logit bias, min_tokens and structured-output masking; returns `logits` itself
-        when no row asks for any."""
+        """Allowed tokens, bad words, penalties, logit bias, min_tokens and structured-output masking; returns
+        `logits` itself when no row asks for any."""
         x = self._allow_only(logits, params)
+        ban_rows, ban_ids = self._bad_words_masks(rids, params)
+        if ban_rows:
+            x = x.clone() if x is logits else x
+            x[self._t(ban_rows), self._t(ban_ids)] = float("-inf")
         rows = [i for i, p in enumerate(params) if p.has_penalties]
         if rows:
             x = x.clone() if x is logits else x
@@ -204,6 +210,29 @@ class Sampler:
         if rows:
             keep[self._t(rows), self._t(ids)] = True
         return logits.masked_fill(~keep, float("-inf"))
+
+    def _bad_words_masks(self, rids: list[str], params: list[SamplingParams]) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to ban: each bad word's last token where the row's output ends with the word's other
+        tokens (vLLM's `apply_bad_words`: a word longer than the output plus one is skipped). Under asynchronous
+        scheduling a row's unread token is read from the device (only for rows with words of several tokens)."""
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, p in enumerate(params):
+            words = p.bad_words_token_ids
+            if not words:
+                continue
+            out: list[int] = []
+            if any(len(w) > 1 for w in words):
+                h = self._lookup(rids[i])
+                out = list(h.output_token_ids) if h is not None else []
+                if self.unread_tokens is not None:
+                    out.append(int(self.unread_tokens[i]))
+            for w in words:
+                n = len(w) - 1
+                if n <= len(out) and (n == 0 or tuple(out[-n:]) == w[:-1]):
+                    rows.append(i)
+                    ids.append(w[-1])
+        return rows, ids
 
     def _t(self, values: list[int]) -> torch.Tensor:
         return self._upload(values, torch.int64)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.structured.spec import StructuredOutput
+
+MAX_BAD_WORDS = 128
+"""Token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,10 @@ class SamplingParams:
     `min_p` in [0, 1] (0 = off): after temperature, tokens whose probability is below min_p x the most likely
     token's are dropped, before top-k and top-p (vLLM's order); greedy rows ignore it. `allowed_token_ids`: a
     non-empty list of token ids; every other token is masked before sampling, greedy rows included (ids are
-    checked against the vocabulary when the engine takes the request).
+    checked against the vocabulary when the engine takes the request). `bad_words` (vLLM's rule): the engine
+    tokenizes each word, and the word with a leading space when that is a different token sequence of the same
+    length (`bad_words_token_ids`, set by the engine); a word's last token is masked whenever the output ends with
+    the rest of the word (a one-token word is never sampled).
 
     `structured_output` (engine.structured): the output must match a JSON schema, regex, choice, grammar or a
     tool-call format; tokens the grammar does not allow next are masked, and generation stops when the grammar is
@@ -54,6 +61,10 @@ class SamplingParams:
     min_p: float = 0.0
     allowed_token_ids: Sequence[int] | None = None
     """Stored as a tuple (hashable); None: every token allowed."""
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False)
+    """`bad_words` tokenized (`with_bad_words_token_ids`, by the engine that takes the request); what the sampler
+    reads."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "structured_output", _structured(self.structured_output))
@@ -64,6 +75,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        words = self.bad_words
+        words = (words,) if isinstance(words, str) else tuple(dict.fromkeys(words or ()))  # vLLM dedups
+        object.__setattr__(self, "bad_words", words)
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, bytes)):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
@@ -112,11 +126,36 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                     raise bad(f"allowed_token_ids must be non-negative integers, got {t!r}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w:
+                raise bad(f"bad_words must be non-empty strings, got {w!r}")
         for t, b in self.logit_bias or ():  # type: ignore[misc]
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"logit_bias keys must be token ids, got {t!r}")
             if not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
                 raise bad(f"logit_bias values must be in [-100, 100], got {b!r}")
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """A copy holding `bad_words` tokenized as vLLM's `update_from_tokenizer` does: each word (left-stripped),
+        then with a leading space when that gives a different first token and as many tokens (the word inside the
+        text). Raises InvalidRequestError for a word that tokenizes to nothing or more than MAX_BAD_WORDS sequences."""
+        ids: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            for prefix in ("", " "):
+                seq = tuple(encode(prefix + word.lstrip()))
+                if not seq:
+                    if not prefix:
+                        raise InvalidRequestError(f"invalid sampling parameter: bad_words entry {word!r} tokenizes "
+                                                  "to no token")
+                    continue
+                if not prefix or (seq[0] != ids[-1][0] and len(seq) == len(ids[-1])):
+                    ids.append(seq)
+        if len(ids) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"invalid sampling parameter: too many bad words after tokenization: "
+                                      f"{len(ids)} (at most {MAX_BAD_WORDS})")
+        out = copy.copy(self)
+        object.__setattr__(out, "bad_words_token_ids", tuple(ids))
+        return out
 
     @property
     def structured(self) -> StructuredOutput | None:

@@ -161,7 +161,7 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                             min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
                             include_stop_str_in_output=s.include_stop_str_in_output, min_p=s.min_p,
-                            allowed_token_ids=list(s.allowed_token_ids or ()))
+                            allowed_token_ids=list(s.allowed_token_ids or ()), bad_words=list(s.bad_words))
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
     for name in ("temperature", "top_p", "top_k", "seed"):

@@ -10,14 +10,15 @@ nested too deeply are 400s.
 Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per prompt, `logprobs` (completions:
 int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2],
 `repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `min_p` in
-[0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `stop` +
+[0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `bad_words` (strings;
+the worker tokenizes them as vLLM does and masks a word's last token after the rest of it), `stop` +
 `include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
 logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is none), `user` (accepted, unused).
 Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
 `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
 structured output on completions too. Chat rendering as vLLM's: `chat_template_kwargs` (more template variables,
 e.g. `enable_thinking`), `add_generation_prompt`, `continue_final_message`. vLLM extras the engine does not implement
-(`use_beam_search`, `priority`, `bad_words`, `truncate_prompt_tokens`; on chat a
+(`use_beam_search`, `priority`, `truncate_prompt_tokens`; on chat a
 per-request `chat_template`, `documents`, `echo`) are refused unless at their no-op value.
 """
 
@@ -66,6 +67,7 @@ class SamplingOptions:
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] | None = None
     """None: every token allowed; else non-empty (ids checked against the vocabulary after tokenization)."""
+    bad_words: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     # scheduling)
     "use_beam_search": _falsy,
     "priority": lambda v: v is None or v == 0,
-    "bad_words": _falsy,
     "truncate_prompt_tokens": _is_none,
 }
 _UNSUPPORTED_COMPLETION = {
@@ -331,6 +332,22 @@ def _allowed_token_ids(v: Any) -> tuple[int, ...] | None:
     return ids
 
 
+MAX_BAD_WORDS = 128
+"""Token sequences a request's bad_words may become (the engine's limit, vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
+
+
+def _bad_words(v: Any) -> tuple[str, ...]:
+    """Non-blank strings (a blank one tokenizes to nothing), at most MAX_BAD_WORDS (each becomes one or two token
+    sequences, and vLLM refuses more than that many sequences)."""
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(w, str) and w.strip() for w in v):
+        raise bad_request("'bad_words' must be a list of non-blank strings", param="bad_words")
+    if len(dict.fromkeys(v)) > MAX_BAD_WORDS:
+        raise bad_request(f"'bad_words' holds {len(v)} words, more than {MAX_BAD_WORDS}", param="bad_words")
+    return tuple(v)
+
+
 def _stop(f: _Fields) -> tuple[str, ...]:
     v = f.body.get("stop")
     if v is None:
@@ -374,6 +391,7 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
     return SamplingOptions(
         min_p=f.get_float("min_p", 0.0, 1.0) or 0.0,
         allowed_token_ids=_allowed_token_ids(f.body.get("allowed_token_ids")),
+        bad_words=_bad_words(f.body.get("bad_words")),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -31,6 +31,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
                            if p.HasField("structured_output") else None),
         min_p=float(p.min_p),
         allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids) or None,
+        bad_words=tuple(p.bad_words),
     )
 
 

@@ -131,6 +131,28 @@ def test_async_penalties_run_ahead_bit_for_bit(checkpoint_dir):  # type: ignore[
     assert any(a.token_ids != b.token_ids for a, b in zip(plain, outs[0], strict=True))  # the penalties bite
 
 
+def test_async_bad_words_read_the_unread_token(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """A word of several tokens is banned after its prefix, the last token of which may be a step's unread sample
+    (read from the device): the same outputs as synchronous, and no output holds a banned sequence."""
+    sync, fast = _engines(checkpoint_dir("nemotron_attn_mid"))
+    tok = sync.engine.tokenizer
+    assert tok is not None
+    prompts = random_prompts([6, 9, 14], sync.engine.vocab_size, seed=5)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    probes = sync.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    kept = [(p, tok.decode(o.token_ids[3:5])) for p, o in zip(prompts, probes, strict=True)]
+    kept = [(p, w) for p, w in kept if w.strip()]
+    assert kept
+    prompts, params = [p for p, _ in kept], [dataclasses.replace(greedy, bad_words=(w,)) for _, w in kept]
+    outs = [llm.generate(prompt_token_ids=prompts, sampling_params=params) for llm in (sync, fast)]
+    _same(*outs)
+    assert fast.engine.pipeline.num_ahead > 5
+    for p, o in zip(params, outs[0], strict=True):
+        for seq in p.with_bad_words_token_ids(tok.encode).bad_words_token_ids:
+            assert all(tuple(o.token_ids[j : j + len(seq)]) != seq for j in range(len(o.token_ids)))
+    assert any(o.token_ids != probe.token_ids for o, probe in zip(outs[0], probes, strict=False))  # the ban bites
+
+
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_last"])
 def test_async_bitwise_when_every_end_is_known(name, checkpoint_dir):  # type: ignore[no-untyped-def]
     """Ends known in advance (max_tokens) leave no overrun row: every step's batch is the synchronous one, and the

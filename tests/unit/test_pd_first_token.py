@@ -1,6 +1,6 @@
 """The prefill worker samples the first output token, and the decode worker continues from it: PD output equals a
-colocated engine's, token for token, for seeded sampling with penalties, min_tokens, logit bias, min_p and
-logprobs, structured output, allowed_token_ids, and stop strings that span the first and second token; a first
+colocated engine's, token for token, for seeded sampling with penalties, min_tokens, logit bias, min_p, bad_words
+and logprobs, structured output, allowed_token_ids, and stop strings that span the first and second token; a first
 token that ends the request leaves nothing leased and needs no decode worker; a block-aligned prompt D holds whole
 pulls only the state; a failed pull recomputes the prompt and the first token with the same result. Driven in one
 process on the built-in model (it has a tokenizer) with the pair of tests/support."""
@@ -37,6 +37,7 @@ SEEDED = dict(
     top_logprobs=3,
     logit_bias={7: 2.5, 11: -3.0},
     min_p=0.05,
+    bad_words=[" the", "jumps over the"],
 )
 JSON = pb.StructuredOutput(
     kind="json",

@@ -59,7 +59,9 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, chat(allowed_token_ids=["1"]), 400, "allowed_token_ids", None),
     (CMPL, cmpl(allowed_token_ids=3), 400, "allowed_token_ids", None),
     (CMPL, cmpl(allowed_token_ids=[1, 100000]), 400, "allowed_token_ids", None),  # outside the vocabulary
-    (CHAT, chat(bad_words=["x"]), 400, "bad_words", "unsupported_parameter"),
+    (CHAT, chat(bad_words=["x", " "]), 400, "bad_words", None),
+    (CMPL, cmpl(bad_words="x"), 400, "bad_words", None),
+    (CMPL, cmpl(bad_words=[f"w{i}" for i in range(129)]), 400, "bad_words", None),
     (CMPL, cmpl(truncate_prompt_tokens=2), 400, "truncate_prompt_tokens", "unsupported_parameter"),
     # vLLM chat-rendering extras the proxy does not implement: refused rather than rendering another prompt
     (CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs", None),
@@ -181,18 +183,18 @@ def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
     assert "'max_tokens' must be >= 1, got 0" in err["message"]
 
 
-def test_min_p_and_allowed_token_ids_reach_both_workers(stack: LiveStack) -> None:
+def test_min_p_allowed_token_ids_and_bad_words_reach_both_workers(stack: LiveStack) -> None:
     """The prefill worker samples the first token: both workers get the fields, and convert them to the engine's."""
     from hybridpd.worker.convert import sampling_params_from_proto
 
-    body = cmpl(max_tokens=3, temperature=0.8, min_p=0.25, allowed_token_ids=[5, 7, 9])
+    body = cmpl(max_tokens=3, temperature=0.8, min_p=0.25, allowed_token_ids=[5, 7, 9], bad_words=["ab", "c d"])
     assert post(stack, CMPL, body).status_code == 200
     for sent in (stack.prefill[0].prefills[-1].sampling_params, stack.decode[0].generates[-1].sampling_params):
         params = sampling_params_from_proto(sent)
-        assert params.min_p == 0.25 and params.allowed_token_ids == (5, 7, 9)
+        assert params.min_p == 0.25 and params.allowed_token_ids == (5, 7, 9) and params.bad_words == ("ab", "c d")
     assert post(stack, CHAT, chat(max_tokens=2)).status_code == 200
     params = sampling_params_from_proto(stack.decode[0].generates[-1].sampling_params)
-    assert params.min_p == 0.0 and params.allowed_token_ids is None
+    assert params.min_p == 0.0 and params.allowed_token_ids is None and params.bad_words == ()
 
 
 def test_no_op_defaults_accepted(stack: LiveStack) -> None:

@@ -80,7 +80,7 @@ def test_new_fields_validated() -> None:
     assert SamplingParams(allowed_token_ids=[3, 4]).allowed_token_ids == (3, 4)
 
 
-def test_llm_generate_honours_allowed_token_ids_and_min_p(checkpoint_dir):  # type: ignore[no-untyped-def]
+def test_llm_generate_honours_allowed_token_ids_min_p_and_bad_words(checkpoint_dir):  # type: ignore[no-untyped-def]
     llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), kv_cache_memory_bytes=16 * 2**20, max_model_len=256)
     prompt = [[65, 66, 67]]
     free = llm.generate(
@@ -101,5 +101,67 @@ def test_llm_generate_honours_allowed_token_ids_and_min_p(checkpoint_dir):  # ty
         sampling_params=SamplingParams(max_tokens=6, temperature=1.0, seed=4, ignore_eos=True, min_p=1.0),
     )[0]
     assert top.token_ids == free.token_ids  # min_p 1 keeps the top token only: the greedy output
+    # bad_words: the engine tokenizes them; the greedy output never holds a banned sequence and differs from `free`
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    word = next(w for w in map(tok.decode, ([i] for i in free.token_ids)) if w.strip() and len(tok.encode(w)) == 1)
+    banned = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, bad_words=[word])
+    seqs = banned.with_bad_words_token_ids(tok.encode).bad_words_token_ids
+    out = llm.generate(prompt_token_ids=prompt, sampling_params=banned)[0].token_ids
+    assert out != free.token_ids and len(out) == 6
+    for seq in seqs:
+        assert all(tuple(out[j : j + len(seq)]) != seq for j in range(len(out))), (seq, out)
     with pytest.raises(InvalidRequestError, match="allowed_token_ids token id"):
         llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(allowed_token_ids=[llm.engine.vocab_size]))
+
+
+class _History:
+    def __init__(self, output: list[int]) -> None:
+        self.prompt_token_ids = [1, 2, 3]
+        self.output_token_ids = output
+
+
+def test_bad_words_tokenized_as_vllm_does() -> None:
+    """Each word left-stripped; then with a leading space only when that gives another first token and as many
+    tokens; a word that tokenizes to nothing is refused."""
+    vocab = {
+        "foo": [10],
+        " foo": [11],
+        "bar baz": [1, 2],
+        " bar baz": [3, 2],
+        "qux": [4, 5],
+        " qux": [6],
+        "same": [7],
+        " same": [7],
+    }
+    params = SamplingParams(bad_words=["  foo", "bar baz", "qux", "same", "foo"])
+    assert params.bad_words == ("  foo", "bar baz", "qux", "same", "foo")
+    got = params.with_bad_words_token_ids(lambda text: vocab[text]).bad_words_token_ids
+    assert got == ((10,), (11,), (1, 2), (3, 2), (4, 5), (7,), (10,), (11,))
+    with pytest.raises(InvalidRequestError, match="tokenizes to no token"):
+        SamplingParams(bad_words=["x"]).with_bad_words_token_ids(lambda text: [])
+    with pytest.raises(InvalidRequestError, match="too many bad words"):
+        SamplingParams(bad_words=[f"w{i}" for i in range(65)]).with_bad_words_token_ids(lambda t: [len(t)])
+    for bad in (["ok", ""], [3]):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(bad_words=bad)
+
+
+def test_bad_words_ban_a_words_last_token_after_its_prefix() -> None:
+    """vLLM's apply_bad_words: a one-token word always; (7, 8) after an output ending in 7; (1, 2, 3) after one ending
+    in 1, 2 (not after 2 alone, nor when the output is shorter than the prefix). Greedy rows too."""
+    words = SamplingParams(temperature=0.0, bad_words=["a", "b c", "d e f"]).with_bad_words_token_ids(
+        {"a": [5], " a": [15], "b c": [7, 8], " b c": [7, 9], "d e f": [1, 2, 3], " d e f": [1, 2]}.__getitem__
+    )
+    assert words.bad_words_token_ids == ((5,), (15,), (7, 8), (1, 2, 3))
+    outputs = {"r0": [], "r1": [4, 7], "r2": [9, 1, 2], "r3": [2], "r4": [7, 1]}
+    sampler = Sampler(CPU)
+    sampler.bind(lambda rid: _History(outputs[rid]), eos_token_ids=())
+    assert sampler._bad_words_masks(list(outputs), [words] * 5) == (
+        [0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 4, 4],
+        [5, 15, 5, 15, 8, 5, 15, 3, 5, 15, 5, 15],
+    )
+    logits = torch.zeros(5, 20)
+    logits[:, [5, 15, 8, 3]] = torch.tensor([9.0, 8.0, 7.0, 6.0])
+    tokens, _ = sampler.sample(logits, list(outputs), [words] * 5)  # all greedy: not the fast path
+    assert tokens == [8, 3, 8, 8, 8]

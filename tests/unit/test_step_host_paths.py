@@ -90,9 +90,11 @@ SAMPLER_IGNORES_WHEN_GREEDY = {
     "ignore_eos",
     "include_stop_str_in_output",
     "min_p",
+    "bad_words",
 }
 """SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed; min_p,
-like top-k and top-p, acts after temperature, on sampled rows only)."""
+like top-k and top-p, acts after temperature, on sampled rows only; bad_words are read as bad_words_token_ids, which
+is keyed)."""
 
 
 def test_plain_key_covers_every_field_the_sampler_reads() -> None:
@@ -113,6 +115,8 @@ def test_plain_key_covers_every_field_the_sampler_reads() -> None:
     ):
         params = SamplingParams(**{"temperature": 0, **change})
         assert sampler_module._plain_key(params) != sampler_module._PLAIN, change
+    words = SamplingParams(temperature=0, bad_words=["x"]).with_bad_words_token_ids(lambda w: [1])
+    assert sampler_module._plain_key(words) != sampler_module._PLAIN
 
 
 def test_plain_greedy_step_equals_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
