@@ -74,6 +74,9 @@ class Sampler:
         self._lookup: Callable[[str], _History | None] = lambda rid: None
         self._eos: tuple[int, ...] = ()
         self._top: dict[str, TopLogprobs] = {}
+        self._allowed: dict[str, torch.Tensor] = {}
+        """request id -> its `allowed_token_ids` inside the vocabulary, on the device (made once per request: a
+        list as long as the vocabulary is not rebuilt every step)."""
         self._constrain: Callable[[torch.Tensor, list[str], list[SamplingParams]], None] | None = None
         self.unread_outputs = 0
         self.unread_tokens: torch.Tensor | None = None
@@ -112,6 +115,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self._skips.pop(request_id, None)
+        self._allowed.pop(request_id, None)
 
     def hold_top_logprobs(self, top: dict[str, TopLogprobs]) -> None:
         """What `take_top_logprobs` hands over next (a step sampled with `sample_rows` and resolved by the runner)."""
@@ -162,7 +166,7 @@ class Sampler:
     def _process(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Allowed tokens, bad words, penalties, logit bias, min_tokens and structured-output masking; returns
         `logits` itself when no row asks for any."""
-        x = self._allow_only(logits, params)
+        x = self._allow_only(logits, rids, params)
         ban_rows, ban_ids = self._bad_words_masks(rids, params)
         if ban_rows:
             x = x.clone() if x is logits else x
@@ -197,18 +201,21 @@ class Sampler:
                 x[rows_t[dead], ids_t[dead]] = kept[dead]
         return x
 
-    def _allow_only(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Rows with `allowed_token_ids`: every other token -> -inf (a copy of `logits`; `logits` itself if none)."""
+    def _allow_only(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """Rows with `allowed_token_ids`: every other token -> -inf (a copy of `logits`; `logits` itself if none).
+        One indexing per such row per step: each request's ids go to the device once (`_allowed`)."""
         masked = [i for i, p in enumerate(params) if p.allowed_token_ids]
         if not masked:
             return logits
         vocab = logits.shape[-1]
-        rows = [i for i in masked for t in params[i].allowed_token_ids or () if t < vocab]
-        ids = [t for i in masked for t in params[i].allowed_token_ids or () if t < vocab]
         keep = torch.ones(logits.shape, dtype=torch.bool, device=self.device)
         keep[self._t(masked)] = False
-        if rows:
-            keep[self._t(rows), self._t(ids)] = True
+        for i in masked:
+            ids = self._allowed.get(rids[i])
+            if ids is None:
+                ids = to_device([t for t in params[i].allowed_token_ids or () if t < vocab], torch.int64, self.device)
+                self._allowed[rids[i]] = ids
+            keep[i, ids] = True
         return logits.masked_fill(~keep, float("-inf"))
 
     def _bad_words_masks(self, rids: list[str], params: list[SamplingParams]) -> tuple[list[int], list[int]]:
