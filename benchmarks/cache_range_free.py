@@ -174,16 +174,11 @@ class ShareTree(CacheTree):
         if over and not self._replace_lowest_checkpoint():
             self.num_checkpoints_skipped += 1
             return False
-        room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
-        while True:
-            short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
-            if not short and self.held_bytes() <= room:
-                return True
-            victim = self._lowest(short.pop() if len(short) == 1 else None)
-            if victim is None or victim[2] > self.clock:  # the doorkeeper: nothing with credit left goes for it
-                self.num_checkpoints_skipped += 1
-                return False
-            self._evict_victim(victim)
+        # the doorkeeper: nothing with credit left goes for it
+        if not self._evict_for(needs, spare=lambda victim: victim[2] > self.clock):
+            self.num_checkpoints_skipped += 1
+            return False
+        return True
 
     def _replace_lowest_checkpoint(self) -> bool:
         """Evict the lowest checkpoint unless it served a hit lately (then the clock rises on an old hit)."""

@@ -28,7 +28,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.proxy.errors import ApiError, bad_request
@@ -104,6 +104,17 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
+class ChatRender:
+    """How the messages become the prompt (vLLM's chat-rendering fields): `template_kwargs` are more template
+    variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}); `continue_final_message` continues the last
+    message instead of opening an assistant turn."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """`/v1/chat/completions`: text-only messages, rendered by the chat template in `proxy.tokenize`."""
 
@@ -114,18 +125,7 @@ class ChatRequest:
     cache_salt: str = ""
     n: int = 1
     tools: ToolSpec | None = None
-    render: ChatRender = field(default_factory=lambda: ChatRender())
-
-
-@dataclass(frozen=True)
-class ChatRender:
-    """How the messages become the prompt (vLLM's chat-rendering fields): `template_kwargs` are more template
-    variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}); `continue_final_message` continues the last
-    message instead of opening an assistant turn."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    render: ChatRender = ChatRender()
 
 
 def _chat_render(f: _Fields) -> ChatRender:
@@ -137,14 +137,8 @@ def _chat_render(f: _Fields) -> ChatRender:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     kwargs = f.get_object("chat_template_kwargs") or {}
-    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
-        raise bad_request(f"'chat_template_kwargs' is longer than {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON",
-                          param="chat_template_kwargs")
     return ChatRender(add_generation_prompt=not cont if add is None else add, continue_final_message=cont,
                       template_kwargs=tuple(kwargs.items()))
-
-
-MAX_TEMPLATE_KWARGS_CHARS = 65536
 
 
 def _is_none(v: Any) -> bool:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import heapq
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridpd.engine.cache.block_pool import BlockPool
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hybridpd.engine.cache.overlay import Overlay
 
 BLOCK, STATE = 0, 1
@@ -228,13 +230,18 @@ class CacheTree:
             return self._make_room_arena(needs, checkpoint)
         if not any(n for _, n in needs):
             return True
+        return self._evict_for(needs)
+
+    def _evict_for(self, needs: list[tuple[BlockPool, int]], spare: Callable[[Any], bool] | None = None) -> bool:
+        """The byte-budget room loop: evict the lowest items until every pool has its free ids and the budget room;
+        False when nothing is left to evict, or when `spare(victim)` says the lowest one must stay."""
         room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
         while True:
             short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
             if not short and self.held_bytes() <= room:
                 return True
             victim = self._lowest(short.pop() if len(short) == 1 else None)
-            if victim is None:
+            if victim is None or (spare is not None and spare(victim)):
                 return False
             self._evict_victim(victim)
 
