@@ -52,7 +52,8 @@ class WorkerMetrics:
         self.min_interval_s = min_interval_s
         self.slow_interval_s = slow_interval_s
         self._updated_at = self._full_at = float("-inf")
-        self._full_at_steps = -1
+        self._full_at_state: tuple[int, tuple[float, ...]] | None = None
+        """(steps, pool usage) at the last pool scan: an idle engine is scanned again once either moved."""
 
     def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
         last = self._last.get((key, group), 0)
@@ -64,14 +65,17 @@ class WorkerMetrics:
     def update(self, core: EngineCore, extra_waiting: int = 0) -> None:
         """Step thread only. The pools' byte and eviction figures (`cache_stats`, a scan of every page: ~5-12 ms on
         a 65k-block pool) are read at most every `slow_interval_s` while the engine is busy, and once more when it
-        goes idle after steps, so a scrape of an idle worker always sees its final state."""
+        goes idle after steps or its pages move while idle (a lease released, a request aborted: engine calls, no
+        step), so a scrape of an idle worker always sees its final state."""
         now = time.monotonic()
-        idle_after_steps = not core.has_unfinished() and core.stats.num_steps != self._full_at_steps
+        state = (core.stats.num_steps, tuple(core.cache.usage().values())) if not core.has_unfinished() else None
+        idle_after_steps = state is not None and state != self._full_at_state
         if now - self._updated_at < self.min_interval_s and not idle_after_steps:
             return
         self._updated_at = now
         if idle_after_steps or now - self._full_at >= self.slow_interval_s:
-            self._full_at, self._full_at_steps = now, core.stats.num_steps
+            self._full_at = now
+            self._full_at_state = state
             self._update_pools(core)
         cache = core.cache
         for kind, c in cache.counters.items():

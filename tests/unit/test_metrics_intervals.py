@@ -56,3 +56,25 @@ def test_step_times_are_split_by_kind() -> None:
     assert st.steps["prefill"] >= 1 and st.steps["decode"] >= 4
     assert st.step_tokens["prefill"] >= 50 and st.step_tokens["decode"] >= st.steps["decode"]
     assert st.step_seconds["decode"] > 0 and st.steps["decode"] + st.steps["prefill"] == st.num_steps
+
+
+def test_pages_freed_while_idle_are_scraped_without_another_step() -> None:
+    """A prefill worker's pages are let go by an engine call (its lease released, a request aborted) after the
+    engine went idle: no step follows, and the in-use bytes must still come back to 0."""
+    reg = CollectorRegistry()
+    metrics = WorkerMetrics("prefill", reg, slow_interval_s=3600.0)
+    core = LLM(kv_cache_memory_bytes=8 * 2**20).engine
+    req = core.add_request("p", [3] * 40, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                          prefill_only=True)
+    while core.has_unfinished():
+        core.step()
+    metrics.update(core)  # idle after steps: the pinned pages are in use
+
+    def in_use() -> float | None:
+        return reg.get_sample_value("hybridpd_kv_cache_bytes", {"role": "prefill", "group": "attention",
+                                                                "state": "in_use"})
+
+    assert (in_use() or 0) > 0
+    core.scheduler.release(req)  # the lease ends: an engine call, no step
+    metrics.update(core)
+    assert in_use() == 0
