@@ -160,6 +160,11 @@ class _Held:
         self.ticket.release(sum((g.req.sampling.max_tokens or 0) - g.usage.completion_tokens for g in gens))
 
 
+def _token_id_text(token_id: int) -> str:
+    """A logprob token as vLLM writes it with `return_tokens_as_token_ids` (and without a tokenizer)."""
+    return f"token_id:{token_id}"
+
+
 class _Proxy:
     """Request handling shared by the endpoints; one per app."""
 
@@ -217,13 +222,13 @@ class _Proxy:
             raise bad_request(f"'{param}' holds token id {max(ids)}, outside the vocabulary (size {vocab})",
                               param=param)
 
-    def _encode_text(self, text: str) -> tuple[int, ...]:
+    def _encode_text(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         tok = self._require_tokenizer("text prompts")
         if len(text) > tok.max_chars(self.config.max_model_len):
             raise bad_request(f"the prompt has {len(text)} characters: more tokens than this model's maximum context "
                               f"length of {self.config.max_model_len}", param="prompt",
                               code="context_length_exceeded")
-        return tuple(tok.encode(text))
+        return tuple(tok.encode(text) if add_special_tokens else tok.encode_plain(text))
 
     def _prompt_ids(self, req: CompletionRequest | ChatRequest) -> list[tuple[tuple[int, ...], str]]:
         """(token ids, echo text) per prompt. Worker thread."""
@@ -233,11 +238,12 @@ class _Proxy:
             if len(text) > tok.max_chars(self.config.max_model_len):
                 raise bad_request("the messages hold more tokens than this model's maximum context length of "
                                   f"{self.config.max_model_len}", param="messages", code="context_length_exceeded")
-            return [(tuple(tok.encode_rendered(text)), text)]  # chat: the rendered prompt in the echo slot
+            # chat: the rendered prompt in the echo slot
+            return [(tuple(tok.encode_rendered(text, req.add_special_tokens)), text)]
         out = []
         for p in req.prompts:
             if isinstance(p, str):
-                out.append((self._encode_text(p), p if req.echo else ""))
+                out.append((self._encode_text(p, req.add_special_tokens), p if req.echo else ""))
             else:
                 self._check_vocab(p, "prompt")
                 echo = self.tokenizer.decode(p) if req.echo and self.tokenizer is not None else ""
@@ -340,7 +346,7 @@ class _Proxy:
     # -- output ------------------------------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else _token_id_text(token_id)
 
     def visible_text(self, token_id: int) -> str:
         return self.tokenizer.visible_text(token_id) if self.tokenizer is not None else ""
@@ -356,13 +362,15 @@ class _Proxy:
             self._count(err)
             raise
         logprobs = req.sampling.logprobs
+        token_text = _token_id_text if req.output.tokens_as_ids else self.token_text
+        prompt_ids = [p.prompt_token_ids for p in prepared] if req.output.return_token_ids else None
         fmt: CompletionFormatter | ChatFormatter
         if chat:
-            fmt = ChatFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs, self.visible_text,
-                                tools=req.tools if isinstance(req, ChatRequest) else None)
+            fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, self.visible_text,
+                                prompt_ids, tools=req.tools if isinstance(req, ChatRequest) else None)
         else:
-            fmt = CompletionFormatter(base_id, int(time.time()), req.model, self.token_text, logprobs,
-                                      self.visible_text, echo=echoes if any(echoes) else (),
+            fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs,
+                                      self.visible_text, prompt_ids, echo=echoes if any(echoes) else (),
                                       decode=self.tokenizer.decode if self.tokenizer is not None else None)
         try:
             ticket = await self.admit(request, prepared)

@@ -13,7 +13,11 @@ int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency p
 [0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `bad_words` (strings;
 the worker tokenizes them as vLLM does and masks a word's last token after the rest of it), `stop` +
 `include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
-logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`; `{}` is none), `user` (accepted, unused).
+logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`, which only refines include_usage; `{}` is
+none), `user` (accepted, unused), `add_special_tokens` (completions: default true; chat: default none added to the
+template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens`
+(only true: the workers' text never holds special tokens), `spaces_between_special_tokens` (accepted, a no-op with
+the fast tokenizers, as in vLLM).
 Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
 `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
 structured output on completions too. Chat rendering as vLLM's: `chat_template_kwargs` (more template variables,
@@ -71,6 +75,15 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class OutputOptions:
+    """vLLM's extras of the response: `return_token_ids` (the prompt's and the output's token ids) and
+    `return_tokens_as_token_ids` (logprob tokens written "token_id:<id>")."""
+
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+
+
+@dataclass(frozen=True)
 class StreamOptions:
     stream: bool = False
     include_usage: bool = False
@@ -88,6 +101,9 @@ class CompletionRequest:
     cache_salt: str = ""
     n: int = 1
     echo: bool = False
+    add_special_tokens: bool = True
+    """The tokenizer's special tokens (e.g. a BOS) added to text prompts (vLLM's default for completions)."""
+    output: OutputOptions = OutputOptions()
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,9 @@ class ChatRequest:
     n: int = 1
     tools: ToolSpec | None = None
     render: ChatRender = ChatRender()
+    add_special_tokens: bool | None = None
+    """None: the template's text carries its special tokens (none added unless there is no template)."""
+    output: OutputOptions = OutputOptions()
 
 
 def _chat_render(f: _Fields) -> ChatRender:
@@ -162,6 +181,8 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _falsy,
     "priority": lambda v: v is None or v == 0,
     "truncate_prompt_tokens": _is_none,
+    # the workers' text always leaves special tokens out
+    "skip_special_tokens": lambda v: v is None or v is True,
 }
 _UNSUPPORTED_COMPLETION = {
     "best_of": lambda v: v is None or v == 1,
@@ -415,7 +436,13 @@ def _stream(f: _Fields) -> StreamOptions:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     of = _Fields(opts, "stream_options.")
     include, continuous = of.get_bool("include_usage"), of.get_bool("continuous_usage_stats")
-    return StreamOptions(stream=True, include_usage=bool(include), continuous_usage_stats=bool(continuous))
+    # vLLM: continuous_usage_stats only refines include_usage
+    return StreamOptions(stream=True, include_usage=bool(include), continuous_usage_stats=bool(include and continuous))
+
+
+def _output(f: _Fields) -> OutputOptions:
+    return OutputOptions(return_token_ids=bool(f.get_bool("return_token_ids")),
+                         tokens_as_ids=bool(f.get_bool("return_tokens_as_token_ids")))
 
 
 def _cache_salt(f: _Fields) -> str:
@@ -490,6 +517,8 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
         cache_salt=_cache_salt(f),
         n=n,
         echo=echo,
+        add_special_tokens=f.get_bool("add_special_tokens") is not False,
+        output=_output(f),
     )
 
 
@@ -551,6 +580,8 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
         n=n,
         tools=tools,
         render=_chat_render(f),
+        add_special_tokens=f.get_bool("add_special_tokens"),
+        output=_output(f),
     )
 
 

@@ -15,6 +15,10 @@ Tool calls (chat with `tools`, tool_choice not "none"): the text is parsed (prox
 [{id, type, function: {name, arguments}}] and the text before the first call as `content`; streamed, a call is
 one `tool_calls` delta (index, id, type, name and its whole arguments) once it closes. finish_reason "tool_calls"
 when the model called a tool (a named tool_choice keeps "stop", as OpenAI does).
+Token ids (vLLM's `return_token_ids`): completions give each choice its `prompt_token_ids` (a stream: on the
+choice's first chunk); chat gives `prompt_token_ids` on the response (a stream: on its first chunk) and each choice's
+`token_ids` (a stream: each chunk's). Completions always carry `token_ids`. With `return_tokens_as_token_ids`,
+logprob tokens are written "token_id:<id>" (the text offsets stay the text's).
 Usage: OpenAI's fields plus `hybridpd: {prefill_cached_tokens, transferred_tokens, decode_local_cached_tokens}`.
 `prompt_tokens_details.cached_tokens` counts prompt tokens that came from a prefix cache where the prompt was
 computed (see `generation.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
@@ -81,8 +85,11 @@ class _Formatter:
     object_chunk = ""
 
     def __init__(self, response_id: str, created: int, model: str, token_text: TokenText, logprobs: bool,
-                 visible_text: TokenText | None = None) -> None:
+                 visible_text: TokenText | None = None, prompt_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """`prompt_ids`: per choice, its prompt's token ids, when the response returns token ids (vLLM's
+        `return_token_ids`); None otherwise."""
         self.response_id = response_id
+        self.prompt_ids = prompt_ids
         self.created = created
         self.model = model
         self.token_text = token_text
@@ -118,6 +125,7 @@ class CompletionFormatter(_Formatter):
         self._ids: dict[int, list[int]] = {}  # per choice: output tokens so far (text offsets)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._start: dict[int, int] = {}  # per choice: where the output starts (after the echo)
+        self._prompt_sent: set[int] = set()
 
     def _offset(self, index: int, tid: int, visible_end: int) -> int:
         """Where token `tid` starts: the choice's decoded output before it (`visible_end`, the sum of the tokens'
@@ -173,6 +181,9 @@ class CompletionFormatter(_Formatter):
         prefix = self._echo_text(index)
         choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
                   "finish_reason": d.finish_reason, "token_ids": list(d.token_ids)}
+        if self.prompt_ids is not None and index not in self._prompt_sent:  # on a choice's first chunk
+            self._prompt_sent.add(index)
+            choice["prompt_token_ids"] = list(self.prompt_ids[index])
         if not self.logprobs:
             self._text_len[index] = self._text_len.get(index, 0) + len(prefix) + len(d.text)
         return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
@@ -185,6 +196,8 @@ class CompletionFormatter(_Formatter):
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),
                         "finish_reason": deltas[-1].finish_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
+            if self.prompt_ids is not None:
+                out[-1]["prompt_token_ids"] = list(self.prompt_ids[index])
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)
         return body
@@ -224,7 +237,10 @@ class ChatFormatter(_Formatter):
         """First chunk of a choice's stream: the assistant role, empty content."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
-        return self._with_usage(self._envelope(self.object_chunk, [choice]), None, include_usage)
+        body = self._envelope(self.object_chunk, [choice])
+        if self.prompt_ids is not None and index == 0:  # the stream's first chunk (vLLM)
+            body["prompt_token_ids"] = list(self.prompt_ids[0])
+        return self._with_usage(body, None, include_usage)
 
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         if self.tools is None:
@@ -238,6 +254,8 @@ class ChatFormatter(_Formatter):
                 delta["tool_calls"] = calls
             finish = self._finish_reason(d.finish_reason, stream.num_calls > 0)
         choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": finish}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(d.token_ids)
         return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
 
     def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
@@ -252,6 +270,10 @@ class ChatFormatter(_Formatter):
                 finish = self._finish_reason(finish, bool(calls))
             out.append({"index": index, "message": message, "logprobs": self._logprobs(deltas),
                         "finish_reason": finish})
+            if self.prompt_ids is not None:
+                out[-1]["token_ids"] = [t for d in deltas for t in d.token_ids]
         body = self._envelope(self.object_full, out)
+        if self.prompt_ids is not None:
+            body["prompt_token_ids"] = list(self.prompt_ids[0])
         body["usage"] = usage_dict(usages)
         return body

@@ -113,9 +113,11 @@ class PromptTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         return self.encode_rendered(self.render_chat(messages))
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """Token ids of `render_chat`'s text."""
-        return self._encode(text, not self._template.carries_special_tokens)
+    def encode_rendered(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of `render_chat`'s text; special tokens added as asked, else only when the text was not
+        rendered by a template (which writes its own)."""
+        add = not self._template.carries_special_tokens if add_special_tokens is None else add_special_tokens
+        return self._encode(text, add)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (for logprobs); may be a replacement character for a partial UTF-8 byte."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hybridpd.proxy.tokenization import PromptTokenizer
@@ -141,3 +142,84 @@ def test_later_samples_of_a_prompt_start_after_the_first_has_its_first_token() -
     assert events.index("start a1") > events.index("first token a0")
     assert events.index("start b1") > events.index("first token b0")
     assert events.index("start b0") < events.index("first token a0")  # different prompts run concurrently
+
+
+def test_return_tokens_as_token_ids(stack: LiveStack) -> None:
+    """vLLM's `return_tokens_as_token_ids`: every logprob token is written "token_id:<id>" (a token that is not
+    valid UTF-8 on its own stays tellable from the others)."""
+    body = {"model": MODEL, "prompt": "ab", "max_tokens": 2, "logprobs": 2, "return_tokens_as_token_ids": True}
+    choice = stack.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "ba"
+    assert choice["logprobs"]["tokens"] == ["token_id:98", "token_id:97"]
+    assert set(choice["logprobs"]["top_logprobs"][0]) == {"token_id:98", "token_id:99"}
+    assert choice["logprobs"]["text_offset"] == [0, 1]  # offsets stay those of the text
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True,
+            "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    entry = stack.http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"].startswith("token_id:") and entry["token"] == entry["top_logprobs"][0]["token"]
+    assert all(a["token"].startswith("token_id:") for a in entry["top_logprobs"])
+
+
+def test_return_token_ids(stack: LiveStack) -> None:
+    """vLLM's `return_token_ids`: completions give each choice its prompt's ids; chat gives the prompt's ids on the
+    response (a stream: on its first chunk) and each choice's output ids (a stream: each chunk's)."""
+    body = {"model": MODEL, "prompt": ["ab", "c"], "max_tokens": 2, "return_token_ids": True}
+    choices = stack.http.post("/v1/completions", json=body).json()["choices"]
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in choices] == [([97, 98], [98, 97]), ([99], [99])]
+    chunks = events(stack.http.post("/v1/completions", json={**body, "stream": True}).text)
+    assert sorted(c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]) == [
+        [97, 98], [99]]
+    plain = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in plain["choices"][0]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "return_token_ids": True}
+    full = stack.http.post("/v1/chat/completions", json=chat).json()
+    prompt = full["prompt_token_ids"]
+    assert prompt and full["choices"][0]["token_ids"] == list(reversed(prompt))[:3]
+    chunks = events(stack.http.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == full["choices"][0]["token_ids"]
+    plain = stack.http.post("/v1/chat/completions", json={**chat, "return_token_ids": False}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_add_special_tokens(tmp_path: Path) -> None:
+    """A completion prompt gets the tokenizer's special tokens (here a BOS post-processor) unless
+    `add_special_tokens` is false; a chat prompt gets them only when it asks (vLLM's defaults)."""
+    from tokenizers import Tokenizer, processors
+
+    root = write_fake_tokenizer(tmp_path, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[
+        ("<|endoftext|>", 256)])
+    tok.save(str(root / "tokenizer.json"))
+    with LiveStack(tokenizer=PromptTokenizer.from_dir(root), model_name=MODEL, max_model_len=64) as s:
+
+        def prompt_ids(path: str, **body: object) -> list[int]:
+            r = s.http.post(path, json={"model": MODEL, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return list(s.prefill[0].prefills[-1].prompt_token_ids)
+
+        assert prompt_ids("/v1/completions", prompt="ab") == [256, 97, 98]
+        assert prompt_ids("/v1/completions", prompt="ab", add_special_tokens=False) == [97, 98]
+        msgs = [{"role": "user", "content": "ab"}]
+        assert prompt_ids("/v1/chat/completions", messages=msgs) == [97, 98]
+        assert prompt_ids("/v1/chat/completions", messages=msgs, add_special_tokens=True) == [256, 97, 98]
+
+
+def test_continuous_usage_stats_needs_include_usage(stack: LiveStack) -> None:
+    """vLLM: `continuous_usage_stats` alone adds nothing (it refines `include_usage`)."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    chunks = events(stack.http.post("/v1/completions", json=body).text)
+    assert chunks and all("usage" not in c and c["choices"] for c in chunks)
+
+
+def test_special_tokens_in_the_output_text_are_refused(stack: LiveStack) -> None:
+    """The workers always leave special tokens out of the text: asking for them is a 400, not text without them."""
+    for path, body in (("/v1/completions", {"prompt": "ab"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = stack.http.post(path, json={"model": MODEL, "max_tokens": 2, "skip_special_tokens": False, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens", r.text
+        r = stack.http.post(path, json={"model": MODEL, "max_tokens": 2, "skip_special_tokens": True,
+                                        "spaces_between_special_tokens": False, **body})
+        assert r.status_code == 200, r.text
