@@ -56,6 +56,8 @@ class OutputDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_external_tokens: int
+    stop_match: str | int | None = None
+    """What ended the request with "stop" (`EngineCore.stop_match`: vLLM's stop_reason), on the last delta."""
 
     def then(self, later: OutputDelta) -> OutputDelta:
         """This delta and the next one as one (a stream that fell behind sends one message for both)."""
@@ -178,6 +180,7 @@ class AsyncEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_external_tokens=req.external_computed_tokens,
+            stop_match=self.core.stop_match(req) if req.is_finished else None,
         )
         loop, q = entry
         self._outbox.setdefault(loop, []).append((q, delta))  # sent by `_flush`, one wake-up of the loop per step

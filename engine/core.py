@@ -506,6 +506,16 @@ class EngineCore:
             return "length"
         return None
 
+    def stop_match(self, req: Request) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended `req` with "stop"; None for an EOS
+        (checked first, as vLLM does), a completed grammar or any other end."""
+        reason = req.stop_reason
+        if req.finish_reason != "stop" or reason is None:
+            return None
+        if isinstance(reason, str) or req.sampling_params.ignore_eos or reason not in self.eos_token_ids:
+            return reason
+        return None
+
     def length_reached(self, req: Request, ahead: int = 0) -> bool:
         """Whether `req`'s length ends it once `ahead` more tokens are in: max_model_len, or max_tokens (never before
         min_tokens). `check_stop`'s length rule; asynchronous scheduling asks it one token ahead."""

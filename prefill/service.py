@@ -31,7 +31,7 @@ from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
-from hybridpd.worker.convert import sampling_params_from_proto, stats_response
+from hybridpd.worker.convert import sampling_params_from_proto, set_stop_match, stats_response
 from hybridpd.worker.stream_text import first_text
 
 log = logging.getLogger("hybridpd.prefill")
@@ -295,12 +295,14 @@ def first_chunk(core: EngineCore, req: Request) -> pb.GenerateChunk:
     logprob (and alternatives when asked), its text held back by the decode stream's rule, and the end when it
     ended the request."""
     ended = req.finish_reason != "prefilled"
-    return pb.GenerateChunk(
+    chunk = pb.GenerateChunk(
         token_ids=req.output_token_ids, text=first_text(core, req), logprobs=req.output_logprobs,
         top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
                       for top in req.output_top_logprobs],
         finish_reason=req.finish_reason if ended else "", num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=max(req.num_cached_tokens, 0))
+    set_stop_match(chunk, core.stop_match(req))
+    return chunk
 
 
 def offer_of(exp: Export) -> Offer:

@@ -128,6 +128,8 @@ class Delta:
     finish_reason: str | None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     """Per token, the worker's most likely (token id, logprob) alternatives, when asked for and sent."""
+    stop_reason: str | int | None = None
+    """vLLM's stop_reason, on the last delta: the stop string or stop token id that ended the request."""
 
 
 @dataclass
@@ -176,6 +178,13 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
 def _top_logprobs(chunk: pb.GenerateChunk) -> tuple[tuple[tuple[int, float], ...], ...]:
     """`GenerateChunk.top_logprobs` (one entry per token: token_ids + logprobs) as the proxy's tuples."""
     return tuple(tuple(zip(e.token_ids, e.logprobs, strict=False)) for e in chunk.top_logprobs)
+
+
+def _stop_reason(chunk: pb.GenerateChunk) -> str | int | None:
+    """The chunk's stop string or stop token id (what ended the request with "stop"), else None."""
+    if chunk.stop_string:
+        return chunk.stop_string
+    return chunk.stop_token_id if chunk.HasField("stop_token_id") else None
 
 
 def first_token_of(chunk: pb.GenerateChunk) -> pb.FirstToken:
@@ -500,7 +509,8 @@ class Generation:
         finish = chunk.finish_reason or None
         if finish is not None:
             self._finish(now)
-        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk))
+        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk),
+                     _stop_reason(chunk))
 
     def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
         """D's first output: record the routing decision against what D really found, and feed the measured step

@@ -19,6 +19,8 @@ Token ids (vLLM's `return_token_ids`): completions give each choice its `prompt_
 choice's first chunk); chat gives `prompt_token_ids` on the response (a stream: on its first chunk) and each choice's
 `token_ids` (a stream: each chunk's). Completions always carry `token_ids`. With `return_tokens_as_token_ids`,
 logprob tokens are written "token_id:<id>" (the text offsets stay the text's).
+`stop_reason` (vLLM's): the stop string or stop token id that ended a choice with "stop", else null (EOS, length,
+a completed grammar); in a stream, on the choice's last chunk.
 Usage: OpenAI's fields plus `hybridpd: {prefill_cached_tokens, transferred_tokens, decode_local_cached_tokens}`.
 `prompt_tokens_details.cached_tokens` counts prompt tokens that came from a prefix cache where the prompt was
 computed (see `generation.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
@@ -180,7 +182,7 @@ class CompletionFormatter(_Formatter):
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         prefix = self._echo_text(index)
         choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
-                  "finish_reason": d.finish_reason, "token_ids": list(d.token_ids)}
+                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, "token_ids": list(d.token_ids)}
         if self.prompt_ids is not None and index not in self._prompt_sent:  # on a choice's first chunk
             self._prompt_sent.add(index)
             choice["prompt_token_ids"] = list(self.prompt_ids[index])
@@ -194,7 +196,7 @@ class CompletionFormatter(_Formatter):
             prefix = self._echo_text(index)
             out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),
-                        "finish_reason": deltas[-1].finish_reason,
+                        "finish_reason": deltas[-1].finish_reason, "stop_reason": deltas[-1].stop_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
             if self.prompt_ids is not None:
                 out[-1]["prompt_token_ids"] = list(self.prompt_ids[index])
@@ -236,7 +238,7 @@ class ChatFormatter(_Formatter):
     def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
         """First chunk of a choice's stream: the assistant role, empty content."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
+                  "finish_reason": None, "stop_reason": None}
         body = self._envelope(self.object_chunk, [choice])
         if self.prompt_ids is not None and index == 0:  # the stream's first chunk (vLLM)
             body["prompt_token_ids"] = list(self.prompt_ids[0])
@@ -253,7 +255,8 @@ class ChatFormatter(_Formatter):
             if calls:
                 delta["tool_calls"] = calls
             finish = self._finish_reason(d.finish_reason, stream.num_calls > 0)
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs([d]), "finish_reason": finish,
+                  "stop_reason": d.stop_reason}
         if self.prompt_ids is not None:
             choice["token_ids"] = list(d.token_ids)
         return self._with_usage(self._envelope(self.object_chunk, [choice]), usage, include_usage)
@@ -269,7 +272,7 @@ class ChatFormatter(_Formatter):
                 message["tool_calls"] = calls
                 finish = self._finish_reason(finish, bool(calls))
             out.append({"index": index, "message": message, "logprobs": self._logprobs(deltas),
-                        "finish_reason": finish})
+                        "finish_reason": finish, "stop_reason": deltas[-1].stop_reason})
             if self.prompt_ids is not None:
                 out[-1]["token_ids"] = [t for d in deltas for t in d.token_ids]
         body = self._envelope(self.object_full, out)

@@ -62,7 +62,7 @@ def stats_response(core: EngineCore, role: str, worker_id: str, epoch: str, metr
 def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateChunk:
     """One stream message: the delta's tokens (and logprobs when asked), `text` the part of its text that may go
     out now."""
-    return pb.GenerateChunk(
+    chunk = pb.GenerateChunk(
         token_ids=delta.token_ids,
         text=text,
         logprobs=delta.logprobs if want_logprobs else (),
@@ -76,3 +76,13 @@ def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateC
         num_cached_tokens=delta.num_cached_tokens,
         num_external_cached_tokens=delta.num_external_tokens,
     )
+    set_stop_match(chunk, delta.stop_match)
+    return chunk
+
+
+def set_stop_match(chunk: pb.GenerateChunk, match: str | int | None) -> None:
+    """`chunk.stop_string` / `stop_token_id`: what ended the request with "stop" (`EngineCore.stop_match`)."""
+    if isinstance(match, str):
+        chunk.stop_string = match
+    elif match is not None:
+        chunk.stop_token_id = match

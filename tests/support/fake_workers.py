@@ -11,7 +11,8 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        (from the second when Generate carries the first token),
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
                        then ids +1, +2, ... each 1.0 less likely); finishes "length" at
-                       max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string).
+                       max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string,
+                       named in `stop_token_id` / `stop_string`).
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
 `tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
@@ -236,13 +237,17 @@ def _fake_chunks(prompt: Any, sp: pb.SamplingParams, token_text: Callable[[int],
 
     for i, tok in enumerate(outputs):
         if tok in sp.stop_token_ids:
-            yield chunk(i, [], "", "stop")
+            end = chunk(i, [], "", "stop")
+            end.stop_token_id = tok
+            yield end
             return
         text = token_text(tok)
         hit = next((s for s in sp.stop if s in text_so_far + text), None)
         if hit is not None:
             cut = (text_so_far + text).index(hit)
-            yield chunk(i, [tok], text[: max(0, cut - len(text_so_far))], "stop")
+            end = chunk(i, [tok], text[: max(0, cut - len(text_so_far))], "stop")
+            end.stop_string = hit
+            yield end
             return
         text_so_far += text
         last = i == len(outputs) - 1

@@ -41,3 +41,27 @@ def test_stop_string_seen_before_min_tokens_does_not_cut(checkpoint_dir):  # typ
             include_stop_str_in_output=include))[0]
         assert out.finish_reason == "stop" and len(out.token_ids) == 4, (stop, include)
         assert out.text == one * want, (stop, include, out.text)
+
+
+def test_stop_match_names_the_stop_string_or_stop_token(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """vLLM's stop_reason: the stop string or stop token id that ended a request; None for EOS (checked first, as
+    vLLM does), max_tokens and anything else."""
+    llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), kv_cache_memory_bytes=16 * 2**20, max_model_len=256)
+    core = llm.engine
+    eos = core.eos_token_ids[0]
+    ended = []
+
+    def run(bias: int, **kw: object) -> tuple[str | None, str | int | None]:
+        req = core.add_request(f"r{len(ended)}", [65, 66, 67], SamplingParams(
+            max_tokens=6, temperature=0, logit_bias={bias: 100.0}, **kw))  # type: ignore[arg-type]
+        while not req.is_finished:
+            core.step()
+        ended.append(req)
+        return req.finish_reason, core.stop_match(req)
+
+    assert run(70, ignore_eos=True, stop_token_ids=[70]) == ("stop", 70)
+    assert run(70, ignore_eos=True, stop=["xyz", "FF"]) == ("stop", "FF")  # token 70 is the byte "F"
+    assert run(70, ignore_eos=True) == ("length", None)
+    assert run(eos) == ("stop", None)
+    assert run(eos, stop_token_ids=[eos]) == ("stop", None)
+    assert run(eos, ignore_eos=True, stop_token_ids=[eos]) == ("stop", eos)

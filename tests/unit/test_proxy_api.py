@@ -115,7 +115,8 @@ def test_sampling_params_reach_workers(stack: LiveStack) -> None:
 def test_stop_string_and_stop_token(stack: LiveStack) -> None:
     r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "abcdef", "stop": "c"})
     assert r.json()["choices"][0] == {"index": 0, "text": "fed", "logprobs": None, "finish_reason": "stop",
-                                      "token_ids": [102, 101, 100, 99]}  # vLLM-style extra: generated ids
+                                      "stop_reason": "c",  # vLLM-style extras: the match, the generated ids
+                                      "token_ids": [102, 101, 100, 99]}
     r = stack.http.post("/v1/completions",
                    json={"model": MODEL, "prompt": "abcdef", "stop_token_ids": [ord("d")]})
     assert r.json()["choices"][0]["text"] == "fe" and r.json()["choices"][0]["finish_reason"] == "stop"

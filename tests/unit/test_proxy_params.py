@@ -223,3 +223,25 @@ def test_special_tokens_in_the_output_text_are_refused(stack: LiveStack) -> None
         r = stack.http.post(path, json={"model": MODEL, "max_tokens": 2, "skip_special_tokens": True,
                                         "spaces_between_special_tokens": False, **body})
         assert r.status_code == 200, r.text
+
+
+def test_stop_reason(stack: LiveStack) -> None:
+    """vLLM's `stop_reason` on every choice: the stop string or stop token id that ended it, else null; in a stream,
+    on the last chunk of a choice. (Fake D: the prompt reversed; P's first token can end the request too.)"""
+
+    def reasons(path: str, body: dict) -> list[tuple[str | None, str | int | None]]:
+        r = stack.http.post(path, json={"model": MODEL, "max_tokens": 8, **body})
+        assert r.status_code == 200, r.text
+        full = [(c["finish_reason"], c["stop_reason"]) for c in r.json()["choices"]]
+        chunks = events(stack.http.post(path, json={"model": MODEL, "max_tokens": 8, "stream": True, **body}).text)
+        ends = [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks if c["choices"]]
+        assert all(e == (None, None) for e in ends[:-1]) and ends[-1] == full[0], (ends, full)
+        return full
+
+    assert reasons("/v1/completions", {"prompt": "abcd", "stop": ["b"]}) == [("stop", "b")]
+    assert reasons("/v1/completions", {"prompt": "abcd", "stop_token_ids": [98]}) == [("stop", 98)]
+    assert reasons("/v1/completions", {"prompt": "abcd", "stop": ["d"]}) == [("stop", "d")]  # P's first token
+    assert reasons("/v1/completions", {"prompt": "abcd", "max_tokens": 2}) == [("length", None)]
+    assert reasons("/v1/completions", {"prompt": "ab"}) == [("stop", None)]  # the fake's end of output
+    chat = {"messages": [{"role": "user", "content": "xy"}], "stop": [">"]}  # the prompt ends "<|assistant|>\n"
+    assert reasons("/v1/chat/completions", chat) == [("stop", ">")]
