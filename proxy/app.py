@@ -264,7 +264,8 @@ class _Proxy:
                 if req.tools is not None and req.tools.constrained:  # required / named: the calls' grammar
                     base = dataclasses.replace(base, structured=req.tools.structured_request(echo))
                 echo = ""
-            max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len)
+            max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len,
+                                            req.sampling.min_tokens)
             for j in range(req.n):
                 seed = req.sampling.seed
                 if seed is not None:  # sample j gets seed + j (seed - j at the top of the int64 range)

@@ -585,23 +585,26 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
     )
 
 
-def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """Check the prompt fits and return the max_tokens to send.
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
+                       min_tokens: int = 0) -> int:
+    """Check the prompt fits and return the max_tokens to send (vLLM 0.33's `get_max_tokens`).
 
-    `requested` explicit: prompt + requested must fit in max_model_len, else 400. Not given: `default` capped at
-    the remaining context (`default=None` means "all the remaining context")."""
+    The prompt must leave room for one token, and `requested` must be at most max_model_len, else 400. The result
+    is `requested` (not given: `default`; None: no limit) capped at the context the prompt leaves (the answer then
+    ends "length" there). `min_tokens` above the result is a 400."""
     if num_prompt_tokens == 0:
         raise bad_request("the prompt is empty after tokenization", param="prompt")
+    if requested is not None and requested > max_model_len:
+        raise bad_request(f"max_tokens={requested} cannot be greater than this model's maximum context length of "
+                          f"{max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise bad_request(
             f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is {max_model_len} "
             "tokens (prompt plus at least one generated token)", param="prompt", code="context_length_exceeded")
-    if requested is None:
-        return room if default is None else min(default, room)
-    if requested > room:
-        raise bad_request(
-            f"the prompt has {num_prompt_tokens} tokens and max_tokens is {requested}; together they exceed this "
-            f"model's maximum context length of {max_model_len} tokens", param="max_tokens",
-            code="context_length_exceeded")
-    return requested
+    wanted = requested if requested is not None else default
+    max_tokens = room if wanted is None else min(wanted, room)
+    if min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens}: the prompt has "
+                          f"{num_prompt_tokens} of the {max_model_len} tokens of context)", param="min_tokens")
+    return max_tokens

@@ -129,7 +129,9 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, cmpl(prompt=[100000]), 400, "prompt", None),
     (CMPL, cmpl(prompt=7), 400, "prompt", None),
     (CMPL, cmpl(prompt="x" * MAX_LEN), 400, "prompt", "context_length_exceeded"),
-    (CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN - 19), 400, "max_tokens", "context_length_exceeded"),
+    (CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN + 1), 400, "max_tokens", "context_length_exceeded"),
+    (CHAT, chat(max_completion_tokens=MAX_LEN + 1), 400, "max_tokens", "context_length_exceeded"),
+    (CMPL, cmpl(prompt="x" * 20, min_tokens=13), 400, "min_tokens", None),  # the rest of the context: 12 tokens
     (CHAT, chat(messages=[]), 400, "messages", None),
     (CHAT, {"model": MODEL}, 400, "messages", None),
     (CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role", None),
@@ -181,6 +183,17 @@ def test_integer_bounds_are_named_right(stack: LiveStack) -> None:
     assert "in [1, 9223372036854775807], got 1180591620717411303424" in err["message"]
     err = post(stack, CMPL, cmpl(max_tokens=0)).json()["error"]
     assert "'max_tokens' must be >= 1, got 0" in err["message"]
+
+
+def test_max_tokens_past_the_context_is_cut_to_it(stack: LiveStack) -> None:
+    """vLLM (0.33): max_tokens up to max_model_len is capped at what the prompt leaves of the context (the answer
+    ends "length" there); only more than max_model_len, or a prompt that leaves no room, is a 400."""
+    r = post(stack, CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert stack.prefill[0].prefills[-1].sampling_params.max_tokens == MAX_LEN - 20
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = post(stack, CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN - 19, min_tokens=12))
+    assert r.status_code == 200, r.text
 
 
 def test_min_p_allowed_token_ids_and_bad_words_reach_both_workers(stack: LiveStack) -> None:

@@ -55,8 +55,8 @@ def test_health_fast_while_a_4mb_prompt_is_rejected(tokenizer: PromptTokenizer) 
 
 
 def test_health_fast_while_a_1mb_prompt_is_tokenized(tokenizer: PromptTokenizer) -> None:
-    with LiveStack(tokenizer=tokenizer, max_model_len=2**20 + 8, max_body_bytes=4 * 2**20) as s:
+    with LiveStack(tokenizer=tokenizer, max_model_len=2**20 - 8, max_body_bytes=4 * 2**20) as s:
         times, r = health_latency_while(s, "ab" * (2**19), max_tokens=100)
-        # tokenized (1 Mi tokens, past the length guard), then refused: 1 Mi + 100 tokens do not fit
+        # tokenized (1 Mi tokens, past the length guard), then refused: 1 Mi tokens do not fit
         assert r.status_code == 400 and "1048576 tokens" in r.json()["error"]["message"]
         check_fast(times)
