@@ -318,7 +318,7 @@ class Generation:
                 if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
                 refused.add(addr)
-                if len(refused) < len(router.addrs):
+                if any(a not in refused for a in router.addrs):  # (`addr` itself may be marked down by now)
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None

@@ -145,3 +145,31 @@ def test_a_generate_on_a_decode_worker_that_freezes_before_its_first_token_goes_
         assert len(_ids(s, 0)) == 1 and len(_ids(s, 1)) == 1
         assert not s.decode[1].generates[-1].HasField("params")  # computed there: P's lease was given back
         wait_for("P's lease released", lambda: s.prefill[0].releases, timeout=5, interval=0.05)
+
+
+def test_a_prefill_worker_that_dies_mid_call_after_being_marked_down_goes_to_another() -> None:
+    """A prefill worker dies with a Prefill in flight, and the health monitor marks it down before the call's own
+    error comes back: the request still goes to the other prefill worker (it used to be a 503, as if none were
+    left, because the count of routable workers had already dropped)."""
+    import threading
+
+    import grpc
+
+    from tests.support.fake_workers import Failure
+
+    with LiveStack(n_prefill=2, n_decode=1, model_name=MODEL, routing="round_robin") as s:
+        s.prefill[0].delay_s = 0.3
+        s.prefill[0].failure = Failure(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(r=s.http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=20)))
+        t.start()
+        wait_for("P0 has the call", lambda: len(s.prefill[0].prefills) == 1, timeout=5, interval=0.01)
+
+        async def mark_down() -> None:
+            s.app.state.proxy.cluster.prefill.block(s.prefill[0].address)
+
+        s.run(mark_down())
+        t.join()
+        assert box["r"].status_code == 200, box["r"].text
+        assert [len(p.prefills) for p in s.prefill] == [1, 1]
