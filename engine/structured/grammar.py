@@ -134,7 +134,8 @@ def choice_grammar(choices: Any) -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InvalidRequestError("invalid choice for structured output: must be a non-empty list of non-empty "
                                   "strings")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # literal characters, not \u escapes: the grammar reads an escaped surrogate pair as two characters
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 __all__ = ["GrammarCache", "choice_grammar", "tokenizer_info"]

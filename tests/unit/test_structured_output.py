@@ -149,3 +149,13 @@ def test_llm_chat_with_tools_and_a_constraint(llm: LLM) -> None:
     assert outs[0].prompt_token_ids == expected
     with pytest.raises(InvalidRequestError):
         llm.chat([])
+
+
+def test_choices_beyond_the_basic_plane_and_with_escapes_come_out_as_written(llm: LLM) -> None:
+    """A choice holding a character past U+FFFF (an emoji) is produced as its UTF-8 text: the grammar's string
+    literal used to hold it as two escaped UTF-16 surrogates, which were read as two 3-byte sequences (CESU-8), so
+    the output was six invalid bytes. Quotes, backslashes and control characters stay themselves."""
+    for choice in ("x😀é日", 'a"b\\c\n\t'):
+        out = llm.generate(["q"], SamplingParams(max_tokens=40, temperature=0.0,
+                                                 structured_output={"choice": [choice]}))[0]
+        assert (out.text, out.finish_reason) == (choice, "stop")
