@@ -148,6 +148,7 @@ def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> 
     tp = init_tp(rank, world, init_method, config.model.device)
     core = EngineCore(config, tp=tp)
     follow(core.runner, tp, leader_pid)
+    leave_group()
 
 
 def _alive(pid: int) -> bool:
@@ -173,6 +174,40 @@ def _exit_when_gone(pid: int) -> None:
 
 EXIT_CLOSE_TIMEOUT_S = 10.0
 """How long interpreter exit waits for an engine nobody shut down to stop its followers and leave the group."""
+
+LEAVE_TIMEOUT_S = 30.0
+"""How long a rank waits for the others to leave the group with it (NCCL's communicator teardown waits for every
+rank) before it gives up on a clean exit."""
+
+
+def leave_group(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Leave the worker's process groups. Every rank calls it at the stop (rank 0 after sending it, a follower on
+    receiving it): NCCL tears a communicator down only once every rank does, so a rank leaving alone hangs. Bounded:
+    a rank that never leaves (dead, or stuck in a collective) costs a warning, not a hang; the groups are then
+    aborted. Returns whether the groups were left cleanly."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return True
+    left = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            log.exception("leaving the tensor-parallel group failed")
+        else:
+            left.set()
+
+    threading.Thread(target=destroy, name="tp-leave-group", daemon=True).start()
+    if left.wait(timeout_s):
+        return True
+    log.warning("the tensor-parallel group was not left within %.0f s (a rank did not leave): aborting it", timeout_s)
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:
+        log.exception("aborting the tensor-parallel group failed")
+    return False
 
 
 class Followers:
@@ -226,10 +261,8 @@ class Followers:
             fail_worker(exc)
 
     def close(self) -> None:
-        """Stop the followers (they leave their loop and exit on their own), leave the group (a new engine may
-        start in this process)."""
-        import torch.distributed as dist
-
+        """Stop the followers (they leave their loop, then the group with rank 0, and exit), leave the group (a new
+        engine may start in this process)."""
         if self.closing:
             return
         self.closing = True
@@ -241,14 +274,12 @@ class Followers:
         assert isinstance(self.tp.channel, LeaderChannel)
         if not self.tp.channel.close():
             log.warning("tensor-parallel followers did not take every command before the stop")
-        dist.destroy_process_group()
+        leave_group()
 
     def abort(self) -> None:
         """Rank 0 failed while starting (after its followers were spawned): kill them wherever they are in their
         own start (no stop message: they may not be listening yet), close the channel, leave the group, so that
         the caller's error is the whole story and a later engine may start in this process."""
-        import torch.distributed as dist
-
         self.closing = True
         for p in self.procs:
             if p.poll() is None:
@@ -258,8 +289,7 @@ class Followers:
         channel = getattr(getattr(self, "tp", None), "channel", None)
         if isinstance(channel, LeaderChannel):
             channel.close(timeout_s=0.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(timeout_s=5.0)  # the killed followers never leave: gloo's exit is local, NCCL's is aborted
 
     def _watch(self) -> None:
         while not self.closing:

@@ -82,7 +82,17 @@ def _run(path: str, tp: int, **extra: Any) -> tuple[list[tuple[list[int], list[f
         llm.engine.cache.check_integrity()
         return out, llm.kv_cache_info()
     finally:
+        procs = list(llm.engine.followers.procs) if tp > 1 else []
         llm.shutdown()
+        _assert_left_together(procs)
+
+
+def _assert_left_together(procs: list[Any]) -> None:
+    """After a shutdown every rank left the group (NCCL's teardown needs them all) and exited cleanly."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    assert [p.wait(timeout=60) for p in procs] == [0] * len(procs)
 
 
 def assert_same(tp1, tpn) -> None:  # type: ignore[no-untyped-def]
@@ -199,3 +209,22 @@ def test_rank_death_ends_the_worker_without_output(model_dir):  # type: ignore[n
     assert run.returncode == 70, run.stderr[-2000:]
     assert "TOKENS" not in run.stdout
     assert "died" in run.stderr
+
+
+def test_leaving_the_group_is_bounded(monkeypatch):  # type: ignore[no-untyped-def]
+    """A rank that never leaves (NCCL's teardown then waits forever) costs a warning and an abort, not a hang."""
+    import threading
+
+    import torch.distributed as dist
+    from hybridpd.engine.parallel import executor
+
+    stuck, aborted = threading.Event(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: stuck.wait(30))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda *a, **k: aborted.append(1))
+    try:
+        assert executor.leave_group(timeout_s=0.2) is False and aborted == [1]
+        monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+        assert executor.leave_group(timeout_s=5.0) is True and aborted == [1]
+    finally:
+        stuck.set()
