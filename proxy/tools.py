@@ -159,8 +159,9 @@ def parse_output(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, 
 
 class ToolStream:
     """Splits one choice's streamed text into content deltas and whole tool calls: text is passed on until a
-    `<tool_call>` may be starting, then held until the call closes (emitted as one `tool_calls` delta with its
-    complete arguments) or the output ends (flushed as text)."""
+    `<tool_call>` may be starting, then held until a call closes (emitted as one `tool_calls` delta with its
+    complete arguments; a malformed call held before it is dropped, as `parse_output` drops it) or the output ends
+    (flushed as text when no call came)."""
 
     def __init__(self, spec: ToolSpec) -> None:
         self.spec = spec
@@ -174,7 +175,7 @@ class ToolStream:
         while buf:
             m = _CALL.search(buf)
             start = buf.find(CALL_START)
-            if m is not None and m.start() == start:
+            if m is not None:  # a whole call (text from `start` up to it is a malformed one: dropped, as parse_output)
                 if not self._seen_call:
                     out.append(buf[:start])
                 calls.append(_call(m.group(1).strip(), m.group(2), self.spec))

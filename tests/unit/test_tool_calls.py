@@ -47,11 +47,14 @@ def test_parse_output_types_values_by_schema() -> None:
     assert parse_output(CALL[:40], spec) == (CALL[:40], [])  # an unfinished call stays text
 
 
-@pytest.mark.parametrize("cut", [1, 3, 7, 11, 50])
-def test_stream_deltas_equal_whole_parse(cut: int) -> None:
+@pytest.mark.parametrize("cut", [1, 3, 7, 11, 50, 10**4])
+@pytest.mark.parametrize("text", ["ok " + CALL + "\n" + CALL, "ok <tool_call>oops</tool_call> " + CALL + CALL],
+                         ids=["two-calls", "a-malformed-call-first"])
+def test_stream_deltas_equal_whole_parse(cut: int, text: str) -> None:
+    """Streamed or whole, the same content and calls; a malformed call before good ones is dropped from both (the
+    stream used to hold it, find no call starting there, and flush everything as text at the end)."""
     spec = parse_tools(_body(tools=TOOLS))
     assert spec is not None
-    text = "ok " + CALL + "\n" + CALL
     stream = ToolStream(spec)
     content, calls = "", []
     pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
