@@ -7,24 +7,23 @@ token ids need the tokenizer, so they are checked after tokenization (`resolve_m
 checked by the app. Strings holding a lone UTF-16 surrogate (`"\ud800"`, valid JSON, not valid text) and JSON
 nested too deeply are 400s.
 
-Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per prompt, `logprobs` (completions:
-int 0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2],
-`repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias in [-100, 100]}), `min_p` in
-[0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `bad_words` (strings;
-the worker tokenizes them as vLLM does and masks a word's last token after the rest of it), `stop` +
+Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per prompt, `logprobs` (completions: int
+0..20 alternatives; chat: bool + `top_logprobs` 0..20), presence/frequency penalties in [-2, 2],
+`repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias}, clamped to [-100, 100] as vLLM
+does), `min_p` in [0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `bad_words`
+(strings; the worker tokenizes them as vLLM does and masks a word's last token after the rest of it), `stop` +
 `include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
 logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`, which only refines include_usage; `{}` is
 none), `user` (accepted, unused), `add_special_tokens` (completions: default true; chat: default none added to the
-template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens`
-(only true: the workers' text never holds special tokens), `spaces_between_special_tokens` (accepted, a no-op with
-the fast tokenizers, as in vLLM).
-Structured output (`response_format`, `structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`,
-`tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls` in the history: proxy.tools) on chat;
-structured output on completions too. Chat rendering as vLLM's: `chat_template_kwargs` (more template variables,
-e.g. `enable_thinking`), `add_generation_prompt`, `continue_final_message`. vLLM extras the engine does not implement
-(`use_beam_search`, `priority`, `truncate_prompt_tokens`; on chat a
-per-request `chat_template`, `documents`, `echo`) are refused unless at their no-op value.
-"""
+template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens` (only
+true: the workers' text never holds special tokens), `spaces_between_special_tokens` (accepted, a no-op with the
+fast tokenizers, as in vLLM). Structured output (`response_format`, `structured_outputs`, `guided_*`:
+proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls`
+in the history: proxy.tools) on chat; structured output on completions too. Chat rendering as vLLM's:
+`chat_template_kwargs` (more template variables, e.g. `enable_thinking`), `add_generation_prompt`,
+`continue_final_message`. vLLM extras the engine does not implement (`use_beam_search`, `priority`,
+`truncate_prompt_tokens`; on chat a per-request `chat_template`, `documents`, `echo`) are refused unless at their
+no-op value. """
 
 from __future__ import annotations
 
@@ -382,10 +381,14 @@ def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
             raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {key[:40]!r}",
                               param="logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {_short(bias)} for token "
-                              f"{key}", param="logit_bias")
-        out.append((int(key), float(bias)))
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_request(f"'logit_bias' values must be numbers, got {_short(bias)} for token {key}",
+                              param="logit_bias")
+        try:
+            value = float(bias)
+        except OverflowError:  # an integer beyond float range
+            value = math.copysign(math.inf, bias)
+        out.append((int(key), min(100.0, max(-100.0, value))))  # clamped, as vLLM does
     return tuple(out)
 
 

@@ -91,7 +91,7 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, chat(n="3"), 400, "n", None),
     (CMPL, cmpl(n=0), 400, "n", None),
     (CMPL, cmpl(best_of=2), 400, "best_of", "unsupported_parameter"),
-    (CMPL, cmpl(logit_bias={"50": 101}), 400, "logit_bias", None),
+    (CMPL, cmpl(logit_bias={"50": "1"}), 400, "logit_bias", None),
     (CMPL, cmpl(logit_bias={"x": 1}), 400, "logit_bias", None),
     (CMPL, cmpl(logit_bias={"100000": 1}), 400, "logit_bias", None),
     (CMPL, cmpl(logit_bias=[1]), 400, "logit_bias", None),
@@ -194,6 +194,13 @@ def test_max_tokens_past_the_context_is_cut_to_it(stack: LiveStack) -> None:
     assert r.json()["choices"][0]["finish_reason"] == "length"
     r = post(stack, CMPL, cmpl(prompt="x" * 20, max_tokens=MAX_LEN - 19, min_tokens=12))
     assert r.status_code == 200, r.text
+
+
+def test_logit_bias_values_are_clamped_to_100(stack: LiveStack) -> None:
+    """vLLM clamps each bias to [-100, 100] (a client banning a token with -1e9 is served, not refused)."""
+    r = post(stack, CMPL, cmpl(max_tokens=2, logit_bias={"50": 1e9, "51": -1e9, "52": -3.5}))
+    assert r.status_code == 200, r.text
+    assert dict(stack.prefill[0].prefills[-1].sampling_params.logit_bias) == {50: 100.0, 51: -100.0, 52: -3.5}
 
 
 def test_min_p_allowed_token_ids_and_bad_words_reach_both_workers(stack: LiveStack) -> None:
