@@ -23,7 +23,8 @@ in the history: proxy.tools) on chat; structured output on completions too. Chat
 `chat_template_kwargs` (more template variables, e.g. `enable_thinking`), `add_generation_prompt`,
 `continue_final_message`. vLLM extras the engine does not implement (`use_beam_search`, `priority`,
 `truncate_prompt_tokens`; on chat a per-request `chat_template`, `documents`, `echo`) are refused unless at their
-no-op value. """
+no-op value.
+"""
 
 from __future__ import annotations
 
