@@ -529,7 +529,7 @@ class EngineCore:
         incomplete character."""
         detok = req.detokenizer
         if detok is None:
-            detok = req.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            detok = req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.sampling_params.skip_special_tokens)
         if upto is not None:
             if detok.num_seen < upto:  # (behind: copy the prefix once, not every step)
                 detok.update(req.output_token_ids[:upto])

@@ -26,8 +26,9 @@ class _Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: _Decoder) -> None:
+    def __init__(self, tokenizer: _Decoder, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._prefix = 0  # start of the window (token index)
         self._read = 0  # tokens whose text is in `text`
         self._seen = 0  # tokens looked at (the rest may be held back)
@@ -63,8 +64,8 @@ class IncrementalDetokenizer:
     def _advance(self, ids: Sequence[int], final: bool) -> str:
         if self._read >= len(ids):
             return ""
-        prefix_text = self._tok.decode(ids[self._prefix:self._read])
-        window_text = self._tok.decode(ids[self._prefix:])
+        prefix_text = self._tok.decode(ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        window_text = self._tok.decode(ids[self._prefix:], skip_special_tokens=self._skip)
         if not final and (len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd")):
             return ""  # nothing printable yet, or a character still incomplete
         new = window_text[len(prefix_text):]

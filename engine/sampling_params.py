@@ -62,6 +62,8 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     """Stored as a tuple (hashable); None: every token allowed."""
     bad_words: tuple[str, ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True
+    """vLLM's: special tokens are left out of the text (false: kept, and stop strings see them)."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False)
     """`bad_words` tokenized (`with_bad_words_token_ids`, by the engine that takes the request); what the sampler
     reads."""

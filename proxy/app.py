@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -365,14 +366,16 @@ class _Proxy:
         logprobs = req.sampling.logprobs
         token_text = _token_id_text if req.output.tokens_as_ids else self.token_text
         prompt_ids = [p.prompt_token_ids for p in prepared] if req.output.return_token_ids else None
+        skip = req.sampling.skip_special_tokens  # what a token adds to the text: special tokens too, unless skipped
+        visible = self.visible_text if skip else self.token_text
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=skip) if self.tokenizer else None
         fmt: CompletionFormatter | ChatFormatter
         if chat:
-            fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, self.visible_text,
-                                prompt_ids, tools=req.tools if isinstance(req, ChatRequest) else None)
+            fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
+                                tools=req.tools if isinstance(req, ChatRequest) else None)
         else:
-            fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs,
-                                      self.visible_text, prompt_ids, echo=echoes if any(echoes) else (),
-                                      decode=self.tokenizer.decode if self.tokenizer is not None else None)
+            fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
+                                      echo=echoes if any(echoes) else (), decode=decode)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:

@@ -166,6 +166,8 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
                             allowed_token_ids=list(s.allowed_token_ids or ()), bad_words=list(s.bad_words))
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
+    if not s.skip_special_tokens:
+        msg.skip_special_tokens = False
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(s, name)
         if value is not None:

@@ -15,8 +15,8 @@ does), `min_p` in [0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every
 `include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
 logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`, which only refines include_usage; `{}` is
 none), `user` (accepted, unused), `add_special_tokens` (completions: default true; chat: default none added to the
-template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens` (only
-true: the workers' text never holds special tokens), `spaces_between_special_tokens` (accepted, a no-op with the
+template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens`
+(default true; false keeps special tokens in the text), `spaces_between_special_tokens` (accepted, a no-op with the
 fast tokenizers, as in vLLM). Structured output (`response_format`, `structured_outputs`, `guided_*`:
 proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls`
 in the history: proxy.tools) on chat; structured output on completions too. Chat rendering as vLLM's:
@@ -72,6 +72,8 @@ class SamplingOptions:
     allowed_token_ids: tuple[int, ...] | None = None
     """None: every token allowed; else non-empty (ids checked against the vocabulary after tokenization)."""
     bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    """False: special tokens stay in the output text (vLLM's `skip_special_tokens`)."""
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,6 @@ _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _falsy,
     "priority": lambda v: v is None or v == 0,
     "truncate_prompt_tokens": _is_none,
-    # the workers' text always leaves special tokens out
-    "skip_special_tokens": lambda v: v is None or v is True,
 }
 _UNSUPPORTED_COMPLETION = {
     "best_of": lambda v: v is None or v == 1,
@@ -428,6 +428,7 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
         logit_bias=_logit_bias(f),
         include_stop_str_in_output=bool(f.get_bool("include_stop_str_in_output")),
         structured=parse_structured(f.body),
+        skip_special_tokens=f.get_bool("skip_special_tokens") is not False,
     )
 
 

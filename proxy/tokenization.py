@@ -127,6 +127,7 @@ class PromptTokenizer:
         """What one token adds to the output text (special tokens add nothing): for logprob text offsets."""
         return str(self._tok.decode([token_id], skip_special_tokens=True))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Token ids to text as the workers detokenize output (special tokens skipped): for `echo`."""
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids to text as the workers detokenize output (special tokens skipped unless asked): for `echo` and
+        logprob text offsets."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

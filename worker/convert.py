@@ -32,6 +32,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         min_p=float(p.min_p),
         allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids) or None,
         bad_words=tuple(p.bad_words),
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
 

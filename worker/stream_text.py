@@ -34,7 +34,7 @@ def running_text(core: EngineCore, req: Request) -> str:
         return core.output_text(req)
     if core.tokenizer is None:
         return ""
-    detok = req.detokenizer or IncrementalDetokenizer(core.tokenizer)
+    detok = req.detokenizer or IncrementalDetokenizer(core.tokenizer, req.sampling_params.skip_special_tokens)
     detok.update(req.output_token_ids)
     return detok.text
 

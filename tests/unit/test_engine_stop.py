@@ -65,3 +65,17 @@ def test_stop_match_names_the_stop_string_or_stop_token(checkpoint_dir):  # type
     assert run(eos) == ("stop", None)
     assert run(eos, stop_token_ids=[eos]) == ("stop", None)
     assert run(eos, ignore_eos=True, stop_token_ids=[eos]) == ("stop", eos)
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """vLLM's `skip_special_tokens` (default true): false keeps special tokens in the text, and stop strings see
+    them."""
+    llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), kv_cache_memory_bytes=16 * 2**20, max_model_len=256)
+    start = llm.engine.tokenizer.token_to_id("<|im_start|>")
+    forced = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {start: 100.0}}
+    default, kept, cut = llm.generate(prompt_token_ids=[[65, 66]] * 3, sampling_params=[
+        SamplingParams(**forced), SamplingParams(**forced, skip_special_tokens=False),  # type: ignore[arg-type]
+        SamplingParams(**forced, skip_special_tokens=False, stop=["t|><|im"])])  # type: ignore[arg-type]
+    assert default.token_ids == kept.token_ids == [start] * 3 and default.text == ""
+    assert kept.text == "<|im_start|>" * 3
+    assert (cut.text, cut.finish_reason, len(cut.token_ids)) == ("<|im_star", "stop", 2)

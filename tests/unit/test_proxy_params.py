@@ -214,15 +214,22 @@ def test_continuous_usage_stats_needs_include_usage(stack: LiveStack) -> None:
     assert chunks and all("usage" not in c and c["choices"] for c in chunks)
 
 
-def test_special_tokens_in_the_output_text_are_refused(stack: LiveStack) -> None:
-    """The workers always leave special tokens out of the text: asking for them is a 400, not text without them."""
-    for path, body in (("/v1/completions", {"prompt": "ab"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
-        r = stack.http.post(path, json={"model": MODEL, "max_tokens": 2, "skip_special_tokens": False, **body})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens", r.text
-        r = stack.http.post(path, json={"model": MODEL, "max_tokens": 2, "skip_special_tokens": True,
-                                        "spaces_between_special_tokens": False, **body})
-        assert r.status_code == 200, r.text
+def test_skip_special_tokens_false_reaches_the_workers(stack: LiveStack) -> None:
+    """vLLM's `skip_special_tokens` (default true) goes to both workers only when false (the workers then keep
+    special tokens in the text). `spaces_between_special_tokens` is accepted (a no-op with fast tokenizers, as in
+    vLLM)."""
+    from hybridpd.worker.convert import sampling_params_from_proto
+
+    body = {"model": MODEL, "prompt": [64, 256], "max_tokens": 2, "logprobs": 0, "skip_special_tokens": False,
+            "spaces_between_special_tokens": False}
+    r = stack.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    for sent in (stack.prefill[0].prefills[-1].sampling_params, stack.decode[0].generates[-1].sampling_params):
+        assert sent.HasField("skip_special_tokens") and not sampling_params_from_proto(sent).skip_special_tokens
+    r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                      "max_tokens": 2, "skip_special_tokens": True})
+    assert r.status_code == 200 and not stack.prefill[0].prefills[-1].sampling_params.HasField("skip_special_tokens")
+    assert sampling_params_from_proto(stack.prefill[0].prefills[-1].sampling_params).skip_special_tokens
 
 
 def test_stop_reason(stack: LiveStack) -> None:
