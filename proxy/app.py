@@ -255,7 +255,8 @@ class _Proxy:
         """Tokenize and check every prompt; one PreparedRequest (and echo text) per choice. Worker thread."""
         self._check_vocab(tuple(t for t, _ in req.sampling.logit_bias), "logit_bias")
         self._check_vocab(req.sampling.allowed_token_ids or (), "allowed_token_ids")
-        default = None if isinstance(req, ChatRequest) else self.config.default_completion_max_tokens
+        chat_or_null = isinstance(req, ChatRequest) or req.max_tokens_null  # no limit but the context (vLLM)
+        default = None if chat_or_null else self.config.default_completion_max_tokens
         single = len(getattr(req, "prompts", (None,))) * req.n == 1
         prepared: list[PreparedRequest] = []
         echoes: list[str] = []

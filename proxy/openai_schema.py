@@ -105,6 +105,8 @@ class CompletionRequest:
     echo: bool = False
     add_special_tokens: bool = True
     """The tokenizer's special tokens (e.g. a BOS) added to text prompts (vLLM's default for completions)."""
+    max_tokens_null: bool = False
+    """`"max_tokens": null` given: no limit but the context (vLLM); absent: the endpoint's default (16)."""
     output: OutputOptions = OutputOptions()
 
 
@@ -523,6 +525,7 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
         n=n,
         echo=echo,
         add_special_tokens=f.get_bool("add_special_tokens") is not False,
+        max_tokens_null="max_tokens" in body and body["max_tokens"] is None,
         output=_output(f),
     )
 

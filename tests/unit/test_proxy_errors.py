@@ -270,3 +270,12 @@ def test_unknown_route_and_method_are_openai_errors(stack: LiveStack) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = stack.http.get(CMPL)
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_max_tokens_null_means_the_rest_of_the_context(stack: LiveStack) -> None:
+    """vLLM: a completion without max_tokens gets 16; an explicit `"max_tokens": null` gets no limit but the
+    context (as chat always does)."""
+    assert post(stack, CMPL, cmpl(prompt="hello")).status_code == 200
+    assert stack.prefill[0].prefills[-1].sampling_params.max_tokens == 16
+    assert post(stack, CMPL, cmpl(prompt="hello", max_tokens=None)).status_code == 200
+    assert stack.prefill[0].prefills[-1].sampling_params.max_tokens == MAX_LEN - 5
