@@ -68,6 +68,13 @@ def check_chat_template(value: str | None) -> None:
         raise ConfigError(f"--chat-template {value!r}: no such file (nor Jinja template text)")
 
 
+def check_generation_config(value: str) -> None:
+    """--generation-config: auto, vllm, or a directory holding a generation_config.json."""
+    if value not in ("auto", "vllm") and not os.path.isfile(os.path.join(value, "generation_config.json")):
+        raise ConfigError(f"--generation-config {value!r}: expected auto, vllm or a directory holding a "
+                          "generation_config.json")
+
+
 def check_port_free(host: str, port: int) -> None:
     """Refuse at once (before Ray or any worker starts) when host:port cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -105,6 +112,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     check_port_free(args.host, args.port)
     check_chat_template(args.chat_template)
+    check_generation_config(args.generation_config)
     api_key, token = resolve_secrets(args)
     if args.model:
         from hybridpd.engine.model_source import looks_like_model_id, resolve_model
@@ -121,7 +129,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
     try:
         cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
-                          model_name=model_name, tokenizer_path=args.tokenizer or args.model,
+                          model_name=model_name, tokenizer_path=args.tokenizer or args.model, model_path=args.model,
+                          generation_config=args.generation_config,
                           chat_template=args.chat_template,
                           routing=args.routing, api_key=api_key,
                           max_model_len=max_len, colocated=args.colocated, host=args.host, port=args.port,
@@ -148,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.served_model_name = args.model  # clients name a Hugging Face model by its id, as with vLLM
     check_port_free(args.host, args.port)  # before the model, Ray or any worker
     check_chat_template(args.chat_template)
+    check_generation_config(args.generation_config)
     check_max_decode_share(args.max_decode_share)
     from hybridpd.deploy.ray_launcher import serve
 
@@ -175,6 +185,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hybridpd.deploy.bench_serve import main as bench_main
 
     return bench_main(args.bench_args)
+
+
+def _generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults of requests that set none, as vLLM's: auto (the model's "
+                        "generation_config.json: temperature, top_p, top_k, min_p, penalties, max_new_tokens), vllm "
+                        "(neutral: temperature 1, no top-p / top-k), or a directory holding a generation_config.json")
 
 
 def _routing_args(p: argparse.ArgumentParser) -> None:
@@ -242,6 +259,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     engine_args(p)
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (a file, or the template text) the proxy uses instead of the model's")
+    _generation_config_arg(p)
     p.add_argument("--trust-remote-code", action="store_true",
                    help="refused: hybridpd runs no code from a model repository (both families are built in)")
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers")
@@ -329,6 +347,7 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (a file, or the template text) used instead of the model's")
+    _generation_config_arg(p)
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer and chat template directory (or Hugging Face id), when not --model's")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")

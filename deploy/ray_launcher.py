@@ -305,7 +305,8 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         cfg = ProxyConfig(prefill_addrs=prefill, decode_addrs=decode,
                           model_name=getattr(args, "served_model_name", None)
                           or os.path.basename(os.path.normpath(model_path)),
-                          tokenizer_path=getattr(args, "tokenizer", None) or model_path,
+                          tokenizer_path=getattr(args, "tokenizer", None) or model_path, model_path=model_path,
+                          generation_config=getattr(args, "generation_config", "auto"),
                           chat_template=getattr(args, "chat_template", None),
                           routing=args.routing, api_key=args.api_key, max_model_len=max_model_len,
                           colocated=args.colocated, host=args.host, port=args.port,

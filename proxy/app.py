@@ -53,6 +53,7 @@ from hybridpd.proxy.placement import Placer
 from hybridpd.proxy.request_limits import check_request_limits
 from hybridpd.proxy.responses import DONE, ChatFormatter, CompletionFormatter, sse, usage_dict
 from hybridpd.proxy.routing import Router
+from hybridpd.proxy.sampling_defaults import apply_sampling_defaults, load_sampling_defaults
 from hybridpd.proxy.tokenization import PromptTokenizer
 from hybridpd.proxy.workers import Role, WorkerClients
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -172,6 +173,8 @@ class _Proxy:
     def __init__(self, config: ProxyConfig, tokenizer: PromptTokenizer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.sampling_defaults = load_sampling_defaults(config.generation_config,
+                                                        config.model_path or config.tokenizer_path)
         dynamic = config.dynamic_membership
         prefill = None if config.colocated else Router(config.prefill_addrs, config.routing, dynamic)
         decode = Router(config.decode_addrs, config.routing, dynamic)
@@ -256,11 +259,13 @@ class _Proxy:
         self._check_vocab(tuple(t for t, _ in req.sampling.logit_bias), "logit_bias")
         self._check_vocab(req.sampling.allowed_token_ids or (), "allowed_token_ids")
         chat_or_null = isinstance(req, ChatRequest) or req.max_tokens_null  # no limit but the context (vLLM)
-        default = None if chat_or_null else self.config.default_completion_max_tokens
+        default: int | None = self.config.default_completion_max_tokens
+        if chat_or_null:  # the generation config's max_new_tokens, if any
+            default = int(self.sampling_defaults["max_tokens"]) if "max_tokens" in self.sampling_defaults else None
         single = len(getattr(req, "prompts", (None,))) * req.n == 1
         prepared: list[PreparedRequest] = []
         echoes: list[str] = []
-        base = req.sampling
+        base = apply_sampling_defaults(req.sampling, self.sampling_defaults)
         for ids, echo in self._prompt_ids(req):
             if isinstance(req, ChatRequest):
                 if req.tools is not None and req.tools.constrained:  # required / named: the calls' grammar

@@ -165,6 +165,11 @@ class ProxyConfig:
     colocated: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
+    model_path: str | None = None
+    """The checkpoint directory (its generation_config.json); None: `tokenizer_path`."""
+    generation_config: str = "auto"
+    """Sampling defaults of requests that set none (vLLM's --generation-config, proxy.sampling_defaults): "auto"
+    (the model's generation_config.json), "vllm" (none) or a directory holding one."""
     default_completion_max_tokens: int = 16
     """`max_tokens` of a completion request that names none (OpenAI's default); chat defaults to the rest of the
     context (max_model_len - prompt tokens)."""

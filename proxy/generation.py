@@ -160,11 +160,12 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
         raise ValueError("max_tokens must be resolved before the request reaches a worker")
     msg = pb.SamplingParams(max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                             ignore_eos=s.ignore_eos, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                            presence_penalty=s.presence_penalty or 0.0,
+                            frequency_penalty=s.frequency_penalty or 0.0,
                             min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
-                            include_stop_str_in_output=s.include_stop_str_in_output, min_p=s.min_p,
+                            include_stop_str_in_output=s.include_stop_str_in_output, min_p=s.min_p or 0.0,
                             allowed_token_ids=list(s.allowed_token_ids or ()), bad_words=list(s.bad_words))
-    if s.repetition_penalty != 1.0:
+    if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
     if not s.skip_special_tokens:
         msg.skip_special_tokens = False

@@ -60,15 +60,17 @@ class SamplingOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     """Alternatives per token (0..20) besides the chosen one; only with `logprobs`."""
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    """These three, min_p, temperature, top_p, top_k: None when the request leaves them out (the model's generation
+    config may then give them: proxy.sampling_defaults; else vLLM's neutral values)."""
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     structured: Structured | None = None
     """(kind, spec) the output must match (engine.structured.spec), compiled by the first worker."""
-    min_p: float = 0.0
+    min_p: float | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     """None: every token allowed; else non-empty (ids checked against the vocabulary after tokenization)."""
     bad_words: tuple[str, ...] = ()
@@ -410,7 +412,7 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
         raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     stop_ids = f.body.get("stop_token_ids")
     return SamplingOptions(
-        min_p=f.get_float("min_p", 0.0, 1.0) or 0.0,
+        min_p=f.get_float("min_p", 0.0, 1.0),
         allowed_token_ids=_allowed_token_ids(f.body.get("allowed_token_ids")),
         bad_words=_bad_words(f.body.get("bad_words")),
         max_tokens=max_tokens,
@@ -423,9 +425,9 @@ def _sampling(f: _Fields, max_tokens: int | None, logprobs: bool, top_logprobs: 
         ignore_eos=bool(f.get_bool("ignore_eos")),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        presence_penalty=f.get_float("presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=f.get_float("frequency_penalty", -2.0, 2.0) or 0.0,
-        repetition_penalty=1.0 if repetition is None else repetition,
+        presence_penalty=f.get_float("presence_penalty", -2.0, 2.0),
+        frequency_penalty=f.get_float("frequency_penalty", -2.0, 2.0),
+        repetition_penalty=repetition,
         min_tokens=min_tokens,
         logit_bias=_logit_bias(f),
         include_stop_str_in_output=bool(f.get_bool("include_stop_str_in_output")),
