@@ -227,6 +227,9 @@ class Admission:
                 if len(self._waiters) > self.limits.max_waiting or self.limits.queue_timeout_s == 0:
                     raise self._busy("queue_full", "the wait queue is full")
                 await asyncio.wait_for(asyncio.shield(waiter.granted), self.limits.queue_timeout_s)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # cancelled as it was granted: wait_for returned the
+                    raise asyncio.CancelledError  # grant anyway, and the caller no longer waits for a Ticket
         except BaseException as exc:
             if waiter.granted.done() and not waiter.granted.cancelled():  # granted as we gave up: hand it back
                 self._give_back(tenant, demand)

@@ -75,6 +75,26 @@ def test_waits_then_admitted_when_room_frees() -> None:
     asyncio.run(run())
 
 
+def test_cancelled_as_it_is_granted_gives_the_budget_back() -> None:
+    """A waiter granted room in the same instant its caller gives up (the client left) is cancelled and the room
+    goes back: asyncio.wait_for returned the grant despite the cancellation, so the caller (which no longer waited
+    for it) dropped a Ticket nobody released, and the proxy's budget shrank for good (streams cancelled under load
+    leaked dozens of sequences)."""
+
+    async def run() -> None:
+        a = make(max_num_seqs=2, max_tenant_share=1.0, queue_timeout_s=5)
+        first = await admit(a, "x", seqs(2))
+        waiting = asyncio.ensure_future(admit(a, "y", seqs(2)))
+        await asyncio.sleep(0.01)
+        first.release()  # grants the waiter ...
+        waiting.cancel()  # ... whose caller gives up before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert a.used.seqs == 0 and a.waiting == 0 and a.check_integrity()
+
+    asyncio.run(run())
+
+
 def test_queue_timeout_and_queue_full_are_503_with_retry_after() -> None:
     async def run() -> None:
         a = make(max_num_seqs=2, max_tenant_share=1.0, queue_timeout_s=0.05, max_waiting=1)
