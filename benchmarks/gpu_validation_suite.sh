@@ -2,7 +2,7 @@
 # What the last session's GPU runs left owed, in lanes of two GPUs, one lane per call < 9.5 min (carry .whl and,
 # when saved by an earlier run, .triton). LANES picks it (default tp); on a four-GPU machine two lanes run at once,
 # each on its own pair: LANES="tp tests" PARALLEL=1.
-#   tp       the TP 2 shutdown (NCCL and CUDA graphs) and async tests, then step_pipeline.py at TP 1 and 2 (26's bar)
+#   tp       the TP 2 shutdown (NCCL and CUDA graphs) and async tests, then step_pipeline.py at TP 1 and 2 (the TP 2 <= 0.6 x TP 1 bar)
 #   tests    the rest of tests/gpu (oracle, PD, poison, fast path, fused kernels, Qwen3.5-MoE)
 #   goodput  colocated x2 against the balanced pair on chat (gpu_balance_suite.sh)
 # Each lane's log lands in $OUT/<lane>.log; the Triton cache in $OUT/cache.tgz; the summaries print last.
