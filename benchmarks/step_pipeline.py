@@ -148,6 +148,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             core.step()
             times.append(time.perf_counter() - t)
         cpu_seconds = time.thread_time() - cpu0
+        log(f"[tp {args.tp} {args.mode}] timing: {args.steps} steps, median {statistics.median(times) * 1e3:.2f} ms")
         after = dict(vars(pipe)) if pipe is not None else {}
         model_seconds = clock.seconds if clock is not None else 0.0
         model_cpu_seconds = clock.cpu_seconds if clock is not None else 0.0

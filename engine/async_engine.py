@@ -147,6 +147,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive() and hasattr(self.core, "shutdown"):  # (test doubles of the core have none)
+            self.core.shutdown()  # graphs destroyed, tensor-parallel ranks stopped, their group left
         pipe = getattr(self.core, "pipeline", None)  # a core without the asynchronous mode (test doubles) has none
         if pipe is not None:  # how much ran ahead: the asynchronous mode really ran (tests over real processes)
             log.info(

@@ -126,6 +126,7 @@ class EngineCore:
             self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
             self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
+            self.followers.before_leave = self.runner.release_graphs  # NCCL: graphs die before the group
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
         self.tokenizer = self._load_tokenizer(mc.tokenizer or mc.path)
@@ -576,10 +577,12 @@ class EngineCore:
         return len(sched.running) + len(sched.parked), len(sched.waiting)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel follower ranks, if any (a later engine in this process may start its own)."""
+        """Destroy the CUDA graphs, stop the tensor-parallel follower ranks, if any, and leave their group (a later
+        engine in this process may start its own)."""
         if self.followers is not None:
-            self.followers.close()
+            self.followers.close()  # destroys rank 0's graphs before leaving the group (before_leave)
             self.followers = None
+        self.runner.release_graphs()
 
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""

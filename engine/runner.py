@@ -135,6 +135,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def release_graphs(self) -> None:
+        """Destroy the decode CUDA graphs: the engine stops (and, under tensor parallelism, is about to leave its
+        group, which NCCL refuses while a graph that captured its all-reduces lives). Later steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def zero_blocks(self, block_ids: tuple[int, ...], group_id: int) -> int:
         """Zero fresh blocks of one attention group: one launch."""
         if not block_ids or not self.zero_fresh_blocks:

@@ -195,6 +195,15 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[b] = (graph, out)
 
+    def release(self) -> None:
+        """Destroy the captured graphs (the engine stops). Before a tensor-parallel group is left: NCCL does not
+        tear down a communicator while a graph that captured its all-reduces lives (it waits for it forever)."""
+        torch.cuda.synchronize(self.device)
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+
     @torch.inference_mode()
     def run(self, seqs, fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         """Logits [len(seqs), vocab] of a decode-only step and their logsumexp [len(seqs)] (can_run must

@@ -148,6 +148,7 @@ def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> 
     tp = init_tp(rank, world, init_method, config.model.device)
     core = EngineCore(config, tp=tp)
     follow(core.runner, tp, leader_pid)
+    core.runner.release_graphs()
     leave_group()
 
 
@@ -182,32 +183,36 @@ rank) before it gives up on a clean exit."""
 
 def leave_group(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
     """Leave the worker's process groups. Every rank calls it at the stop (rank 0 after sending it, a follower on
-    receiving it): NCCL tears a communicator down only once every rank does, so a rank leaving alone hangs. Bounded:
-    a rank that never leaves (dead, or stuck in a collective) costs a warning, not a hang; the groups are then
-    aborted. Returns whether the groups were left cleanly."""
+    receiving it), each after destroying its CUDA graphs: NCCL tears a communicator down only once every rank does
+    and once no graph that captured its kernels lives, so a rank leaving alone, or with its graphs alive, hangs.
+    Bounded: a rank that never leaves costs a warning and an abort, not a hang. Returns whether the groups were
+    left cleanly."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return True
-    left = threading.Event()
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            log.exception("leaving the tensor-parallel group failed")
-        else:
-            left.set()
-
-    threading.Thread(target=destroy, name="tp-leave-group", daemon=True).start()
-    if left.wait(timeout_s):
+    if _bounded(dist.destroy_process_group, timeout_s):
         return True
     log.warning("the tensor-parallel group was not left within %.0f s (a rank did not leave): aborting it", timeout_s)
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception:
-        log.exception("aborting the tensor-parallel group failed")
+    if not _bounded(dist.distributed_c10d._abort_process_group, 5.0):
+        log.error("aborting the tensor-parallel group did not finish either: leaving it behind")
     return False
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread; whether it finished, without an error, within `timeout_s`."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("%s failed", getattr(fn, "__name__", fn))
+        else:
+            done.set()
+
+    threading.Thread(target=run, name="tp-leave-group", daemon=True).start()
+    return done.wait(timeout_s)
 
 
 class Followers:
@@ -229,6 +234,8 @@ class Followers:
             proc.stdin.close()
             self.procs.append(proc)
         self.closing = False
+        self.before_leave: Callable[[], None] = lambda: None
+        """Rank 0's part of the stop before the group is left (the engine destroys its CUDA graphs: leave_group)."""
         atexit.register(self._closing)
         threading.Thread(target=self._watch, name="tp-followers-watch", daemon=True).start()
         try:
@@ -274,6 +281,7 @@ class Followers:
         assert isinstance(self.tp.channel, LeaderChannel)
         if not self.tp.channel.close():
             log.warning("tensor-parallel followers did not take every command before the stop")
+        self.before_leave()
         leave_group()
 
     def abort(self) -> None:

@@ -45,6 +45,20 @@ def _rounds(llm: LLM) -> list[list[RequestOutput]]:
     return [known, stopped, _run(llm, again, stops)]
 
 
+def _shutdown(llm: LLM) -> None:
+    """Shut down cleanly: graphs destroyed before the group is left on every rank (NCCL waits forever for a live
+    graph that captured its all-reduces), every rank left, the followers exited 0."""
+    import time
+
+    import torch.distributed as dist
+
+    procs = list(llm.engine.followers.procs) if llm.engine.followers is not None else []
+    t = time.perf_counter()
+    llm.shutdown()
+    assert time.perf_counter() - t < 20.0 and not dist.is_initialized()
+    assert [p.wait(timeout=30) for p in procs] == [0] * len(procs)
+
+
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_last"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cuda_async_matches_sync(name, tp, checkpoint_dir):  # type: ignore[no-untyped-def]
@@ -62,7 +76,7 @@ def test_cuda_async_matches_sync(name, tp, checkpoint_dir):  # type: ignore[no-u
                 assert pipe.num_ahead > 50 and pipe.num_overrun > 0 and pipe.num_late_checkpoints > 0
             llm.engine.cache.check_integrity()
         finally:
-            llm.shutdown()
+            _shutdown(llm)
     sync, fast = results
     for a, b in zip(sync[0], fast[0], strict=True):  # every end known in advance: the same batches, bit for bit
         assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
