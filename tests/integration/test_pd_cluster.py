@@ -140,7 +140,7 @@ def test_concurrent_streams_and_disconnect_leave_no_pinned_blocks(cluster):  # t
     ({"prompt": "hi", "n": 0}, 400),
     ({"prompt": "hi", "temperature": -1}, 400),
     ({"prompt": "hi", "top_p": 1.5}, 400),
-    ({"prompt": "hi", "logit_bias": {"1": 200}}, 400),
+    ({"prompt": "hi", "logit_bias": {"1": "200"}}, 400),  # (a number past 100 is clamped, as vLLM does)
     ({"prompt": [1] * 5000, "max_tokens": 4}, 400),
     ({"prompt": ""}, 400),
 ])
