@@ -91,10 +91,11 @@ SAMPLER_IGNORES_WHEN_GREEDY = {
     "include_stop_str_in_output",
     "min_p",
     "bad_words",
+    "skip_special_tokens",
 }
 """SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed; min_p,
 like top-k and top-p, acts after temperature, on sampled rows only; bad_words are read as bad_words_token_ids, which
-is keyed)."""
+is keyed; skip_special_tokens only shapes the text)."""
 
 
 def test_plain_key_covers_every_field_the_sampler_reads() -> None:
