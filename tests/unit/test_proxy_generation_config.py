@@ -15,15 +15,27 @@ from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
-GEN = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 7,
-       "do_sample": True, "eos_token_id": 256}
+GEN = {
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 7,
+    "do_sample": True,
+    "eos_token_id": 256,
+}
 
 
 def test_load_sampling_defaults(tmp_path: Path) -> None:
     assert load_sampling_defaults("auto", str(tmp_path)) == {}  # no file
     (tmp_path / "generation_config.json").write_text(json.dumps(GEN))
-    assert load_sampling_defaults("auto", str(tmp_path)) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                                                             "repetition_penalty": 1.05, "max_tokens": 7}
+    assert load_sampling_defaults("auto", str(tmp_path)) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 7,
+    }
     assert load_sampling_defaults("vllm", str(tmp_path)) == {}
     assert load_sampling_defaults(str(tmp_path), None) == load_sampling_defaults("auto", str(tmp_path))
     (tmp_path / "generation_config.json").write_text("{not json")
@@ -35,8 +47,9 @@ def test_load_sampling_defaults(tmp_path: Path) -> None:
 def test_defaults_fill_only_what_a_request_leaves_out(tmp_path: Path) -> None:
     root = write_fake_tokenizer(tmp_path)
     (root / "generation_config.json").write_text(json.dumps(GEN))
-    with LiveStack(tokenizer=PromptTokenizer.from_dir(root), model_name=MODEL, max_model_len=64,
-                   tokenizer_path=str(root)) as s:
+    with LiveStack(
+        tokenizer=PromptTokenizer.from_dir(root), model_name=MODEL, max_model_len=64, tokenizer_path=str(root)
+    ) as s:
 
         def sent(path: str, **body: object):  # type: ignore[no-untyped-def]
             r = s.http.post(path, json={"model": MODEL, **body})
