@@ -46,6 +46,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.streaming: set[str] = set()
+        """Ids of the Generate calls streaming from here (event loop only): a call reusing one is refused before it
+        can take over that request's output stream."""
         # while a pull is in flight and nothing else runs, poll it every 100 us: an idle decode worker then sees the
         # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); while only Commits are in flight (requests parked
         # or waiting for P's answer) it wakes at the earliest import deadline to enforce it; else it sleeps until called
@@ -200,6 +203,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         timed = tp is not None and peer is not None
         if tp is not None and tp.num_computed_tokens > 0 and peer is None and self.consumer.policy == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill worker is not possible")
+        if rid in self.streaming:  # (checked and taken with no await between)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
+        self.streaming.add(rid)
         aengine = self.ctx.aengine
         q = aengine.open_stream(rid, emitted=1 if first is not None else 0)  # the proxy streamed the first token
         max_stop = max((len(s) for s in params.stop), default=0)
@@ -245,6 +251,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         finally:
             aengine.close_stream(rid)
             self.consumer.handed_over.pop(rid, None)
+            self.streaming.discard(rid)
 
     def _time_handoff(self, rid: str, t_received: float, t_peer: float) -> None:
         """hybridpd_kv_handoff_seconds{role="decode"} of a request whose pull was committed (others: nothing)."""
