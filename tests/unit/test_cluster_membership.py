@@ -88,6 +88,25 @@ def test_registration_needs_the_cluster_token() -> None:
         assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "secret"}) == 200
 
 
+def test_a_proxy_with_api_keys_and_no_cluster_token_takes_no_registration() -> None:
+    """Its API is closed but nothing could authenticate a worker: anyone reaching it could otherwise add a worker of
+    theirs (others' prompts to it, its text as the answer) or remove one, a client's API key included."""
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, api_key="k", cluster_token=None) as s:
+        static = s.decode[0].address
+        for headers in ({}, {"authorization": "Bearer k"}, {"x-hybridpd-token": ""}):
+            r = s.http.post("/v1/cluster/workers", json={"role": "decode", "address": "10.9.9.9:1"}, headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "membership_closed", r.text
+            r = s.http.request("DELETE", "/v1/cluster/workers", json={"address": static}, headers=headers)
+            assert r.status_code == 403, r.text
+        members = _members_with_key(s, "k")
+        assert "10.9.9.9:1" not in members and members[static]["state"] == "up"
+
+
+def _members_with_key(s: LiveStack, key: str) -> dict[str, dict]:
+    workers = s.http.get("/v1/cluster", headers={"authorization": f"Bearer {key}"}).json()["workers"]
+    return {w["address"]: w["membership"] for w in workers}
+
+
 def _prefix_stack(weights: RoutingWeights) -> tuple[LiveStack, list[int]]:
     """Two fake decode workers; the second holds the blocks and checkpoints of a 64-token prefix."""
     s = LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing="cache_aware", routing_weights=weights)
