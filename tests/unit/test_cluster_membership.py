@@ -4,10 +4,13 @@ skip-prefill when its remainder is short."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from hybridpd.proxy.cache_index import prompt_block_hashes
 from hybridpd.proxy.config import RoutingWeights
+from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.routing import Router
 
 from tests.polling import wait_for
 from tests.support.fake_workers import FakeDecodeWorker, serve_fake
@@ -205,3 +208,40 @@ def test_with_every_prefill_worker_drained_decode_workers_prefill_themselves() -
         assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+
+
+class _DrainClients:
+    """What Membership calls on the workers here: Drain (recorded) and background tasks."""
+
+    def __init__(self) -> None:
+        self.drains: list[tuple[str, bool]] = []
+
+    async def drain_worker(self, role: str, addr: str, drain: bool) -> None:
+        self.drains.append((addr, drain))
+
+    def spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        asyncio.get_running_loop().create_task(coro)
+
+
+def test_a_worker_drained_here_is_told_again_when_it_restarts() -> None:
+    """A restarted worker forgets that it was drained (a new process): every other proxy would route to it again on
+    its first registration, so the proxy that drained it tells the new incarnation again."""
+
+    async def run() -> None:
+        clients = _DrainClients()
+        m = Membership(clients, {"decode": Router([], "least_loaded", dynamic=True)})  # type: ignore[arg-type]
+        m.register("decode", "h:1", "w1", "e1", 10.0)
+        m.register("decode", "h:2", "w2", "e1", 10.0)
+        m.drain("h:1")
+        m.worker_draining("h:2", True)  # drained through another proxy: that one tells it again
+        m.register("decode", "h:1", "w3", "e2", 10.0, draining=False)  # restarted (a new epoch), not draining
+        m.register("decode", "h:2", "w4", "e2", 10.0, draining=False)
+        m.register("decode", "h:1", "w3", "e2", 10.0, draining=False)  # its next heartbeat: no second telling
+        await asyncio.sleep(0.01)
+        assert clients.drains == [("h:1", True)]
+        assert m.members["h:1"].draining and m.routers["decode"].addrs == ("h:2",)
+        m._feed_up("h:1", "e3")  # a restart seen first in the cache-event feed's snapshot
+        await asyncio.sleep(0.01)
+        assert clients.drains == [("h:1", True), ("h:1", True)]
+
+    asyncio.run(run())
