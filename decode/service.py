@@ -96,6 +96,11 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         computed locally (or failed, per policy)."""
         key = (tp.worker_id, tp.epoch)
         known = self._peers.get(key)
+        if known is not None and not getattr(known[0], "valid", True):
+            # the agent replaced it: another epoch answered under this worker id (a restart keeps no id, so only a
+            # holder of the cluster token claiming it): handshake again rather than refuse this worker for good
+            del self._peers[key]
+            known = None
         if known is not None:
             if known[1] != tp.prefill_address:
                 self._unknown_peer(tp, f"worker {tp.worker_id} was verified at {known[1]}")
