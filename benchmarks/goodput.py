@@ -58,6 +58,8 @@ class ClusterConfig:
     routing: str
     proxy_args: tuple[str, ...] = ()
     """More proxy flags (the adaptive policy's TPOT target)."""
+    prefill_args: tuple[str, ...] = ()
+    """More flags of the prefill workers only (the balanced pair's mixed-role cap)."""
 
     def decode_count(self, num_gpus: int) -> int:
         return self.num_decode if self.num_decode is not None else num_gpus
@@ -73,9 +75,16 @@ CONFIGS = {
     "adaptive": ClusterConfig(
         "adaptive", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05")
     ),
-    # the same with balance on (proxy/placement.py: whole requests on the less loaded worker under load)
+    # balance on (proxy/placement.py): under load every request whole on the less loaded worker, as two colocated
+    # replicas; PD with nothing in flight. P may then run as many whole requests as a colocated replica
     "balanced": ClusterConfig(
-        "balanced", 1, 1, False, "cache_aware|adaptive", ("--routing-weights", "tpot_budget_s=0.05,decode_balance=1")
+        "balanced",
+        1,
+        1,
+        False,
+        "cache_aware|adaptive",
+        ("--routing-weights", "decode_balance=1"),
+        ("--max-decode-share", "1"),
     ),
 }
 """Add a configuration here (and name it in --configs). `routing` may list alternatives ("a|b"): the first the
@@ -110,6 +119,7 @@ def launch(
         worker_args=worker_args,
         num_prefill=cfg.num_prefill,
         num_decode=n_dec,
+        prefill_args=list(cfg.prefill_args),
         proxy_args=["--routing", cfg.routing, "--max-model-len", str(max_model_len), *cfg.proxy_args],
         worker_envs=[{"CUDA_VISIBLE_DEVICES": g} for g in gpus[:n_workers]] if on_cuda else None,
         restart=False,

@@ -2,8 +2,17 @@
 # wheels (${WHL:-.whl}: nixl, the fastapi stack, fla-core, xgrammar; none is required) into /tmp/site, the package
 # importable as `hybridpd` from the source tree (links hybridpd/<runtime folder> -> ../<folder>, as setup.py maps
 # them for an install), the device's grpcio accepted by the committed stubs (the generated API is the same), and
-# NVLink multicast kept off in NCCL, PyTorch and NVSHMEM.
+# NVLink multicast kept off in NCCL, PyTorch and NVSHMEM. Triton's kernel cache starts from ${TRITON_TGZ:-.triton/
+# cache.tgz} when carried (fla-core's kernels take minutes to compile and autotune per shape; the same cache serves
+# any Hopper card); `save_triton_cache` writes it back to $OUT for the next session to carry.
 WHL=${WHL:-.whl}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+TRITON_TGZ=${TRITON_TGZ:-.triton/cache.tgz}
+[ -f "$TRITON_TGZ" ] && tar -xzf "$TRITON_TGZ" -C "$TRITON_CACHE_DIR" && echo "triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files from $TRITON_TGZ"
+save_triton_cache() {  # into $OUT (at most 16 MiB comes back): copy to the repo's .triton/ to carry it next time
+  tar -czf "${OUT:-out}/cache.tgz" -C "$TRITON_CACHE_DIR" . && ls -la "${OUT:-out}/cache.tgz"
+}
 if ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl \
     && export PYTHONPATH=/tmp/site

@@ -22,6 +22,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from hybridpd.deploy.vllm_flags import PREFIX_CACHING_ALIAS, add_vllm_args, check_vllm_args
 from hybridpd.engine.config import EngineConfig, config_sections, field_docs
 
 FLAG_NAMES = {("model", "path"): "model", ("cache", "enable_prefix_caching"): "prefix-caching"}
@@ -81,11 +82,13 @@ def engine_flags(root: type = EngineConfig) -> tuple[EngineFlag, ...]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, flags: tuple[EngineFlag, ...] | None = None) -> None:
-    """The engine flags, plus --enforce-eager (not a config field: an environment variable the runner reads)."""
+    """The engine flags, plus --enforce-eager (not a config field: an environment variable the runner reads) and
+    vLLM's spellings (deploy/vllm_flags.py)."""
     for flag in flags if flags is not None else engine_flags():
         text = flag.help.replace("%", "%%")
         if flag.kind is bool:
-            parser.add_argument(flag.option, dest=flag.dest, action=argparse.BooleanOptionalAction,
+            alias = (PREFIX_CACHING_ALIAS,) if flag.name == "enable_prefix_caching" else ()  # vLLM's spelling
+            parser.add_argument(flag.option, *alias, dest=flag.dest, action=argparse.BooleanOptionalAction,
                                 default=flag.default, help=text)
         else:
             parser.add_argument(flag.option, dest=flag.dest, type=flag.kind, default=flag.default,
@@ -93,6 +96,7 @@ def add_engine_args(parser: argparse.ArgumentParser, flags: tuple[EngineFlag, ..
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs for decode steps (sets HYBRIDPD_ENFORCE_EAGER=1 for this process and "
                              "the workers it starts)")
+    add_vllm_args(parser)
 
 
 def default_model() -> str:
@@ -104,6 +108,8 @@ def default_model() -> str:
 def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
                             flags: tuple[EngineFlag, ...] | None = None) -> Any:
     """The config the parsed engine flags describe (no --model: the built-in tiny model)."""
+    check_vllm_args(args)
+    revisions = {"path": getattr(args, "revision", None), "tokenizer": getattr(args, "tokenizer_revision", None)}
     values: dict[str, dict[str, Any]] = {section: {} for section in config_sections(root)}
     for flag in flags if flags is not None else engine_flags(root):
         values[flag.section][flag.name] = getattr(args, flag.dest)
@@ -115,7 +121,8 @@ def engine_config_from_args(args: argparse.Namespace, root: type = EngineConfig,
             if values[section].get(key):
                 from hybridpd.engine.model_source import resolve_model
 
-                values[section][key] = resolve_model(values[section][key])
+                values[section][key] = resolve_model(values[section][key], revisions[key],
+                                                     cache_dir=getattr(args, "download_dir", None))
         sections[section] = cls(**values[section])
     return root(**sections)
 

@@ -25,8 +25,10 @@ def looks_like_model_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not os.path.exists(name)
 
 
-def resolve_model(name: str, revision: str | None = None, allow_download: bool = True) -> str:
-    """A local checkpoint directory for `name` (see the module doc); ModelLoadError naming what is missing."""
+def resolve_model(name: str, revision: str | None = None, allow_download: bool = True,
+                  cache_dir: str | None = None) -> str:
+    """A local checkpoint directory for `name` (see the module doc; `revision` a branch, tag or commit, `cache_dir`
+    another Hugging Face cache than the default); ModelLoadError naming what is missing."""
     if os.path.isdir(name) or not looks_like_model_id(name):
         return name
     try:
@@ -35,7 +37,8 @@ def resolve_model(name: str, revision: str | None = None, allow_download: bool =
     except ImportError:  # pragma: no cover - a dependency
         raise ModelLoadError(f"{name!r} is not a directory, and huggingface_hub is not installed") from None
     try:
-        return str(snapshot_download(name, revision=revision, local_files_only=True, allow_patterns=SERVING_FILES))
+        return str(snapshot_download(name, revision=revision, local_files_only=True, allow_patterns=SERVING_FILES,
+                                     cache_dir=cache_dir))
     except LocalEntryNotFoundError:
         pass
     except Exception as e:  # noqa: BLE001 - a malformed cache entry
@@ -43,9 +46,9 @@ def resolve_model(name: str, revision: str | None = None, allow_download: bool =
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if offline or not allow_download:
         raise ModelLoadError(f"{name}: not a directory and not in the Hugging Face cache "
-                             f"({_cache_dir()}); downloads are off (HF_HUB_OFFLINE)")
+                             f"({cache_dir or _cache_dir()}); downloads are off (HF_HUB_OFFLINE)")
     try:
-        return str(snapshot_download(name, revision=revision, allow_patterns=SERVING_FILES))
+        return str(snapshot_download(name, revision=revision, allow_patterns=SERVING_FILES, cache_dir=cache_dir))
     except Exception as e:  # noqa: BLE001 - network, auth (gated repos need HF_TOKEN), unknown repository
         raise ModelLoadError(f"{name}: cannot download from the Hugging Face Hub: {type(e).__name__}: {e}") from None
 

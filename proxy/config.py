@@ -43,8 +43,8 @@ class RoutingWeights:
     reported, not weighed in placement: P's answer carries the first token)."""
     prefill_decode: PrefillDecode = "auto"
     """When a prefill worker runs a whole request itself (P-alone, its mixed role): auto: while the decode worker
-    the request would go to is saturated or busier than the prefill worker (decode_balance), and a prefill worker
-    has room (below); never; always (tests)."""
+    the request would go to is saturated and a prefill worker has room (below), or under balance (decode_balance);
+    never; always (tests)."""
     decode_saturation: float = 0.9
     """A decode worker is saturated with this share of the whole requests it takes (its Stats' max_generate, its
     max_num_seqs) in flight from this proxy ..."""
@@ -53,10 +53,10 @@ class RoutingWeights:
     (the operator's TPOT target; 0: off, count alone). When set, a prefill worker whose own whole requests stream
     slower than this gets no more."""
     decode_balance: float = 0.0
-    """Balance (off by default: on two H100s it did not raise chat goodput, see docs/BENCHMARKS.md): under load a
-    prefill worker takes a whole request while the decode worker has more than this many times the requests the
-    prefill worker would then hold in flight (its whole requests and the prompts it computes); a request it does not
-    take goes whole to the decode worker (skip-P) unless that one is saturated. 0: off."""
+    """Balance (off by default until measured on GPUs, see docs/BENCHMARKS.md): with anything in flight, every
+    request goes whole to the less loaded of a prefill worker (while it would hold at most this many times the
+    decode worker's requests, below its --max-decode-share cap) and the decode worker, as two colocated replicas;
+    PD only with nothing in flight. 0: off (proxy/placement.py)."""
     prefill_decode_max_queue_s: float = 0.5
     """A prefill worker takes a whole request only while its queue of prompt tokens, at its measured seconds per
     token, is below this (its prefill role comes first; its own cap, --max-decode-share, bounds the rest)."""

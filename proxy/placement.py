@@ -12,9 +12,8 @@ Costs, in prompt-token units (one token a prefill worker computes = 1):
 A worker whose cache index is not usable (no snapshot yet, stream down) has no hit: it is routed by load alone.
 
 Skip-P: the request goes to D without params (D computes the remainder itself, as a colocated worker does) when no
-prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, with balance on
-whenever something is in flight and D is not saturated (below), or when D's estimated time to the first token is
-below the PD path's:
+prefill worker is routable (down or drained), when the remainder is at most `skip_max_tokens`, or when D's
+estimated time to the first token is below the PD path's:
 
     skip_s = decode_prefill_cost x remainder x step.decode_token_s
     pd_s   = P's cost x step.prefill_token_s         (P samples the first token: the proxy streams it at once)
@@ -22,10 +21,19 @@ below the PD path's:
 The PD handoff (pull, commit, resume) comes after the first token and delays only the second, one gap of a whole
 stream, so it is measured (`StepCosts.handoff_s`, shown in /v1/cluster) but not weighed against D's prefill.
 
-P-alone (checked first): the request goes whole to a prefill worker (DecodeService.Generate on it, no params; P's
-engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is busier than
-the prefill worker (balance: it has more than `decode_balance` x the requests P would hold with this one in flight,
-P's whole requests and the prompts it computes for decode workers, its router's count), or is saturated
+Balance (`decode_balance` > 0; off by default, see below), checked first: with anything in flight on the pair, the
+request goes WHOLE to the less loaded of the least loaded prefill worker (P-alone) and the decode worker (skip-P),
+by request counts and caps alone, as least-loaded routing between two colocated replicas does: P while it would
+then hold at most `decode_balance` x what D holds (P's router count: its whole requests and the prompts it
+computes) and is below its cap; else D below its cap; else whichever has room; both full: D. So under load the
+pair is two colocated replicas (neither GPU idles on a load the P:D split does not match) and PD is kept for low
+load, where it costs the first token nothing and decodes without prefill chunks in the way. No pace rule: earlier
+forms that shut P out when its streams were slower than a TPOT target sent the rest through PD, made P compute
+D's prompts and slowed P further (docs/BENCHMARKS.md). P's cap is its mixed-role share of max_num_seqs
+(`--max-decode-share`): for balance it should be 1.
+
+P-alone without balance: the request goes whole to a prefill worker (DecodeService.Generate on it, no params; P's
+engine mixes its decode steps with its prefill chunks) when the decode worker the PD path would use is saturated
 
     in flight >= decode_saturation x its capacity (Stats' max_generate: its max_num_seqs), or
     its measured seconds per output token > tpot_budget_s (when set; while it runs any request)
@@ -36,17 +44,7 @@ prefill_decode_max_queue_s, and (tpot_budget_s set) while it runs whole requests
 at most tpot_budget_s (and below D's when D is saturated by time alone; with none running, a stale figure is
 ignored and the next request probes it). Among those, the cheapest by P's cost + decode_running_cost x its whole
 requests. Its time to the first token is P's prefill, as under PD; what it saves is D's queue and the handoff, at
-the price of decode steps slowed by P's prefill chunks.
-
-Balance (`decode_balance` > 0; off by default: on two H100s it did not raise chat goodput, docs/BENCHMARKS.md):
-meant to keep a cluster from wasting a GPU when the P:D split does not match the load (on a decode-heavy load P's
-GPU idles between prompts while D decodes everything). Both ways, by request counts as least-loaded routing between
-colocated replicas does: P-alone while D holds more than `decode_balance` x what P would then hold (P's router
-count: its whole requests and the prompts it computes); otherwise, with something in flight and D not saturated,
-skip-P: the colocated placement rather than PD, which would make P compute D's prompt and slow P's own streams.
-PD stays for low load and saturated decode workers. P's queue bound and pace comparison are saturation's (a prefill
-time per token measured under load includes the queue); its cap and, with a TPOT target, its own pace bound it.
-`prefill_decode` never / always turn it off / force it.
+the price of decode steps slowed by P's prefill chunks. `prefill_decode` never / always turn it off / force it.
 
 `StepCosts` starts from configurable defaults and follows measured times (moving averages): P's seconds per
 computed token (Prefill RPC time / tokens P computed; P-alone: time to its first token / tokens it computed), D's
@@ -186,6 +184,10 @@ class Placer:
             return self._decided(
                 Placement(None, best_skip[1], best_skip[2], reason="colocated", hashes=h, kind="colocated")
             )
+        if w.decode_balance > 0:
+            shared = self._balanced(best_skip[1], best_skip[2], hashes, n)
+            if shared is not None:
+                return self._decided(shared)
         alone = self._prefill_alone(best_pd[1], hashes, n)
         if alone is not None:
             return self._decided(alone)
@@ -197,8 +199,6 @@ class Placer:
             why = None
             if w.skip_prefill == "always" or remainder <= w.skip_max_tokens or skip_s < pd_s:
                 why = f"remainder {remainder}, {1e3 * skip_s:.1f} < {1e3 * pd_s:.1f} ms"
-            elif w.skip_prefill == "auto":
-                why = self._colocated_fallback(p_addr, best_skip[1])
             if why is not None:
                 return self._decided(
                     Placement(None, best_skip[1], best_skip[2], hashes=h, kind="skip_prefill", reason=f"skip-P: {why}")
@@ -213,17 +213,44 @@ class Placer:
             self.prefill.choose()  # raises NoWorkerError
         return self._decided(Placement(p_addr, best_pd[1], best_pd[2], p_hit, reason="pd", hashes=h))
 
-    def _colocated_fallback(self, p_addr: str, d_addr: str) -> str | None:
-        """Balance's fallback (module doc): P-alone was not chosen, something is in flight and decode worker `d_addr`
-        is not saturated: D computes the request whole, as a colocated replica would (None: not so)."""
+    def _balanced(self, d_addr: str, d_hit: int, hashes: list[bytes], n: int) -> Placement | None:
+        """Balance (module doc): with something in flight, the request goes whole to prefill worker P or to decode
+        worker `d_addr` (its usable hit `d_hit`), whichever holds less, as least-loaded routing between two
+        colocated replicas would: P while it would hold at most `decode_balance` x D's count, below its cap; else
+        D (skip-P) below its cap; else whichever has room; both full: D. None: nothing in flight (the cost model
+        decides: PD at low load), or no P can take whole requests."""
         assert self.prefill is not None
         w = self.w
-        p_holds, d_holds = self.prefill.in_flight(p_addr), self.decode.in_flight(d_addr)
-        if w.decode_balance <= 0 or p_holds + d_holds == 0 or self.decode_saturated(d_addr):
-            return None  # off, nothing in flight (low load: the cost model), or D saturated
-        # P did not take it whole (it holds as much, or its cap or pace shut it out): the colocated placement, not
-        # PD, which would make P compute D's prompt and slow P's own streams further
-        return f"balance: {p_holds} in flight on {p_addr}, {d_holds} on {d_addr}"
+        d_holds = self.decode.in_flight(d_addr)
+        found = self._least_loaded_prefill(hashes, n)
+        if found is None or w.prefill_decode == "never":
+            return None
+        p_addr, p_hit = found
+        p_holds = self.prefill.in_flight(p_addr)  # its whole requests and the prompts it computes for D
+        if p_holds + d_holds == 0:
+            return None
+        p_room = self.whole_on_prefill.get(p_addr, 0) < self.membership.capacity.get(p_addr, 0)
+        d_cap = self.membership.capacity.get(d_addr)
+        d_room = d_cap is None or d_holds < d_cap
+        to_p = p_room and (p_holds + 1 <= w.decode_balance * d_holds or not d_room)
+        if not to_p and w.skip_prefill == "never":
+            return None
+        why = f"balance: {p_holds} in flight on {p_addr}, {d_holds} on {d_addr}"
+        if to_p:
+            return Placement(None, p_addr, p_hit, hashes=tuple(hashes), kind="prefill_alone", reason=f"P-alone: {why}")
+        return Placement(None, d_addr, d_hit, hashes=tuple(hashes), kind="skip_prefill", reason=f"skip-P: {why}")
+
+    def _least_loaded_prefill(self, hashes: list[bytes], n: int) -> tuple[str, int] | None:
+        """The routable prefill worker holding the fewest requests (then the most cached), with its usable hit."""
+        assert self.prefill is not None
+        best: tuple[tuple[int, int], str, int] | None = None
+        for addr in self.prefill.rotation(self.prefill.addrs):
+            idx = self.membership.index(addr) if hashes else None
+            hit = idx.usable_hit(hashes, n) if idx else 0
+            key = (self.prefill.in_flight(addr), -hit)
+            if best is None or key < best[0]:
+                best = (key, addr, hit)
+        return None if best is None else (best[1], best[2])
 
     # -- P-alone -----------------------------------------------------------------------------------------------------
     def decode_saturated(self, addr: str) -> str | None:
@@ -246,15 +273,15 @@ class Placer:
             return None
         auto = w.prefill_decode == "auto"
         why = self.decode_saturated(d_addr) if auto else "always"
-        d_running = self.decode.in_flight(d_addr)
-        if why is None and not (w.decode_balance > 0 and d_running > 0):
+        if why is None:
             return None
+        d_running = self.decode.in_flight(d_addr)
         d_gap = self.costs.token_s.get(d_addr)
         by_time = why is not None and why.endswith("per token")
         best: tuple[float, str, int] | None = None
         for addr in self.prefill.rotation(self.prefill.addrs):
             whole = self.whole_on_prefill.get(addr, 0)
-            if auto and not self._has_room(addr, whole, why is None, by_time, d_running, d_gap):
+            if auto and not self._has_room(addr, whole, by_time, d_gap):
                 continue
             idx = self.membership.index(addr) if hashes else None
             hit = idx.usable_hit(hashes, n) if idx else 0
@@ -267,16 +294,10 @@ class Placer:
                 best = (cost, addr, hit)
         if best is None:
             return None
-        if why is None:
-            whole = self.whole_on_prefill.get(best[1], 0)
-            why = f"balance: {d_running} in flight on {d_addr}, {whole} whole here"
-        else:
-            why = f"decode worker {d_addr} saturated ({why})"
+        why = f"decode worker {d_addr} saturated ({why}, {d_running} in flight)"
         return Placement(None, best[1], best[2], hashes=tuple(hashes), kind="prefill_alone", reason=f"P-alone: {why}")
 
-    def _has_room(
-        self, addr: str, whole: int, balancing: bool, by_time: bool, d_running: int, d_gap: float | None
-    ) -> bool:
+    def _has_room(self, addr: str, whole: int, by_time: bool, d_gap: float | None) -> bool:
         """May prefill worker `addr`, running `whole` whole requests, take one more (auto)?"""
         assert self.prefill is not None
         w = self.w
@@ -285,9 +306,6 @@ class Placer:
         gap = self.costs.token_s.get(addr) if whole else None  # its own pace (stale once it runs none: probe)
         if gap is not None and w.tpot_budget_s > 0 and gap > w.tpot_budget_s:
             return False
-        if balancing:  # D is not saturated: share the work as colocated replicas would, never make P the busier
-            # what P holds: its whole requests and the prompts it computes for decode workers (its router's count)
-            return self.prefill.in_flight(addr) + 1 <= w.decode_balance * d_running
         if self.prefill.tokens_in_flight(addr) * self.costs.prefill_token_s > w.prefill_decode_max_queue_s:
             return False  # its prefill role comes first
         return not (by_time and gap is not None and d_gap is not None and gap >= d_gap and w.tpot_budget_s > 0)

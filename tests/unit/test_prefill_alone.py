@@ -91,78 +91,82 @@ def test_no_prefill_alone_while_its_own_tokens_are_over_budget() -> None:
     assert placer.place(PROMPT).kind == "pd"
 
 
-def test_balance_shares_the_decoding_when_the_decode_worker_is_busier() -> None:
-    """On a decode-heavy load the prefill worker takes whole requests until it holds as many as the decode worker
-    (decode_balance 1), so the pair shares the decoding as two colocated replicas would; never at low load."""
-    placer, prefill, decode, _ = _placer(decode_balance=1.0)
-    assert placer.place(PROMPT).kind == "pd"  # nothing in flight anywhere: the PD path (low-load TTFT)
+def test_balance_shares_the_requests_whole_as_two_colocated_replicas() -> None:
+    """Balance (decode_balance 1): with nothing in flight, the PD path (low-load TTFT); from then on every request
+    goes whole to the less loaded of P and D, alternating as least-loaded routing between colocated replicas."""
+    placer, prefill, decode, _ = _placer(decode_balance=1.0, skip_prefill="auto")
+    assert placer.place(PROMPT).kind == "pd"  # nothing in flight anywhere
+    decode.take("d")
     kinds = []
-    for _ in range(8):  # counted as generation does: D's router for PD, P's router + whole_started for P-alone
+    for _ in range(7):  # counted as generation does: D's router (PD, skip-P), P's router + whole_started (P-alone)
         p = placer.place(PROMPT)
         kinds.append(p.kind)
-        if p.kind == "pd":
+        assert p.prefill_addr is None and "balance" in p.reason
+        if p.kind == "skip_prefill":
+            assert p.decode_addr == "d"
             decode.take("d")
         else:
-            assert p.decode_addr == "p" and "balance" in p.reason
+            assert p.decode_addr == "p"
             prefill.take("p", tokens=len(PROMPT))
             placer.whole_started("p")
-    assert kinds == ["pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone", "pd", "prefill_alone"]
+    assert kinds == ["prefill_alone", "skip_prefill", "prefill_alone", "skip_prefill", "prefill_alone",
+                     "skip_prefill", "prefill_alone"]
     assert (decode.in_flight("d"), placer.whole_on_prefill["p"]) == (4, 4)
     decode.take("d")
-    assert placer.place(PROMPT).kind == "pd"  # P is at its cap (4 whole requests)
+    p = placer.place(PROMPT)  # P at its cap (4 whole requests): D, although P holds fewer
+    assert (p.kind, p.decode_addr) == ("skip_prefill", "d")
     placer.whole_ended("p")
     prefill.release("p", tokens=len(PROMPT))
     assert placer.place(PROMPT).kind == "prefill_alone"  # 3 + 1 <= 5
 
 
-def test_balance_counts_the_prompts_the_prefill_worker_computes_and_its_tpot_target() -> None:
-    placer, prefill, decode, _ = _placer(decode_balance=1.0, tpot_budget_s=0.05)
+def test_balance_counts_the_prompts_p_computes_and_has_no_pace_rule() -> None:
+    """P's load is its router's count (whole requests and the PD prompts it computes); a TPOT target does not shut
+    P out under balance (that loop sent the rest through PD in earlier forms); decode_balance 0.5 halves P's share."""
+    placer, prefill, decode, _ = _placer(decode_balance=1.0, tpot_budget_s=0.05, skip_prefill="auto")
     for _ in range(3):
         decode.take("d")
     prefill.take("p", tokens=500)
     prefill.take("p", tokens=500)  # two PD prompts being computed on P: it holds 2, +1 <= 3
     assert placer.place(PROMPT).kind == "prefill_alone"
-    prefill.take("p", tokens=500)  # 3 + 1 > 3
-    assert placer.place(PROMPT).kind == "pd"
+    prefill.take("p", tokens=500)  # 3 + 1 > 3: D takes it whole
+    assert placer.place(PROMPT).kind == "skip_prefill"
     prefill.release("p", tokens=500)
-    prefill.release("p", tokens=500)
-    prefill.take("p", tokens=8)  # now one whole request (counted on P's router, as generation does) and one prompt
-    placer.whole_started("p")
-    placer.costs.token_gap("p", 0.04)
-    assert placer.place(PROMPT).kind == "prefill_alone"  # 2 + 1 <= 3, its tokens within the 50 ms target
-    placer.costs.token_gap("p", 0.5)  # its prefill chunks slow its own decodes past the target
-    assert placer.place(PROMPT).kind == "pd"
-    placer2, prefill2, decode2, _ = _placer(decode_balance=0.5)
+    placer.costs.token_gap("p", 0.5)  # P's streams far slower than the target: still its turn by count
+    placer.costs.token_gap("d", 0.5)
+    assert placer.place(PROMPT).kind == "prefill_alone"
+    placer2, prefill2, decode2, _ = _placer(decode_balance=0.5, skip_prefill="auto")
     for _ in range(4):
         decode2.take("d")
     assert placer2.place(PROMPT).kind == "prefill_alone"  # 0 + 1 <= 0.5 x 4
     prefill2.take("p", tokens=8)
     assert placer2.place(PROMPT).kind == "prefill_alone"  # 1 + 1 <= 2
     prefill2.take("p", tokens=8)
-    assert placer2.place(PROMPT).kind == "pd"  # 2 + 1 > 2
+    assert placer2.place(PROMPT).kind == "skip_prefill"  # 2 + 1 > 2
 
 
-def test_balance_the_other_way_the_decode_worker_computes_the_prompt_itself() -> None:
-    """Under load, a request P does not take whole goes whole to D (skip-P, the colocated placement), not through P,
-    although the cost model alone would choose PD; with balance off, PD; D saturated: P-alone."""
-    for balance, want in ((1.0, ["pd", "prefill_alone", "skip_prefill", "skip_prefill"]), (0.0, ["pd"] * 4)):
-        placer, prefill, decode, membership = _placer(decode_balance=balance, skip_prefill="auto")
-        got = [placer.place(PROMPT).kind]  # nothing in flight: by cost, D's own prefill 2.8 ms against P's 1.4
-        decode.take("d")
-        got.append(placer.place(PROMPT).kind)  # D holds 1, P 0: P takes it whole
-        prefill.take("p", tokens=1)
-        got.append(placer.place(PROMPT).kind)  # P holds 1 (a prompt it computes), D 1: D takes it whole
-        decode.take("d")
-        membership.capacity["p"] = 0  # P holds less than D, but its cap shuts it out: still D, whole
+def test_balance_when_one_side_is_full_and_when_off() -> None:
+    """D at its cap: P takes it whole even when it holds more; both full: D (it queues there, as on a colocated
+    replica); P unable to take whole requests (cap 0): D; balance off: PD (the cost model) throughout."""
+    placer, prefill, decode, membership = _placer(decode_balance=1.0, skip_prefill="auto")
+    membership.capacity.update({"d": 2, "p": 3})
+    decode.take("d")
+    decode.take("d")  # D full
+    for _ in range(3):
         p = placer.place(PROMPT)
-        got.append(p.kind)
-        assert got == want
-        if balance:
-            assert "balance" in p.reason and p.decode_addr == "d" and p.prefill_addr is None
-            membership.capacity["p"] = 4
-            for _ in range(7):
-                decode.take("d")  # D saturated (9 of 10): never more work on it for balance's sake
-            assert placer.place(PROMPT).kind == "prefill_alone"
+        assert p.kind == "prefill_alone"
+        prefill.take("p", tokens=8)
+        placer.whole_started("p")
+    assert placer.place(PROMPT).kind == "skip_prefill"  # both full
+    membership.capacity["p"] = 0
+    decode.release("d")
+    assert placer.place(PROMPT).kind == "skip_prefill"
+    off, _, off_decode, _ = _placer(decode_balance=0.0, skip_prefill="auto")
+    kinds = []
+    for _ in range(4):
+        kinds.append(off.place(PROMPT).kind)
+        off_decode.take("d")
+    assert kinds == ["pd"] * 4  # D holds 4 of 10: not saturated, and by cost P's prefill is the faster
 
 
 def test_never_and_always() -> None:
