@@ -32,12 +32,19 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
     in the handshake); with `prefill_peers`, only those addresses; with neither (an open development cluster), any.
     A peer is bound to the address it was verified at: Commit goes there, never to an address a caller names."""
 
-    def __init__(self, ctx: WorkerContext, policy: str = "recompute", pull_timeout_s: float = 10.0,
-                 prefill_peers: tuple[str, ...] = (), commit_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        policy: str = "recompute",
+        pull_timeout_s: float = 10.0,
+        prefill_peers: tuple[str, ...] = (),
+        commit_timeout_s: float = 5.0,
+    ) -> None:
         self.ctx = ctx
         metrics = ctx.agent.metrics if ctx.agent is not None else None
-        self.consumer = Consumer(policy, pull_timeout_s, commit=self._start_commit, metrics=metrics,
-                                 overlap=overlap_from_env())
+        self.consumer = Consumer(
+            policy, pull_timeout_s, commit=self._start_commit, metrics=metrics, overlap=overlap_from_env()
+        )
         ctx.core.transfer_canceller = self.consumer.cancel  # the engine ends imports through its finish path
         self.prefill_peers = frozenset(prefill_peers)
         self.commit_timeout_s = commit_timeout_s
@@ -46,6 +53,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.streaming: set[str] = set()
+        """Ids of the Generate calls streaming from here (event loop only): a call reusing one is refused before it
+        can take over that request's output stream."""
         # while a pull is in flight and nothing else runs, poll it every 100 us: an idle decode worker then sees the
         # KV land within 0.1 ms (docs/BENCHMARKS.md, KV transfer); while only Commits are in flight (requests parked
         # or waiting for P's answer) it wakes at the earliest import deadline to enforce it; else it sleeps until called
@@ -56,8 +66,12 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         self.progress: TransferProgress | None = None
         interval = interval_from_env(ctx.agent.layout.device_type) if ctx.agent is not None else None
         if ctx.agent is not None and not ctx.agent.config.progress_thread and interval is not None:
-            self.progress = TransferProgress(ctx.agent.poll_releases, lambda: len(self.consumer.pending) > 0,
-                                             interval_s=interval, name="nixl-progress-decode")
+            self.progress = TransferProgress(
+                ctx.agent.poll_releases,
+                lambda: len(self.consumer.pending) > 0,
+                interval_s=interval,
+                name="nixl-progress-decode",
+            )
 
     def _idle_wait(self) -> float | None:
         """Step thread: how long the idle engine may sleep before the hook runs again (None: until called)."""
@@ -93,6 +107,11 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         computed locally (or failed, per policy)."""
         key = (tp.worker_id, tp.epoch)
         known = self._peers.get(key)
+        if known is not None and not getattr(known[0], "valid", True):
+            # the agent replaced it: another epoch answered under this worker id (a restart keeps no id, so only a
+            # holder of the cluster token claiming it): handshake again rather than refuse this worker for good
+            del self._peers[key]
+            known = None
         if known is not None:
             if known[1] != tp.prefill_address:
                 self._unknown_peer(tp, f"worker {tp.worker_id} was verified at {known[1]}")
@@ -111,13 +130,21 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             nonce = new_nonce()
             try:
                 md = await self._prefill_stub(tp.prefill_address).GetTransferMetadata(
-                    pb.TransferMetadataRequest(nonce=nonce), timeout=5.0, metadata=token_metadata(token))
+                    pb.TransferMetadataRequest(nonce=nonce), timeout=5.0, metadata=token_metadata(token)
+                )
                 if md.epoch != tp.epoch or md.worker_id != tp.worker_id:
-                    log.warning("prefill worker at %s is %s/%s, params name %s/%s (restarted?): recomputing",
-                                tp.prefill_address, md.worker_id, md.epoch, tp.worker_id, tp.epoch)
+                    log.warning(
+                        "prefill worker at %s is %s/%s, params name %s/%s (restarted?): recomputing",
+                        tp.prefill_address,
+                        md.worker_id,
+                        md.epoch,
+                        tp.worker_id,
+                        tp.epoch,
+                    )
                     return None
-                if token and not verify_membership(token, nonce, md.worker_id, md.epoch,
-                                                   md.agent_metadata + md.tp_layout, md.proof):
+                if token and not verify_membership(
+                    token, nonce, md.worker_id, md.epoch, md.agent_metadata + md.tp_layout, md.proof
+                ):
                     self._unknown_peer(tp, "it cannot prove it holds the cluster token")
                     return None
                 peer = await asyncio.to_thread(self._connect, md)
@@ -139,12 +166,16 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         if mine is None or ((peer_tp is None or peer_tp.tp_size == 1) and mine.tp_size == 1):
             return self.ctx.agent.add_peer(md.agent_metadata)
         if peer_tp is None:
-            raise CompatibilityError(f"prefill worker {md.worker_id} publishes no tensor-parallel layout and this "
-                                     f"decode worker runs {mine.tp_size} ranks")
+            raise CompatibilityError(
+                f"prefill worker {md.worker_id} publishes no tensor-parallel layout and this "
+                f"decode worker runs {mine.tp_size} ranks"
+            )
         bad = problems(mine, peer_tp)
         if bad:
-            raise CompatibilityError(f"prefill worker {md.worker_id} (tp {peer_tp.tp_size}) cannot hand off to this "
-                                     f"decode worker (tp {mine.tp_size}): " + "; ".join(bad))
+            raise CompatibilityError(
+                f"prefill worker {md.worker_id} (tp {peer_tp.tp_size}) cannot hand off to this "
+                f"decode worker (tp {mine.tp_size}): " + "; ".join(bad)
+            )
         return TPPeer(md.worker_id, md.epoch, md.tp_layout)
 
     # -- commit: step thread -> event loop -> step thread -----------------------------------------------------------
@@ -155,14 +186,20 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     async def _commit(self, p: PendingPull) -> None:
         rid, tp, digest, read = p.req.request_id, p.params, p.digest, p.pages_read
-        req = pb.CommitRequest(request_id=rid, epoch=tp.epoch, lease_token=tp.lease_token, prompt_digest=digest,
-                               params=tp, pages_read=[pb.GroupBlocks(group_id=g, block_ids=ids)
-                                                      for g, ids in read.items()])
+        req = pb.CommitRequest(
+            request_id=rid,
+            epoch=tp.epoch,
+            lease_token=tp.lease_token,
+            prompt_digest=digest,
+            params=tp,
+            pages_read=[pb.GroupBlocks(group_id=g, block_ids=ids) for g, ids in read.items()],
+        )
         address = self._peers.get((tp.worker_id, tp.epoch), (None, tp.prefill_address))[1]
         t0 = time.perf_counter()
         try:
             resp = await self._prefill_stub(address).Commit(
-                req, timeout=self.commit_timeout_s, metadata=token_metadata(self.ctx.cluster_token))
+                req, timeout=self.commit_timeout_s, metadata=token_metadata(self.ctx.cluster_token)
+            )
             committed, reason = resp.committed, resp.reason
         except grpc.aio.AioRpcError as e:  # P unreachable or frozen: its lease cannot be confirmed
             committed, reason = False, f"commit failed: {e.code().name}"
@@ -192,14 +229,19 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         tp = request.params if request.HasField("params") else None
         first = request.first_token if request.HasField("first_token") else None
         if tp is not None and first is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer params come with the first token the "
-                                "prefill worker sampled (GenerateRequest.first_token)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "transfer params come with the first token the prefill worker sampled (GenerateRequest.first_token)",
+            )
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         t_peer = time.perf_counter()
         timed = tp is not None and peer is not None
         if tp is not None and tp.num_computed_tokens > 0 and peer is None and self.consumer.policy == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer from the prefill worker is not possible")
+        if rid in self.streaming:  # (checked and taken with no await between)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
+        self.streaming.add(rid)
         aengine = self.ctx.aengine
         q = aengine.open_stream(rid, emitted=1 if first is not None else 0)  # the proxy streamed the first token
         max_stop = max((len(s) for s in params.stop), default=0)
@@ -245,6 +287,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         finally:
             aengine.close_stream(rid)
             self.consumer.handed_over.pop(rid, None)
+            self.streaming.discard(rid)
 
     def _time_handoff(self, rid: str, t_received: float, t_peer: float) -> None:
         """hybridpd_kv_handoff_seconds{role="decode"} of a request whose pull was committed (others: nothing)."""
@@ -254,13 +297,25 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             return
         posted, done, committed = marks
         now = time.perf_counter()
-        for phase, seconds in (("handshake", t_peer - t_received), ("admit", posted - t_peer),
-                               ("pull", done - posted), ("commit", committed - done), ("resume", now - committed),
-                               ("total", now - t_received)):
+        for phase, seconds in (
+            ("handshake", t_peer - t_received),
+            ("admit", posted - t_peer),
+            ("pull", done - posted),
+            ("commit", committed - done),
+            ("resume", now - committed),
+            ("total", now - t_received),
+        ):
             m.handoff(phase, seconds)
-        log.debug("handoff %s: handshake %.1f admit %.1f pull %.1f commit %.1f resume %.1f total %.1f ms", rid,
-                  1e3 * (t_peer - t_received), 1e3 * (posted - t_peer), 1e3 * (done - posted),
-                  1e3 * (committed - done), 1e3 * (now - committed), 1e3 * (now - t_received))
+        log.debug(
+            "handoff %s: handshake %.1f admit %.1f pull %.1f commit %.1f resume %.1f total %.1f ms",
+            rid,
+            1e3 * (t_peer - t_received),
+            1e3 * (posted - t_peer),
+            1e3 * (done - posted),
+            1e3 * (committed - done),
+            1e3 * (now - committed),
+            1e3 * (now - t_received),
+        )
 
     def _abort(self, core: EngineCore, rid: str) -> bool:
         """Step thread. Ends the request (pulling, committing, waiting or running) and its stream: the Generate
@@ -272,6 +327,13 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.ctx.aengine.acall(lambda core: stats_response(
-            core, "decode", self.ctx.worker_id, self.ctx.epoch, self.ctx.metrics_port,
-            extra_waiting=core.num_importing))
+        return await self.ctx.aengine.acall(
+            lambda core: stats_response(
+                core,
+                "decode",
+                self.ctx.worker_id,
+                self.ctx.epoch,
+                self.ctx.metrics_port,
+                extra_waiting=core.num_importing,
+            )
+        )

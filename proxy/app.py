@@ -526,7 +526,7 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
         proxy.check_auth(request)
         return await cluster_view.cluster_info(proxy.cluster)
 
-    add_cluster_routes(app, proxy.membership, config.cluster_token, proxy.check_auth)
+    add_cluster_routes(app, proxy.membership, config.cluster_token, proxy.check_auth, bool(proxy.keys))
 
     @app.get("/health")
     async def health(request: Request) -> Response:

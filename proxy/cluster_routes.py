@@ -2,7 +2,9 @@
 
     POST   /v1/cluster/workers   {"role", "address", "worker_id", "epoch", "ttl_s"}   register / heartbeat
     DELETE /v1/cluster/workers   {"address"}                                         leave
-        both need the cluster token as header `x-hybridpd-token` when the proxy has one (what workers hold);
+        both need the cluster token as header `x-hybridpd-token` when the proxy has one (what workers hold); a
+        proxy that requires API keys but has no cluster token refuses both (403 membership_closed): nothing could
+        tell a worker from anyone who reaches the proxy, and an API key is a client's, not a worker's;
     POST   /v1/cluster/drain     {"address", "drain": true|false}                    drain / undrain
         needs the API key (an operator's call), like GET /v1/cluster.
 
@@ -11,6 +13,7 @@ Bad input is a 400 with an OpenAI-style error body; an unknown worker a 404.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +23,8 @@ from hybridpd.proxy.credentials import TOKEN_METADATA_KEY
 from hybridpd.proxy.errors import ApiError, bad_request
 from hybridpd.proxy.membership import Membership
 from hybridpd.proxy.openai_schema import parse_json_object
+
+log = logging.getLogger(__name__)
 
 MAX_TTL_S = 300.0
 
@@ -40,10 +45,28 @@ def _address(body: dict[str, Any]) -> str:
 
 
 def add_cluster_routes(
-    app: FastAPI, membership: Membership, cluster_token: str | None, check_api_key: Callable[[Request], None]
+    app: FastAPI,
+    membership: Membership,
+    cluster_token: str | None,
+    check_api_key: Callable[[Request], None],
+    api_keys_required: bool = False,
 ) -> None:
+    """`api_keys_required`: the proxy's API needs a key (without a cluster token, membership is then closed)."""
+    if cluster_token is None and api_keys_required:
+        log.warning(
+            "API keys are required but there is no cluster token (--cluster-token-file / HYBRIDPD_CLUSTER_TOKEN): "
+            "workers cannot register (static --prefill / --decode workers only)"
+        )
+
     def check_token(request: Request) -> None:
         if cluster_token is None:
+            if api_keys_required:
+                raise ApiError(
+                    403,
+                    "this proxy takes no worker registrations: it requires API keys and has no cluster token to "
+                    "authenticate workers (give the proxy and the workers --cluster-token-file)",
+                    code="membership_closed",
+                )
             return
         given = request.headers.get(TOKEN_METADATA_KEY, "")
         if not secrets.compare_digest(given.encode(), cluster_token.encode()):

@@ -99,8 +99,9 @@ class Membership:
         feed.start()
 
     # -- changes ---------------------------------------------------------------------------------------------------
-    def register(self, role: Role, addr: str, worker_id: str, epoch: str, ttl_s: float,
-                 draining: bool | None = None) -> Member:
+    def register(
+        self, role: Role, addr: str, worker_id: str, epoch: str, ttl_s: float, draining: bool | None = None
+    ) -> Member:
         """Add or renew a worker (a registration or heartbeat). Raises ValueError for a role the proxy has no
         router for (a prefill worker at a colocated proxy) or an address registered under the other role."""
         router = self.routers.get(role)
@@ -115,8 +116,7 @@ class Membership:
             router.add(addr)
             self._start_feed(role, addr)
         elif epoch and m.epoch and epoch != m.epoch:
-            m.restarts += 1
-            log.info("%s worker %s restarted (epoch %s -> %s)", role, addr, m.epoch[:8], epoch[:8])
+            self._restarted(m, epoch)
         m.worker_id, m.epoch = worker_id or m.worker_id, epoch or m.epoch
         if not m.static:
             m.expires_at = time.monotonic() + ttl_s
@@ -180,11 +180,19 @@ class Membership:
         if m is None:
             return
         if m.epoch and epoch != m.epoch:
-            m.restarts += 1
+            self._restarted(m, epoch)
         m.epoch = epoch
         if m.down:
             log.info("%s worker %s is up", m.role, addr)
             self._set_down(m, False)
+
+    def _restarted(self, m: Member, epoch: str) -> None:
+        """`m` came back as a new process (`epoch`). One drained through this proxy has forgotten it: tell it again,
+        or every other proxy would route to it on its first registration."""
+        m.restarts += 1
+        log.info("%s worker %s restarted (epoch %s -> %s)", m.role, m.address, m.epoch[:8], epoch[:8])
+        if m.drained_here:
+            self.clients.spawn(self.tell_worker_draining(m.address, True))
 
     def _set_down(self, m: Member, down: bool) -> None:
         m.down = down

@@ -4,10 +4,13 @@ skip-prefill when its remainder is short."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from hybridpd.proxy.cache_index import prompt_block_hashes
 from hybridpd.proxy.config import RoutingWeights
+from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.routing import Router
 
 from tests.polling import wait_for
 from tests.support.fake_workers import FakeDecodeWorker, serve_fake
@@ -86,6 +89,25 @@ def test_registration_needs_the_cluster_token() -> None:
         assert _register(s, "127.0.0.1:1") == 401
         assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "wrong"}) == 401
         assert _register(s, "127.0.0.1:1", headers={"x-hybridpd-token": "secret"}) == 200
+
+
+def test_a_proxy_with_api_keys_and_no_cluster_token_takes_no_registration() -> None:
+    """Its API is closed but nothing could authenticate a worker: anyone reaching it could otherwise add a worker of
+    theirs (others' prompts to it, its text as the answer) or remove one, a client's API key included."""
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL, api_key="k", cluster_token=None) as s:
+        static = s.decode[0].address
+        for headers in ({}, {"authorization": "Bearer k"}, {"x-hybridpd-token": ""}):
+            r = s.http.post("/v1/cluster/workers", json={"role": "decode", "address": "10.9.9.9:1"}, headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "membership_closed", r.text
+            r = s.http.request("DELETE", "/v1/cluster/workers", json={"address": static}, headers=headers)
+            assert r.status_code == 403, r.text
+        members = _members_with_key(s, "k")
+        assert "10.9.9.9:1" not in members and members[static]["state"] == "up"
+
+
+def _members_with_key(s: LiveStack, key: str) -> dict[str, dict]:
+    workers = s.http.get("/v1/cluster", headers={"authorization": f"Bearer {key}"}).json()["workers"]
+    return {w["address"]: w["membership"] for w in workers}
 
 
 def _prefix_stack(weights: RoutingWeights) -> tuple[LiveStack, list[int]]:
@@ -186,3 +208,40 @@ def test_with_every_prefill_worker_drained_decode_workers_prefill_themselves() -
         assert s.http.post("/v1/cluster/drain", json={"address": s.prefill[0].address}).status_code == 200
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+
+
+class _DrainClients:
+    """What Membership calls on the workers here: Drain (recorded) and background tasks."""
+
+    def __init__(self) -> None:
+        self.drains: list[tuple[str, bool]] = []
+
+    async def drain_worker(self, role: str, addr: str, drain: bool) -> None:
+        self.drains.append((addr, drain))
+
+    def spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        asyncio.get_running_loop().create_task(coro)
+
+
+def test_a_worker_drained_here_is_told_again_when_it_restarts() -> None:
+    """A restarted worker forgets that it was drained (a new process): every other proxy would route to it again on
+    its first registration, so the proxy that drained it tells the new incarnation again."""
+
+    async def run() -> None:
+        clients = _DrainClients()
+        m = Membership(clients, {"decode": Router([], "least_loaded", dynamic=True)})  # type: ignore[arg-type]
+        m.register("decode", "h:1", "w1", "e1", 10.0)
+        m.register("decode", "h:2", "w2", "e1", 10.0)
+        m.drain("h:1")
+        m.worker_draining("h:2", True)  # drained through another proxy: that one tells it again
+        m.register("decode", "h:1", "w3", "e2", 10.0, draining=False)  # restarted (a new epoch), not draining
+        m.register("decode", "h:2", "w4", "e2", 10.0, draining=False)
+        m.register("decode", "h:1", "w3", "e2", 10.0, draining=False)  # its next heartbeat: no second telling
+        await asyncio.sleep(0.01)
+        assert clients.drains == [("h:1", True)]
+        assert m.members["h:1"].draining and m.routers["decode"].addrs == ("h:2",)
+        m._feed_up("h:1", "e3")  # a restart seen first in the cache-event feed's snapshot
+        await asyncio.sleep(0.01)
+        assert clients.drains == [("h:1", True), ("h:1", True)]
+
+    asyncio.run(run())

@@ -1,0 +1,96 @@
+"""Replayed worker calls (a holder of the cluster token sending a call again) never cost another request its
+answer: a second Generate under the id of one still streaming on the decode worker is refused, and the first one
+streams to its end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from hybridpd.decode.service import DecodeServicer
+from hybridpd.proto import hybridpd_pb2 as pb
+
+from tests.oracle import random_prompts
+from tests.support.pd_pair import Aborted, FakeContext, make_pair
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_replayed_generate_is_refused_and_the_running_one_still_ends(checkpoint_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir("nemotron_attn_mid"), monkeypatch)
+        try:
+            prompt = random_prompts([40], vocab=256, seed=21)[0]
+            sp = pb.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            req = pb.GenerateRequest(request_id="same", prompt_token_ids=prompt, sampling_params=sp)
+
+            async def consume() -> list[int]:
+                return [t async for c in pair.d.Generate(req, FakeContext()) for t in c.token_ids]  # type: ignore[arg-type]
+
+            first = asyncio.create_task(consume())
+            while not await pair.d.ctx.aengine.acall(lambda c: "same" in c.scheduler.requests):
+                await asyncio.sleep(0.01)
+            with pytest.raises(Aborted) as refused:
+                await consume()
+            assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+            assert len(await asyncio.wait_for(first, timeout=20)) == 24  # not left waiting on a closed stream
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+class _Handle:
+    def __init__(self, epoch: str) -> None:
+        self.epoch, self.valid = epoch, True
+
+
+class _Agent:
+    """TransferAgent.add_peer's rule: a new epoch of a known worker id replaces (invalidates) its peer handle."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, _Handle] = {}
+
+    def add_peer(self, blob: bytes) -> _Handle:
+        worker, epoch = blob.decode().split("/")
+        old = self.loaded.get(worker)
+        if old is not None and old.epoch == epoch:
+            return old
+        if old is not None:
+            old.valid = False
+        self.loaded[worker] = _Handle(epoch)
+        return self.loaded[worker]
+
+
+def test_a_worker_id_claimed_under_another_epoch_does_not_cut_off_the_real_prefill_worker(checkpoint_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """A holder of the cluster token answers the handshake under a live prefill worker's id with an epoch of its
+    own: the agent replaces that worker's peer. Its next params must handshake again rather than be refused
+    (stale epoch, recomputed) for as long as the decode worker lives."""
+
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir("nemotron_attn_mid"), monkeypatch)
+        try:
+            answers = {"p:1": ("w1", "e1"), "claim:1": ("w1", "e2")}
+
+            class Stub:
+                def __init__(self, address: str) -> None:
+                    self.address = address
+
+                async def GetTransferMetadata(self, req, timeout, metadata):  # type: ignore[no-untyped-def]
+                    worker, epoch = answers[self.address]
+                    blob = f"{worker}/{epoch}".encode()
+                    return pb.TransferMetadata(agent_metadata=blob, worker_id=worker, epoch=epoch)
+
+            monkeypatch.setattr(pair.d.ctx, "agent", _Agent())
+            monkeypatch.setattr(pair.d, "_prefill_stub", Stub)
+            real = pb.TransferParams(worker_id="w1", epoch="e1", prefill_address="p:1")
+            claim = pb.TransferParams(worker_id="w1", epoch="e2", prefill_address="claim:1")
+            assert (await DecodeServicer._peer(pair.d, real)).valid
+            await DecodeServicer._peer(pair.d, claim)
+            again = await DecodeServicer._peer(pair.d, real)
+            assert again is not None and again.valid and again.epoch == "e1"
+        finally:
+            pair.close()
+
+    asyncio.run(run())
