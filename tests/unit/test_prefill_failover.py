@@ -6,17 +6,11 @@ before the proxy decides whether another prefill worker is left to try."""
 from __future__ import annotations
 
 import grpc
-import pytest
 from hybridpd.proto import hybridpd_pb2 as pb
 
 from tests.support.live_stack import LiveStack
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy/generation.py: _prefill counts the routable workers, which no longer "
-    "include the one that died, against those refused (fix: any routable worker not refused left)",
-)
 def test_a_prefill_worker_dying_under_a_prefill_is_replaced() -> None:
     s = LiveStack(n_prefill=2, n_decode=1, model_name="tiny", routing="round_robin")
     dying = s.prefill[0]
