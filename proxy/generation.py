@@ -262,6 +262,9 @@ class Generation:
             self._open_generate(None)
             return await self._next_delta()
         resp = await self._prefill(self.cluster.prefill)
+        if resp is None:  # no prefill worker up: the decode worker computes the prompt itself (skip-P)
+            self._open_generate(None)
+            return await self._next_delta()
         first = self._absorb(resp.first, from_decode=False)
         if first.finish_reason is None:
             self._s.first_token = first_token_of(resp.first)
@@ -291,7 +294,18 @@ class Generation:
 
     # -- steps -------------------------------------------------------------------------------------------------
 
-    async def _prefill(self, router: Router) -> pb.PrefillResponse:
+    def _decode_may_prefill(self, why: str) -> bool:
+        """No prefill worker can take the prompt (`why`): may the decode worker compute it itself (skip-P, exact as
+        colocated), as the operator's skip_prefill allows? Keeps the cluster serving while every prefill worker is
+        down or restarting, whatever the routing policy."""
+        if self.cluster.config.routing_weights.skip_prefill == "never":
+            return False
+        log.warning("request %s: %s; the decode worker computes the prompt itself", self.req.request_id, why)
+        return True
+
+    async def _prefill(self, router: Router) -> pb.PrefillResponse | None:
+        """P.Prefill on the placed or a chosen prefill worker, another after one that is down or frozen. None: no
+        prefill worker is up and the decode worker may compute the prompt itself (`_decode_may_prefill`)."""
         req = pb.PrefillRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         cfg = self.cluster.config
@@ -306,6 +320,8 @@ class Generation:
                 else:
                     addr = router.acquire(exclude=refused, tokens=tokens)
             except NoWorkerError:
+                if self._decode_may_prefill("no prefill worker is available"):
+                    return None
                 raise self._fail(ApiError(503, "no prefill worker is available", code="worker_unavailable")) from None
             self._s.prefill_addr = addr
             t0 = time.perf_counter()
@@ -324,6 +340,8 @@ class Generation:
                 if any(a not in refused for a in router.addrs):  # (`addr` itself may be marked down by now)
                     continue
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    if self._decode_may_prefill(f"no prefill worker answers ({addr}: {err.details()})"):
+                        return None
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
                 raise self._fail(ApiError(
                     503, f"every prefill worker is at capacity ({err.details()}); retry later",

@@ -89,16 +89,21 @@ def test_disconnect_during_prefill_releases_on_prefill(stack: LiveStack) -> None
 
 
 @pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.UNAVAILABLE, 503),  # with skip_prefill "never" (else the decode worker computes it: below)
     (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
     (grpc.StatusCode.INTERNAL, 500),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, status: int, stream: bool) -> None:
+    if code == grpc.StatusCode.UNAVAILABLE:
+        stack.run(_set_skip_prefill(stack, "never"))
     stack.prefill[0].failure = Failure(code, "prefill exploded")
     n_generates = len(stack.decode[0].generates)
     t0 = time.monotonic()
-    r = stack.http.post("/v1/completions", json={**LONG, "stream": stream}, timeout=10)
+    try:
+        r = stack.http.post("/v1/completions", json={**LONG, "stream": stream}, timeout=10)
+    finally:
+        stack.run(_set_skip_prefill(stack, "auto"))
     assert time.monotonic() - t0 < 5
     assert r.status_code == status and r.headers["content-type"] == "application/json"
     err = r.json()["error"]
@@ -110,6 +115,29 @@ def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, 
     assert err["type"] == ("service_unavailable" if status == 503 else "internal_error")
     assert r.headers["connection"] == "close"  # a 5xx never leaves a keep-alive connection in doubt
     assert len(stack.decode[0].generates) == n_generates
+
+
+async def _set_skip_prefill(stack: LiveStack, value: str) -> None:
+    import dataclasses
+
+    proxy = stack.app.state.proxy
+    cfg = proxy.cluster.config
+    weights = dataclasses.replace(cfg.routing_weights, skip_prefill=value)
+    object.__setattr__(proxy.cluster, "config", dataclasses.replace(cfg, routing_weights=weights))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_prefill_worker_down_the_decode_worker_computes_the_prompt(stack: LiveStack, stream: bool) -> None:
+    """The only prefill worker is down (UNAVAILABLE): the request is answered, the decode worker computing the
+    prompt itself (a Generate without transfer params: skip-P, exact as colocated), as it is while a prefill
+    worker restarts; skip_prefill "never" keeps the 503 (above)."""
+    stack.prefill[0].failure = Failure(grpc.StatusCode.UNAVAILABLE, "prefill exploded")
+    n_generates = len(stack.decode[0].generates)
+    r = stack.http.post("/v1/completions", json={**LONG, "stream": stream}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert len(stack.decode[0].generates) == n_generates + 1
+    assert not stack.decode[0].generates[-1].HasField("params")
+    wait_for(lambda: in_flight(stack) == [0, 0])
 
 
 def test_worker_invalid_argument_is_400_with_its_message(stack: LiveStack) -> None:
@@ -156,12 +184,21 @@ def test_serving_resumes_after_failures(stack: LiveStack) -> None:
     assert in_flight(stack) == [0, 0]
 
 
-def test_unreachable_prefill_is_503_not_a_hang() -> None:
-    with LiveStack(n_prefill=0, model_name=MODEL, prefill_addrs_extra=["127.0.0.1:1"]) as s:
+@pytest.mark.parametrize("skip_prefill", ["auto", "never"])
+def test_unreachable_prefill_is_not_a_hang(skip_prefill: str) -> None:
+    """The only prefill worker unreachable: answered by the decode worker alone (skip-P), or with skip_prefill
+    "never" a 503; never a hang. /health says the PD cluster is not whole either way."""
+    from hybridpd.proxy.config import RoutingWeights
+
+    weights = RoutingWeights(skip_prefill=skip_prefill)  # type: ignore[arg-type]
+    with LiveStack(n_prefill=0, model_name=MODEL, prefill_addrs_extra=["127.0.0.1:1"], routing_weights=weights) as s:
         t0 = time.monotonic()
         r = s.http.post("/v1/completions", json={**LONG, "stream": True}, timeout=20)
         assert time.monotonic() - t0 < 10
-        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+        if skip_prefill == "never":
+            assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+        else:
+            assert r.status_code == 200 and "[DONE]" in r.text and not s.decode[0].generates[-1].HasField("params")
         h = s.http.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "unavailable"
         cluster = s.http.get("/v1/cluster").json()
