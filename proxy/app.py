@@ -34,7 +34,7 @@ from hybridpd.proxy import cluster_view
 from hybridpd.proxy.admission import Admission, Demand, Tenant, Ticket
 from hybridpd.proxy.api_keys import ApiKey, find_key
 from hybridpd.proxy.body_parser import BodyParser
-from hybridpd.proxy.choices import Choices
+from hybridpd.proxy.choices import Choices, gather_or_cancel
 from hybridpd.proxy.cluster_routes import add_cluster_routes
 from hybridpd.proxy.config import ProxyConfig
 from hybridpd.proxy.errors import ApiError, bad_request
@@ -151,10 +151,9 @@ class _Held:
         return first
 
     async def collect(self) -> list[list[Delta]]:
-        deltas = [[d] for d in await self.start()]
-        async for i, d in self.choices.rest():
-            deltas[i].append(d)
-        return deltas
+        """Every choice whole (non-streamed: a decode worker lost mid-generation is replaced, Generation.collect)."""
+        firsts = await self.start()
+        return await gather_or_cancel([g.collect_after(f) for g, f in zip(self.choices.gens, firsts, strict=True)])
 
     def close(self) -> None:
         self.choices.close()

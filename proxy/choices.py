@@ -51,9 +51,7 @@ class Choices:
             self._started[i].set()
 
     async def _collect(self, i: int) -> list[Delta]:
-        deltas = [await self._start(i)]
-        deltas.extend([d async for d in self.gens[i].rest()])
-        return deltas
+        return await self.gens[i].collect_after(await self._start(i))  # (a lost decode worker: restarted there)
 
     async def start(self) -> list[Delta]:
         return await gather_or_cancel([self._start(i) for i in range(len(self.gens))])

@@ -242,6 +242,8 @@ class Generation:
         self._t = _Timing(arrival=arrival)
         self._s = _State()
         self._deadline = arrival + cluster.config.request_timeout_s
+        self._restartable = False  # collect(): nothing reaches the client before the end (`_restart_decode`)
+        self.restarts = 0
 
     def _remaining(self, what: str) -> float:
         left = self._deadline - time.perf_counter()
@@ -287,10 +289,52 @@ class Generation:
             yield await self._next_delta()
 
     async def collect(self) -> list[Delta]:
-        """start() and rest() in one list (non-streaming responses)."""
-        deltas = [await self.start()]
-        deltas.extend([d async for d in self.rest()])
+        """start() and rest() in one list (non-streaming responses). Nothing reaches the client before the end, so
+        a decode worker lost mid-generation costs its output, not the request: the request continues on another
+        decode worker from its start (after P's first token, when P sampled it), `_restart_decode`."""
+        return await self.collect_after(await self.start())
+
+    async def collect_after(self, first: Delta) -> list[Delta]:
+        """The rest of a non-streamed request after its first delta, with every delta (see collect)."""
+        self._restartable = True
+        deltas = [first]
+        while not self._s.finished:
+            restarts = self.restarts
+            delta = await self._next_delta()
+            if self.restarts != restarts:  # the lost worker's output is dropped (P's first token is kept)
+                deltas = deltas[:1] if self._s.first_token is not None else []
+            deltas.append(delta)
         return deltas
+
+    MAX_RESTARTS = 2
+    """Decode workers a non-streamed request may lose mid-generation before it fails."""
+
+    def _restart_decode(self, code: grpc.StatusCode) -> bool:
+        """A decode worker failed (`code`) after its first chunk of a request whose output has not reached the
+        client (collect): send it to another decode worker from its start (without P's params: D computes the
+        prompt, and continues from P's first token when there is one), as before any chunk. Greedy and seeded
+        requests get the same tokens; others a fresh sample. False: not restartable (streamed, not a lost
+        worker, too many restarts, no decode worker left)."""
+        s, cluster = self._s, self.cluster
+        if not self._restartable or s.on_prefill or code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        assert s.decode_addr is not None
+        failed = s.decode_addr
+        if self.restarts >= self.MAX_RESTARTS or not [
+            a for a in cluster.decode.addrs if a not in (*s.decode_tried, failed)
+        ]:
+            return False
+        log.warning("decode worker %s lost mid-generation of %s (not sent yet): starting it over elsewhere", failed,
+                    self.req.request_id)
+        self.restarts += 1
+        s.decode_tried = (*s.decode_tried, failed)
+        if s.call is not None:
+            s.call.cancel()
+        self._release_slot()
+        s.placement, s.got_chunk = None, False
+        self.usage.completion_tokens = 1 if s.first_token is not None else 0
+        self._open_generate(None)
+        return True
 
     # -- steps -------------------------------------------------------------------------------------------------
 
@@ -426,6 +470,8 @@ class Generation:
                     self._release_prefill()  # D failed before taking over P's lease
                     if self._retry_decode(err.code()):
                         continue
+                elif self._restart_decode(err.code()):
+                    continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
                 raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "

@@ -204,3 +204,25 @@ def test_unreachable_prefill_is_not_a_hang(skip_prefill: str) -> None:
         cluster = s.http.get("/v1/cluster").json()
         dead = next(w for w in cluster["workers"] if w["role"] == "prefill")
         assert dead["reachable"] is False and "UNAVAILABLE" in dead["error"]
+
+
+@pytest.mark.parametrize("with_prefill", [True, False])
+def test_a_decode_worker_lost_mid_generation_restarts_a_non_streamed_request(with_prefill: bool) -> None:
+    """Nothing of a non-streamed request has reached the client when its decode worker dies mid-generation: the
+    request continues on the other decode worker from its start (after P's first token under PD), and the answer
+    is whole and right (the fake rule: the prompt reversed). A streamed one cannot be taken back: an error."""
+    n_prefill = 1 if with_prefill else 0
+    extra = {} if with_prefill else {"colocated": True}
+    with LiveStack(n_prefill=n_prefill, n_decode=2, model_name=MODEL, routing="round_robin", **extra) as s:
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6}
+        for d in s.decode:
+            d.failure = None
+        s.decode[0].failure = Failure(grpc.StatusCode.UNAVAILABLE, "worker died", after_tokens=3)
+        answers = [s.http.post("/v1/completions", json=body, timeout=10) for _ in range(2)]  # one lands on D0
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        assert all(r.json()["choices"][0]["token_ids"] == [6, 5, 4, 3, 2, 1] for r in answers)
+        assert all(r.json()["usage"]["completion_tokens"] == 6 for r in answers)
+        assert len(s.decode[0].generates) >= 1 and len(s.decode[1].generates) == 2  # each one ended on D1
+        streamed = [s.http.post("/v1/completions", json={**body, "stream": True}, timeout=10) for _ in range(2)]
+        assert any("worker died" in r.text for r in streamed)  # the one on D0: an error event after its tokens
+        wait_for(lambda: not any(in_flight(s)))  # every worker's count given back (the lost one's too)
