@@ -12,11 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, registry: CollectorRegistry | None = None, min_interval_s: float = 0.0,
-                 slow_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        role: str,
+        registry: CollectorRegistry | None = None,
+        min_interval_s: float = 0.0,
+        slow_interval_s: float = 0.0,
+    ) -> None:
         """`min_interval_s`: `update` does nothing when called again sooner (the workers' step hooks run every
         0.1-0.5 ms while a transfer is in flight; a scrape every few seconds needs far less). `slow_interval_s`:
-        the same for the pools' figures that cost a scan (see `update`)."""
+        the same for the pools' byte and eviction figures (see `update`)."""
         from prometheus_client import REGISTRY
 
         reg = registry if registry is not None else REGISTRY
@@ -24,22 +29,37 @@ class WorkerMetrics:
         g = ["role", "group"]
         self.queries = Counter("hybridpd_prefix_cache_queries", "Prefix-cache queries (tokens)", g, registry=reg)
         self.hits = Counter("hybridpd_prefix_cache_hits", "Prefix-cache hits (tokens)", g, registry=reg)
-        self.ext_queries = Counter("hybridpd_external_prefix_cache_queries",
-                                   "Tokens queried for external (transferred) hits", g, registry=reg)
-        self.ext_hits = Counter("hybridpd_external_prefix_cache_hits", "Tokens received by KV transfer", g,
-                                registry=reg)
-        self.usage = Gauge("hybridpd_kv_cache_usage_ratio", "Fraction of a cache pool in use", g, registry=reg)
+        self.ext_queries = Counter(
+            "hybridpd_external_prefix_cache_queries", "Tokens queried for external (transferred) hits", g, registry=reg
+        )
+        self.ext_hits = Counter(
+            "hybridpd_external_prefix_cache_hits", "Tokens received by KV transfer", g, registry=reg
+        )
+        self.usage = Gauge(
+            "hybridpd_kv_cache_usage_ratio",
+            "Fraction of a cache pool's pages that requests reference (cached content is free: 0 when idle)",
+            g,
+            registry=reg,
+        )
         self.zeroed = Counter("hybridpd_zeroed_blocks", "Fresh attention blocks zeroed", ["role"], registry=reg)
         self.running = Gauge("hybridpd_num_requests_running", "Requests running", ["role"], registry=reg)
         self.waiting = Gauge("hybridpd_num_requests_waiting", "Requests waiting", ["role"], registry=reg)
         # the prefix cache's one budget: what each kind holds, and what comes and goes
-        self.cache_bytes = Gauge("hybridpd_kv_cache_bytes", "Bytes a cache pool holds, by state (in_use: running "
-                                 "requests; cached: reusable prefix content)", ["role", "group", "state"],
-                                 registry=reg)
-        self.evictions = Counter("hybridpd_prefix_cache_evictions", "Cached pages evicted (blocks or states)", g,
-                                 registry=reg)
-        self.admitted = Counter("hybridpd_prefix_cache_checkpoints_admitted",
-                                "Recurrent-state checkpoints admitted to the prefix cache", ["role"], registry=reg)
+        self.cache_bytes = Gauge(
+            "hybridpd_kv_cache_bytes",
+            "Bytes a cache pool holds, by state (in_use: running requests; cached: reusable prefix content)",
+            ["role", "group", "state"],
+            registry=reg,
+        )
+        self.evictions = Counter(
+            "hybridpd_prefix_cache_evictions", "Cached pages evicted (blocks or states)", g, registry=reg
+        )
+        self.admitted = Counter(
+            "hybridpd_prefix_cache_checkpoints_admitted",
+            "Recurrent-state checkpoints admitted to the prefix cache",
+            ["role"],
+            registry=reg,
+        )
         self.admitted.labels(role)
         # step times by kind (decode-only steps vs steps with a prompt chunk): seconds per token for a router's
         # cost model, and the engine's own step to set against the client's TPOT (benchmarks/goodput.py)
@@ -58,15 +78,14 @@ class WorkerMetrics:
     def _inc(self, counter: Counter, key: str, group: str, value: int) -> None:
         last = self._last.get((key, group), 0)
         if value > last:
-            counter.labels(self.role, group).inc(value - last) if group else counter.labels(self.role).inc(
-                value - last)
+            counter.labels(self.role, group).inc(value - last) if group else counter.labels(self.role).inc(value - last)
         self._last[(key, group)] = value
 
     def update(self, core: EngineCore, extra_waiting: int = 0) -> None:
-        """Step thread only. The pools' byte and eviction figures (`cache_stats`, a scan of every page: ~5-12 ms on
-        a 65k-block pool) are read at most every `slow_interval_s` while the engine is busy, and once more when it
-        goes idle after steps or its pages move while idle (a lease released, a request aborted: engine calls, no
-        step), so a scrape of an idle worker always sees its final state."""
+        """Step thread only. The pools' byte and eviction figures (`cache_stats`) are read at most every
+        `slow_interval_s` while the engine is busy, and once more when it goes idle after steps or its pages move
+        while idle (a lease released, a request aborted: engine calls, no step), so a scrape of an idle worker
+        always sees its final state. `usage` is the share of each pool's pages that requests reference."""
         now = time.monotonic()
         state = (core.stats.num_steps, tuple(core.cache.usage().values())) if not core.has_unfinished() else None
         idle_after_steps = state is not None and state != self._full_at_state

@@ -67,8 +67,27 @@ class BlockPool:
         """Pages nobody references (free + cached)."""
         return self.num_plain + len(self._idle)
 
+    @property
+    def num_referenced(self) -> int:
+        """Pages with ref_cnt > 0 (the null page excluded), O(1): every page is free, cached or referenced, and the
+        free and cached counts change with every ref count that leaves or reaches 0 (`check_integrity` compares
+        it with a scan)."""
+        return self.capacity - self.num_free
+
+    @property
+    def num_own(self) -> int:
+        """Referenced pages that no request holds (arena pools: what the arena itself references)."""
+        return 0
+
+    @property
+    def num_in_use(self) -> int:
+        """Pages that requests reference (running ones, or a prefill's pages kept for a transfer)."""
+        return self.num_referenced - self.num_own
+
     def usage(self) -> float:
-        return 1.0 - self.num_free / self.capacity
+        """The share of the pages that requests reference (vLLM's `kv_cache_usage`): cached content is evictable,
+        so it counts as free, and an idle engine reads 0. For metrics only; no decision reads it."""
+        return self.num_in_use / self.capacity
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
@@ -202,14 +221,16 @@ class BlockPool:
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        in_use = sum(1 for b in range(1, self.num_blocks) if self.ref_cnt[b] > 0)
-        return {"total": self.capacity, "free": self.num_plain, "cached": len(self._idle), "in_use": in_use}
+        """Page counts by state, O(1) (no scan: metrics read it at every scrape)."""
+        return {"total": self.capacity, "free": self.num_plain, "cached": len(self._idle), "in_use": self.num_in_use}
 
     def check_integrity(self) -> None:
-        """Every page is in exactly one state (free, cached, in use); the hash map names what the pages say."""
+        """Every page is in exactly one state (free, cached, in use); the counts match a scan of the pages; the hash
+        map names what the pages say."""
+        referenced = sum(1 for b in range(1, self.num_blocks) if self.ref_cnt[b] > 0)
+        assert referenced == self.num_referenced, (self.name, referenced, self.num_referenced)
         s = self.stats()
-        own = s.get("overlaid", 0) + s.get("pinned", 0)  # arena pools: what the arena itself holds
-        assert s["free"] + s["cached"] + s["in_use"] + own == s["total"], (self.name, s)
+        assert s["free"] + s["cached"] + s["in_use"] + self.num_own == s["total"], (self.name, s)
         assert self.ref_cnt[NULL_BLOCK_ID] >= 1 and not self._is_free(NULL_BLOCK_ID), self.name
         for b in range(1, self.num_blocks):
             ref, named = self.ref_cnt[b], self.block_hash[b] is not None

@@ -175,11 +175,12 @@ class ArenaAttentionPool(BlockPool):
         self._plain_sets[c].update(blocks)
         self._with_plain.add(c)
 
+    @property
+    def num_own(self) -> int:
+        return self.num_overlaid
+
     def stats(self) -> dict[str, int]:
-        s = super().stats()
-        s["in_use"] -= self.num_overlaid
-        s["overlaid"] = self.num_overlaid
-        return s
+        return {**super().stats(), "overlaid": self.num_overlaid}
 
 
 class ArenaStatePool(BlockPool):
@@ -204,11 +205,12 @@ class ArenaStatePool(BlockPool):
         overlay = self.overlay.available(self)
         return overlay if checkpoint else overlay + len(self._running_free)
 
+    @property
+    def num_own(self) -> int:
+        return self._pinned
+
     def stats(self) -> dict[str, int]:
-        s = super().stats()
-        s["in_use"] -= self._pinned
-        s["pinned"] = self._pinned
-        return s
+        return {**super().stats(), "pinned": self._pinned}
 
     def overlay_needed(self, n: int, checkpoint: bool) -> int:
         """Checkpoint ranges an allocation of n ids takes (running slots come from the reserved ones first)."""
