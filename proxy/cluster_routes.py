@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from hybridpd.proxy.credentials import TOKEN_METADATA_KEY
 from hybridpd.proxy.errors import ApiError, bad_request
-from hybridpd.proxy.membership import Membership
+from hybridpd.proxy.membership import Membership, MembershipFullError
 from hybridpd.proxy.openai_schema import parse_json_object
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ def add_cluster_routes(
             )
         except ValueError as e:
             raise bad_request(str(e), param="role") from None
+        except MembershipFullError as e:
+            raise ApiError(429, str(e), code="membership_full") from None
         return {"registered": True, "address": m.address, "state": "draining" if m.draining else "up"}
 
     @app.delete("/v1/cluster/workers")

@@ -53,6 +53,15 @@ class Member:
         return self.drained_here or self.drained_by_worker
 
 
+MAX_MEMBERS = 512
+"""Workers one proxy keeps at most (static ones included): each has a cache-event feed and a health probe, so an
+open proxy (no cluster token) cannot be made to hold connections without bound by registrations."""
+
+
+class MembershipFullError(Exception):
+    """A registration of a new worker past `Membership.max_members`."""
+
+
 class Membership:
     def __init__(
         self,
@@ -74,6 +83,7 @@ class Membership:
         self._expiry_interval_s = expiry_interval_s
         self._task: asyncio.Task[None] | None = None
         self._started = False
+        self.max_members = MAX_MEMBERS
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -111,6 +121,9 @@ class Membership:
         if m is not None and m.role != role:
             raise ValueError(f"{addr} is a {m.role} worker here, not {role}")
         if m is None:
+            if len(self.members) >= self.max_members:
+                raise MembershipFullError(f"this proxy already has {len(self.members)} workers (at most "
+                                          f"{self.max_members}); a worker leaves, or expires, before another joins")
             m = self.members[addr] = Member(role, addr, static=False)
             log.info("%s worker %s joined (epoch %s)", role, addr, epoch[:8])
             router.add(addr)

@@ -245,3 +245,16 @@ def test_a_worker_drained_here_is_told_again_when_it_restarts() -> None:
         assert clients.drains == [("h:1", True), ("h:1", True)]
 
     asyncio.run(run())
+
+
+def test_registrations_past_the_member_cap_are_refused() -> None:
+    """An open proxy cannot be made to hold feeds and probes without bound: past its cap a new worker gets a 429
+    (a known one still renews), and room comes back when one leaves."""
+    with LiveStack(n_prefill=1, n_decode=1, model_name=MODEL) as s:
+        s.app.state.proxy.membership.max_members = 3  # the two static workers and one more
+        assert _register(s, "10.9.9.1:1") == 200
+        r = s.http.post("/v1/cluster/workers", json={"role": "decode", "address": "10.9.9.2:1", "epoch": "e1"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "membership_full"
+        assert _register(s, "10.9.9.1:1") == 200  # a renewal
+        assert s.http.request("DELETE", "/v1/cluster/workers", json={"address": "10.9.9.1:1"}).status_code == 200
+        assert _register(s, "10.9.9.2:1") == 200
