@@ -151,7 +151,7 @@ class _Held:
         return first
 
     async def collect(self) -> list[list[Delta]]:
-        """Every choice whole (non-streamed: a decode worker lost mid-generation is replaced, Generation.collect)."""
+        """Every choice whole (non-streamed: a decode worker lost mid-generation is replaced, collect_after)."""
         firsts = await self.start()
         return await gather_or_cancel([g.collect_after(f) for g, f in zip(self.choices.gens, firsts, strict=True)])
 

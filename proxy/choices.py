@@ -50,14 +50,8 @@ class Choices:
         finally:
             self._started[i].set()
 
-    async def _collect(self, i: int) -> list[Delta]:
-        return await self.gens[i].collect_after(await self._start(i))  # (a lost decode worker: restarted there)
-
     async def start(self) -> list[Delta]:
         return await gather_or_cancel([self._start(i) for i in range(len(self.gens))])
-
-    async def collect(self) -> list[list[Delta]]:
-        return await gather_or_cancel([self._collect(i) for i in range(len(self.gens))])
 
     async def rest(self) -> AsyncIterator[tuple[int, Delta]]:
         if len(self.gens) == 1:

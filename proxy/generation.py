@@ -242,7 +242,7 @@ class Generation:
         self._t = _Timing(arrival=arrival)
         self._s = _State()
         self._deadline = arrival + cluster.config.request_timeout_s
-        self._restartable = False  # collect(): nothing reaches the client before the end (`_restart_decode`)
+        self._restartable = False  # collect_after(): nothing reaches the client before the end (`_restart_decode`)
         self.restarts = 0
 
     def _remaining(self, what: str) -> float:
@@ -288,14 +288,10 @@ class Generation:
         while not self._s.finished:
             yield await self._next_delta()
 
-    async def collect(self) -> list[Delta]:
-        """start() and rest() in one list (non-streaming responses). Nothing reaches the client before the end, so
-        a decode worker lost mid-generation costs its output, not the request: the request continues on another
-        decode worker from its start (after P's first token, when P sampled it), `_restart_decode`."""
-        return await self.collect_after(await self.start())
-
     async def collect_after(self, first: Delta) -> list[Delta]:
-        """The rest of a non-streamed request after its first delta, with every delta (see collect)."""
+        """Every delta of a non-streamed request, after its first (`start()`). Nothing reaches the client before
+        the end, so a decode worker lost mid-generation costs its output, not the request: the request continues
+        on another decode worker from its start (after P's first token, when P sampled it), `_restart_decode`."""
         self._restartable = True
         deltas = [first]
         while not self._s.finished:
@@ -311,30 +307,39 @@ class Generation:
 
     def _restart_decode(self, code: grpc.StatusCode) -> bool:
         """A decode worker failed (`code`) after its first chunk of a request whose output has not reached the
-        client (collect): send it to another decode worker from its start (without P's params: D computes the
+        client (collect_after): send it to another decode worker from its start (without P's params: D computes the
         prompt, and continues from P's first token when there is one), as before any chunk. Greedy and seeded
         requests get the same tokens; others a fresh sample. False: not restartable (streamed, not a lost
         worker, too many restarts, no decode worker left)."""
-        s, cluster = self._s, self.cluster
+        s = self._s
         if not self._restartable or s.on_prefill or code != grpc.StatusCode.UNAVAILABLE:
             return False
-        assert s.decode_addr is not None
-        failed = s.decode_addr
-        if self.restarts >= self.MAX_RESTARTS or not [
-            a for a in cluster.decode.addrs if a not in (*s.decode_tried, failed)
-        ]:
+        if self.restarts >= self.MAX_RESTARTS or not self._another_decode_left():
             return False
-        log.warning("decode worker %s lost mid-generation of %s (not sent yet): starting it over elsewhere", failed,
-                    self.req.request_id)
+        log.warning("decode worker %s lost mid-generation of %s (not sent yet): starting it over elsewhere",
+                    s.decode_addr, self.req.request_id)
         self.restarts += 1
-        s.decode_tried = (*s.decode_tried, failed)
+        s.got_chunk = False
+        self.usage.completion_tokens = 1 if s.first_token is not None else 0
+        self._send_elsewhere()
+        return True
+
+    def _another_decode_left(self) -> bool:
+        """Counts the current decode worker as tried; whether a routable one is left untried."""
+        s = self._s
+        assert s.decode_addr is not None  # (its cache-event feed breaks too when it died: membership marks it down)
+        s.decode_tried = (*s.decode_tried, s.decode_addr)
+        return any(a not in s.decode_tried for a in self.cluster.decode.addrs)
+
+    def _send_elsewhere(self) -> None:
+        """Cancel the Generate in flight and give its slot back; send the request, without P's params (D computes
+        the prompt, and continues from P's first token when there is one), to another decode worker."""
+        s = self._s
         if s.call is not None:
             s.call.cancel()
         self._release_slot()
-        s.placement, s.got_chunk = None, False
-        self.usage.completion_tokens = 1 if s.first_token is not None else 0
+        s.placement = None
         self._open_generate(None)
-        return True
 
     # -- steps -------------------------------------------------------------------------------------------------
 
@@ -510,27 +515,19 @@ class Generation:
         was down, at its mixed-role cap or without that role. Send the request (without P's params: D computes the
         prompt, and P's first token when there is one, itself) to another decode worker. False when there is none
         left or the failure is not one to retry."""
-        s, cluster = self._s, self.cluster
-        assert s.decode_addr is not None
-        failed = s.decode_addr  # (its cache-event feed breaks too when it died: membership marks it down)
+        s = self._s
+        failed = s.decode_addr
         if s.on_prefill:
-            if code not in _WHOLE_ELSEWHERE or not cluster.decode.addrs:
+            if code not in _WHOLE_ELSEWHERE or not self.cluster.decode.addrs:
                 return False
             log.info("prefill worker %s did not take %s whole (%s): sent to a decode worker", failed,
                      self.req.request_id, code.name)
         else:
-            if code != grpc.StatusCode.UNAVAILABLE:
-                return False
-            s.decode_tried = (*s.decode_tried, failed)
-            if not [a for a in cluster.decode.addrs if a not in s.decode_tried]:
+            if code != grpc.StatusCode.UNAVAILABLE or not self._another_decode_left():
                 return False
             log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
                         self.req.request_id)
-        if s.call is not None:
-            s.call.cancel()
-        self._release_slot()
-        s.placement = None
-        self._open_generate(None)
+        self._send_elsewhere()
         return True
 
     def _release_slot(self) -> None:
