@@ -18,7 +18,6 @@ before anything starts. None is silently ignored.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from hybridpd.engine.errors import HybridPDError
 
@@ -56,7 +55,7 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                    help="1 only (replicas: serve --num-decode / --colocated)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice 'auto' is always available here (a no-op)")
-    g.add_argument("--tool-call-parser", default=None, choices=None,
+    g.add_argument("--tool-call-parser", default=None,
                    help=f"the tool-call format: {', '.join(TOOL_CALL_PARSERS)} (what both families' templates use)")
     for name in _REFUSED:
         flag = "--" + name.replace("_", "-")
@@ -68,7 +67,7 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
 
 def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse the vLLM flags that name what hybridpd does not do (UnsupportedFlagError naming the flag)."""
-    get: Any = lambda name, default=None: getattr(args, name, default)  # noqa: E731 (parsers without these flags)
+    get = vars(args).get  # (a parser without these flags: their defaults)
     for name, why in _REFUSED.items():
         if get(name) not in (None, False):
             raise UnsupportedFlagError(f"--{name.replace('_', '-')}: {why}")
