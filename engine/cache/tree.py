@@ -118,8 +118,6 @@ class CacheTree:
         unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
         self._heap: list[tuple[float, int, int]] = []
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
-        self._state_heap: list[tuple[float, int, int]] = []
-        """(priority, release order, page) of the checkpoints alone, as lazy: the arena's lowest checkpoint."""
         self._order = 0
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
@@ -146,10 +144,6 @@ class CacheTree:
         queued[kind][page] = (priority, order, base)
         heap = self._heap
         heapq.heappush(heap, (priority, order, page << 1 | kind))
-        if kind == STATE:
-            heapq.heappush(self._state_heap, (priority, order, page))
-            if len(self._state_heap) > 4 * len(queued[STATE]) + 64:
-                self._rebuild_states()
         if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
 
@@ -167,11 +161,6 @@ class CacheTree:
                 heap.append((prio, entry[1], page << 1 | kind))
         heapq.heapify(heap)
         self._heap = heap
-        self._rebuild_states()
-
-    def _rebuild_states(self) -> None:
-        self._state_heap = [(entry[0], entry[1], page) for page, entry in self.queued[STATE].items()]
-        heapq.heapify(self._state_heap)
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
         """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
@@ -186,18 +175,9 @@ class CacheTree:
             return None
         if kind is None or key & 1 == kind:
             return key & 1, key >> 1, prio
-        if kind == STATE:  # the top is a block: the checkpoints' own heap
-            heap, q = self._state_heap, queued[STATE]
-            while heap:
-                prio, order, page = heap[0]
-                entry = q.get(page)
-                if entry is not None and entry[1] == order:
-                    return STATE, page, prio
-                heapq.heappop(heap)
-            return None
         if not queued[kind]:
             return None
-        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is a checkpoint: scan the blocks' entries
+        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is of the other kind: scan this kind's entries
         return kind, page, entry[0]
 
     def refresh(self) -> None:
@@ -597,7 +577,6 @@ class CacheTree:
             for page, (prio, order, _) in q.items()
         }
         assert live <= set(self._heap), "every queued item has its heap entry"
-        assert {(p, o, k >> 1) for p, o, k in live if k & 1 == STATE} <= set(self._state_heap), "checkpoint heap"
         for kind, p in enumerate(self.pool_of):
             if p is None:
                 continue
