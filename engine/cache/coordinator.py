@@ -138,8 +138,14 @@ class HybridCacheManager:
         budget = layout.budget_bytes
         if budget is None:
             budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        tree = tree_cls([m.pool for m in self.blocks], [m.pool for m in self.states], budget, self.policy.alpha,
-                        layout.block_size, overlay)
+        tree = tree_cls(
+            [m.pool for m in self.blocks],
+            [m.pool for m in self.states],
+            budget,
+            self.policy.alpha,
+            layout.block_size,
+            overlay,
+        )
         for leader in [*self.blocks[:1], *self.states[:1]]:
             leader.tree = tree
         return overlay, tree
