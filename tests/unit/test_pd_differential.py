@@ -158,6 +158,7 @@ def test_prompt_logprobs_pd_equal_colocated_and_transformers(
     assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 0, 0, 0]  # no prefix cache read
     assert usages[0]["hybridpd"]["transferred_tokens"] > 0  # PD: P computed (and scored) the prompt
     pd_chat, co_chat = (r.json() for r in chat)
-    assert pd_chat["prompt_logprobs"][0] is None and len(pd_chat["prompt_logprobs"]) == pd_chat["usage"]["prompt_tokens"]
+    assert pd_chat["prompt_logprobs"][0] is None
+    assert len(pd_chat["prompt_logprobs"]) == pd_chat["usage"]["prompt_tokens"]
     for a, b in zip(pd_chat["prompt_logprobs"][1:], co_chat["prompt_logprobs"][1:], strict=True):
         assert a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)

@@ -66,7 +66,13 @@ def _rounds(llm: LLM) -> list[tuple[list[int], list[float]]]:
     first = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     again = [prompts[-1] + [7, 8, 9]]  # a prefix hit: cached blocks and state checkpoints
     second = llm.generate(prompt_token_ids=again, sampling_params=GREEDY)
-    return [(o.token_ids, o.logprobs) for o in first + second]
+    # prompt logprobs: every rank computes the scored rows' logits (the LM head gathers them), over two chunks
+    (scored,) = llm.generate(prompt_token_ids=prompts[-1:], sampling_params=SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    assert scored.prompt_logprobs is not None
+    prompt = ([t for row in scored.prompt_logprobs[1:] for t in row],
+              [lp.logprob for row in scored.prompt_logprobs[1:] for lp in row.values()])
+    return [(o.token_ids, o.logprobs) for o in first + second] + [prompt]
 
 
 def _run(path: str, tp: int, **extra: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
