@@ -383,7 +383,7 @@ class _Proxy:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
                                       echo=echoes if any(echoes) else (), decode=decode, prompt_logprobs=want_prompt,
                                       echo_ids=[p.prompt_token_ids for p in prepared] if req.echo else (),
-                                      top_k=req.sampling.top_logprobs)
+                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:

@@ -116,6 +116,9 @@ class CompletionRequest:
     """The tokenizer's special tokens (e.g. a BOS) added to text prompts (vLLM's default for completions)."""
     max_tokens_null: bool = False
     """`"max_tokens": null` given: no limit but the context (vLLM); absent: the endpoint's default (16)."""
+    echo_only: bool = False
+    """`echo` with `max_tokens: 0` (vLLM's scoring request): the answer is the prompt alone (with its logprobs when
+    asked); the worker still samples one token, which is not returned."""
     output: OutputOptions = OutputOptions()
 
 
@@ -546,6 +549,7 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     logprobs, top = _completion_logprobs(f)
     echo = bool(f.get_bool("echo"))
     prompt_logprobs = _prompt_logprobs(f, top if echo and logprobs else None)  # vLLM: echo scores the prompt
+    max_tokens = f.get_int("max_tokens", lo=0 if echo else 1)  # 0: the prompt alone (vLLM's echo without output)
     f.get_str("user")
     prompts = _prompts(body.get("prompt"))
     if len(prompts) * n > MAX_PROMPTS:
@@ -553,7 +557,7 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     return CompletionRequest(
         model=model,
         prompts=prompts,
-        sampling=dataclasses.replace(_sampling(f, f.get_int("max_tokens", lo=1), logprobs, top),
+        sampling=dataclasses.replace(_sampling(f, 1 if max_tokens == 0 else max_tokens, logprobs, top),
                                      prompt_logprobs=prompt_logprobs),
         stream=_stream(f),
         cache_salt=_cache_salt(f),
@@ -561,6 +565,7 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
         echo=echo,
         add_special_tokens=f.get_bool("add_special_tokens") is not False,
         max_tokens_null="max_tokens" in body and body["max_tokens"] is None,
+        echo_only=max_tokens == 0,
         output=_output(f),
     )
 

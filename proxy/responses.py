@@ -28,6 +28,7 @@ computed (see `generation.Usage.local_cached_tokens`), never tokens that merely 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from itertools import islice
@@ -145,10 +146,12 @@ class CompletionFormatter(_Formatter):
 
     def __init__(self, *args: Any, echo: Sequence[str] = (), decode: Decode | None = None,
                  echo_ids: Sequence[Sequence[int]] = (), prompt_logprobs: bool = False, top_k: int = 0,
-                 **kwargs: Any) -> None:
+                 echo_only: bool = False, **kwargs: Any) -> None:
         """`echo_ids`: per choice, its prompt's token ids (echo with logprobs); `prompt_logprobs`: the request
-        asked for them (each choice gets vLLM's `prompt_logprobs` field); `top_k`: alternatives per token asked."""
+        asked for them (each choice gets vLLM's `prompt_logprobs` field); `top_k`: alternatives per token asked;
+        `echo_only`: echo with max_tokens 0, the prompt alone (the output token the worker sampled is left out)."""
         super().__init__(*args, **kwargs)
+        self._echo_only = echo_only
         self._echo_ids = list(echo_ids)
         self._want_prompt = prompt_logprobs
         self._top_k = top_k
@@ -241,7 +244,14 @@ class CompletionFormatter(_Formatter):
             values.append(clamp(float(e.logprob)))
             tops.append({self.token_text(t): clamp(float(v)) for t, v in islice(by_id.items(), self._top_k + 1)})
 
+    def _shown(self, d: Delta) -> Delta:
+        """The delta as the answer shows it: without its output under `echo_only`."""
+        if not self._echo_only:
+            return d
+        return dataclasses.replace(d, token_ids=(), text="", logprobs=(), top_logprobs=())
+
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+        d = self._shown(d)
         prefix = self._echo_text(index)
         choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, "token_ids": list(d.token_ids)}
@@ -254,7 +264,8 @@ class CompletionFormatter(_Formatter):
 
     def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
         out = []
-        for index, deltas in enumerate(choices):
+        for index, shown in enumerate(choices):
+            deltas = [self._shown(d) for d in shown]
             prefix = self._echo_text(index)
             out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),

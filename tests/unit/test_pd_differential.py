@@ -144,6 +144,12 @@ def test_prompt_logprobs_pd_equal_colocated_and_transformers(
         chat = [client.post(f"{url}/v1/chat/completions", json={
             "model": pd.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "temperature": 0, "prompt_logprobs": 1}) for url in (pd.url, co.url)]
+        score = {"model": pd.model_name, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}  # a harness's
+        scoring = [client.post(f"{url}/v1/completions", json=score) for url in (pd.url, co.url)]
+    for r in scoring:
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.status_code == 200 and len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+        assert all(abs(lp["token_logprobs"][i] - ref[i - 1, ids[i]].item()) < 1e-4 for i in range(1, len(ids)))
     for r in answers + chat:
         assert r.status_code == 200, r.text
     choices = [r.json()["choices"][0] for r in answers]

@@ -143,6 +143,21 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(stack: LiveStack) -> None:
         assert c["text"].startswith("hij") and c["logprobs"]["token_logprobs"][:2] == [None, pytest.approx(-0.01)]
 
 
+def test_echo_with_max_tokens_0_answers_the_scored_prompt_alone(stack: LiveStack) -> None:
+    """vLLM's scoring request (what evaluation harnesses send): echo, max_tokens 0, logprobs: the prompt and its
+    logprobs, no output; max_tokens 0 without echo is a 400."""
+    body = {"model": MODEL, "prompt": "hij", "max_tokens": 0, "echo": True, "logprobs": 0}
+    for stream in (False, True):
+        r = stack.http.post("/v1/completions", json={**body, "stream": stream})
+        assert r.status_code == 200, r.text
+        c = _events(r.text)[0]["choices"][0] if stream else r.json()["choices"][0]
+        assert c["text"] == "hij" and c["token_ids"] == [] and c["finish_reason"] == "length"
+        assert c["logprobs"]["tokens"] == ["h", "i", "j"]
+        assert c["logprobs"]["token_logprobs"] == [None, pytest.approx(-0.01), pytest.approx(-0.02)]
+    r = stack.http.post("/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_chat_prompt_logprobs_and_echo(stack: LiveStack) -> None:
     """Chat: the response's prompt_logprobs; echo (vLLM) prefixes a continued assistant message, and asks for
     prompt logprobs with top_logprobs (0 by default)."""
