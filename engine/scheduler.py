@@ -458,9 +458,10 @@ def _scores_prompt(req: Request) -> bool:
 
 def _prompt_scores(req: Request, start: int, end: int) -> tuple[int, tuple[int, ...]] | None:
     """`ScheduledSeq.prompt_scores` of a chunk computing positions [start, end): rows up to position N-2 (the
-    last prompt position samples instead)."""
+    last prompt position samples instead); none when the chunk holds no position not scored yet (a chunk
+    recomputed after a preemption)."""
     assert req.prompt_logprobs is not None
     last = min(end, req.num_prompt_tokens - 1)
-    if last <= start:
+    if last <= max(start, len(req.prompt_logprobs)):  # nothing it has not scored yet
         return None
     return req.prompt_logprobs.k, tuple(req.prompt_token_ids[start + 1 : last + 1])
