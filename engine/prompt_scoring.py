@@ -2,8 +2,9 @@
 
 For the rows of one step that ask (`ScheduledSeq.prompt_scores`): logits of at most ROWS_PER_PASS rows at a time
 (so a long prefill chunk never holds a chunk x vocabulary tensor), float32 log_softmax, the target token's logprob
-and rank (1 + how many tokens score strictly higher... as vLLM counts: tokens scoring >= it), and the top k. The
-raw model distribution, as vLLM reports prompt logprobs (no temperature, penalty or bias).
+and rank (how many tokens score at least as high, as vLLM counts it: 1 for the most likely), and the top k. The raw
+model distribution, as vLLM reports prompt logprobs (no temperature, penalty or bias). The rows are read on the host
+when scored (one device sync for a step that scores; steps without such rows pay nothing).
 """
 
 from __future__ import annotations
