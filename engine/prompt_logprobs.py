@@ -67,11 +67,11 @@ class PromptLogprobs:
         self.top_ids += rows.top_ids[skip:]
         self.top_logprobs += rows.top_logprobs[skip:]
 
-    def as_dicts(self, decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob] | None]:
+    def as_dicts(self, decode: Callable[[int], str | None] | None = None) -> list[dict[int, Logprob] | None]:
         """vLLM's shape: None for the first prompt token, then per position {token id: Logprob} with the prompt
         token first (its own rank) and the top k (ranks 1..k; the prompt token keeps its place if among them)."""
         out: list[dict[int, Logprob] | None] = [None]
-        text = decode or (lambda _t: None)  # type: ignore[return-value]
+        text = decode or (lambda _t: None)
         for tid, lp, rank, ids, lps in zip(
             self.token_ids, self.logprobs, self.ranks, self.top_ids, self.top_logprobs, strict=True
         ):
