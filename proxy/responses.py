@@ -226,15 +226,13 @@ class CompletionFormatter(_Formatter):
         entries = _prompt_entries(deltas)
         start = self._text_len.get(index, 0)
         detok = IncrementalDetokenizer(self._decode) if self._decode is not None else None
-        visible = start
+        seen: list[int] = []
+        offset = start  # the decoded prompt before token i (linear in the prompt: only the new text is measured)
         for i, tid in enumerate(ids):
             tokens.append(self.token_text(tid))
-            if detok is not None:
-                offset = start + len(detok.text)
-                detok.update(ids[: i + 1])
-            else:
-                offset, visible = visible, visible + len(self.visible_text(tid))
             offsets.append(min(offset, start + len(prefix)))
+            seen.append(tid)
+            offset += len(detok.update(seen)) if detok is not None else len(self.visible_text(tid))
             e = entries[i - 1] if 0 < i <= len(entries) else None
             if e is None:
                 values.append(None)

@@ -134,6 +134,8 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(stack: LiveStack) -> None:
         assert lp["top_logprobs"][:3] == [None, {"i": pytest.approx(-0.01), "j": -0.5},
                                           {"j": pytest.approx(-0.02), "k": -0.5}]
         assert lp["text_offset"] == [0, 1, 2, 3, 4] and len(lp["tokens"]) == 5
+    split = stack.http.post("/v1/completions", json={**body, "prompt": "\u00e9!", "n": 1}).json()["choices"][0]
+    assert split["logprobs"]["text_offset"][:3] == [0, 0, 1]  # a character split over tokens starts at its first
     stream = stack.http.post("/v1/completions", json={**body, "stream": True})
     firsts: dict[int, dict[str, Any]] = {}
     for e in _events(stream.text):
