@@ -30,13 +30,27 @@ def _llm(args: argparse.Namespace, tmp: str) -> Any:
     if args.preset:
         path = write_preset_checkpoint(f"{tmp}/{args.preset}", args.preset, weights=False)
     else:
-        path = write_random_checkpoint(f"{tmp}/small", "nemotron_h", seed=0, hidden_size=512, num_hidden_layers=12,
-                                       vocab_size=32000, pattern="M-M*-M-M-")
+        path = write_random_checkpoint(
+            f"{tmp}/small",
+            "nemotron_h",
+            seed=0,
+            hidden_size=512,
+            num_hidden_layers=12,
+            vocab_size=32000,
+            pattern="M-M*-M-M-",
+        )
     cuda = args.device.startswith("cuda")
-    return LLM(model=path, device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
-               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-               kv_cache_memory_bytes=None if cuda else 512 * 2**20, max_model_len=args.input_len + 16,
-               load_format="dummy" if args.preset else "auto")
+    return LLM(
+        model=path,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=None if cuda else 512 * 2**20,
+        max_model_len=args.input_len + 16,
+        load_format="dummy" if args.preset else "auto",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -66,9 +80,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if k is not None:
                 assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == args.input_len for o in outs)
             seconds = statistics.median(times)
-            rows.append({"prompt_logprobs": k, "seconds": seconds,
-                         "prompt_tokens_per_s": args.num_prompts * args.input_len / seconds,
-                         "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None})
+            rows.append(
+                {
+                    "prompt_logprobs": k,
+                    "seconds": seconds,
+                    "prompt_tokens_per_s": args.num_prompts * args.input_len / seconds,
+                    "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+                }
+            )
     base = rows[0]["seconds"]
     for r in rows:
         r["relative_time"] = r["seconds"] / base

@@ -32,13 +32,21 @@ def test_engine_prompt_logprobs_match_transformers(name: str, async_scheduling: 
     ranks and top k in its order; the cache it leaves serves the next plain run. One family with asynchronous
     scheduling (the scores travel with the launched step)."""
     path = checkpoint_dir(name)
-    llm = LLM(model=path, max_num_batched_tokens=16, max_num_seqs=4, checkpoint_interval=16, max_model_len=128,
-              kv_cache_memory_bytes=16 * 2**20, async_scheduling=async_scheduling)
+    llm = LLM(
+        model=path,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        checkpoint_interval=16,
+        max_model_len=128,
+        kv_cache_memory_bytes=16 * 2**20,
+        async_scheduling=async_scheduling,
+    )
     prompts = random_prompts(LENGTHS, llm.engine.vocab_size, seed=11)
     plain = SamplingParams(max_tokens=2, temperature=0.0)
     llm.generate(prompt_token_ids=prompts, sampling_params=plain)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, temperature=0.0,
-                                                                                 prompt_logprobs=K))
+    outs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=K)
+    )
     model = hf_model(path)
     for ids, out in zip(prompts, outs, strict=True):
         assert out.num_cached_tokens == 0, "a request scoring its prompt read the prefix cache"
@@ -53,8 +61,9 @@ def test_engine_prompt_logprobs_match_transformers(name: str, async_scheduling: 
             assert row[tid].rank == int((want >= want[tid]).sum())
             top = want.topk(K)
             assert sorted((t for t in row if row[t].rank <= K), key=lambda t: row[t].rank) == top.indices.tolist()
-            assert all(abs(row[t].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist(),
-                                                                        strict=True))
+            assert all(
+                abs(row[t].logprob - v) < 1e-4 for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            )
     again = llm.generate(prompt_token_ids=prompts, sampling_params=plain)
     assert again[-1].num_cached_tokens > 0  # the scored run still published its blocks
     llm.engine.cache.check_integrity()
@@ -92,27 +101,30 @@ MODEL = "tiny"
 @pytest.fixture(scope="module", params=["pd", "colocated"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     tok = PromptTokenizer.from_dir(write_fake_tokenizer(tmp_path_factory.mktemp("tok")))
-    with LiveStack(n_prefill=1 if request.param == "pd" else 0, tokenizer=tok, model_name=MODEL,
-                   max_model_len=64) as s:
+    with LiveStack(n_prefill=1 if request.param == "pd" else 0, tokenizer=tok, model_name=MODEL, max_model_len=64) as s:
         yield s
 
 
 def _events(text: str) -> list[dict[str, Any]]:
-    blocks = [b[len("data: "):] for b in text.split("\n\n") if b.strip()]
+    blocks = [b[len("data: ") :] for b in text.split("\n\n") if b.strip()]
     assert blocks[-1] == "[DONE]"
     return [json.loads(b) for b in blocks[:-1]]
 
 
 def test_completion_prompt_logprobs_field(stack: LiveStack) -> None:
-    r = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": [104, 105, 106], "max_tokens": 2,
-                                                 "prompt_logprobs": 2})
+    r = stack.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [104, 105, 106], "max_tokens": 2, "prompt_logprobs": 2}
+    )
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]["prompt_logprobs"]
     assert got == [None] + [
-        {str(t): {"logprob": pytest.approx(-0.01 * i), "rank": i, "decoded_token": chr(t)},
-         str(t + 1): {"logprob": -0.5, "rank": 1, "decoded_token": chr(t + 1)},
-         str(t + 2): {"logprob": -1.5, "rank": 2, "decoded_token": chr(t + 2)}}
-        for i, t in ((1, 105), (2, 106))]
+        {
+            str(t): {"logprob": pytest.approx(-0.01 * i), "rank": i, "decoded_token": chr(t)},
+            str(t + 1): {"logprob": -0.5, "rank": 1, "decoded_token": chr(t + 1)},
+            str(t + 2): {"logprob": -1.5, "rank": 2, "decoded_token": chr(t + 2)},
+        }
+        for i, t in ((1, 105), (2, 106))
+    ]
     plain = stack.http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 1})
     assert "prompt_logprobs" not in plain.json()["choices"][0]
 
@@ -124,15 +136,21 @@ def test_echo_with_logprobs_scores_the_prompt_tokens(stack: LiveStack) -> None:
     body = {"model": MODEL, "prompt": "hij", "max_tokens": 2, "echo": True, "logprobs": 1, "n": 2}
     r = stack.http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
-    sent = stack.decode[0].generates[-1].sampling_params if not stack.prefill else \
-        stack.prefill[0].prefills[-1].sampling_params
+    sent = (
+        stack.decode[0].generates[-1].sampling_params
+        if not stack.prefill
+        else stack.prefill[0].prefills[-1].sampling_params
+    )
     assert sent.HasField("prompt_logprobs") and sent.prompt_logprobs == 1
     for c in r.json()["choices"]:
         lp = c["logprobs"]
         assert c["text"] == "hijji" and lp["tokens"][:3] == ["h", "i", "j"]
         assert lp["token_logprobs"][:3] == [None, pytest.approx(-0.01), pytest.approx(-0.02)]
-        assert lp["top_logprobs"][:3] == [None, {"i": pytest.approx(-0.01), "j": -0.5},
-                                          {"j": pytest.approx(-0.02), "k": -0.5}]
+        assert lp["top_logprobs"][:3] == [
+            None,
+            {"i": pytest.approx(-0.01), "j": -0.5},
+            {"j": pytest.approx(-0.02), "k": -0.5},
+        ]
         assert lp["text_offset"] == [0, 1, 2, 3, 4] and len(lp["tokens"]) == 5
     split = stack.http.post("/v1/completions", json={**body, "prompt": "\u00e9!", "n": 1}).json()["choices"][0]
     assert split["logprobs"]["text_offset"][:3] == [0, 0, 1]  # a character split over tokens starts at its first
@@ -164,14 +182,21 @@ def test_chat_prompt_logprobs_and_echo(stack: LiveStack) -> None:
     """Chat: the response's prompt_logprobs; echo (vLLM) prefixes a continued assistant message, and asks for
     prompt logprobs with top_logprobs (0 by default)."""
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
-    r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs[:1], "max_tokens": 2,
-                                                      "prompt_logprobs": 0})
+    r = stack.http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": msgs[:1], "max_tokens": 2, "prompt_logprobs": 0}
+    )
     body = r.json()
     assert r.status_code == 200 and body["prompt_logprobs"][0] is None
     assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
     assert all(len(row) == 1 for row in body["prompt_logprobs"][1:])  # the prompt token alone (k = 0)
-    cont = {"model": MODEL, "messages": msgs, "max_tokens": 2, "echo": True, "add_generation_prompt": False,
-            "continue_final_message": True}
+    cont = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 2,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     r = stack.http.post("/v1/chat/completions", json=cont)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -179,21 +204,27 @@ def test_chat_prompt_logprobs_and_echo(stack: LiveStack) -> None:
     r = stack.http.post("/v1/chat/completions", json={**cont, "stream": True})
     contents = [e["choices"][0]["delta"].get("content") for e in _events(r.text) if e["choices"]]
     assert contents[:2] == ["", "Sure: "]  # the role chunk, then the echo
-    r = stack.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs[:1], "max_tokens": 1,
-                                                      "echo": True})
+    r = stack.http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": msgs[:1], "max_tokens": 1, "echo": True}
+    )
     assert not r.json()["choices"][0]["message"]["content"].startswith("hi")  # a user message is not echoed
 
 
-@pytest.mark.parametrize(("body", "why"), [
-    ({"prompt_logprobs": -2}, "positive value or -1"),
-    ({"prompt_logprobs": -1}, "greater than max allowed: 20"),
-    ({"prompt_logprobs": 21}, "greater than max allowed: 20"),
-    ({"prompt_logprobs": "2"}, "integer"),
-    ({"prompt_logprobs": 1, "stream": True}, "not available when 'stream'"),
-])
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"prompt_logprobs": -2}, "positive value or -1"),
+        ({"prompt_logprobs": -1}, "greater than max allowed: 20"),
+        ({"prompt_logprobs": 21}, "greater than max allowed: 20"),
+        ({"prompt_logprobs": "2"}, "integer"),
+        ({"prompt_logprobs": 1, "stream": True}, "not available when 'stream'"),
+    ],
+)
 def test_bad_prompt_logprobs_are_400(stack: LiveStack, body: dict[str, Any], why: str) -> None:
-    for path, base in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions",
-                                                               {"messages": [{"role": "user", "content": "x"}]})):
+    for path, base in (
+        ("/v1/completions", {"prompt": "ab"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         r = stack.http.post(path, json={"model": MODEL, **base, **body})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
