@@ -233,6 +233,13 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "transfer params come with the first token the prefill worker sampled (GenerateRequest.first_token)",
             )
+        resume = request.resume if request.HasField("resume") else None
+        resumed = [int(t) for t in resume.token_ids] if resume is not None else []
+        if resume is not None and (first is None or tp is not None):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a resumed request (GenerateRequest.resume) comes with its first output token and no transfer params",
+            )
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         t_peer = time.perf_counter()
@@ -243,15 +250,16 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
         self.streaming.add(rid)
         aengine = self.ctx.aengine
-        q = aengine.open_stream(rid, emitted=1 if first is not None else 0)  # the proxy streamed the first token
+        # the proxy streamed the first token (and, resuming, the output after it)
+        q = aengine.open_stream(rid, emitted=1 + len(resumed) if first is not None else 0)
         max_stop = max((len(s) for s in params.stop), default=0)
 
         def admit(core: EngineCore) -> int:
-            """Add the request (continuing from the first token when given); returns the characters of its text
-            already streamed with that token."""
+            """Add the request (continuing from the first token, and a resume's tokens, when given); returns the
+            characters of its text already streamed with them."""
             req = core.new_request(rid, prompt, params, salt)
             if first is not None:
-                problem = first_token_problem(core, req, int(first.token_id))
+                problem = first_token_problem(core, req, int(first.token_id), resumed)
                 if problem is not None:
                     raise InvalidRequestError(problem)
             if tp is None:
@@ -261,8 +269,16 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             if first is None:
                 return 0
             top = zip(first.top_logprobs.token_ids, first.top_logprobs.logprobs, strict=False)
-            add_first_token(core, req, int(first.token_id), float(first.logprob), list(top))
-            return streamable_end(core.output_text(req), 0, False, max_stop)
+            add_first_token(core, req, int(first.token_id), float(first.logprob), list(top), resumed)
+            if resume is None:
+                return streamable_end(core.output_text(req), 0, False, max_stop)
+            text = core.output_text(req)
+            if not 0 <= resume.text_chars <= len(text):
+                core.abort(rid)
+                raise InvalidRequestError(
+                    f"resume.text_chars {resume.text_chars} is outside the resumed output's text (0..{len(text)})"
+                )
+            return int(resume.text_chars)
 
         try:
             sent_text = await run_engine_call(self.ctx, context, admit)

@@ -1,7 +1,7 @@
 """The proxy's admission, request-limit, API-key and HTTP flags, shared by `hybridpd proxy` and `hybridpd serve`.
 
 `add_proxy_limit_args(parser)` adds them; `proxy_limits_from_args(args)` turns them into `ProxyConfig` keyword
-arguments (`admission`, `request_limits`, `http`, `api_keys`). `serve` knows its decode workers' engine config, so
+arguments (`admission`, `request_limits`, `http`, `api_keys`, `inter_token_timeout_s`). `serve` knows its decode workers' engine config, so
 it passes `derived_max_seqs` (QUEUE_DEPTH x --max-num-seqs x --num-decode) as the sequence budget unless
 --admission-max-seqs is given.
 """
@@ -49,6 +49,11 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=int, default=1000, metavar="N",
                    help="open client connections; more are closed on accept (keep under `ulimit -n`)")
     g.add_argument("--keep-alive-timeout", type=int, default=5, metavar="S", help="idle keep-alive seconds")
+    g = p.add_argument_group("decode failover")
+    g.add_argument("--inter-token-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a decode worker may send nothing mid-stream before the proxy gives it up for that "
+                        "request (frozen, or the request stuck there): the request resumes on another decode worker "
+                        "with no token repeated or lost, or fails with 503 when none is left (0: no such deadline)")
 
 
 def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | None = None) -> dict[str, Any]:
@@ -56,6 +61,8 @@ def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | Non
     from hybridpd.proxy.api_keys import load_keys_file
     from hybridpd.proxy.config import AdmissionLimits, HttpLimits, RequestLimits
 
+    if not args.inter_token_timeout >= 0:
+        raise ValueError(f"--inter-token-timeout must be >= 0, got {args.inter_token_timeout}")
     keys = () if args.api_keys_file is None else load_keys_file(args.api_keys_file, args.key_max_concurrency,
                                                                   args.key_tokens_per_minute)
     return {
@@ -69,6 +76,7 @@ def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | Non
                                         max_prompts=args.max_prompts),
         "http": HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                            max_connections=args.max_connections, keep_alive_timeout_s=args.keep_alive_timeout),
+        "inter_token_timeout_s": args.inter_token_timeout,
     }
 
 

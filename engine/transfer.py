@@ -162,29 +162,34 @@ def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
 
 
 # -- consumer ------------------------------------------------------------------------------------------------------
-def first_token_problem(core: EngineCore, req: Request, token_id: int) -> str | None:
-    """Why `req` (new, no output yet) cannot continue from `token_id` as its first output token: outside the
-    vocabulary, or the token already ends the request (the producer should have finished it then); None when it
-    can. The colocated engine's stop check runs on a copy of the request, which is left untouched."""
-    if not 0 <= token_id < core.vocab_size:
-        return f"first token id {token_id} is outside the vocabulary [0, {core.vocab_size})"
-    probe = dataclasses.replace(req, output_token_ids=[int(token_id)], output_logprobs=[0.0],
+def first_token_problem(core: EngineCore, req: Request, token_id: int, resumed: Sequence[int] = ()) -> str | None:
+    """Why `req` (new, no output yet) cannot continue from `token_id` as its first output token (and, resuming a
+    request another decode worker lost, the output tokens `resumed` after it): outside the vocabulary, or the last of
+    them already ends the request (whoever sampled it should have finished it then); None when it can. The colocated
+    engine's stop check runs on a copy of the request, which is left untouched."""
+    for tid in (token_id, *resumed):
+        if not 0 <= tid < core.vocab_size:
+            return f"output token id {tid} is outside the vocabulary [0, {core.vocab_size})"
+    outputs = [int(token_id), *(int(t) for t in resumed)]
+    probe = dataclasses.replace(req, output_token_ids=outputs, output_logprobs=[0.0] * len(outputs),
                                 output_top_logprobs=[], detokenizer=None, stop_reason=None,
                                 stop_text_end=None)
     reason = core.check_stop(probe)
     if reason is not None:
-        return f"the first token ends the request ({reason}): nothing is left to decode"
+        return f"the output so far ends the request ({reason}): nothing is left to decode"
     return None
 
 
 def add_first_token(core: EngineCore, req: Request, token_id: int, logprob: float,
-                    top_logprobs: Sequence[tuple[int, float]] = ()) -> None:
+                    top_logprobs: Sequence[tuple[int, float]] = (), resumed: Sequence[int] = ()) -> None:
     """Make `req` continue from the first output token the producer sampled (checked by `first_token_problem`):
     it becomes the request's first output, so penalties, min_tokens and the structured-output matcher (rebuilt by
     replaying the output) count it, and a seeded generator starts past its draw. The request then computes that
     token's KV first (after an import of the prompt, or with the prompt when it computes the prompt itself). Call
     after `begin_import` / `schedule_local` (so the import's prefix lookup counts the prompt alone) and before the
-    next step; a request already ended (a refused transfer under policy "fail") is left as it is."""
+    next step; a request already ended (a refused transfer under policy "fail") is left as it is.
+    `resumed`: the output tokens after the first that a lost decode worker had already streamed; they are added the
+    same way (their logprobs, never sent again, are recorded as 0) and the request continues after the last."""
     if req.is_finished:
         return
     if req.output_token_ids or req.num_computed_tokens or req.request_id in (r.request_id for r in
@@ -194,7 +199,12 @@ def add_first_token(core: EngineCore, req: Request, token_id: int, logprob: floa
     req.output_logprobs.append(float(logprob))
     if req.sampling_params.top_logprobs > 0:
         req.output_top_logprobs.append([(int(t), float(lp)) for t, lp in top_logprobs])
-    core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1)
+    for tid in resumed:
+        req.output_token_ids.append(int(tid))
+        req.output_logprobs.append(0.0)
+        if req.sampling_params.top_logprobs > 0:
+            req.output_top_logprobs.append([])
+    core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1 + len(resumed))
 
 
 def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None,

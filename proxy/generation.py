@@ -13,7 +13,15 @@ Skip-P and P-alone (proxy/placement.py): Generate without params goes straight t
 a prefill worker in its mixed role (DecodeService on the same address), which computes the prompt and every token
 itself; no lease is involved. A P-alone request is counted on the prefill router (its prompt tokens in P's queue
 until its first chunk). A prefill worker that refuses it before any chunk (down, at its cap, no mixed role) is
-replaced by a decode worker; one that fails mid-stream is an error, as a decode worker's failure is.
+replaced by a decode worker; one lost mid-stream is resumed on a decode worker, as a decode worker is (below).
+
+Failover. Before a decode worker's first chunk, a worker that is unreachable (or frozen, by the health monitor) is
+replaced by another (`_retry_decode`). After it, a worker lost (UNAVAILABLE) or silent for `inter_token_timeout_s`
+is replaced with a resume (`_resume_elsewhere`): the next decode worker is sent what the client already has
+(`GenerateRequest.resume`: the output tokens and the length of their text), recomputes it with the prompt and
+streams only what follows: the client's stream, streamed or not, never repeats or skips a token, and greedy or
+seeded requests end with the very tokens one worker would have produced. At most `MAX_RESTARTS` times; counted in
+`hybridpd_proxy_decode_failovers_total{cause, outcome}`.
 
 Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate never sent (client gone, or no decode worker)    -> the proxy calls P.Release;
@@ -36,7 +44,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -69,6 +77,10 @@ FROZEN_CHECK_S = 0.25
 
 class _WorkerFrozen(Exception):
     """A worker stopped answering health probes while another of its role answers: the call to it was given up."""
+
+
+class _WorkerStalled(Exception):
+    """A decode worker sent nothing for `ProxyConfig.inter_token_timeout_s` mid-stream: the stream was given up."""
 
 
 async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
@@ -206,6 +218,15 @@ class _Timing:
 
 
 @dataclass
+class _Sent:
+    """The output the client has (or, not streamed, will have) of this request: what a resumed Generate carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    first_logprob: float = 0.0
+    text_chars: int = 0
+
+
+@dataclass
 class _State:
     prefill_addr: str | None = None
     prefill_epoch: str = ""
@@ -223,6 +244,7 @@ class _State:
     status: str | None = None  # metrics status, set once
     prefill_released: bool = False  # P.Release sent (at most once)
     decode_slot_released: bool = False  # the decode router's in-flight count given back (exactly once)
+    paced: bool = False  # the current Generate sent its first tokens: later gaps measure its pace (placer)
     on_prefill: bool = False  # P-alone: Generate went to a prefill worker (counted on the prefill router)
     queued_tokens: int = 0  # P-alone: prompt tokens counted in that worker's queue until its first chunk
 
@@ -242,8 +264,9 @@ class Generation:
         self._t = _Timing(arrival=arrival)
         self._s = _State()
         self._deadline = arrival + cluster.config.request_timeout_s
-        self._restartable = False  # collect_after(): nothing reaches the client before the end (`_restart_decode`)
+        self._sent = _Sent()
         self.restarts = 0
+        """Decode workers this request was resumed away from (lost or stalled mid-generation)."""
 
     def _remaining(self, what: str) -> float:
         left = self._deadline - time.perf_counter()
@@ -289,39 +312,34 @@ class Generation:
             yield await self._next_delta()
 
     async def collect_after(self, first: Delta) -> list[Delta]:
-        """Every delta of a non-streamed request, after its first (`start()`). Nothing reaches the client before
-        the end, so a decode worker lost mid-generation costs its output, not the request: the request continues
-        on another decode worker from its start (after P's first token, when P sampled it), `_restart_decode`."""
-        self._restartable = True
+        """Every delta of a non-streamed request, after its first (`start()`)."""
         deltas = [first]
         while not self._s.finished:
-            restarts = self.restarts
-            delta = await self._next_delta()
-            if self.restarts != restarts:  # the lost worker's output is dropped (P's first token is kept)
-                deltas = deltas[:1] if self._s.first_token is not None else []
-            deltas.append(delta)
+            deltas.append(await self._next_delta())
         return deltas
 
     MAX_RESTARTS = 2
-    """Decode workers a non-streamed request may lose mid-generation before it fails."""
+    """Decode workers one request may lose (or see stall) mid-generation before it fails."""
 
-    def _restart_decode(self, code: grpc.StatusCode) -> bool:
-        """A decode worker failed (`code`) after its first chunk of a request whose output has not reached the
-        client (collect_after): send it to another decode worker from its start (without P's params: D computes the
-        prompt, and continues from P's first token when there is one), as before any chunk. Greedy and seeded
-        requests get the same tokens; others a fresh sample. False: not restartable (streamed, not a lost
-        worker, too many restarts, no decode worker left)."""
+    def _resume_elsewhere(self, cause: str) -> bool:
+        """The decode worker was lost (`cause` "lost": UNAVAILABLE) or made no progress ("stalled") after its first
+        chunk: resume the request on another decode worker (`_open_generate`'s resume: it computes the prompt and
+        the output already sent, and streams only what follows, so the client's stream neither repeats nor skips a
+        token; greedy and seeded requests go on with the very tokens the lost worker would have sent, others with
+        a fresh sample that continues the same text). False, counted as failed: too many restarts, or no decode
+        worker left."""
         s = self._s
-        if not self._restartable or s.on_prefill or code != grpc.StatusCode.UNAVAILABLE:
-            return False
         if self.restarts >= self.MAX_RESTARTS or not self._another_decode_left():
+            self.cluster.metrics.decode_failover(cause, "failed")
             return False
-        log.warning("decode worker %s lost mid-generation of %s (not sent yet): starting it over elsewhere",
-                    s.decode_addr, self.req.request_id)
+        log.warning("decode worker %s %s mid-generation of %s after %d output tokens: resuming it elsewhere",
+                    s.decode_addr, "lost" if cause == "lost" else "stalled", self.req.request_id,
+                    len(self._sent.token_ids))
         self.restarts += 1
         s.got_chunk = False
-        self.usage.completion_tokens = 1 if s.first_token is not None else 0
+        s.prefill_released = True  # the lost worker owned P's lease since its first chunk (released or expiring)
         self._send_elsewhere()
+        self.cluster.metrics.decode_failover(cause, "resumed")
         return True
 
     def _another_decode_left(self) -> bool:
@@ -333,7 +351,8 @@ class Generation:
 
     def _send_elsewhere(self) -> None:
         """Cancel the Generate in flight and give its slot back; send the request, without P's params (D computes
-        the prompt, and continues from P's first token when there is one), to another decode worker."""
+        the prompt, and continues from P's first token when there is one, or resumes it after a restart), to
+        another decode worker."""
         s = self._s
         if s.call is not None:
             s.call.cancel()
@@ -450,8 +469,14 @@ class Generation:
                                  sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
         if params is not None:
             req.params.CopyFrom(params)
-        if self._s.first_token is not None:
+        sent = self._sent
+        if self.restarts and sent.token_ids:  # resumed: D continues after everything already sent
+            req.first_token.token_id, req.first_token.logprob = sent.token_ids[0], sent.first_logprob
+            req.resume.token_ids.extend(sent.token_ids[1:])
+            req.resume.text_chars = sent.text_chars
+        elif self._s.first_token is not None:
             req.first_token.CopyFrom(self._s.first_token)
+        self._s.paced = False
         self._s.call = self.cluster.clients.generate(addr, req, timeout)
         if self.cluster.placer is not None and placed is not None:
             n = len(self.req.prompt_token_ids)  # D keeps P's checkpoint, or (computing itself) its prompt end's
@@ -463,7 +488,15 @@ class Generation:
         assert self._s.call is not None and self._s.decode_addr is not None
         while True:
             try:
-                chunk = await (self._s.call.read() if self._s.got_chunk else self._first_read_unless_frozen())
+                chunk = await (self._read_unless_stalled() if self._s.got_chunk else self._first_read_unless_frozen())
+            except _WorkerStalled:
+                # alive: it frees the request once it sees this (or the cancelled stream)
+                self.cluster.clients.abort_later(self._s.decode_addr, self.req.request_id)
+                if self._resume_elsewhere("stalled"):
+                    continue
+                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} made no progress for "
+                                               f"{self.cluster.config.inter_token_timeout_s:g} s",
+                                          code="worker_unavailable")) from None
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
                 if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
@@ -475,7 +508,7 @@ class Generation:
                     self._release_prefill()  # D failed before taking over P's lease
                     if self._retry_decode(err.code()):
                         continue
-                elif self._restart_decode(err.code()):
+                elif err.code() == grpc.StatusCode.UNAVAILABLE and self._resume_elsewhere("lost"):
                     continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
@@ -489,6 +522,19 @@ class Generation:
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
+
+    async def _read_unless_stalled(self) -> Any:
+        """The Generate stream's next read after its first; _WorkerStalled once it brings nothing for the
+        configured inter-token timeout (0: wait as long as the request's deadline allows)."""
+        call, limit = self._s.call, self.cluster.config.inter_token_timeout_s
+        assert call is not None
+        if not limit:
+            return await call.read()
+        try:
+            async with asyncio.timeout(limit):
+                return await call.read()
+        except TimeoutError:
+            raise _WorkerStalled(self._s.decode_addr) from None
 
     async def _first_read_unless_frozen(self) -> Any:
         """The Generate stream's first read; _WorkerFrozen (the stream cancelled) once the health monitor finds its
@@ -558,18 +604,25 @@ class Generation:
                 assert self._t.last_token is not None
                 for _ in range(n):
                     m.itl.observe((now - self._t.last_token) / n)
-                if from_decode and self._s.decode_routed and self.cluster.placer is not None:
+                if from_decode and self._s.paced and self.cluster.placer is not None:
                     assert self._s.decode_addr is not None  # its stream's pace (its first chunk's gap excluded)
                     self.cluster.placer.costs.token_gap(self._s.decode_addr, (now - self._t.last_token) / n)
             self._t.last_token = now
+            self._s.paced = self._s.paced or from_decode
+            sent = self._sent
+            if not sent.token_ids and chunk.logprobs:
+                sent.first_logprob = chunk.logprobs[0]
+            sent.token_ids.extend(chunk.token_ids)
             if from_decode and not self._s.decode_routed:
                 self._s.decode_routed = True
                 self._first_token_routed(chunk, now)
+        self._sent.text_chars += len(chunk.text)
         u = self.usage
         u.completion_tokens += n
-        u.prompt_tokens = chunk.num_prompt_tokens or u.prompt_tokens
-        u.cached_tokens = chunk.num_cached_tokens or u.cached_tokens
-        u.external_cached_tokens = chunk.num_external_cached_tokens or u.external_cached_tokens
+        if not self.restarts:  # (a resumed decode worker computed the prompt again: usage tells how it was served)
+            u.prompt_tokens = chunk.num_prompt_tokens or u.prompt_tokens
+            u.cached_tokens = chunk.num_cached_tokens or u.cached_tokens
+            u.external_cached_tokens = chunk.num_external_cached_tokens or u.external_cached_tokens
         finish = chunk.finish_reason or None
         if finish is not None:
             self._finish(now)

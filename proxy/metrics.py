@@ -10,6 +10,11 @@ TTFT), arrival -> last token (E2E).
     invalid  rejected with a 4xx before reaching a worker, or a worker's INVALID_ARGUMENT
     error    worker failure (5xx)
     aborted  the client disconnected before the end
+
+`hybridpd_proxy_decode_failovers_total{cause, outcome}`: a decode worker that failed a request after its first
+output, by cause (`lost`: the stream broke as unreachable, the worker died or restarted; `stalled`: nothing came for
+the inter-token timeout) and outcome (`resumed` on another decode worker, the client's stream going on without a
+repeated or missing token; `failed`: no decode worker left or too many failovers, the request ended with an error).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 REQUEST_STATUSES = ("success", "invalid", "error", "aborted")
+FAILOVER_CAUSES = ("lost", "stalled")
+FAILOVER_OUTCOMES = ("resumed", "failed")
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
@@ -81,12 +88,22 @@ class ProxyMetrics:
         self.route_real_hit = Counter("hybridpd_proxy_route_real_hit_tokens_total",
                                       "Prompt tokens the chosen decode worker found in its own prefix cache",
                                       ["path"], registry=r)
+        self.decode_failovers = Counter("hybridpd_proxy_decode_failovers_total",
+                                        "Decode workers that failed a request mid-generation, by cause (lost, "
+                                        "stalled) and outcome (resumed on another decode worker, failed)",
+                                        ["cause", "outcome"], registry=r)
+        for cause in FAILOVER_CAUSES:
+            for outcome in FAILOVER_OUTCOMES:
+                self.decode_failovers.labels(cause=cause, outcome=outcome)
         r.register(_InFlightCollector(routers))
 
     def route(self, path: str, expected_hit: int, real_hit: int) -> None:
         self.route_decisions.labels(path=path).inc()
         self.route_expected_hit.labels(path=path).inc(expected_hit)
         self.route_real_hit.labels(path=path).inc(real_hit)
+
+    def decode_failover(self, cause: str, outcome: str) -> None:
+        self.decode_failovers.labels(cause=cause, outcome=outcome).inc()
 
     def count(self, status: str) -> None:
         self.requests.labels(status=status).inc()

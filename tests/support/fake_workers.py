@@ -8,13 +8,15 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        of the same cache_salt.
                        Its mixed role (`whole`, DecodeService on the same address) generates by the decode rule.
     FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk
-                       (from the second when Generate carries the first token),
+                       (from the second when Generate carries the first token; after the resumed ones when it
+                       carries a `resume`),
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
                        then ids +1, +2, ... each 1.0 less likely); finishes "length" at
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string,
                        named in `stop_token_id` / `stop_string`).
 
-Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
+Both record what they received (requests, releases, aborts, cancellations) and can be told to fail, and a decode
+worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open).
 `tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
 """
 
@@ -141,6 +143,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.metrics_port = metrics_port
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
+        self.freeze_after_tokens: int | None = None
         self.health_delay_s = 0.0
         self.generates: list[pb.GenerateRequest] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
@@ -169,11 +172,14 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         external = request.params.num_computed_tokens if request.HasField("params") else 0
         start = 1 if request.HasField("first_token") else 0  # the proxy streamed P's first token
+        start += len(request.resume.token_ids)  # ... and, resuming, the lost worker's output after it
         for i, chunk in enumerate(_fake_chunks(request.prompt_token_ids, request.sampling_params, self.token_text)):
             if i < start:
                 continue
             if self.failure is not None and i >= self.failure.after_tokens:
                 await context.abort(self.failure.code, self.failure.message)
+            if self.freeze_after_tokens is not None and i >= self.freeze_after_tokens:
+                await asyncio.Event().wait()  # frozen: nothing more, the stream open (until cancelled)
             if request.request_id in self._abort_requested:
                 yield pb.GenerateChunk(finish_reason="abort")
                 return

@@ -24,6 +24,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words:
 @pytest.mark.parametrize(("extra", "words"), [
     (["--max-model-len", "-5"], ("max_model_len", "-5")),
     (["--request-timeout", "0"], ("request_timeout",)),
+    (["--inter-token-timeout", "-1"], ("--inter-token-timeout", "-1")),
     (["--generation-config", "/nonexistent"], ("--generation-config", "/nonexistent")),
 ])
 def test_proxy_config_errors(capsys: pytest.CaptureFixture[str], extra: list[str], words: tuple[str, ...]) -> None:

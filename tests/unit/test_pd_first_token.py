@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import pytest
 from hybridpd.engine import LLM
 from hybridpd.engine.core import EngineCore
@@ -19,7 +20,7 @@ from hybridpd.kvtransfer.pull import PullResult, PullState
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.worker.convert import sampling_params_from_proto
 
-from tests.support.pd_pair import FakeContext, FakeHandle, Pair, engine_config, make_pair
+from tests.support.pd_pair import Aborted, FakeContext, FakeHandle, Pair, engine_config, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -180,6 +181,53 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
                 got = await through_pd(pair, f"min-tokens{i}", prompt, params)
                 assert got["called_d"] and got["text"] == want, (params, got["text"])
                 assert_same(got, colocated(llm, prompt, params), params)
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_resumed_request_goes_on_exactly_where_the_lost_decode_worker_stopped(llm, monkeypatch):  # type: ignore[no-untyped-def]
+    """Another decode worker was lost after k output tokens: the proxy sends the request again with the first token
+    and a `resume` (the tokens after it, the text the client has). The new worker computes them with the prompt and
+    streams only what follows: with the colocated output before it, the same tokens, logprobs and text, for seeded
+    sampling with penalties, min_tokens and bad words, and for greedy structured output (the matcher replayed)."""
+    from hybridpd.worker.stream_text import streamable_end
+
+    tok = llm.tokenizer
+    prompt = tok.encode("The quick brown fox jumps over")
+    cases = [(pb.SamplingParams(**SEEDED), 5), (pb.SamplingParams(max_tokens=16, temperature=0.0,  # type: ignore[arg-type]
+                                                                   structured_output=JSON), 6)]
+
+    async def run() -> None:
+        pair = await make_pair(default_model_path(), monkeypatch)
+        try:
+            for i, (sp, k) in enumerate(cases):
+                want = colocated(llm, prompt, sp)
+                assert len(want.token_ids) > k + 1, "the case must leave output to resume"
+                had = streamable_end(tok.decode(want.token_ids[:k]), 0, False, 0)  # what the client has
+                req = pb.GenerateRequest(request_id=f"resumed{i}", prompt_token_ids=prompt, sampling_params=sp)
+                req.first_token.token_id, req.first_token.logprob = want.token_ids[0], want.logprobs[0]
+                req.resume.token_ids.extend(want.token_ids[1:k])
+                req.resume.text_chars = had
+                chunks = [c async for c in pair.d.Generate(req, FakeContext())]  # type: ignore[arg-type]
+                assert [t for c in chunks for t in c.token_ids] == want.token_ids[k:]
+                assert want.text[:had] + "".join(c.text for c in chunks) == want.text
+                assert chunks[-1].finish_reason == want.finish_reason
+                if sp.logprobs:
+                    got = [x for c in chunks for x in c.logprobs]
+                    assert got == pytest.approx(want.logprobs[k:], abs=1e-4)
+            greedy = pb.SamplingParams(max_tokens=8, temperature=0.0)
+            bad_text = pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling_params=greedy,
+                                          first_token=pb.FirstToken(token_id=want.token_ids[0]),
+                                          resume=pb.Resume(token_ids=want.token_ids[1:3], text_chars=10**6))
+            no_first = pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling_params=greedy,
+                                          resume=pb.Resume(token_ids=want.token_ids[1:3]))
+            for bad in (bad_text, no_first):  # refused as bad input; nothing is left running
+                with pytest.raises(Aborted) as refused:
+                    _ = [c async for c in pair.d.Generate(bad, FakeContext())]  # type: ignore[arg-type]
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             await settle(pair)
         finally:
             pair.close()
