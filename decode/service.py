@@ -288,6 +288,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 finished = delta.finish_reason is not None
                 end = streamable_end(text, sent_text, finished, max_stop)
                 chunk = chunk_of(delta, text[sent_text:end], want_logprobs)
+                if resume is not None:
+                    chunk.num_resumed_tokens = 1 + len(resumed)
                 sent_text = end
                 if timed and (delta.token_ids or finished):
                     timed = False

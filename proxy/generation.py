@@ -514,6 +514,10 @@ class Generation:
             if chunk is grpc.aio.EOF:
                 raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "
                                                "finish reason", code="worker_error"))
+            if not self._s.got_chunk and self.restarts and chunk.num_resumed_tokens != len(self._sent.token_ids):
+                raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} did not resume the request after "
+                                               f"its {len(self._sent.token_ids)} output tokens (a worker that predates "
+                                               "resuming?)", code="worker_error"))
             self._s.got_chunk = True
             if chunk.finish_reason == "abort":  # D aborted it (not our client): an error, not a short answer
                 self._s.finished = True

@@ -144,6 +144,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
         self.freeze_after_tokens: int | None = None
+        self.resumes = True
+        """False: a worker that predates GenerateRequest.resume (it ignores the field)."""
         self.health_delay_s = 0.0
         self.generates: list[pb.GenerateRequest] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
@@ -172,7 +174,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         external = request.params.num_computed_tokens if request.HasField("params") else 0
         start = 1 if request.HasField("first_token") else 0  # the proxy streamed P's first token
-        start += len(request.resume.token_ids)  # ... and, resuming, the lost worker's output after it
+        resumed = request.HasField("resume") and self.resumes
+        start += len(request.resume.token_ids) if resumed else 0  # ... and, resuming, the lost worker's output
         for i, chunk in enumerate(_fake_chunks(request.prompt_token_ids, request.sampling_params, self.token_text)):
             if i < start:
                 continue
@@ -186,6 +189,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             if self.token_delay_s and chunk.token_ids:
                 await asyncio.sleep(self.token_delay_s)
             chunk.num_cached_tokens = chunk.num_external_cached_tokens = external
+            if resumed:
+                chunk.num_resumed_tokens = start
             yield chunk
 
     async def CacheEvents(self, request: pb.CacheEventsRequest, context: grpc.aio.ServicerContext) -> Any:

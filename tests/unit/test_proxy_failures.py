@@ -251,6 +251,9 @@ def test_a_decode_worker_lost_mid_generation_resumes_the_request_elsewhere(with_
         assert all(list(g.resume.token_ids) == [5, 4] and g.resume.text_chars == len(" 6 5 4") for g in resumed)
         assert all(not g.HasField("params") for g in resumed)  # D computes the prompt and the output itself
         assert failovers(s, "lost", "resumed") == lost and failovers(s, "lost", "failed") == 0
+        s.decode[1].resumes = False  # a worker that predates resuming would send the tokens again: an error instead
+        tokens, _, errors = _stream(s.http.post("/v1/completions", json=stream, timeout=10))
+        assert tokens == [6, 5, 4] and len(errors) == 1 and "did not resume" in errors[0]["error"]["message"]
         wait_for(lambda: not any(in_flight(s)))  # every worker's count given back (the lost one's too)
 
 
