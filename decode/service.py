@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 from hybridpd.decode.consumer import Consumer, PendingPull, overlap_from_env
@@ -25,6 +26,11 @@ from hybridpd.worker.convert import chunk_of, sampling_params_from_proto, stats_
 from hybridpd.worker.stream_text import streamable_end
 
 log = logging.getLogger("hybridpd.decode")
+
+MAX_PREFILL_PEERS = 64
+"""Prefill workers a decode worker keeps handshaken at once. A worker id lives as long as its process, so every
+prefill restart is a new peer: past this many the least recently used is forgotten (a later request from it
+handshakes again)."""
 
 
 class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
@@ -48,8 +54,12 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         ctx.core.transfer_canceller = self.consumer.cancel  # the engine ends imports through its finish path
         self.prefill_peers = frozenset(prefill_peers)
         self.commit_timeout_s = commit_timeout_s
-        self._peers: dict[tuple[str, str], tuple[object, str]] = {}
-        """(P worker id, epoch) -> (NIXL peer handle, the gRPC address it was verified at)."""
+        self._peers: OrderedDict[tuple[str, str], tuple[object, str]] = OrderedDict()
+        """(P worker id, epoch) -> (NIXL peer handle, the gRPC address it was verified at); least recently used
+        first, at most MAX_PREFILL_PEERS. Event loop only."""
+        self._retired: list[tuple[tuple[str, str], object]] = []
+        """Peers forgotten by `_peers` that the agent still holds: removed from it once no pull of theirs is in
+        flight. Step thread only."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,6 +93,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
+        if self._retired:
+            self._drop_retired(core, [])
         core.expire_imports()  # also between steps: an import past its deadline is let go
         if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
             self.ctx.metrics.update(core, extra_waiting=core.num_importing)
@@ -116,6 +128,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             if known[1] != tp.prefill_address:
                 self._unknown_peer(tp, f"worker {tp.worker_id} was verified at {known[1]}")
                 return None
+            self._peers.move_to_end(key)
             return known[0]
         agent = self.ctx.agent
         if agent is None:
@@ -151,8 +164,37 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             except Exception as e:  # noqa: BLE001 - unreachable, incompatible, corrupted metadata
                 log.warning("handshake with prefill worker %s failed: %s", tp.prefill_address, e)
                 return None
-            self._peers[key] = (peer, tp.prefill_address)
+            self._remember(key, peer, tp.prefill_address)
             return peer
+
+    def _remember(self, key: tuple[str, str], peer: object, address: str) -> None:
+        """Keep a verified peer. An earlier worker verified at the same address is gone (an address serves one
+        process: that one stopped or restarted), and past MAX_PREFILL_PEERS the least recently used is dropped;
+        both are retired (`_drop_retired`)."""
+        gone = [k for k, (_, a) in self._peers.items() if a == address and k != key]
+        self._peers[key] = (peer, address)
+        self._peers.move_to_end(key)
+        over = max(0, len(self._peers) - len(gone) - MAX_PREFILL_PEERS)
+        excess = [k for k in self._peers if k != key and k not in gone][:over]
+        retired = [(k, self._peers.pop(k)[0]) for k in (*gone, *excess)]
+        if retired:
+            log.info("forgetting prefill peer(s) %s", ", ".join(w for (w, _), _ in retired))
+            self.ctx.aengine.call(lambda core: self._drop_retired(core, retired))
+
+    def _drop_retired(self, core: EngineCore, retired: list[tuple[tuple[str, str], object]]) -> None:
+        """Step thread: remove retired peers from the transfer agent, each once no pull from it is in flight (the
+        others wait for a later call). A tensor-parallel peer's ranks keep their plans (only this map forgets it)."""
+        from hybridpd.kvtransfer.tp_pull import TPPeer
+
+        self._retired.extend(retired)
+        busy = {(p.params.worker_id, p.params.epoch) for p in self.consumer.pending.values()}
+        agent, waiting = self.ctx.agent, []
+        for key, peer in self._retired:
+            if key in busy:
+                waiting.append((key, peer))
+            elif agent is not None and not isinstance(peer, TPPeer):
+                agent.remove_peer(peer)
+        self._retired = waiting
 
     def _connect(self, md: pb.TransferMetadata):  # type: ignore[no-untyped-def]
         """The peer handle for P's handshake: NIXL's own (both TP 1) or a TPPeer whose ranks' layouts were checked

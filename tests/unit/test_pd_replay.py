@@ -94,3 +94,68 @@ def test_a_worker_id_claimed_under_another_epoch_does_not_cut_off_the_real_prefi
             pair.close()
 
     asyncio.run(run())
+
+
+def test_prefill_peers_of_gone_workers_are_forgotten_and_bounded(checkpoint_dir, monkeypatch):  # type: ignore[no-untyped-def]
+    """A prefill worker id lives as long as its process, so each restart is a new peer: the decode worker forgets
+    (and has its transfer agent remove) the peer verified at an address once another worker is verified there, and
+    the least recently used past MAX_PREFILL_PEERS; never one with a pull in flight (removed once it ends)."""
+    from types import SimpleNamespace
+
+    import hybridpd.decode.service as service
+
+    removed: list[str] = []
+
+    class Agent(_Agent):
+        def remove_peer(self, handle: _Handle) -> bool:
+            removed.append(handle.epoch)
+            return True
+
+    async def run() -> None:
+        pair = await make_pair(checkpoint_dir("nemotron_attn_mid"), monkeypatch)
+        try:
+            answers: dict[str, tuple[str, str]] = {}
+
+            class Stub:
+                def __init__(self, address: str) -> None:
+                    self.address = address
+
+                async def GetTransferMetadata(self, req, timeout, metadata):  # type: ignore[no-untyped-def]
+                    worker, epoch = answers[self.address]
+                    blob = f"{worker}/{epoch}".encode()
+                    return pb.TransferMetadata(agent_metadata=blob, worker_id=worker, epoch=epoch)
+
+            monkeypatch.setattr(pair.d.ctx, "agent", Agent())
+            monkeypatch.setattr(pair.d, "_prefill_stub", Stub)
+            monkeypatch.setattr(service, "MAX_PREFILL_PEERS", 3)
+            d = pair.d
+
+            async def handshake(addr: str, worker: str, epoch: str) -> None:
+                answers[addr] = (worker, epoch)
+                tp = pb.TransferParams(worker_id=worker, epoch=epoch, prefill_address=addr)
+                assert await DecodeServicer._peer(d, tp) is not None
+
+            async def settled() -> list[tuple[str, str]]:
+                await d.ctx.aengine.acall(lambda core: None)  # the step thread's removals are done
+                return list(d._peers)
+
+            await handshake("p:1", "w1", "e1")
+            await handshake("p:1", "w2", "e2")  # p:1 restarted: w1 is gone
+            assert await settled() == [("w2", "e2")] and removed == ["e1"]
+            # a pull from w3 in flight: when it is pushed out, the agent keeps it until the pull ends
+            await handshake("p:3", "w3", "e3")
+            pending = SimpleNamespace(params=pb.TransferParams(worker_id="w3", epoch="e3"), committing=False)
+            await d.ctx.aengine.acall(lambda core: d.consumer.pending.__setitem__("r", pending))
+            for i in (4, 5, 6):
+                await handshake(f"p:{i}", f"w{i}", f"e{i}")
+            assert await settled() == [("w4", "e4"), ("w5", "e5"), ("w6", "e6")]  # the 3 most recent
+            assert removed == ["e1", "e2"]  # w3 is still being pulled from
+            await d.ctx.aengine.acall(lambda core: d.consumer.pending.pop("r"))
+            await handshake("p:4", "w4", "e4")  # known: no handshake, but the step hook retries the removal
+            await asyncio.sleep(0.05)
+            await settled()
+            assert removed == ["e1", "e2", "e3"]
+        finally:
+            pair.close()
+
+    asyncio.run(run())
