@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from hybridpd.engine.cache.coordinator import ReservedCheckpoint
 from hybridpd.engine.core import EngineCore
+from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.request import Request
 
 FALLBACKS = ("recompute", "fail")
@@ -205,6 +206,13 @@ def add_first_token(core: EngineCore, req: Request, token_id: int, logprob: floa
         if req.sampling_params.top_logprobs > 0:
             req.output_top_logprobs.append([])
     core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1 + len(resumed))
+    if resumed and core.tokenizer is not None:
+        # the text as the lost worker made it, one token a step: where a character is split over tokens (or bytes
+        # are no valid UTF-8) what a detokenizer holds back depends on how the tokens came
+        detok = IncrementalDetokenizer(core.tokenizer, req.sampling_params.skip_special_tokens)
+        for n in range(1, len(req.output_token_ids) + 1):
+            detok.update(req.output_token_ids[:n])
+        req.detokenizer = detok
 
 
 def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None,

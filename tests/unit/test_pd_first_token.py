@@ -190,35 +190,44 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
 
 def test_a_resumed_request_goes_on_exactly_where_the_lost_decode_worker_stopped(llm, monkeypatch):  # type: ignore[no-untyped-def]
     """Another decode worker was lost after k output tokens: the proxy sends the request again with the first token
-    and a `resume` (the tokens after it, the text the client has). The new worker computes them with the prompt and
-    streams only what follows: with the colocated output before it, the same tokens, logprobs and text, for seeded
-    sampling with penalties, min_tokens and bad words, and for greedy structured output (the matcher replayed)."""
-    from hybridpd.worker.stream_text import streamable_end
-
+    and a `resume` (the tokens after it, the length of the text the client has). The new worker computes them with
+    the prompt and streams only what follows: with what the lost worker had streamed, the colocated tokens,
+    logprobs and text, for seeded sampling with penalties, min_tokens and bad words, for greedy structured output
+    (the matcher replayed), and for a greedy run of bytes that are no valid UTF-8 (the text the detokenizer holds
+    back depends on how the tokens came: the new worker replays them one at a time, as the lost one saw them)."""
     tok = llm.tokenizer
-    prompt = tok.encode("The quick brown fox jumps over")
-    cases = [(pb.SamplingParams(**SEEDED), 5), (pb.SamplingParams(max_tokens=16, temperature=0.0,  # type: ignore[arg-type]
-                                                                   structured_output=JSON), 6)]
+    fox, once = tok.encode("The quick brown fox jumps over"), tok.encode("Once upon a time in a land far away")
+    json_greedy = pb.SamplingParams(max_tokens=16, temperature=0.0, structured_output=JSON)
+    raw_bytes = pb.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    seeded = pb.SamplingParams(**SEEDED)  # type: ignore[arg-type]
+    cases = [(fox, seeded, 5), (fox, json_greedy, 6), (once, raw_bytes, 20)]
 
     async def run() -> None:
         pair = await make_pair(default_model_path(), monkeypatch)
         try:
-            for i, (sp, k) in enumerate(cases):
+            for i, (prompt, sp, k) in enumerate(cases):
                 want = colocated(llm, prompt, sp)
-                assert len(want.token_ids) > k + 1, "the case must leave output to resume"
-                had = streamable_end(tok.decode(want.token_ids[:k]), 0, False, 0)  # what the client has
+                plain = pb.GenerateRequest(request_id=f"whole{i}", prompt_token_ids=prompt, sampling_params=sp)
+                before = [c async for c in pair.d.Generate(plain, FakeContext())]  # type: ignore[arg-type]
+                assert "".join(c.text for c in before) == want.text
+                while sum(len(c.token_ids) for c in before) > k:  # what the client has when the worker is lost
+                    before.pop()
+                k = sum(len(c.token_ids) for c in before)
+                had = "".join(c.text for c in before)
+                assert 1 < k < len(want.token_ids), "the case must leave output to resume"
                 req = pb.GenerateRequest(request_id=f"resumed{i}", prompt_token_ids=prompt, sampling_params=sp)
                 req.first_token.token_id, req.first_token.logprob = want.token_ids[0], want.logprobs[0]
                 req.resume.token_ids.extend(want.token_ids[1:k])
-                req.resume.text_chars = had
+                req.resume.text_chars = len(had)
                 chunks = [c async for c in pair.d.Generate(req, FakeContext())]  # type: ignore[arg-type]
                 assert [t for c in chunks for t in c.token_ids] == want.token_ids[k:]
-                assert want.text[:had] + "".join(c.text for c in chunks) == want.text
+                assert had + "".join(c.text for c in chunks) == want.text
                 assert chunks[-1].finish_reason == want.finish_reason
                 if sp.logprobs:
                     got = [x for c in chunks for x in c.logprobs]
                     assert got == pytest.approx(want.logprobs[k:], abs=1e-4)
-            greedy = pb.SamplingParams(max_tokens=8, temperature=0.0)
+            assert "\ufffd" in want.text  # (the last case's bytes are no valid UTF-8)
+            greedy, prompt = pb.SamplingParams(max_tokens=8, temperature=0.0), fox
             bad_text = pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling_params=greedy,
                                           first_token=pb.FirstToken(token_id=want.token_ids[0]),
                                           resume=pb.Resume(token_ids=want.token_ids[1:3], text_chars=10**6))
