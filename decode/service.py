@@ -183,8 +183,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _drop_retired(self, core: EngineCore, retired: list[tuple[tuple[str, str], object]]) -> None:
         """Step thread: remove retired peers from the transfer agent, each once no pull from it is in flight (the
-        others wait for a later call). A tensor-parallel peer's ranks keep their plans (only this map forgets it)."""
-        from hybridpd.kvtransfer.tp_pull import TPPeer
+        others wait for a later call); a tensor-parallel peer on every rank (`forget_rank_peer`)."""
+        from hybridpd.engine.parallel.handoff import on_ranks
+        from hybridpd.kvtransfer.tp_pull import TPPeer, forget_rank_peer
 
         self._retired.extend(retired)
         busy = {(p.params.worker_id, p.params.epoch) for p in self.consumer.pending.values()}
@@ -192,7 +193,9 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         for key, peer in self._retired:
             if key in busy:
                 waiting.append((key, peer))
-            elif agent is not None and not isinstance(peer, TPPeer):
+            elif isinstance(peer, TPPeer):
+                on_ranks(core, forget_rank_peer, peer.key)
+            elif agent is not None:
                 agent.remove_peer(peer)
         self._retired = waiting
 

@@ -155,6 +155,16 @@ def test_prefill_peers_of_gone_workers_are_forgotten_and_bounded(checkpoint_dir,
             await asyncio.sleep(0.05)
             await settled()
             assert removed == ["e1", "e2", "e3"]
+            # a tensor-parallel peer: every D rank drops its plan and has its agent remove the P ranks it loaded
+            from hybridpd.kvtransfer import tp_pull
+
+            rank = tp_pull._RankState(agent=Agent(), tensors={})
+            rank.peers[("wt", "et")] = tp_pull._PeerPlan(handles={0: _Handle("rank0"), 1: _Handle("rank1")}, groups={})
+            monkeypatch.setattr(tp_pull, "_RANK", rank)
+            d._remember(("wt", "et"), tp_pull.TPPeer("wt", "et", b""), "p:9")
+            d._remember(("wt2", "et2"), _Handle("et2"), "p:9")  # p:9 restarted
+            await settled()
+            assert not rank.peers and removed[-2:] == ["rank0", "rank1"]
         finally:
             pair.close()
 
