@@ -6,6 +6,7 @@ step hook (pull polling, metrics)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -273,6 +274,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         salt = request.cache_salt or None
         tp = request.params if request.HasField("params") else None
         first = request.first_token if request.HasField("first_token") else None
+        if first is not None and params.prompt_logprobs is not None:  # the prefill worker scored the prompt
+            params = dataclasses.replace(params, prompt_logprobs=None)
         if tp is not None and first is None:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.core import EngineCore
+from hybridpd.engine.prompt_logprobs import PromptLogprobs
 from hybridpd.engine.request import Request
 
 log = logging.getLogger("hybridpd.async_engine")
@@ -58,12 +59,15 @@ class OutputDelta:
     num_external_tokens: int
     stop_match: str | int | None = None
     """What ended the request with "stop" (`EngineCore.stop_match`: vLLM's stop_reason), on the last delta."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the request's first delta, when it asked for prompt logprobs (complete once a token is sampled)."""
 
     def then(self, later: OutputDelta) -> OutputDelta:
         """This delta and the next one as one (a stream that fell behind sends one message for both)."""
         return dataclasses.replace(
             later, token_ids=self.token_ids + later.token_ids, logprobs=self.logprobs + later.logprobs,
-            top_logprobs=self.top_logprobs + later.top_logprobs)
+            top_logprobs=self.top_logprobs + later.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, OutputDelta]]) -> None:
@@ -183,6 +187,7 @@ class AsyncEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_external_tokens=req.external_computed_tokens,
             stop_match=self.core.stop_match(req) if req.is_finished else None,
+            prompt_logprobs=req.prompt_logprobs if start == 0 else None,
         )
         loop, q = entry
         self._outbox.setdefault(loop, []).append((q, delta))  # sent by `_flush`, one wake-up of the loop per step

@@ -224,7 +224,7 @@ class StepPipeline:
             out = dataclasses.replace(out, seqs=tuple(s for s in out.seqs if s.request_id in live))
             sampled = {r: v for r, v in sampled.items() if r in live}
             top = {r: v for r, v in top.items() if r in live}
-        advanced = core.process_step(out, sampled, top, t0)
+        advanced = core.process_step(out, sampled, top, t0, cur.step.prompt_scores)
         if cur.held is not None:  # published with the step launched after `cur` (`_save_late`)
             core.cache.release_held(cur.held)
         self._release(cur)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.shard import check_shardable, shard_model
+from hybridpd.engine.prompt_logprobs import PromptLogprobs, ScoredRows
 from hybridpd.engine.request import Request, RequestOutput
 from hybridpd.engine.runner import ModelRunner
 from hybridpd.engine.sampling_params import SamplingParams
@@ -284,6 +285,7 @@ class EngineCore:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_index=self._next_arrival, cache_salt=cache_salt, compute_target=compute_target,
             prefill_only=prefill_only,
+            prompt_logprobs=None if params.prompt_logprobs is None else PromptLogprobs(params.prompt_logprobs),
         )
         self._next_arrival += 1
         return req
@@ -447,15 +449,22 @@ class EngineCore:
         except Exception:
             self.cache.on_step_failed()
             raise
-        return self.process_step(out, sampled, self.runner.sampler.take_top_logprobs(), t0)
+        return self.process_step(out, sampled, self.runner.sampler.take_top_logprobs(), t0,
+                                 self.runner.take_prompt_scores())
 
     def step_params(self, out: SchedulerOutput) -> dict[str, SamplingParams]:
         requests = self.scheduler.requests
         return {s.request_id: requests[s.request_id].sampling_params for s in out.seqs}
 
     def process_step(self, out: SchedulerOutput, sampled: dict[str, tuple[int, float]],
-                     top_logprobs: dict[str, list[tuple[int, float]]], t0: float) -> list[Request]:
-        """A computed step's results into its requests: counts, tokens, published blocks, stop checks, finishes."""
+                     top_logprobs: dict[str, list[tuple[int, float]]], t0: float,
+                     prompt_scores: Mapping[str, ScoredRows] | None = None) -> list[Request]:
+        """A computed step's results into its requests: prompt scores, counts, tokens, published blocks, stop
+        checks, finishes."""
+        for rid, rows in (prompt_scores or {}).items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(rows)
         advanced = self.scheduler.update_from_output(out, sampled)
         for rid, top in top_logprobs.items():
             if rid in self.scheduler.requests:
@@ -555,7 +564,12 @@ class EngineCore:
             text=self.output_text(req), logprobs=list(req.output_logprobs),
             num_cached_tokens=max(req.num_cached_tokens, 0), finish_reason=req.finish_reason,
             num_preemptions=req.num_preemptions, top_logprobs=list(req.output_top_logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else req.prompt_logprobs.as_dicts(self._token_text),
         )
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text as vLLM's `decoded_token` (None without a tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def pool_health(self) -> list[dict[str, object]]:
         """Each pool's counts (group_id, kind, total, free, cached, in_use) and whether its integrity check passes

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridpd.engine.prompt_logprobs import Logprob, PromptLogprobs
 from hybridpd.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,9 @@ class Request:
     confirmed yet (engine/transfer.py `run_unconfirmed`). They are not streamed, and dropped if it refuses."""
     held_finish: str | None = None
     """The end ("stop", "length") the request reached while held back; it ends so once confirmed."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Scores of the prompt positions computed so far, when the request asks for prompt logprobs (the runner's
+    rows, engine.prompt_logprobs); complete once the first output token is sampled."""
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -105,6 +109,9 @@ class RequestOutput:
     finish_reason: str | None
     num_preemptions: int = 0
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """vLLM's shape when SamplingParams.prompt_logprobs is set: None for the first prompt token, then per prompt
+    token {token id: Logprob} (the token itself and the top k); None when not asked for."""
 
     @property
     def finished(self) -> bool:

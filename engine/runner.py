@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate, chain, compress
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSp
 from hybridpd.engine.models.base import AttentionCache, CausalLM, LayerCache, StateCache
 from hybridpd.engine.models.batch import ForwardBatch, GroupViews, SeqInfo
 from hybridpd.engine.models.varlen import VarlenBatch, build_varlen_views
+from hybridpd.engine.prompt_logprobs import ScoredRows
+from hybridpd.engine.prompt_scoring import score_prompt_rows
 from hybridpd.engine.sampler import SampledRows, Sampler, TopLogprobs, to_device
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import SchedulerOutput
@@ -88,6 +91,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.caches, max(1, plan.state_slots_running), max_blocks,
                                        plan.block_size, self.conv_width, device, self.views)
         self.sampler = Sampler(device, seed)
+        self._scored: dict[str, ScoredRows] = {}
+        """Prompt rows the step being launched scored (`_score_prompts`)."""
+        self._held_scores: dict[str, ScoredRows] = {}
+        """Those of the last `execute`, until `take_prompt_scores`."""
         self.last_tokens: torch.Tensor | None = None
         """The last launched step's sampled tokens, on the device (what a fed step reads: `launch`)."""
         self.token_group: Any = None
@@ -210,9 +217,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> dict[str, tuple[int, float]]:
         """Run one step; returns {request_id: (token, logprob)} for the sequences that sample (the top logprobs of
         rows that asked wait in `sampler.take_top_logprobs()`)."""
-        sampled, top = self.launch(out, params).resolve()
+        step = self.launch(out, params)
+        sampled, top = step.resolve()
         self.sampler.hold_top_logprobs(top)
+        self._held_scores = step.prompt_scores
         return sampled
+
+    def take_prompt_scores(self) -> dict[str, ScoredRows]:
+        """The prompt rows the last `execute` scored, by request (engine.prompt_logprobs); handed over once."""
+        scores, self._held_scores = self._held_scores, {}
+        return scores
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, params: Mapping[str, SamplingParams | None],
@@ -243,9 +257,11 @@ class ModelRunner:
             index = to_device(list(feed), torch.int64, self.device)  # pinned: no wait for the step running
             fed = self.last_tokens.index_select(0, index)
         self.last_tokens = None
+        self._scored = {}
         got = self._forward(out, fed)
+        scored, self._scored = self._scored, {}
         if got is None:
-            return LaunchedStep(None)
+            return LaunchedStep(None, scored)
         logits, lse, rids = got
         self.sampler.unread_outputs = 0 if feed is None else 1  # each fed row's previous token is not read yet
         self.sampler.unread_tokens = fed
@@ -254,7 +270,13 @@ class ModelRunner:
         if self.token_group is not None:  # every rank holds the samples its next fed step reads
             tokens = self.token_group.broadcast_tokens(tokens, len(rids), self.device)
         self.last_tokens = tokens
-        return LaunchedStep(rows)
+        return LaunchedStep(rows, scored)
+
+    def _score_prompts(self, hidden: torch.Tensor, out: SchedulerOutput) -> None:
+        """Score the prompt rows of the step's sequences that ask for prompt logprobs (`_scored`), from the
+        step's hidden states (every rank: the logits may be gathered across tensor-parallel ranks)."""
+        if any(map(_PROMPT_SCORES, out.seqs)):
+            self._scored = score_prompt_rows(hidden, out.seqs, self.model.compute_logits)
 
     def _forward_reference(self, out: SchedulerOutput, fed: torch.Tensor | None) -> Logits | None:
         batch = self.build_batch(out)
@@ -262,6 +284,7 @@ class ModelRunner:
             for b in (batch, *batch.views):
                 b.input_ids[: len(fed)] = fed
         hidden = self.model.forward_reference(batch, self.caches)
+        self._score_prompts(hidden, out)
         sample = [o.sample for o in out.seqs]
         if not any(sample):
             return None
@@ -273,7 +296,7 @@ class ModelRunner:
         """The batched path: a decode step replays its CUDA graph; any other step builds its metadata vectorised,
         uploads it once, runs one forward and the logits of the sampled rows."""
         rids = [o.request_id for o in out.seqs if o.sample]
-        if self.graphs is not None and self.graphs.can_run(out.seqs):
+        if self.graphs is not None and not any(map(_PROMPT_SCORES, out.seqs)) and self.graphs.can_run(out.seqs):
             logits, lse = self.graphs.run(out.seqs, fed)
             self._graph_checkpoints(out.seqs)
             if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
@@ -290,6 +313,7 @@ class ModelRunner:
             for m in metas:
                 m.input_ids[: len(fed)] = fed
         hidden = self.model.forward_varlen(VarlenBatch(metas, self.views.layer_views), self.caches)
+        self._score_prompts(hidden, out)
         if not rids:
             return None
         return self.model.compute_logits(hidden[metas[0].sample_rows]), None, rids
@@ -310,6 +334,8 @@ class ModelRunner:
                 self.num_graph_checkpoints += len(pairs)
 
 
+_PROMPT_SCORES = attrgetter("prompt_scores")
+
 Logits = tuple[torch.Tensor, torch.Tensor | None, list[str]]
 """The sampled rows' logits, their logsumexp when the forward computed it, and the rows' request ids."""
 
@@ -318,8 +344,10 @@ class LaunchedStep:
     """A step whose samples may still be computed on the device (`ModelRunner.launch`). None: nothing sampled (or
     a follower rank, which never reads its samples)."""
 
-    def __init__(self, rows: SampledRows | None) -> None:
+    def __init__(self, rows: SampledRows | None, prompt_scores: dict[str, ScoredRows] | None = None) -> None:
         self.rows = rows
+        self.prompt_scores = prompt_scores or {}
+        """Prompt rows this step scored, by request (computed at launch: already on the host)."""
 
     def resolve(self) -> tuple[dict[str, tuple[int, float]], dict[str, TopLogprobs]]:
         """({request id: (token, logprob)}, {request id: top logprobs}) of the rows that sampled: waits for them."""

@@ -7,8 +7,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.prompt_logprobs import check_k
 from hybridpd.engine.structured.spec import StructuredOutput
 
+MAX_LOGPROBS = 20
+"""Most alternatives per position for `top_logprobs` and `prompt_logprobs` (vLLM's max_logprobs default)."""
 MAX_BAD_WORDS = 128
 """Token sequences `bad_words` may become (vLLM's VLLM_MAX_NUM_BAD_WORDS default)."""
 
@@ -25,7 +28,8 @@ class SamplingParams:
     output already holds, once / per occurrence), `repetition_penalty` (logits of tokens in the prompt or output
     divided by it when positive, multiplied when negative; 1 = off), `min_tokens` (EOS and stop_token_ids masked,
     stop strings not checked, until that many tokens), `logit_bias` ({token id: bias} added to the logits),
-    `logprobs` (return the chosen token's logprob; always computed) with `top_logprobs` alternatives per step.
+    `logprobs` (return the chosen token's logprob; always computed) with `top_logprobs` alternatives per step,
+    `prompt_logprobs` (every prompt token scored, with that many alternatives).
     Penalties and biases shape sampling; the returned logprobs are those of the raw model distribution.
 
     `min_p` in [0, 1] (0 = off): after temperature, tokens whose probability is below min_p x the most likely
@@ -64,6 +68,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True
     """vLLM's: special tokens are left out of the text (false: kept, and stop strings see them)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: score every prompt token (its logprob, rank and the top `prompt_logprobs` alternatives at its
+    position; 0..MAX_LOGPROBS); `RequestOutput.prompt_logprobs`. A request that asks reads no prefix cache."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False)
     """`bad_words` tokenized (`with_bad_words_token_ids`, by the engine that takes the request); what the sampler
     reads."""
@@ -120,6 +127,8 @@ class SamplingParams:
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or \
                 not 0 <= self.top_logprobs <= 20:
             raise bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (why := check_k(self.prompt_logprobs, MAX_LOGPROBS)) is not None:
+            raise bad(why)
         if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.allowed_token_ids is not None:

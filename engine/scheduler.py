@@ -76,6 +76,10 @@ class ScheduledSeq:
     group_checkpoints: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
     """(recurrent group id, ((num_tokens, checkpoint slot), ...)) for every recurrent group (the same boundaries,
     each group's own slots)."""
+    prompt_scores: tuple[int, tuple[int, ...]] | None = None
+    """(k, targets) when the request asks for prompt logprobs and this chunk computes prompt positions before the
+    last: the runner scores rows num_computed_tokens .. + len(targets) - 1, row j against prompt token targets[j]
+    (engine.prompt_logprobs), with the top k."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -281,7 +285,7 @@ class Scheduler:
             if req.num_computed_tokens > 0:  # already holds its caches (KV received by transfer)
                 hit, start = None, req.num_computed_tokens
             else:
-                hit = self.cache.find_prefix_hit(req, count=False)
+                hit = self._prefix_hit(req)
                 start = hit.num_tokens
             num_new = min(req.target_tokens - start, budget)
             if num_new <= 0:
@@ -298,7 +302,7 @@ class Scheduler:
                 num_new = min(req.target_tokens, budget)
                 if not self.cache.allocate(req, num_new, hit):
                     break
-            if hit is not None:
+            if hit is not None and not _scores_prompt(req):
                 self.cache.count_hit(req, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -369,6 +373,16 @@ class Scheduler:
                 copies.setdefault(gid, []).extend((running[gid], slot) for _, slot in planned)
         return copies
 
+    def _prefix_hit(self, req: Request) -> PrefixHit:
+        """The request's prefix-cache hit, not counted. One still scoring its prompt (prompt logprobs) reads no
+        more of the cache than the positions it has scored: a cached prefix has no logits (vLLM skips reading the
+        cache for such requests; its queries are not counted either)."""
+        if not _scores_prompt(req):
+            return self.cache.find_prefix_hit(req, count=False)
+        assert req.prompt_logprobs is not None
+        scored = len(req.prompt_logprobs)
+        return self.cache.find_prefix_hit(req, max_tokens=scored, count=False) if scored else PrefixHit()
+
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         cache = self.cache
         start = req.num_computed_tokens
@@ -391,6 +405,7 @@ class Scheduler:
             blocks,  # group_block_ids
             slots,  # group_state_slots
             ckpts,  # group_checkpoints
+            None if req.prompt_logprobs is None else _prompt_scores(req, start, end),
         )
 
     def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:
@@ -434,3 +449,19 @@ class Scheduler:
         # blocks filled on an unconfirmed transfer's caches are not hashed into the prefix cache (`confirm` does it)
         self.cache.on_step_done([r for r in advanced if r.request_id not in unconfirmed] if unconfirmed else advanced)
         return advanced
+
+
+def _scores_prompt(req: Request) -> bool:
+    """The request asks for prompt logprobs and has not scored every prompt position yet."""
+    return req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens - 1
+
+
+def _prompt_scores(req: Request, start: int, end: int) -> tuple[int, tuple[int, ...]] | None:
+    """`ScheduledSeq.prompt_scores` of a chunk computing positions [start, end): rows up to position N-2 (the
+    last prompt position samples instead); none when the chunk holds no position not scored yet (a chunk
+    recomputed after a preemption)."""
+    assert req.prompt_logprobs is not None
+    last = min(end, req.num_prompt_tokens - 1)
+    if last <= max(start, len(req.prompt_logprobs)):  # nothing it has not scored yet
+        return None
+    return req.prompt_logprobs.k, tuple(req.prompt_token_ids[start + 1 : last + 1])

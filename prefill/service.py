@@ -31,7 +31,7 @@ from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
-from hybridpd.worker.convert import sampling_params_from_proto, set_stop_match, stats_response
+from hybridpd.worker.convert import sampling_params_from_proto, set_prompt_logprobs, set_stop_match, stats_response
 from hybridpd.worker.stream_text import first_text
 
 log = logging.getLogger("hybridpd.prefill")
@@ -302,6 +302,8 @@ def first_chunk(core: EngineCore, req: Request) -> pb.GenerateChunk:
         finish_reason=req.finish_reason if ended else "", num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=max(req.num_cached_tokens, 0))
     set_stop_match(chunk, core.stop_match(req))
+    if req.prompt_logprobs is not None:
+        set_prompt_logprobs(chunk, req.prompt_logprobs)
     return chunk
 
 

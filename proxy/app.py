@@ -375,12 +375,15 @@ class _Proxy:
         visible = self.visible_text if skip else self.token_text
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=skip) if self.tokenizer else None
         fmt: CompletionFormatter | ChatFormatter
-        if chat:
+        want_prompt = req.sampling.prompt_logprobs is not None
+        if isinstance(req, ChatRequest):
             fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
-                                tools=req.tools if isinstance(req, ChatRequest) else None)
+                                tools=req.tools, echo=req.echo_text, prompt_logprobs=want_prompt)
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
-                                      echo=echoes if any(echoes) else (), decode=decode)
+                                      echo=echoes if any(echoes) else (), decode=decode, prompt_logprobs=want_prompt,
+                                      echo_ids=[p.prompt_token_ids for p in prepared] if req.echo else (),
+                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:
@@ -422,6 +425,10 @@ class _Proxy:
             if isinstance(fmt, ChatFormatter):
                 for i in range(len(first)):
                     yield sse(fmt.role_chunk(i, include))
+                for i in range(len(first)):
+                    echoed = fmt.echo_chunk(i, include)
+                    if echoed is not None:
+                        yield sse(echoed)
             for i, d in enumerate(first):
                 yield sse(fmt.chunk(i, d, usage(), include))
             async for i, d in choices.rest():

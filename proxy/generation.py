@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 from hybridpd.proto import hybridpd_pb2 as pb
@@ -142,6 +142,17 @@ class Delta:
     """Per token, the worker's most likely (token id, logprob) alternatives, when asked for and sent."""
     stop_reason: str | int | None = None
     """vLLM's stop_reason, on the last delta: the stop string or stop token id that ended the request."""
+    prompt_logprobs: tuple[PromptEntry, ...] | None = None
+    """On the first delta of a request that asked for prompt logprobs: one entry per prompt token after the first."""
+
+
+class PromptEntry(NamedTuple):
+    """One scored prompt token (GenerateChunk.prompt_logprobs): its logprob, rank and the top (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -181,6 +192,8 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
         msg.repetition_penalty = s.repetition_penalty
     if not s.skip_special_tokens:
         msg.skip_special_tokens = False
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(s, name)
         if value is not None:
@@ -193,6 +206,14 @@ def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
 def _top_logprobs(chunk: pb.GenerateChunk) -> tuple[tuple[tuple[int, float], ...], ...]:
     """`GenerateChunk.top_logprobs` (one entry per token: token_ids + logprobs) as the proxy's tuples."""
     return tuple(tuple(zip(e.token_ids, e.logprobs, strict=False)) for e in chunk.top_logprobs)
+
+
+def _prompt_logprobs(chunk: pb.GenerateChunk) -> tuple[PromptEntry, ...] | None:
+    """`GenerateChunk.prompt_logprobs` as the proxy's entries; None when the chunk has none."""
+    if not chunk.prompt_logprobs:
+        return None
+    return tuple(PromptEntry(e.token_id, e.logprob, e.rank, tuple(zip(e.top.token_ids, e.top.logprobs, strict=False)))
+                 for e in chunk.prompt_logprobs)
 
 
 def _stop_reason(chunk: pb.GenerateChunk) -> str | int | None:
@@ -631,7 +652,7 @@ class Generation:
         if finish is not None:
             self._finish(now)
         return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk),
-                     _stop_reason(chunk))
+                     _stop_reason(chunk), _prompt_logprobs(chunk))
 
     def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
         """D's first output: record the routing decision against what D really found, and feed the measured step

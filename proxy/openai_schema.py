@@ -12,22 +12,26 @@ Semantics follow vLLM's OpenAI server: `temperature` in [0, 2], `n` samples per 
 `repetition_penalty` > 0 (1 = off), `min_tokens`, `logit_bias` ({token id: bias}, clamped to [-100, 100] as vLLM
 does), `min_p` in [0, 1] (0 = off), `allowed_token_ids` (a non-empty list; every other token is masked), `bad_words`
 (strings; the worker tokenizes them as vLLM does and masks a word's last token after the rest of it), `stop` +
-`include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions, without
-logprobs), `stream_options` (`include_usage`, `continuous_usage_stats`, which only refines include_usage; `{}` is
-none), `user` (accepted, unused), `add_special_tokens` (completions: default true; chat: default none added to the
-template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses), `skip_special_tokens`
-(default true; false keeps special tokens in the text), `spaces_between_special_tokens` (accepted, a no-op with the
-fast tokenizers, as in vLLM). Structured output (`response_format`, `structured_outputs`, `guided_*`:
-proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages and assistant `tool_calls`
-in the history: proxy.tools) on chat; structured output on completions too. Chat rendering as vLLM's:
-`chat_template_kwargs` (more template variables, e.g. `enable_thinking`), `add_generation_prompt`,
-`continue_final_message`. vLLM extras the engine does not implement (`use_beam_search`, `priority`,
-`truncate_prompt_tokens`; on chat a per-request `chat_template`, `documents`, `echo`) are refused unless at their
-no-op value.
+`include_stop_str_in_output`, a list of prompts (all strings or all token-id lists), `echo` (completions: the prompt
+before the text, and with `logprobs` its tokens' logprobs, the first one null, as vLLM does; chat: the last
+message's content when it has the answer's role), `prompt_logprobs` (vLLM's extra, 0..20, not above 0 when streamed:
+every prompt token scored; echo with logprobs, and chat echo, ask for them with the request's own `logprobs` /
+`top_logprobs` as vLLM does), `stream_options` (`include_usage`, `continuous_usage_stats`, which only refines
+include_usage; `{}` is none), `user` (accepted, unused), `add_special_tokens` (completions: default true; chat:
+default none added to the template's text), `return_token_ids` and `return_tokens_as_token_ids` (proxy.responses),
+`skip_special_tokens` (default true; false keeps special tokens in the text), `spaces_between_special_tokens`
+(accepted, a no-op with the fast tokenizers, as in vLLM). Structured output (`response_format`,
+`structured_outputs`, `guided_*`: proxy.structured) and tools (`tools`, `tool_choice`, `parallel_tool_calls`, tool
+messages and assistant `tool_calls` in the history: proxy.tools) on chat; structured output on completions too. Chat
+rendering as vLLM's: `chat_template_kwargs` (more template variables, e.g. `enable_thinking`),
+`add_generation_prompt`, `continue_final_message`. vLLM extras the engine does not implement (`use_beam_search`,
+`priority`, `truncate_prompt_tokens`; on chat a per-request `chat_template`, `documents`) are refused unless at
+their no-op value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridpd.engine.prompt_logprobs import check_k
 from hybridpd.proxy.errors import ApiError, bad_request
 from hybridpd.proxy.structured import Structured, parse_structured
 from hybridpd.proxy.tools import ToolSpec, history_message, parse_tools
@@ -76,6 +81,8 @@ class SamplingOptions:
     bad_words: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     """False: special tokens stay in the output text (vLLM's `skip_special_tokens`)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: score every prompt token with this many alternatives (0..20); None: not asked for."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,9 @@ class CompletionRequest:
     """The tokenizer's special tokens (e.g. a BOS) added to text prompts (vLLM's default for completions)."""
     max_tokens_null: bool = False
     """`"max_tokens": null` given: no limit but the context (vLLM); absent: the endpoint's default (16)."""
+    echo_only: bool = False
+    """`echo` with `max_tokens: 0` (vLLM's scoring request): the answer is the prompt alone (with its logprobs when
+    asked); the worker still samples one token, which is not returned."""
     output: OutputOptions = OutputOptions()
 
 
@@ -148,9 +158,22 @@ class ChatRequest:
     n: int = 1
     tools: ToolSpec | None = None
     render: ChatRender = ChatRender()
+    echo: bool = False
+    """vLLM's chat echo: the answer starts with the last message's content when that message has the answer's role
+    (the assistant's, or with add_generation_prompt false the last message's own: a continued message)."""
     add_special_tokens: bool | None = None
     """None: the template's text carries its special tokens (none added unless there is no template)."""
     output: OutputOptions = OutputOptions()
+
+    @property
+    def echo_text(self) -> str:
+        """What the answer's content starts with under `echo` (vLLM's rule): the last message's content when that
+        message has the answer's role (the assistant's, or the last message's own without a generation prompt)."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.render.add_generation_prompt else last.role
+        return (last.content or "") if last.role == role else ""
 
 
 def _chat_render(f: _Fields) -> ChatRender:
@@ -176,7 +199,6 @@ def _falsy(v: Any) -> bool:
 
 # Parameter -> "this value is a no-op default" predicate. Anything else is rejected, naming the parameter.
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "prompt_logprobs": _is_none,
     "functions": _falsy,
     "function_call": lambda v: v is None or v == "none",
     "audio": _is_none,
@@ -197,7 +219,6 @@ _UNSUPPORTED_COMPLETION = {
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {  # vLLM's chat-rendering extras: the server's template only
     "chat_template": _is_none,
     "documents": _falsy,
-    "echo": _falsy,
 }
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -490,6 +511,22 @@ def _prompts(v: Any) -> tuple[str | tuple[int, ...], ...]:
     return (_one_prompt(v, "prompt"),)
 
 
+def _prompt_logprobs(f: _Fields, derived: int | None) -> int | None:
+    """vLLM's `prompt_logprobs`: an integer in [0, 20] (-1, the whole vocabulary, is above the maximum of 20), not
+    above 0 with `stream`. Absent: `derived` (what echo asks for)."""
+    v = f.body.get("prompt_logprobs")
+    if v is None:
+        return derived
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'prompt_logprobs' must be an integer, got {_json_type(v)}", param="prompt_logprobs")
+    if f.body.get("stream") is True and (v > 0 or v == -1):
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    why = check_k(v, MAX_LOGPROBS, "'prompt_logprobs'")
+    if why is not None:
+        raise bad_request(why, param="prompt_logprobs")
+    return v
+
+
 def _completion_logprobs(f: _Fields) -> tuple[bool, int]:
     v = f.get_int("logprobs", lo=0, hi=MAX_LOGPROBS)
     return (v is not None, v or 0)
@@ -511,9 +548,8 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     n = _n(f)
     logprobs, top = _completion_logprobs(f)
     echo = bool(f.get_bool("echo"))
-    if echo and logprobs:
-        raise bad_request("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
-                          param="echo", code="unsupported_parameter")
+    prompt_logprobs = _prompt_logprobs(f, top if echo and logprobs else None)  # vLLM: echo scores the prompt
+    max_tokens = f.get_int("max_tokens", lo=0 if echo else 1)  # 0: the prompt alone (vLLM's echo without output)
     f.get_str("user")
     prompts = _prompts(body.get("prompt"))
     if len(prompts) * n > MAX_PROMPTS:
@@ -521,13 +557,15 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     return CompletionRequest(
         model=model,
         prompts=prompts,
-        sampling=_sampling(f, f.get_int("max_tokens", lo=1), logprobs, top),
+        sampling=dataclasses.replace(_sampling(f, 1 if max_tokens == 0 else max_tokens, logprobs, top),
+                                     prompt_logprobs=prompt_logprobs),
         stream=_stream(f),
         cache_salt=_cache_salt(f),
         n=n,
         echo=echo,
         add_special_tokens=f.get_bool("add_special_tokens") is not False,
         max_tokens_null="max_tokens" in body and body["max_tokens"] is None,
+        echo_only=max_tokens == 0,
         output=_output(f),
     )
 
@@ -575,9 +613,11 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
     max_completion = f.get_int("max_completion_tokens", lo=1)
     max_tokens = max_completion if max_completion is not None else f.get_int("max_tokens", lo=1)
     logprobs, top = _chat_logprobs(f)
+    echo = bool(f.get_bool("echo"))
     f.get_str("user")
     tools = parse_tools(body)
-    sampling = _sampling(f, max_tokens, logprobs, top)
+    sampling = dataclasses.replace(_sampling(f, max_tokens, logprobs, top),
+                                   prompt_logprobs=_prompt_logprobs(f, top if echo else None))
     if tools is not None and tools.constrained and sampling.structured is not None:
         raise bad_request("'tool_choice' required or a named function cannot be combined with a structured output "
                           "constraint", param="tool_choice")
@@ -590,6 +630,7 @@ def parse_chat(body: dict[str, Any], served_model: str) -> ChatRequest:
         n=n,
         tools=tools,
         render=_chat_render(f),
+        echo=echo,
         add_special_tokens=f.get_bool("add_special_tokens"),
         output=_output(f),
     )

@@ -28,12 +28,15 @@ computed (see `generation.Usage.local_cached_tokens`), never tokens that merely 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any
 
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
-from hybridpd.proxy.generation import Delta, Usage
+from hybridpd.engine.prompt_logprobs import clamp
+from hybridpd.proxy.generation import Delta, PromptEntry, Usage
 from hybridpd.proxy.tools import ToolSpec, ToolStream, parse_output
 
 DONE = "data: [DONE]\n\n"
@@ -80,6 +83,29 @@ def _lp(logprobs: Sequence[float], i: int) -> float | None:
     return float(logprobs[i]) if i < len(logprobs) else None
 
 
+def prompt_logprob_dicts(entries: Sequence[PromptEntry], token_text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` field: null for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}}, the prompt token first (its own rank), then the top alternatives (ranks 1, 2, ...; the prompt
+    token keeps its place when among them); -inf written -9999.0, as vLLM does."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        row = {str(e.token_id): _logprob_obj(e.logprob, e.rank, token_text(e.token_id))}
+        for rank, (t, v) in enumerate(e.top, start=1):
+            row[str(t)] = _logprob_obj(v, rank, token_text(t))
+        out.append(row)
+    return out
+
+
+def _logprob_obj(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": clamp(float(logprob)), "rank": rank, "decoded_token": text}
+
+
+def _prompt_entries(deltas: Sequence[Delta]) -> tuple[PromptEntry, ...]:
+    """The prompt logprobs a choice's output came with (on its first delta); () when there are none (a one-token
+    prompt has no scored token)."""
+    return next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), ())
+
+
 class _Formatter:
     """Shared identity of one response: id, creation time, model, logprob settings, token rendering."""
 
@@ -118,8 +144,17 @@ class CompletionFormatter(_Formatter):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, *args: Any, echo: Sequence[str] = (), decode: Decode | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, echo: Sequence[str] = (), decode: Decode | None = None,
+                 echo_ids: Sequence[Sequence[int]] = (), prompt_logprobs: bool = False, top_k: int = 0,
+                 echo_only: bool = False, **kwargs: Any) -> None:
+        """`echo_ids`: per choice, its prompt's token ids (echo with logprobs); `prompt_logprobs`: the request
+        asked for them (each choice gets vLLM's `prompt_logprobs` field); `top_k`: alternatives per token asked;
+        `echo_only`: echo with max_tokens 0, the prompt alone (the output token the worker sampled is left out)."""
         super().__init__(*args, **kwargs)
+        self._echo_only = echo_only
+        self._echo_ids = list(echo_ids)
+        self._want_prompt = prompt_logprobs
+        self._top_k = top_k
         self._echo = list(echo)  # per choice: the prompt text to put in front (empty: no echo)
         self._echo_sent: set[int] = set()
         self._text_len: dict[int, int] = {}
@@ -154,7 +189,9 @@ class CompletionFormatter(_Formatter):
         tokens: list[str] = []
         values: list[float | None] = []
         offsets: list[int] = []
-        tops: list[dict[str, float]] = []
+        tops: list[dict[str, float] | None] = []
+        if prefix and index < len(self._echo_ids):
+            self._echo_logprobs(index, deltas, prefix, (tokens, values, offsets, tops))
         base = self._text_len.get(index, 0) + len(prefix)
         self._start.setdefault(index, base)
         whole_end = base + sum(len(d.text) for d in deltas)  # `deltas` are the whole output: the text's end
@@ -179,7 +216,40 @@ class CompletionFormatter(_Formatter):
         self._text_len[index] = base
         return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets, "top_logprobs": tops}
 
+    def _echo_logprobs(self, index: int, deltas: Sequence[Delta], prefix: str,
+                       into: tuple[list[str], list[float | None], list[int], list[dict[str, float] | None]]) -> None:
+        """The echoed prompt's tokens in front of the output's (vLLM's echo with logprobs): the first has no
+        logprob (null), each other its prompt logprob and, as vLLM lists them, the first top_k + 1 of {the token,
+        then its position's top alternatives}; offsets as the output's, never past the echoed text."""
+        tokens, values, offsets, tops = into
+        ids = self._echo_ids[index]
+        entries = _prompt_entries(deltas)
+        start = self._text_len.get(index, 0)
+        detok = IncrementalDetokenizer(self._decode) if self._decode is not None else None
+        seen: list[int] = []
+        offset = start  # the decoded prompt before token i (linear in the prompt: only the new text is measured)
+        for i, tid in enumerate(ids):
+            tokens.append(self.token_text(tid))
+            offsets.append(min(offset, start + len(prefix)))
+            seen.append(tid)
+            offset += len(detok.update(seen)) if detok is not None else len(self.visible_text(tid))
+            e = entries[i - 1] if 0 < i <= len(entries) else None
+            if e is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            by_id = {e.token_id: e.logprob, **dict(e.top)}
+            values.append(clamp(float(e.logprob)))
+            tops.append({self.token_text(t): clamp(float(v)) for t, v in islice(by_id.items(), self._top_k + 1)})
+
+    def _shown(self, d: Delta) -> Delta:
+        """The delta as the answer shows it: without its output under `echo_only`."""
+        if not self._echo_only:
+            return d
+        return dataclasses.replace(d, token_ids=(), text="", logprobs=(), top_logprobs=())
+
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
+        d = self._shown(d)
         prefix = self._echo_text(index)
         choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, "token_ids": list(d.token_ids)}
@@ -192,7 +262,8 @@ class CompletionFormatter(_Formatter):
 
     def full(self, choices: Sequence[Sequence[Delta]], usages: Sequence[Usage]) -> dict[str, Any]:
         out = []
-        for index, deltas in enumerate(choices):
+        for index, shown in enumerate(choices):
+            deltas = [self._shown(d) for d in shown]
             prefix = self._echo_text(index)
             out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),
@@ -200,6 +271,8 @@ class CompletionFormatter(_Formatter):
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
             if self.prompt_ids is not None:
                 out[-1]["prompt_token_ids"] = list(self.prompt_ids[index])
+            if self._want_prompt:
+                out[-1]["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(deltas), self.token_text)
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)
         return body
@@ -209,8 +282,13 @@ class ChatFormatter(_Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, tools: ToolSpec | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tools: ToolSpec | None = None, echo: str = "", prompt_logprobs: bool = False,
+                 **kwargs: Any) -> None:
+        """`echo`: what every choice's content starts with (vLLM's chat echo); `prompt_logprobs`: the request
+        asked for them (the response's `prompt_logprobs` field)."""
         super().__init__(*args, **kwargs)
+        self.echo = echo
+        self._want_prompt = prompt_logprobs
         self.tools = tools if tools is not None and tools.parses else None
         self._streams: dict[int, ToolStream] = {}
 
@@ -244,6 +322,13 @@ class ChatFormatter(_Formatter):
             body["prompt_token_ids"] = list(self.prompt_ids[0])
         return self._with_usage(body, None, include_usage)
 
+    def echo_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        """After the role chunks of a stream, each choice's echo as its own content chunk (vLLM); None: no echo."""
+        if not self.echo:
+            return None
+        choice = {"index": index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}
+        return self._with_usage(self._envelope(self.object_chunk, [choice]), None, include_usage)
+
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         if self.tools is None:
             delta: dict[str, Any] = {"content": d.text} if d.text or not d.finish_reason else {}
@@ -271,11 +356,15 @@ class ChatFormatter(_Formatter):
                 message["content"], calls = parse_output(text, self.tools)
                 message["tool_calls"] = calls
                 finish = self._finish_reason(finish, bool(calls))
+            if self.echo:  # vLLM puts the echo in front of whatever content the answer has
+                message["content"] = self.echo + (message["content"] or "")
             out.append({"index": index, "message": message, "logprobs": self._logprobs(deltas),
                         "finish_reason": finish, "stop_reason": deltas[-1].stop_reason})
             if self.prompt_ids is not None:
                 out[-1]["token_ids"] = [t for d in deltas for t in d.token_ids]
         body = self._envelope(self.object_full, out)
+        if self._want_prompt:  # one prompt: its choices' prompt logprobs are the same
+            body["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(choices[0]), self.token_text)
         if self.prompt_ids is not None:
             body["prompt_token_ids"] = list(self.prompt_ids[0])
         body["usage"] = usage_dict(usages)

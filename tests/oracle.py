@@ -11,6 +11,7 @@ continues by uncached recomputation from that step.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -20,12 +21,17 @@ def _torch_only_modeling() -> None:
     the GPU box, where the engine itself uses it). The reference must be transformers' own torch code, as on CPU in
     CI, not the library under test: rebind the module's kernel entry points to the torch functions they wrap. (On
     the H200, transformers' fla-core path sat 2.4-6.5e-4 from the engine's fp32 logprobs, and it cannot run in
-    float64.)"""
+    float64.) The same for Qwen3.5-MoE's copy; and MoE experts through transformers' eager loop, not its grouped
+    GEMMs."""
+    import importlib
     import inspect
 
-    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
-
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+    for module, name in itertools.product(("qwen3_5", "qwen3_5_moe"),
+                                          ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")):
+        try:  # each family's modeling file binds its own copy
+            qwen = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        except ImportError:
+            continue
         fn = getattr(qwen, name, None)
         if fn is None or getattr(fn, "_torch_only", False):
             continue
@@ -45,7 +51,11 @@ def hf_model(path: str, dtype: str = "float32", device: str = "cpu"):  # type: i
 
     _torch_only_modeling()
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
+    kwargs = {"dtype": getattr(torch, dtype), "attn_implementation": "eager"}
+    try:  # transformers without the option (< 5.x) has only the eager experts loop
+        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kwargs)
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device).eval()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridpd.engine.async_engine import OutputDelta
 from hybridpd.engine.core import EngineCore
+from hybridpd.engine.prompt_logprobs import PromptLogprobs
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.structured.spec import StructuredOutput
 from hybridpd.proto import hybridpd_pb2 as pb
@@ -33,6 +34,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(int(t) for t in p.allowed_token_ids) or None,
         bad_words=tuple(p.bad_words),
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        prompt_logprobs=int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -78,7 +80,17 @@ def chunk_of(delta: OutputDelta, text: str, want_logprobs: bool) -> pb.GenerateC
         num_external_cached_tokens=delta.num_external_tokens,
     )
     set_stop_match(chunk, delta.stop_match)
+    if delta.prompt_logprobs is not None:
+        set_prompt_logprobs(chunk, delta.prompt_logprobs)
     return chunk
+
+
+def set_prompt_logprobs(chunk: pb.GenerateChunk, scores: PromptLogprobs) -> None:
+    """`chunk.prompt_logprobs`: one entry per scored prompt token (engine.prompt_logprobs)."""
+    chunk.prompt_logprobs.extend(
+        pb.PromptLogprob(token_id=t, logprob=lp, rank=r, top=pb.TopLogprobs(token_ids=ids, logprobs=lps))
+        for t, lp, r, ids, lps in zip(scores.token_ids, scores.logprobs, scores.ranks, scores.top_ids,
+                                      scores.top_logprobs, strict=True))
 
 
 def set_stop_match(chunk: pb.GenerateChunk, match: str | int | None) -> None:

@@ -151,7 +151,7 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
         xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
         xa = xc if fused_act else mixer.act(xc)
         dtp = mixer._dt(prefill_rows(dt, pre))
-        prefill = _mamba_prefill_fla if xbc.is_cuda else _mamba_prefill_scan
+        prefill = _mamba_prefill_fla if fla_prefill(xbc) else _mamba_prefill_scan
         yp = prefill(mixer, xa, dtp, cache, pre)
         if y is None:
             return yp
@@ -183,9 +183,16 @@ def _mamba_prefill_fla(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, cache: S
     return mamba_skip_add(yp.contiguous(), xa, mixer.D)
 
 
+def fla_prefill(x: torch.Tensor) -> bool:
+    """Whether a prefill's recurrent scan runs in fla-core's chunk kernels: on CUDA in bf16/fp16. Fed fp32, their
+    Triton dots take TF32 (Triton's default), which put Qwen3.5-MoE's fp32 logprobs 1.0e-4 from transformers' on an
+    H200; fp32 is the dtype that must be exact, so it runs the reference scans (on the GPU too)."""
+    return x.is_cuda and x.dtype != torch.float32
+
+
 def _mamba_prefill_scan(mixer: Any, xa: torch.Tensor, dtp: torch.Tensor, cache: StateCache, pre: RecurrentPrefill
                         ) -> torch.Tensor:
-    """Off the GPU (tests of this path): the same rounds with the reference scan (Mamba2Mixer.scan)."""
+    """Off the GPU, or in fp32 (see fla_prefill): the same rounds with the reference scan (Mamba2Mixer.scan)."""
     cfg = mixer.cfg
 
     def call(r, init):  # type: ignore[no-untyped-def]
@@ -223,7 +230,7 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
         q, k, v = mixer._split(xc if fused_act else mixer.act(xc))
         bp = prefill_rows(b, pre).sigmoid().float()
         gp = -torch.exp(mixer.A_log.float()) * F.softplus(prefill_rows(a, pre).float() + mixer.dt_bias.float())
-        prefill = _gdn_round_fla if qkv.is_cuda else _gdn_round_scan
+        prefill = _gdn_round_fla if fla_prefill(qkv) else _gdn_round_scan
 
         def call(r, init):  # type: ignore[no-untyped-def]
             return prefill(mixer, r, init, q[r.rows], k[r.rows], v[r.rows], gp[r.rows], bp[r.rows])
@@ -244,7 +251,7 @@ def _gdn_round_fla(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: t
 
 def _gdn_round_scan(mixer: Any, r: Any, init: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Off the GPU (tests of this path): the reference scan (GatedDeltaNet.scan), sequence by sequence."""
+    """Off the GPU, or in fp32 (see fla_prefill): the reference scan (GatedDeltaNet.scan), sequence by sequence."""
     return _per_sequence(r, init, lambda i, j, h: mixer.scan(q[i:j], k[i:j], v[i:j], g[i:j], beta[i:j], h))
 
 

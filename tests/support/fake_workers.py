@@ -13,7 +13,9 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
                        then ids +1, +2, ... each 1.0 less likely); finishes "length" at
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string,
-                       named in `stop_token_id` / `stop_string`).
+                       named in `stop_token_id` / `stop_string`). With prompt_logprobs k, the first output token's
+                       chunk scores prompt token i (i >= 1) -0.01 * i, rank i, and lists ids +1 .. +k of it, each 1.0
+                       less likely than the one before (from -0.5); a Generate continuing from P's token does not.
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail, and a decode
 worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open).
@@ -241,10 +243,17 @@ def _fake_chunks(prompt: Any, sp: pb.SamplingParams, token_text: Callable[[int],
         # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
         top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
                               logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
-        return pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
-                                logprobs=[lp] if sp.logprobs and tokens else [],
-                                top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
-                                num_prompt_tokens=len(prompt))
+        c = pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
+                             logprobs=[lp] if sp.logprobs and tokens else [],
+                             top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
+                             num_prompt_tokens=len(prompt))
+        if step == 0 and sp.HasField("prompt_logprobs"):  # the first output token's chunk scores the prompt
+            k = sp.prompt_logprobs
+            c.prompt_logprobs.extend(
+                pb.PromptLogprob(token_id=t, logprob=-0.01 * i, rank=i, top=pb.TopLogprobs(
+                    token_ids=[(t + j) % 256 for j in range(1, k + 1)], logprobs=[-0.5 - j for j in range(k)]))
+                for i, t in enumerate(prompt) if i > 0)
+        return c
 
     for i, tok in enumerate(outputs):
         if tok in sp.stop_token_ids:

@@ -54,8 +54,8 @@ def _run(path: str, fast: bool) -> list:  # type: ignore[type-arg]
 
     setattr(runner.model, other, refuse)  # the path is chosen once: the other forward never runs
     prompts = random_prompts([5, 37], vocab=256, seed=3)
-    return llm.generate(prompt_token_ids=prompts,
-                        sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    return llm.generate(prompt_token_ids=prompts,  # prompt logprobs: rows of the step's hidden states
+                        sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -65,6 +65,8 @@ def test_fast_path_matches_reference_fp32(name, model_path, one_torch_thread):  
     for a, b in zip(ref, fast, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        for ra, rb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):  # over 24-token chunks
+            assert list(ra) == list(rb) and all(abs(ra[t].logprob - rb[t].logprob) < 1e-4 for t in ra)
 
 
 def test_decode_kernels_skip_pad_rows():  # type: ignore[no-untyped-def]

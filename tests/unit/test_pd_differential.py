@@ -95,3 +95,76 @@ def test_completion_text_offsets_do_not_depend_on_how_the_output_was_chunked(che
     assert offsets([(0, 1, "5"), (1, 2, ""), (2, 4, "é")]) == want  # PD: P's token, then "é" held back a delta
     assert offsets([(0, 2, "5"), (2, 3, "é"), (3, 4, "")]) == want
     assert offsets([(0, 1, "5"), (1, 4, "é")], echo="ab") == [2 + o for o in want]
+
+
+def _transformers_scores(path: str, ids: list[int]):  # type: ignore[no-untyped-def]
+    """log_softmax of transformers' uncached forward over `ids` (fp32): row i scores token i + 1."""
+    import torch
+
+    from tests.oracle import hf_model
+
+    with torch.inference_mode():
+        return torch.log_softmax(hf_model(path)(torch.tensor([ids]), use_cache=False).logits[0].float(), -1)
+
+
+def _assert_prompt_logprobs(got: list[Any], ids: list[int], ref: Any, k: int) -> None:
+    """vLLM's shape (None, then {token id: {logprob, rank, decoded_token}} with the prompt token first and the top
+    k), every value within 1e-4 of transformers, ranks and the top k as transformers orders them."""
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        row, want = got[i], ref[i - 1]
+        assert list(row)[0] == str(ids[i])
+        assert abs(row[str(ids[i])]["logprob"] - want[ids[i]].item()) < 1e-4
+        assert row[str(ids[i])]["rank"] == int((want >= want[ids[i]]).sum())
+        top = want.topk(k)
+        for r, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True), start=1):
+            assert row[str(t)]["rank"] == r and abs(row[str(t)]["logprob"] - v) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_pd_equal_colocated_and_transformers(
+    pairs: dict[str, tuple[Any, Any]], family: str, checkpoint_dir: Any
+) -> None:
+    """Prompt logprobs over HTTP: P scores the prompt under PD, the colocated engine itself; both match transformers
+    (fp32, 1e-4), and a repeat (its prompt now in both prefix caches) gives the same scores, none read from a cache.
+    Echo with logprobs puts them in front of the output's, the first token's null."""
+    import httpx
+
+    from tests.oracle import random_prompts
+
+    pd, co = pairs[family]
+    path = checkpoint_dir(family)
+    ref_model_vocab = _transformers_scores(path, [1]).shape[-1]
+    ids = random_prompts([41], ref_model_vocab, seed=7)[0]
+    ref = _transformers_scores(path, ids)
+    body = {"model": pd.model_name, "prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 3,
+            "logprobs": 2, "echo": True}
+    with httpx.Client(timeout=60) as client:
+        answers = [client.post(f"{url}/v1/completions", json=body) for url in (pd.url, co.url, pd.url, co.url)]
+        chat = [client.post(f"{url}/v1/chat/completions", json={
+            "model": pd.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 1}) for url in (pd.url, co.url)]
+        score = {"model": pd.model_name, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}  # a harness's
+        scoring = [client.post(f"{url}/v1/completions", json=score) for url in (pd.url, co.url)]
+    for r in scoring:
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.status_code == 200 and len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+        assert all(abs(lp["token_logprobs"][i] - ref[i - 1, ids[i]].item()) < 1e-4 for i in range(1, len(ids)))
+    for r in answers + chat:
+        assert r.status_code == 200, r.text
+    choices = [r.json()["choices"][0] for r in answers]
+    for c in choices:
+        _assert_prompt_logprobs(c["prompt_logprobs"], ids, ref, 3)
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert len(lp["tokens"]) == len(ids) + 3
+        assert all(abs(lp["token_logprobs"][i] - ref[i - 1, ids[i]].item()) < 1e-4 for i in range(1, len(ids)))
+        assert c["token_ids"] == choices[0]["token_ids"]
+    usages = [r.json()["usage"] for r in answers]
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 0, 0, 0]  # no prefix cache read
+    assert usages[0]["hybridpd"]["transferred_tokens"] > 0  # PD: P computed (and scored) the prompt
+    pd_chat, co_chat = (r.json() for r in chat)
+    assert pd_chat["prompt_logprobs"][0] is None
+    assert len(pd_chat["prompt_logprobs"]) == pd_chat["usage"]["prompt_tokens"]
+    for a, b in zip(pd_chat["prompt_logprobs"][1:], co_chat["prompt_logprobs"][1:], strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)

@@ -282,10 +282,12 @@ def test_colocated_sends_no_params() -> None:
 
 def test_proxy_imports_neither_torch_nor_engine() -> None:
     """From `engine`, only the tensor-free chat-template renderer the engine's Tokenizer shares (and its errors), the
-    block hashing every worker uses (the router's cache index hashes prompts the same way), and the incremental
-    detokenizer (logprob text offsets follow the text the workers decode)."""
+    block hashing every worker uses (the router's cache index hashes prompts the same way), the incremental
+    detokenizer (logprob text offsets follow the text the workers decode), and the prompt logprobs' rules (the
+    range of prompt_logprobs, -inf as -9999.0: host data only)."""
     shared = ("hybridpd.engine", "hybridpd.engine.errors", "hybridpd.engine.chat_template",
-              "hybridpd.engine.cache", "hybridpd.engine.cache.hashing", "hybridpd.engine.detokenizer")
+              "hybridpd.engine.cache", "hybridpd.engine.cache.hashing", "hybridpd.engine.detokenizer",
+              "hybridpd.engine.prompt_logprobs")
     code = ("import sys, hybridpd.proxy.app, hybridpd.proxy.server, tests.support.live_stack; "
             "bad = [m for m in sys.modules if (m.split('.')[0] == 'torch' or m.startswith('hybridpd.engine')) "
             f"and m not in {shared!r}]; "

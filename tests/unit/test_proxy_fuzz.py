@@ -68,12 +68,13 @@ COMMON = {
     "user": field(weird_text),
     "cache_salt": field(weird_text),
     "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
+    "prompt_logprobs": field(weird_int),
+    "echo": field(st.booleans()),
 }
 COMPLETION = st.fixed_dictionaries({}, optional={
     **COMMON,
     "prompt": field(st.one_of(weird_text, token_ids, st.lists(st.one_of(weird_text, token_ids), max_size=3))),
     "logprobs": field(weird_int),
-    "echo": field(st.booleans()),
     "best_of": field(weird_int),
 })
 message = st.fixed_dictionaries({"role": field(st.sampled_from(["user", "system", "assistant", "tool"])),

@@ -92,10 +92,12 @@ SAMPLER_IGNORES_WHEN_GREEDY = {
     "min_p",
     "bad_words",
     "skip_special_tokens",
+    "prompt_logprobs",
 }
 """SamplingParams fields a greedy row's sampling never reads (stop ids only with min_tokens, which is keyed; min_p,
 like top-k and top-p, acts after temperature, on sampled rows only; bad_words are read as bad_words_token_ids, which
-is keyed; skip_special_tokens only shapes the text)."""
+is keyed; skip_special_tokens only shapes the text; prompt_logprobs are scored by the runner from the scheduled
+chunk, not by the sampler)."""
 
 
 def test_plain_key_covers_every_field_the_sampler_reads() -> None:

@@ -61,15 +61,24 @@ def model_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
     return get
 
 
-def _rounds(llm: LLM) -> list[tuple[list[int], list[float]]]:
+def _rounds(llm: LLM, score_prompt: bool = False) -> list[tuple[list[int], list[float]]]:
     prompts = random_prompts(LENGTHS, 500, seed=3)
     first = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     again = [prompts[-1] + [7, 8, 9]]  # a prefix hit: cached blocks and state checkpoints
     second = llm.generate(prompt_token_ids=again, sampling_params=GREEDY)
-    return [(o.token_ids, o.logprobs) for o in first + second]
+    if not score_prompt:
+        return [(o.token_ids, o.logprobs) for o in first + second]
+    # prompt logprobs: every rank computes the scored rows' logits (the LM head gathers them), over two chunks
+    (scored,) = llm.generate(prompt_token_ids=prompts[-1:], sampling_params=SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    assert scored.prompt_logprobs is not None
+    prompt = ([t for row in scored.prompt_logprobs[1:] for t in row],
+              [lp.logprob for row in scored.prompt_logprobs[1:] for lp in row.values()])
+    return [(o.token_ids, o.logprobs) for o in first + second] + [prompt]
 
 
-def _run(path: str, tp: int, **extra: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
+def _run(path: str, tp: int, score_prompt: bool = False,
+         **extra: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
     llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS, **extra)
     try:
         if tp > 1:
@@ -78,7 +87,7 @@ def _run(path: str, tp: int, **extra: Any) -> tuple[list[tuple[list[int], list[f
         if extra.get("enable_expert_parallel"):  # rank 0 keeps its whole experts and the no-expert slot
             moe = next(ly.mixer for ly in llm.engine.model.backbone.layers if hasattr(ly.mixer, "experts"))
             assert len(moe.experts) == 4 // tp + 1 and isinstance(moe.gate, LocalRouter)
-        out = _rounds(llm)
+        out = _rounds(llm, score_prompt)
         llm.engine.cache.check_integrity()
         return out, llm.kv_cache_info()
     finally:
@@ -114,8 +123,8 @@ def assert_same(tp1, tpn) -> None:  # type: ignore[no-untyped-def]
 def test_tp_matches_tp1(name, tp, ep, model_dir):  # type: ignore[no-untyped-def]
     """ep: expert parallelism for the MoE blocks (whole experts per rank) instead of TP inside the experts."""
     path = model_dir(name)
-    ref, info1 = _run(path, 1)
-    got, info_n = _run(path, tp, enable_expert_parallel=ep)
+    ref, info1 = _run(path, 1, score_prompt=name == "qwen")  # one model also scores a prompt (prompt logprobs)
+    got, info_n = _run(path, tp, score_prompt=name == "qwen", enable_expert_parallel=ep)
     assert_same(ref, got)
     # each rank holds its slice of every recurrent state (and of every page, unless KV heads are replicated)
     assert info_n["bytes_per_state"] < info1["bytes_per_state"]
