@@ -40,7 +40,7 @@ def _stream(url: str, body: dict[str, Any], after: int, fault: Any) -> dict[str,
                 continue
             now = time.perf_counter()
             gap, last = max(gap, now - last), now
-            obj = json.loads(line[len("data: "):])
+            obj = json.loads(line[len("data: ") :])
             if "error" in obj:
                 errors.append(obj["error"]["message"])
             for c in obj.get("choices", []):
@@ -75,7 +75,7 @@ def _failovers(c: Any) -> dict[str, float]:
     for line in httpx.get(f"{c.url}/metrics", timeout=10).text.splitlines():
         if line.startswith("hybridpd_proxy_decode_failovers_total{"):
             labels, value = line.rsplit(" ", 1)
-            out[labels[len("hybridpd_proxy_decode_failovers_total"):]] = float(value)
+            out[labels[len("hybridpd_proxy_decode_failovers_total") :]] = float(value)
     return out
 
 
@@ -97,18 +97,35 @@ def main() -> int:
     from tests.oracle import random_prompts
 
     model = args.model or str(write_random_checkpoint(tempfile.mkdtemp(), "nemotron_h", seed=0))
-    c = start_cluster(model, num_decode=2, proxy_args=["--inter-token-timeout", str(args.inter_token_timeout)],
-                      worker_args=["--device", args.device, "--dtype", args.dtype,
-                                   "--kv-cache-memory-bytes", str(1 << 30)])
+    c = start_cluster(
+        model,
+        num_decode=2,
+        proxy_args=["--inter-token-timeout", str(args.inter_token_timeout)],
+        worker_args=["--device", args.device, "--dtype", args.dtype, "--kv-cache-memory-bytes", str(1 << 30)],
+    )
     prompt = random_prompts([args.prompt_tokens], vocab=256, seed=3)[0]
     rows = []
     try:
         for mode, sampling in MODES.items():
-            body = {"model": c.model_name, "prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True,
-                    **sampling}
+            body = {
+                "model": c.model_name,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "ignore_eos": True,
+                **sampling,
+            }
             want = _stream(c.url, body, 0, None)
-            rows.append({"mode": mode, "fault": "none", "after": 0, "identical": True, "errors": [],
-                         "max_gap_ms": 1e3 * want["max_gap_s"], "seconds": want["seconds"]})
+            rows.append(
+                {
+                    "mode": mode,
+                    "fault": "none",
+                    "after": 0,
+                    "identical": True,
+                    "errors": [],
+                    "max_gap_ms": 1e3 * want["max_gap_s"],
+                    "seconds": want["seconds"],
+                }
+            )
             for after in (int(x) for x in args.after.split(",")):
                 for fault, sig in (("lost", signal.SIGKILL), ("frozen", signal.SIGSTOP)):
                     hit: list[Any] = []
@@ -121,18 +138,35 @@ def main() -> int:
                     if sig == signal.SIGSTOP and hit:
                         os.kill(hit[0].proc.pid, signal.SIGCONT)
                     _all_up(c)
-                    rows.append({"mode": mode, "fault": fault, "after": after, "errors": got["errors"],
-                                 "identical": (got["tokens"], got["text"]) == (want["tokens"], want["text"]),
-                                 "max_gap_ms": 1e3 * got["max_gap_s"], "seconds": got["seconds"]})
-        result = {"device": args.device, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
-                  "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                  "inter_token_timeout_s": args.inter_token_timeout, "failovers": _failovers(c), "rows": rows}
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "fault": fault,
+                            "after": after,
+                            "errors": got["errors"],
+                            "identical": (got["tokens"], got["text"]) == (want["tokens"], want["text"]),
+                            "max_gap_ms": 1e3 * got["max_gap_s"],
+                            "seconds": got["seconds"],
+                        }
+                    )
+        result = {
+            "device": args.device,
+            "dtype": args.dtype,
+            "date": time.strftime("%Y-%m-%d"),
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "inter_token_timeout_s": args.inter_token_timeout,
+            "failovers": _failovers(c),
+            "rows": rows,
+        }
     finally:
         c.stop()
     print(f"{'mode':>7} {'fault':>7} {'after':>6} {'identical':>9} {'max gap ms':>11} {'request s':>10}  errors")
     for r in rows:
-        print(f"{r['mode']:>7} {r['fault']:>7} {r['after']:>6} {r['identical']!s:>9} {r['max_gap_ms']:>11.1f} "
-              f"{r['seconds']:>10.2f}  {'; '.join(r['errors'])}")
+        print(
+            f"{r['mode']:>7} {r['fault']:>7} {r['after']:>6} {r['identical']!s:>9} {r['max_gap_ms']:>11.1f} "
+            f"{r['seconds']:>10.2f}  {'; '.join(r['errors'])}"
+        )
     print("failovers:", result["failovers"])
     if args.out:
         with open(args.out, "w") as f:

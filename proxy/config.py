@@ -82,8 +82,13 @@ class RequestLimits:
     """Prompts in one completion request (the schema's own ceiling is 256; this may only lower it)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
-                     "max_prompts"):
+        for name in (
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_prompts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -67,8 +67,9 @@ log = logging.getLogger(__name__)
 _RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 # Generate answers of a prefill worker sent a whole request (P-alone) after which a decode worker gets it instead:
 # down, at its mixed-role cap, or a worker without the mixed role.
-_WHOLE_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.UNIMPLEMENTED})
+_WHOLE_ELSEWHERE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED}
+)
 
 
 FROZEN_CHECK_S = 0.25
@@ -83,8 +84,9 @@ class _WorkerStalled(Exception):
     """A decode worker sent nothing for `ProxyConfig.inter_token_timeout_s` mid-stream: the stream was given up."""
 
 
-async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
-                                 timeout: float) -> pb.PrefillResponse:
+async def _prefill_unless_frozen(
+    clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest, timeout: float
+) -> pb.PrefillResponse:
     """P.Prefill on `addr`; given up (cancelled, _WorkerFrozen) once the health monitor finds `addr` unresponsive
     while another prefill worker answers. A frozen worker keeps its connection open, so the call alone would wait
     for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes."""
@@ -181,13 +183,22 @@ class Usage:
 def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
     if s.max_tokens is None:
         raise ValueError("max_tokens must be resolved before the request reaches a worker")
-    msg = pb.SamplingParams(max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                            ignore_eos=s.ignore_eos, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                            presence_penalty=s.presence_penalty or 0.0,
-                            frequency_penalty=s.frequency_penalty or 0.0,
-                            min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
-                            include_stop_str_in_output=s.include_stop_str_in_output, min_p=s.min_p or 0.0,
-                            allowed_token_ids=list(s.allowed_token_ids or ()), bad_words=list(s.bad_words))
+    msg = pb.SamplingParams(
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        min_p=s.min_p or 0.0,
+        allowed_token_ids=list(s.allowed_token_ids or ()),
+        bad_words=list(s.bad_words),
+    )
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
     if not s.skip_special_tokens:
@@ -212,8 +223,10 @@ def _prompt_logprobs(chunk: pb.GenerateChunk) -> tuple[PromptEntry, ...] | None:
     """`GenerateChunk.prompt_logprobs` as the proxy's entries; None when the chunk has none."""
     if not chunk.prompt_logprobs:
         return None
-    return tuple(PromptEntry(e.token_id, e.logprob, e.rank, tuple(zip(e.top.token_ids, e.top.logprobs, strict=False)))
-                 for e in chunk.prompt_logprobs)
+    return tuple(
+        PromptEntry(e.token_id, e.logprob, e.rank, tuple(zip(e.top.token_ids, e.top.logprobs, strict=False)))
+        for e in chunk.prompt_logprobs
+    )
 
 
 def _stop_reason(chunk: pb.GenerateChunk) -> str | int | None:
@@ -273,9 +286,9 @@ class _State:
 class Generation:
     """Drives one request. Lifecycle:
 
-        first = await gen.start()      # route + prefill + first output; raises ApiError before anything is sent
-        async for delta in gen.rest(): # later output; raises ApiError on a mid-stream worker failure
-        gen.close()                    # always (finally): aborts / releases if unfinished, records metrics
+    first = await gen.start()      # route + prefill + first output; raises ApiError before anything is sent
+    async for delta in gen.rest(): # later output; raises ApiError on a mid-stream worker failure
+    gen.close()                    # always (finally): aborts / releases if unfinished, records metrics
     """
 
     def __init__(self, cluster: Cluster, req: PreparedRequest, arrival: float) -> None:
@@ -353,9 +366,13 @@ class Generation:
         if self.restarts >= self.MAX_RESTARTS or not self._another_decode_left():
             self.cluster.metrics.decode_failover(cause, "failed")
             return False
-        log.warning("decode worker %s %s mid-generation of %s after %d output tokens: resuming it elsewhere",
-                    s.decode_addr, "lost" if cause == "lost" else "stalled", self.req.request_id,
-                    len(self._sent.token_ids))
+        log.warning(
+            "decode worker %s %s mid-generation of %s after %d output tokens: resuming it elsewhere",
+            s.decode_addr,
+            "lost" if cause == "lost" else "stalled",
+            self.req.request_id,
+            len(self._sent.token_ids),
+        )
         self.restarts += 1
         s.got_chunk = False
         s.prefill_released = True  # the lost worker owned P's lease since its first chunk (released or expiring)
@@ -395,8 +412,12 @@ class Generation:
     async def _prefill(self, router: Router) -> pb.PrefillResponse | None:
         """P.Prefill on the placed or a chosen prefill worker, another after one that is down or frozen. None: no
         prefill worker is up and the decode worker may compute the prompt itself (`_decode_may_prefill`)."""
-        req = pb.PrefillRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
-                                sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
+        req = pb.PrefillRequest(
+            request_id=self.req.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            sampling_params=to_proto_sampling(self.req.sampling),
+            cache_salt=self.req.cache_salt,
+        )
         cfg = self.cluster.config
         refused: set[str] = set()
         placed = self._s.placement.prefill_addr if self._s.placement is not None else None
@@ -418,8 +439,9 @@ class Generation:
                 resp = await _prefill_unless_frozen(self.cluster.clients, router, addr, req, timeout)
                 break
             except _WorkerFrozen:
-                log.warning("request %s: prefill worker %s stopped answering; trying another", self.req.request_id,
-                            addr)
+                log.warning(
+                    "request %s: prefill worker %s stopped answering; trying another", self.req.request_id, addr
+                )
                 refused.add(addr)
                 continue
             except grpc.aio.AioRpcError as err:
@@ -432,9 +454,14 @@ class Generation:
                     if self._decode_may_prefill(f"no prefill worker answers ({addr}: {err.details()})"):
                         return None
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
-                raise self._fail(ApiError(
-                    503, f"every prefill worker is at capacity ({err.details()}); retry later",
-                    code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
+                raise self._fail(
+                    ApiError(
+                        503,
+                        f"every prefill worker is at capacity ({err.details()}); retry later",
+                        code="overloaded",
+                        headers={"Retry-After": str(cfg.retry_after_s)},
+                    )
+                ) from None
             finally:
                 router.release(addr, tokens)
         elapsed = time.perf_counter() - t0
@@ -451,8 +478,14 @@ class Generation:
         first = resp.first
         if len(first.token_ids) != 1 or (not first.finish_reason and not resp.HasField("params")):
             self._release_prefill()
-            raise self._fail(ApiError(500, f"prefill worker {addr} answered without its first token or, for a "
-                                           "request that goes on, without transfer params", code="worker_error"))
+            raise self._fail(
+                ApiError(
+                    500,
+                    f"prefill worker {addr} answered without its first token or, for a "
+                    "request that goes on, without transfer params",
+                    code="worker_error",
+                )
+            )
         return resp
 
     def _params(self, resp: pb.PrefillResponse) -> pb.TransferParams:
@@ -468,15 +501,23 @@ class Generation:
         decode, placed, prefill = self.cluster.decode, self._s.placement, self.cluster.prefill
         self._s.on_prefill = False
         try:
-            if placed is not None and placed.on_prefill and prefill is not None and prefill.is_routable(
-                    placed.decode_addr):  # P-alone: the whole request on a prefill worker
+            if (
+                placed is not None
+                and placed.on_prefill
+                and prefill is not None
+                and prefill.is_routable(placed.decode_addr)
+            ):  # P-alone: the whole request on a prefill worker
                 n = len(self.req.prompt_token_ids)
                 addr = prefill.take(placed.decode_addr, n)
                 self._s.on_prefill, self._s.queued_tokens = True, n
                 if self.cluster.placer is not None:
                     self.cluster.placer.whole_started(addr)
-            elif placed is not None and not placed.on_prefill and placed.decode_addr not in self._s.decode_tried \
-                    and decode.is_routable(placed.decode_addr):
+            elif (
+                placed is not None
+                and not placed.on_prefill
+                and placed.decode_addr not in self._s.decode_tried
+                and decode.is_routable(placed.decode_addr)
+            ):
                 addr = decode.take(placed.decode_addr)
             else:
                 addr = decode.acquire(exclude=self._s.decode_tried)
@@ -486,8 +527,12 @@ class Generation:
         self._s.decode_addr = addr
         self._s.decode_slot_released = False
         self._s.generate_sent = time.perf_counter()
-        req = pb.GenerateRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
-                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
+        req = pb.GenerateRequest(
+            request_id=self.req.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            sampling_params=to_proto_sampling(self.req.sampling),
+            cache_salt=self.req.cache_salt,
+        )
         if params is not None:
             req.params.CopyFrom(params)
         sent = self._sent
@@ -515,15 +560,21 @@ class Generation:
                 self.cluster.clients.abort_later(self._s.decode_addr, self.req.request_id)
                 if self._resume_elsewhere("stalled"):
                     continue
-                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} made no progress for "
-                                               f"{self.cluster.config.inter_token_timeout_s:g} s",
-                                          code="worker_unavailable")) from None
+                raise self._fail(
+                    ApiError(
+                        503,
+                        f"decode worker {self._s.decode_addr} made no progress for "
+                        f"{self.cluster.config.inter_token_timeout_s:g} s",
+                        code="worker_unavailable",
+                    )
+                ) from None
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
                 if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
                     continue
-                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} stopped answering",
-                                          code="worker_unavailable")) from None
+                raise self._fail(
+                    ApiError(503, f"decode worker {self._s.decode_addr} stopped answering", code="worker_unavailable")
+                ) from None
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
@@ -533,17 +584,29 @@ class Generation:
                     continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
-                raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "
-                                               "finish reason", code="worker_error"))
+                raise self._fail(
+                    ApiError(
+                        500,
+                        f"decode worker {self._s.decode_addr} ended the stream without a finish reason",
+                        code="worker_error",
+                    )
+                )
             if not self._s.got_chunk and self.restarts and chunk.num_resumed_tokens != len(self._sent.token_ids):
-                raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} did not resume the request after "
-                                               f"its {len(self._sent.token_ids)} output tokens (a worker that predates "
-                                               "resuming?)", code="worker_error"))
+                raise self._fail(
+                    ApiError(
+                        500,
+                        f"decode worker {self._s.decode_addr} did not resume the request after "
+                        f"its {len(self._sent.token_ids)} output tokens (a worker that predates "
+                        "resuming?)",
+                        code="worker_error",
+                    )
+                )
             self._s.got_chunk = True
             if chunk.finish_reason == "abort":  # D aborted it (not our client): an error, not a short answer
                 self._s.finished = True
-                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} aborted the request",
-                                          code="aborted"))
+                raise self._fail(
+                    ApiError(503, f"decode worker {self._s.decode_addr} aborted the request", code="aborted")
+                )
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
@@ -575,7 +638,8 @@ class Generation:
                 if done:
                     return read.result()
                 if router.is_unresponsive(s.decode_addr) and any(
-                        a not in (*s.decode_tried, s.decode_addr) for a in router.addrs):
+                    a not in (*s.decode_tried, s.decode_addr) for a in router.addrs
+                ):
                     raise _WorkerFrozen(s.decode_addr)
         finally:
             if not read.done():
@@ -591,13 +655,20 @@ class Generation:
         if s.on_prefill:
             if code not in _WHOLE_ELSEWHERE or not self.cluster.decode.addrs:
                 return False
-            log.info("prefill worker %s did not take %s whole (%s): sent to a decode worker", failed,
-                     self.req.request_id, code.name)
+            log.info(
+                "prefill worker %s did not take %s whole (%s): sent to a decode worker",
+                failed,
+                self.req.request_id,
+                code.name,
+            )
         else:
             if code != grpc.StatusCode.UNAVAILABLE or not self._another_decode_left():
                 return False
-            log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
-                        self.req.request_id)
+            log.warning(
+                "decode worker %s unreachable before the first token of %s: retrying elsewhere",
+                failed,
+                self.req.request_id,
+            )
         self._send_elsewhere()
         return True
 
@@ -651,16 +722,30 @@ class Generation:
         finish = chunk.finish_reason or None
         if finish is not None:
             self._finish(now)
-        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk),
-                     _stop_reason(chunk), _prompt_logprobs(chunk))
+        return Delta(
+            tuple(chunk.token_ids),
+            chunk.text,
+            tuple(chunk.logprobs),
+            finish,
+            _top_logprobs(chunk),
+            _stop_reason(chunk),
+            _prompt_logprobs(chunk),
+        )
 
     def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
         """D's first output: record the routing decision against what D really found, and feed the measured step
         costs (under PD, the handoff: Generate sent to D's first token, the second of the request)."""
         s, cluster = self._s, self.cluster
         real_hit = chunk.num_cached_tokens - chunk.num_external_cached_tokens
-        path = "colocated" if cluster.prefill is None else "prefill_alone" if s.on_prefill else \
-            "pd" if s.prefilled else "skip_prefill"
+        path = (
+            "colocated"
+            if cluster.prefill is None
+            else "prefill_alone"
+            if s.on_prefill
+            else "pd"
+            if s.prefilled
+            else "skip_prefill"
+        )
         expected = s.placement.expected_hit if s.placement is not None else 0
         cluster.metrics.route(path, expected, real_hit)
         if s.prefilled and not chunk.num_external_cached_tokens:
@@ -682,9 +767,16 @@ class Generation:
                 placer.costs.local_prefill_done(elapsed, computed)
             elif path == "prefill_alone":  # P's queue and prefill, as a Prefill call measures them
                 placer.costs.prefill_done(elapsed, computed)
-        log.debug("route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)", self.req.request_id, path,
-                  s.prefill_addr if s.prefilled else "-", s.decode_addr, expected, real_hit,
-                  s.placement.reason if s.placement is not None else cluster.config.routing)
+        log.debug(
+            "route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)",
+            self.req.request_id,
+            path,
+            s.prefill_addr if s.prefilled else "-",
+            s.decode_addr,
+            expected,
+            real_hit,
+            s.placement.reason if s.placement is not None else cluster.config.routing,
+        )
 
     def _finish(self, now: float) -> None:
         self._s.finished = True

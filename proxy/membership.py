@@ -130,8 +130,10 @@ class Membership:
             raise ValueError(f"{addr} is a {m.role} worker here, not {role}")
         if m is None:
             if len(self.members) >= self.max_members:
-                raise MembershipFullError(f"this proxy already has {len(self.members)} workers (at most "
-                                          f"{self.max_members}); a worker leaves, or expires, before another joins")
+                raise MembershipFullError(
+                    f"this proxy already has {len(self.members)} workers (at most "
+                    f"{self.max_members}); a worker leaves, or expires, before another joins"
+                )
             m = self.members[addr] = Member(role, addr, static=False, drained_here=(role, addr) in self._drained)
             log.info("%s worker %s joined (epoch %s)%s", role, addr, epoch[:8], " drained" if m.drained_here else "")
             router.add(addr)

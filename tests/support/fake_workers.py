@@ -62,19 +62,34 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
 
 
 def _stats(role: str, worker_id: str, metrics_port: int, running: int, max_generate: int = 0) -> pb.StatsResponse:
-    pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
-             pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
+    pools = [
+        pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
+        pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True),
+    ]
     memory = {"physical_bytes": 1 << 20, "attention_bytes_cached": 2 << 10, "checkpoint_bytes_held": 4 << 10}
-    return pb.StatsResponse(role=role, worker_id=worker_id, epoch="fake-epoch", num_running=running,
-                            pools=pools, metrics_port=metrics_port, memory_bytes=memory,
-                            max_num_seqs=max(max_generate, 8) if max_generate else 0, max_generate=max_generate)
+    return pb.StatsResponse(
+        role=role,
+        worker_id=worker_id,
+        epoch="fake-epoch",
+        num_running=running,
+        pools=pools,
+        metrics_port=metrics_port,
+        memory_bytes=memory,
+        max_num_seqs=max(max_generate, 8) if max_generate else 0,
+        max_generate=max_generate,
+    )
 
 
 class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
     """FAKE prefill worker (see module doc)."""
 
-    def __init__(self, worker_id: str = "fake-prefill-0", delay_s: float = 0.0, metrics_port: int = 0,
-                 token_text: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str = "fake-prefill-0",
+        delay_s: float = 0.0,
+        metrics_port: int = 0,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.token_text = token_text or (lambda t: f" {t}")
         self.address = ""
@@ -110,25 +125,33 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         if first.finish_reason:
             return pb.PrefillResponse(request_id=request.request_id, num_cached_tokens=hit, first=first)
         blocks = pb.GroupBlocks(group_id=0, block_ids=range(1, 1 + (n + FAKE_BLOCK - 1) // FAKE_BLOCK))
-        params = pb.TransferParams(worker_id=self.worker_id, epoch="fake-epoch", prefill_address=self.address,
-                                   groups=[blocks], states=[pb.GroupStates(group_id=1, state_slot=1)],
-                                   num_computed_tokens=n, num_prompt_tokens=n, lease_expiry_unix=time.time() + 30.0)
+        params = pb.TransferParams(
+            worker_id=self.worker_id,
+            epoch="fake-epoch",
+            prefill_address=self.address,
+            groups=[blocks],
+            states=[pb.GroupStates(group_id=1, state_slot=1)],
+            num_computed_tokens=n,
+            num_prompt_tokens=n,
+            lease_expiry_unix=time.time() + 30.0,
+        )
         return pb.PrefillResponse(request_id=request.request_id, params=params, num_cached_tokens=hit, first=first)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         self.releases.append(request.request_id)
         return pb.ReleaseResponse(released=True)
 
-    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
-                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
-        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
-                                   compat_hash="fake")
+    async def GetTransferMetadata(
+        self, request: pb.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferMetadata:
+        return pb.TransferMetadata(
+            agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch", compat_hash="fake"
+        )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("prefill", self.worker_id, self.metrics_port, 0, self.max_generate)
@@ -137,8 +160,13 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
 class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     """FAKE decode worker (see module doc). `token_text` renders one token id as text."""
 
-    def __init__(self, worker_id: str = "fake-decode-0", token_delay_s: float = 0.0, metrics_port: int = 0,
-                 token_text: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str = "fake-decode-0",
+        token_delay_s: float = 0.0,
+        metrics_port: int = 0,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.address = ""
         self.token_delay_s = token_delay_s
@@ -202,8 +230,13 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no cache events")
         assert self.cache_snapshot is not None  # (abort raises)
         shape = pb.CacheShape(block_size=16, attention_groups=[0], recurrent_groups=[1], checkpoint_align=16)
-        yield pb.CacheEventBatch(epoch="fake-epoch", first_seq=0, snapshot=True, shape=shape, groups=[
-            pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()])
+        yield pb.CacheEventBatch(
+            epoch="fake-epoch",
+            first_seq=0,
+            snapshot=True,
+            shape=shape,
+            groups=[pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()],
+        )
         await asyncio.Event().wait()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -211,16 +244,17 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self._abort_requested.add(request.request_id)
         return pb.AbortResponse(aborted=request.request_id in self.running)
 
-    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
-                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
-        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
-                                   compat_hash="fake")
+    async def GetTransferMetadata(
+        self, request: pb.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferMetadata:
+        return pb.TransferMetadata(
+            agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch", compat_hash="fake"
+        )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("decode", self.worker_id, self.metrics_port, len(self.running), self.max_generate)
@@ -241,18 +275,35 @@ def _fake_chunks(prompt: Any, sp: pb.SamplingParams, token_text: Callable[[int],
     def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
         lp = -0.1 * (step % 5 + 1)
         # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
-        top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
-                              logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
-        c = pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
-                             logprobs=[lp] if sp.logprobs and tokens else [],
-                             top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
-                             num_prompt_tokens=len(prompt))
+        top = [
+            pb.TopLogprobs(
+                token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
+                logprobs=[lp - k for k in range(sp.top_logprobs)],
+            )
+            for t in tokens
+        ]
+        c = pb.GenerateChunk(
+            token_ids=tokens,
+            text=text,
+            finish_reason=finish,
+            logprobs=[lp] if sp.logprobs and tokens else [],
+            top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
+            num_prompt_tokens=len(prompt),
+        )
         if step == 0 and sp.HasField("prompt_logprobs"):  # the first output token's chunk scores the prompt
             k = sp.prompt_logprobs
             c.prompt_logprobs.extend(
-                pb.PromptLogprob(token_id=t, logprob=-0.01 * i, rank=i, top=pb.TopLogprobs(
-                    token_ids=[(t + j) % 256 for j in range(1, k + 1)], logprobs=[-0.5 - j for j in range(k)]))
-                for i, t in enumerate(prompt) if i > 0)
+                pb.PromptLogprob(
+                    token_id=t,
+                    logprob=-0.01 * i,
+                    rank=i,
+                    top=pb.TopLogprobs(
+                        token_ids=[(t + j) % 256 for j in range(1, k + 1)], logprobs=[-0.5 - j for j in range(k)]
+                    ),
+                )
+                for i, t in enumerate(prompt)
+                if i > 0
+            )
         return c
 
     for i, tok in enumerate(outputs):

@@ -113,8 +113,12 @@ def test_pd_continues_from_p_first_token_exactly_as_colocated(llm, monkeypatch):
         pair = await make_pair(default_model_path(), monkeypatch)
         try:
             for i, (prompt, sp) in enumerate(
-                [(prompts[0], seeded), (prompts[1], greedy_json), (prompts[1], sampled_json),
-                 (prompts[0], greedy_allowed)]
+                [
+                    (prompts[0], seeded),
+                    (prompts[1], greedy_json),
+                    (prompts[1], sampled_json),
+                    (prompts[0], greedy_allowed),
+                ]
             ):
                 got = await through_pd(pair, f"r{i}", prompt, sp)
                 assert got["called_d"] and pair.d.consumer.num_recomputed == 0
@@ -162,8 +166,11 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
     }
     spanning = [sp(stop=["aa"]), sp(stop=["aa"], include_stop_str_in_output=True), sp(stop=["aab"])]
     # a stop string the first token(s) already hold, ignored until min_tokens: the text ends at the later match
-    held_by_min_tokens = [(sp(stop=["a"], min_tokens=2), "a"), (sp(stop=["a"], min_tokens=3,
-                          include_stop_str_in_output=True), "aaa"), (sp(stop=["aa"], min_tokens=4), "aa")]
+    held_by_min_tokens = [
+        (sp(stop=["a"], min_tokens=2), "a"),
+        (sp(stop=["a"], min_tokens=3, include_stop_str_in_output=True), "aaa"),
+        (sp(stop=["aa"], min_tokens=4), "aa"),
+    ]
 
     async def run() -> None:
         pair = await make_pair(default_model_path(), monkeypatch)
@@ -228,11 +235,19 @@ def test_a_resumed_request_goes_on_exactly_where_the_lost_decode_worker_stopped(
                     assert got == pytest.approx(want.logprobs[k:], abs=1e-4)
             assert "\ufffd" in want.text  # (the last case's bytes are no valid UTF-8)
             greedy, prompt = pb.SamplingParams(max_tokens=8, temperature=0.0), fox
-            bad_text = pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling_params=greedy,
-                                          first_token=pb.FirstToken(token_id=want.token_ids[0]),
-                                          resume=pb.Resume(token_ids=want.token_ids[1:3], text_chars=10**6))
-            no_first = pb.GenerateRequest(request_id="bad", prompt_token_ids=prompt, sampling_params=greedy,
-                                          resume=pb.Resume(token_ids=want.token_ids[1:3]))
+            bad_text = pb.GenerateRequest(
+                request_id="bad",
+                prompt_token_ids=prompt,
+                sampling_params=greedy,
+                first_token=pb.FirstToken(token_id=want.token_ids[0]),
+                resume=pb.Resume(token_ids=want.token_ids[1:3], text_chars=10**6),
+            )
+            no_first = pb.GenerateRequest(
+                request_id="bad",
+                prompt_token_ids=prompt,
+                sampling_params=greedy,
+                resume=pb.Resume(token_ids=want.token_ids[1:3]),
+            )
             for bad in (bad_text, no_first):  # refused as bad input; nothing is left running
                 with pytest.raises(Aborted) as refused:
                     _ = [c async for c in pair.d.Generate(bad, FakeContext())]  # type: ignore[arg-type]

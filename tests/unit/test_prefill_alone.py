@@ -2,8 +2,8 @@
 decode worker is saturated (by count against its capacity, or by its measured time per token) or busier than the
 prefill worker (balance), and a prefill worker has room (its cap, its queue); through the real proxy with FAKE
 workers (no model): the path taken and counted, a prefill worker that refuses it before any chunk replaced by a
-decode worker, one that dies mid-stream resumed on a decode worker (every token once), drain. The outputs against a real engine:
-tests/unit/test_prefill_alone_engine.py."""
+decode worker, one that dies mid-stream resumed on a decode worker (every token once), drain. The outputs against
+a real engine: tests/unit/test_prefill_alone_engine.py."""
 
 from __future__ import annotations
 
@@ -109,8 +109,15 @@ def test_balance_shares_the_requests_whole_as_two_colocated_replicas() -> None:
             assert p.decode_addr == "p"
             prefill.take("p", tokens=len(PROMPT))
             placer.whole_started("p")
-    assert kinds == ["prefill_alone", "skip_prefill", "prefill_alone", "skip_prefill", "prefill_alone",
-                     "skip_prefill", "prefill_alone"]
+    assert kinds == [
+        "prefill_alone",
+        "skip_prefill",
+        "prefill_alone",
+        "skip_prefill",
+        "prefill_alone",
+        "skip_prefill",
+        "prefill_alone",
+    ]
     assert (decode.in_flight("d"), placer.whole_on_prefill["p"]) == (4, 4)
     decode.take("d")
     p = placer.place(PROMPT)  # P at its cap (4 whole requests): D, although P holds fewer
@@ -257,8 +264,9 @@ def test_the_prefill_worker_dying_mid_stream_resumes_on_a_decode_worker() -> Non
         assert not any("error" in b for b in bodies)
         assert "".join(b["choices"][0]["text"] for b in bodies) == " 5 6 7 8 9"
         resumed = s.decode[0].generates
-        assert len(resumed) == 2 and all(list(g.resume.token_ids) == [6] and g.first_token.token_id == 5
-                                         for g in resumed)
+        assert len(resumed) == 2 and all(
+            list(g.resume.token_ids) == [6] and g.first_token.token_id == 5 for g in resumed
+        )
 
 
 def test_drained_prefill_worker_finishes_its_whole_requests_and_gets_no_new_one() -> None:

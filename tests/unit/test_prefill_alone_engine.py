@@ -227,8 +227,10 @@ def test_the_prefill_worker_dying_mid_stream_resumes_on_the_decode_worker(model,
     streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
     greedy = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
     want = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)
-    assert streamed == want[0].token_ids and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == \
-        want[0].text
+    assert (
+        streamed == want[0].token_ids
+        and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want[0].text
+    )
 
 
 def _openai_view(body: dict[str, Any]) -> dict[str, Any]:

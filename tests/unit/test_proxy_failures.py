@@ -89,11 +89,14 @@ def test_disconnect_during_prefill_releases_on_prefill(stack: LiveStack) -> None
     wait_for(lambda: in_flight(stack) == [0, 0])
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.UNAVAILABLE, 503),  # with skip_prefill "never" (else the decode worker computes it: below)
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
-    (grpc.StatusCode.INTERNAL, 500),
-])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, 503),  # with skip_prefill "never" (else the decode worker computes it: below)
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, status: int, stream: bool) -> None:
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -213,8 +216,11 @@ def _stream(r: httpx.Response) -> tuple[list[int], str, list[dict]]:
     assert events[-1] == "[DONE]", events
     bodies = [json.loads(e) for e in events[:-1]]
     choices = [c for b in bodies for c in b.get("choices", [])]
-    return [t for c in choices for t in c["token_ids"]], "".join(c["text"] for c in choices), \
-        [b for b in bodies if "error" in b]
+    return (
+        [t for c in choices for t in c["token_ids"]],
+        "".join(c["text"] for c in choices),
+        [b for b in bodies if "error" in b],
+    )
 
 
 def failovers(stack: LiveStack, cause: str, outcome: str) -> float:
@@ -263,8 +269,9 @@ def test_a_decode_worker_that_stalls_mid_stream_is_given_up(n_decode: int) -> No
     gives it up for the request (cancelled, and told to abort it) and resumes the stream on the other decode
     worker, every token once; with no other decode worker, the stream ends with a clear error event, not a hang.
     Both counted as stalled failovers."""
-    with LiveStack(n_prefill=1, n_decode=n_decode, model_name=MODEL, routing="round_robin",
-                   inter_token_timeout_s=0.3) as s:
+    with LiveStack(
+        n_prefill=1, n_decode=n_decode, model_name=MODEL, routing="round_robin", inter_token_timeout_s=0.3
+    ) as s:
         body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "stream": True}
         s.decode[0].freeze_after_tokens = 3
         t0 = time.monotonic()
@@ -277,7 +284,7 @@ def test_a_decode_worker_that_stalls_mid_stream_is_given_up(n_decode: int) -> No
             stalled = len(s.decode[0].generates)  # (the rotation comes back to it after each failover)
             assert failovers(s, "stalled", "resumed") == stalled and failovers(s, "stalled", "failed") == 0
         else:
-            (tokens, _, errors), = streams
+            ((tokens, _, errors),) = streams
             assert tokens == [6, 5, 4] and len(errors) == 1 and "made no progress" in errors[0]["error"]["message"]
             assert failovers(s, "stalled", "failed") == 1 and counter(s, "error") == 1
         wait_for(lambda: not any(in_flight(s)))
