@@ -187,7 +187,8 @@ class ProxyConfig:
     """Progress deadline of a decode worker's stream after its first chunk: a worker that sends nothing for this
     long (frozen, or the request stuck there) is given up for the request, which resumes on another decode worker
     (or fails with 503 when none is left); counted in hybridpd_proxy_decode_failovers_total{cause="stalled"}.
-    0: no such deadline (only `request_timeout_s`)."""
+    0: no such deadline (only `request_timeout_s`). Independently of it, a stream from a decode worker that stops
+    answering health probes (a frozen process) while another answers is given up at once."""
     control_timeout_s: float = 5.0
     """Deadline of Health, Stats, Abort and Release calls."""
     health_interval_s: float = 2.0

@@ -81,7 +81,8 @@ class _WorkerFrozen(Exception):
 
 
 class _WorkerStalled(Exception):
-    """A decode worker sent nothing for `ProxyConfig.inter_token_timeout_s` mid-stream: the stream was given up."""
+    """A decode worker sent nothing mid-stream for `ProxyConfig.inter_token_timeout_s`, or stopped answering health
+    probes while another decode worker answers: the stream was given up (the message says which)."""
 
 
 async def _prefill_unless_frozen(
@@ -555,18 +556,13 @@ class Generation:
         while True:
             try:
                 chunk = await (self._read_unless_stalled() if self._s.got_chunk else self._first_read_unless_frozen())
-            except _WorkerStalled:
+            except _WorkerStalled as stalled:
                 # alive: it frees the request once it sees this (or the cancelled stream)
                 self.cluster.clients.abort_later(self._s.decode_addr, self.req.request_id)
                 if self._resume_elsewhere("stalled"):
                     continue
                 raise self._fail(
-                    ApiError(
-                        503,
-                        f"decode worker {self._s.decode_addr} made no progress for "
-                        f"{self.cluster.config.inter_token_timeout_s:g} s",
-                        code="worker_unavailable",
-                    )
+                    ApiError(503, f"decode worker {self._s.decode_addr} {stalled}", code="worker_unavailable")
                 ) from None
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
@@ -613,16 +609,30 @@ class Generation:
 
     async def _read_unless_stalled(self) -> Any:
         """The Generate stream's next read after its first; _WorkerStalled once it brings nothing for the
-        configured inter-token timeout (0: wait as long as the request's deadline allows)."""
-        call, limit = self._s.call, self.cluster.config.inter_token_timeout_s
-        assert call is not None
-        if not limit:
-            return await call.read()
+        configured inter-token timeout (0: wait as long as the request's deadline allows) or, from a decode worker,
+        once the health monitor finds it unresponsive while another decode worker answers (`Router.watch`: a
+        frozen process is left within a probe or two, not only after the timeout)."""
+        s, limit = self._s, self.cluster.config.inter_token_timeout_s
+        assert s.call is not None and s.decode_addr is not None
+        router, addr = (None if s.on_prefill else self.cluster.decode), s.decode_addr
+        woken: list[bool] = []
         try:
-            async with asyncio.timeout(limit):
-                return await call.read()
+            async with asyncio.timeout(limit or None) as timer:
+                if router is None:
+                    return await s.call.read()
+
+                def wake() -> None:
+                    woken.append(True)
+                    timer.reschedule(asyncio.get_running_loop().time())
+
+                router.watch(addr, wake)
+                try:
+                    return await s.call.read()
+                finally:
+                    router.unwatch(addr, wake)
         except TimeoutError:
-            raise _WorkerStalled(self._s.decode_addr) from None
+            why = "stopped answering health probes" if woken else f"made no progress for {limit:g} s"
+            raise _WorkerStalled(why) from None
 
     async def _first_read_unless_frozen(self) -> Any:
         """The Generate stream's first read; _WorkerFrozen (the stream cancelled) once the health monitor finds its

@@ -13,8 +13,9 @@ TTFT), arrival -> last token (E2E).
 
 `hybridpd_proxy_decode_failovers_total{cause, outcome}`: a decode worker that failed a request after its first
 output, by cause (`lost`: the stream broke as unreachable, the worker died or restarted; `stalled`: nothing came for
-the inter-token timeout) and outcome (`resumed` on another decode worker, the client's stream going on without a
-repeated or missing token; `failed`: no decode worker left or too many failovers, the request ended with an error).
+the inter-token timeout, or the worker stopped answering health probes while another decode worker answers) and
+outcome (`resumed` on another decode worker, the client's stream going on without a repeated or missing token;
+`failed`: no decode worker left or too many failovers, the request ended with an error).
 """
 
 from __future__ import annotations

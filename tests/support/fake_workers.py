@@ -18,7 +18,8 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        less likely than the one before (from -0.5); a Generate continuing from P's token does not.
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail, and a decode
-worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open).
+worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open; with
+`freeze_health`, its Health goes unanswered from then on too, as a frozen process's).
 `tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
 """
 
@@ -174,6 +175,7 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
         self.freeze_after_tokens: int | None = None
+        self.freeze_health = False
         self.resumes = True
         """False: a worker that predates GenerateRequest.resume (it ignores the field)."""
         self.health_delay_s = 0.0
@@ -212,6 +214,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             if self.failure is not None and i >= self.failure.after_tokens:
                 await context.abort(self.failure.code, self.failure.message)
             if self.freeze_after_tokens is not None and i >= self.freeze_after_tokens:
+                if self.freeze_health:
+                    self.health_delay_s = 3600.0
                 await asyncio.Event().wait()  # frozen: nothing more, the stream open (until cancelled)
             if request.request_id in self._abort_requested:
                 yield pb.GenerateChunk(finish_reason="abort")

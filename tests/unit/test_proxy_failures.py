@@ -288,3 +288,18 @@ def test_a_decode_worker_that_stalls_mid_stream_is_given_up(n_decode: int) -> No
             assert tokens == [6, 5, 4] and len(errors) == 1 and "made no progress" in errors[0]["error"]["message"]
             assert failovers(s, "stalled", "failed") == 1 and counter(s, "error") == 1
         wait_for(lambda: not any(in_flight(s)))
+
+
+def test_a_decode_worker_process_that_freezes_mid_stream_is_left_at_its_health_probe() -> None:
+    """The whole decode worker process freezes mid-stream (its Health unanswered too): the stream is given up as
+    soon as the health monitor finds it unresponsive while the other decode worker answers, well before the
+    inter-token timeout (30 s here), and resumes there, every token once."""
+    with LiveStack(
+        n_prefill=1, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1, control_timeout_s=0.3
+    ) as s:
+        s.decode[0].freeze_after_tokens, s.decode[0].freeze_health = 3, True
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "stream": True}
+        t0 = time.monotonic()
+        got = _stream(s.http.post("/v1/completions", json=body, timeout=20))
+        assert got == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", []) and time.monotonic() - t0 < 5
+        assert len(s.decode[0].generates) == 1 and failovers(s, "stalled", "resumed") == 1
