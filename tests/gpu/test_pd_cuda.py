@@ -2,7 +2,8 @@
 the colocated engine on the same GPU, fp32 logprobs within 1e-4, and every prompt token transferred (P computes the
 whole prompt and samples the first token).
 This is the path decode workers take on GPUs: no NIXL progress thread in D, pulls polled by the step loop.
-With two GPUs, P runs on cuda:0 and D on cuda:1 (NVLink); with one, both share it."""
+With two GPUs, P runs on cuda:0 and D on cuda:1 (NVLink); with one, both share it. Both workers run synchronously
+and with asynchronous scheduling (--async-scheduling: the mode to be checked here before it can be on by default)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ LENGTHS = [2, 17, 40, 129, 300, 480]
 NEW = 16
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_last"])
-def test_pd_on_cuda_matches_colocated(name: str, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
+def test_pd_on_cuda_matches_colocated(name: str, asynchronous: bool, checkpoint_dir) -> None:  # type: ignore[no-untyped-def]
     model = checkpoint_dir(name)
     two = torch.cuda.device_count() >= 2
     common = [
@@ -32,6 +34,7 @@ def test_pd_on_cuda_matches_colocated(name: str, checkpoint_dir) -> None:  # typ
         "32",
         "--kv-cache-memory-bytes",
         str(256 * 2**20),
+        *(["--async-scheduling"] if asynchronous else []),
     ]
     decode_env = {"CUDA_VISIBLE_DEVICES": "1"} if two else None
     cluster = start_cluster(model, worker_args=common, prefill_env={"CUDA_VISIBLE_DEVICES": "0"}, decode_env=decode_env)
