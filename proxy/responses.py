@@ -182,6 +182,11 @@ class CompletionFormatter(_Formatter):
         self._echo_sent.add(index)
         return self._echo[index]
 
+    def _shown_echo(self, prefix: str) -> str:
+        """The echo as the choice's text shows it: none when the response returns token ids (vLLM leaves the
+        prompt's text out then; the logprobs still lead with the prompt's tokens, offsets as if it were there)."""
+        return "" if self.prompt_ids is not None else prefix
+
     def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str, whole: bool = False
                   ) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -251,7 +256,8 @@ class CompletionFormatter(_Formatter):
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         d = self._shown(d)
         prefix = self._echo_text(index)
-        choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
+        choice = {"index": index, "text": self._shown_echo(prefix) + d.text,
+                  "logprobs": self._logprobs(index, [d], prefix),
                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, "token_ids": list(d.token_ids)}
         if self.prompt_ids is not None and index not in self._prompt_sent:  # on a choice's first chunk
             self._prompt_sent.add(index)
@@ -265,7 +271,7 @@ class CompletionFormatter(_Formatter):
         for index, shown in enumerate(choices):
             deltas = [self._shown(d) for d in shown]
             prefix = self._echo_text(index)
-            out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
+            out.append({"index": index, "text": self._shown_echo(prefix) + "".join(d.text for d in deltas),
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),
                         "finish_reason": deltas[-1].finish_reason, "stop_reason": deltas[-1].stop_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra

@@ -229,3 +229,19 @@ def test_bad_prompt_logprobs_are_400(stack: LiveStack, body: dict[str, Any], why
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "prompt_logprobs" and why in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_echo_with_return_token_ids_leaves_the_prompt_text_out(stack: LiveStack) -> None:
+    """vLLM: echo with return_token_ids returns the prompt as prompt_token_ids, not as text; the logprobs still
+    lead with the prompt's tokens (offsets as if its text were there), streamed or not."""
+    body = {"model": MODEL, "prompt": "hij", "max_tokens": 2, "echo": True, "logprobs": 1, "return_token_ids": True}
+    c = stack.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (c["text"], c["prompt_token_ids"], c["token_ids"]) == ("ji", [104, 105, 106], [106, 105])
+    assert c["logprobs"]["tokens"] == ["h", "i", "j", "j", "i"] and c["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert c["logprobs"]["token_logprobs"][:3] == [None, pytest.approx(-0.01), pytest.approx(-0.02)]
+    events = _events(stack.http.post("/v1/completions", json={**body, "stream": True}).text)
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == "ji"
+    assert chunks[0]["logprobs"]["tokens"][:3] == ["h", "i", "j"]
+    plain = stack.http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain["text"] == "hijji"
