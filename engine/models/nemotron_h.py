@@ -123,7 +123,8 @@ class NemotronHArgs:
             layer_types=tuple(nemotron_h_layer_types(cfg)),
             num_attention_heads=heads,
             num_key_value_heads=int(heads if kv_heads is None else kv_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            # `attention_head_dim`: the Nemotron-H 4B/8B/47B/56B name (their remote code's); 128: transformers' default
+            head_dim=int(cfg.get("head_dim") or cfg.get("attention_head_dim") or 128),
             intermediate_size=int(cfg.get("intermediate_size", 21504)),
             mlp_hidden_act=str(cfg.get("mlp_hidden_act", "relu2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),

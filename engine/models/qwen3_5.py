@@ -38,14 +38,16 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The text config: `text_config` of a multimodal config (top-level tie/eos fill in), else cfg itself."""
+    """The text config: `text_config` of a multimodal config, else cfg itself. A multimodal model ties lm_head by
+    its own (top-level) `tie_word_embeddings`, default False, whatever text_config says (as transformers does);
+    a top-level eos fills in a missing one."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         return cfg
     merged = dict(text)
-    for key in ("tie_word_embeddings", "eos_token_id"):
-        if merged.get(key) is None and cfg.get(key) is not None:
-            merged[key] = cfg[key]
+    merged["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    if merged.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
+        merged["eos_token_id"] = cfg["eos_token_id"]
     return merged
 
 
@@ -99,7 +101,7 @@ class Qwen3_5Args:
         if bad:
             raise ValueError(f"layer_types has unknown types {bad}; expected {list(LAYER_TYPES)}")
         heads = int(cfg.get("num_attention_heads", 16))
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        head_dim = int(cfg.get("head_dim") or 256)  # transformers' default when config.json has none
         theta, factor = _rope(cfg)
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         act = str(cfg.get("hidden_act", "silu"))

@@ -1,0 +1,67 @@
+"""Held-out config.json variants (benchmarks/model_zoo.py's sweep, a compact subset): checkpoints written by
+transformers itself (its own model class and init), served by the engine (chunked prefill, prefix caching with a
+repeated prompt), greedy tokens and logprobs equal to transformers' (fp32). Variants the engine cannot serve must
+be refused at load with a ModelLoadError naming the field. The whole list (and TP 2 vs TP 1) runs in the sweep:
+`python -m benchmarks.model_zoo`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.errors import ModelLoadError
+
+from benchmarks import model_zoo
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+NEW = 4
+SETTINGS = {**model_zoo.SETTINGS, "kv_cache_memory_bytes": 4 * 2**20}
+
+
+def _checkpoint(name: str, out: str) -> tuple[str, str]:
+    family, overrides = model_zoo.VARIANTS[name]
+    path = model_zoo.write_hf_checkpoint(out, family, overrides)
+    if name in model_zoo.EDITS:
+        model_zoo._edit_config(path, model_zoo.EDITS[name])
+    return path, family
+
+
+def _engine(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=path, **SETTINGS)
+    first = llm.generate(prompt_token_ids=prompts[:-1], sampling_params=greedy)
+    again = llm.generate(prompt_token_ids=prompts[-1:], sampling_params=greedy)  # a prefix-cache hit
+    return [(list(o.token_ids), list(o.logprobs or [])) for o in first + again]
+
+
+@pytest.mark.parametrize("name", [
+    "nem_attention_head_dim",  # legacy `attention_head_dim` (Nemotron-H 4B/8B/47B/56B), no `head_dim`
+    "nem_3nano_like",  # MoE, sigmoid router with scaling, 1 KV head, head_dim != hidden / heads
+    "nem_moe_groups",  # group-limited routing (n_group / topk_group)
+    "qwen_kdim16_vdim8",  # GDN key head dim != value head dim
+    "qwen_top_level_rope",  # rope_theta / partial_rotary_factor at the top level
+    "mm_tie_top_only",  # multimodal: lm_head tied by the top-level flag only
+    "mm_tie_text_only",  # multimodal: text_config says tie, the top level (which transformers reads) does not
+])
+def test_variant_matches_transformers(name: str, tmp_path: Any) -> None:
+    path, family = _checkpoint(name, str(tmp_path))
+    prompts = model_zoo.prompts_for(300)[1:]
+    got = _engine(path, prompts)
+    for prompt, (tokens, lps) in zip(prompts, got, strict=True):
+        if family in model_zoo.MULTIMODAL:
+            want, want_lps = model_zoo.multimodal_greedy(path, family, prompt, NEW)
+        else:
+            want, want_lps = hf_greedy(path, prompt, NEW)
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < model_zoo.TOL
+
+
+@pytest.mark.parametrize(("name", "field"), [
+    ("qwen_rope_yarn", "rope_type"),
+])
+def test_unsupported_variant_is_refused_at_load(name: str, field: str, tmp_path: Any) -> None:
+    path, _ = _checkpoint(name, str(tmp_path))
+    with pytest.raises(ModelLoadError, match=field):
+        LLM(model=path, **SETTINGS)
