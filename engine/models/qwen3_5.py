@@ -30,6 +30,7 @@ from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
 from hybridpd.engine.models.reference import StepMetadata, paged_attention
+from hybridpd.engine.models.rope_scaling import rope_frequencies
 from hybridpd.engine.models.sparse_moe import SparseMoeArgs, SparseMoeBlock, split_fused_experts
 from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
@@ -51,16 +52,14 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) with transformers' precedence: rope_scaling, rope_parameters, then
-    top-level keys, then defaults (10000, 0.25). Only the default rope type is supported."""
+def _rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """(rope parameters, rope_theta, partial_rotary_factor) with transformers' precedence: rope_scaling,
+    rope_parameters, then top-level keys, then defaults (10000, 0.25). The rope type is checked by
+    engine.models.rope_scaling (default, linear and yarn are served; others raise ValueError naming rope_type)."""
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return float(theta), float(factor)
+    return rope, float(theta), float(factor)
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,9 @@ class Qwen3_5Args:
     attention_bias: bool
     rope_theta: float
     rotary_dim: int
+    rope_parameters: dict[str, Any]
+    """The config's rope dict (rope_type and its scaling fields; engine.models.rope_scaling)."""
+    max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     gdn: GatedDeltaNetConfig
@@ -102,7 +104,9 @@ class Qwen3_5Args:
             raise ValueError(f"layer_types has unknown types {bad}; expected {list(LAYER_TYPES)}")
         heads = int(cfg.get("num_attention_heads", 16))
         head_dim = int(cfg.get("head_dim") or 256)  # transformers' default when config.json has none
-        theta, factor = _rope(cfg)
+        rope, theta, factor = _rope(cfg)
+        max_positions = int(cfg.get("max_position_embeddings", 32768))
+        rope_frequencies(rope, theta, int(head_dim * factor), max_positions)  # an unsupported rope_type: ValueError
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         act = str(cfg.get("hidden_act", "silu"))
         eos = cfg.get("eos_token_id")
@@ -119,6 +123,8 @@ class Qwen3_5Args:
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_theta=theta,
             rotary_dim=int(head_dim * factor),
+            rope_parameters=rope,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             gdn=GatedDeltaNetConfig(
@@ -258,7 +264,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.eos_token_ids: tuple[int, ...] = self.args.eos_token_ids
         self.model = Qwen3_5TextModel(self.args)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(self.args.rotary_dim, self.args.rope_theta)
+        a = self.args
+        self.rotary = RotaryEmbedding(a.rotary_dim, a.rope_theta, *rope_frequencies(
+            a.rope_parameters, a.rope_theta, a.rotary_dim, a.max_position_embeddings))
 
     # -- CausalLM -------------------------------------------------------------------------------------------
 

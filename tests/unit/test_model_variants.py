@@ -44,6 +44,8 @@ def _engine(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     "qwen_top_level_rope",  # rope_theta / partial_rotary_factor at the top level
     "mm_tie_top_only",  # multimodal: lm_head tied by the top-level flag only
     "mm_tie_text_only",  # multimodal: text_config says tie, the top level (which transformers reads) does not
+    "qwen_rope_yarn",  # YaRN rope scaling (positions past original_max_position_embeddings)
+    "qwen_rope_linear",
 ])
 def test_variant_matches_transformers(name: str, tmp_path: Any) -> None:
     path, family = _checkpoint(name, str(tmp_path))
@@ -59,7 +61,7 @@ def test_variant_matches_transformers(name: str, tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize(("name", "field"), [
-    ("qwen_rope_yarn", "rope_type"),
+    ("qwen_rope_dynamic", "rope_type"),  # dynamic NTK: frequencies that change with the sequence length
 ])
 def test_unsupported_variant_is_refused_at_load(name: str, field: str, tmp_path: Any) -> None:
     path, _ = _checkpoint(name, str(tmp_path))
