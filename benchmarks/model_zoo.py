@@ -144,6 +144,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen_linear_only": _qwen(layer_types=[L, L]),
     "qwen_interval": _qwen(layer_types=None, num_hidden_layers=4, full_attention_interval=2),
     "qwen_attn_gate_key": _qwen(attn_output_gate=True),
+    "qwen_gelu": _qwen(hidden_act="gelu"),  # the MLP's and the GDN conv's activation (the gated norm stays silu)
     # -- Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B shapes in miniature)
     "qmoe_base": _qmoe(),
     "qmoe_8x1": _qmoe(num_experts=8, num_experts_per_tok=1),
@@ -311,6 +312,12 @@ def _compare(want: list[tuple[list[int], list[float]]], got: list[tuple[list[int
     return {"tokens_equal": same, "max_lp_err": err, "ok": same and err < TOL}
 
 
+def _has_attention(overrides: dict[str, Any]) -> bool:
+    types = overrides.get("layers_block_type") or overrides.get("layer_types")
+    pattern = overrides.get("hybrid_override_pattern")
+    return (types is None and pattern is None) or F in (types or []) or "*" in (pattern or "")
+
+
 def prompts_for(vocab: int) -> list[list[int]]:
     from tests.oracle import random_prompts
 
@@ -321,7 +328,7 @@ def prompts_for(vocab: int) -> list[list[int]]:
 def check_variant(name: str, tp_sizes: tuple[int, ...] = (1, 2), workdir: str | None = None) -> dict[str, Any]:
     from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
 
-    from tests.oracle import hf_greedy
+    from tests.oracle import hf_greedy, hf_greedy_uncached
 
     family, overrides = VARIANTS[name]
     row: dict[str, Any] = {"variant": name, "family": family}
@@ -341,8 +348,10 @@ def check_variant(name: str, tp_sizes: tuple[int, ...] = (1, 2), workdir: str | 
             return row
         if family in MULTIMODAL:
             ref = [multimodal_greedy(path, family, p, NEW_TOKENS) for p in prompts]
-        else:
+        elif _has_attention(overrides):
             ref = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+        else:  # transformers' generate needs an attention layer: one uncached forward per token
+            ref = [hf_greedy_uncached(path, p, NEW_TOKENS) for p in prompts]
         row["tp1_vs_hf"] = _compare(ref, tp1)
         if 2 in tp_sizes:
             try:

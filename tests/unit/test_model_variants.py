@@ -67,3 +67,31 @@ def test_unsupported_variant_is_refused_at_load(name: str, field: str, tmp_path:
     path, _ = _checkpoint(name, str(tmp_path))
     with pytest.raises(ModelLoadError, match=field):
         LLM(model=path, **SETTINGS)
+
+
+def test_quantized_checkpoints_are_refused_at_load(tmp_path: Any) -> None:
+    """A quantization_config (top level or in a multimodal text_config) or fp8 / integer weight tensors: refused,
+    never loaded with the scales dropped."""
+    import json
+
+    import torch
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.models.registry import load_model
+    from safetensors.torch import load_file, save_file
+
+    path = write_random_checkpoint(str(tmp_path), "nemotron_h", pattern="M*")
+    config_file = tmp_path / "config.json"
+    plain = json.loads(config_file.read_text())
+    for cfg in ({**plain, "quantization_config": {"quant_method": "fp8"}},
+                {**plain, "text_config": {"quantization_config": {"quant_method": "awq"}}}):
+        config_file.write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match="quantization_config"):
+            load_model(path)
+    config_file.write_text(json.dumps(plain))
+    (weights,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="float8"):
+        load_model(path)
