@@ -112,6 +112,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "nem_moe_groups": _nem(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2),
     "nem_moe_latent": _nem(moe_latent_size=32),
     "nem_moe_latent_bias": _nem(moe_latent_size=32, mlp_bias=True),
+    "nem_no_shared": _nem(moe_shared_expert_intermediate_size=0, n_shared_experts=0),
+    "nem_groups3": _nem(mamba_num_heads=6, n_groups=3),  # TP 2 can neither split nor replicate 3 groups
     "nem_3nano_like": _nem(layers_block_type=[L, "moe", L, F, "moe", L, "moe"], n_routed_experts=8,
                            num_experts_per_tok=3, routed_scaling_factor=2.5, num_key_value_heads=1, head_dim=32),
     # -- Qwen3.5 dense (0.8B ... 27B shapes in miniature)
@@ -150,6 +152,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qmoe_8x1": _qmoe(num_experts=8, num_experts_per_tok=1),
     "qmoe_8x8": _qmoe(num_experts=8, num_experts_per_tok=8),
     "qmoe_shared16": _qmoe(shared_expert_intermediate_size=16),
+    "qmoe_no_shared": _qmoe(shared_expert_intermediate_size=0),
     "qmoe_tie": _qmoe(tie_word_embeddings=True),
     "qmoe_kv1_hd32": _qmoe(num_key_value_heads=1, head_dim=32),
     # -- rope scaling types: served only if the engine implements them, else refused at load

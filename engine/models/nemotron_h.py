@@ -135,7 +135,9 @@ class NemotronHArgs:
             n_routed_experts=int(_pick(cfg, "n_routed_experts", 8, "num_local_experts")),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size", 7688)),
-            moe_shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)),
+            # 0 (or null) falls back to intermediate_size, as transformers' NemotronHMLP does (`size or ...`)
+            moe_shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)
+                                                    or cfg.get("intermediate_size", 21504)),
             moe_latent_size=cfg.get("moe_latent_size"),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             n_group=int(cfg.get("n_group", 1)),

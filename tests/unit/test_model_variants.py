@@ -40,6 +40,7 @@ def _engine(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     "nem_attention_head_dim",  # legacy `attention_head_dim` (Nemotron-H 4B/8B/47B/56B), no `head_dim`
     "nem_3nano_like",  # MoE, sigmoid router with scaling, 1 KV head, head_dim != hidden / heads
     "nem_moe_groups",  # group-limited routing (n_group / topk_group)
+    "nem_no_shared",  # moe_shared_expert_intermediate_size 0: transformers falls back to intermediate_size
     "qwen_kdim16_vdim8",  # GDN key head dim != value head dim
     "qwen_top_level_rope",  # rope_theta / partial_rotary_factor at the top level
     "mm_tie_top_only",  # multimodal: lm_head tied by the top-level flag only
