@@ -13,6 +13,7 @@ plus the byte-level tokenizer. Then, all fp32 on the CPU:
     python -m benchmarks.model_zoo                       # every variant, table + JSON (benchmarks/results/...)
     python -m benchmarks.model_zoo --only qwen_kv1 --tp 1   # a few variants, TP 1 only
     python -m benchmarks.model_zoo --list
+    python -m benchmarks.model_zoo --device cuda         # the engine's CUDA paths (fused kernels, fla-core)
 
 Heavy (tens of minutes on 2 cores for the whole list); CI runs a compact parametrised subset
 (tests/unit/test_model_variants.py).
@@ -380,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
     p.add_argument("--json", default="benchmarks/results/model_zoo.json")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--device", default="cpu", help="the engine's device (the transformers reference stays on the CPU)")
     args = p.parse_args(argv)
+    SETTINGS["device"] = args.device
     names = [n for n in VARIANTS if not args.only or any(n.startswith(o) for o in args.only)]
     if args.list:
         print("\n".join(names))

@@ -88,8 +88,10 @@ class Qwen3_5Args:
     """Qwen3.5-MoE: every layer's MLP is a sparse MoE block; None: dense GatedMLPs."""
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Args:
+    def from_dict(cls, config: dict[str, Any], defaults: dict[str, Any] | None = None) -> Qwen3_5Args:
+        """`defaults`: the family's transformers defaults where they differ from the dense model's (MoE)."""
         cfg = _text_config(config)
+        cfg = {**(defaults or {}), **{k: v for k, v in cfg.items() if v is not None}}
         hidden = int(cfg.get("hidden_size", 4096))
         layer_types = cfg.get("layer_types")
         num_layers = int(cfg.get("num_hidden_layers") or (len(layer_types) if layer_types else 32))
@@ -254,10 +256,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     are assigned); implements the `CausalLM` protocol of engine.models.base."""
 
     architecture = "Qwen3_5ForCausalLM"
+    config_defaults: dict[str, Any] = {}
+    """transformers' defaults of this family where they differ from Qwen3_5TextConfig's (read in from_dict)."""
 
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__()
-        self.args = Qwen3_5Args.from_dict(config)
+        self.args = Qwen3_5Args.from_dict(config, self.config_defaults)
         self.dtype_name = dtype
         self.vocab_size = self.args.vocab_size
         self.hidden_size = self.args.hidden_size
@@ -351,6 +355,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: the same model, every MLP a sparse MoE block (its args' `moe`)."""
 
     architecture = "Qwen3_5MoeForCausalLM"
+    config_defaults = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts": 256,
+                       "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+    """Qwen3_5MoeTextConfig's defaults that differ from the dense config's."""
 
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__(config, dtype)

@@ -96,3 +96,45 @@ def test_quantized_checkpoints_are_refused_at_load(tmp_path: Any) -> None:
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="float8"):
         load_model(path)
+
+
+@pytest.mark.parametrize(("family", "arch"), [("nemotron_h", "NemotronHForCausalLM"),
+                                              ("qwen3_5", "Qwen3_5ForCausalLM"),
+                                              ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
+def test_missing_fields_take_transformers_defaults(family: str, arch: str) -> None:
+    """A config.json that leaves fields out: the engine's shapes are those transformers builds from it."""
+    import torch
+    from hybridpd.engine.models.registry import ARCHITECTURES
+
+    minimal = {"vocab_size": 300, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 32,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 8, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2,
+               "ssm_state_size": 8, "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts": 4,
+               "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"],
+               "layers_block_type": ["linear_attention", "full_attention", "moe"], "num_hidden_layers": 2}
+    keep = set(model_zoo.hf_config(family, {}).to_dict())
+    cfg = {k: v for k, v in minimal.items() if k in keep or k == "layers_block_type" and family == "nemotron_h"}
+    if family != "nemotron_h":
+        cfg.pop("layers_block_type", None)
+    else:
+        cfg.pop("layer_types", None)
+        cfg.pop("num_hidden_layers", None)
+    hf = model_zoo.hf_config(family, {**cfg, "initializer_range": 0.02})
+    from transformers import AutoModelForCausalLM
+
+    want = {n: tuple(t.shape) for n, t in AutoModelForCausalLM.from_config(hf).state_dict().items()}
+    with torch.device("meta"):
+        model = ARCHITECTURES[arch](cfg)
+    cls = ARCHITECTURES[arch]
+    got: dict[str, tuple[int, ...]] = {}
+    for name, t in model.state_dict().items():
+        got[name] = tuple(t.shape)
+    mapped = {}
+    for name, shape in want.items():
+        target = cls.checkpoint_name(name)
+        if target is None:
+            continue
+        for piece, tensor in cls.split_checkpoint_tensor(target, torch.empty(shape, device="meta")):
+            mapped[piece] = tuple(tensor.shape)
+    assert {n: s for n, s in mapped.items() if n in got} == {n: got[n] for n in mapped if n in got}
+    assert set(got) - set(mapped) <= {"lm_head.weight"}, sorted(set(got) - set(mapped))[:5]
