@@ -36,23 +36,55 @@ import torch
 NEW_TOKENS = 8
 LENGTHS = (3, 21, 40)
 TOL = 1e-4
-SETTINGS: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 16,
-                            "kv_cache_memory_bytes": 8 * 2**20, "enable_prefix_caching": True, "max_model_len": 64}
+SETTINGS: dict[str, Any] = {
+    "device": "cpu",
+    "dtype": "float32",
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 8 * 2**20,
+    "enable_prefix_caching": True,
+    "max_model_len": 64,
+}
 
 L, F = "linear_attention", "full_attention"
 NEMOTRON_BASE: dict[str, Any] = {
-    "vocab_size": 300, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "intermediate_size": 96, "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16,
-    "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 48, "layers_block_type": [L, F, "mlp", L, "moe"],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 8,
+    "n_groups": 2,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "chunk_size": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+    "layers_block_type": [L, F, "mlp", L, "moe"],
 }
 QWEN_BASE: dict[str, Any] = {
-    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "layer_types": [L, F, L],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": [L, F, L],
 }
-QWEN_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48}
+QWEN_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 
 
 def _nem(**o: Any) -> tuple[str, dict[str, Any]]:
@@ -115,21 +147,35 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "nem_moe_latent_bias": _nem(moe_latent_size=32, mlp_bias=True),
     "nem_no_shared": _nem(moe_shared_expert_intermediate_size=0, n_shared_experts=0),
     "nem_groups3": _nem(mamba_num_heads=6, n_groups=3),  # TP 2 can neither split nor replicate 3 groups
-    "nem_3nano_like": _nem(layers_block_type=[L, "moe", L, F, "moe", L, "moe"], n_routed_experts=8,
-                           num_experts_per_tok=3, routed_scaling_factor=2.5, num_key_value_heads=1, head_dim=32),
+    "nem_3nano_like": _nem(
+        layers_block_type=[L, "moe", L, F, "moe", L, "moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        routed_scaling_factor=2.5,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
     # -- Qwen3.5 dense (0.8B ... 27B shapes in miniature)
     "qwen_base": _qwen(),
     "qwen_head_dim_32": _qwen(head_dim=32),
     "qwen_kv1": _qwen(num_key_value_heads=1),
     "qwen_kv_eq_heads": _qwen(num_key_value_heads=4),
-    "qwen_partial_0.5": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                               "partial_rotary_factor": 0.5}),
-    "qwen_partial_1.0": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                               "partial_rotary_factor": 1.0}),
-    "qwen_theta_1e7": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 1e7,
-                                             "partial_rotary_factor": 0.25}),
-    "qwen_mrope": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                         "mrope_interleaved": True, "mrope_section": [1, 1, 0]}),
+    "qwen_partial_0.5": _qwen(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    ),
+    "qwen_partial_1.0": _qwen(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    ),
+    "qwen_theta_1e7": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    "qwen_mrope": _qwen(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [1, 1, 0],
+        }
+    ),
     "qwen_attention_bias": _qwen(attention_bias=True),
     "qwen_conv2": _qwen(linear_conv_kernel_dim=2),
     "qwen_conv3": _qwen(linear_conv_kernel_dim=3),
@@ -157,16 +203,33 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qmoe_tie": _qmoe(tie_word_embeddings=True),
     "qmoe_kv1_hd32": _qmoe(num_key_value_heads=1, head_dim=32),
     # -- rope scaling types: served only if the engine implements them, else refused at load
-    "qwen_rope_linear": _qwen(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0,
-                                               "partial_rotary_factor": 0.25}),
-    "qwen_rope_dynamic": _qwen(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0,
-                                                "partial_rotary_factor": 0.25}),
-    "qwen_rope_yarn_mscale": _qwen(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                    "original_max_position_embeddings": 16, "mscale": 1.0,
-                                                    "mscale_all_dim": 0.5, "beta_fast": 16,
-                                                    "partial_rotary_factor": 0.5}),
-    "qwen_rope_yarn": _qwen(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                             "original_max_position_embeddings": 32, "partial_rotary_factor": 0.25}),
+    "qwen_rope_linear": _qwen(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.25}
+    ),
+    "qwen_rope_dynamic": _qwen(
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.25}
+    ),
+    "qwen_rope_yarn_mscale": _qwen(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16,
+            "partial_rotary_factor": 0.5,
+        }
+    ),
+    "qwen_rope_yarn": _qwen(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "partial_rotary_factor": 0.25,
+        }
+    ),
 }
 
 
@@ -177,8 +240,12 @@ def _legacy_head_dim(cfg: dict[str, Any]) -> None:
 
 def _legacy_mamba_names(cfg: dict[str, Any]) -> None:
     """Older NemotronH names, which transformers maps (and lets win over the current ones)."""
-    for new, old in (("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"), ("chunk_size", "mamba_chunk_size"),
-                     ("use_conv_bias", "mamba_conv_bias")):
+    for new, old in (
+        ("n_groups", "mamba_n_groups"),
+        ("conv_kernel", "mamba_d_conv"),
+        ("chunk_size", "mamba_chunk_size"),
+        ("use_conv_bias", "mamba_conv_bias"),
+    ):
         cfg[old] = cfg[new]
         cfg[new] = {"n_groups": 1, "conv_kernel": 2, "chunk_size": 64, "use_conv_bias": False}[new]  # ignored
 
@@ -201,20 +268,25 @@ EDITS: dict[str, Any] = {
     "nem_rms_norm_eps_key": _nemotron_rms_norm_eps,
     "qwen_top_level_rope": _top_level_rope,
 }
-VARIANTS.update({
-    "nem_attention_head_dim": _nem(num_attention_heads=2, num_key_value_heads=1, head_dim=128),
-    "nem_legacy_mamba_names": _nem(n_groups=4, conv_kernel=3, chunk_size=4, use_conv_bias=True),
-    "nem_rms_norm_eps_key": _nem(),
-    "qwen_top_level_rope": _qwen(rope_parameters={"rope_type": "default", "rope_theta": 5e5,
-                                                  "partial_rotary_factor": 0.5}),
-    # the multimodal wrapper (text part); transformers ties lm_head by the TOP-LEVEL tie_word_embeddings
-    "mm_dense": ("qwen3_5_mm", {**QWEN_BASE}),
-    "mm_moe": ("qwen3_5_moe_mm", {k: v for k, v in {**QWEN_BASE, **QWEN_MOE}.items() if k != "intermediate_size"}),
-    "mm_tie_top_only": ("qwen3_5_mm", {**QWEN_BASE, "top_tie": True, "tie_word_embeddings": False}),
-    "mm_tie_text_only": ("qwen3_5_mm", {**QWEN_BASE, "top_tie": False, "tie_word_embeddings": True}),
-})
-MULTIMODAL = {"qwen3_5_mm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
-              "qwen3_5_moe_mm": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe")}
+VARIANTS.update(
+    {
+        "nem_attention_head_dim": _nem(num_attention_heads=2, num_key_value_heads=1, head_dim=128),
+        "nem_legacy_mamba_names": _nem(n_groups=4, conv_kernel=3, chunk_size=4, use_conv_bias=True),
+        "nem_rms_norm_eps_key": _nem(),
+        "qwen_top_level_rope": _qwen(
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}
+        ),
+        # the multimodal wrapper (text part); transformers ties lm_head by the TOP-LEVEL tie_word_embeddings
+        "mm_dense": ("qwen3_5_mm", {**QWEN_BASE}),
+        "mm_moe": ("qwen3_5_moe_mm", {k: v for k, v in {**QWEN_BASE, **QWEN_MOE}.items() if k != "intermediate_size"}),
+        "mm_tie_top_only": ("qwen3_5_mm", {**QWEN_BASE, "top_tie": True, "tie_word_embeddings": False}),
+        "mm_tie_text_only": ("qwen3_5_mm", {**QWEN_BASE, "top_tie": False, "tie_word_embeddings": True}),
+    }
+)
+MULTIMODAL = {
+    "qwen3_5_mm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "qwen3_5"),
+    "qwen3_5_moe_mm": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),
+}
 
 
 def hf_config(family: str, overrides: dict[str, Any]) -> Any:
@@ -225,12 +297,22 @@ def hf_config(family: str, overrides: dict[str, Any]) -> Any:
         text = dict(overrides)
         top_tie = text.pop("top_tie", text.get("tie_word_embeddings", False))
         text_cfg = hf_config(text_family, text).to_dict()
-        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
-                  "out_hidden_size": text_cfg["hidden_size"], "spatial_merge_size": 1, "temporal_patch_size": 1}
-        return getattr(transformers, config_cls)(text_config=text_cfg, vision_config=vision,
-                                                 tie_word_embeddings=top_tie)
-    cls = {"nemotron_h": "NemotronHConfig", "qwen3_5": "Qwen3_5TextConfig",
-           "qwen3_5_moe": "Qwen3_5MoeTextConfig"}[family]
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 4,
+            "out_hidden_size": text_cfg["hidden_size"],
+            "spatial_merge_size": 1,
+            "temporal_patch_size": 1,
+        }
+        return getattr(transformers, config_cls)(
+            text_config=text_cfg, vision_config=vision, tie_word_embeddings=top_tie
+        )
+    cls = {"nemotron_h": "NemotronHConfig", "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}[
+        family
+    ]
     o = {k: v for k, v in overrides.items() if v is not None}
     if family != "nemotron_h" and "layer_types" in o:
         o.setdefault("num_hidden_layers", len(o["layer_types"]))
@@ -281,8 +363,11 @@ def multimodal_greedy(path: str, family: str, prompt: list[int], new: int) -> tu
     """transformers' multimodal model itself (not AutoModelForCausalLM), uncached greedy on a text prompt."""
     import transformers
 
-    model = getattr(transformers, MULTIMODAL[family][1]).from_pretrained(path, dtype=torch.float32,
-                                                                        attn_implementation="eager").eval()
+    model = (
+        getattr(transformers, MULTIMODAL[family][1])
+        .from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        .eval()
+    )
     ids, tokens, lps = list(prompt), [], []
     for _ in range(new):
         lp = torch.log_softmax(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float(), -1)
@@ -396,12 +481,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row = check_variant(name, tuple(args.tp))
         except Exception as e:
-            row = {"variant": name, "result": f"CRASH: {type(e).__name__}: {str(e)[:200]}",
-                   "trace": traceback.format_exc()[-3000:]}
+            row = {
+                "variant": name,
+                "result": f"CRASH: {type(e).__name__}: {str(e)[:200]}",
+                "trace": traceback.format_exc()[-3000:],
+            }
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
-        print(f"| {name} | {_cell(row.get('tp1_vs_hf'))} | {_cell(row.get('tp2_vs_tp1'))} | {row['result']} |",
-              flush=True)
+        print(
+            f"| {name} | {_cell(row.get('tp1_vs_hf'))} | {_cell(row.get('tp2_vs_tp1'))} | {row['result']} |", flush=True
+        )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1, default=lambda x: x if math.isfinite(x) else str(x)) + "\n")

@@ -122,8 +122,10 @@ def refuse_unservable(cfg: dict[str, Any]) -> None:
         quant = section.get("quantization_config") or section.get("compression_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise ModelLoadError(f"config.json has {where}quantization_config (quant_method={method!r}): quantized "
-                                 "checkpoints are not supported; use the unquantized (bf16/fp16/fp32) weights")
+            raise ModelLoadError(
+                f"config.json has {where}quantization_config (quant_method={method!r}): quantized "
+                "checkpoints are not supported; use the unquantized (bf16/fp16/fp32) weights"
+            )
 
 
 def build_on_meta(path: str, dtype: str = "float32") -> CausalLM:
@@ -207,8 +209,10 @@ def _read_weights(
                         continue
                     raw = f.get_tensor(key)
                     if raw.dtype not in SERVABLE_DTYPES:
-                        raise ModelLoadError(f"checkpoint tensor {key!r} in {file.name} has dtype {raw.dtype}; only "
-                                             "float32/bfloat16/float16 weights are supported (quantized checkpoint?)")
+                        raise ModelLoadError(
+                            f"checkpoint tensor {key!r} in {file.name} has dtype {raw.dtype}; only "
+                            "float32/bfloat16/float16 weights are supported (quantized checkpoint?)"
+                        )
                     for mapped, tensor in cls.split_checkpoint_tensor(name, raw):
                         if mapped not in expected:
                             unexpected.append(mapped)
@@ -242,5 +246,12 @@ def _tie_or_fail(
         )
 
 
-__all__ = ["ARCHITECTURES", "build_on_meta", "load_model", "read_model_config", "refuse_unservable",
-           "resolve_architecture", "weight_files"]
+__all__ = [
+    "ARCHITECTURES",
+    "build_on_meta",
+    "load_model",
+    "read_model_config",
+    "refuse_unservable",
+    "resolve_architecture",
+    "weight_files",
+]

@@ -36,18 +36,21 @@ def _engine(path: str, prompts: list[list[int]]) -> list[tuple[list[int], list[f
     return [(list(o.token_ids), list(o.logprobs or [])) for o in first + again]
 
 
-@pytest.mark.parametrize("name", [
-    "nem_attention_head_dim",  # legacy `attention_head_dim` (Nemotron-H 4B/8B/47B/56B), no `head_dim`
-    "nem_3nano_like",  # MoE, sigmoid router with scaling, 1 KV head, head_dim != hidden / heads
-    "nem_moe_groups",  # group-limited routing (n_group / topk_group)
-    "nem_no_shared",  # moe_shared_expert_intermediate_size 0: transformers falls back to intermediate_size
-    "qwen_kdim16_vdim8",  # GDN key head dim != value head dim
-    "qwen_top_level_rope",  # rope_theta / partial_rotary_factor at the top level
-    "mm_tie_top_only",  # multimodal: lm_head tied by the top-level flag only
-    "mm_tie_text_only",  # multimodal: text_config says tie, the top level (which transformers reads) does not
-    "qwen_rope_yarn",  # YaRN rope scaling (positions past original_max_position_embeddings)
-    "qwen_rope_linear",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nem_attention_head_dim",  # legacy `attention_head_dim` (Nemotron-H 4B/8B/47B/56B), no `head_dim`
+        "nem_3nano_like",  # MoE, sigmoid router with scaling, 1 KV head, head_dim != hidden / heads
+        "nem_moe_groups",  # group-limited routing (n_group / topk_group)
+        "nem_no_shared",  # moe_shared_expert_intermediate_size 0: transformers falls back to intermediate_size
+        "qwen_kdim16_vdim8",  # GDN key head dim != value head dim
+        "qwen_top_level_rope",  # rope_theta / partial_rotary_factor at the top level
+        "mm_tie_top_only",  # multimodal: lm_head tied by the top-level flag only
+        "mm_tie_text_only",  # multimodal: text_config says tie, the top level (which transformers reads) does not
+        "qwen_rope_yarn",  # YaRN rope scaling (positions past original_max_position_embeddings)
+        "qwen_rope_linear",
+    ],
+)
 def test_variant_matches_transformers(name: str, tmp_path: Any) -> None:
     path, family = _checkpoint(name, str(tmp_path))
     prompts = model_zoo.prompts_for(300)[1:]
@@ -61,9 +64,12 @@ def test_variant_matches_transformers(name: str, tmp_path: Any) -> None:
         assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < model_zoo.TOL
 
 
-@pytest.mark.parametrize(("name", "field"), [
-    ("qwen_rope_dynamic", "rope_type"),  # dynamic NTK: frequencies that change with the sequence length
-])
+@pytest.mark.parametrize(
+    ("name", "field"),
+    [
+        ("qwen_rope_dynamic", "rope_type"),  # dynamic NTK: frequencies that change with the sequence length
+    ],
+)
 def test_unsupported_variant_is_refused_at_load(name: str, field: str, tmp_path: Any) -> None:
     path, _ = _checkpoint(name, str(tmp_path))
     with pytest.raises(ModelLoadError, match=field):
@@ -83,8 +89,10 @@ def test_quantized_checkpoints_are_refused_at_load(tmp_path: Any) -> None:
     path = write_random_checkpoint(str(tmp_path), "nemotron_h", pattern="M*")
     config_file = tmp_path / "config.json"
     plain = json.loads(config_file.read_text())
-    for cfg in ({**plain, "quantization_config": {"quant_method": "fp8"}},
-                {**plain, "text_config": {"quantization_config": {"quant_method": "awq"}}}):
+    for cfg in (
+        {**plain, "quantization_config": {"quant_method": "fp8"}},
+        {**plain, "text_config": {"quantization_config": {"quant_method": "awq"}}},
+    ):
         config_file.write_text(json.dumps(cfg))
         with pytest.raises(ModelLoadError, match="quantization_config"):
             load_model(path)
@@ -98,20 +106,40 @@ def test_quantized_checkpoints_are_refused_at_load(tmp_path: Any) -> None:
         load_model(path)
 
 
-@pytest.mark.parametrize(("family", "arch"), [("nemotron_h", "NemotronHForCausalLM"),
-                                              ("qwen3_5", "Qwen3_5ForCausalLM"),
-                                              ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")])
+@pytest.mark.parametrize(
+    ("family", "arch"),
+    [
+        ("nemotron_h", "NemotronHForCausalLM"),
+        ("qwen3_5", "Qwen3_5ForCausalLM"),
+        ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    ],
+)
 def test_missing_fields_take_transformers_defaults(family: str, arch: str) -> None:
     """A config.json that leaves fields out: the engine's shapes are those transformers builds from it."""
     import torch
     from hybridpd.engine.models.registry import ARCHITECTURES
 
-    minimal = {"vocab_size": 300, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 32,
-               "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
-               "linear_value_head_dim": 8, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2,
-               "ssm_state_size": 8, "moe_intermediate_size": 8, "n_routed_experts": 4, "num_experts": 4,
-               "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"],
-               "layers_block_type": ["linear_attention", "full_attention", "moe"], "num_hidden_layers": 2}
+    minimal = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "n_groups": 2,
+        "ssm_state_size": 8,
+        "moe_intermediate_size": 8,
+        "n_routed_experts": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "layers_block_type": ["linear_attention", "full_attention", "moe"],
+        "num_hidden_layers": 2,
+    }
     keep = set(model_zoo.hf_config(family, {}).to_dict())
     cfg = {k: v for k, v in minimal.items() if k in keep or k == "layers_block_type" and family == "nemotron_h"}
     if family != "nemotron_h":
