@@ -14,6 +14,7 @@ plus the byte-level tokenizer. Then, all fp32 on the CPU:
     python -m benchmarks.model_zoo --only qwen_kv1 --tp 1   # a few variants, TP 1 only
     python -m benchmarks.model_zoo --list
     python -m benchmarks.model_zoo --device cuda         # the engine's CUDA paths (fused kernels, fla-core)
+    python -m benchmarks.model_zoo --fast-path --tp 1    # the batched path on the CPU (Triton interpreted)
 
 Heavy (tens of minutes on 2 cores for the whole list); CI runs a compact parametrised subset
 (tests/unit/test_model_variants.py).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -44,6 +46,9 @@ SETTINGS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "max_model_len": 64,
 }
+
+FAST_PATH = False
+"""--fast-path: TP 1 engines run the batched path (its Triton kernels under TRITON_INTERPRET=1 on the CPU)."""
 
 L, F = "linear_attention", "full_attention"
 NEMOTRON_BASE: dict[str, Any] = {
@@ -381,7 +386,13 @@ def _engine_runs(path: str, tp: int, prompts: list[list[int]]) -> list[tuple[lis
     from hybridpd.engine import LLM, SamplingParams
 
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS)
+    from contextlib import nullcontext
+
+    from tests.support.forward_path import forward_path
+
+    with forward_path(True) if FAST_PATH and tp == 1 else nullcontext():
+        llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS)
+    assert not (FAST_PATH and tp == 1) or llm.engine.runner.fast_path, "the batched path was not chosen"
     try:
         first = llm.generate(prompt_token_ids=prompts[:-1], sampling_params=greedy)
         again = llm.generate(prompt_token_ids=prompts[-1:], sampling_params=greedy)  # prefix-cache hit
@@ -466,9 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
     p.add_argument("--json", default="benchmarks/results/model_zoo.json")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--fast-path", action="store_true", help="TP 1 on the batched path (CPU: Triton interpreted)")
     p.add_argument("--device", default="cpu", help="the engine's device (the transformers reference stays on the CPU)")
     args = p.parse_args(argv)
     SETTINGS["device"] = args.device
+    if args.fast_path:
+        global FAST_PATH
+        FAST_PATH = True
+        if args.device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     names = [n for n in VARIANTS if not args.only or any(n.startswith(o) for o in args.only)]
     if args.list:
         print("\n".join(names))

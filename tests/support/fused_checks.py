@@ -268,10 +268,20 @@ def check_paged_attention_across_key_tiles(dtype: torch.dtype) -> None:
         _check_attention(dtype, seqs)
 
 
-def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
+def check_paged_attention_any_group_and_head_dim(dtype: torch.dtype) -> None:
+    """The same for GQA groups and head dims that are not powers of two (Nemotron-Nano-9B-v2: 40 heads on 8 KV
+    heads, Qwen3.5-27B: 24 on 4; head dims like 80 or 96): prefill tiles, a chunk after a prefix, decodes."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        return  # as above: the interpreter's bf16 dots
+    for H, KVH, D in ((10, 2, 24), (24, 1, 20), (6, 2, 32)):
+        for seqs in ([(1, 40), (20, 45), (1, 0)], [(1, 33), (1, 5), (1, 0)]):
+            _check_attention(dtype, seqs, H, KVH, D)
+
+
+def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]], H: int = 4, KVH: int = 2, D: int = 32) -> None:
     from hybridpd.engine.kernels.paged_attention import paged_attention_varlen
 
-    H, KVH, D, bs = 4, 2, 32, 16
+    bs = 16
     n_blocks = sum(-(-c // bs) for _, c in seqs) + 3
     cache = torch.full((n_blocks, 2, bs, KVH, D), float("nan"), dtype=dtype)
     perm = torch.randperm(n_blocks, generator=GEN).tolist()
