@@ -10,7 +10,7 @@ plus the byte-level tokenizer. Then, all fp32 on the CPU:
     TP 2 vs TP 1 LLM(tensor_parallel_size=2) (gloo ranks) against TP 1: tokens identical, logprobs within 1e-4
     refused      variants the engine must not serve: loading must raise ModelLoadError naming the field
 
-    python -m benchmarks.model_zoo                       # every variant, table + JSON (benchmarks/results/...)
+    python -m benchmarks.model_zoo                       # every variant: a table, and the rows in model_zoo.json
     python -m benchmarks.model_zoo --only qwen_kv1 --tp 1   # a few variants, TP 1 only
     python -m benchmarks.model_zoo --list
     python -m benchmarks.model_zoo --device cuda         # the engine's CUDA paths (fused kernels, fla-core)
@@ -117,6 +117,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "nem_mamba_hd16": _nem(mamba_head_dim=16, mamba_num_heads=4),
     "nem_mamba_hd10": _nem(mamba_head_dim=10, mamba_num_heads=8),  # Nano-v2: 80 (not a power of 2)
     "nem_mamba_heads12": _nem(mamba_num_heads=12, n_groups=4),  # Mamba width 96, not 2 x hidden
+    "nem_group5_hd24": _nem(num_attention_heads=10, num_key_value_heads=2, head_dim=24),  # Nano-9B-v2: 40 / 8
+    "nem_state12": _nem(ssm_state_size=12),  # not a power of two
     "nem_state8": _nem(ssm_state_size=8),
     "nem_state64": _nem(ssm_state_size=64),
     "nem_conv2": _nem(conv_kernel=2),
@@ -184,6 +186,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen_attention_bias": _qwen(attention_bias=True),
     "qwen_conv2": _qwen(linear_conv_kernel_dim=2),
     "qwen_conv3": _qwen(linear_conv_kernel_dim=3),
+    "qwen_group6_hd24": _qwen(num_attention_heads=6, num_key_value_heads=1, head_dim=24),  # 27B: 24 / 4
+    "qwen_kdim12": _qwen(linear_key_head_dim=12),  # not a power of two
     "qwen_kdim16_vdim8": _qwen(linear_key_head_dim=16, linear_value_head_dim=8),
     "qwen_kdim8_vdim16": _qwen(linear_key_head_dim=8, linear_value_head_dim=16),
     "qwen_k1_v4": _qwen(linear_num_key_heads=1, linear_num_value_heads=4),
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", help="variant names (prefix match)")
     p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
-    p.add_argument("--json", default="benchmarks/results/model_zoo.json")
+    p.add_argument("--out", default="model_zoo.json", help="the rows as JSON")
     p.add_argument("--list", action="store_true")
     p.add_argument("--fast-path", action="store_true", help="TP 1 on the batched path (CPU: Triton interpreted)")
     p.add_argument("--device", default="cpu", help="the engine's device (the transformers reference stays on the CPU)")
@@ -508,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {name} | {_cell(row.get('tp1_vs_hf'))} | {_cell(row.get('tp2_vs_tp1'))} | {row['result']} |", flush=True
         )
-    out = Path(args.json)
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1, default=lambda x: x if math.isfinite(x) else str(x)) + "\n")
     return 0 if all(r["result"].startswith(("pass", "refused")) for r in rows) else 1
