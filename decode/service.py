@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 from hybridpd.decode.consumer import Consumer, PendingPull, overlap_from_env
@@ -26,6 +27,11 @@ from hybridpd.worker.convert import chunk_of, sampling_params_from_proto, stats_
 from hybridpd.worker.stream_text import streamable_end
 
 log = logging.getLogger("hybridpd.decode")
+
+MAX_PREFILL_PEERS = 64
+"""Prefill workers a decode worker keeps handshaken at once. A worker id lives as long as its process, so every
+prefill restart is a new peer: past this many the least recently used is forgotten (a later request from it
+handshakes again)."""
 
 
 class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
@@ -49,8 +55,12 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         ctx.core.transfer_canceller = self.consumer.cancel  # the engine ends imports through its finish path
         self.prefill_peers = frozenset(prefill_peers)
         self.commit_timeout_s = commit_timeout_s
-        self._peers: dict[tuple[str, str], tuple[object, str]] = {}
-        """(P worker id, epoch) -> (NIXL peer handle, the gRPC address it was verified at)."""
+        self._peers: OrderedDict[tuple[str, str], tuple[object, str]] = OrderedDict()
+        """(P worker id, epoch) -> (NIXL peer handle, the gRPC address it was verified at); least recently used
+        first, at most MAX_PREFILL_PEERS. Event loop only."""
+        self._retired: list[tuple[tuple[str, str], object]] = []
+        """Peers forgotten by `_peers` that the agent still holds: removed from it once no pull of theirs is in
+        flight. Step thread only."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peer_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,6 +94,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
 
     def _hook(self, core: EngineCore) -> None:
         self.consumer.poll(core)
+        if self._retired:
+            self._drop_retired(core, [])
         core.expire_imports()  # also between steps: an import past its deadline is let go
         if self.ctx.metrics is not None:  # at most every 2 ms (WorkerMetrics.min_interval_s)
             self.ctx.metrics.update(core, extra_waiting=core.num_importing)
@@ -117,6 +129,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             if known[1] != tp.prefill_address:
                 self._unknown_peer(tp, f"worker {tp.worker_id} was verified at {known[1]}")
                 return None
+            self._peers.move_to_end(key)
             return known[0]
         agent = self.ctx.agent
         if agent is None:
@@ -152,8 +165,40 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             except Exception as e:  # noqa: BLE001 - unreachable, incompatible, corrupted metadata
                 log.warning("handshake with prefill worker %s failed: %s", tp.prefill_address, e)
                 return None
-            self._peers[key] = (peer, tp.prefill_address)
+            self._remember(key, peer, tp.prefill_address)
             return peer
+
+    def _remember(self, key: tuple[str, str], peer: object, address: str) -> None:
+        """Keep a verified peer. An earlier worker verified at the same address is gone (an address serves one
+        process: that one stopped or restarted), and past MAX_PREFILL_PEERS the least recently used is dropped;
+        both are retired (`_drop_retired`)."""
+        gone = [k for k, (_, a) in self._peers.items() if a == address and k != key]
+        self._peers[key] = (peer, address)
+        self._peers.move_to_end(key)
+        over = max(0, len(self._peers) - len(gone) - MAX_PREFILL_PEERS)
+        excess = [k for k in self._peers if k != key and k not in gone][:over]
+        retired = [(k, self._peers.pop(k)[0]) for k in (*gone, *excess)]
+        if retired:
+            log.info("forgetting prefill peer(s) %s", ", ".join(w for (w, _), _ in retired))
+            self.ctx.aengine.call(lambda core: self._drop_retired(core, retired))
+
+    def _drop_retired(self, core: EngineCore, retired: list[tuple[tuple[str, str], object]]) -> None:
+        """Step thread: remove retired peers from the transfer agent, each once no pull from it is in flight (the
+        others wait for a later call); a tensor-parallel peer on every rank (`forget_rank_peer`)."""
+        from hybridpd.engine.parallel.handoff import on_ranks
+        from hybridpd.kvtransfer.tp_pull import TPPeer, forget_rank_peer
+
+        self._retired.extend(retired)
+        busy = {(p.params.worker_id, p.params.epoch) for p in self.consumer.pending.values()}
+        agent, waiting = self.ctx.agent, []
+        for key, peer in self._retired:
+            if key in busy:
+                waiting.append((key, peer))
+            elif isinstance(peer, TPPeer):
+                on_ranks(core, forget_rank_peer, peer.key)
+            elif agent is not None:
+                agent.remove_peer(peer)
+        self._retired = waiting
 
     def _connect(self, md: pb.TransferMetadata):  # type: ignore[no-untyped-def]
         """The peer handle for P's handshake: NIXL's own (both TP 1) or a TPPeer whose ranks' layouts were checked
@@ -236,6 +281,13 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "transfer params come with the first token the prefill worker sampled (GenerateRequest.first_token)",
             )
+        resume = request.resume if request.HasField("resume") else None
+        resumed = [int(t) for t in resume.token_ids] if resume is not None else []
+        if resume is not None and (first is None or tp is not None):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a resumed request (GenerateRequest.resume) comes with its first output token and no transfer params",
+            )
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         t_peer = time.perf_counter()
@@ -246,15 +298,16 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running here")
         self.streaming.add(rid)
         aengine = self.ctx.aengine
-        q = aengine.open_stream(rid, emitted=1 if first is not None else 0)  # the proxy streamed the first token
+        # the proxy streamed the first token (and, resuming, the output after it)
+        q = aengine.open_stream(rid, emitted=1 + len(resumed) if first is not None else 0)
         max_stop = max((len(s) for s in params.stop), default=0)
 
         def admit(core: EngineCore) -> int:
-            """Add the request (continuing from the first token when given); returns the characters of its text
-            already streamed with that token."""
+            """Add the request (continuing from the first token, and a resume's tokens, when given); returns the
+            characters of its text already streamed with them."""
             req = core.new_request(rid, prompt, params, salt)
             if first is not None:
-                problem = first_token_problem(core, req, int(first.token_id))
+                problem = first_token_problem(core, req, int(first.token_id), resumed)
                 if problem is not None:
                     raise InvalidRequestError(problem)
             if tp is None:
@@ -264,8 +317,16 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
             if first is None:
                 return 0
             top = zip(first.top_logprobs.token_ids, first.top_logprobs.logprobs, strict=False)
-            add_first_token(core, req, int(first.token_id), float(first.logprob), list(top))
-            return streamable_end(core.output_text(req), 0, False, max_stop)
+            add_first_token(core, req, int(first.token_id), float(first.logprob), list(top), resumed)
+            if resume is None:
+                return streamable_end(core.output_text(req), 0, False, max_stop)
+            text = core.output_text(req)
+            if not 0 <= resume.text_chars <= len(text):
+                core.abort(rid)
+                raise InvalidRequestError(
+                    f"resume.text_chars {resume.text_chars} is outside the resumed output's text (0..{len(text)})"
+                )
+            return int(resume.text_chars)
 
         try:
             sent_text = await run_engine_call(self.ctx, context, admit)
@@ -275,6 +336,8 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 finished = delta.finish_reason is not None
                 end = streamable_end(text, sent_text, finished, max_stop)
                 chunk = chunk_of(delta, text[sent_text:end], want_logprobs)
+                if resume is not None:
+                    chunk.num_resumed_tokens = 1 + len(resumed)
                 sent_text = end
                 if timed and (delta.token_ids or finished):
                     timed = False

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from hybridpd.engine.cache.coordinator import ReservedCheckpoint
 from hybridpd.engine.core import EngineCore
+from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.request import Request
 
 FALLBACKS = ("recompute", "fail")
@@ -115,7 +116,7 @@ def export_prefilled(core: EngineCore, req: Request) -> Export:
     blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in cache.group_block_ids(req.request_id).items()}
     states = cache.group_state_slots(req.request_id)
     pinned = dict(cache.req_pages(req.request_id))
-    for gid, slot in (ckpt.slots.items() if ckpt is not None else ()):
+    for gid, slot in ckpt.slots.items() if ckpt is not None else ():
         pinned[gid] = pinned[gid] + (slot,)
     return Export(req.request_id, n, blocks, states, ckpt, pinned)
 
@@ -162,43 +163,76 @@ def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
 
 
 # -- consumer ------------------------------------------------------------------------------------------------------
-def first_token_problem(core: EngineCore, req: Request, token_id: int) -> str | None:
-    """Why `req` (new, no output yet) cannot continue from `token_id` as its first output token: outside the
-    vocabulary, or the token already ends the request (the producer should have finished it then); None when it
-    can. The colocated engine's stop check runs on a copy of the request, which is left untouched."""
-    if not 0 <= token_id < core.vocab_size:
-        return f"first token id {token_id} is outside the vocabulary [0, {core.vocab_size})"
-    probe = dataclasses.replace(req, output_token_ids=[int(token_id)], output_logprobs=[0.0],
-                                output_top_logprobs=[], detokenizer=None, stop_reason=None,
-                                stop_text_end=None)
+def first_token_problem(core: EngineCore, req: Request, token_id: int, resumed: Sequence[int] = ()) -> str | None:
+    """Why `req` (new, no output yet) cannot continue from `token_id` as its first output token (and, resuming a
+    request another decode worker lost, the output tokens `resumed` after it): outside the vocabulary, or the last of
+    them already ends the request (whoever sampled it should have finished it then); None when it can. The colocated
+    engine's stop check runs on a copy of the request, which is left untouched."""
+    for tid in (token_id, *resumed):
+        if not 0 <= tid < core.vocab_size:
+            return f"output token id {tid} is outside the vocabulary [0, {core.vocab_size})"
+    outputs = [int(token_id), *(int(t) for t in resumed)]
+    probe = dataclasses.replace(
+        req,
+        output_token_ids=outputs,
+        output_logprobs=[0.0] * len(outputs),
+        output_top_logprobs=[],
+        detokenizer=None,
+        stop_reason=None,
+        stop_text_end=None,
+    )
     reason = core.check_stop(probe)
     if reason is not None:
-        return f"the first token ends the request ({reason}): nothing is left to decode"
+        return f"the output so far ends the request ({reason}): nothing is left to decode"
     return None
 
 
-def add_first_token(core: EngineCore, req: Request, token_id: int, logprob: float,
-                    top_logprobs: Sequence[tuple[int, float]] = ()) -> None:
+def add_first_token(
+    core: EngineCore,
+    req: Request,
+    token_id: int,
+    logprob: float,
+    top_logprobs: Sequence[tuple[int, float]] = (),
+    resumed: Sequence[int] = (),
+) -> None:
     """Make `req` continue from the first output token the producer sampled (checked by `first_token_problem`):
     it becomes the request's first output, so penalties, min_tokens and the structured-output matcher (rebuilt by
     replaying the output) count it, and a seeded generator starts past its draw. The request then computes that
     token's KV first (after an import of the prompt, or with the prompt when it computes the prompt itself). Call
     after `begin_import` / `schedule_local` (so the import's prefix lookup counts the prompt alone) and before the
-    next step; a request already ended (a refused transfer under policy "fail") is left as it is."""
+    next step; a request already ended (a refused transfer under policy "fail") is left as it is.
+    `resumed`: the output tokens after the first that a lost decode worker had already streamed; they are added the
+    same way (their logprobs, never sent again, are recorded as 0) and the request continues after the last."""
     if req.is_finished:
         return
-    if req.output_token_ids or req.num_computed_tokens or req.request_id in (r.request_id for r in
-                                                                              core.scheduler.running):
+    if (
+        req.output_token_ids
+        or req.num_computed_tokens
+        or req.request_id in (r.request_id for r in core.scheduler.running)
+    ):
         raise ValueError(f"request {req.request_id!r} already has output or computed tokens")
     req.output_token_ids.append(int(token_id))
     req.output_logprobs.append(float(logprob))
     if req.sampling_params.top_logprobs > 0:
         req.output_top_logprobs.append([(int(t), float(lp)) for t, lp in top_logprobs])
-    core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1)
+    for tid in resumed:
+        req.output_token_ids.append(int(tid))
+        req.output_logprobs.append(0.0)
+        if req.sampling_params.top_logprobs > 0:
+            req.output_top_logprobs.append([])
+    core.runner.sampler.skip_samples(req.request_id, req.sampling_params, 1 + len(resumed))
+    if resumed and core.tokenizer is not None:
+        # the text as the lost worker made it, one token a step: where a character is split over tokens (or bytes
+        # are no valid UTF-8) what a detokenizer holds back depends on how the tokens came
+        detok = IncrementalDetokenizer(core.tokenizer, req.sampling_params.skip_special_tokens)
+        for n in range(1, len(req.output_token_ids) + 1):
+            detok.update(req.output_token_ids[:n])
+        req.detokenizer = detok
 
 
-def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None,
-                 fallback: str = "recompute") -> Import | None:
+def begin_import(
+    core: EngineCore, req: Request, src: ImportSource, deadline: float | None = None, fallback: str = "recompute"
+) -> Import | None:
     """Allocate what `req` needs to receive the producer's first `src.num_tokens` tokens, keeping our own prefix
     hit (attention blocks only: the running states come from the producer), and hold the request in the scheduler
     (WAITING_FOR_TRANSFER) with those pages. None when the pools cannot hold it now (nothing held, not scheduled).
@@ -215,7 +249,7 @@ def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: fl
     src_states: dict[int, tuple[int, ...]] = {}
     dst_states: dict[int, tuple[int, ...]] = {}
     for gid, dst in alloc.block_ids.items():
-        wanted = tuple(int(b) for b in src.blocks.get(gid, ()))[alloc.first_block_index:]
+        wanted = tuple(int(b) for b in src.blocks.get(gid, ()))[alloc.first_block_index :]
         if len(wanted) != len(dst):
             cache.free(req)
             raise ValueError(f"transfer source names {len(wanted)} blocks of group {gid}, expected {len(dst)}")
@@ -237,9 +271,18 @@ def begin_import(core: EngineCore, req: Request, src: ImportSource, deadline: fl
             for gid in alloc.state_slots:
                 src_states[gid] += (int(offer.slots[gid]),)
                 dst_states[gid] += (ckpt.slots[gid],)
-    imp = Import(req.request_id, src.num_tokens, alloc.local_hit_tokens, src_blocks,
-                 {gid: tuple(ids) for gid, ids in alloc.block_ids.items()}, src_states, dst_states, ckpt,
-                 deadline, fallback)
+    imp = Import(
+        req.request_id,
+        src.num_tokens,
+        alloc.local_hit_tokens,
+        src_blocks,
+        {gid: tuple(ids) for gid, ids in alloc.block_ids.items()},
+        src_states,
+        dst_states,
+        ckpt,
+        deadline,
+        fallback,
+    )
     core.scheduler.add_importing(req, imp)
     return imp
 

@@ -235,6 +235,16 @@ class TransferAgent:
             raise StaleEpochError(f"params name epoch {epoch!r} of worker {worker!r}; its live epoch is {p.epoch!r}")
         return p
 
+    def remove_peer(self, peer: PeerHandle) -> bool:
+        """Forget a peer (its worker is gone or was replaced): its prepared list released and NIXL's remote agent
+        removed. The caller has no READ of it in flight. False when `peer` is no longer its worker's live peer
+        (already replaced or removed)."""
+        with self._lock:
+            if self._peers.get(peer.worker) is not peer:
+                return False
+            self._drop(peer)
+            return True
+
     def _drop(self, p: PeerHandle) -> None:
         p.valid = False
         if p._remote_dlist is not None:

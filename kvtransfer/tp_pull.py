@@ -207,6 +207,17 @@ def load_rank_peer(runner: Any, rank: int, key: tuple[str, str], blob: bytes) ->
         return f"rank {rank}: {e!r}"
 
 
+def forget_rank_peer(runner: Any, rank: int, key: tuple[str, str]) -> None:
+    """On every D rank, when D forgets a P worker (gone or replaced; no pull from it in flight): drop its plan and
+    have the rank's agent remove the P ranks it loaded."""
+    st = _RANK
+    plan = st.peers.pop(key, None) if st is not None else None
+    if st is None or plan is None:
+        return
+    for handle in plan.handles.values():
+        st.agent.remove_peer(handle)
+
+
 def _rows(
     plan: _PeerPlan, layout: Any, pairs: dict[int, tuple[list[int], list[int]]]
 ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[str, int]]:

@@ -82,8 +82,13 @@ class RequestLimits:
     """Prompts in one completion request (the schema's own ceiling is 256; this may only lower it)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
-                     "max_prompts"):
+        for name in (
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_prompts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -178,6 +183,12 @@ class ProxyConfig:
     past it a non-stream request fails with 504 and a stream ends with an error event and `[DONE]`."""
     prefill_timeout_s: float = 300.0
     """Cap on one P.Prefill call (queueing included), within the request's deadline; past it: 504."""
+    inter_token_timeout_s: float = 30.0
+    """Progress deadline of a decode worker's stream after its first chunk: a worker that sends nothing for this
+    long (frozen, or the request stuck there) is given up for the request, which resumes on another decode worker
+    (or fails with 503 when none is left); counted in hybridpd_proxy_decode_failovers_total{cause="stalled"}.
+    0: no such deadline (only `request_timeout_s`). Independently of it, a stream from a decode worker that stops
+    answering health probes (a frozen process) while another answers is given up at once."""
     control_timeout_s: float = 5.0
     """Deadline of Health, Stats, Abort and Release calls."""
     health_interval_s: float = 2.0
@@ -209,5 +220,7 @@ class ProxyConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.request_timeout_s > 0 or not self.prefill_timeout_s > 0 or not self.health_interval_s > 0:
             raise ValueError("request_timeout_s, prefill_timeout_s and health_interval_s must be > 0")
+        if not self.inter_token_timeout_s >= 0:
+            raise ValueError(f"inter_token_timeout_s must be >= 0, got {self.inter_token_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -13,7 +13,15 @@ Skip-P and P-alone (proxy/placement.py): Generate without params goes straight t
 a prefill worker in its mixed role (DecodeService on the same address), which computes the prompt and every token
 itself; no lease is involved. A P-alone request is counted on the prefill router (its prompt tokens in P's queue
 until its first chunk). A prefill worker that refuses it before any chunk (down, at its cap, no mixed role) is
-replaced by a decode worker; one that fails mid-stream is an error, as a decode worker's failure is.
+replaced by a decode worker; one lost mid-stream is resumed on a decode worker, as a decode worker is (below).
+
+Failover. Before a decode worker's first chunk, a worker that is unreachable (or frozen, by the health monitor) is
+replaced by another (`_retry_decode`). After it, a worker lost (UNAVAILABLE) or silent for `inter_token_timeout_s`
+is replaced with a resume (`_resume_elsewhere`): the next decode worker is sent what the client already has
+(`GenerateRequest.resume`: the output tokens and the length of their text), recomputes it with the prompt and
+streams only what follows: the client's stream, streamed or not, never repeats or skips a token, and greedy or
+seeded requests end with the very tokens one worker would have produced. At most `MAX_RESTARTS` times; counted in
+`hybridpd_proxy_decode_failovers_total{cause, outcome}`.
 
 Ownership of P's lease (see the contract on `DecodeService` in hybridpd.proto):
   - Generate never sent (client gone, or no decode worker)    -> the proxy calls P.Release;
@@ -36,7 +44,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
@@ -59,8 +67,9 @@ log = logging.getLogger(__name__)
 _RETRY_ON_ANOTHER_PREFILL = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 # Generate answers of a prefill worker sent a whole request (P-alone) after which a decode worker gets it instead:
 # down, at its mixed-role cap, or a worker without the mixed role.
-_WHOLE_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              grpc.StatusCode.UNIMPLEMENTED})
+_WHOLE_ELSEWHERE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED}
+)
 
 
 FROZEN_CHECK_S = 0.25
@@ -71,8 +80,14 @@ class _WorkerFrozen(Exception):
     """A worker stopped answering health probes while another of its role answers: the call to it was given up."""
 
 
-async def _prefill_unless_frozen(clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest,
-                                 timeout: float) -> pb.PrefillResponse:
+class _WorkerStalled(Exception):
+    """A decode worker sent nothing mid-stream for `ProxyConfig.inter_token_timeout_s`, or stopped answering health
+    probes while another decode worker answers: the stream was given up (the message says which)."""
+
+
+async def _prefill_unless_frozen(
+    clients: WorkerClients, router: Router, addr: str, req: pb.PrefillRequest, timeout: float
+) -> pb.PrefillResponse:
     """P.Prefill on `addr`; given up (cancelled, _WorkerFrozen) once the health monitor finds `addr` unresponsive
     while another prefill worker answers. A frozen worker keeps its connection open, so the call alone would wait
     for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes."""
@@ -169,13 +184,22 @@ class Usage:
 def to_proto_sampling(s: SamplingOptions) -> pb.SamplingParams:
     if s.max_tokens is None:
         raise ValueError("max_tokens must be resolved before the request reaches a worker")
-    msg = pb.SamplingParams(max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                            ignore_eos=s.ignore_eos, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
-                            presence_penalty=s.presence_penalty or 0.0,
-                            frequency_penalty=s.frequency_penalty or 0.0,
-                            min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
-                            include_stop_str_in_output=s.include_stop_str_in_output, min_p=s.min_p or 0.0,
-                            allowed_token_ids=list(s.allowed_token_ids or ()), bad_words=list(s.bad_words))
+    msg = pb.SamplingParams(
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        presence_penalty=s.presence_penalty or 0.0,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        min_p=s.min_p or 0.0,
+        allowed_token_ids=list(s.allowed_token_ids or ()),
+        bad_words=list(s.bad_words),
+    )
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
     if not s.skip_special_tokens:
@@ -200,8 +224,10 @@ def _prompt_logprobs(chunk: pb.GenerateChunk) -> tuple[PromptEntry, ...] | None:
     """`GenerateChunk.prompt_logprobs` as the proxy's entries; None when the chunk has none."""
     if not chunk.prompt_logprobs:
         return None
-    return tuple(PromptEntry(e.token_id, e.logprob, e.rank, tuple(zip(e.top.token_ids, e.top.logprobs, strict=False)))
-                 for e in chunk.prompt_logprobs)
+    return tuple(
+        PromptEntry(e.token_id, e.logprob, e.rank, tuple(zip(e.top.token_ids, e.top.logprobs, strict=False)))
+        for e in chunk.prompt_logprobs
+    )
 
 
 def _stop_reason(chunk: pb.GenerateChunk) -> str | int | None:
@@ -227,6 +253,15 @@ class _Timing:
 
 
 @dataclass
+class _Sent:
+    """The output the client has (or, not streamed, will have) of this request: what a resumed Generate carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    first_logprob: float = 0.0
+    text_chars: int = 0
+
+
+@dataclass
 class _State:
     prefill_addr: str | None = None
     prefill_epoch: str = ""
@@ -244,6 +279,7 @@ class _State:
     status: str | None = None  # metrics status, set once
     prefill_released: bool = False  # P.Release sent (at most once)
     decode_slot_released: bool = False  # the decode router's in-flight count given back (exactly once)
+    paced: bool = False  # the current Generate sent its first tokens: later gaps measure its pace (placer)
     on_prefill: bool = False  # P-alone: Generate went to a prefill worker (counted on the prefill router)
     queued_tokens: int = 0  # P-alone: prompt tokens counted in that worker's queue until its first chunk
 
@@ -251,9 +287,9 @@ class _State:
 class Generation:
     """Drives one request. Lifecycle:
 
-        first = await gen.start()      # route + prefill + first output; raises ApiError before anything is sent
-        async for delta in gen.rest(): # later output; raises ApiError on a mid-stream worker failure
-        gen.close()                    # always (finally): aborts / releases if unfinished, records metrics
+    first = await gen.start()      # route + prefill + first output; raises ApiError before anything is sent
+    async for delta in gen.rest(): # later output; raises ApiError on a mid-stream worker failure
+    gen.close()                    # always (finally): aborts / releases if unfinished, records metrics
     """
 
     def __init__(self, cluster: Cluster, req: PreparedRequest, arrival: float) -> None:
@@ -263,8 +299,9 @@ class Generation:
         self._t = _Timing(arrival=arrival)
         self._s = _State()
         self._deadline = arrival + cluster.config.request_timeout_s
-        self._restartable = False  # collect_after(): nothing reaches the client before the end (`_restart_decode`)
+        self._sent = _Sent()
         self.restarts = 0
+        """Decode workers this request was resumed away from (lost or stalled mid-generation)."""
 
     def _remaining(self, what: str) -> float:
         left = self._deadline - time.perf_counter()
@@ -310,39 +347,38 @@ class Generation:
             yield await self._next_delta()
 
     async def collect_after(self, first: Delta) -> list[Delta]:
-        """Every delta of a non-streamed request, after its first (`start()`). Nothing reaches the client before
-        the end, so a decode worker lost mid-generation costs its output, not the request: the request continues
-        on another decode worker from its start (after P's first token, when P sampled it), `_restart_decode`."""
-        self._restartable = True
+        """Every delta of a non-streamed request, after its first (`start()`)."""
         deltas = [first]
         while not self._s.finished:
-            restarts = self.restarts
-            delta = await self._next_delta()
-            if self.restarts != restarts:  # the lost worker's output is dropped (P's first token is kept)
-                deltas = deltas[:1] if self._s.first_token is not None else []
-            deltas.append(delta)
+            deltas.append(await self._next_delta())
         return deltas
 
     MAX_RESTARTS = 2
-    """Decode workers a non-streamed request may lose mid-generation before it fails."""
+    """Decode workers one request may lose (or see stall) mid-generation before it fails."""
 
-    def _restart_decode(self, code: grpc.StatusCode) -> bool:
-        """A decode worker failed (`code`) after its first chunk of a request whose output has not reached the
-        client (collect_after): send it to another decode worker from its start (without P's params: D computes the
-        prompt, and continues from P's first token when there is one), as before any chunk. Greedy and seeded
-        requests get the same tokens; others a fresh sample. False: not restartable (streamed, not a lost
-        worker, too many restarts, no decode worker left)."""
+    def _resume_elsewhere(self, cause: str) -> bool:
+        """The decode worker was lost (`cause` "lost": UNAVAILABLE) or made no progress ("stalled") after its first
+        chunk: resume the request on another decode worker (`_open_generate`'s resume: it computes the prompt and
+        the output already sent, and streams only what follows, so the client's stream neither repeats nor skips a
+        token; greedy and seeded requests go on with the very tokens the lost worker would have sent, others with
+        a fresh sample that continues the same text). False, counted as failed: too many restarts, or no decode
+        worker left."""
         s = self._s
-        if not self._restartable or s.on_prefill or code != grpc.StatusCode.UNAVAILABLE:
-            return False
         if self.restarts >= self.MAX_RESTARTS or not self._another_decode_left():
+            self.cluster.metrics.decode_failover(cause, "failed")
             return False
-        log.warning("decode worker %s lost mid-generation of %s (not sent yet): starting it over elsewhere",
-                    s.decode_addr, self.req.request_id)
+        log.warning(
+            "decode worker %s %s mid-generation of %s after %d output tokens: resuming it elsewhere",
+            s.decode_addr,
+            "lost" if cause == "lost" else "stalled",
+            self.req.request_id,
+            len(self._sent.token_ids),
+        )
         self.restarts += 1
         s.got_chunk = False
-        self.usage.completion_tokens = 1 if s.first_token is not None else 0
+        s.prefill_released = True  # the lost worker owned P's lease since its first chunk (released or expiring)
         self._send_elsewhere()
+        self.cluster.metrics.decode_failover(cause, "resumed")
         return True
 
     def _another_decode_left(self) -> bool:
@@ -354,7 +390,8 @@ class Generation:
 
     def _send_elsewhere(self) -> None:
         """Cancel the Generate in flight and give its slot back; send the request, without P's params (D computes
-        the prompt, and continues from P's first token when there is one), to another decode worker."""
+        the prompt, and continues from P's first token when there is one, or resumes it after a restart), to
+        another decode worker."""
         s = self._s
         if s.call is not None:
             s.call.cancel()
@@ -376,8 +413,12 @@ class Generation:
     async def _prefill(self, router: Router) -> pb.PrefillResponse | None:
         """P.Prefill on the placed or a chosen prefill worker, another after one that is down or frozen. None: no
         prefill worker is up and the decode worker may compute the prompt itself (`_decode_may_prefill`)."""
-        req = pb.PrefillRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
-                                sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
+        req = pb.PrefillRequest(
+            request_id=self.req.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            sampling_params=to_proto_sampling(self.req.sampling),
+            cache_salt=self.req.cache_salt,
+        )
         cfg = self.cluster.config
         refused: set[str] = set()
         placed = self._s.placement.prefill_addr if self._s.placement is not None else None
@@ -399,8 +440,9 @@ class Generation:
                 resp = await _prefill_unless_frozen(self.cluster.clients, router, addr, req, timeout)
                 break
             except _WorkerFrozen:
-                log.warning("request %s: prefill worker %s stopped answering; trying another", self.req.request_id,
-                            addr)
+                log.warning(
+                    "request %s: prefill worker %s stopped answering; trying another", self.req.request_id, addr
+                )
                 refused.add(addr)
                 continue
             except grpc.aio.AioRpcError as err:
@@ -413,9 +455,14 @@ class Generation:
                     if self._decode_may_prefill(f"no prefill worker answers ({addr}: {err.details()})"):
                         return None
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
-                raise self._fail(ApiError(
-                    503, f"every prefill worker is at capacity ({err.details()}); retry later",
-                    code="overloaded", headers={"Retry-After": str(cfg.retry_after_s)})) from None
+                raise self._fail(
+                    ApiError(
+                        503,
+                        f"every prefill worker is at capacity ({err.details()}); retry later",
+                        code="overloaded",
+                        headers={"Retry-After": str(cfg.retry_after_s)},
+                    )
+                ) from None
             finally:
                 router.release(addr, tokens)
         elapsed = time.perf_counter() - t0
@@ -432,8 +479,14 @@ class Generation:
         first = resp.first
         if len(first.token_ids) != 1 or (not first.finish_reason and not resp.HasField("params")):
             self._release_prefill()
-            raise self._fail(ApiError(500, f"prefill worker {addr} answered without its first token or, for a "
-                                           "request that goes on, without transfer params", code="worker_error"))
+            raise self._fail(
+                ApiError(
+                    500,
+                    f"prefill worker {addr} answered without its first token or, for a "
+                    "request that goes on, without transfer params",
+                    code="worker_error",
+                )
+            )
         return resp
 
     def _params(self, resp: pb.PrefillResponse) -> pb.TransferParams:
@@ -449,15 +502,23 @@ class Generation:
         decode, placed, prefill = self.cluster.decode, self._s.placement, self.cluster.prefill
         self._s.on_prefill = False
         try:
-            if placed is not None and placed.on_prefill and prefill is not None and prefill.is_routable(
-                    placed.decode_addr):  # P-alone: the whole request on a prefill worker
+            if (
+                placed is not None
+                and placed.on_prefill
+                and prefill is not None
+                and prefill.is_routable(placed.decode_addr)
+            ):  # P-alone: the whole request on a prefill worker
                 n = len(self.req.prompt_token_ids)
                 addr = prefill.take(placed.decode_addr, n)
                 self._s.on_prefill, self._s.queued_tokens = True, n
                 if self.cluster.placer is not None:
                     self.cluster.placer.whole_started(addr)
-            elif placed is not None and not placed.on_prefill and placed.decode_addr not in self._s.decode_tried \
-                    and decode.is_routable(placed.decode_addr):
+            elif (
+                placed is not None
+                and not placed.on_prefill
+                and placed.decode_addr not in self._s.decode_tried
+                and decode.is_routable(placed.decode_addr)
+            ):
                 addr = decode.take(placed.decode_addr)
             else:
                 addr = decode.acquire(exclude=self._s.decode_tried)
@@ -467,12 +528,22 @@ class Generation:
         self._s.decode_addr = addr
         self._s.decode_slot_released = False
         self._s.generate_sent = time.perf_counter()
-        req = pb.GenerateRequest(request_id=self.req.request_id, prompt_token_ids=self.req.prompt_token_ids,
-                                 sampling_params=to_proto_sampling(self.req.sampling), cache_salt=self.req.cache_salt)
+        req = pb.GenerateRequest(
+            request_id=self.req.request_id,
+            prompt_token_ids=self.req.prompt_token_ids,
+            sampling_params=to_proto_sampling(self.req.sampling),
+            cache_salt=self.req.cache_salt,
+        )
         if params is not None:
             req.params.CopyFrom(params)
-        if self._s.first_token is not None:
+        sent = self._sent
+        if self.restarts and sent.token_ids:  # resumed: D continues after everything already sent
+            req.first_token.token_id, req.first_token.logprob = sent.token_ids[0], sent.first_logprob
+            req.resume.token_ids.extend(sent.token_ids[1:])
+            req.resume.text_chars = sent.text_chars
+        elif self._s.first_token is not None:
             req.first_token.CopyFrom(self._s.first_token)
+        self._s.paced = False
         self._s.call = self.cluster.clients.generate(addr, req, timeout)
         if self.cluster.placer is not None and placed is not None:
             n = len(self.req.prompt_token_ids)  # D keeps P's checkpoint, or (computing itself) its prompt end's
@@ -484,32 +555,84 @@ class Generation:
         assert self._s.call is not None and self._s.decode_addr is not None
         while True:
             try:
-                chunk = await (self._s.call.read() if self._s.got_chunk else self._first_read_unless_frozen())
+                chunk = await (self._read_unless_stalled() if self._s.got_chunk else self._first_read_unless_frozen())
+            except _WorkerStalled as stalled:
+                # alive: it frees the request once it sees this (or the cancelled stream)
+                self.cluster.clients.abort_later(self._s.decode_addr, self.req.request_id)
+                if self._resume_elsewhere("stalled"):
+                    continue
+                raise self._fail(
+                    ApiError(503, f"decode worker {self._s.decode_addr} {stalled}", code="worker_unavailable")
+                ) from None
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
                 if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
                     continue
-                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} stopped answering",
-                                          code="worker_unavailable")) from None
+                raise self._fail(
+                    ApiError(503, f"decode worker {self._s.decode_addr} stopped answering", code="worker_unavailable")
+                ) from None
             except grpc.aio.AioRpcError as err:
                 if not self._s.got_chunk:
                     self._release_prefill()  # D failed before taking over P's lease
                     if self._retry_decode(err.code()):
                         continue
-                elif self._restart_decode(err.code()):
+                elif err.code() == grpc.StatusCode.UNAVAILABLE and self._resume_elsewhere("lost"):
                     continue
                 raise self._fail(from_rpc_error(err, "decode", self._s.decode_addr)) from None
             if chunk is grpc.aio.EOF:
-                raise self._fail(ApiError(500, f"decode worker {self._s.decode_addr} ended the stream without a "
-                                               "finish reason", code="worker_error"))
+                raise self._fail(
+                    ApiError(
+                        500,
+                        f"decode worker {self._s.decode_addr} ended the stream without a finish reason",
+                        code="worker_error",
+                    )
+                )
+            if not self._s.got_chunk and self.restarts and chunk.num_resumed_tokens != len(self._sent.token_ids):
+                raise self._fail(
+                    ApiError(
+                        500,
+                        f"decode worker {self._s.decode_addr} did not resume the request after "
+                        f"its {len(self._sent.token_ids)} output tokens (a worker that predates "
+                        "resuming?)",
+                        code="worker_error",
+                    )
+                )
             self._s.got_chunk = True
             if chunk.finish_reason == "abort":  # D aborted it (not our client): an error, not a short answer
                 self._s.finished = True
-                raise self._fail(ApiError(503, f"decode worker {self._s.decode_addr} aborted the request",
-                                          code="aborted"))
+                raise self._fail(
+                    ApiError(503, f"decode worker {self._s.decode_addr} aborted the request", code="aborted")
+                )
             delta = self._absorb(chunk)
             if delta.token_ids or delta.finish_reason:
                 return delta
+
+    async def _read_unless_stalled(self) -> Any:
+        """The Generate stream's next read after its first; _WorkerStalled once it brings nothing for the
+        configured inter-token timeout (0: wait as long as the request's deadline allows) or, from a decode worker,
+        once the health monitor finds it unresponsive while another decode worker answers (`Router.watch`: a
+        frozen process is left within a probe or two, not only after the timeout)."""
+        s, limit = self._s, self.cluster.config.inter_token_timeout_s
+        assert s.call is not None and s.decode_addr is not None
+        router, addr = (None if s.on_prefill else self.cluster.decode), s.decode_addr
+        woken: list[bool] = []
+        try:
+            async with asyncio.timeout(limit or None) as timer:
+                if router is None:
+                    return await s.call.read()
+
+                def wake() -> None:
+                    woken.append(True)
+                    timer.reschedule(asyncio.get_running_loop().time())
+
+                router.watch(addr, wake)
+                try:
+                    return await s.call.read()
+                finally:
+                    router.unwatch(addr, wake)
+        except TimeoutError:
+            why = "stopped answering health probes" if woken else f"made no progress for {limit:g} s"
+            raise _WorkerStalled(why) from None
 
     async def _first_read_unless_frozen(self) -> Any:
         """The Generate stream's first read; _WorkerFrozen (the stream cancelled) once the health monitor finds its
@@ -525,7 +648,8 @@ class Generation:
                 if done:
                     return read.result()
                 if router.is_unresponsive(s.decode_addr) and any(
-                        a not in (*s.decode_tried, s.decode_addr) for a in router.addrs):
+                    a not in (*s.decode_tried, s.decode_addr) for a in router.addrs
+                ):
                     raise _WorkerFrozen(s.decode_addr)
         finally:
             if not read.done():
@@ -541,13 +665,20 @@ class Generation:
         if s.on_prefill:
             if code not in _WHOLE_ELSEWHERE or not self.cluster.decode.addrs:
                 return False
-            log.info("prefill worker %s did not take %s whole (%s): sent to a decode worker", failed,
-                     self.req.request_id, code.name)
+            log.info(
+                "prefill worker %s did not take %s whole (%s): sent to a decode worker",
+                failed,
+                self.req.request_id,
+                code.name,
+            )
         else:
             if code != grpc.StatusCode.UNAVAILABLE or not self._another_decode_left():
                 return False
-            log.warning("decode worker %s unreachable before the first token of %s: retrying elsewhere", failed,
-                        self.req.request_id)
+            log.warning(
+                "decode worker %s unreachable before the first token of %s: retrying elsewhere",
+                failed,
+                self.req.request_id,
+            )
         self._send_elsewhere()
         return True
 
@@ -579,31 +710,52 @@ class Generation:
                 assert self._t.last_token is not None
                 for _ in range(n):
                     m.itl.observe((now - self._t.last_token) / n)
-                if from_decode and self._s.decode_routed and self.cluster.placer is not None:
+                if from_decode and self._s.paced and self.cluster.placer is not None:
                     assert self._s.decode_addr is not None  # its stream's pace (its first chunk's gap excluded)
                     self.cluster.placer.costs.token_gap(self._s.decode_addr, (now - self._t.last_token) / n)
             self._t.last_token = now
+            self._s.paced = self._s.paced or from_decode
+            sent = self._sent
+            if not sent.token_ids and chunk.logprobs:
+                sent.first_logprob = chunk.logprobs[0]
+            sent.token_ids.extend(chunk.token_ids)
             if from_decode and not self._s.decode_routed:
                 self._s.decode_routed = True
                 self._first_token_routed(chunk, now)
+        self._sent.text_chars += len(chunk.text)
         u = self.usage
         u.completion_tokens += n
-        u.prompt_tokens = chunk.num_prompt_tokens or u.prompt_tokens
-        u.cached_tokens = chunk.num_cached_tokens or u.cached_tokens
-        u.external_cached_tokens = chunk.num_external_cached_tokens or u.external_cached_tokens
+        if not self.restarts:  # (a resumed decode worker computed the prompt again: usage tells how it was served)
+            u.prompt_tokens = chunk.num_prompt_tokens or u.prompt_tokens
+            u.cached_tokens = chunk.num_cached_tokens or u.cached_tokens
+            u.external_cached_tokens = chunk.num_external_cached_tokens or u.external_cached_tokens
         finish = chunk.finish_reason or None
         if finish is not None:
             self._finish(now)
-        return Delta(tuple(chunk.token_ids), chunk.text, tuple(chunk.logprobs), finish, _top_logprobs(chunk),
-                     _stop_reason(chunk), _prompt_logprobs(chunk))
+        return Delta(
+            tuple(chunk.token_ids),
+            chunk.text,
+            tuple(chunk.logprobs),
+            finish,
+            _top_logprobs(chunk),
+            _stop_reason(chunk),
+            _prompt_logprobs(chunk),
+        )
 
     def _first_token_routed(self, chunk: pb.GenerateChunk, now: float) -> None:
         """D's first output: record the routing decision against what D really found, and feed the measured step
         costs (under PD, the handoff: Generate sent to D's first token, the second of the request)."""
         s, cluster = self._s, self.cluster
         real_hit = chunk.num_cached_tokens - chunk.num_external_cached_tokens
-        path = "colocated" if cluster.prefill is None else "prefill_alone" if s.on_prefill else \
-            "pd" if s.prefilled else "skip_prefill"
+        path = (
+            "colocated"
+            if cluster.prefill is None
+            else "prefill_alone"
+            if s.on_prefill
+            else "pd"
+            if s.prefilled
+            else "skip_prefill"
+        )
         expected = s.placement.expected_hit if s.placement is not None else 0
         cluster.metrics.route(path, expected, real_hit)
         if s.prefilled and not chunk.num_external_cached_tokens:
@@ -625,9 +777,16 @@ class Generation:
                 placer.costs.local_prefill_done(elapsed, computed)
             elif path == "prefill_alone":  # P's queue and prefill, as a Prefill call measures them
                 placer.costs.prefill_done(elapsed, computed)
-        log.debug("route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)", self.req.request_id, path,
-                  s.prefill_addr if s.prefilled else "-", s.decode_addr, expected, real_hit,
-                  s.placement.reason if s.placement is not None else cluster.config.routing)
+        log.debug(
+            "route %s: %s P=%s D=%s expected_hit=%d real_hit=%d (%s)",
+            self.req.request_id,
+            path,
+            s.prefill_addr if s.prefilled else "-",
+            s.decode_addr,
+            expected,
+            real_hit,
+            s.placement.reason if s.placement is not None else cluster.config.routing,
+        )
 
     def _finish(self, now: float) -> None:
         self._s.finished = True

@@ -8,6 +8,12 @@ feed or a failed call marks the worker *down* at once (no new requests) until it
 (worker restarted) is taken from its registration or its feed's snapshot. `drain(addr)` takes a worker out of
 rotation while its running requests finish.
 
+A drain names a (role, address), not a process: a worker's id and epoch are new with every process, so the address
+is the only identity a worker keeps across a restart. A drain through this proxy holds until it is undone, whatever
+happens to the process meanwhile: a restart, a crash that outlives the registration's lease, a deregistration; the
+next worker of that role at that address joins drained and is told so (Drain RPC). A worker of the other role at
+that address is not drained by it. At most `max_members` drains are remembered for addresses with no member.
+
     states: up -> down (feed broke / call failed) -> up (feed back)
             up | down -> draining (drain) -> up (undrain) | gone (deregister / expiry)
 
@@ -84,13 +90,15 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._started = False
         self.max_members = MAX_MEMBERS
+        self._drained: dict[tuple[Role, str], None] = {}
+        """(role, address) drained through this proxy and not undrained, oldest first (see the module doc)."""
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._started = True
         for role, router in self.routers.items():
             for addr in router.members:
-                self.members[addr] = Member(role, addr, static=True)
+                self.members[addr] = Member(role, addr, static=True, drained_here=(role, addr) in self._drained)
                 self._start_feed(role, addr)
         self._task = asyncio.get_running_loop().create_task(self._expire_loop())
 
@@ -122,12 +130,17 @@ class Membership:
             raise ValueError(f"{addr} is a {m.role} worker here, not {role}")
         if m is None:
             if len(self.members) >= self.max_members:
-                raise MembershipFullError(f"this proxy already has {len(self.members)} workers (at most "
-                                          f"{self.max_members}); a worker leaves, or expires, before another joins")
-            m = self.members[addr] = Member(role, addr, static=False)
-            log.info("%s worker %s joined (epoch %s)", role, addr, epoch[:8])
+                raise MembershipFullError(
+                    f"this proxy already has {len(self.members)} workers (at most "
+                    f"{self.max_members}); a worker leaves, or expires, before another joins"
+                )
+            m = self.members[addr] = Member(role, addr, static=False, drained_here=(role, addr) in self._drained)
+            log.info("%s worker %s joined (epoch %s)%s", role, addr, epoch[:8], " drained" if m.drained_here else "")
             router.add(addr)
             self._start_feed(role, addr)
+            if m.drained_here:  # drained here before it left: a new process has forgotten it
+                self._sync_router(m)
+                self.clients.spawn(self.tell_worker_draining(addr, True))
         elif epoch and m.epoch and epoch != m.epoch:
             self._restarted(m, epoch)
         m.worker_id, m.epoch = worker_id or m.worker_id, epoch or m.epoch
@@ -149,7 +162,8 @@ class Membership:
         feed = self.feeds.pop(addr, None)
         if feed is not None:
             self.clients.spawn(feed.stop())
-        log.info("%s worker %s left", m.role, addr)
+        self._forget_old_drains()
+        log.info("%s worker %s left%s", m.role, addr, " (drained: it joins again drained)" if m.drained_here else "")
         return True
 
     def drain(self, addr: str, draining: bool = True) -> Member:
@@ -158,10 +172,21 @@ class Membership:
         if m is None:
             raise KeyError(addr)
         m.drained_here = draining
-        if not draining:
+        key = (m.role, addr)
+        self._drained.pop(key, None)
+        if draining:
+            self._drained[key] = None
+            self._forget_old_drains()
+        else:
             m.drained_by_worker = False
         self._sync_router(m)
         return m
+
+    def _forget_old_drains(self) -> None:
+        """Bound the remembered drains: past `max_members` of addresses with no member, the oldest go."""
+        gone = [(role, a) for role, a in self._drained if getattr(self.members.get(a), "role", None) != role]
+        for key in gone[: max(0, len(gone) - self.max_members)]:
+            del self._drained[key]
 
     async def tell_worker_draining(self, addr: str, draining: bool) -> bool:
         """Send the worker its drain state (it reports it to every proxy); False when it could not be told."""

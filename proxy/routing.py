@@ -9,7 +9,7 @@ Ownership: `acquire()` counts a request against the chosen worker; the caller mu
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from hybridpd.proxy.config import RoutingPolicy
 
@@ -40,6 +40,8 @@ class Router:
         """Members that get no new request (draining, or down until they are heard from again)."""
         self._unresponsive: set[str] = set()
         """Members whose last health probe got no answer (frozen, wedged): skipped while another member answers."""
+        self._readers: dict[str, set[Callable[[], None]]] = {}
+        """Member -> streams waiting on it (`watch`), woken when it turns unresponsive while another answers."""
         self._in_flight = dict.fromkeys(self._members, 0)
         self._tokens = dict.fromkeys(self._members, 0)
         self._cursor = 0
@@ -81,11 +83,29 @@ class Router:
             self._blocked.discard(addr)
 
     def set_unresponsive(self, addr: str, unresponsive: bool) -> None:
-        """The health probe's verdict on a member: no answer in time (skip it while others answer), or answered."""
-        if unresponsive:
-            self._unresponsive.add(addr)
-        else:
+        """The health probe's verdict on a member: no answer in time (skip it while others answer, and wake the
+        streams waiting on it), or answered."""
+        if not unresponsive:
             self._unresponsive.discard(addr)
+            return
+        newly = addr not in self._unresponsive
+        self._unresponsive.add(addr)
+        answering = [a for a in self._members if a not in self._blocked and a not in self._unresponsive]
+        if newly and answering:
+            for wake in list(self._readers.get(addr, ())):
+                wake()
+
+    def watch(self, addr: str, wake: Callable[[], None]) -> None:
+        """Call `wake()` if `addr` turns unresponsive while another member answers, until `unwatch` (a stream
+        reading from it gives it up then). Event loop only."""
+        self._readers.setdefault(addr, set()).add(wake)
+
+    def unwatch(self, addr: str, wake: Callable[[], None]) -> None:
+        readers = self._readers.get(addr)
+        if readers is not None:
+            readers.discard(wake)
+            if not readers:
+                del self._readers[addr]
 
     def is_unresponsive(self, addr: str) -> bool:
         return addr in self._unresponsive

@@ -8,7 +8,8 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        of the same cache_salt.
                        Its mixed role (`whole`, DecodeService on the same address) generates by the decode rule.
     FakeDecodeWorker:  generates the prompt's token ids reversed (cycled when ignore_eos), one token per chunk
-                       (from the second when Generate carries the first token),
+                       (from the second when Generate carries the first token; after the resumed ones when it
+                       carries a `resume`),
                        `token_delay_s` apart; logprob of step i is -0.1 * (i % 5 + 1) (top_logprobs: the token,
                        then ids +1, +2, ... each 1.0 less likely); finishes "length" at
                        max_tokens, "stop" when the reversed prompt runs out (or at a stop token / stop string,
@@ -16,7 +17,9 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
                        chunk scores prompt token i (i >= 1) -0.01 * i, rank i, and lists ids +1 .. +k of it, each 1.0
                        less likely than the one before (from -0.5); a Generate continuing from P's token does not.
 
-Both record what they received (requests, releases, aborts, cancellations) and can be told to fail.
+Both record what they received (requests, releases, aborts, cancellations) and can be told to fail, and a decode
+worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open; with
+`freeze_health`, its Health goes unanswered from then on too, as a frozen process's).
 `tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
 """
 
@@ -60,19 +63,34 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
 
 
 def _stats(role: str, worker_id: str, metrics_port: int, running: int, max_generate: int = 0) -> pb.StatsResponse:
-    pools = [pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
-             pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True)]
+    pools = [
+        pb.PoolStats(group_id=0, kind="attention", total=64, free=60, cached=2, in_use=2, integrity_ok=True),
+        pb.PoolStats(group_id=1, kind="mamba2", total=8, free=7, in_use=1, integrity_ok=True),
+    ]
     memory = {"physical_bytes": 1 << 20, "attention_bytes_cached": 2 << 10, "checkpoint_bytes_held": 4 << 10}
-    return pb.StatsResponse(role=role, worker_id=worker_id, epoch="fake-epoch", num_running=running,
-                            pools=pools, metrics_port=metrics_port, memory_bytes=memory,
-                            max_num_seqs=max(max_generate, 8) if max_generate else 0, max_generate=max_generate)
+    return pb.StatsResponse(
+        role=role,
+        worker_id=worker_id,
+        epoch="fake-epoch",
+        num_running=running,
+        pools=pools,
+        metrics_port=metrics_port,
+        memory_bytes=memory,
+        max_num_seqs=max(max_generate, 8) if max_generate else 0,
+        max_generate=max_generate,
+    )
 
 
 class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
     """FAKE prefill worker (see module doc)."""
 
-    def __init__(self, worker_id: str = "fake-prefill-0", delay_s: float = 0.0, metrics_port: int = 0,
-                 token_text: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str = "fake-prefill-0",
+        delay_s: float = 0.0,
+        metrics_port: int = 0,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.token_text = token_text or (lambda t: f" {t}")
         self.address = ""
@@ -108,25 +126,33 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         if first.finish_reason:
             return pb.PrefillResponse(request_id=request.request_id, num_cached_tokens=hit, first=first)
         blocks = pb.GroupBlocks(group_id=0, block_ids=range(1, 1 + (n + FAKE_BLOCK - 1) // FAKE_BLOCK))
-        params = pb.TransferParams(worker_id=self.worker_id, epoch="fake-epoch", prefill_address=self.address,
-                                   groups=[blocks], states=[pb.GroupStates(group_id=1, state_slot=1)],
-                                   num_computed_tokens=n, num_prompt_tokens=n, lease_expiry_unix=time.time() + 30.0)
+        params = pb.TransferParams(
+            worker_id=self.worker_id,
+            epoch="fake-epoch",
+            prefill_address=self.address,
+            groups=[blocks],
+            states=[pb.GroupStates(group_id=1, state_slot=1)],
+            num_computed_tokens=n,
+            num_prompt_tokens=n,
+            lease_expiry_unix=time.time() + 30.0,
+        )
         return pb.PrefillResponse(request_id=request.request_id, params=params, num_cached_tokens=hit, first=first)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         self.releases.append(request.request_id)
         return pb.ReleaseResponse(released=True)
 
-    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
-                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
-        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
-                                   compat_hash="fake")
+    async def GetTransferMetadata(
+        self, request: pb.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferMetadata:
+        return pb.TransferMetadata(
+            agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch", compat_hash="fake"
+        )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("prefill", self.worker_id, self.metrics_port, 0, self.max_generate)
@@ -135,14 +161,23 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
 class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     """FAKE decode worker (see module doc). `token_text` renders one token id as text."""
 
-    def __init__(self, worker_id: str = "fake-decode-0", token_delay_s: float = 0.0, metrics_port: int = 0,
-                 token_text: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str = "fake-decode-0",
+        token_delay_s: float = 0.0,
+        metrics_port: int = 0,
+        token_text: Callable[[int], str] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.address = ""
         self.token_delay_s = token_delay_s
         self.metrics_port = metrics_port
         self.token_text = token_text or (lambda t: f" {t}")
         self.failure: Failure | None = None
+        self.freeze_after_tokens: int | None = None
+        self.freeze_health = False
+        self.resumes = True
+        """False: a worker that predates GenerateRequest.resume (it ignores the field)."""
         self.health_delay_s = 0.0
         self.generates: list[pb.GenerateRequest] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
@@ -171,17 +206,25 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
         external = request.params.num_computed_tokens if request.HasField("params") else 0
         start = 1 if request.HasField("first_token") else 0  # the proxy streamed P's first token
+        resumed = request.HasField("resume") and self.resumes
+        start += len(request.resume.token_ids) if resumed else 0  # ... and, resuming, the lost worker's output
         for i, chunk in enumerate(_fake_chunks(request.prompt_token_ids, request.sampling_params, self.token_text)):
             if i < start:
                 continue
             if self.failure is not None and i >= self.failure.after_tokens:
                 await context.abort(self.failure.code, self.failure.message)
+            if self.freeze_after_tokens is not None and i >= self.freeze_after_tokens:
+                if self.freeze_health:
+                    self.health_delay_s = 3600.0
+                await asyncio.Event().wait()  # frozen: nothing more, the stream open (until cancelled)
             if request.request_id in self._abort_requested:
                 yield pb.GenerateChunk(finish_reason="abort")
                 return
             if self.token_delay_s and chunk.token_ids:
                 await asyncio.sleep(self.token_delay_s)
             chunk.num_cached_tokens = chunk.num_external_cached_tokens = external
+            if resumed:
+                chunk.num_resumed_tokens = start
             yield chunk
 
     async def CacheEvents(self, request: pb.CacheEventsRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -191,8 +234,13 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no cache events")
         assert self.cache_snapshot is not None  # (abort raises)
         shape = pb.CacheShape(block_size=16, attention_groups=[0], recurrent_groups=[1], checkpoint_align=16)
-        yield pb.CacheEventBatch(epoch="fake-epoch", first_seq=0, snapshot=True, shape=shape, groups=[
-            pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()])
+        yield pb.CacheEventBatch(
+            epoch="fake-epoch",
+            first_seq=0,
+            snapshot=True,
+            shape=shape,
+            groups=[pb.GroupHashes(group=g, block_hashes=sorted(h)) for g, h in self.cache_snapshot.items()],
+        )
         await asyncio.Event().wait()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
@@ -200,16 +248,17 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self._abort_requested.add(request.request_id)
         return pb.AbortResponse(aborted=request.request_id in self.running)
 
-    async def GetTransferMetadata(self, request: pb.TransferMetadataRequest,
-                                  context: grpc.aio.ServicerContext) -> pb.TransferMetadata:
-        return pb.TransferMetadata(agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch",
-                                   compat_hash="fake")
+    async def GetTransferMetadata(
+        self, request: pb.TransferMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TransferMetadata:
+        return pb.TransferMetadata(
+            agent_metadata=b"fake", worker_id=self.worker_id, epoch="fake-epoch", compat_hash="fake"
+        )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("decode", self.worker_id, self.metrics_port, len(self.running), self.max_generate)
@@ -230,18 +279,35 @@ def _fake_chunks(prompt: Any, sp: pb.SamplingParams, token_text: Callable[[int],
     def chunk(step: int, tokens: list[int], text: str, finish: str) -> pb.GenerateChunk:
         lp = -0.1 * (step % 5 + 1)
         # alternatives: the chosen token first, then ids +1, +2, ... each 1.0 less likely
-        top = [pb.TopLogprobs(token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
-                              logprobs=[lp - k for k in range(sp.top_logprobs)]) for t in tokens]
-        c = pb.GenerateChunk(token_ids=tokens, text=text, finish_reason=finish,
-                             logprobs=[lp] if sp.logprobs and tokens else [],
-                             top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
-                             num_prompt_tokens=len(prompt))
+        top = [
+            pb.TopLogprobs(
+                token_ids=[(t + k) % 256 for k in range(sp.top_logprobs)],
+                logprobs=[lp - k for k in range(sp.top_logprobs)],
+            )
+            for t in tokens
+        ]
+        c = pb.GenerateChunk(
+            token_ids=tokens,
+            text=text,
+            finish_reason=finish,
+            logprobs=[lp] if sp.logprobs and tokens else [],
+            top_logprobs=top if sp.logprobs and sp.top_logprobs else [],
+            num_prompt_tokens=len(prompt),
+        )
         if step == 0 and sp.HasField("prompt_logprobs"):  # the first output token's chunk scores the prompt
             k = sp.prompt_logprobs
             c.prompt_logprobs.extend(
-                pb.PromptLogprob(token_id=t, logprob=-0.01 * i, rank=i, top=pb.TopLogprobs(
-                    token_ids=[(t + j) % 256 for j in range(1, k + 1)], logprobs=[-0.5 - j for j in range(k)]))
-                for i, t in enumerate(prompt) if i > 0)
+                pb.PromptLogprob(
+                    token_id=t,
+                    logprob=-0.01 * i,
+                    rank=i,
+                    top=pb.TopLogprobs(
+                        token_ids=[(t + j) % 256 for j in range(1, k + 1)], logprobs=[-0.5 - j for j in range(k)]
+                    ),
+                )
+                for i, t in enumerate(prompt)
+                if i > 0
+            )
         return c
 
     for i, tok in enumerate(outputs):

@@ -258,3 +258,37 @@ def test_registrations_past_the_member_cap_are_refused() -> None:
         assert _register(s, "10.9.9.1:1") == 200  # a renewal
         assert s.http.request("DELETE", "/v1/cluster/workers", json={"address": "10.9.9.1:1"}).status_code == 200
         assert _register(s, "10.9.9.2:1") == 200
+
+
+def test_a_drain_holds_for_the_address_whatever_happens_to_the_process() -> None:
+    """A worker's id and epoch are new with every process, so a drain names the (role, address). It survives the
+    worker's registration expiring or being withdrawn (a crash longer than its lease, a stop): the next worker of
+    that role there joins drained and is told so. Undrained, it is forgotten; a worker of the other role at that
+    address is not drained by it; drains of addresses with no member are bounded."""
+
+    async def run() -> None:
+        clients = _DrainClients()
+        routers = {r: Router([], "least_loaded", dynamic=True) for r in ("prefill", "decode")}
+        m = Membership(clients, routers)  # type: ignore[arg-type]
+        m.register("decode", "h:1", "w1", "e1", 10.0)
+        m.drain("h:1")
+        m.deregister("h:1")  # expired or withdrawn
+        m.register("decode", "h:1", "w2", "e2", 10.0, draining=False)  # a new process, a new id
+        await asyncio.sleep(0.01)
+        assert m.members["h:1"].draining and routers["decode"].addrs == () and clients.drains == [("h:1", True)]
+        m.drain("h:1", False)
+        m.deregister("h:1")
+        m.register("decode", "h:1", "w3", "e3", 10.0, draining=False)
+        assert not m.members["h:1"].draining and routers["decode"].addrs == ("h:1",)
+        m.drain("h:1")
+        m.deregister("h:1")
+        m.register("prefill", "h:1", "w4", "e4", 10.0, draining=False)  # another role at that address
+        assert not m.members["h:1"].draining and routers["prefill"].addrs == ("h:1",)
+        m.max_members = 2
+        for i in range(2, 6):
+            m.register("decode", f"h:{i}", f"v{i}", "e", 10.0)
+            m.drain(f"h:{i}")
+            m.deregister(f"h:{i}")
+        assert list(m._drained) == [("decode", "h:4"), ("decode", "h:5")]  # the two latest with no member
+
+    asyncio.run(run())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import pytest
 from hybridpd.engine import LLM
 from hybridpd.engine.core import EngineCore
@@ -19,7 +20,7 @@ from hybridpd.kvtransfer.pull import PullResult, PullState
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.worker.convert import sampling_params_from_proto
 
-from tests.support.pd_pair import FakeContext, FakeHandle, Pair, engine_config, make_pair
+from tests.support.pd_pair import Aborted, FakeContext, FakeHandle, Pair, engine_config, make_pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -112,8 +113,12 @@ def test_pd_continues_from_p_first_token_exactly_as_colocated(llm, monkeypatch):
         pair = await make_pair(default_model_path(), monkeypatch)
         try:
             for i, (prompt, sp) in enumerate(
-                [(prompts[0], seeded), (prompts[1], greedy_json), (prompts[1], sampled_json),
-                 (prompts[0], greedy_allowed)]
+                [
+                    (prompts[0], seeded),
+                    (prompts[1], greedy_json),
+                    (prompts[1], sampled_json),
+                    (prompts[0], greedy_allowed),
+                ]
             ):
                 got = await through_pd(pair, f"r{i}", prompt, sp)
                 assert got["called_d"] and pair.d.consumer.num_recomputed == 0
@@ -161,8 +166,11 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
     }
     spanning = [sp(stop=["aa"]), sp(stop=["aa"], include_stop_str_in_output=True), sp(stop=["aab"])]
     # a stop string the first token(s) already hold, ignored until min_tokens: the text ends at the later match
-    held_by_min_tokens = [(sp(stop=["a"], min_tokens=2), "a"), (sp(stop=["a"], min_tokens=3,
-                          include_stop_str_in_output=True), "aaa"), (sp(stop=["aa"], min_tokens=4), "aa")]
+    held_by_min_tokens = [
+        (sp(stop=["a"], min_tokens=2), "a"),
+        (sp(stop=["a"], min_tokens=3, include_stop_str_in_output=True), "aaa"),
+        (sp(stop=["aa"], min_tokens=4), "aa"),
+    ]
 
     async def run() -> None:
         pair = await make_pair(default_model_path(), monkeypatch)
@@ -180,6 +188,70 @@ def test_a_first_token_that_ends_the_request_never_reaches_d(llm, monkeypatch): 
                 got = await through_pd(pair, f"min-tokens{i}", prompt, params)
                 assert got["called_d"] and got["text"] == want, (params, got["text"])
                 assert_same(got, colocated(llm, prompt, params), params)
+            await settle(pair)
+        finally:
+            pair.close()
+
+    asyncio.run(run())
+
+
+def test_a_resumed_request_goes_on_exactly_where_the_lost_decode_worker_stopped(llm, monkeypatch):  # type: ignore[no-untyped-def]
+    """Another decode worker was lost after k output tokens: the proxy sends the request again with the first token
+    and a `resume` (the tokens after it, the length of the text the client has). The new worker computes them with
+    the prompt and streams only what follows: with what the lost worker had streamed, the colocated tokens,
+    logprobs and text, for seeded sampling with penalties, min_tokens and bad words, for greedy structured output
+    (the matcher replayed), and for a greedy run of bytes that are no valid UTF-8 (the text the detokenizer holds
+    back depends on how the tokens came: the new worker replays them one at a time, as the lost one saw them)."""
+    tok = llm.tokenizer
+    fox, once = tok.encode("The quick brown fox jumps over"), tok.encode("Once upon a time in a land far away")
+    json_greedy = pb.SamplingParams(max_tokens=16, temperature=0.0, structured_output=JSON)
+    raw_bytes = pb.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    seeded = pb.SamplingParams(**SEEDED)  # type: ignore[arg-type]
+    cases = [(fox, seeded, 5), (fox, json_greedy, 6), (once, raw_bytes, 20)]
+
+    async def run() -> None:
+        pair = await make_pair(default_model_path(), monkeypatch)
+        try:
+            for i, (prompt, sp, k) in enumerate(cases):
+                want = colocated(llm, prompt, sp)
+                plain = pb.GenerateRequest(request_id=f"whole{i}", prompt_token_ids=prompt, sampling_params=sp)
+                before = [c async for c in pair.d.Generate(plain, FakeContext())]  # type: ignore[arg-type]
+                assert "".join(c.text for c in before) == want.text
+                while sum(len(c.token_ids) for c in before) > k:  # what the client has when the worker is lost
+                    before.pop()
+                k = sum(len(c.token_ids) for c in before)
+                had = "".join(c.text for c in before)
+                assert 1 < k < len(want.token_ids), "the case must leave output to resume"
+                req = pb.GenerateRequest(request_id=f"resumed{i}", prompt_token_ids=prompt, sampling_params=sp)
+                req.first_token.token_id, req.first_token.logprob = want.token_ids[0], want.logprobs[0]
+                req.resume.token_ids.extend(want.token_ids[1:k])
+                req.resume.text_chars = len(had)
+                chunks = [c async for c in pair.d.Generate(req, FakeContext())]  # type: ignore[arg-type]
+                assert [t for c in chunks for t in c.token_ids] == want.token_ids[k:]
+                assert had + "".join(c.text for c in chunks) == want.text
+                assert chunks[-1].finish_reason == want.finish_reason
+                if sp.logprobs:
+                    got = [x for c in chunks for x in c.logprobs]
+                    assert got == pytest.approx(want.logprobs[k:], abs=1e-4)
+            assert "\ufffd" in want.text  # (the last case's bytes are no valid UTF-8)
+            greedy, prompt = pb.SamplingParams(max_tokens=8, temperature=0.0), fox
+            bad_text = pb.GenerateRequest(
+                request_id="bad",
+                prompt_token_ids=prompt,
+                sampling_params=greedy,
+                first_token=pb.FirstToken(token_id=want.token_ids[0]),
+                resume=pb.Resume(token_ids=want.token_ids[1:3], text_chars=10**6),
+            )
+            no_first = pb.GenerateRequest(
+                request_id="bad",
+                prompt_token_ids=prompt,
+                sampling_params=greedy,
+                resume=pb.Resume(token_ids=want.token_ids[1:3]),
+            )
+            for bad in (bad_text, no_first):  # refused as bad input; nothing is left running
+                with pytest.raises(Aborted) as refused:
+                    _ = [c async for c in pair.d.Generate(bad, FakeContext())]  # type: ignore[arg-type]
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
             await settle(pair)
         finally:
             pair.close()

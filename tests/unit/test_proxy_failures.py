@@ -3,6 +3,7 @@ no hangs, and the cleanup RPCs (D.Abort, P.Release) the proxy owes the workers."
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -88,11 +89,14 @@ def test_disconnect_during_prefill_releases_on_prefill(stack: LiveStack) -> None
     wait_for(lambda: in_flight(stack) == [0, 0])
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.UNAVAILABLE, 503),  # with skip_prefill "never" (else the decode worker computes it: below)
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
-    (grpc.StatusCode.INTERNAL, 500),
-])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, 503),  # with skip_prefill "never" (else the decode worker computes it: below)
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_prefill_failure_is_json_error(stack: LiveStack, code: grpc.StatusCode, status: int, stream: bool) -> None:
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -206,23 +210,96 @@ def test_unreachable_prefill_is_not_a_hang(skip_prefill: str) -> None:
         assert dead["reachable"] is False and "UNAVAILABLE" in dead["error"]
 
 
+def _stream(r: httpx.Response) -> tuple[list[int], str, list[dict]]:
+    """A completion stream's tokens, text and error events (asserting it ends with [DONE])."""
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]", events
+    bodies = [json.loads(e) for e in events[:-1]]
+    choices = [c for b in bodies for c in b.get("choices", [])]
+    return (
+        [t for c in choices for t in c["token_ids"]],
+        "".join(c["text"] for c in choices),
+        [b for b in bodies if "error" in b],
+    )
+
+
+def failovers(stack: LiveStack, cause: str, outcome: str) -> float:
+    text = stack.http.get("/metrics").text
+    key = f'hybridpd_proxy_decode_failovers_total{{cause="{cause}",outcome="{outcome}"}}'
+    return float(next(ln for ln in text.splitlines() if ln.startswith(key)).split()[-1])
+
+
 @pytest.mark.parametrize("with_prefill", [True, False])
-def test_a_decode_worker_lost_mid_generation_restarts_a_non_streamed_request(with_prefill: bool) -> None:
-    """Nothing of a non-streamed request has reached the client when its decode worker dies mid-generation: the
-    request continues on the other decode worker from its start (after P's first token under PD), and the answer
-    is whole and right (the fake rule: the prompt reversed). A streamed one cannot be taken back: an error."""
+def test_a_decode_worker_lost_mid_generation_resumes_the_request_elsewhere(with_prefill: bool) -> None:
+    """A decode worker dies after sending part of the output: the request resumes on the other decode worker, which
+    is sent what the client already has (the first token, the lost worker's tokens after it, the text's length) and
+    streams only the rest. Streamed or not, the client gets every token once, in order, and the whole text (the
+    fake rule: the prompt reversed); counted as a resumed failover."""
     n_prefill = 1 if with_prefill else 0
     extra = {} if with_prefill else {"colocated": True}
     with LiveStack(n_prefill=n_prefill, n_decode=2, model_name=MODEL, routing="round_robin", **extra) as s:
         body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6}
-        for d in s.decode:
-            d.failure = None
         s.decode[0].failure = Failure(grpc.StatusCode.UNAVAILABLE, "worker died", after_tokens=3)
         answers = [s.http.post("/v1/completions", json=body, timeout=10) for _ in range(2)]  # one lands on D0
         assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
         assert all(r.json()["choices"][0]["token_ids"] == [6, 5, 4, 3, 2, 1] for r in answers)
+        assert all(r.json()["choices"][0]["text"] == " 6 5 4 3 2 1" for r in answers)
         assert all(r.json()["usage"]["completion_tokens"] == 6 for r in answers)
-        assert len(s.decode[0].generates) >= 1 and len(s.decode[1].generates) == 2  # each one ended on D1
-        streamed = [s.http.post("/v1/completions", json={**body, "stream": True}, timeout=10) for _ in range(2)]
-        assert any("worker died" in r.text for r in streamed)  # the one on D0: an error event after its tokens
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        for _ in range(2):  # one lands on D0
+            r = s.http.post("/v1/completions", json=stream, timeout=10)
+            tokens, text, errors = _stream(r)
+            assert (tokens, text, errors) == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", []), r.text
+            assert json.loads(r.text.split("\n\n")[-3].removeprefix("data: "))["usage"]["completion_tokens"] == 6
+        resumed = [g for g in s.decode[1].generates if g.HasField("resume")]
+        lost = len(s.decode[0].generates)  # (each one broke after its third token)
+        assert lost >= 2 and len(resumed) == lost and all(g.first_token.token_id == 6 for g in resumed)
+        assert all(list(g.resume.token_ids) == [5, 4] and g.resume.text_chars == len(" 6 5 4") for g in resumed)
+        assert all(not g.HasField("params") for g in resumed)  # D computes the prompt and the output itself
+        assert failovers(s, "lost", "resumed") == lost and failovers(s, "lost", "failed") == 0
+        s.decode[1].resumes = False  # a worker that predates resuming would send the tokens again: an error instead
+        tokens, _, errors = _stream(s.http.post("/v1/completions", json=stream, timeout=10))
+        assert tokens == [6, 5, 4] and len(errors) == 1 and "did not resume" in errors[0]["error"]["message"]
         wait_for(lambda: not any(in_flight(s)))  # every worker's count given back (the lost one's too)
+
+
+@pytest.mark.parametrize("n_decode", [2, 1])
+def test_a_decode_worker_that_stalls_mid_stream_is_given_up(n_decode: int) -> None:
+    """A decode worker freezes after two tokens, its connection open: after the inter-token timeout the proxy
+    gives it up for the request (cancelled, and told to abort it) and resumes the stream on the other decode
+    worker, every token once; with no other decode worker, the stream ends with a clear error event, not a hang.
+    Both counted as stalled failovers."""
+    with LiveStack(
+        n_prefill=1, n_decode=n_decode, model_name=MODEL, routing="round_robin", inter_token_timeout_s=0.3
+    ) as s:
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "stream": True}
+        s.decode[0].freeze_after_tokens = 3
+        t0 = time.monotonic()
+        streams = [_stream(s.http.post("/v1/completions", json=body, timeout=10)) for _ in range(n_decode)]
+        assert time.monotonic() - t0 < 5
+        frozen_rid = s.decode[0].generates[0].request_id
+        wait_for(lambda: frozen_rid in s.decode[0].aborts and frozen_rid in s.decode[0].cancelled)
+        if n_decode == 2:
+            assert all(st == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", []) for st in streams), streams
+            stalled = len(s.decode[0].generates)  # (the rotation comes back to it after each failover)
+            assert failovers(s, "stalled", "resumed") == stalled and failovers(s, "stalled", "failed") == 0
+        else:
+            ((tokens, _, errors),) = streams
+            assert tokens == [6, 5, 4] and len(errors) == 1 and "made no progress" in errors[0]["error"]["message"]
+            assert failovers(s, "stalled", "failed") == 1 and counter(s, "error") == 1
+        wait_for(lambda: not any(in_flight(s)))
+
+
+def test_a_decode_worker_process_that_freezes_mid_stream_is_left_at_its_health_probe() -> None:
+    """The whole decode worker process freezes mid-stream (its Health unanswered too): the stream is given up as
+    soon as the health monitor finds it unresponsive while the other decode worker answers, well before the
+    inter-token timeout (30 s here), and resumes there, every token once."""
+    with LiveStack(
+        n_prefill=1, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1, control_timeout_s=0.3
+    ) as s:
+        s.decode[0].freeze_after_tokens, s.decode[0].freeze_health = 3, True
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "stream": True}
+        t0 = time.monotonic()
+        got = _stream(s.http.post("/v1/completions", json=body, timeout=20))
+        assert got == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", []) and time.monotonic() - t0 < 5
+        assert len(s.decode[0].generates) == 1 and failovers(s, "stalled", "resumed") == 1
