@@ -166,3 +166,43 @@ def test_missing_fields_take_transformers_defaults(family: str, arch: str) -> No
             mapped[piece] = tuple(tensor.shape)
     assert {n: s for n, s in mapped.items() if n in got} == {n: got[n] for n in mapped if n in got}
     assert set(got) - set(mapped) <= {"lm_head.weight"}, sorted(set(got) - set(mapped))[:5]
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 3.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 16,
+            "beta_slow": 2,
+        },
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "attention_factor": 1.3},
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},  # the legacy key
+    ],
+)
+def test_rope_frequencies_equal_transformers(rope: dict[str, Any]) -> None:
+    import torch
+    from hybridpd.engine.models.rope_scaling import rope_frequencies
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {**rope, "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+    config = model_zoo.hf_config(
+        "qwen3_5", {**model_zoo.QWEN_BASE, "head_dim": 40, "max_position_embeddings": 256, "rope_parameters": params}
+    )
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        want_scale = 1.0  # transformers' default rope: 1 / base^(2i/d)
+        want = 1.0 / (1e6 ** (torch.arange(0, 20, 2, dtype=torch.int64).float() / 20))
+    else:
+        want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    got, scale = rope_frequencies(params, 1e6, 20, 256)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert scale == pytest.approx(want_scale, rel=1e-12)
