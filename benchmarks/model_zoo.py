@@ -203,6 +203,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen_interval": _qwen(layer_types=None, num_hidden_layers=4, full_attention_interval=2),
     "qwen_attn_gate_key": _qwen(attn_output_gate=True),
     "qwen_gelu": _qwen(hidden_act="gelu"),  # the MLP's and the GDN conv's activation (the gated norm stays silu)
+    # several sharding-sensitive fields at once (tests/unit/test_model_variants.py runs it at TP 2)
+    "qwen_tp_mix": _qwen(
+        vocab_size=301,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=24,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        linear_num_key_heads=1,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
     # -- Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B shapes in miniature)
     "qmoe_base": _qmoe(),
     "qmoe_8x1": _qmoe(num_experts=8, num_experts_per_tok=1),
@@ -386,10 +406,10 @@ def multimodal_greedy(path: str, family: str, prompt: list[int], new: int) -> tu
     return tokens, lps
 
 
-def _engine_runs(path: str, tp: int, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def _engine_runs(path: str, tp: int, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
     from hybridpd.engine import LLM, SamplingParams
 
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     from contextlib import nullcontext
 
     from tests.support.forward_path import forward_path
@@ -422,14 +442,22 @@ def _has_attention(overrides: dict[str, Any]) -> bool:
     return (types is None and pattern is None) or F in (types or []) or "*" in (pattern or "")
 
 
-def prompts_for(vocab: int) -> list[list[int]]:
+def prompts_for(vocab: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:
     from tests.oracle import random_prompts
 
-    prompts = random_prompts(list(LENGTHS), min(vocab, 256), seed=3)
+    prompts = random_prompts(list(lengths), min(vocab, 256), seed=3)
     return [*prompts, prompts[-1] + [7, 8, 9]]
 
 
-def check_variant(name: str, tp_sizes: tuple[int, ...] = (1, 2), workdir: str | None = None) -> dict[str, Any]:
+def check_variant(
+    name: str,
+    tp_sizes: tuple[int, ...] = (1, 2),
+    workdir: str | None = None,
+    lengths: tuple[int, ...] = LENGTHS,
+    new: int = NEW_TOKENS,
+) -> dict[str, Any]:
+    """One variant's row: TP 1 vs transformers and (2 in tp_sizes) TP 2 vs TP 1, on prompts of `lengths` plus the
+    last one again with 3 more tokens (a prefix-cache hit), `new` greedy tokens each."""
     from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
 
     from tests.oracle import hf_greedy, hf_greedy_uncached
@@ -444,22 +472,22 @@ def check_variant(name: str, tp_sizes: tuple[int, ...] = (1, 2), workdir: str | 
         except Exception as e:  # transformers itself rejects the config: nothing to serve
             row["result"] = f"hf-rejects: {type(e).__name__}: {str(e)[:120]}"
             return row
-        prompts = prompts_for(overrides.get("vocab_size", 300))
+        prompts = prompts_for(overrides.get("vocab_size", 300), lengths)
         try:
-            tp1 = _engine_runs(path, 1, prompts)
+            tp1 = _engine_runs(path, 1, prompts, new)
         except ModelLoadError as e:
             row["result"] = f"refused: {str(e)[:160]}"
             return row
         if family in MULTIMODAL:
-            ref = [multimodal_greedy(path, family, p, NEW_TOKENS) for p in prompts]
+            ref = [multimodal_greedy(path, family, p, new) for p in prompts]
         elif _has_attention(overrides):
-            ref = [hf_greedy(path, p, NEW_TOKENS) for p in prompts]
+            ref = [hf_greedy(path, p, new) for p in prompts]
         else:  # transformers' generate needs an attention layer: one uncached forward per token
-            ref = [hf_greedy_uncached(path, p, NEW_TOKENS) for p in prompts]
+            ref = [hf_greedy_uncached(path, p, new) for p in prompts]
         row["tp1_vs_hf"] = _compare(ref, tp1)
         if 2 in tp_sizes:
             try:
-                row["tp2_vs_tp1"] = _compare(tp1, _engine_runs(path, 2, prompts))
+                row["tp2_vs_tp1"] = _compare(tp1, _engine_runs(path, 2, prompts, new))
             except InvalidRequestError as e:
                 row["tp2_vs_tp1"] = {"ok": None, "refused": str(e)[:160]}
     ok = [row[k]["ok"] for k in ("tp1_vs_hf", "tp2_vs_tp1") if k in row and row[k]["ok"] is not None]

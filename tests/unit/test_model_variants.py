@@ -206,3 +206,11 @@ def test_rope_frequencies_equal_transformers(rope: dict[str, Any]) -> None:
     got, scale = rope_frequencies(params, 1e6, 20, 256)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert scale == pytest.approx(want_scale, rel=1e-12)
+
+
+def test_mixed_variant_at_tp2(tmp_path: Any) -> None:
+    """Sharding-sensitive fields together (GQA group 6 on one KV head, head dim 24, attention biases, a GDN key head
+    shared by 4 value heads, key dim != value dim, tied embeddings over an odd vocabulary, YaRN): TP 1 equals
+    transformers and TP 2 equals TP 1 (the sweep's check: 2 prompts and a prefix hit, 4 tokens each)."""
+    row = model_zoo.check_variant("qwen_tp_mix", (1, 2), workdir=str(tmp_path), lengths=(3, 21), new=NEW)
+    assert row["tp1_vs_hf"]["ok"] and row["tp2_vs_tp1"]["ok"], row
