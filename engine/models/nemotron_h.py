@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
 from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.config_checks import require_multiple, require_routing
 from hybridpd.engine.models.fast_path import (
     grouped_moe_available,
     moe_routed,
@@ -117,7 +118,7 @@ class NemotronHArgs:
             time_step_min=float(_pick(cfg, "time_step_min", 0.001, "mamba_dt_min")),
             ssm_dtype=str(cfg.get("mamba_ssm_cache_dtype", "float32")),
         )
-        return cls(
+        args = cls(
             vocab_size=int(cfg.get("vocab_size", 131072)),
             hidden_size=hidden,
             layer_types=tuple(nemotron_h_layer_types(cfg)),
@@ -144,6 +145,20 @@ class NemotronHArgs:
             topk_group=int(cfg.get("topk_group", 1)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         )
+        args.check()
+        return args
+
+    def check(self) -> None:
+        """The shape relations the layers of this config rely on (ValueError naming the fields)."""
+        types = set(self.layer_types)
+        if "full_attention" in types:
+            require_multiple(self.num_attention_heads, "num_attention_heads", self.num_key_value_heads,
+                             "num_key_value_heads")
+        if "linear_attention" in types:
+            m = self.mamba
+            require_multiple(m.num_heads, "mamba_num_heads", m.n_groups, "n_groups")
+        if "moe" in types:
+            require_routing(self.n_routed_experts, self.num_experts_per_tok, self.n_group, self.topk_group)
 
 
 class NemotronHAttention(nn.Module):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
 from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.config_checks import require_multiple
 from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
@@ -112,7 +113,7 @@ class Qwen3_5Args:
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         act = str(cfg.get("hidden_act", "silu"))
         eos = cfg.get("eos_token_id")
-        return cls(
+        args = cls(
             vocab_size=int(cfg.get("vocab_size", 248320)),
             hidden_size=hidden,
             intermediate_size=int(cfg.get("intermediate_size", 12288)),
@@ -141,6 +142,17 @@ class Qwen3_5Args:
             ),
             moe=SparseMoeArgs.from_dict(cfg),
         )
+        args.check()
+        return args
+
+    def check(self) -> None:
+        """The shape relations the layers of this config rely on (ValueError naming the fields)."""
+        if "full_attention" in self.layer_types:
+            require_multiple(self.num_attention_heads, "num_attention_heads", self.num_key_value_heads,
+                             "num_key_value_heads")
+        if "linear_attention" in self.layer_types:
+            require_multiple(self.gdn.num_v_heads, "linear_num_value_heads", self.gdn.num_k_heads,
+                             "linear_num_key_heads")
 
 
 class Qwen3_5Attention(nn.Module):

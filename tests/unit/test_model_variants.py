@@ -214,3 +214,35 @@ def test_mixed_variant_at_tp2(tmp_path: Any) -> None:
     transformers and TP 2 equals TP 1 (the sweep's check: 2 prompts and a prefix hit, 4 tokens each)."""
     row = model_zoo.check_variant("qwen_tp_mix", (1, 2), workdir=str(tmp_path), lengths=(3, 21), new=NEW)
     assert row["tp1_vs_hf"]["ok"] and row["tp2_vs_tp1"]["ok"], row
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "named"),
+    [
+        ("nemotron_h", {"num_attention_heads": 6, "num_key_value_heads": 4}, "num_key_value_heads=4"),
+        ("nemotron_h", {"mamba_num_heads": 6, "n_groups": 4}, "n_groups=4"),
+        ("nemotron_h", {"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+        ("nemotron_h", {"n_group": 3}, "n_group=3"),
+        (
+            "nemotron_h",
+            {"n_routed_experts": 8, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+            "num_experts_per_tok=3",
+        ),
+        ("qwen3_5", {"linear_num_key_heads": 2, "linear_num_value_heads": 3}, "linear_num_key_heads=2"),
+        ("qwen3_5", {"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ],
+)
+def test_inconsistent_shapes_are_refused_at_load(
+    family: str, fields: dict[str, Any], named: str, tmp_path: Any
+) -> None:
+    """Shape relations the layers rely on (heads over KV heads or groups, routing over expert groups): a config
+    that breaks one is refused at load naming the fields, not run into an error or a wrong result at a step."""
+    import json
+
+    from hybridpd.engine.models.registry import build_on_meta
+
+    base = model_zoo.NEMOTRON_BASE if family == "nemotron_h" else model_zoo.QWEN_BASE
+    cfg = {**model_zoo.hf_config(family, base).to_dict(), **fields}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=named):
+        build_on_meta(str(tmp_path))
