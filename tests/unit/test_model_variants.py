@@ -122,7 +122,7 @@ def test_missing_fields_take_transformers_defaults(family: str, arch: str) -> No
     minimal = {
         "vocab_size": 300,
         "hidden_size": 64,
-        "num_attention_heads": 2,
+        "num_attention_heads": 8,  # a multiple of every default KV head count
         "intermediate_size": 32,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 2,
