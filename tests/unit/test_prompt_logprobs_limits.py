@@ -22,10 +22,11 @@ def test_prompt_logprobs_that_cannot_fit_one_message_are_a_400(monkeypatch: pyte
     opts = [(k, LIMIT if k.endswith("message_length") else v) for k, v in workers._CHANNEL_OPTIONS]
     monkeypatch.setattr(workers, "_CHANNEL_OPTIONS", opts)
     with LiveStack(n_prefill=n_prefill, model_name=MODEL, max_model_len=8192) as s:
-        body = {"model": MODEL, "prompt": [1 + i % 200 for i in range(6000)], "max_tokens": 1, "prompt_logprobs": 20}
+        prompt = [1 + i % 200 for i in range(6000)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20}
         r = s.http.post("/v1/completions", json=body, timeout=20)
         assert r.status_code == 400, (r.text, [len(p.prefills) for p in s.prefill])
         assert r.json()["error"]["param"] == "prompt_logprobs"
         assert not any(p.prefills for p in s.prefill) and not any(d.generates for d in s.decode)
-        ok = s.http.post("/v1/completions", json={**body, "prompt": body["prompt"][:500]}, timeout=20)
+        ok = s.http.post("/v1/completions", json={**body, "prompt": prompt[:500]}, timeout=20)
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["prompt_logprobs"]) == 500
