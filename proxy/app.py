@@ -378,12 +378,14 @@ class _Proxy:
         want_prompt = req.sampling.prompt_logprobs is not None
         if isinstance(req, ChatRequest):
             fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
-                                tools=req.tools, echo=req.echo_text, prompt_logprobs=want_prompt)
+                                tools=req.tools, echo=req.echo_text, prompt_logprobs=want_prompt,
+                                decoded_token=self.token_text)
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
                                       echo=echoes if any(echoes) else (), decode=decode, prompt_logprobs=want_prompt,
                                       echo_ids=[p.prompt_token_ids for p in prepared] if req.echo else (),
-                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only)
+                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only,
+                                      decoded_token=self.token_text)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:

@@ -245,3 +245,14 @@ def test_echo_with_return_token_ids_leaves_the_prompt_text_out(stack: LiveStack)
     assert chunks[0]["logprobs"]["tokens"][:3] == ["h", "i", "j"]
     plain = stack.http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
     assert plain["text"] == "hijji"
+
+
+def test_prompt_logprobs_decoded_tokens_stay_text_with_tokens_as_ids(stack: LiveStack) -> None:
+    """vLLM: return_tokens_as_token_ids writes 'token_id:N' in the logprobs' tokens, never in prompt_logprobs'
+    decoded_token (the engine's text of the token), completions and chat alike."""
+    base = {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 1, "return_tokens_as_token_ids": True}
+    c = stack.http.post("/v1/completions", json={**base, "prompt": "hij", "logprobs": 0}).json()["choices"][0]
+    assert c["prompt_logprobs"][1]["105"]["decoded_token"] == "i" and c["logprobs"]["tokens"][0].startswith("token_id:")
+    chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    rows = stack.http.post("/v1/chat/completions", json=chat).json()["prompt_logprobs"][1:]
+    assert all(not v["decoded_token"].startswith("token_id:") for row in rows for v in row.values())
