@@ -16,7 +16,6 @@ MODEL = "m"
 LIMIT = 256 * 1024
 
 
-@pytest.mark.xfail(strict=True, reason="prompt logprobs over the gRPC message limit: 503 (PD: every P tried)")
 @pytest.mark.parametrize("n_prefill", [2, 0])
 def test_prompt_logprobs_that_cannot_fit_one_message_are_a_400(monkeypatch: pytest.MonkeyPatch, n_prefill: int) -> None:
     opts = [(k, LIMIT if k.endswith("message_length") else v) for k, v in workers._CHANNEL_OPTIONS]
