@@ -26,6 +26,7 @@ from several threads at once.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -116,6 +117,15 @@ class ChatTemplate:
     def has_template(self) -> bool:
         return self._compiled is not None
 
+    @functools.cached_property
+    def content_format(self) -> str:
+        """How a message whose content came as a list of text parts reaches the template, as vLLM decides it:
+        "openai" (the list itself, `[{"type": "text", "text": ...}]`) when the template loops over a message's
+        content, else "string" (the parts' texts joined by newlines)."""
+        if self._compiled is None:
+            return "string"
+        return "openai" if loops_over_content(self._compiled.environment.parse(self.source)) else "string"
+
     @property
     def carries_special_tokens(self) -> bool:
         """Whether rendered text already holds its special tokens (encode it with add_special_tokens=False)."""
@@ -156,10 +166,29 @@ RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generatio
 """Template variables `render` sets itself (chat_template_kwargs may not replace them)."""
 
 
+def loops_over_content(tree: Any) -> bool:
+    """Whether a parsed template has a `for` loop over a `content` item or attribute (`message['content']`,
+    `message.content`, through filters and slices) or over a variable named `content`."""
+    from jinja2 import nodes
+
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, (nodes.Filter, nodes.Test)) or (isinstance(it, nodes.Getitem)
+                                                              and isinstance(it.arg, nodes.Slice)):
+            it = it.node
+        if (isinstance(it, nodes.Getattr) and it.attr == "content") or \
+                (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content") or \
+                (isinstance(it, nodes.Name) and it.name == "content"):
+            return True
+    return False
+
+
 def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
     """`text` up to the end of the final message's content (its last occurrence): what follows it (an end-of-turn
     token, a newline) would close the message the model is asked to continue."""
     content = final.get("content")
+    if isinstance(content, list) and content:  # text parts as the template saw them: the message ends with the last
+        content = content[-1].get("text") if isinstance(content[-1], Mapping) else None
     if not isinstance(content, str) or not content.strip():
         raise ChatTemplateError("continue_final_message needs a final message with text content")
     for needle in (content, content.strip()):  # templates that strip the content render the second

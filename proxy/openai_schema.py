@@ -126,13 +126,20 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str | None
+    """The text; content sent as a list of text parts has them joined by newlines (vLLM's string form)."""
     extra: tuple[tuple[str, Any], ...] = ()
     """Tool fields passed to the chat template: an assistant's `tool_calls`, a tool message's `tool_call_id`."""
+    parts: tuple[str, ...] | None = None
+    """The texts of content sent as a list of text parts (None: sent as a string)."""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, content_parts: bool = False) -> dict[str, Any]:
         """What the chat template sees: an assistant's tool-call message without content gets "" (templates
-        concatenate `message['content']`)."""
-        return {"role": self.role, "content": "" if self.content is None else self.content, **dict(self.extra)}
+        concatenate `message['content']`). `content_parts` (a template that loops over content): content sent as
+        parts stays a list of `{"type": "text", "text": ...}`, as vLLM passes it."""
+        content: Any = "" if self.content is None else self.content
+        if content_parts and self.parts is not None:
+            content = [{"type": "text", "text": t} for t in self.parts]
+        return {"role": self.role, "content": content, **dict(self.extra)}
 
 
 @dataclass(frozen=True)
@@ -570,16 +577,18 @@ def parse_completion(body: dict[str, Any], served_model: str) -> CompletionReque
     )
 
 
-def _content(v: Any, where: str) -> str:
+def _content(v: Any, where: str) -> tuple[str, tuple[str, ...] | None]:
+    """(the text, the parts' texts or None): a list of text parts is joined by newlines, as vLLM does for templates
+    that take content as a string (and for chat echo)."""
     if isinstance(v, str):
-        return v
+        return v, None
     if isinstance(v, list):
         parts = []
         for j, part in enumerate(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"'{where}[{j}]': only text content parts are supported", param=f"{where}[{j}]")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts), tuple(parts)
     raise bad_request(f"'{where}' must be a string or a list of text parts, got {_json_type(v)}", param=where)
 
 
@@ -600,7 +609,8 @@ def _messages(v: Any) -> tuple[ChatMessage, ...]:
         if content is None and "tool_calls" in extra:
             out.append(ChatMessage(role=role, content=None, extra=tuple(extra.items())))
             continue
-        out.append(ChatMessage(role=role, content=_content(content, f"{where}.content"), extra=tuple(extra.items())))
+        text, parts = _content(content, f"{where}.content")
+        out.append(ChatMessage(role=role, content=text, extra=tuple(extra.items()), parts=parts))
     return tuple(out)
 
 

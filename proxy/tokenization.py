@@ -36,8 +36,8 @@ def render_fallback(messages: Sequence[ChatMessage]) -> str:
     return chat_template.render_fallback(_plain(messages))
 
 
-def _plain(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    return [m.as_dict() for m in messages]
+def _plain(messages: Sequence[ChatMessage], content_parts: bool = False) -> list[dict[str, Any]]:
+    return [m.as_dict(content_parts) for m in messages]
 
 
 def _template(root: Path, override: str | None) -> chat_template.ChatTemplate:
@@ -103,7 +103,8 @@ class PromptTokenizer:
         rendering fields), else the fallback format. A template error is a 400."""
         r = render or ChatRender()
         try:
-            return self._template.render(_plain(messages), r.add_generation_prompt, tools=tools,
+            plain = _plain(messages, self._template.content_format == "openai")
+            return self._template.render(plain, r.add_generation_prompt, tools=tools,
                                          template_kwargs=dict(r.template_kwargs),
                                          continue_final_message=r.continue_final_message)
         except chat_template.ChatTemplateError as exc:  # jinja2 errors and the template's own raise_exception()
