@@ -567,7 +567,9 @@ class Generation:
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
                 if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
+                    self.cluster.metrics.decode_failover("stalled", "resumed")
                     continue
+                self.cluster.metrics.decode_failover("stalled", "failed")
                 raise self._fail(
                     ApiError(503, f"decode worker {self._s.decode_addr} stopped answering", code="worker_unavailable")
                 ) from None

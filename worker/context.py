@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.metrics import WorkerMetrics
 from hybridpd.proto import hybridpd_pb2 as pb
+
+log = logging.getLogger("hybridpd.worker")
 
 
 @dataclass
@@ -37,6 +40,13 @@ class WorkerContext:
     """hybridpd.worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
     tp_layout: Any = None
     """hybridpd.kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
+    stall_timeout_s: float = 60.0
+    """Health answers not ready while the engine's step thread has been in one pass (a step, a hook) for longer
+    than this: wedged, though this gRPC server still answers. Proxies route around it and give up the streams
+    waiting on it (proxy/cluster_view.py). 0: never."""
+
+    def engine_stalled(self) -> bool:
+        return self.stall_timeout_s > 0 and self.aengine.busy_for() > self.stall_timeout_s
 
     @property
     def core(self):  # type: ignore[no-untyped-def]
@@ -78,7 +88,11 @@ class WorkerRpcs:
         )
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
-        return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
+        stalled = self.ctx.engine_stalled()
+        if stalled:
+            log.warning("Health: not ready, the engine's step thread has been in one pass for %.0f s",
+                        self.ctx.aengine.busy_for())
+        return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=not stalled,
                                  worker_id=self.ctx.worker_id, draining=self.ctx.draining)
 
     async def Drain(self, request, context) -> pb.DrainResponse:  # type: ignore[no-untyped-def]
