@@ -13,7 +13,8 @@ TTFT), arrival -> last token (E2E).
 
 `hybridpd_proxy_decode_failovers_total{cause, outcome}`: a decode worker that failed a request after its first
 output, by cause (`lost`: the stream broke as unreachable, the worker died or restarted; `stalled`: nothing came for
-the inter-token timeout, or the worker stopped answering health probes while another decode worker answers) and
+the inter-token timeout, or the worker stopped answering health probes or answered them not ready, its engine stuck,
+while another decode worker answers: counted before its first output too) and
 outcome (`resumed` on another decode worker, the client's stream going on without a repeated or missing token;
 `failed`: no decode worker left or too many failovers, the request ended with an error).
 """
@@ -179,8 +180,8 @@ class ProxyMetrics:
         )
         self.decode_failovers = Counter(
             "hybridpd_proxy_decode_failovers_total",
-            "Decode workers that failed a request mid-generation, by cause (lost, "
-            "stalled) and outcome (resumed on another decode worker, failed)",
+            "Decode workers that failed a request mid-generation (stalled: before its first output too), by "
+            "cause (lost, stalled) and outcome (resumed on another decode worker, failed)",
             ["cause", "outcome"],
             registry=r,
         )
