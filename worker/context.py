@@ -45,6 +45,9 @@ class WorkerContext:
     than this: wedged, though this gRPC server still answers. Proxies route around it and give up the streams
     waiting on it (proxy/cluster_view.py). 0: never."""
 
+    stall_reported: bool = False
+    """Health last answered not ready for a stuck engine (logged once per stall)."""
+
     def engine_stalled(self) -> bool:
         return self.stall_timeout_s > 0 and self.aengine.busy_for() > self.stall_timeout_s
 
@@ -89,9 +92,13 @@ class WorkerRpcs:
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
         stalled = self.ctx.engine_stalled()
-        if stalled:
-            log.warning("Health: not ready, the engine's step thread has been in one pass for %.0f s",
-                        self.ctx.aengine.busy_for())
+        if stalled != self.ctx.stall_reported:  # logged when it starts and ends, not at every probe
+            self.ctx.stall_reported = stalled
+            if stalled:
+                log.warning("Health: not ready, the engine's step thread has been in one pass for %.0f s",
+                            self.ctx.aengine.busy_for())
+            else:
+                log.warning("Health: ready again, the engine's step thread is back")
         return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=not stalled,
                                  worker_id=self.ctx.worker_id, draining=self.ctx.draining)
 
