@@ -7,8 +7,12 @@ nothing caps open connections. `guarded_h11(limits, on_reject)` returns an `H11P
     connect / previous response --(header_timeout_s)--> headers complete --(body_timeout_s)--> body complete
             missed: the connection is closed             missed: 408 (if no response started), then closed
     more than max_connections open: the new one is closed at once
+    writes blocked for send_timeout_s (the client stopped reading: its socket's buffers are full): dropped
 
-Each drop calls `on_reject(reason)` (reason: connection_cap, header_timeout, body_timeout). Timers are
+A dropped connection's request sees `http.disconnect` (its stream is aborted on the workers and its admission budget
+given back): a client that stops reading a stream, its connection open, would otherwise hold them for as long as
+it keeps the connection. Each drop calls `on_reject(reason)` (reason: connection_cap, header_timeout, body_timeout,
+send_timeout). Timers are
 `loop.call_later` handles owned by the connection and cancelled when it closes. Event loop only.
 """
 
@@ -36,6 +40,7 @@ def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _waiting_for: str = ""  # "headers", "body" or "" (nothing due from the client)
+        _send_deadline: asyncio.TimerHandle | None = None  # set while the transport has paused our writes
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -47,7 +52,31 @@ def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._expect("")
+            self._cancel_send_deadline()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_deadline is None and not self.transport.is_closing():
+                self._send_deadline = self.loop.call_later(limits.send_timeout_s, self._send_expired)
+
+        def resume_writing(self) -> None:
+            self._cancel_send_deadline()
+            super().resume_writing()
+
+        def _cancel_send_deadline(self) -> None:
+            if self._send_deadline is not None:
+                self._send_deadline.cancel()
+                self._send_deadline = None
+
+        def _send_expired(self) -> None:
+            """The client read nothing of what we sent for send_timeout_s: drop it (abort: what is buffered for it
+            would never drain, so a close would keep the socket open). connection_lost tells the request."""
+            self._send_deadline = None
+            if self.transport.is_closing():
+                return
+            on_reject("send_timeout")
+            self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
