@@ -30,7 +30,7 @@ from hybridpd.kvtransfer.metrics import TransferMetrics
 from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
-from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
+from hybridpd.worker.context import WorkerContext, WorkerRpcs, precompile_structured, run_engine_call
 from hybridpd.worker.convert import sampling_params_from_proto, set_prompt_logprobs, set_stop_match, stats_response
 from hybridpd.worker.stream_text import first_text
 
@@ -218,6 +218,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await precompile_structured(self.ctx, context, params)
         if rid in self.held or rid in self._waiters or rid in self.whole:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
         loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import grpc
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.metrics import WorkerMetrics
+from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.proto import hybridpd_pb2 as pb
 
 log = logging.getLogger("hybridpd.worker")
@@ -60,6 +62,27 @@ async def abort_invalid(context: grpc.aio.ServicerContext, e: Exception) -> None
     code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, (InvalidRequestError, ValueError)) else \
         grpc.StatusCode.INTERNAL
     await context.abort(code, str(e))
+
+
+_GRAMMAR_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+"""Structured-output grammars compile here, never on the engine's step thread (`precompile_structured`)."""
+
+
+async def precompile_structured(ctx: WorkerContext, context: grpc.aio.ServicerContext, params: SamplingParams) -> None:
+    """Compile the request's grammar (if any) on a helper thread, before the request reaches the step thread, where
+    `EngineCore.new_request` then finds it in the grammar cache. A schema can take seconds to compile (a JSON schema
+    nested a few hundred levels deep: 3 s at 400 on one CPU core, growing with the cube of the depth), and compiled
+    on the step thread it paused every request of the worker for that long; xgrammar releases the GIL while it
+    compiles. A malformed spec is an INVALID_ARGUMENT naming the problem, as from `new_request`."""
+    spec = params.structured
+    if spec is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_POOL, ctx.core.structured.check, spec)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        await abort_invalid(context, e)
 
 
 async def run_engine_call(ctx: WorkerContext, context: grpc.aio.ServicerContext, fn):  # type: ignore[no-untyped-def]
