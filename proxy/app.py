@@ -327,7 +327,10 @@ class _Proxy:
             fields = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
             req = parse_chat({k: body[k] for k in fields if k in body}, self.config.model_name)
             tools = list(req.tools.tools) if req.tools else None
-            ids = tok.encode_rendered(tok.render_chat(req.messages, tools, req.render))
+            text = tok.render_chat(req.messages, tools, req.render)
+            if len(text) > tok.max_chars(self.config.max_model_len) * 4:
+                raise bad_request("'messages' are too long to tokenize", param="messages")
+            ids = tok.encode_rendered(text)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
