@@ -443,11 +443,14 @@ class Generation:
                 log.warning(
                     "request %s: prefill worker %s stopped answering; trying another", self.req.request_id, addr
                 )
+                self.cluster.metrics.prefill_failovers.labels(cause="frozen").inc()
                 refused.add(addr)
                 continue
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
+                cause = "lost" if err.code() == grpc.StatusCode.UNAVAILABLE else "busy"
+                self.cluster.metrics.prefill_failovers.labels(cause=cause).inc()
                 refused.add(addr)
                 if any(a not in refused for a in router.addrs):  # (`addr` itself may be marked down by now)
                     continue
