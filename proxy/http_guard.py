@@ -8,6 +8,7 @@ nothing caps open connections. `guarded_h11(limits, on_reject)` returns an `H11P
             missed: the connection is closed             missed: 408 (if no response started), then closed
     more than max_connections open: the new one is closed at once
     writes blocked for send_timeout_s (the client stopped reading: its socket's buffers are full): dropped
+    framing h11 refuses (a bad Content-Length, chunk or request line): a 400 with a JSON error body, then closed
 
 A dropped connection's request sees `http.disconnect` (its stream is aborted on the workers and its admission budget
 given back): a client that stops reading a stream, its connection open, would otherwise hold them for as long as
@@ -32,6 +33,12 @@ RejectHook = Callable[[str], None]
 
 _TIMEOUT_BODY = json.dumps({"error": {"message": "the request body did not arrive in time", "type":
                                       "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+
+
+def _error_body(message: str, code: str) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
 
 
 def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
@@ -118,15 +125,25 @@ def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
                 self.cycle.message_event.set()
             self.transport.close()
 
-        def _send_408(self) -> None:
+        def send_400_response(self, msg: str) -> None:
+            """h11 refused the request's framing (a bad Content-Length, chunk or request line): uvicorn answers a
+            plain-text 400; this one carries an OpenAI-style JSON error like every other bad input."""
+            body = _error_body(f"invalid HTTP request: {msg}", "invalid_http")
+            self._send_error(400, b"Bad Request", body)
+            self.transport.close()
+
+        def _send_error(self, status: int, reason: bytes, body: bytes) -> None:
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(_TIMEOUT_BODY)).encode())]
+                       (b"content-length", str(len(body)).encode())]
             try:
-                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
-                              h11.Data(data=_TIMEOUT_BODY), h11.EndOfMessage()):
+                for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
+                              h11.EndOfMessage()):
                     self.transport.write(self.conn.send(event))
             except h11.LocalProtocolError:
                 pass  # the connection cannot carry a response any more: just close it
+
+        def _send_408(self) -> None:
+            self._send_error(408, b"Request Timeout", _TIMEOUT_BODY)
 
     return GuardedH11Protocol
 
