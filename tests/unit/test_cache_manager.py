@@ -433,7 +433,7 @@ def test_scheduled_seq_fields_in_the_order_the_scheduler_passes_them() -> None:
     """Scheduler._schedule_seq builds ScheduledSeq positionally (keywords cost 2.5x per request per step)."""
     assert [f.name for f in dataclasses.fields(ScheduledSeq)] == [
         "request_id", "num_computed_tokens", "token_ids", "sample",
-        "group_block_ids", "group_state_slots", "group_checkpoints"]
+        "group_block_ids", "group_state_slots", "group_checkpoints", "prompt_scores"]
     s = make()
     _, (out,) = serve(s, "a", A)
     seq = out.seqs[0]
