@@ -251,7 +251,9 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                 self._waiters.pop(rid, None)
                 self.tmetrics.admission_refused()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-            return await fut
+            resp = await fut
+            self._release_if_undelivered(context, rid, resp)
+            return resp
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
             self.ctx.aengine.call(lambda c: (c.abort(rid), self._reserved.pop(rid, None), self._release(rid)))
@@ -259,6 +261,20 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
             raise
+
+    def _release_if_undelivered(self, context: grpc.aio.ServicerContext, rid: str, resp: pb.PrefillResponse) -> None:
+        """End the lease of `resp` if its RPC ends cancelled: its caller gave up as the answer left (the proxy's
+        client went away mid-prefill), so nobody holds the lease token, and the caller's Release (by id alone)
+        cannot end it; it would pin the prompt's pages until it expired."""
+        token = resp.params.lease_token
+        if not token:
+            return
+
+        def ended(ctx: grpc.aio.ServicerContext) -> None:
+            if ctx.cancelled():
+                self.ctx.aengine.call(lambda c: self._release(rid, None, token))
+
+        context.add_done_callback(ended)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         released = await self.ctx.aengine.acall(
