@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy  # noqa: E402
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
-from hybridpd.engine.cache.hashing import extend_block_hashes  # noqa: E402
+from hybridpd.engine.cache.hashing import append_block_hashes  # noqa: E402
 from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
 from hybridpd.engine.cache.tree import CacheTree  # noqa: E402
@@ -464,7 +464,7 @@ def time_hashing(token_lists: list[list[int]], repeats: int = 3) -> float:
     for _ in range(repeats):
         c0 = time.process_time()
         for t in token_lists:
-            extend_block_hashes([], t, BS)
+            append_block_hashes([], t[: len(t) // BS * BS], BS)
         best = min(best, time.process_time() - c0)
     return best / n * 1e9
 

@@ -174,11 +174,22 @@ class ShareTree(CacheTree):
         if over and not self._replace_lowest_checkpoint():
             self.num_checkpoints_skipped += 1
             return False
-        # the doorkeeper: nothing with credit left goes for it
-        if not self._evict_for(needs, spare=lambda victim: victim[2] > self.clock):
+        if not self._evict_without_credit(needs):
             self.num_checkpoints_skipped += 1
             return False
         return True
+
+    def _evict_without_credit(self, needs: list[tuple[BlockPool, int]]) -> bool:
+        """The doorkeeper: `make_room` (range-free) that stops at an item with credit left (priority > clock)."""
+        room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
+        while True:
+            short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
+            if not short and self.held_bytes() <= room:
+                return True
+            victim = self._lowest(short.pop() if len(short) == 1 else None)
+            if victim is None or victim[2] > self.clock:
+                return False
+            self._evict_victim(victim)
 
     def _replace_lowest_checkpoint(self) -> bool:
         """Evict the lowest checkpoint unless it served a hit lately (then the clock rises on an old hit)."""

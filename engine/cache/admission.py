@@ -40,34 +40,6 @@ class CachePolicy:
             raise ValueError(f"checkpoint_interval {self.interval} is not a multiple of block_size {block_size}")
 
 
-class SeenHashes:
-    """Block hashes of every prefix computed (or admitted) so far, oldest forgotten first past `capacity`."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._seen: dict[bytes, None] = {}
-
-    def __contains__(self, h: bytes) -> bool:
-        return h in self._seen
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def add(self, hashes: list[bytes]) -> None:
-        seen = self._seen
-        seen.update(dict.fromkeys(hashes))  # a hash seen before keeps its place (update never moves a key)
-        while len(seen) > self.capacity:
-            del seen[next(iter(seen))]
-
-    def common_prefix(self, hashes: list[bytes], limit: int) -> int:
-        """How many of hashes[:limit] lead the list and were all seen."""
-        seen = self._seen
-        n = 0
-        while n < limit and hashes[n] in seen:
-            n += 1
-        return n
-
-
 class Admission:
     name = "reuse"
 
@@ -75,7 +47,8 @@ class Admission:
         policy.validate(block_size)
         self.policy = policy
         self.block_size = block_size
-        self.seen = SeenHashes(policy.seen_capacity)
+        self.seen: dict[bytes, None] = {}
+        """Block hashes of every prefix computed (or admitted) so far, in insertion order (`note`)."""
         self.every_chunk = policy.interval > 0
         """Checkpoints may fall mid-block (interval boundaries): the coordinator plans every chunk."""
 
@@ -90,7 +63,10 @@ class Admission:
         bs, interval = self.block_size, self.policy.interval
         limit = min(prompt_end // bs, len(hashes))
         out = set()
-        branch = self.seen.common_prefix(hashes, limit) * bs
+        seen, n = self.seen, 0
+        while n < limit and hashes[n] in seen:  # the longest prefix seen before: where this prompt branches off
+            n += 1
+        branch = n * bs
         if branch > hit_tokens:
             out.add(branch)
         if limit * bs > hit_tokens:
@@ -125,4 +101,8 @@ class Admission:
         return due, rolling
 
     def note(self, hashes: list[bytes]) -> None:
-        self.seen.add(hashes)
+        """Remember hashes computed; past `seen_capacity` the oldest are forgotten first."""
+        seen = self.seen
+        seen.update(dict.fromkeys(hashes))  # a hash seen before keeps its place (update never moves a key)
+        while len(seen) > self.policy.seen_capacity:
+            del seen[next(iter(seen))]

@@ -117,11 +117,6 @@ def _page_parts(groups: list[CacheGroup]) -> tuple[list[tuple[CacheGroup, str, s
     return out, pos
 
 
-def page_bytes(groups: list[CacheGroup]) -> int:
-    """Bytes of one arena page of these groups (attention: a block; recurrent: a state slot before rounding)."""
-    return _page_parts(groups)[1]
-
-
 def plan_arena(
     groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, max_checkpoint_slots: int | None
 ) -> ArenaLayout:

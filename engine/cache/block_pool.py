@@ -100,10 +100,6 @@ class BlockPool:
     def held_bytes(self) -> int:
         return self.num_held * self.page_bytes
 
-    def available(self, checkpoint: bool = False) -> int:
-        """Ids an allocation can take now without evicting (`checkpoint`: for `allocate_checkpoint`)."""
-        return self.num_plain
-
     # -- mutation ----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, referenced once each (never evicts: the tree makes room first)."""

@@ -55,14 +55,9 @@ class CacheEventLog:
             self._events.clear()
             self.overflowed = True
 
-    def drain(self) -> tuple[list[CacheEvent], bool]:
-        """Take every queued event; returns (events, overflowed) and clears the overflow mark."""
-        _, events, lost = self.drain_from()
-        return events, lost
-
     def drain_from(self) -> tuple[int, list[CacheEvent], bool]:
-        """`drain` with the sequence number just before the first returned event: (first_seq, events, overflowed);
-        the events are numbered first_seq + 1, first_seq + 2, ..."""
+        """Take every queued event and clear the overflow mark: (first_seq, events, overflowed), the events numbered
+        first_seq + 1, first_seq + 2, ..."""
         with self._lock:
             pop, lost = self._events.popleft, self.overflowed
             raw = [pop() for _ in range(len(self._events))]

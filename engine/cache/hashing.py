@@ -21,17 +21,9 @@ def extra_keys(cache_salt: str | None) -> bytes:
     return cache_salt.encode() if cache_salt else b""
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> None:
-    """Append hashes for every newly full block of `token_ids` (the request's tokens so far) to `hashes`."""
-    start, num_full = len(hashes), len(token_ids) // block_size
-    if num_full <= start:
-        return
-    append_block_hashes(hashes, token_ids[start * block_size : num_full * block_size], block_size, extra)
-
-
 def append_block_hashes(hashes: list[bytes], new_blocks: Sequence[int], block_size: int, extra: bytes = b"") -> None:
     """Append the hashes of the full blocks `new_blocks` (the tokens of the blocks after the last hashed one, a
-    multiple of block_size) to `hashes`: `extend_block_hashes` without the request's earlier tokens."""
+    multiple of block_size) to `hashes`."""
     data = struct.pack(f"{len(new_blocks)}q", *new_blocks)  # the tokens as int64, packed in one go
     step = block_size * 8  # bytes per block: tokens are packed as int64
     salt = b"\x00salt\x00" + extra if extra else b""

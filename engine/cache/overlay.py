@@ -200,7 +200,8 @@ class ArenaStatePool(BlockPool):
         self.num_overlay_held = 0
         """Checkpoint slots held (referenced or cached)."""
 
-    def available(self, checkpoint: bool = False) -> int:
+    def available(self, checkpoint: bool) -> int:
+        """Ids an allocation can take now without evicting (`checkpoint`: for `allocate_checkpoint`)."""
         assert self.overlay is not None
         overlay = self.overlay.available(self)
         return overlay if checkpoint else overlay + len(self._running_free)

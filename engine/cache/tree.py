@@ -19,22 +19,19 @@ Evicting a block takes the unreferenced checkpoint named by it (its chain is gon
 its block (a dead end now). Every other group's page h (a rider) leaves with its leader's page h, so one queued item
 stands for the pages of every group at one hash. Invariants are stated at the fields (`check_integrity`).
 
-Ownership: the coordinator owns one CacheTree and calls `make_room` before every allocation; the pools call
-`on_release` / `on_acquire` (the tree is their listener); the managers tell it what was cached. Single-threaded
-(the step loop). Tensor-free.
+Ownership: the coordinator calls `make_room` before every allocation; the pools call `on_release` / `on_acquire`;
+the managers tell it what was cached. Single-threaded (the step loop). Tensor-free.
 """
 
 from __future__ import annotations
 
 import heapq
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hybridpd.engine.cache.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from hybridpd.engine.cache.overlay import Overlay
 
 BLOCK, STATE = 0, 1
@@ -62,9 +59,8 @@ def flops_saved(tokens: int) -> float:
 
 class Node:
     """One cached block hash: it exists exactly while the chain (first attention group) caches the hash or the lead
-    recurrent group holds a checkpoint named by it. Page ids stay in the pools (`pool.cached[hash]`). A node that
-    leaves the tree (unlinked, no kids) is kept for the next one (`CacheTree._node`): one per block would make work
-    for the garbage collector, which traverses every live node."""
+    recurrent group holds a checkpoint named by it. Page ids stay in the pools. Nodes that leave the tree are reused
+    (`CacheTree._spare`): one object per block would make work for the garbage collector."""
 
     __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "demoted")
 
@@ -78,7 +74,7 @@ class Node:
         self.kids: dict[bytes, Node] = {}
         """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
         self.kid: Node | None = None
-        """The one node in `kids` when there is exactly one, else None (what the walks test)."""
+        """The one node in `kids` when there is exactly one, else None."""
         self.ckpt = False
         """The lead state pool names a checkpoint `hash` (cached or in use)."""
         self.last_hit: int | None = None
@@ -108,7 +104,6 @@ class CacheTree:
         self.riders = [attention[1:], state[1:]]
         self.leader_of = {id(p): g[0] for g in (attention, state) for p in g}
         self._state_ids = {id(p) for p in state}
-        self.attention_pools = list(attention)
         self.budget_bytes = budget_bytes
         """Held pages (in use + cached, every pool) x page bytes never exceed this."""
         self.block_size = block_size
@@ -123,8 +118,6 @@ class CacheTree:
         unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
         self._heap: list[tuple[float, int, int]] = []
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
-        self._state_heap: list[tuple[float, int, int]] = []
-        """(priority, release order, page) of the checkpoints alone, as lazy: the arena's lowest checkpoint."""
         self._order = 0
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
@@ -151,10 +144,6 @@ class CacheTree:
         queued[kind][page] = (priority, order, base)
         heap = self._heap
         heapq.heappush(heap, (priority, order, page << 1 | kind))
-        if kind == STATE:
-            heapq.heappush(self._state_heap, (priority, order, page))
-            if len(self._state_heap) > 4 * len(queued[STATE]) + 64:
-                self._rebuild_states()
         if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
 
@@ -172,11 +161,6 @@ class CacheTree:
                 heap.append((prio, entry[1], page << 1 | kind))
         heapq.heapify(heap)
         self._heap = heap
-        self._rebuild_states()
-
-    def _rebuild_states(self) -> None:
-        self._state_heap = [(entry[0], entry[1], page) for page, entry in self.queued[STATE].items()]
-        heapq.heapify(self._state_heap)
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
         """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
@@ -191,18 +175,9 @@ class CacheTree:
             return None
         if kind is None or key & 1 == kind:
             return key & 1, key >> 1, prio
-        if kind == STATE:  # the top is a block: the checkpoints' own heap
-            heap, q = self._state_heap, queued[STATE]
-            while heap:
-                prio, order, page = heap[0]
-                entry = q.get(page)
-                if entry is not None and entry[1] == order:
-                    return STATE, page, prio
-                heapq.heappop(heap)
-            return None
         if not queued[kind]:
             return None
-        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is a checkpoint: scan the blocks' entries
+        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is of the other kind: scan this kind's entries
         return kind, page, entry[0]
 
     def refresh(self) -> None:
@@ -230,18 +205,13 @@ class CacheTree:
             return self._make_room_arena(needs, checkpoint)
         if not any(n for _, n in needs):
             return True
-        return self._evict_for(needs)
-
-    def _evict_for(self, needs: list[tuple[BlockPool, int]], spare: Callable[[Any], bool] | None = None) -> bool:
-        """The byte-budget room loop: evict the lowest items until every pool has its free ids and the budget room;
-        False when nothing is left to evict, or when `spare(victim)` says the lowest one must stay."""
         room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
         while True:
             short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
             if not short and self.held_bytes() <= room:
                 return True
             victim = self._lowest(short.pop() if len(short) == 1 else None)
-            if victim is None or (spare is not None and spare(victim)):
+            if victim is None:
                 return False
             self._evict_victim(victim)
 
@@ -388,7 +358,7 @@ class CacheTree:
         """Evict every cached block of range c (none is referenced) in every attention pool."""
         assert self.overlay is not None
         self.overlay.num_range_evictions += 1
-        for pool in self.attention_pools:
+        for pool in [self.chain, *self.riders[BLOCK]]:
             for b in self.overlay.blocks_of(c):
                 h = pool.block_hash[b]
                 if h is None or pool.ref_cnt[b]:
@@ -607,7 +577,6 @@ class CacheTree:
             for page, (prio, order, _) in q.items()
         }
         assert live <= set(self._heap), "every queued item has its heap entry"
-        assert {(p, o, k >> 1) for p, o, k in live if k & 1 == STATE} <= set(self._state_heap), "checkpoint heap"
         for kind, p in enumerate(self.pool_of):
             if p is None:
                 continue

@@ -1,9 +1,15 @@
-"""What tests read off a cache pool beyond its public state: the pool's own references, the free pages."""
+"""What tests read off the cache beyond its public state: a pool's own references and free pages, page sizes, the
+block hashes of a token list."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from hybridpd.engine.cache.arena import _page_parts
 from hybridpd.engine.cache.block_pool import BlockPool
+from hybridpd.engine.cache.hashing import append_block_hashes
 from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool
+from hybridpd.engine.cache.specs import CacheGroup
 
 
 def own_refs(pool: BlockPool, page: int) -> int:
@@ -33,3 +39,15 @@ def slot_blocks(arena: object, slot: int) -> range:
         return range(0)
     k = arena.blocks_per_slot  # type: ignore[attr-defined]
     return range(c * k, (c + 1) * k)
+
+
+def page_bytes(groups: list[CacheGroup]) -> int:
+    """Bytes of one arena page of these groups (attention: a block; recurrent: a state slot before rounding)."""
+    return _page_parts(groups)[1]
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> None:
+    """Append hashes for every newly full block of `token_ids` (a request's tokens so far) to `hashes`."""
+    start, num_full = len(hashes), len(token_ids) // block_size
+    if num_full > start:
+        append_block_hashes(hashes, token_ids[start * block_size : num_full * block_size], block_size, extra)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from hybridpd.engine.arena import allocate_caches
 from hybridpd.engine.cache.admission import CachePolicy
-from hybridpd.engine.cache.arena import ArenaLayout, page_bytes
+from hybridpd.engine.cache.arena import ArenaLayout
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.planner import plan_capacity
@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.overlay_spy import spy_overlay
-from tests.support.pool_views import own_refs, slot_blocks
+from tests.support.pool_views import own_refs, page_bytes, slot_blocks
 from tests.unit.test_cache_properties import BS, GDN, Harness, ReqSpec, Trace, req_specs
 
 GiB = 2**30

@@ -32,7 +32,7 @@ def cache_shape(cache: HybridCacheManager) -> CacheShape:
 
 def replay(index: WorkerCacheIndex, log: CacheEventLog) -> set[int]:
     """Apply the drained events; returns the groups that had a removed event."""
-    events, lost = log.drain()
+    _, events, lost = log.drain_from()
     assert not lost
     index.apply(index.seq, [(e.stored, e.group, e.block_hash) for e in events])
     return {e.group for e in events if not e.stored}
@@ -104,7 +104,7 @@ def test_event_log_overflow_and_gaps_mark_the_index_stale() -> None:
     log = CacheEventLog(capacity=2)
     for i in range(3):
         log.append(True, 0, bytes([i]) * 16)
-    events, lost = log.drain()
+    _, events, lost = log.drain_from()
     assert lost and events == [] and log.seq == 3  # past the capacity nothing is kept: the consumer resyncs
     index = WorkerCacheIndex(CacheShape(16, (0,), (), 16))
     index.load_snapshot("e", 0, {})

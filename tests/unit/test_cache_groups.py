@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import pytest
 from hybridpd.engine.cache.admission import Admission, CachePolicy
-from hybridpd.engine.cache.arena import page_bytes
 from hybridpd.engine.cache.coordinator import HybridCacheManager
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.planner import plan_capacity
@@ -60,7 +59,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.cache_policies import IntervalAdmission, LruTree
-from tests.support.pool_views import own_refs
+from tests.support.pool_views import own_refs, page_bytes
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")

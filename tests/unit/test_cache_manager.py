@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
-from hybridpd.engine.cache.hashing import HASH_SEED, extend_block_hashes, extra_keys
+from hybridpd.engine.cache.hashing import HASH_SEED, extra_keys
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.request import Request
@@ -28,7 +28,7 @@ from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 from benchmarks.cache_policies import IntervalAdmission
-from tests.support.pool_views import free_order
+from tests.support.pool_views import extend_block_hashes, free_order
 
 BS, INTERVAL = 4, 8
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -409,7 +409,7 @@ def test_batched_hashing_equals_the_per_block_chain_and_incremental_growth() -> 
 
 def test_block_hashes_equal_across_processes() -> None:
     code = (
-        "from engine.cache.hashing import extend_block_hashes as e; h = []; e(h, list(range(32)), 16); "
+        "from engine.cache.hashing import append_block_hashes as a; h = []; a(h, list(range(32)), 16); "
         "print(','.join(x.hex() for x in h))"
     )
     repo = Path(__file__).resolve().parents[2]

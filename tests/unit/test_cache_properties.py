@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
-from hybridpd.engine.cache.hashing import extend_block_hashes, extra_keys
+from hybridpd.engine.cache.hashing import extra_keys
 from hybridpd.engine.cache.managers import cdiv
 from hybridpd.engine.cache.specs import NULL_BLOCK_ID, PAD_SLOT_ID, CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from hybridpd.engine.cache.tree import CacheTree
@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.cache_policies import IntervalAdmission, LruTree
+from tests.support.pool_views import extend_block_hashes
 
 BS = 4
 ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")

@@ -9,7 +9,7 @@ Block 4 tokens; an attention block costs 32 bytes, a Mamba-2 state 160 bytes (= 
 from __future__ import annotations
 
 import pytest
-from hybridpd.engine.cache.admission import Admission, CachePolicy, SeenHashes
+from hybridpd.engine.cache.admission import Admission, CachePolicy
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout
 from hybridpd.engine.cache.planner import plan_capacity
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
@@ -120,10 +120,10 @@ def test_interval_fallback_and_fixed_interval_policy() -> None:
 
 
 def test_seen_hashes_forget_oldest_beyond_capacity() -> None:
-    seen = SeenHashes(3)
-    seen.add([b"a", b"b", b"c", b"d"])
-    assert b"a" not in seen and len(seen) == 3
-    assert seen.common_prefix([b"b", b"c", b"x", b"d"], 4) == 2
+    small = Admission(CachePolicy(seen_capacity=3), BS)
+    small.note([b"a", b"b", b"c", b"d"])
+    assert list(small.seen) == [b"b", b"c", b"d"]  # the oldest forgotten
+    assert small.targets([b"b", b"c", b"x", b"d"], hit_tokens=0, prompt_end=16) == [8, 16]  # branches after 2 seen
     adm = Admission(CachePolicy(), BS)
     adm.note([b"h0", b"h1"])
     assert adm.targets([b"h0", b"h1", b"h2"], hit_tokens=0, prompt_end=12) == [8, 12]
