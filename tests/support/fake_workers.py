@@ -155,8 +155,9 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=self.ready,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(
+            role="prefill", model="fake", epoch="fake-epoch", ready=self.ready, worker_id=self.worker_id
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("prefill", self.worker_id, self.metrics_port, 0, self.max_generate)
@@ -264,8 +265,9 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=self.ready,
-                                 worker_id=self.worker_id)
+        return pb.HealthResponse(
+            role="decode", model="fake", epoch="fake-epoch", ready=self.ready, worker_id=self.worker_id
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("decode", self.worker_id, self.metrics_port, len(self.running), self.max_generate)
