@@ -5,6 +5,8 @@
 #   tp       the TP 2 shutdown (NCCL and CUDA graphs) and async tests, then step_pipeline.py at TP 1 and 2 (the TP 2 <= 0.6 x TP 1 bar)
 #   tests    the rest of tests/gpu (oracle, PD, poison, fast path, fused kernels, Qwen3.5-MoE)
 #   goodput  colocated x2 against the balanced pair on chat (gpu_balance_suite.sh)
+#   new      what the last CPU session built: the odd-shape kernels, PD with asynchronous scheduling, held-out
+#            model configurations on CUDA, mid-stream decode failover (fp32 must be identical), the TP 2 qwen case
 # Each lane's log lands in $OUT/<lane>.log; the Triton cache in $OUT/cache.tgz; the summaries print last.
 set -uo pipefail
 START=$(date +%s); OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -23,6 +25,18 @@ lane_tests() {
   timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=12 \
     -o faulthandler_timeout=$(( $(left) - 20 )) tests/gpu --deselect tests/gpu/test_async_scheduling_cuda.py
   echo "gpu tests: exit $? ($(( $(date +%s) - START )) s)"
+}
+lane_new() {
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 tests/gpu/test_fused_kernels_cuda.py \
+    tests/gpu/test_pd_cuda.py "tests/gpu/test_async_scheduling_cuda.py::test_cuda_async_matches_sync[2-qwen_attn_last]"
+  echo "gpu tests: exit $? ($(( $(date +%s) - START )) s)"
+  timeout 150 python3 -m benchmarks.model_zoo --device cuda --tp 1 2 --only nem_group5 nem_state12 nem_3nano \
+    nem_moe_latent nem_mamba_only qwen_group6 qwen_kdim12 qwen_tp_mix qwen_rope_yarn qmoe_kv1 mm_moe \
+    --out "$OUT/model_zoo_cuda_tp2.json"
+  echo "model_zoo: exit $? ($(( $(date +%s) - START )) s)"
+  timeout $(( $(left) - 10 )) python3 benchmarks/decode_failover.py --device cuda --dtype float32 \
+    --out "$OUT/decode_failover_cuda_fp32.json"
+  echo "decode_failover: exit $? ($(( $(date +%s) - START )) s)"
 }
 lane_goodput() { OUT="$OUT/goodput" DEADLINE_S=$(( $(left) - 40 )) bash benchmarks/gpu_balance_suite.sh; }
 pids=(); i=0

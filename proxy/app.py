@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from hybridpd.proxy import cluster_view
+from hybridpd.proxy import cluster_view, workers
 from hybridpd.proxy.admission import Admission, Demand, Tenant, Ticket
 from hybridpd.proxy.api_keys import ApiKey, find_key
 from hybridpd.proxy.body_parser import BodyParser
@@ -100,6 +100,19 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _check_prompt_scores_fit(num_tokens: int, k: int | None) -> None:
+    """Prompt logprobs (asked for directly, or by echo with logprobs) travel in one worker message: a prompt whose
+    scores could exceed the channel's limit is a 400 before any worker computes it (else every prefill worker would
+    score it in vain and the client get a 503)."""
+    if k is None:
+        return
+    need, limit = workers.prompt_scores_bytes(num_tokens, k), workers.max_message_bytes()
+    if need > limit:
+        raise bad_request(f"prompt_logprobs={k} over a {num_tokens}-token prompt can take up to {need / 2**20:.0f} MiB "
+                          f"in one worker message, above its {limit / 2**20:.0f} MiB limit: ask for fewer "
+                          f"alternatives or send a shorter prompt", param="prompt_logprobs")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -299,6 +312,7 @@ class _Proxy:
                 echo = ""
             max_tokens = resolve_max_tokens(req.sampling.max_tokens, default, len(ids), self.config.max_model_len,
                                             req.sampling.min_tokens)
+            _check_prompt_scores_fit(len(ids), req.sampling.prompt_logprobs)
             for j in range(req.n):
                 seed = req.sampling.seed
                 if seed is not None:  # sample j gets seed + j (seed - j at the top of the int64 range)
@@ -408,12 +422,14 @@ class _Proxy:
         want_prompt = req.sampling.prompt_logprobs is not None
         if isinstance(req, ChatRequest):
             fmt = ChatFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
-                                tools=req.tools, echo=req.echo_text, prompt_logprobs=want_prompt)
+                                tools=req.tools, echo=req.echo_text, prompt_logprobs=want_prompt,
+                                decoded_token=self.token_text)
         else:
             fmt = CompletionFormatter(base_id, int(time.time()), req.model, token_text, logprobs, visible, prompt_ids,
                                       echo=echoes if any(echoes) else (), decode=decode, prompt_logprobs=want_prompt,
                                       echo_ids=[p.prompt_token_ids for p in prepared] if req.echo else (),
-                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only)
+                                      top_k=req.sampling.top_logprobs, echo_only=req.echo_only,
+                                      decoded_token=self.token_text)
         try:
             ticket = await self.admit(request, prepared)
         except _ClientGone:

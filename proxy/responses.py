@@ -113,15 +113,18 @@ class _Formatter:
     object_chunk = ""
 
     def __init__(self, response_id: str, created: int, model: str, token_text: TokenText, logprobs: bool,
-                 visible_text: TokenText | None = None, prompt_ids: Sequence[Sequence[int]] | None = None) -> None:
+                 visible_text: TokenText | None = None, prompt_ids: Sequence[Sequence[int]] | None = None,
+                 decoded_token: TokenText | None = None) -> None:
         """`prompt_ids`: per choice, its prompt's token ids, when the response returns token ids (vLLM's
-        `return_token_ids`); None otherwise."""
+        `return_token_ids`); None otherwise. `decoded_token`: a token's text in `prompt_logprobs` (vLLM writes the
+        text there even when `token_text` writes token ids: return_tokens_as_token_ids); default `token_text`."""
         self.response_id = response_id
         self.prompt_ids = prompt_ids
         self.created = created
         self.model = model
         self.token_text = token_text
         self.visible_text = visible_text or token_text  # what a token adds to the output text (specials: "")
+        self.decoded_token = decoded_token or token_text
         self.logprobs = logprobs
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,6 +184,11 @@ class CompletionFormatter(_Formatter):
             return ""
         self._echo_sent.add(index)
         return self._echo[index]
+
+    def _shown_echo(self, prefix: str) -> str:
+        """The echo as the choice's text shows it: none when the response returns token ids (vLLM leaves the
+        prompt's text out then; the logprobs still lead with the prompt's tokens, offsets as if it were there)."""
+        return "" if self.prompt_ids is not None else prefix
 
     def _logprobs(self, index: int, deltas: Sequence[Delta], prefix: str, whole: bool = False
                   ) -> dict[str, Any] | None:
@@ -251,7 +259,8 @@ class CompletionFormatter(_Formatter):
     def chunk(self, index: int, d: Delta, usage: dict[str, Any] | None, include_usage: bool) -> dict[str, Any]:
         d = self._shown(d)
         prefix = self._echo_text(index)
-        choice = {"index": index, "text": prefix + d.text, "logprobs": self._logprobs(index, [d], prefix),
+        choice = {"index": index, "text": self._shown_echo(prefix) + d.text,
+                  "logprobs": self._logprobs(index, [d], prefix),
                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason, "token_ids": list(d.token_ids)}
         if self.prompt_ids is not None and index not in self._prompt_sent:  # on a choice's first chunk
             self._prompt_sent.add(index)
@@ -265,14 +274,14 @@ class CompletionFormatter(_Formatter):
         for index, shown in enumerate(choices):
             deltas = [self._shown(d) for d in shown]
             prefix = self._echo_text(index)
-            out.append({"index": index, "text": prefix + "".join(d.text for d in deltas),
+            out.append({"index": index, "text": self._shown_echo(prefix) + "".join(d.text for d in deltas),
                         "logprobs": self._logprobs(index, deltas, prefix, whole=True),
                         "finish_reason": deltas[-1].finish_reason, "stop_reason": deltas[-1].stop_reason,
                         "token_ids": [t for d in deltas for t in d.token_ids]})  # vLLM-style extra
             if self.prompt_ids is not None:
                 out[-1]["prompt_token_ids"] = list(self.prompt_ids[index])
             if self._want_prompt:
-                out[-1]["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(deltas), self.token_text)
+                out[-1]["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(deltas), self.decoded_token)
         body = self._envelope(self.object_full, out)
         body["usage"] = usage_dict(usages)
         return body
@@ -364,7 +373,7 @@ class ChatFormatter(_Formatter):
                 out[-1]["token_ids"] = [t for d in deltas for t in d.token_ids]
         body = self._envelope(self.object_full, out)
         if self._want_prompt:  # one prompt: its choices' prompt logprobs are the same
-            body["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(choices[0]), self.token_text)
+            body["prompt_logprobs"] = prompt_logprob_dicts(_prompt_entries(choices[0]), self.decoded_token)
         if self.prompt_ids is not None:
             body["prompt_token_ids"] = list(self.prompt_ids[0])
         body["usage"] = usage_dict(usages)

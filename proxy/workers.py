@@ -38,6 +38,18 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def max_message_bytes() -> int:
+    """The largest message a worker channel receives (a worker's chunk: its prompt scores ride on one)."""
+    return int(dict(_CHANNEL_OPTIONS)["grpc.max_receive_message_length"])
+
+
+def prompt_scores_bytes(num_tokens: int, k: int) -> int:
+    """An upper bound on the wire size of `num_tokens` prompt positions' scores with `k` alternatives each
+    (`PromptLogprob`: token id, logprob, rank and the packed top-k; varints of token ids and ranks below 2^28): one
+    GenerateChunk carries them all."""
+    return num_tokens * (24 + 9 * k)
+
+
 class WorkerClients:
     """Stubs for every worker address; the app holds one instance."""
 

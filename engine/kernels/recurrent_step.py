@@ -114,19 +114,21 @@ def conv_varlen(ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @triton.jit
 def _mamba_decode_kernel(xc_ptr, dt_ptr, dtb_ptr, alog_ptr, d_ptr, h_ptr, y_ptr, slot_ptr, init_ptr, row_ptr, P,
                          INTER, GN, stride_xc, stride_dt, stride_yb, stride_yh, stride_hs, stride_hh, stride_hp,
-                         time_step_min, HEADS_PER_GROUP: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr):
+                         time_step_min, HEADS_PER_GROUP: tl.constexpr, N: tl.constexpr, N_P2: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
     b = tl.program_id(0)
     hd = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     pm = p < P
-    n = tl.arange(0, N)
+    n = tl.arange(0, N_P2)  # a state size that is not a power of two: padded, the extra lanes masked
+    nm = n < N
     row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b)
     valid = slot >= 0
     read = valid & (tl.load(init_ptr + b) != 0)
     slot_safe = tl.where(valid, slot, 0).to(tl.int64)
-    rm = (pm & ((p * 0 + read.to(tl.int32)) != 0))[:, None]
-    wm = (pm & ((p * 0 + valid.to(tl.int32)) != 0))[:, None]
+    rm = (pm & ((p * 0 + read.to(tl.int32)) != 0))[:, None] & nm[None, :]
+    wm = (pm & ((p * 0 + valid.to(tl.int32)) != 0))[:, None] & nm[None, :]
     grp = hd // HEADS_PER_GROUP
     # dt = softplus(dt + dt_bias).clamp(min), each step rounded to the model dtype (Mamba2Mixer._dt)
     ddt = dt_ptr.dtype.element_ty
@@ -136,8 +138,8 @@ def _mamba_decode_kernel(xc_ptr, dt_ptr, dtb_ptr, alog_ptr, d_ptr, h_ptr, y_ptr,
     decay = tl.exp(dt * -tl.exp(tl.load(alog_ptr + hd).to(tl.float32)))
     xrow = xc_ptr + b.to(tl.int64) * stride_xc
     x = tl.load(xrow + hd * P + p, mask=pm, other=0.0).to(tl.float32)
-    bv = tl.load(xrow + INTER + grp * N + n).to(tl.float32)
-    cv = tl.load(xrow + INTER + GN + grp * N + n).to(tl.float32)
+    bv = tl.load(xrow + INTER + grp * N + n, mask=nm, other=0.0).to(tl.float32)
+    cv = tl.load(xrow + INTER + GN + grp * N + n, mask=nm, other=0.0).to(tl.float32)
     hp = h_ptr + slot_safe * stride_hs + hd * stride_hh + p[:, None] * stride_hp + n[None, :]
     h = tl.load(hp, mask=rm, other=0.0).to(tl.float32)
     h = h * decay + (dt * x)[:, None] * bv[None, :]
@@ -163,29 +165,30 @@ def mamba_decode(xc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_lo
     _mamba_decode_kernel[(bt, H, triton.cdiv(P, block_p))](
         xc, dt, dt_bias, A_log, D, ssm, y, slots, has_init, rows, P, H * P, n_groups * N, xc.stride(0),
         dt.stride(0), y.stride(0), y.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2), time_step_min,
-        HEADS_PER_GROUP=H // n_groups, N=N, BLOCK_P=block_p, num_warps=warps)
+        HEADS_PER_GROUP=H // n_groups, N=N, N_P2=triton.next_power_of_2(N), BLOCK_P=block_p, num_warps=warps)
 
 
 @triton.jit
 def _gdn_decode_kernel(xc_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr, init_ptr, row_ptr, V,
                        KEY_DIM, stride_xc, stride_a, stride_ob, stride_oh, stride_ss, stride_sh, stride_sk, scale,
-                       V_PER_K: tl.constexpr, KD: tl.constexpr, BLOCK_V: tl.constexpr):
+                       V_PER_K: tl.constexpr, KD: tl.constexpr, KD_P2: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     hv = tl.program_id(1)
     v_idx = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vm = v_idx < V
-    kk = tl.arange(0, KD)
+    kk = tl.arange(0, KD_P2)  # a key head dim that is not a power of two: padded, the extra lanes masked
+    km = kk < KD
     row = tl.load(row_ptr + b).to(tl.int64)
     slot = tl.load(slot_ptr + b)
     valid = slot >= 0
     read = valid & (tl.load(init_ptr + b) != 0)
     slot_safe = tl.where(valid, slot, 0).to(tl.int64)
-    rm = (vm & ((v_idx * 0 + read.to(tl.int32)) != 0))[None, :]
-    wm = (vm & ((v_idx * 0 + valid.to(tl.int32)) != 0))[None, :]
+    rm = (vm & ((v_idx * 0 + read.to(tl.int32)) != 0))[None, :] & km[:, None]
+    wm = (vm & ((v_idx * 0 + valid.to(tl.int32)) != 0))[None, :] & km[:, None]
     hk = hv // V_PER_K
     xrow = xc_ptr + b.to(tl.int64) * stride_xc
-    q = tl.load(xrow + hk * KD + kk).to(tl.float32)
-    k = tl.load(xrow + KEY_DIM + hk * KD + kk).to(tl.float32)
+    q = tl.load(xrow + hk * KD + kk, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(xrow + KEY_DIM + hk * KD + kk, mask=km, other=0.0).to(tl.float32)
     v = tl.load(xrow + 2 * KEY_DIM + hv * V + v_idx, mask=vm, other=0.0).to(tl.float32)
     q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # l2norm(q) * K^-0.5, l2norm(k) (GatedDeltaNet._split)
     k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-6)
@@ -222,7 +225,7 @@ def gdn_decode(xc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
     _gdn_decode_kernel[(bt, hv, triton.cdiv(V, block_v))](
         xc, a, b, A_log, dt_bias, state, out, slots, has_init, rows, V, num_k_heads * KD, xc.stride(0), a.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), KD**-0.5,
-        V_PER_K=hv // num_k_heads, KD=KD, BLOCK_V=block_v, num_warps=warps)
+        V_PER_K=hv // num_k_heads, KD=KD, KD_P2=triton.next_power_of_2(KD), BLOCK_V=block_v, num_warps=warps)
 
 
 __all__ = ["conv_step", "conv_varlen", "gdn_decode", "mamba_decode"]

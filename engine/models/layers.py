@@ -92,11 +92,14 @@ class ZeroCenteredRMSNorm(nn.Module):
 class RotaryEmbedding:
     """Neox-style RoPE (rotate_half) applied to the first `rotary_dim` dims of every head; the rest pass through.
 
-    Holds no module state (so it survives meta-device construction); inv_freq is computed on CPU in fp32."""
+    Holds no module state (so it survives meta-device construction); inv_freq is computed on CPU in fp32. A scaled
+    rope passes its own `inv_freq` and the factor cos/sin are multiplied by (engine.models.rope_scaling)."""
 
-    def __init__(self, rotary_dim: int, base: float) -> None:
+    def __init__(self, rotary_dim: int, base: float, inv_freq: torch.Tensor | None = None,
+                 attention_scaling: float = 1.0) -> None:
         self.rotary_dim = rotary_dim
-        self.inv_freq = 1.0 / (
+        self.attention_scaling = attention_scaling
+        self.inv_freq = inv_freq if inv_freq is not None else 1.0 / (
             base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
         )
         self._device_inv_freq: dict[torch.device, torch.Tensor] = {}
@@ -108,6 +111,8 @@ class RotaryEmbedding:
             inv_freq = self._device_inv_freq[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:
+            return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

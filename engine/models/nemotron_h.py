@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
 from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.config_checks import require_multiple, require_routing
 from hybridpd.engine.models.fast_path import (
     grouped_moe_available,
     moe_routed,
@@ -117,13 +118,14 @@ class NemotronHArgs:
             time_step_min=float(_pick(cfg, "time_step_min", 0.001, "mamba_dt_min")),
             ssm_dtype=str(cfg.get("mamba_ssm_cache_dtype", "float32")),
         )
-        return cls(
+        args = cls(
             vocab_size=int(cfg.get("vocab_size", 131072)),
             hidden_size=hidden,
             layer_types=tuple(nemotron_h_layer_types(cfg)),
             num_attention_heads=heads,
             num_key_value_heads=int(heads if kv_heads is None else kv_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            # `attention_head_dim`: the Nemotron-H 4B/8B/47B/56B name (their remote code's); 128: transformers' default
+            head_dim=int(cfg.get("head_dim") or cfg.get("attention_head_dim") or 128),
             intermediate_size=int(cfg.get("intermediate_size", 21504)),
             mlp_hidden_act=str(cfg.get("mlp_hidden_act", "relu2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -134,13 +136,29 @@ class NemotronHArgs:
             n_routed_experts=int(_pick(cfg, "n_routed_experts", 8, "num_local_experts")),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size", 7688)),
-            moe_shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)),
+            # 0 (or null) falls back to intermediate_size, as transformers' NemotronHMLP does (`size or ...`)
+            moe_shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 7688)
+                                                    or cfg.get("intermediate_size", 21504)),
             moe_latent_size=cfg.get("moe_latent_size"),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             n_group=int(cfg.get("n_group", 1)),
             topk_group=int(cfg.get("topk_group", 1)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         )
+        args.check()
+        return args
+
+    def check(self) -> None:
+        """The shape relations the layers of this config rely on (ValueError naming the fields)."""
+        types = set(self.layer_types)
+        if "full_attention" in types:
+            require_multiple(self.num_attention_heads, "num_attention_heads", self.num_key_value_heads,
+                             "num_key_value_heads")
+        if "linear_attention" in types:
+            m = self.mamba
+            require_multiple(m.num_heads, "mamba_num_heads", m.n_groups, "n_groups")
+        if "moe" in types:
+            require_routing(self.n_routed_experts, self.num_experts_per_tok, self.n_group, self.topk_group)
 
 
 class NemotronHAttention(nn.Module):

@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
 from hybridpd.engine.models.base import AttentionCache, LayerCache
 from hybridpd.engine.models.batch import ForwardBatch
+from hybridpd.engine.models.config_checks import require_multiple
 from hybridpd.engine.models.fast_path import varlen_attention
 from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from hybridpd.engine.models.layers import GatedMLP, RotaryEmbedding, ZeroCenteredRMSNorm, apply_rotary, fuse_linears
 from hybridpd.engine.models.reference import StepMetadata, paged_attention
+from hybridpd.engine.models.rope_scaling import rope_frequencies
 from hybridpd.engine.models.sparse_moe import SparseMoeArgs, SparseMoeBlock, split_fused_experts
 from hybridpd.engine.models.varlen import VarlenBatch, VarlenMetadata
 from torch import nn
@@ -38,27 +40,27 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The text config: `text_config` of a multimodal config (top-level tie/eos fill in), else cfg itself."""
+    """The text config: `text_config` of a multimodal config, else cfg itself. A multimodal model ties lm_head by
+    its own (top-level) `tie_word_embeddings`, default False, whatever text_config says (as transformers does);
+    a top-level eos fills in a missing one."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         return cfg
     merged = dict(text)
-    for key in ("tie_word_embeddings", "eos_token_id"):
-        if merged.get(key) is None and cfg.get(key) is not None:
-            merged[key] = cfg[key]
+    merged["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    if merged.get("eos_token_id") is None and cfg.get("eos_token_id") is not None:
+        merged["eos_token_id"] = cfg["eos_token_id"]
     return merged
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) with transformers' precedence: rope_scaling, rope_parameters, then
-    top-level keys, then defaults (10000, 0.25). Only the default rope type is supported."""
+def _rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """(rope parameters, rope_theta, partial_rotary_factor) with transformers' precedence: rope_scaling,
+    rope_parameters, then top-level keys, then defaults (10000, 0.25). The rope type is checked by
+    engine.models.rope_scaling (default, linear and yarn are served; others raise ValueError naming rope_type)."""
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return float(theta), float(factor)
+    return rope, float(theta), float(factor)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class Qwen3_5Args:
     attention_bias: bool
     rope_theta: float
     rotary_dim: int
+    rope_parameters: dict[str, Any]
+    """The config's rope dict (rope_type and its scaling fields; engine.models.rope_scaling)."""
+    max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     gdn: GatedDeltaNetConfig
@@ -84,8 +89,10 @@ class Qwen3_5Args:
     """Qwen3.5-MoE: every layer's MLP is a sparse MoE block; None: dense GatedMLPs."""
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> Qwen3_5Args:
+    def from_dict(cls, config: dict[str, Any], defaults: dict[str, Any] | None = None) -> Qwen3_5Args:
+        """`defaults`: the family's transformers defaults where they differ from the dense model's (MoE)."""
         cfg = _text_config(config)
+        cfg = {**(defaults or {}), **{k: v for k, v in cfg.items() if v is not None}}
         hidden = int(cfg.get("hidden_size", 4096))
         layer_types = cfg.get("layer_types")
         num_layers = int(cfg.get("num_hidden_layers") or (len(layer_types) if layer_types else 32))
@@ -99,12 +106,14 @@ class Qwen3_5Args:
         if bad:
             raise ValueError(f"layer_types has unknown types {bad}; expected {list(LAYER_TYPES)}")
         heads = int(cfg.get("num_attention_heads", 16))
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        theta, factor = _rope(cfg)
+        head_dim = int(cfg.get("head_dim") or 256)  # transformers' default when config.json has none
+        rope, theta, factor = _rope(cfg)
+        max_positions = int(cfg.get("max_position_embeddings", 32768))
+        rope_frequencies(rope, theta, int(head_dim * factor), max_positions)  # an unsupported rope_type: ValueError
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         act = str(cfg.get("hidden_act", "silu"))
         eos = cfg.get("eos_token_id")
-        return cls(
+        args = cls(
             vocab_size=int(cfg.get("vocab_size", 248320)),
             hidden_size=hidden,
             intermediate_size=int(cfg.get("intermediate_size", 12288)),
@@ -117,6 +126,8 @@ class Qwen3_5Args:
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope_theta=theta,
             rotary_dim=int(head_dim * factor),
+            rope_parameters=rope,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             gdn=GatedDeltaNetConfig(
@@ -131,6 +142,17 @@ class Qwen3_5Args:
             ),
             moe=SparseMoeArgs.from_dict(cfg),
         )
+        args.check()
+        return args
+
+    def check(self) -> None:
+        """The shape relations the layers of this config rely on (ValueError naming the fields)."""
+        if "full_attention" in self.layer_types:
+            require_multiple(self.num_attention_heads, "num_attention_heads", self.num_key_value_heads,
+                             "num_key_value_heads")
+        if "linear_attention" in self.layer_types:
+            require_multiple(self.gdn.num_v_heads, "linear_num_value_heads", self.gdn.num_k_heads,
+                             "linear_num_key_heads")
 
 
 class Qwen3_5Attention(nn.Module):
@@ -246,17 +268,21 @@ class Qwen3_5ForCausalLM(nn.Module):
     are assigned); implements the `CausalLM` protocol of engine.models.base."""
 
     architecture = "Qwen3_5ForCausalLM"
+    config_defaults: dict[str, Any] = {}
+    """transformers' defaults of this family where they differ from Qwen3_5TextConfig's (read in from_dict)."""
 
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__()
-        self.args = Qwen3_5Args.from_dict(config)
+        self.args = Qwen3_5Args.from_dict(config, self.config_defaults)
         self.dtype_name = dtype
         self.vocab_size = self.args.vocab_size
         self.hidden_size = self.args.hidden_size
         self.eos_token_ids: tuple[int, ...] = self.args.eos_token_ids
         self.model = Qwen3_5TextModel(self.args)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(self.args.rotary_dim, self.args.rope_theta)
+        a = self.args
+        self.rotary = RotaryEmbedding(a.rotary_dim, a.rope_theta, *rope_frequencies(
+            a.rope_parameters, a.rope_theta, a.rotary_dim, a.max_position_embeddings))
 
     # -- CausalLM -------------------------------------------------------------------------------------------
 
@@ -341,6 +367,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: the same model, every MLP a sparse MoE block (its args' `moe`)."""
 
     architecture = "Qwen3_5MoeForCausalLM"
+    config_defaults = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts": 256,
+                       "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+    """Qwen3_5MoeTextConfig's defaults that differ from the dense config's."""
 
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__(config, dtype)

@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, ModelClass] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,  # text part only
 }
+SERVABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""Checkpoint tensor dtypes the loader converts; any other (fp8, int8, packed uint8) is refused."""
 MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
@@ -112,11 +114,26 @@ def _resolve_dtype(dtype: str, cfg: dict[str, Any]) -> str:
     return dtype
 
 
+def refuse_unservable(cfg: dict[str, Any]) -> None:
+    """ModelLoadError for a config the engine would load but not compute right: quantized checkpoints (their
+    scales would be dropped and the raw integers or fp8 values read as weights)."""
+    text = cfg.get("text_config")
+    for where, section in (("", cfg), ("text_config.", text if isinstance(text, dict) else {})):
+        quant = section.get("quantization_config") or section.get("compression_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ModelLoadError(
+                f"config.json has {where}quantization_config (quant_method={method!r}): quantized "
+                "checkpoints are not supported; use the unquantized (bf16/fp16/fp32) weights"
+            )
+
+
 def build_on_meta(path: str, dtype: str = "float32") -> CausalLM:
     """The model of a checkpoint directory built on the meta device (shapes only, no weights read). Raises
     ModelLoadError like load_model for a config it cannot build."""
     cfg = read_model_config(Path(path))
     arch = resolve_architecture(cfg)
+    refuse_unservable(cfg)
     return _on_meta(path, arch, cfg, _resolve_dtype(dtype, cfg))
 
 
@@ -126,7 +143,7 @@ def _on_meta(path: str, arch: str, cfg: dict[str, Any], dtype: str) -> CausalLM:
             model: CausalLM = ARCHITECTURES[arch](cfg, dtype)
             return model
     except (KeyError, ValueError, TypeError, ZeroDivisionError, RuntimeError) as e:
-        raise ModelLoadError(f"config.json of {str(path)!r} is malformed for {arch}: {e}") from None
+        raise ModelLoadError(f"config.json of {str(path)!r} is malformed or not supported for {arch}: {e}") from None
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_format: str = "auto") -> CausalLM:
@@ -138,6 +155,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", load_form
     root = Path(path)
     cfg = read_model_config(root)
     arch = resolve_architecture(cfg)
+    refuse_unservable(cfg)
     cls = ARCHITECTURES[arch]
     dtype = _resolve_dtype(dtype, cfg)
     target = torch.device(device)
@@ -189,7 +207,13 @@ def _read_weights(
                     name = cls.checkpoint_name(key)
                     if name is None:
                         continue
-                    for mapped, tensor in cls.split_checkpoint_tensor(name, f.get_tensor(key)):
+                    raw = f.get_tensor(key)
+                    if raw.dtype not in SERVABLE_DTYPES:
+                        raise ModelLoadError(
+                            f"checkpoint tensor {key!r} in {file.name} has dtype {raw.dtype}; only "
+                            "float32/bfloat16/float16 weights are supported (quantized checkpoint?)"
+                        )
+                    for mapped, tensor in cls.split_checkpoint_tensor(name, raw):
                         if mapped not in expected:
                             unexpected.append(mapped)
                         elif tuple(tensor.shape) != expected[mapped]:
@@ -222,4 +246,12 @@ def _tie_or_fail(
         )
 
 
-__all__ = ["ARCHITECTURES", "build_on_meta", "load_model", "read_model_config", "resolve_architecture", "weight_files"]
+__all__ = [
+    "ARCHITECTURES",
+    "build_on_meta",
+    "load_model",
+    "read_model_config",
+    "refuse_unservable",
+    "resolve_architecture",
+    "weight_files",
+]

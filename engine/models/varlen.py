@@ -206,7 +206,7 @@ def _pack_attention(p: _Packer, st: _Step, blocks: list[tuple[int, ...]]) -> tup
     slot_mapping = np.full(T, PAD_SLOT_ID, np.int64)
     if st.total:
         bs, pos, sot = st.block_size, st.positions[: st.total], st.seq_of_tok
-        blk = table[sot, pos // bs]
+        blk = table[sot, np.where(has_table[sot], pos // bs, 0)]  # rows without a table (no attention): no block
         slot_mapping[: st.total] = np.where(has_table[sot], blk * bs + pos % bs, PAD_SLOT_ID)
     ctx = np.where(has_table, st.computed + st.n_new, 0)
     att_ctx = np.concatenate((ctx, np.zeros(st.n_pad, np.int64)))

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.gpu
 
 CHECKS = ["conv_varlen_matches_reference_chunks", "gated_group_norm", "gated_head_norm",
           "gdn_decode_matches_reference_step", "mamba_chunk_inputs_and_skip", "mamba_decode_matches_reference_step",
-          "moe_combine", "paged_attention_across_key_tiles", "relu2", "rms_norm_per_head_of_a_strided_view",
-          "rms_norm_with_and_without_residual", "rope_partial_on_strided_heads", "sigmoid_gate", "silu_mul"]
+          "moe_combine", "paged_attention_across_key_tiles", "paged_attention_any_group_and_head_dim", "relu2",
+          "rms_norm_per_head_of_a_strided_view", "rms_norm_with_and_without_residual", "rope_partial_on_strided_heads",
+          "sigmoid_gate", "silu_mul"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -142,12 +142,18 @@ def check_mamba_chunk_inputs_and_skip(dtype: torch.dtype) -> None:
 
 def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
     """conv_step(act) + mamba_decode against Mamba2Mixer's reference decode (dt rounding, clamp, D skip), with
-    rows that are a subset of the batch (the others stay zero) and one row starting from zeros."""
+    rows that are a subset of the batch (the others stay zero) and one row starting from zeros; a state size that
+    is a power of two and one that is not."""
+    for state_size in (16, 12):
+        _mamba_decode_case(dtype, state_size)
+
+
+def _mamba_decode_case(dtype: torch.dtype, N: int) -> None:
     from hybridpd.engine.kernels.recurrent_step import conv_step, mamba_decode
     from hybridpd.engine.models.layers import causal_conv_step
     from hybridpd.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
-    cfg = Mamba2Config(hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=16, conv_kernel=4,
+    cfg = Mamba2Config(hidden_size=32, num_heads=4, head_dim=8, n_groups=2, state_size=N, conv_kernel=4,
                        chunk_size=8, use_bias=False, use_conv_bias=True, activation="silu", norm_eps=1e-5,
                        time_step_min=0.01, ssm_dtype="float32")
     m = Mamba2Mixer(cfg)
@@ -163,7 +169,7 @@ def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
     slots = idx(1, 2, 3)
     has_init = idx(1, 0, 1, dtype=torch.int32)
     conv = rand(4, C, 3, dtype=dtype)
-    ssm = rand(4, 4, 8, 16)
+    ssm = rand(4, 4, 8, N)
     conv0, ssm0 = conv.clone(), ssm.clone()
     xc = conv_step(xbc, conv, m._conv_weight(), m.conv1d.bias, slots, has_init, rows, act=True)
     y = torch.zeros(T, 4, 8, device=DEVICE)
@@ -188,12 +194,17 @@ def check_mamba_decode_matches_reference_step(dtype: torch.dtype) -> None:
 
 def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
     """conv_step(act) + gdn_decode against GatedDeltaNet's reference decode (q/k l2 norms, GQA, beta in the model
-    dtype, g in fp32)."""
+    dtype, g in fp32); a key head dim that is a power of two and one that is not."""
+    for head_k_dim in (16, 12):
+        _gdn_decode_case(dtype, head_k_dim)
+
+
+def _gdn_decode_case(dtype: torch.dtype, KD: int) -> None:
     from hybridpd.engine.kernels.recurrent_step import conv_step, gdn_decode
     from hybridpd.engine.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
     from hybridpd.engine.models.layers import causal_conv_step
 
-    cfg = GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
+    cfg = GatedDeltaNetConfig(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=KD, head_v_dim=8,
                               conv_kernel=4, activation="silu", norm_eps=1e-6)
     m = GatedDeltaNet(cfg)
     with torch.no_grad():
@@ -207,7 +218,7 @@ def check_gdn_decode_matches_reference_step(dtype: torch.dtype) -> None:
     slots = idx(2, 1)
     has_init = idx(1, 0, dtype=torch.int32)
     conv = rand(3, C, 3, dtype=dtype)
-    state = rand(3, 4, 16, 8)
+    state = rand(3, 4, KD, 8)
     conv0, state0 = conv.clone(), state.clone()
     xc = conv_step(qkv, conv, m._conv_weight(), m.conv1d.bias, slots, has_init, rows, act=True)
     out = torch.zeros(T, 4, 8, device=DEVICE)
@@ -268,10 +279,20 @@ def check_paged_attention_across_key_tiles(dtype: torch.dtype) -> None:
         _check_attention(dtype, seqs)
 
 
-def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]]) -> None:
+def check_paged_attention_any_group_and_head_dim(dtype: torch.dtype) -> None:
+    """The same for GQA groups and head dims that are not powers of two (Nemotron-Nano-9B-v2: 40 heads on 8 KV
+    heads, Qwen3.5-27B: 24 on 4; head dims like 80 or 96): prefill tiles, a chunk after a prefix, decodes."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        return  # as above: the interpreter's bf16 dots
+    for H, KVH, D in ((10, 2, 24), (24, 1, 20), (6, 2, 32)):
+        for seqs in ([(1, 40), (20, 45), (1, 0)], [(1, 33), (1, 5), (1, 0)]):
+            _check_attention(dtype, seqs, H, KVH, D)
+
+
+def _check_attention(dtype: torch.dtype, seqs: list[tuple[int, int]], H: int = 4, KVH: int = 2, D: int = 32) -> None:
     from hybridpd.engine.kernels.paged_attention import paged_attention_varlen
 
-    H, KVH, D, bs = 4, 2, 32, 16
+    bs = 16
     n_blocks = sum(-(-c // bs) for _, c in seqs) + 3
     cache = torch.full((n_blocks, 2, bs, KVH, D), float("nan"), dtype=dtype)
     perm = torch.randperm(n_blocks, generator=GEN).tolist()

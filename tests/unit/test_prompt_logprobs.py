@@ -229,3 +229,30 @@ def test_bad_prompt_logprobs_are_400(stack: LiveStack, body: dict[str, Any], why
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "prompt_logprobs" and why in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_echo_with_return_token_ids_leaves_the_prompt_text_out(stack: LiveStack) -> None:
+    """vLLM: echo with return_token_ids returns the prompt as prompt_token_ids, not as text; the logprobs still
+    lead with the prompt's tokens (offsets as if its text were there), streamed or not."""
+    body = {"model": MODEL, "prompt": "hij", "max_tokens": 2, "echo": True, "logprobs": 1, "return_token_ids": True}
+    c = stack.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (c["text"], c["prompt_token_ids"], c["token_ids"]) == ("ji", [104, 105, 106], [106, 105])
+    assert c["logprobs"]["tokens"] == ["h", "i", "j", "j", "i"] and c["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert c["logprobs"]["token_logprobs"][:3] == [None, pytest.approx(-0.01), pytest.approx(-0.02)]
+    events = _events(stack.http.post("/v1/completions", json={**body, "stream": True}).text)
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == "ji"
+    assert chunks[0]["logprobs"]["tokens"][:3] == ["h", "i", "j"]
+    plain = stack.http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert plain["text"] == "hijji"
+
+
+def test_prompt_logprobs_decoded_tokens_stay_text_with_tokens_as_ids(stack: LiveStack) -> None:
+    """vLLM: return_tokens_as_token_ids writes 'token_id:N' in the logprobs' tokens, never in prompt_logprobs'
+    decoded_token (the engine's text of the token), completions and chat alike."""
+    base = {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 1, "return_tokens_as_token_ids": True}
+    c = stack.http.post("/v1/completions", json={**base, "prompt": "hij", "logprobs": 0}).json()["choices"][0]
+    assert c["prompt_logprobs"][1]["105"]["decoded_token"] == "i" and c["logprobs"]["tokens"][0].startswith("token_id:")
+    chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    rows = stack.http.post("/v1/chat/completions", json=chat).json()["prompt_logprobs"][1:]
+    assert all(not v["decoded_token"].startswith("token_id:") for row in rows for v in row.values())

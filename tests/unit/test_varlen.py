@@ -94,3 +94,22 @@ def test_views_read_their_own_groups() -> None:
     rec_only = GroupViews(layer_views=(0, 1), attention=(True, False), recurrent=(True, True))
     r0, r1 = build_varlen_views([s], 4, 4, cpu, rec_only)
     assert r1.slot_mapping is r0.slot_mapping and r1.rec_prefill is not None
+
+
+def test_attention_packing_of_a_model_without_attention() -> None:
+    """A model with no attention layer (Mamba-2 / GDN, MLPs only): every sequence's block table is empty, at any
+    position past the first block too; the packed slot mapping is all padding and the context lengths 0."""
+    import numpy as np
+    from hybridpd.engine.models.varlen import _pack_attention, _Packer, _Step
+
+    n_new, computed = np.array([40, 1]), np.array([0, 70])
+    seq_of_tok = np.repeat(np.arange(2), n_new)
+    positions = np.concatenate((np.arange(40), [70]))
+    step = _Step(seqs=[None, None], n_new=n_new, computed=computed, q_start=np.array([0, 40]), seq_of_tok=seq_of_tok,
+                 positions=positions, total=41, n_pad=2, block_size=16, conv_width=4)
+    packer = _Packer()
+    slot_h, ctx_h, _ = _pack_attention(packer, step, [(), ()])
+    dev = packer.upload(torch.device("cpu"))
+    slots, ctx = dev[slot_h], dev[ctx_h]
+    assert slots.tolist() == [PAD_SLOT_ID] * 43
+    assert ctx.tolist() == [0] * 4
