@@ -22,7 +22,7 @@ from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
 from hybridpd.worker.auth import open_channel, token_metadata
-from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
+from hybridpd.worker.context import WorkerContext, WorkerRpcs, precompile_structured, run_engine_call
 from hybridpd.worker.convert import chunk_of, sampling_params_from_proto, stats_response
 from hybridpd.worker.stream_text import streamable_end
 
@@ -288,6 +288,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "a resumed request (GenerateRequest.resume) comes with its first output token and no transfer params",
             )
+        await precompile_structured(self.ctx, context, params)
         self._loop = asyncio.get_running_loop()
         peer = await self._peer(tp) if tp is not None and tp.num_computed_tokens > 0 else None
         t_peer = time.perf_counter()

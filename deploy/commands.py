@@ -54,7 +54,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          prefill_peers=tuple(args.prefill_peer or ()), max_pinned_fraction=args.max_pinned_fraction,
                          max_decode_share=args.max_decode_share,
                          nixl_progress_thread=args.nixl_progress_thread,
-                         register_with=tuple(args.register_with or ()), heartbeat_s=args.heartbeat)
+                         register_with=tuple(args.register_with or ()), heartbeat_s=args.heartbeat,
+                         stall_timeout_s=args.engine_stall_timeout)
     return run_worker(cfg, opts)
 
 
@@ -328,6 +329,10 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
                         "addresses registers with each): the proxy routes to this worker from then on, renewed "
                         "every --heartbeat seconds, dropped 5 heartbeats after the last")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between registrations (default: 1)")
+    p.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                   help="Health answers not ready while the engine has been in one step (or hook) for longer than "
+                        "this many seconds (wedged, though gRPC still answers): proxies route around the worker and "
+                        "move the requests waiting on it (default: 60; 0: never)")
     p.add_argument("--tls-cert-file", default=None,
                    help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
                         "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")

@@ -96,6 +96,14 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request's body after its headers (then 408)",
     )
     g.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client may leave a response unread (the proxy's writes blocked) before it is dropped and "
+        "its request aborted",
+    )
+    g.add_argument(
         "--max-connections",
         type=int,
         default=1000,
@@ -145,6 +153,7 @@ def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | Non
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
             keep_alive_timeout_s=args.keep_alive_timeout,
+            send_timeout_s=args.send_timeout,
         ),
         "inter_token_timeout_s": args.inter_token_timeout,
     }

@@ -13,6 +13,10 @@ Idle (nothing scheduled), the step thread sleeps on an event that `call()` sets,
 A stalled scheduler (the head of the queue cannot get its caches while only parked or importing requests hold
 them; `EngineCore.is_stalled`) counts as idle: no empty steps until something changes (a call, a hook's work, a
 deadline), or `STALLED_RETRY_S` at the latest.
+
+`busy_for()` tells how long the step thread has been in its current pass (calls, hooks, one step) without getting
+back to its wait: a step thread wedged in a step or a hook (a hung kernel, a deadlock) shows here while the gRPC
+server, on another thread, still answers; the worker's Health reports it (worker/context.py).
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class AsyncEngine:
         self._needs_poll: dict[int, Callable[[], bool]] = {}  # id(hook) -> "has work that needs polling"
         self._stalled_since: float | None = None  # monotonic time the scheduler was first seen stalled
         self._idle_wakes = 0  # consecutive idle wake-ups with nothing to do (back-off of undeclared hooks)
+        self._pass_started: float | None = None  # monotonic start of the step thread's current pass (None: waiting)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
@@ -124,6 +129,12 @@ class AsyncEngine:
         if any(id(h) not in self._needs_poll for h in self.hooks):
             return min(MAX_IDLE_POLL_S, base * 2 ** min(self._idle_wakes, 16))
         return None
+
+    def busy_for(self) -> float:
+        """Seconds the step thread has spent in its current pass of calls, hooks and one step (0 while it waits
+        for work). Any thread."""
+        started = self._pass_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def call(self, fn: Callable[[EngineCore], Any]) -> Future:
         fut: Future = Future()
@@ -230,6 +241,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._pass_started = time.monotonic()
             if self._drain_calls():
                 self._idle_wakes = 0
             for hook in self.hooks:
@@ -243,6 +255,7 @@ class AsyncEngine:
                 timeout = self.idle_timeout()
                 if retry_in is not None:
                     timeout = retry_in if timeout is None else min(timeout, retry_in)
+                self._pass_started = None
                 self._wake.wait(timeout=timeout)
                 self._wake.clear()
                 self._idle_wakes += 1

@@ -30,7 +30,7 @@ from hybridpd.kvtransfer.metrics import TransferMetrics
 from hybridpd.kvtransfer.progress import TransferProgress, interval_from_env
 from hybridpd.proto import hybridpd_pb2 as pb
 from hybridpd.proto import hybridpd_pb2_grpc as pb_grpc
-from hybridpd.worker.context import WorkerContext, WorkerRpcs, run_engine_call
+from hybridpd.worker.context import WorkerContext, WorkerRpcs, precompile_structured, run_engine_call
 from hybridpd.worker.convert import sampling_params_from_proto, set_prompt_logprobs, set_stop_match, stats_response
 from hybridpd.worker.stream_text import first_text
 
@@ -218,6 +218,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await precompile_structured(self.ctx, context, params)
         if rid in self.held or rid in self._waiters or rid in self.whole:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already prefilled or running")
         loop = asyncio.get_running_loop()
@@ -250,7 +251,9 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
                 self._waiters.pop(rid, None)
                 self.tmetrics.admission_refused()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-            return await fut
+            resp = await fut
+            self._release_if_undelivered(context, rid, resp)
+            return resp
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
             self.ctx.aengine.call(lambda c: (c.abort(rid), self._reserved.pop(rid, None), self._release(rid)))
@@ -258,6 +261,20 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
             raise
+
+    def _release_if_undelivered(self, context: grpc.aio.ServicerContext, rid: str, resp: pb.PrefillResponse) -> None:
+        """End the lease of `resp` if its RPC ends cancelled: its caller gave up as the answer left (the proxy's
+        client went away mid-prefill), so nobody holds the lease token, and the caller's Release (by id alone)
+        cannot end it; it would pin the prompt's pages until it expired."""
+        token = resp.params.lease_token
+        if not token:
+            return
+
+        def ended(ctx: grpc.aio.ServicerContext) -> None:
+            if ctx.cancelled():
+                self.ctx.aengine.call(lambda c: self._release(rid, None, token))
+
+        context.add_done_callback(ended)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         released = await self.ctx.aengine.acall(

@@ -33,7 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 REJECTION_REASONS = ("never_fits", "queue_full", "queue_timeout", "key_concurrency", "key_tokens_per_minute",
-                     "request_limits", "connection_cap", "header_timeout", "body_timeout")
+                     "request_limits", "connection_cap", "header_timeout", "body_timeout", "send_timeout")
 _QUEUED_PROMPT_TOKENS_PER_WORKER = 64  # x max_model_len, when not configured
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 import time
 import uuid
@@ -174,6 +175,31 @@ class _Held:
         self.ticket.release(sum((g.req.sampling.max_tokens or 0) - g.usage.completion_tokens for g in gens))
 
 
+LARGE_RESPONSE_ENTRIES = 20_000
+"""Logprob entries (tokens and their alternatives, prompt logprobs included) past which a non-streamed answer is
+rendered on a helper thread (`_render_json`), not on the event loop."""
+_INCREMENTAL_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+"""JSONResponse's format, encoded piece by piece (`iterencode`: Python code that lets the event loop's thread run
+between pieces; the one-shot C encoder would hold the GIL for the whole body)."""
+
+
+def _logprob_entries(choices: list[list[Delta]]) -> int:
+    """A cheap measure of how big a non-streamed answer's body will be."""
+    n = 0
+    for deltas in choices:
+        for d in deltas:
+            n += len(d.token_ids) + sum(len(top) for top in d.top_logprobs)
+            n += sum(1 + len(e.top) for e in d.prompt_logprobs or ())
+    return n
+
+
+def _render_json(full: Callable[..., dict[str, Any]], *args: Any) -> bytes:
+    """`full(*args)` as JSONResponse renders it, built and encoded on a helper thread: a body of many megabytes
+    (prompt logprobs or echo with logprobs over a long prompt, times n) took the event loop seconds, during which
+    every other client and /health waited."""
+    return "".join(_INCREMENTAL_JSON.iterencode(full(*args))).encode("utf-8")
+
+
 def _token_id_text(token_id: int) -> str:
     """A logprob token as vLLM writes it with `return_tokens_as_token_ids` (and without a tokenizer)."""
     return f"token_id:{token_id}"
@@ -202,6 +228,7 @@ class _Proxy:
         self.monitor = cluster_view.HealthMonitor(self.cluster, config.health_interval_s)
         # tokenization and chat templating run here, never on the event loop
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hybridpd-tokenize")
+        self.render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridpd-render")  # huge answers
         self.bodies = BodyParser(config.model_name, config.request_limits)  # big bodies in a helper process
         self.admission = Admission(config, self.cluster.metrics.registry)
         self.keys = config.api_keys + ((ApiKey("api-key", config.api_key),) if config.api_key is not None else ())
@@ -341,7 +368,10 @@ class _Proxy:
             fields = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
             req = parse_chat({k: body[k] for k in fields if k in body}, self.config.model_name)
             tools = list(req.tools.tools) if req.tools else None
-            ids = tok.encode_rendered(tok.render_chat(req.messages, tools, req.render))
+            text = tok.render_chat(req.messages, tools, req.render)
+            if len(text) > tok.max_chars(self.config.max_model_len) * 4:
+                raise bad_request("'messages' are too long to tokenize", param="messages")
+            ids = tok.encode_rendered(text)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -414,7 +444,11 @@ class _Proxy:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             held.close()
-        return JSONResponse(fmt.full(deltas, choices.usages))
+        if _logprob_entries(deltas) <= LARGE_RESPONSE_ENTRIES:
+            return JSONResponse(fmt.full(deltas, choices.usages))
+        body = await asyncio.get_running_loop().run_in_executor(self.render_pool, _render_json, fmt.full,
+                                                                deltas, choices.usages)
+        return Response(body, media_type="application/json")
 
     async def _stream(self, request: Request, held: _Held, fmt: CompletionFormatter | ChatFormatter,
                       opts: StreamOptions) -> Response:
@@ -481,6 +515,7 @@ def create_app(config: ProxyConfig, tokenizer: PromptTokenizer | None = None) ->
             await membership.stop()
             await proxy.cluster.clients.close()
             proxy.pool.shutdown(wait=False, cancel_futures=True)
+            proxy.render_pool.shutdown(wait=False, cancel_futures=True)
             proxy.bodies.close()
 
     app = FastAPI(title="hybridpd proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

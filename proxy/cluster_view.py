@@ -36,7 +36,8 @@ def _host(addr: str) -> str:
 
 async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, Any]:
     """One worker's Health; a worker that does not answer in time (frozen: its connections stay open, so no call
-    fails) gets no new requests while another of its role answers (Router.set_unresponsive)."""
+    fails), or answers not ready (its engine stuck in one step: its Generate streams stay silent), gets no new
+    requests while another of its role answers, and the streams waiting on it are given up (Router.set_unresponsive)."""
     router = cluster.prefill if role == "prefill" else cluster.decode
     try:
         h = await cluster.clients.health(role, addr)
@@ -44,8 +45,8 @@ async def _probe_health(cluster: Cluster, role: Role, addr: str) -> dict[str, An
         if router is not None:
             router.set_unresponsive(addr, True)
         return {"role": role, "address": addr, "ready": False, "error": f"{err.code().name}: {err.details()}"}
-    if router is not None:
-        router.set_unresponsive(addr, False)
+    if router is not None:  # answering but not ready (its engine wedged, worker/context.py): as unresponsive
+        router.set_unresponsive(addr, not h.ready)
     if cluster.membership is not None:
         cluster.membership.worker_draining(addr, h.draining)
     return {"role": role, "address": addr, "ready": h.ready, "worker_id": h.worker_id, "epoch": h.epoch,

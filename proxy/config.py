@@ -129,16 +129,18 @@ class HttpLimits:
     """Connection hardening (`proxy.http_guard`): a client that has not sent a request's headers within
     `header_timeout_s` (from connect or from the previous response) or its body within `body_timeout_s` (from the
     end of the headers) is dropped; at most `max_connections` open connections (more are closed on accept); an
-    idle keep-alive connection is closed after `keep_alive_timeout_s`."""
+    idle keep-alive connection is closed after `keep_alive_timeout_s`; a client that stops reading a response (its
+    socket's buffers full, the proxy's writes blocked) is dropped after `send_timeout_s`."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1000
     keep_alive_timeout_s: int = 5
+    send_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s) <= 0:
-            raise ValueError("header_timeout_s, body_timeout_s and keep_alive_timeout_s must be > 0")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s, self.send_timeout_s) <= 0:
+            raise ValueError("header_timeout_s, body_timeout_s, keep_alive_timeout_s and send_timeout_s must be > 0")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 

@@ -90,20 +90,32 @@ async def _prefill_unless_frozen(
 ) -> pb.PrefillResponse:
     """P.Prefill on `addr`; given up (cancelled, _WorkerFrozen) once the health monitor finds `addr` unresponsive
     while another prefill worker answers. A frozen worker keeps its connection open, so the call alone would wait
-    for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes."""
-    if len(router.members) < 2:
-        return await clients.prefill_call(addr, req, timeout)
+    for as long as it stays frozen; cancelled, the worker frees what it prefilled when it resumes. An answer that
+    arrives for a caller that gave up (cancelled, its client gone, as the answer came) is released with its lease
+    token, which only this answer carries: a Release by request id alone cannot end the lease."""
     call = asyncio.ensure_future(clients.prefill_call(addr, req, timeout))
+    answered = False
     try:
         while True:
-            done, _ = await asyncio.wait({call}, timeout=FROZEN_CHECK_S)
+            done, _ = await asyncio.wait({call}, timeout=None if len(router.members) < 2 else FROZEN_CHECK_S)
             if done:
+                answered = True
                 return call.result()
             if router.is_unresponsive(addr) and any(a != addr for a in router.addrs):
                 raise _WorkerFrozen(addr)
     finally:
-        if not call.done():
-            call.cancel()
+        if not answered:
+            call.add_done_callback(lambda c: _release_unclaimed(clients, addr, req.request_id, c))
+            call.cancel()  # (no-op when the answer already came: then the callback releases its lease)
+
+
+def _release_unclaimed(clients: WorkerClients, addr: str, rid: str, call: asyncio.Future[pb.PrefillResponse]) -> None:
+    """A Prefill answer nobody waits for any more: end its lease on P."""
+    if call.cancelled() or call.exception() is not None:
+        return  # P saw the call cancelled or failed: it holds nothing for it
+    params = call.result().params
+    if params.lease_token:
+        clients.release_later(addr, rid, params.epoch, params.lease_token)
 
 
 @dataclass(frozen=True)
@@ -443,11 +455,14 @@ class Generation:
                 log.warning(
                     "request %s: prefill worker %s stopped answering; trying another", self.req.request_id, addr
                 )
+                self.cluster.metrics.prefill_failovers.labels(cause="frozen").inc()
                 refused.add(addr)
                 continue
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRY_ON_ANOTHER_PREFILL:
                     raise self._fail(from_rpc_error(err, "prefill", addr)) from None
+                cause = "lost" if err.code() == grpc.StatusCode.UNAVAILABLE else "busy"
+                self.cluster.metrics.prefill_failovers.labels(cause=cause).inc()
                 refused.add(addr)
                 if any(a not in refused for a in router.addrs):  # (`addr` itself may be marked down by now)
                     continue
@@ -567,7 +582,9 @@ class Generation:
             except _WorkerFrozen:
                 self._release_prefill()  # D never took over P's lease (a pull it started is refused at Commit)
                 if self._retry_decode(grpc.StatusCode.UNAVAILABLE):
+                    self.cluster.metrics.decode_failover("stalled", "resumed")
                     continue
+                self.cluster.metrics.decode_failover("stalled", "failed")
                 raise self._fail(
                     ApiError(503, f"decode worker {self._s.decode_addr} stopped answering", code="worker_unavailable")
                 ) from None

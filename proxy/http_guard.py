@@ -7,8 +7,13 @@ nothing caps open connections. `guarded_h11(limits, on_reject)` returns an `H11P
     connect / previous response --(header_timeout_s)--> headers complete --(body_timeout_s)--> body complete
             missed: the connection is closed             missed: 408 (if no response started), then closed
     more than max_connections open: the new one is closed at once
+    writes blocked for send_timeout_s (the client stopped reading: its socket's buffers are full): dropped
+    framing h11 refuses (a bad Content-Length, chunk or request line): a 400 with a JSON error body, then closed
 
-Each drop calls `on_reject(reason)` (reason: connection_cap, header_timeout, body_timeout). Timers are
+A dropped connection's request sees `http.disconnect` (its stream is aborted on the workers and its admission budget
+given back): a client that stops reading a stream, its connection open, would otherwise hold them for as long as
+it keeps the connection. Each drop calls `on_reject(reason)` (reason: connection_cap, header_timeout, body_timeout,
+send_timeout). Timers are
 `loop.call_later` handles owned by the connection and cancelled when it closes. Event loop only.
 """
 
@@ -30,12 +35,19 @@ _TIMEOUT_BODY = json.dumps({"error": {"message": "the request body did not arriv
                                       "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
 
 
+def _error_body(message: str, code: str) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    ).encode()
+
+
 def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
     """An H11Protocol class enforcing `limits` (see the module doc)."""
 
     class GuardedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _waiting_for: str = ""  # "headers", "body" or "" (nothing due from the client)
+        _send_deadline: asyncio.TimerHandle | None = None  # set while the transport has paused our writes
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -47,7 +59,31 @@ def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._expect("")
+            self._cancel_send_deadline()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_deadline is None and not self.transport.is_closing():
+                self._send_deadline = self.loop.call_later(limits.send_timeout_s, self._send_expired)
+
+        def resume_writing(self) -> None:
+            self._cancel_send_deadline()
+            super().resume_writing()
+
+        def _cancel_send_deadline(self) -> None:
+            if self._send_deadline is not None:
+                self._send_deadline.cancel()
+                self._send_deadline = None
+
+        def _send_expired(self) -> None:
+            """The client read nothing of what we sent for send_timeout_s: drop it (abort: what is buffered for it
+            would never drain, so a close would keep the socket open). connection_lost tells the request."""
+            self._send_deadline = None
+            if self.transport.is_closing():
+                return
+            on_reject("send_timeout")
+            self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -89,15 +125,25 @@ def guarded_h11(limits: HttpLimits, on_reject: RejectHook) -> type[H11Protocol]:
                 self.cycle.message_event.set()
             self.transport.close()
 
-        def _send_408(self) -> None:
+        def send_400_response(self, msg: str) -> None:
+            """h11 refused the request's framing (a bad Content-Length, chunk or request line): uvicorn answers a
+            plain-text 400; this one carries an OpenAI-style JSON error like every other bad input."""
+            body = _error_body(f"invalid HTTP request: {msg}", "invalid_http")
+            self._send_error(400, b"Bad Request", body)
+            self.transport.close()
+
+        def _send_error(self, status: int, reason: bytes, body: bytes) -> None:
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(_TIMEOUT_BODY)).encode())]
+                       (b"content-length", str(len(body)).encode())]
             try:
-                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
-                              h11.Data(data=_TIMEOUT_BODY), h11.EndOfMessage()):
+                for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
+                              h11.EndOfMessage()):
                     self.transport.write(self.conn.send(event))
             except h11.LocalProtocolError:
                 pass  # the connection cannot carry a response any more: just close it
+
+        def _send_408(self) -> None:
+            self._send_error(408, b"Request Timeout", _TIMEOUT_BODY)
 
     return GuardedH11Protocol
 

@@ -13,9 +13,15 @@ TTFT), arrival -> last token (E2E).
 
 `hybridpd_proxy_decode_failovers_total{cause, outcome}`: a decode worker that failed a request after its first
 output, by cause (`lost`: the stream broke as unreachable, the worker died or restarted; `stalled`: nothing came for
-the inter-token timeout, or the worker stopped answering health probes while another decode worker answers) and
+the inter-token timeout, or the worker stopped answering health probes or answered them not ready, its engine stuck,
+while another decode worker answers: counted before its first output too) and
 outcome (`resumed` on another decode worker, the client's stream going on without a repeated or missing token;
 `failed`: no decode worker left or too many failovers, the request ended with an error).
+
+`hybridpd_proxy_prefill_failovers_total{cause}`: a Prefill call given up on one prefill worker, by cause (`lost`:
+unreachable; `frozen`: it stopped answering health probes, or answered them not ready, while another answers;
+`busy`: at its lease cap, RESOURCE_EXHAUSTED); the request then goes to another prefill worker, or to a decode
+worker that computes the prompt itself, or fails when neither may.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from prometheus_client.registry import Collector
 REQUEST_STATUSES = ("success", "invalid", "error", "aborted")
 FAILOVER_CAUSES = ("lost", "stalled")
 FAILOVER_OUTCOMES = ("resumed", "failed")
+PREFILL_FAILOVER_CAUSES = ("lost", "frozen", "busy")
 
 _TTFT_BUCKETS = (
     0.001,
@@ -179,14 +186,24 @@ class ProxyMetrics:
         )
         self.decode_failovers = Counter(
             "hybridpd_proxy_decode_failovers_total",
-            "Decode workers that failed a request mid-generation, by cause (lost, "
-            "stalled) and outcome (resumed on another decode worker, failed)",
+            "Decode workers that failed a request mid-generation (stalled: before its first output too), by "
+            "cause (lost, stalled) and outcome (resumed on another decode worker, failed)",
             ["cause", "outcome"],
             registry=r,
         )
         for cause in FAILOVER_CAUSES:
             for outcome in FAILOVER_OUTCOMES:
                 self.decode_failovers.labels(cause=cause, outcome=outcome)
+        self.prefill_failovers = Counter(
+            "hybridpd_proxy_prefill_failovers_total",
+            "Prefill calls given up on a prefill worker (then sent to another, or to a decode worker that computes "
+            "the prompt itself, or failed), by cause: lost (unreachable), frozen (stopped answering health probes, "
+            "or its engine stuck), busy (at its lease cap)",
+            ["cause"],
+            registry=r,
+        )
+        for cause in PREFILL_FAILOVER_CAUSES:
+            self.prefill_failovers.labels(cause=cause)
         r.register(_InFlightCollector(routers))
 
     def route(self, path: str, expected_hit: int, real_hit: int) -> None:

@@ -40,6 +40,7 @@ class WorkerOptions:
     nixl_progress_thread: bool = False  # NIXL's own progress thread (busy-polls a core); off: the step loop polls
     register_with: tuple[str, ...] = ()  # proxy URLs to register with (worker/announce.py); empty: static only
     heartbeat_s: float = 1.0  # registration renewal period (a registration expires after 5 of them)
+    stall_timeout_s: float = 60.0  # Health says not ready while the engine is stuck in one pass this long (0: never)
 
 
 def _is_loopback(host: str) -> bool:
@@ -113,7 +114,7 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
                         address=f"{opts.advertise_host or opts.host}:{port}", metrics_port=max(metrics_port, 0),
                         metrics=WorkerMetrics(role, min_interval_s=0.002, slow_interval_s=0.25),
                         cluster_token=opts.cluster_token, tls=opts.tls, worker_id=worker_id, epoch=epoch,
-                        agent=agent, tp_layout=tp_layout)
+                        agent=agent, tp_layout=tp_layout, stall_timeout_s=opts.stall_timeout_s)
     if role == "prefill":
         from hybridpd.prefill.mixed import MixedGenerateServicer
         from hybridpd.prefill.service import PrefillServicer

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,10 @@ import grpc
 from hybridpd.engine.async_engine import AsyncEngine
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.metrics import WorkerMetrics
+from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.proto import hybridpd_pb2 as pb
+
+log = logging.getLogger("hybridpd.worker")
 
 
 @dataclass
@@ -37,6 +42,16 @@ class WorkerContext:
     """hybridpd.worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
     tp_layout: Any = None
     """hybridpd.kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
+    stall_timeout_s: float = 60.0
+    """Health answers not ready while the engine's step thread has been in one pass (a step, a hook) for longer
+    than this: wedged, though this gRPC server still answers. Proxies route around it and give up the streams
+    waiting on it (proxy/cluster_view.py). 0: never."""
+
+    stall_reported: bool = False
+    """Health last answered not ready for a stuck engine (logged once per stall)."""
+
+    def engine_stalled(self) -> bool:
+        return self.stall_timeout_s > 0 and self.aengine.busy_for() > self.stall_timeout_s
 
     @property
     def core(self):  # type: ignore[no-untyped-def]
@@ -47,6 +62,27 @@ async def abort_invalid(context: grpc.aio.ServicerContext, e: Exception) -> None
     code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, (InvalidRequestError, ValueError)) else \
         grpc.StatusCode.INTERNAL
     await context.abort(code, str(e))
+
+
+_GRAMMAR_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+"""Structured-output grammars compile here, never on the engine's step thread (`precompile_structured`)."""
+
+
+async def precompile_structured(ctx: WorkerContext, context: grpc.aio.ServicerContext, params: SamplingParams) -> None:
+    """Compile the request's grammar (if any) on a helper thread, before the request reaches the step thread, where
+    `EngineCore.new_request` then finds it in the grammar cache. A schema can take seconds to compile (a JSON schema
+    nested a few hundred levels deep: 3 s at 400 on one CPU core, growing with the cube of the depth), and compiled
+    on the step thread it paused every request of the worker for that long; xgrammar releases the GIL while it
+    compiles. A malformed spec is an INVALID_ARGUMENT naming the problem, as from `new_request`."""
+    spec = params.structured
+    if spec is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_POOL, ctx.core.structured.check, spec)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        await abort_invalid(context, e)
 
 
 async def run_engine_call(ctx: WorkerContext, context: grpc.aio.ServicerContext, fn):  # type: ignore[no-untyped-def]
@@ -78,7 +114,15 @@ class WorkerRpcs:
         )
 
     async def Health(self, request, context) -> pb.HealthResponse:  # type: ignore[no-untyped-def]
-        return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=True,
+        stalled = self.ctx.engine_stalled()
+        if stalled != self.ctx.stall_reported:  # logged when it starts and ends, not at every probe
+            self.ctx.stall_reported = stalled
+            if stalled:
+                log.warning("Health: not ready, the engine's step thread has been in one pass for %.0f s",
+                            self.ctx.aengine.busy_for())
+            else:
+                log.warning("Health: ready again, the engine's step thread is back")
+        return pb.HealthResponse(role=self.ctx.role, model=self.ctx.model_name, epoch=self.ctx.epoch, ready=not stalled,
                                  worker_id=self.ctx.worker_id, draining=self.ctx.draining)
 
     async def Drain(self, request, context) -> pb.DrainResponse:  # type: ignore[no-untyped-def]

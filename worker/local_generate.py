@@ -14,7 +14,7 @@ from hybridpd.engine.async_engine import OutputDelta, take_pending
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.transfer import schedule_local
 from hybridpd.proto import hybridpd_pb2 as pb
-from hybridpd.worker.context import WorkerContext, run_engine_call
+from hybridpd.worker.context import WorkerContext, precompile_structured, run_engine_call
 from hybridpd.worker.convert import chunk_of, sampling_params_from_proto
 from hybridpd.worker.stream_text import streamable_end
 
@@ -30,6 +30,7 @@ async def generate_locally(
         params = sampling_params_from_proto(request.sampling_params)
     except ValueError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    await precompile_structured(ctx, context, params)
     want_logprobs = request.sampling_params.logprobs
     salt = request.cache_salt or None
     aengine = ctx.aengine

@@ -19,7 +19,8 @@ Nothing here is a model. The fakes follow the wire contract in hybridpd.proto wi
 
 Both record what they received (requests, releases, aborts, cancellations) and can be told to fail, and a decode
 worker to freeze mid-stream (`freeze_after_tokens`: it sends nothing more, its connection open; with
-`freeze_health`, its Health goes unanswered from then on too, as a frozen process's).
+`freeze_health`, its Health goes unanswered from then on too, as a frozen process's); `ready = False` makes its
+Health answer not ready (a worker whose engine is wedged while its gRPC server answers).
 `tests.support.live_stack.LiveStack` runs them with a real proxy for synchronous tests.
 """
 
@@ -98,6 +99,8 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
         self.metrics_port = metrics_port
         self.failure: Failure | None = None
         self.health_delay_s = 0.0
+        self.ready = True
+        """Health's `ready` (False: a worker whose engine is wedged though it answers)."""
         self.prefills: list[pb.PrefillRequest] = []
         self.releases: list[str] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Prefill call
@@ -152,7 +155,9 @@ class FakePrefillWorker(pb_grpc.PrefillServiceServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="prefill", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
+        return pb.HealthResponse(
+            role="prefill", model="fake", epoch="fake-epoch", ready=self.ready, worker_id=self.worker_id
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("prefill", self.worker_id, self.metrics_port, 0, self.max_generate)
@@ -179,6 +184,8 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
         self.resumes = True
         """False: a worker that predates GenerateRequest.resume (it ignores the field)."""
         self.health_delay_s = 0.0
+        self.ready = True
+        """Health's `ready` (False: a worker whose engine is wedged though it answers)."""
         self.generates: list[pb.GenerateRequest] = []
         self.tokens: list[str | None] = []  # the x-hybridpd-token metadata of every Generate call
         self.aborts: list[str] = []
@@ -258,7 +265,9 @@ class FakeDecodeWorker(pb_grpc.DecodeServiceServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         if self.health_delay_s:
             await asyncio.sleep(self.health_delay_s)
-        return pb.HealthResponse(role="decode", model="fake", epoch="fake-epoch", ready=True, worker_id=self.worker_id)
+        return pb.HealthResponse(
+            role="decode", model="fake", epoch="fake-epoch", ready=self.ready, worker_id=self.worker_id
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return _stats("decode", self.worker_id, self.metrics_port, len(self.running), self.max_generate)

@@ -29,8 +29,16 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    """A servicer context for direct calls: the RPC never ends cancelled (its answer is always delivered)."""
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
+
+    def add_done_callback(self, callback: object) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
 
 
 def engine_config(model: str) -> EngineConfig:

@@ -4,6 +4,7 @@ no hangs, and the cleanup RPCs (D.Abort, P.Release) the proxy owes the workers."
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -303,3 +304,29 @@ def test_a_decode_worker_process_that_freezes_mid_stream_is_left_at_its_health_p
         got = _stream(s.http.post("/v1/completions", json=body, timeout=20))
         assert got == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", []) and time.monotonic() - t0 < 5
         assert len(s.decode[0].generates) == 1 and failovers(s, "stalled", "resumed") == 1
+
+
+def test_a_decode_worker_whose_engine_wedges_is_left_when_its_health_says_not_ready() -> None:
+    """A decode worker whose gRPC server still answers (Health too) while its engine is stuck: its Generate sends
+    nothing, not even its first chunk, and its Health answers not ready (mid-stream, the same wakes the stream as a
+    worker whose Health goes unanswered does). The request is given up there
+    as soon as the health monitor sees that, well before the deadlines (request 600 s, inter-token 30 s), and served
+    whole by the other decode worker; counted as a stalled failover, and D0 is told to abort it."""
+    with LiveStack(n_prefill=1, n_decode=2, model_name=MODEL, routing="round_robin", health_interval_s=0.1) as s:
+        s.decode[0].freeze_after_tokens = 0
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 6, "stream": True}
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(s.http.post("/v1/completions", json=body, timeout=20)))
+        t0 = time.monotonic()
+        t.start()
+        wait_for(lambda: bool(s.decode[0].running))  # Generate reached D0, which is about to hang
+        s.decode[0].ready = False
+        t.join(20)
+        assert out and time.monotonic() - t0 < 5
+        assert _stream(out[0]) == ([6, 5, 4, 3, 2, 1], " 6 5 4 3 2 1", [])
+        rid = s.decode[0].generates[0].request_id
+        wait_for(lambda: rid in s.decode[0].cancelled)
+        assert failovers(s, "stalled", "resumed") == 1
+        r = s.http.post("/v1/completions", json={**body, "stream": False}, timeout=20)  # new requests skip D0
+        assert r.status_code == 200 and len(s.decode[0].generates) == 1
+        wait_for(lambda: not any(in_flight(s)))

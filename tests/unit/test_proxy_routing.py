@@ -129,6 +129,8 @@ def test_a_prefill_on_a_worker_that_freezes_goes_to_another() -> None:
         assert r.status_code == 200 and time.perf_counter() - t0 < 10
         assert [len(p.prefills) for p in s.prefill] == [1, 1]
         assert s.decode[0].generates[-1].params.prefill_address == s.prefill[1].address
+        frozen = 'hybridpd_proxy_prefill_failovers_total{cause="frozen"} 1.0'
+        assert frozen in s.http.get("/metrics").text.splitlines()
 
 
 def test_a_generate_on_a_decode_worker_that_freezes_before_its_first_token_goes_to_another() -> None:
@@ -173,3 +175,4 @@ def test_a_prefill_worker_that_dies_mid_call_after_being_marked_down_goes_to_ano
         t.join()
         assert box["r"].status_code == 200, box["r"].text
         assert [len(p.prefills) for p in s.prefill] == [1, 1]
+        assert 'hybridpd_proxy_prefill_failovers_total{cause="lost"} 1.0' in s.http.get("/metrics").text.splitlines()

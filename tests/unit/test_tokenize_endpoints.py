@@ -45,3 +45,14 @@ def test_bad_input_and_auth(stack: LiveStack) -> None:
 def test_version(stack: LiveStack) -> None:
     r = stack.http.get(f"{stack.url}/version")
     assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
+
+
+def test_tokenize_refuses_messages_far_past_the_context_as_it_does_a_prompt(stack: LiveStack) -> None:
+    """Chat messages longer than any context tokenize no more than such a prompt does: a 400, not seconds of the
+    proxy's tokenizer threads (shared with the completion endpoints) and a million-token answer."""
+    tok = stack.tokenizer
+    assert tok is not None and stack.config is not None
+    huge = "b" * (tok.max_chars(stack.config.max_model_len) * 4 + 1)
+    for body in ({"prompt": huge}, {"messages": [{"role": "user", "content": huge}]}):
+        r = _post(stack, "/tokenize", body)
+        assert r.status_code == 400 and "too long" in r.json()["error"]["message"], r.text[:200]  # type: ignore[attr-defined]
