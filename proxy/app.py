@@ -38,8 +38,9 @@ from hybridpd.proxy.body_parser import BodyParser
 from hybridpd.proxy.choices import Choices, gather_or_cancel
 from hybridpd.proxy.cluster_routes import add_cluster_routes
 from hybridpd.proxy.config import ProxyConfig
+from hybridpd.proxy.deltas import Delta, PreparedRequest
 from hybridpd.proxy.errors import ApiError, bad_request
-from hybridpd.proxy.generation import Cluster, Delta, Generation, PreparedRequest
+from hybridpd.proxy.generation import Cluster, Generation
 from hybridpd.proxy.membership import Membership
 from hybridpd.proxy.metrics import ProxyMetrics
 from hybridpd.proxy.openai_schema import (

@@ -13,7 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
-from hybridpd.proxy.generation import Delta, Generation, Usage
+from hybridpd.proxy.deltas import Delta, Usage
+from hybridpd.proxy.generation import Generation
 
 T = TypeVar("T")
 _END = object()

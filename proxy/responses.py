@@ -23,7 +23,7 @@ logprob tokens are written "token_id:<id>" (the text offsets stay the text's).
 a completed grammar); in a stream, on the choice's last chunk.
 Usage: OpenAI's fields plus `hybridpd: {prefill_cached_tokens, transferred_tokens, decode_local_cached_tokens}`.
 `prompt_tokens_details.cached_tokens` counts prompt tokens that came from a prefix cache where the prompt was
-computed (see `generation.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
+computed (see `deltas.Usage.local_cached_tokens`), never tokens that merely came over the KV transfer.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
 from hybridpd.engine.prompt_logprobs import clamp
-from hybridpd.proxy.generation import Delta, PromptEntry, Usage
+from hybridpd.proxy.deltas import Delta, PromptEntry, Usage
 from hybridpd.proxy.tools import ToolSpec, ToolStream, parse_output
 
 DONE = "data: [DONE]\n\n"

@@ -57,7 +57,7 @@ def test_completion_text_offsets_do_not_depend_on_how_the_output_was_chunked(che
     """PD streams P's first token in a delta of its own; a worker holds an incomplete UTF-8 character back to a
     later delta. The offsets of a non-streamed answer must not depend on either: they are each token's start in
     the text (a character split over byte tokens starts at its first byte's token; a special token adds nothing)."""
-    from hybridpd.proxy.generation import Delta
+    from hybridpd.proxy.deltas import Delta
     from hybridpd.proxy.responses import CompletionFormatter
     from hybridpd.proxy.tokenization import PromptTokenizer
 

@@ -123,7 +123,7 @@ def test_later_samples_of_a_prompt_start_after_the_first_has_its_first_token() -
     from types import SimpleNamespace
 
     from hybridpd.proxy.choices import Choices
-    from hybridpd.proxy.generation import Delta
+    from hybridpd.proxy.deltas import Delta
 
     events: list[str] = []
 
