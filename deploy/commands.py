@@ -329,10 +329,11 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
                         "addresses registers with each): the proxy routes to this worker from then on, renewed "
                         "every --heartbeat seconds, dropped 5 heartbeats after the last")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between registrations (default: 1)")
-    p.add_argument("--engine-stall-timeout", type=float, default=60.0,
+    p.add_argument("--engine-stall-timeout", type=float, default=300.0,
                    help="Health answers not ready while the engine has been in one step (or hook) for longer than "
                         "this many seconds (wedged, though gRPC still answers): proxies route around the worker and "
-                        "move the requests waiting on it (default: 60; 0: never)")
+                        "move the requests waiting on it (default: 300, above the minutes a first step may spend "
+                        "compiling GPU kernels; 0: never)")
     p.add_argument("--tls-cert-file", default=None,
                    help="PEM certificate: serve gRPC over TLS and present it on calls to peers (default: env "
                         "HYBRIDPD_TLS_CERT_FILE; none: plaintext)")

@@ -115,11 +115,12 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--inter-token-timeout",
         type=float,
-        default=30.0,
+        default=120.0,
         metavar="S",
         help="seconds a decode worker may send nothing mid-stream before the proxy gives it up for that "
         "request (frozen, or the request stuck there): the request resumes on another decode worker "
-        "with no token repeated or lost, or fails with 503 when none is left (0: no such deadline)",
+        "with no token repeated or lost, or fails with 503 when none is left (default: 120, above a step that "
+        "compiles GPU kernels for a new shape; 0: no such deadline)",
     )
 
 

@@ -185,10 +185,11 @@ class ProxyConfig:
     past it a non-stream request fails with 504 and a stream ends with an error event and `[DONE]`."""
     prefill_timeout_s: float = 300.0
     """Cap on one P.Prefill call (queueing included), within the request's deadline; past it: 504."""
-    inter_token_timeout_s: float = 30.0
+    inter_token_timeout_s: float = 120.0
     """Progress deadline of a decode worker's stream after its first chunk: a worker that sends nothing for this
     long (frozen, or the request stuck there) is given up for the request, which resumes on another decode worker
     (or fails with 503 when none is left); counted in hybridpd_proxy_decode_failovers_total{cause="stalled"}.
+    Long enough by default for a step that compiles GPU kernels for a new shape (tens of seconds on first use).
     0: no such deadline (only `request_timeout_s`). Independently of it, a stream from a decode worker that stops
     answering health probes (a frozen process) while another answers is given up at once."""
     control_timeout_s: float = 5.0

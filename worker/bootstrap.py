@@ -40,7 +40,7 @@ class WorkerOptions:
     nixl_progress_thread: bool = False  # NIXL's own progress thread (busy-polls a core); off: the step loop polls
     register_with: tuple[str, ...] = ()  # proxy URLs to register with (worker/announce.py); empty: static only
     heartbeat_s: float = 1.0  # registration renewal period (a registration expires after 5 of them)
-    stall_timeout_s: float = 60.0  # Health says not ready while the engine is stuck in one pass this long (0: never)
+    stall_timeout_s: float = 300.0  # Health says not ready while the engine is stuck in one pass this long (0: never)
 
 
 def _is_loopback(host: str) -> bool:

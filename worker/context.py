@@ -42,7 +42,7 @@ class WorkerContext:
     """hybridpd.worker.auth.TlsFiles when worker gRPC runs over TLS (for this worker's calls to its peers too)."""
     tp_layout: Any = None
     """hybridpd.kvtransfer.tp_handshake.TPLayout: every rank's agent and cache slicing (None when transfers are off)."""
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float = 300.0
     """Health answers not ready while the engine's step thread has been in one pass (a step, a hook) for longer
     than this: wedged, though this gRPC server still answers. Proxies route around it and give up the streams
     waiting on it (proxy/cluster_view.py). 0: never."""
