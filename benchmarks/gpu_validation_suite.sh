@@ -30,8 +30,8 @@ lane_new() {
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 tests/gpu/test_fused_kernels_cuda.py \
     tests/gpu/test_pd_cuda.py "tests/gpu/test_async_scheduling_cuda.py::test_cuda_async_matches_sync[2-qwen_attn_last]"
   echo "gpu tests: exit $? ($(( $(date +%s) - START )) s)"
-  timeout 150 python3 -m benchmarks.model_zoo --device cuda --tp 1 2 --only nem_group5 nem_state12 nem_3nano \
-    nem_moe_latent nem_mamba_only qwen_group6 qwen_kdim12 qwen_tp_mix qwen_rope_yarn qmoe_kv1 mm_moe \
+  timeout 150 python3 -m benchmarks.model_zoo --device cuda --tp 1 2 --only nem_group5_hd24 nem_state12 nem_3nano_like \
+    nem_moe_latent nem_mamba_only qwen_group6_hd24 qwen_kdim12 qwen_tp_mix qwen_rope_yarn qmoe_kv1_hd32 mm_moe \
     --out "$OUT/model_zoo_cuda_tp2.json"
   echo "model_zoo: exit $? ($(( $(date +%s) - START )) s)"
   timeout $(( $(left) - 10 )) python3 benchmarks/decode_failover.py --device cuda --dtype float32 \
