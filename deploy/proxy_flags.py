@@ -80,6 +80,20 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int, default=32, metavar="N", help="stop strings per request")
     g.add_argument("--max-logit-bias", type=int, default=1024, metavar="N", help="logit_bias entries per request")
     g.add_argument("--max-prompts", type=int, default=256, metavar="N", help="prompts per completion request")
+    g.add_argument(
+        "--max-schema-depth",
+        type=int,
+        default=64,
+        metavar="N",
+        help="nesting depth (JSON objects and arrays) of a structured-output or tool-parameter JSON schema",
+    )
+    g.add_argument(
+        "--max-grammar-chars",
+        type=int,
+        default=65536,
+        metavar="N",
+        help="characters of a structured-output regex or grammar",
+    )
     g = p.add_argument_group("HTTP hardening")
     g.add_argument(
         "--header-timeout",
@@ -147,7 +161,11 @@ def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | Non
             max_tenant_share=args.admission_tenant_share,
         ),
         "request_limits": RequestLimits(
-            max_stop_strings=args.max_stop_strings, max_logit_bias=args.max_logit_bias, max_prompts=args.max_prompts
+            max_stop_strings=args.max_stop_strings,
+            max_logit_bias=args.max_logit_bias,
+            max_prompts=args.max_prompts,
+            max_schema_depth=args.max_schema_depth,
+            max_grammar_chars=args.max_grammar_chars,
         ),
         "http": HttpLimits(
             header_timeout_s=args.header_timeout,

@@ -80,6 +80,10 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_prompts: int = 256
     """Prompts in one completion request (the schema's own ceiling is 256; this may only lower it)."""
+    max_schema_depth: int = 64
+    """Nesting depth (JSON containers) of a structured-output or tool-parameter JSON schema (proxy.schema_limits)."""
+    max_grammar_chars: int = 65536
+    """Characters of a structured-output regex or grammar."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +92,8 @@ class RequestLimits:
             "max_stop_token_ids",
             "max_logit_bias",
             "max_prompts",
+            "max_schema_depth",
+            "max_grammar_chars",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,5 @@
-"""Shape limits of one request (`RequestLimits`): stop strings, stop token ids, logit_bias entries, prompts.
+"""Shape limits of one request (`RequestLimits`): stop strings, stop token ids, logit_bias entries, prompts, and
+the depth of structured-output schemas and length of regexes / grammars (proxy.schema_limits).
 
 Each is a 400 naming the field and the limit. `check_body_limits` looks at the list sizes of the raw JSON before
 the schema validates every element (60,000 stop strings cost the schema more than json.loads does);
@@ -13,6 +14,7 @@ from typing import Any
 from hybridpd.proxy.config import RequestLimits
 from hybridpd.proxy.errors import ApiError, bad_request
 from hybridpd.proxy.openai_schema import ChatRequest, CompletionRequest
+from hybridpd.proxy.schema_limits import check_structured_limits
 
 
 def _too_many(what: str, count: int, limit: int, param: str) -> ApiError:
@@ -34,6 +36,7 @@ def check_body_limits(body: dict[str, Any], limits: RequestLimits) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) and len(prompt) > limits.max_prompts:
         raise _too_many("prompts", len(prompt), limits.max_prompts, "prompt")
+    check_structured_limits(body, limits.max_schema_depth, limits.max_grammar_chars)
 
 
 def check_request_limits(req: CompletionRequest | ChatRequest, limits: RequestLimits) -> None:

@@ -240,9 +240,10 @@ def test_cli_flags_reach_the_proxy_config(tmp_path: Any) -> None:
     keys.write_text("alice sk-a max_concurrency=4\nbob sk-b\n")
     args = build_parser().parse_args(["proxy", "--decode", "d:1", "--admission-max-seqs", "40", "--api-keys-file",
                                       str(keys), "--key-tokens-per-minute", "900", "--max-stop-strings", "3",
-                                      "--header-timeout", "2.5", "--max-connections", "9"])
+                                      "--max-schema-depth", "7", "--header-timeout", "2.5", "--max-connections", "9"])
     kw = proxy_limits(args)
     assert kw["admission"].max_num_seqs == 40 and kw["request_limits"].max_stop_strings == 3
+    assert kw["request_limits"].max_schema_depth == 7
     assert (kw["http"].header_timeout_s, kw["http"].max_connections) == (2.5, 9)
     assert [(k.name, k.max_concurrency, k.tokens_per_minute) for k in kw["api_keys"]] == [("alice", 4, 900),
                                                                                           ("bob", 0, 900)]

@@ -30,6 +30,14 @@ def cmpl(**kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "hello", **kw}
 
 
+def deep_schema(levels: int) -> dict[str, Any]:
+    """`levels` nested arrays (more than the default --max-schema-depth of 64)."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def chat(**kw: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": MSGS, **kw}
 
@@ -104,6 +112,9 @@ CASES: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type", None),
     (CHAT, chat(guided_regex="a", guided_choice=["a"]), 400, "guided_choice", None),
     (CHAT, chat(structured_outputs={"choice": "a"}), 400, "structured_outputs.choice", None),
+    (CHAT, chat(guided_json=deep_schema(80)), 400, "guided_json", "limit_exceeded"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep_schema(80)}}],
+                tool_choice="required"), 400, "tools", "limit_exceeded"),
     (CMPL, cmpl(prompt_logprobs=-3), 400, "prompt_logprobs", None),
     (CMPL, cmpl(prompt_logprobs=2, stream=True), 400, "prompt_logprobs", None),
     (CMPL, cmpl(presence_penalty=2.5), 400, "presence_penalty", None),
