@@ -177,9 +177,12 @@ class _Held:
 
 
 LARGE_RESPONSE_ENTRIES = 20_000
-"""Logprob entries (tokens and their alternatives, prompt logprobs included) past which a non-streamed answer is
-rendered on a helper thread (`_render_json`), not on the event loop."""
+"""Logprob entries (tokens and their alternatives, prompt logprobs included) past which a non-streamed answer, or a
+streamed choice's first event, is rendered on a helper thread (`_render_json`, `_render_sse`), not on the event
+loop."""
 _INCREMENTAL_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""`responses.sse`'s format, encoded piece by piece."""
 """JSONResponse's format, encoded piece by piece (`iterencode`: Python code that lets the event loop's thread run
 between pieces; the one-shot C encoder would hold the GIL for the whole body)."""
 
@@ -199,6 +202,12 @@ def _render_json(full: Callable[..., dict[str, Any]], *args: Any) -> bytes:
     (prompt logprobs or echo with logprobs over a long prompt, times n) took the event loop seconds, during which
     every other client and /health waited."""
     return "".join(_INCREMENTAL_JSON.iterencode(full(*args))).encode("utf-8")
+
+
+def _render_sse(chunk: Callable[..., dict[str, Any]], *args: Any) -> str:
+    """`sse(chunk(*args))`, built and encoded on a helper thread: the first event of a streamed echo with logprobs
+    carries the whole prompt's tokens and alternatives, as large as a non-streamed answer."""
+    return f"data: {''.join(_SSE_JSON.iterencode(chunk(*args)))}\n\n"
 
 
 def _token_id_text(token_id: int) -> str:
@@ -464,6 +473,15 @@ class _Proxy:
             raise
         return _SSEResponse(self._events(held.choices, fmt, first, opts), on_close=held.close)
 
+    async def _first_event(self, fmt: CompletionFormatter | ChatFormatter, index: int, d: Delta,
+                           usage: dict[str, Any] | None, include: bool) -> str:
+        """A choice's first event: on the render thread when it carries many logprob entries (echo with logprobs
+        over a long prompt), as a non-streamed answer past LARGE_RESPONSE_ENTRIES is."""
+        if _logprob_entries([[d]]) <= LARGE_RESPONSE_ENTRIES:
+            return sse(fmt.chunk(index, d, usage, include))
+        return await asyncio.get_running_loop().run_in_executor(self.render_pool, _render_sse, fmt.chunk, index, d,
+                                                                usage, include)
+
     async def _events(self, choices: Choices, fmt: CompletionFormatter | ChatFormatter, first: list[Delta],
                       opts: StreamOptions) -> AsyncIterator[str]:
         """SSE events; any failure after the 200 ends the stream with an OpenAI-style error event, then [DONE]."""
@@ -481,7 +499,7 @@ class _Proxy:
                     if echoed is not None:
                         yield sse(echoed)
             for i, d in enumerate(first):
-                yield sse(fmt.chunk(i, d, usage(), include))
+                yield await self._first_event(fmt, i, d, usage(), include)
             async for i, d in choices.rest():
                 yield sse(fmt.chunk(i, d, usage(), include))
             if opts.include_usage:

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 from hybridpd.proxy import responses
+from hybridpd.proxy.tokenization import PromptTokenizer
 
+from tests.support.fake_workers import write_fake_tokenizer
 from tests.support.live_stack import LiveStack
 
 MODEL = "tiny"
@@ -43,3 +45,45 @@ def test_a_huge_answer_is_rendered_off_the_event_loop(stack: LiveStack, monkeypa
     assert big.json()["choices"][0]["token_ids"] == [prompt[-1], prompt[-2]]  # (the fake: the prompt reversed)
     assert small.json()["choices"][0]["token_ids"] == [8, 7]
     assert threads[0].startswith("hybridpd-render") and not threads[1].startswith("hybridpd-render"), threads
+
+
+def _events(text: str) -> list[Any]:
+    import json
+
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def text_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    tok = PromptTokenizer.from_dir(write_fake_tokenizer(tmp_path_factory.mktemp("tok")))
+    with LiveStack(tokenizer=tok, model_name=MODEL) as s:
+        yield s
+
+
+def test_a_huge_streamed_echo_is_rendered_off_the_event_loop(text_stack: LiveStack,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first event of a streamed echo with logprobs over a long prompt carries the whole prompt's logprobs:
+    built and encoded on the helper thread too; the later (one-token) events stay on the loop."""
+    threads: list[str] = []
+    real = responses.CompletionFormatter.chunk
+
+    def spy(self: Any, *args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(responses.CompletionFormatter, "chunk", spy)
+    prompt = "echo " * 600  # 3000 tokens of the byte-level tokenizer
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 20, "ignore_eos": True,
+            "stream": True}
+    big = text_stack.http.post("/v1/completions", json=body, timeout=60)
+    big_threads, threads[:] = list(threads), []
+    small = text_stack.http.post("/v1/completions", json={**body, "prompt": prompt[:8]}, timeout=60)
+    assert big.status_code == small.status_code == 200
+    first = _events(big.text)[0]["choices"][0]
+    assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) == len(prompt) + 1
+    assert first["logprobs"]["top_logprobs"][0] is None and len(first["logprobs"]["top_logprobs"][1]) >= 20
+    assert len(_events(big.text)) == len(_events(small.text)) == 2
+    assert big_threads[0].startswith("hybridpd-render"), big_threads
+    assert not any(t.startswith("hybridpd-render") for t in big_threads[1:] + threads), (big_threads, threads)
