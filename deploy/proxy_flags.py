@@ -88,6 +88,14 @@ def add_proxy_limit_args(p: argparse.ArgumentParser) -> None:
         help="nesting depth (JSON objects and arrays) of a structured-output or tool-parameter JSON schema",
     )
     g.add_argument(
+        "--max-schema-properties",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="optional properties of one object in a structured-output or tool-parameter JSON schema; 8 x N: "
+        "the properties of all of a field's schemas (a request's tools together)",
+    )
+    g.add_argument(
         "--max-grammar-chars",
         type=int,
         default=65536,
@@ -166,6 +174,7 @@ def proxy_limits_from_args(args: argparse.Namespace, derived_max_seqs: int | Non
             max_prompts=args.max_prompts,
             max_schema_depth=args.max_schema_depth,
             max_grammar_chars=args.max_grammar_chars,
+            max_schema_properties=args.max_schema_properties,
         ),
         "http": HttpLimits(
             header_timeout_s=args.header_timeout,

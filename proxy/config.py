@@ -84,6 +84,9 @@ class RequestLimits:
     """Nesting depth (JSON containers) of a structured-output or tool-parameter JSON schema (proxy.schema_limits)."""
     max_grammar_chars: int = 65536
     """Characters of a structured-output regex or grammar."""
+    max_schema_properties: int = 1024
+    """Optional properties of one object in a request's JSON schemas; 8 x this: all properties of a field's schemas
+    (a request's tools together)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -94,6 +97,7 @@ class RequestLimits:
             "max_prompts",
             "max_schema_depth",
             "max_grammar_chars",
+            "max_schema_properties",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -9,9 +9,9 @@ import pytest
 from hybridpd.proxy.config import RequestLimits
 from hybridpd.proxy.errors import ApiError
 from hybridpd.proxy.request_limits import check_body_limits
-from hybridpd.proxy.schema_limits import json_depth
+from hybridpd.proxy.schema_limits import json_depth, schema_properties
 
-LIMITS = RequestLimits(max_schema_depth=8, max_grammar_chars=16)
+LIMITS = RequestLimits(max_schema_depth=8, max_grammar_chars=16, max_schema_properties=6)
 
 
 def _nested(levels: int) -> dict[str, Any]:
@@ -84,3 +84,37 @@ def test_malformed_specs_are_left_to_the_schema() -> None:
         {"guided_regex": 5},
     ):
         check_body_limits(body, LIMITS)
+
+
+def _wide(n: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+
+def test_schema_properties_are_counted_everywhere() -> None:
+    nested = {"type": "object", "properties": {"a": _wide(2), "b": {"type": "array", "items": _wide(3)}},
+              "required": ["a", "b"]}
+    assert schema_properties(nested, 99) == (3, 2 + 2 + 3)
+    assert schema_properties({"anyOf": [_wide(4), _wide(5)]}, 99) == (5, 9)
+    assert schema_properties({**_wide(5), "required": ["p0", "p1", "zz"]}, 99) == (3, 5)
+    assert schema_properties(_wide(10_000), 6) == (10_000, 10_000)  # one object whole, then the walk stops
+
+
+def test_objects_with_too_many_optional_properties_are_a_400_naming_the_field() -> None:
+    for _, body in _bodies(_wide(6)):
+        check_body_limits(body, LIMITS)
+    required = {**_wide(40), "required": [f"p{i}" for i in range(40)]}  # required ones are cheap: only the total
+    for _, body in _bodies(required):
+        check_body_limits(body, LIMITS)
+    for param, body in _bodies(_wide(7)):
+        with pytest.raises(ApiError) as info:
+            check_body_limits(body, LIMITS)
+        assert (info.value.status, info.value.param, info.value.code) == (400, param, "limit_exceeded")
+        assert "more than 6 optional" in info.value.message
+
+
+def test_a_fields_schemas_count_together() -> None:
+    tools = _tools({"anyOf": [_wide(5)] * 5}) + _tools({"anyOf": [_wide(5)] * 5})  # 50 > 8 x 6 in one grammar
+    with pytest.raises(ApiError) as info:
+        check_body_limits({"tools": tools}, LIMITS)
+    assert info.value.param == "tools" and "more than 48" in info.value.message
+    check_body_limits({"tools": _tools({"anyOf": [_wide(5)] * 5}) * 1}, LIMITS)
