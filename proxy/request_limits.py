@@ -36,7 +36,7 @@ def check_body_limits(body: dict[str, Any], limits: RequestLimits) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) and len(prompt) > limits.max_prompts:
         raise _too_many("prompts", len(prompt), limits.max_prompts, "prompt")
-    check_structured_limits(body, limits.max_schema_depth, limits.max_grammar_chars, limits.max_schema_properties)
+    check_structured_limits(body, limits)
 
 
 def check_request_limits(req: CompletionRequest | ChatRequest, limits: RequestLimits) -> None:

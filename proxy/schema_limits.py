@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hybridpd.proxy.config import RequestLimits
 from hybridpd.proxy.errors import ApiError, bad_request
 
 
@@ -56,10 +57,12 @@ def schema_properties(value: Any, cap: int) -> tuple[int, int]:
     return widest, total
 
 
-def check_structured_limits(body: dict[str, Any], max_depth: int, max_chars: int, max_properties: int = 512) -> None:
-    """400 ApiError (code `limit_exceeded`) for a schema deeper than `max_depth`, an object with more than
-    `max_properties` optional properties, more than 8 x `max_properties` properties in a field's schemas (a
-    request's tools together), or a regex / grammar longer than `max_chars`."""
+def check_structured_limits(body: dict[str, Any], limits: RequestLimits) -> None:
+    """400 ApiError (code `limit_exceeded`) for a schema deeper than `max_schema_depth`, an object with more than
+    `max_schema_properties` optional properties, more than 8 times that many properties in a field's schemas (a
+    request's tools together), or a regex / grammar longer than `max_grammar_chars`."""
+    max_depth, max_properties, max_chars = limits.max_schema_depth, limits.max_schema_properties, \
+        limits.max_grammar_chars
     declared: dict[str, int] = {}
     for param, schema in _schemas(body):
         schema = _check_depth(param, schema, max_depth)
