@@ -181,10 +181,10 @@ LARGE_RESPONSE_ENTRIES = 20_000
 streamed choice's first event, is rendered on a helper thread (`_render_json`, `_render_sse`), not on the event
 loop."""
 _INCREMENTAL_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-"""`responses.sse`'s format, encoded piece by piece."""
 """JSONResponse's format, encoded piece by piece (`iterencode`: Python code that lets the event loop's thread run
 between pieces; the one-shot C encoder would hold the GIL for the whole body)."""
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""`responses.sse`'s format, encoded piece by piece."""
 
 
 def _logprob_entries(choices: list[list[Delta]]) -> int:
