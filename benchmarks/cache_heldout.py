@@ -10,6 +10,8 @@ workload and on its measured phase).
                        takes over, twice (phase: the second and third periods)
   doc_qa_bursts        bursts of questions over one of 6 long documents (6-12k tokens); documents come back
   tenants              5 tenants with their own system prompts (Zipf traffic), 3-turn sessions, interleaved
+  returning_prefix     a hot prefix, then another, then the first again (phase: the second and third periods)
+  many_tenants         40 system prompts (Zipf traffic) + unique questions
   *_small / *_large    the same at a small budget and 32 sequences / at a large budget
   *_b64                attention block (hashing block) 64 tokens
   *_2rec               two recurrent groups (Mamba-2 and Gated-DeltaNet layers) besides attention
@@ -138,6 +140,33 @@ def tenants(rng: random.Random, scale: float) -> Workload:
     return Workload("tenants", items, 10.0, "5 tenants' system prompts, 3-turn sessions")
 
 
+def returning_prefix(rng: random.Random, scale: float) -> Workload:
+    """Three periods of one hot prefix each (70 % of traffic) + cold ones: A, then B, then A again."""
+    hot = [toks(rng, 3000), toks(rng, 3000)]
+    cold = [toks(rng, 1500) for _ in range(10)]
+    items: list[Item] = []
+    n = int(800 * scale)
+    for period, h in enumerate((0, 1, 0)):
+        batch = [
+            Item((hot[h] if rng.random() < 0.7 else rng.choice(cold)) + toks(rng, rng.randint(200, 500)), 50)
+            for _ in range(n)
+        ]
+        if period:
+            _after_phase(batch, len(items) - n, len(items), rng)
+        items += batch
+    return Workload("returning_prefix", items, 6.0, "a hot prefix, another, then the first again", measured_from=n)
+
+
+def many_tenants(rng: random.Random, scale: float) -> Workload:
+    systems = [toks(rng, rng.randint(500, 2000)) for _ in range(40)]
+    weights = [1 / (t + 1) for t in range(40)]
+    items = [
+        Item(rng.choices(systems, weights)[0] + toks(rng, rng.randint(20, 300)), rng.randint(20, 150))
+        for _ in range(int(2000 * scale))
+    ]
+    return Workload("many_tenants", items, 8.0, "40 system prompts (Zipf) + unique questions")
+
+
 def variant(
     make: Callable[[random.Random, float], Workload],
     suffix: str,
@@ -157,15 +186,26 @@ def variant(
     return build
 
 
-SMALL = {  # budgets (32 sequences) at which `--no-arena` (checkpoints anywhere in the budget) still reaches >= 0.95
+SMALL = {  # budgets (32 sequences) near the least at which the arena or `--no-arena` still reaches >= 0.95
     "chat_shared_chat": 9.0,
     "agentic_after_shots": 7.0,
     "flood_chat": 6.0,
     "hot_prefix_rotation": 5.0,
     "doc_qa_bursts": 2.0,
     "tenants": 7.0,
+    "returning_prefix": 5.0,
+    "many_tenants": 6.0,
 }
-BASE = [chat_shared_chat, agentic_after_shots, flood_chat, hot_prefix_rotation, doc_qa_bursts, tenants]
+BASE = [
+    chat_shared_chat,
+    agentic_after_shots,
+    flood_chat,
+    hot_prefix_rotation,
+    doc_qa_bursts,
+    tenants,
+    returning_prefix,
+    many_tenants,
+]
 HELDOUT: dict[str, Callable[[random.Random, float], Workload]] = {f.__name__: f for f in BASE}
 for _f in BASE:
     for _v in (
