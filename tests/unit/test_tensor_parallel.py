@@ -26,20 +26,41 @@ from tests.oracle import random_prompts
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # 2 query heads, 1 KV head; n_groups 1 < TP 2; MoE (4 experts, top 2) with a shared expert; an MLP
+    # 2 query heads, 1 KV head; n_groups 1 < TP 2; MoE (4 experts, top 2) with a shared expert; an MLP; odd
+    # expert and MLP widths (the first rank holds one channel more)
     "nemotron_moe_kv1_g1": (
         "nemotron_h",
-        {"hybrid_override_pattern": "M*E-M", "num_key_value_heads": 1, "n_groups": 1},
+        {
+            "hybrid_override_pattern": "M*E-M",
+            "num_key_value_heads": 1,
+            "n_groups": 1,
+            "moe_intermediate_size": 33,
+            "intermediate_size": 91,
+        },
     ),
-    # 2 query heads, 1 KV head (gated attention), 2 GDN key heads / 4 value heads split
-    "qwen": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}),
-    # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE
-    "nemotron_tp4": ("nemotron_h", {"hybrid_override_pattern": "M*EM-", "num_attention_heads": 4, "head_dim": 16}),
+    # 2 query heads, 1 KV head (gated attention), 2 GDN key heads / 4 value heads split; an odd MLP width
+    "qwen": (
+        "qwen3_5",
+        {"layer_types": ["linear_attention", "full_attention", "linear_attention"], "intermediate_size": 45},
+    ),
+    # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE; widths of 4k + 2
+    "nemotron_tp4": (
+        "nemotron_h",
+        {
+            "hybrid_override_pattern": "M*EM-",
+            "num_attention_heads": 4,
+            "head_dim": 16,
+            "moe_intermediate_size": 62,
+            "moe_shared_expert_intermediate_size": 46,
+        },
+    ),
     # no attention layer at all: the cache holds recurrent states only
     "nemotron_states_only": ("nemotron_h", {"hybrid_override_pattern": "M-ME"}),
     # 3 KV heads: neither split over nor replicated on 2 ranks
-    "nemotron_kv3": ("nemotron_h", {"hybrid_override_pattern": "*M", "num_attention_heads": 6, "head_dim": 16,
-                                    "num_key_value_heads": 3}),
+    "nemotron_kv3": (
+        "nemotron_h",
+        {"hybrid_override_pattern": "*M", "num_attention_heads": 6, "head_dim": 16, "num_key_value_heads": 3},
+    ),
 }
 LENGTHS = [3, 40, 70]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -69,16 +90,20 @@ def _rounds(llm: LLM, score_prompt: bool = False) -> list[tuple[list[int], list[
     if not score_prompt:
         return [(o.token_ids, o.logprobs) for o in first + second]
     # prompt logprobs: every rank computes the scored rows' logits (the LM head gathers them), over two chunks
-    (scored,) = llm.generate(prompt_token_ids=prompts[-1:], sampling_params=SamplingParams(
-        max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    (scored,) = llm.generate(
+        prompt_token_ids=prompts[-1:], sampling_params=SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    )
     assert scored.prompt_logprobs is not None
-    prompt = ([t for row in scored.prompt_logprobs[1:] for t in row],
-              [lp.logprob for row in scored.prompt_logprobs[1:] for lp in row.values()])
+    prompt = (
+        [t for row in scored.prompt_logprobs[1:] for t in row],
+        [lp.logprob for row in scored.prompt_logprobs[1:] for lp in row.values()],
+    )
     return [(o.token_ids, o.logprobs) for o in first + second] + [prompt]
 
 
-def _run(path: str, tp: int, score_prompt: bool = False,
-         **extra: Any) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
+def _run(
+    path: str, tp: int, score_prompt: bool = False, **extra: Any
+) -> tuple[list[tuple[list[int], list[float]]], dict[str, int]]:
     llm = LLM(model=path, tensor_parallel_size=tp, **SETTINGS, **extra)
     try:
         if tp > 1:
@@ -139,8 +164,10 @@ def test_tp2_async_scheduling_matches_tp1(model_dir):  # type: ignore[no-untyped
     prompts = random_prompts(LENGTHS, 500, seed=3)
     ref_llm = LLM(model=path, **SETTINGS)
     probes = ref_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    params = [SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(p.token_ids[2 + i],))
-              for i, p in enumerate(probes)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(p.token_ids[2 + i],))
+        for i, p in enumerate(probes)
+    ]
     ref = [(o.token_ids, o.logprobs) for o in ref_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     llm = LLM(model=path, tensor_parallel_size=2, async_scheduling=True, **SETTINGS)
     try:
