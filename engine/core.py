@@ -126,7 +126,7 @@ class EngineCore:
         if self.tp is not None and config.scheduler.async_scheduling:
             self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
-            self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
+            self.runner = LeaderRunner(self.runner, self.followers.tp, self.followers.fail)  # type: ignore[assignment]
             self.followers.before_leave = self.runner.release_graphs  # NCCL: graphs die before the group
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
