@@ -42,7 +42,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_5",
         {"layer_types": ["linear_attention", "full_attention", "linear_attention"], "intermediate_size": 45},
     ),
-    # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE; widths of 4k + 2
+    # TP 4: 4 query heads, 2 KV heads (replicated twice), n_groups 2 < 4, 8 Mamba heads, MoE; expert widths 62
+    # (15 or 16 a rank) and 48 (runs of 8: 16, 16, 8, 8)
     "nemotron_tp4": (
         "nemotron_h",
         {
@@ -50,7 +51,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_attention_heads": 4,
             "head_dim": 16,
             "moe_intermediate_size": 62,
-            "moe_shared_expert_intermediate_size": 46,
+            "moe_shared_expert_intermediate_size": 48,
         },
     ),
     # no attention layer at all: the cache holds recurrent states only

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybridpd.engine.parallel.partition import balanced_range
+from hybridpd.engine.parallel.partition import WIDTH_GRANULE, width_share
 from hybridpd.kvtransfer.tp_layout import (
     AttentionShape,
     GDNShape,
@@ -104,12 +104,19 @@ def test_handshake_refuses_a_different_layout() -> None:
         plan_pieces(a[0], attention_tensors("g0", AttentionShape(2, 16, 2, 64, "bfloat16"), 2)[0], 0)
 
 
-@pytest.mark.parametrize(("total", "world"), [(45, 2), (62, 4), (32, 3), (8, 8), (96, 4)])
+@pytest.mark.parametrize(("total", "world"), [(45, 2), (62, 4), (32, 3), (8, 8), (96, 4), (48, 4), (1856, 8), (12, 4)])
 def test_mlp_widths_split_contiguously_even_when_tp_does_not_divide(total: int, world: int) -> None:
-    """An MLP or expert width TP does not divide: contiguous shares that cover it once, sizes differing by at most
-    one; a width narrower than TP is refused (a rank would hold nothing)."""
-    shares = [balanced_range(total, world, r) for r in range(world)]
+    """An MLP or expert width TP does not divide: contiguous shares that cover it once; in whole runs of 8 channels
+    when the width is made of enough of them (bf16 grouped GEMMs need 16-byte strides), else sizes differing by at
+    most one; a width narrower than TP is refused (a rank would hold nothing)."""
+    shares = [width_share(total, world, r) for r in range(world)]
     assert [i for s in shares for i in s] == list(range(total))
-    assert max(map(len, shares)) - min(map(len, shares)) <= 1 and min(map(len, shares)) >= 1
+    assert min(map(len, shares)) >= 1
+    if total % WIDTH_GRANULE == 0 and total >= WIDTH_GRANULE * world:
+        assert all(len(s) % WIDTH_GRANULE == 0 for s in shares)
+        assert max(map(len, shares)) - min(map(len, shares)) <= WIDTH_GRANULE
+    else:
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert [len(width_share(48, 4, r)) for r in range(4)] == [16, 16, 8, 8]
     with pytest.raises(ValueError, match="fewer than one"):
-        balanced_range(world - 1, world, 0)
+        width_share(world - 1, world, 0)
