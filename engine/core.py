@@ -106,8 +106,15 @@ class EngineCore:
 
         mc, cc = config.model, config.cache
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
+        self._exchange_bytes = 0
+        """GPU memory of the fused all-reduce's exchange buffer (outside the caching allocator's counts)."""
         if self.tp is not None:
+            from hybridpd.engine.parallel import fused_allreduce  # Triton: loaded only where ranks exist
+
             shard_model(self.model, self.tp, config.parallel.enable_expert_parallel)
+            self._exchange_bytes = fused_allreduce.build(self.tp, self.model, self.device,
+                                                         self.model.lm_head.weight.dtype,
+                                                         min(config.scheduler.max_num_seqs, 256))
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
@@ -123,7 +130,9 @@ class EngineCore:
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
-        if self.tp is not None and config.scheduler.async_scheduling:
+        asynchronous = config.scheduler.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if asynchronous is None else asynchronous
+        if self.tp is not None and self.async_scheduling:
             self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
             self.runner = LeaderRunner(self.runner, self.followers.tp, self.followers.fail)  # type: ignore[assignment]
@@ -145,7 +154,7 @@ class EngineCore:
             "on" if zero else "off", self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
             self.max_model_len, "batched (fast)" if self.runner.fast_path else "reference",
             "" if not self.runner.fast_path else (", CUDA graphs" if self.runner.graphs is not None else ", eager"),
-            ", asynchronous scheduling" if config.scheduler.async_scheduling else "",
+            ", asynchronous scheduling" if self.async_scheduling else "",
         )
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
@@ -157,7 +166,7 @@ class EngineCore:
         self.clock: Callable[[], float] = time.monotonic
         """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
-        if self.config.scheduler.async_scheduling:
+        if self.async_scheduling:
             self.pipeline = StepPipeline(self)
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -217,7 +226,7 @@ class EngineCore:
         tokens = self.config.scheduler.max_num_batched_tokens
         hidden = int(getattr(self.model, "hidden_size", 4096))
         activation = 16 * tokens * hidden * 4 + self.vocab_estimate() * 4 * min(tokens, 1024)
-        budget = share - weights - activation
+        budget = share - weights - activation - self._exchange_bytes
         self._memory_note = (f"; of the {share / 2**30:.1f} GiB share of the GPU, weights take {weights / 2**30:.1f}"
                              f" GiB and activations are reserved {activation / 2**30:.1f} GiB")
         log.info("GPU memory: share %.1f GiB (gpu_memory_utilization %.2f of %.1f GiB), weights %.1f GiB, "
