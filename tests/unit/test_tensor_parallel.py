@@ -231,7 +231,7 @@ executor.FROZEN_RANK_S = 0.5
 path, sig = sys.argv[1], getattr(signal, sys.argv[2])
 llm = LLM(model=path, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
 core, steps = llm.engine, [0]
-reqs = [core.add_request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+reqs = [core.add_request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
         for i in range(2)]
 
 def hit() -> None:  # a few steps in, while rank 0 may be inside a step's collectives
@@ -257,7 +257,7 @@ def test_a_dead_or_frozen_rank_ends_the_worker_without_a_wrong_token(sig, model_
     (code 70, restarted whole by its launcher); every token that came out before is TP 1's."""
     path = model_dir("qwen")
     ref = LLM(model=path, kv_cache_memory_bytes=16 << 20)
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in ref.generate(prompt_token_ids=[[1, 2, 3], [2, 2, 3]], sampling_params=greedy)]
     run = subprocess.run(
         [sys.executable, "-c", FAULT_SCRIPT, path, sig],
