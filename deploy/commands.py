@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,21 +31,17 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    cfg = engine_config_from_args(args)
+    cfg.validate()  # bad engine flags: refused before torch, the model and the ports
+    check_max_decode_share(args.max_decode_share)
     from hybridpd.worker.auth import load_cluster_token, load_tls
     from hybridpd.worker.bootstrap import WorkerOptions, run_worker
 
-    cfg = engine_config_from_args(args)
     try:
         token = load_cluster_token(args.cluster_token_file)
         tls = load_tls(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
     except ValueError as e:
-        print(f"hybridpd worker: {e}", file=sys.stderr)
-        return 2
-    try:
-        check_max_decode_share(args.max_decode_share)
-    except ConfigError as e:
-        print(f"hybridpd worker: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,

@@ -18,10 +18,31 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+from hybridpd.engine.errors import HybridPDError
+
 log = logging.getLogger("hybridpd.serve")
+
+
+class WorkerStartError(HybridPDError):
+    """A worker exited (or hung) before it was ready. `reason` is the worker's own: its last error line (a model
+    that does not fit, a missing package, a bad flag), so `serve` can print it instead of a traceback."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(f"{role} worker did not start: {reason}")
+        self.role, self.reason = role, reason
+
+
+def worker_error(role: str, code: int | None, stderr_tail: list[str]) -> WorkerStartError:
+    """The error of a worker that exited with `code` before its ready line: its own `error:` line when it printed
+    one (the CLI's one-line message), else the last lines it wrote."""
+    lines = [line.strip() for line in stderr_tail if line.strip()]
+    own = next((line for line in reversed(lines) if ": error: " in line), None)
+    detail = own.split(": error: ", 1)[1] if own else " | ".join(lines[-3:]) or "no output on stderr"
+    return WorkerStartError(role, f"{detail} (exit code {code})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,6 +59,17 @@ def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: floa
         return asked
     wants_gpu = device == "auto" or device.startswith("cuda")
     return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+
+
+def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
+    """WorkerStartError naming each reason once, with the roles it stopped (N workers of one model usually fail
+    alike), when any actor's worker did not start."""
+    roles: dict[str, list[str]] = {}
+    for role, info in infos:
+        if info.get("error"):
+            roles.setdefault(info["error"], []).append(role)
+    if roles:
+        raise WorkerStartError("; ".join(" and ".join(dict.fromkeys(r)) for r in roles.values()), "; ".join(roles))
 
 
 class WorkerProcess:
@@ -72,15 +104,25 @@ class WorkerProcess:
         ports = ["--port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
         return [*self.base_argv, "--host", self.host, *ports]
 
+    @property
+    def role(self) -> str:
+        argv = self.base_argv
+        return argv[argv.index("--role") + 1] if "--role" in argv[:-1] else "worker"
+
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridpd.deploy.cli", "worker", *self.argv],
-                                     stdout=subprocess.PIPE, stderr=None, text=True, env=self.env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
+        tail: deque[str] = deque(maxlen=20)  # the worker's last stderr lines: the error of one that fails to start
+        tee = threading.Thread(target=self._tee_stderr, args=(self.proc, tail), daemon=True)
+        tee.start()
         deadline = time.time() + self.ready_timeout_s
         assert self.proc.stdout is not None
         while time.time() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"worker exited before it was ready (exit code {self.proc.wait()})")
+                code = self.proc.wait()
+                tee.join(timeout=5)  # its last lines
+                raise worker_error(self.role, code, list(tail))
             try:
                 msg = json.loads(line)
             except json.JSONDecodeError:
@@ -91,7 +133,19 @@ class WorkerProcess:
                 self.metrics_port = int(msg.get("metrics_port") or self.metrics_port)
                 threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                 return
-        raise RuntimeError("worker did not become ready in time")
+        self.proc.kill()
+        raise WorkerStartError(self.role, f"not ready in {self.ready_timeout_s:g} s")
+
+    @staticmethod
+    def _tee_stderr(proc: subprocess.Popen, tail: deque[str]) -> None:
+        """Copy the worker's stderr to ours as it comes (its log), keeping the last lines."""
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail.append(line)
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # our stderr closed: keep draining the pipe
+                pass
 
     @staticmethod
     def _drain(proc: subprocess.Popen) -> None:
@@ -136,21 +190,33 @@ def _make_actor_class(ray: Any) -> Any:
         def __init__(self, argv: list[str], host: str) -> None:
             if host == "node":  # joined a multi-node cluster: bind on the node this actor landed on
                 host = ray.util.get_node_ip_address()
-            self.worker = WorkerProcess(argv, host=host)
             self.role = argv[argv.index("--role") + 1] if "--role" in argv else "worker"
+            self.error: str | None = None
+            """Why the worker never started (its own message): the driver reports it. Not raised here, where Ray
+            would restart the actor (max_restarts) and the driver see only that it went away."""
+            self.worker: WorkerProcess | None = None
+            try:
+                self.worker = WorkerProcess(argv, host=host)
+            except WorkerStartError as e:
+                self.error = e.reason
+            except Exception as e:  # noqa: BLE001 - any start failure goes to the driver as text
+                self.error = f"{type(e).__name__}: {e}"
 
         def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this: "(prefill worker pid=...)"
             return f"{self.role} worker"
 
         def info(self) -> dict[str, Any]:
+            if self.worker is None:
+                return {"error": self.error}
             return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
                     "node_id": ray.get_runtime_context().get_node_id()}
 
         def pid(self) -> int:
-            return self.worker.proc.pid if self.worker.proc else -1
+            return self.worker.proc.pid if self.worker is not None and self.worker.proc else -1
 
         def stop(self) -> None:
-            self.worker.stop()
+            if self.worker is not None:
+                self.worker.stop()
 
     return WorkerActor
 
@@ -295,6 +361,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
+        check_started(infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
         decode = tuple(i["address"] for r, i in infos if r == "decode")
         for role, info in infos:

@@ -195,6 +195,9 @@ def test_worker_and_serve_pass_every_flag(monkeypatch: pytest.MonkeyPatch, tmp_p
     flags, want = (FLAGS, WANT) if table == "documented" else (_generated_argv(_all_other()), _all_other())
     seen: list[EngineConfig] = []
     monkeypatch.setattr("hybridpd.worker.bootstrap.run_worker", lambda cfg, opts: seen.append(cfg) or 0)
+    # every field at a non-default value need not be a valid config (checkpoint_interval 7, block_size 23): worker
+    # and serve would refuse it up front; this test is about the flags reaching the workers
+    monkeypatch.setattr(EngineConfig, "validate", lambda self: None)
     assert cli.main(["worker", "--role", "decode", "--model", str(tmp_path), *flags]) == 0
     _check(seen[0], str(tmp_path), want)
 
@@ -202,9 +205,6 @@ def test_worker_and_serve_pass_every_flag(monkeypatch: pytest.MonkeyPatch, tmp_p
     served: list[list[str]] = []
     fake = lambda args, argv, model, max_len: served.append(argv) or 0  # noqa: E731
     monkeypatch.setattr("hybridpd.deploy.ray_launcher.serve", fake)
-    # every field at a non-default value need not be a valid config (checkpoint_interval 7, block_size 23): serve
-    # would refuse it up front; this test is about the flags reaching the workers
-    monkeypatch.setattr(EngineConfig, "validate", lambda self: None)
     (tmp_path / "config.json").write_text("{}")
     assert cli.main(["serve", "--model", str(tmp_path), "--port", "0", *flags]) == 0
     assert cli.main(["worker", "--role", "prefill", *served[0]]) == 0

@@ -27,6 +27,40 @@ def test_auto_is_cuda_bfloat16_with_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     assert dev.resolve_dtype("float32", "cuda") == "float32" and dev.resolve_device("cpu") == "cpu"  # explicit wins
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "bf16", "want"),
+    [
+        ({"torch_dtype": "bfloat16"}, True, "bfloat16"),
+        ({"torch_dtype": "float16"}, True, "float16"),  # vLLM keeps a float16 checkpoint in float16 on an H100
+        ({"torch_dtype": "float32"}, True, "bfloat16"),  # float32 checkpoints are downcast to the preferred dtype
+        ({}, True, "bfloat16"),  # no dtype named: as float32
+        ({"dtype": "torch.float16", "torch_dtype": "bfloat16"}, True, "float16"),  # `dtype` first, as transformers
+        ({"text_config": {"torch_dtype": "float16"}}, True, "float16"),  # multimodal: the text model's
+        ({"torch_dtype": "bfloat16"}, False, "float16"),  # a GPU without bf16 runs it in float16 (a warning)
+        ({"torch_dtype": "float32"}, False, "float16"),
+    ],
+)
+def test_dtype_auto_follows_the_checkpoint_on_cuda_as_vllm(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: dict, bf16: bool, want: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    assert dev.resolve_dtype("auto", "cuda", checkpoint) == want
+    assert resolve_auto(EngineConfig.from_settings("/m"), checkpoint).model.dtype == want
+    assert dev.resolve_dtype("auto", "cpu", checkpoint) == "float32"  # the CPU runs float32 whatever the checkpoint
+
+
+def test_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("INFO", logger="hybridpd.engine"):
+        resolve_auto(EngineConfig.from_settings("/m"), {"torch_dtype": "bfloat16"})
+    assert "device auto -> cpu (no CUDA device is visible), dtype auto -> float32 (the CPU runs float32)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hybridpd.engine"):
+        resolve_auto(EngineConfig.from_settings("/m", device="cpu", dtype="float32"))
+    assert "auto" not in caplog.text  # nothing chosen: nothing said
+
+
 def test_cuda_without_fla_refuses_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dev, "missing_fast_path_packages", lambda: ["fla-core"])
     with pytest.raises(InvalidRequestError, match=r"fla-core.*hybridpd\[gpu\].*--allow-reference-path"):
