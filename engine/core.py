@@ -180,8 +180,9 @@ class EngineCore:
             budget = self.tp.agree_min(budget)
         # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
         # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
-        def plan(num_seqs: int, max_model_len: int = self.max_model_len, budget: int = budget) -> CapacityPlan | None:
+        def plan(num_seqs: int, max_model_len: int = 0, budget: int = budget) -> CapacityPlan | None:
             """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
+            max_model_len = max_model_len or self.max_model_len
             try:
                 p = plan_capacity(self.groups, budget, num_seqs, cc.num_checkpoint_slots, max_model_len,
                                   cc.resolved_checkpoint_interval(), policy=cc.cache_policy(),
@@ -191,8 +192,19 @@ class EngineCore:
             return None if p.attention_blocks and p.token_capacity < max_model_len else p
 
         fitted = fit_running_seqs(plan, sc.max_num_seqs) if budget > 0 else None
+        if fitted is None and self.config.model.max_model_len == -1 and budget > 0:  # auto-fit (vLLM's -1 / auto)
+            longest = largest_fitting(lambda n: plan(1, n) is not None, self.max_model_len - 1)
+            if longest > 1:
+                log.info("auto-fit max_model_len: reduced from %d to %d, the longest request the cache budget (%s%s) "
+                         "holds", self.max_model_len, longest, fmt_bytes(budget), self._memory_note)
+                self.max_model_len = longest
+                fitted = fit_running_seqs(plan, sc.max_num_seqs)
         if fitted is None:
-            raise self._no_fit(budget, lambda n, b=budget: plan(1, n, b) is not None)
+
+            def holds(length: int, nbytes: int) -> bool:
+                return plan(1, length, nbytes) is not None
+
+            raise self._no_fit(budget, holds)
         if fitted.state_slots_running and fitted.state_slots_running < sc.max_num_seqs:
             log.warning("max_num_seqs lowered from %d to %d: the cache budget (%s%s) holds that many running "
                         "requests with room for one of max_model_len=%d", sc.max_num_seqs,

@@ -60,7 +60,7 @@ def resolve_dtype(dtype: str, device: str, hf_config: Mapping[str, Any] | None =
     """`dtype`, or for "auto" what an engine on `device` runs the checkpoint of `hf_config` (its config.json) in:
     see the module's docstring."""
     if dtype != "auto":
-        return dtype
+        return DTYPE_NAMES.get(dtype, dtype)  # vLLM's half / float
     if not resolve_device(device).startswith("cuda"):
         return "float32"
     supported = cuda_dtypes()

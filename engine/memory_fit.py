@@ -54,7 +54,8 @@ def gpu_budget(total: int, free: int, reserved: int, weights: int, utilization: 
         raise InvalidRequestError(
             f"gpu_memory_utilization={utilization:g} asks for {fmt_bytes(share)} of the GPU's {fmt_bytes(total)}, "
             f"but only {fmt_bytes(free + reserved)} is free (other processes hold the rest): lower "
-            f"--gpu-memory-utilization (gpu_memory_utilization) or free the GPU"
+            f"--gpu-memory-utilization (gpu_memory_utilization; workers sharing one GPU each need their part, e.g. "
+            f"0.45 for two) or free the GPU"
         )
     return GpuBudget(total, share, weights, activation, utilization)
 

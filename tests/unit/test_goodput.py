@@ -146,6 +146,8 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
     assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
     phases = by["1p1d"]["low_load"]["handoff_ms"]  # where PD's low-load TTFT went
     assert phases["decode/total"] > 0 and phases["prefill/prefill"] > 0 and phases["decode/commit_rpc"] > 0
+    every = [f"{role}/{ph}" for role, names in goodput.HANDOFF_PHASES.items() for ph in names]
+    assert [k for k in every if not phases.get(k, 0) > 0] == []  # every handoff phase was measured
     assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
     one = by["1p1d"]["low_load"]["per_request"]
     assert len(one) == 2 and all(r["prompt_tokens"] > 0 and r["handoff_ms"]["decode/total"] > 0 for r in one)
