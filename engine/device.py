@@ -97,21 +97,35 @@ FAST_PATH_PACKAGES = (("fla", "fla-core"), ("triton", "triton"))
 """(import name, package) the CUDA fast path needs; `pip install 'hybridpd[gpu]'` installs them."""
 
 
-def missing_fast_path_packages() -> list[str]:
+def missing_fast_path_packages(import_them: bool = False) -> list[str]:
+    """The fast path's packages that are not installed; with `import_them`, also those installed that fail to
+    import (a build for another torch or triton), each with why."""
+    import importlib
     import importlib.util
 
-    return [pkg for mod, pkg in FAST_PATH_PACKAGES if importlib.util.find_spec(mod) is None]
+    out = []
+    for mod, pkg in FAST_PATH_PACKAGES:
+        if importlib.util.find_spec(mod) is None:
+            out.append(f"{pkg} (not installed)")
+        elif import_them:
+            try:
+                importlib.import_module(mod)
+            except Exception as e:  # noqa: BLE001 - any failure to import leaves the fast path unusable
+                out.append(f"{pkg} (installed, but `import {mod}` fails: {type(e).__name__}: {e})")
+    return out
 
 
 def require_fast_path(device: str, allow_reference_path: bool) -> None:
     """On CUDA, refuse (InvalidRequestError, naming the packages) to start an engine that would fall back to the
-    reference path (2-3x slower), unless allowed."""
+    reference path (2-3x slower) or fail at its first step, unless allowed."""
     from hybridpd.engine.errors import InvalidRequestError
 
-    missing = missing_fast_path_packages() if device.startswith("cuda") else []
-    if missing and not allow_reference_path:
+    if not device.startswith("cuda") or allow_reference_path:
+        return
+    missing = missing_fast_path_packages(import_them=True)
+    if missing:
         raise InvalidRequestError(
-            f"{', '.join(missing)} not installed: this CUDA engine would run the slow reference path. Install the "
-            f"GPU extra (pip install 'hybridpd[gpu]') or pass --allow-reference-path (LLM(allow_reference_path="
+            f"the CUDA fast path needs {'; '.join(missing)}: this engine would run the slow reference path. Install "
+            f"the GPU extra (pip install 'hybridpd[gpu]') or pass --allow-reference-path (LLM(allow_reference_path="
             f"True)) to run it anyway"
         )

@@ -61,12 +61,25 @@ def test_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, caplog: pytest
     assert "auto" not in caplog.text  # nothing chosen: nothing said
 
 
-def test_cuda_without_fla_refuses_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dev, "missing_fast_path_packages", lambda: ["fla-core"])
-    with pytest.raises(InvalidRequestError, match=r"fla-core.*hybridpd\[gpu\].*--allow-reference-path"):
+def test_cuda_without_fla_refuses_naming_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(dev, "FAST_PATH_PACKAGES", (("no_such_module_xyz", "fla-core"),))
+    with pytest.raises(
+        InvalidRequestError, match=r"fla-core \(not installed\).*hybridpd\[gpu\].*--allow-reference-path"
+    ):
         dev.require_fast_path("cuda", allow_reference_path=False)
     dev.require_fast_path("cuda", allow_reference_path=True)  # told to: starts
     dev.require_fast_path("cpu", allow_reference_path=False)  # the CPU always runs the reference path
+    # installed but broken (built for another torch): refused too, with the import's own error
+    (tmp_path / "broken_fla_xyz.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(dev, "FAST_PATH_PACKAGES", (("broken_fla_xyz", "fla-core"),))
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"fla-core \(installed, but `import broken_fla_xyz` fails: "
+        r"ImportError: undefined symbol: _ZN3c10\)",
+    ):
+        dev.require_fast_path("cuda:0", allow_reference_path=False)
+    assert dev.missing_fast_path_packages() == []  # found; importing is only tried for a CUDA engine
 
 
 def test_llm_defaults_to_auto_and_runs_float32_on_cpu() -> None:
