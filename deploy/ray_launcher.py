@@ -51,14 +51,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, num_workers: int) -> float:
-    """`--gpus-per-worker`, or when not given: one GPU per worker where the engine may use CUDA (`--device auto`
-    or cuda) and the Ray cluster has one for every worker, else none (Ray sets CUDA_VISIBLE_DEVICES to nothing for
-    an actor that reserves no GPU, so `auto` would then run on the CPU)."""
+def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, gpus_needed: int) -> float:
+    """`--gpus-per-worker`, or when not given: one GPU per rank where the engine may use CUDA (`--device auto` or
+    cuda) and the Ray cluster has one for each (`gpus_needed`: every worker's tensor-parallel ranks), none on a
+    cluster without GPUs. A cluster with some GPUs but fewer than that is a ConfigError: Ray would hide the GPUs
+    from actors that reserve none, and `auto` would quietly run every worker on the CPU."""
     if asked is not None:
         return asked
     wants_gpu = device == "auto" or device.startswith("cuda")
-    return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+    if not wants_gpu or cluster_gpus <= 0:
+        return 0.0
+    if cluster_gpus >= gpus_needed:
+        return 1.0
+    from hybridpd.deploy.commands import ConfigError
+
+    raise ConfigError(
+        f"the workers need {gpus_needed} GPUs (one per worker and tensor-parallel rank) but the Ray cluster has "
+        f"{cluster_gpus:g}: share them (e.g. two workers on one GPU: --gpus-per-worker 0.5 --gpu-memory-utilization "
+        f"0.45), serve fewer workers (--colocated --num-decode 1), or run on the CPU (--device cpu)"
+    )
 
 
 def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
@@ -347,19 +358,20 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     actors = []
     targets: Path | None = None
-    # one CPU per worker where there is one; on a smaller machine a share of it (a whole CPU each would leave the
-    # third worker of a 2-core box waiting forever for a CPU that does not exist)
-    total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
-    gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
-                                   float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
-    register = _registration_argv(args, host, ray)
-    for role in roles:
-        tp = role_tp[role]  # a worker's ranks: one actor, so one node
-        argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
-        opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
-        actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
+        # one CPU per worker where there is one; on a smaller machine a share of it (a whole CPU each would leave the
+        # third worker of a 2-core box waiting forever for a CPU that does not exist)
+        total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+        gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
+                                       float(ray.cluster_resources().get("GPU", 0.0)),
+                                       sum(role_tp[role] for role in roles))
+        register = _registration_argv(args, host, ray)
+        for role in roles:
+            tp = role_tp[role]  # a worker's ranks: one actor, so one node
+            argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
+            opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
+            actors.append((role, actor_cls.options(**opts).remote(argv, host)))
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
         check_started(infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")

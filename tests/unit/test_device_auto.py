@@ -7,7 +7,7 @@ import torch
 from hybridpd.engine import device as dev
 from hybridpd.engine.config import EngineConfig
 from hybridpd.engine.core import resolve_auto
-from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.errors import HybridPDError, InvalidRequestError
 
 
 def test_auto_is_cpu_float32_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,8 +99,14 @@ def test_bad_device_is_still_refused() -> None:
 def test_serve_reserves_a_gpu_per_worker_when_the_cluster_has_them() -> None:
     from hybridpd.deploy.ray_launcher import default_gpus_per_worker
 
-    assert default_gpus_per_worker(None, "auto", cluster_gpus=2.0, num_workers=2) == 1.0
-    assert default_gpus_per_worker(None, "cuda:0", cluster_gpus=4.0, num_workers=2) == 1.0
-    assert default_gpus_per_worker(None, "auto", cluster_gpus=1.0, num_workers=2) == 0.0  # not one each: none
-    assert default_gpus_per_worker(None, "cpu", cluster_gpus=8.0, num_workers=2) == 0.0
-    assert default_gpus_per_worker(0.5, "auto", cluster_gpus=0.0, num_workers=2) == 0.5  # asked: as asked
+    assert default_gpus_per_worker(None, "auto", cluster_gpus=2.0, gpus_needed=2) == 1.0
+    assert default_gpus_per_worker(None, "cuda:0", cluster_gpus=4.0, gpus_needed=2) == 1.0
+    assert default_gpus_per_worker(None, "auto", cluster_gpus=0.0, gpus_needed=2) == 0.0  # no GPU: the CPU
+    assert default_gpus_per_worker(None, "cpu", cluster_gpus=8.0, gpus_needed=2) == 0.0
+    assert default_gpus_per_worker(0.5, "auto", cluster_gpus=0.0, gpus_needed=2) == 0.5  # asked: as asked
+    assert default_gpus_per_worker(0.5, "auto", cluster_gpus=1.0, gpus_needed=2) == 0.5
+    # some GPUs, not one per rank: refused (auto would have run every worker on the CPU, Ray hiding the GPU)
+    with pytest.raises(HybridPDError, match=r"need 2 GPUs .* has 1: share them .*--gpus-per-worker 0.5"):
+        default_gpus_per_worker(None, "auto", cluster_gpus=1.0, gpus_needed=2)
+    with pytest.raises(HybridPDError, match="need 4 GPUs"):  # two workers of two tensor-parallel ranks each
+        default_gpus_per_worker(None, "cuda", cluster_gpus=2.0, gpus_needed=4)
