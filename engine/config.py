@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import textwrap
 import typing
 from collections.abc import Mapping
@@ -142,7 +143,7 @@ class EngineConfig:
             raise InvalidRequestError(f"max_model_len must be >= 1 (or -1: auto-fit), got {m.max_model_len}")
         if m.load_format not in typing.get_args(LoadFormat):
             raise InvalidRequestError(f"load_format must be auto|dummy, got {m.load_format!r}")
-        if not (m.device in ("auto", "cpu") or m.device.startswith("cuda")):
+        if not (m.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", m.device)):
             raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {m.device!r}")
         if c.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {c.block_size}")

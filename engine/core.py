@@ -23,7 +23,7 @@ from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capa
 from hybridpd.engine.cache.specs import group_layers
 from hybridpd.engine.config import EngineConfig, resolve_max_model_len
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
-from hybridpd.engine.device import describe_auto, require_fast_path, resolve_device, resolve_dtype
+from hybridpd.engine.device import describe_auto, require_device, require_fast_path, resolve_device, resolve_dtype
 from hybridpd.engine.errors import InvalidRequestError
 from hybridpd.engine.memory_fit import (
     GpuBudget,
@@ -89,6 +89,7 @@ class EngineCore:
         config = resolve_auto(config, hf_config)
         self.config = config
         mc = config.model
+        require_device(mc.device)
         require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, hf_config, mc.path)

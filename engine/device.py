@@ -115,6 +115,27 @@ def missing_fast_path_packages(import_them: bool = False) -> list[str]:
     return out
 
 
+def require_device(device: str) -> None:
+    """InvalidRequestError when `device` names a CUDA device this process cannot see (before anything is loaded,
+    and before the fast path's packages are asked for: they would not help)."""
+    from hybridpd.engine.errors import InvalidRequestError
+
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= count:
+        if count:
+            why = f"{count} are visible"
+        elif torch.version.cuda is None:
+            why = f"torch {torch.__version__} is a CPU build"
+        else:
+            why = "no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver)"
+        raise InvalidRequestError(
+            f"--device {device}: no such CUDA device ({why}); --device auto picks the CPU where there is no GPU"
+        )
+
+
 def require_fast_path(device: str, allow_reference_path: bool) -> None:
     """On CUDA, refuse (InvalidRequestError, naming the packages) to start an engine that would fall back to the
     reference path (2-3x slower) or fail at its first step, unless allowed."""

@@ -110,3 +110,17 @@ def test_serve_reserves_a_gpu_per_worker_when_the_cluster_has_them() -> None:
         default_gpus_per_worker(None, "auto", cluster_gpus=1.0, gpus_needed=2)
     with pytest.raises(HybridPDError, match="need 4 GPUs"):  # two workers of two tensor-parallel ranks each
         default_gpus_per_worker(None, "cuda", cluster_gpus=2.0, gpus_needed=4)
+
+
+def test_a_cuda_device_that_is_not_there_is_named_before_anything_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidRequestError, match=r"--device cuda: no such CUDA device .*--device auto picks the CPU"):
+        dev.require_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    dev.require_device("cuda:1")
+    with pytest.raises(InvalidRequestError, match=r"--device cuda:2: no such CUDA device \(2 are visible\)"):
+        dev.require_device("cuda:2")
+    dev.require_device("cpu")
+    with pytest.raises(InvalidRequestError, match="device must be"):
+        EngineConfig.from_settings("/m", device="cuda:x").validate()
