@@ -559,8 +559,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _check_ranges(ap, args)
     if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
         ap.error(f"--device {args.device!r}: expected auto, cpu or cuda")
-    if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
-        ap.error(f"--model {args.model!r}: not a checkpoint directory (no config.json)")
+    if args.model:  # a checkpoint directory, or a Hugging Face model id (its snapshot in the local cache)
+        from hybridpd.engine.model_source import resolve_model
+
+        try:
+            args.model = resolve_model(args.model)
+        except HybridPDError as e:
+            ap.error(f"--model: {e}")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            ap.error(f"--model {args.model!r}: not a checkpoint directory (no config.json)")
     from hybridpd.engine.device import resolve_device
 
     args.device = resolve_device(args.device)  # the dtype stays as given: each worker resolves auto (and reports it)
