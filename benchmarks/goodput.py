@@ -1,7 +1,8 @@
 """Goodput per GPU of PD versus colocated serving on the same GPUs, behind the same proxy (DistServe's experiment).
 
     python benchmarks/goodput.py --preset nemotron-h-8b --gpus 0,1 --workloads long --out-dir out/goodput
-    python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 1,2 --duration 3      # smoke run, tiny model
+    python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 2,4 --duration 1.5 --warmup-requests 0 \
+        --low-load 1 --low-load-max-tokens 4 --configs all --workloads all --arrivals all   # CPU, tiny model: ~4 min
 
 For each configuration (`CONFIGS`: N colocated replicas behind least-loaded routing; 1P1D; the adaptive policy
 when the proxy offers it: 1P1D whose proxy places each request by cost, PD, the decode worker alone (skip-P) or
