@@ -24,37 +24,23 @@ def test_prefix_caching_in_vllm_spelling(command: str) -> None:
 
 
 def test_flags_that_mean_the_same_here_are_accepted() -> None:
-    cfg = _config(
-        "--disable-log-requests",
-        "--disable-log-stats",
-        "--enable-chunked-prefill",
-        "--kv-cache-dtype",
-        "auto",
-        "-pp",
-        "1",
-        "--data-parallel-size",
-        "1",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "qwen3_coder",
-    )
+    cfg = _config("--disable-log-requests", "--disable-log-stats", "--enable-chunked-prefill", "--kv-cache-dtype",
+                  "auto", "-pp", "1", "--data-parallel-size", "1", "--enable-auto-tool-choice", "--tool-call-parser",
+                  "qwen3_coder")
     assert cfg == _config()
 
 
-@pytest.mark.parametrize(
-    ("argv", "names"),
-    [
-        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
-        (["--quantization", "awq"], "--quantization"),
-        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
-        (["-dp", "2"], "--data-parallel-size 2"),
-        (["--tool-call-parser", "hermes"], "--tool-call-parser hermes"),
-        (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
-        (["--enable-lora"], "--enable-lora"),
-        (["--speculative-config", "{}"], "--speculative-config"),
-    ],
-)
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--quantization", "awq"], "--quantization"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
+    (["-dp", "2"], "--data-parallel-size 2"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser hermes"),
+    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+    (["--enable-lora"], "--enable-lora"),
+    (["--speculative-config", "{}"], "--speculative-config"),
+])
 def test_flags_naming_what_is_not_done_are_refused(argv: list[str], names: str) -> None:
     with pytest.raises(UnsupportedFlagError, match=names):
         _config(*argv)
@@ -71,18 +57,8 @@ def test_revision_and_download_dir_reach_the_model_lookup(monkeypatch: pytest.Mo
         return real
 
     monkeypatch.setattr(source, "resolve_model", resolve)
-    cfg = _config(
-        "--model",
-        "org/model",
-        "--revision",
-        "v2",
-        "--tokenizer",
-        "org/tok",
-        "--tokenizer-revision",
-        "abc123",
-        "--download-dir",
-        str(tmp_path),
-    )
+    cfg = _config("--model", "org/model", "--revision", "v2", "--tokenizer", "org/tok", "--tokenizer-revision",
+                  "abc123", "--download-dir", str(tmp_path))
     assert cfg.model.path == real
     assert seen == [("org/model", "v2", str(tmp_path)), ("org/tok", "abc123", str(tmp_path))]
 
