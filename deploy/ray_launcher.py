@@ -83,6 +83,17 @@ def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
         raise WorkerStartError("; ".join(" and ".join(dict.fromkeys(r)) for r in roles.values()), "; ".join(roles))
 
 
+def served_max_model_len(asked: int, infos: list[tuple[str, dict[str, Any]]]) -> int:
+    """The proxy's max_model_len: `asked` (the checkpoint's, or --max-model-len), or less where a worker's cache
+    plan holds less (--max-model-len auto fitted it to its memory): the shortest, so every worker serves what the
+    proxy admits."""
+    lens = [int(i["kv_cache"]["max_model_len"]) for _, i in infos if (i.get("kv_cache") or {}).get("max_model_len")]
+    if lens and min(lens) < asked:
+        log.info("max_model_len %d: the workers' caches hold %d (auto-fit)", asked, min(lens))
+        return min(lens)
+    return asked
+
+
 class WorkerProcess:
     """One `hybridpd worker` subprocess, restarted on death with the same ports. Used inside the Ray actor and by
     tests/launchers without Ray.
@@ -374,6 +385,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
             actors.append((role, actor_cls.options(**opts).remote(argv, host)))
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
         check_started(infos)
+        max_model_len = served_max_model_len(max_model_len, infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
         decode = tuple(i["address"] for r, i in infos if r == "decode")
         for role, info in infos:

@@ -38,3 +38,12 @@ def test_the_serve_actor_keeps_the_reason_and_the_driver_raises_it() -> None:
     with pytest.raises(WorkerStartError, match="^prefill and decode worker did not start: " + WHY):  # said once
         check_started([("prefill", info), ("decode", info), ("decode", good)])
     check_started([("decode", good)])
+
+
+def test_the_proxy_admits_what_every_auto_fitted_worker_holds() -> None:
+    from hybridpd.deploy.ray_launcher import served_max_model_len
+
+    infos = [("prefill", {"kv_cache": {"max_model_len": 4096}}), ("decode", {"kv_cache": {"max_model_len": 3000}})]
+    assert served_max_model_len(4096, infos) == 3000
+    assert served_max_model_len(2048, infos) == 2048  # asked for less: as asked
+    assert served_max_model_len(4096, [("decode", {})]) == 4096
