@@ -98,12 +98,12 @@ class SchedulerConfig:
     """Most requests running at once per worker."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """Launch decode step N+1 (its input tokens fed on the device from step N's samples) before reading step N's
     tokens, so that scheduling, input preparation and output processing overlap the GPU's step. Outputs are
     identical; steps whose requests need the last token on the host (structured output, prefill-only and
     unconfirmed-transfer requests) or that save checkpoints other than decode's rolling ones run
-    synchronously."""
+    synchronously. Unset: on for CUDA, off on the CPU (where the host is also the device, so nothing overlaps)."""
 
 
 @dataclass(frozen=True)

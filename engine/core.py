@@ -116,8 +116,15 @@ class EngineCore:
 
         mc, cc = config.model, config.cache
         self.model = load_model(mc.path, mc.dtype, mc.device, mc.load_format)
+        self._exchange_bytes = 0
+        """GPU memory of the fused all-reduce's exchange buffer (outside the caching allocator's counts)."""
         if self.tp is not None:
+            from hybridpd.engine.parallel import fused_allreduce  # Triton: loaded only where ranks exist
+
             shard_model(self.model, self.tp, config.parallel.enable_expert_parallel)
+            self._exchange_bytes = fused_allreduce.build(self.tp, self.model, self.device,
+                                                         self.model.lm_head.weight.dtype,
+                                                         min(config.scheduler.max_num_seqs, 256))
         specs = self.model.cache_specs(cc.block_size)
         self.groups = group_layers(specs)
         self.has_recurrent = any(not g.is_attention for g in self.groups)
@@ -134,7 +141,9 @@ class EngineCore:
         zero = cc.zero_fresh_blocks == "on" or (cc.zero_fresh_blocks == "auto" and self.has_recurrent)
         num_layers = _num_layers(self.model, specs)
         self.runner = ModelRunner(self.model, self.groups, self.plan, num_layers, self.device, mc.seed, zero)
-        if self.tp is not None and config.scheduler.async_scheduling:
+        asynchronous = config.scheduler.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if asynchronous is None else asynchronous
+        if self.tp is not None and self.async_scheduling:
             self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
             self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
@@ -156,7 +165,7 @@ class EngineCore:
             "on" if zero else "off", self.config.scheduler.max_num_seqs, self.config.scheduler.max_num_batched_tokens,
             self.max_model_len, "batched (fast)" if self.runner.fast_path else "reference",
             "" if not self.runner.fast_path else (", CUDA graphs" if self.runner.graphs is not None else ", eager"),
-            ", asynchronous scheduling" if config.scheduler.async_scheduling else "",
+            ", asynchronous scheduling" if self.async_scheduling else "",
         )
         self.stats = StepStats()
         self.finish_listeners: list[Callable[[Request], None]] = []
@@ -168,7 +177,7 @@ class EngineCore:
         self.clock: Callable[[], float] = time.monotonic
         """For import deadlines (Import.deadline)."""
         self._next_arrival = 0
-        if self.config.scheduler.async_scheduling:
+        if self.async_scheduling:
             self.pipeline = StepPipeline(self)
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -237,11 +246,12 @@ class EngineCore:
         gpu = gpu_budget(total, free, torch.cuda.memory_reserved(self.device),
                          torch.cuda.memory_allocated(self.device), self.config.cache.gpu_memory_utilization,
                          activation_reserve(self.config.scheduler.max_num_batched_tokens, hidden,
-                                            self.vocab_estimate()))
+                                            self.vocab_estimate()), exchange=self._exchange_bytes)
         self._gpu, self._memory_note = gpu, gpu.note()
         log.info("GPU memory: share %s (gpu_memory_utilization %.2f of %s), weights %s, activation reserve %s, "
-                 "cache budget %s", fmt_bytes(gpu.share), gpu.utilization, fmt_bytes(gpu.total),
-                 fmt_bytes(gpu.weights), fmt_bytes(gpu.activation), fmt_bytes(gpu.cache))
+                 "all-reduce exchange %s, cache budget %s", fmt_bytes(gpu.share), gpu.utilization,
+                 fmt_bytes(gpu.total), fmt_bytes(gpu.weights), fmt_bytes(gpu.activation), fmt_bytes(gpu.exchange),
+                 fmt_bytes(gpu.cache))
         return gpu.cache
 
     def vocab_estimate(self) -> int:

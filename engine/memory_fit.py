@@ -2,7 +2,7 @@
 start-up error of a model that cannot fit.
 
     share  = gpu_memory_utilization x total GPU memory     (must be free: other processes' memory is not taken)
-    budget = share - weights - activation reserve of a max-size step
+    budget = share - weights - activation reserve of a max-size step - the TP all-reduce's exchange buffer
     fits   = the budget holds one request of max_model_len: its recurrent states + its attention KV blocks
 
 A model that cannot fit names every term: the share, weights, activation reserve, cache per token and per
@@ -33,20 +33,25 @@ class GpuBudget:
     weights: int
     activation: int
     utilization: float
+    exchange: int = 0
+    """The fused all-reduce's exchange buffer (tensor parallelism; outside the caching allocator's counts)."""
 
     @property
     def cache(self) -> int:
-        return self.share - self.weights - self.activation
+        return self.share - self.weights - self.activation - self.exchange
 
     def note(self) -> str:
+        exchange = f", the all-reduce exchange buffer {fmt_bytes(self.exchange)}" if self.exchange else ""
         return (
             f"; of the {fmt_bytes(self.share)} share of the GPU (gpu_memory_utilization {self.utilization:g} of "
-            f"{fmt_bytes(self.total)}), weights take {fmt_bytes(self.weights)} and activations are reserved "
-            f"{fmt_bytes(self.activation)}"
+            f"{fmt_bytes(self.total)}), weights take {fmt_bytes(self.weights)}{exchange} and activations are "
+            f"reserved {fmt_bytes(self.activation)}"
         )
 
 
-def gpu_budget(total: int, free: int, reserved: int, weights: int, utilization: float, activation: int) -> GpuBudget:
+def gpu_budget(
+    total: int, free: int, reserved: int, weights: int, utilization: float, activation: int, exchange: int = 0
+) -> GpuBudget:
     """The cache budget on a GPU with `total` bytes, `free` of them free and `reserved` held by this process's
     allocator (counted as free: they are ours). InvalidRequestError when the share is not free."""
     share = int(utilization * total)
@@ -57,7 +62,7 @@ def gpu_budget(total: int, free: int, reserved: int, weights: int, utilization: 
             f"--gpu-memory-utilization (gpu_memory_utilization; workers sharing one GPU each need their part, e.g. "
             f"0.45 for two) or free the GPU"
         )
-    return GpuBudget(total, share, weights, activation, utilization)
+    return GpuBudget(total, share, weights, activation, utilization, exchange)
 
 
 def activation_reserve(max_num_batched_tokens: int, hidden_size: int, vocab_size: int) -> int:

@@ -6,8 +6,9 @@ Ownership: the runner allocates every cache tensor (from `cache_specs`) once at 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from hybridpd.engine.cache.specs import CacheSpec
@@ -62,3 +63,13 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32, [n, vocab]."""
         ...
+
+
+def residual_norms(model: Any, rows: int, dtype: torch.dtype) -> Any:
+    """A context giving the batched forward its residual norm, with `rms_norm`'s call: the kernel itself, or under
+    tensor parallelism with a fused all-reduce (engine.parallel.fused_allreduce) one that also sums the block's
+    partial output over the ranks."""
+    from hybridpd.engine.kernels.fused import rms_norm
+
+    reduce = getattr(model, "block_reduce", None)
+    return contextlib.nullcontext(rms_norm) if reduce is None else reduce.scope(rows, dtype)

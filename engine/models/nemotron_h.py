@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
-from hybridpd.engine.models.base import AttentionCache, LayerCache
+from hybridpd.engine.models.base import AttentionCache, LayerCache, residual_norms
 from hybridpd.engine.models.batch import ForwardBatch
 from hybridpd.engine.models.config_checks import require_multiple, require_routing
 from hybridpd.engine.models.fast_path import (
@@ -300,6 +300,14 @@ class NemotronHForCausalLM(nn.Module):
 
     architecture = "NemotronHForCausalLM"
 
+    block_reduce: Any = None
+    """Under tensor parallelism: the group's engine.parallel.group.BlockReduce (set by engine.parallel.shard)."""
+
+    @property
+    def block_ends(self) -> int:
+        """Residual norms of a batched forward that take a block's output (each a TP all-reduce)."""
+        return len(self.backbone.layers)
+
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__()
         self.args = NemotronHArgs.from_dict(config)
@@ -339,12 +347,13 @@ class NemotronHForCausalLM(nn.Module):
         metas = batch.per_layer(len(self.backbone.layers))
         h = self.backbone.embeddings(batch.input_ids)
         x = None
-        for i, layer in enumerate(self.backbone.layers):
-            normed, h = rms_norm(h if x is None else x, layer.norm.weight, layer.norm.eps,
-                                 residual=None if x is None else h)
-            x = layer.mix_varlen(normed, caches[i], metas[i])
-        final = self.backbone.norm_f
-        return rms_norm(x, final.weight, final.eps, residual=h)[0] if x is not None else final(h)
+        with residual_norms(self, h.shape[0], h.dtype) as add_norm:  # a block's output: x, the residual: h
+            for i, layer in enumerate(self.backbone.layers):
+                w, eps = layer.norm.weight, layer.norm.eps
+                normed, h = rms_norm(h, w, eps) if x is None else add_norm(x, w, eps, False, h)
+                x = layer.mix_varlen(normed, caches[i], metas[i])
+            final = self.backbone.norm_f
+            return add_norm(x, final.weight, final.eps, False, h)[0] if x is not None else final(h)
 
     def enable_fast_path(self) -> None:
         """Prepare the batched CUDA path: MoE layers stack their experts for grouped GEMMs; relu2 MLPs (dense and

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from hybridpd.engine.cache.specs import CacheSpec, FullAttentionSpec
-from hybridpd.engine.models.base import AttentionCache, LayerCache
+from hybridpd.engine.models.base import AttentionCache, LayerCache, residual_norms
 from hybridpd.engine.models.batch import ForwardBatch
 from hybridpd.engine.models.config_checks import require_multiple
 from hybridpd.engine.models.fast_path import varlen_attention
@@ -271,6 +271,14 @@ class Qwen3_5ForCausalLM(nn.Module):
     config_defaults: dict[str, Any] = {}
     """transformers' defaults of this family where they differ from Qwen3_5TextConfig's (read in from_dict)."""
 
+    block_reduce: Any = None
+    """Under tensor parallelism: the group's engine.parallel.group.BlockReduce (set by engine.parallel.shard)."""
+
+    @property
+    def block_ends(self) -> int:
+        """Residual norms of a batched forward that take a block's output (each a TP all-reduce)."""
+        return 2 * len(self.model.layers)
+
     def __init__(self, config: dict[str, Any], dtype: str = "float32") -> None:
         super().__init__()
         self.args = Qwen3_5Args.from_dict(config, self.config_defaults)
@@ -315,13 +323,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)
         rope = self.rotary.cos_sin(batch.positions, h.dtype)
         x = None
-        for i, layer in enumerate(self.model.layers):
-            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-            normed, h = rms_norm(h if x is None else x, n1.weight, n1.eps, True, None if x is None else h)
-            normed, h = rms_norm(layer.mix_varlen(normed, rope, caches[i], metas[i]), n2.weight, n2.eps, True, h)
-            x = layer.mlp.forward_fused(normed)
-        final = self.model.norm
-        return rms_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
+        with residual_norms(self, h.shape[0], h.dtype) as add_norm:  # a block's output: x, the residual: h
+            for i, layer in enumerate(self.model.layers):
+                n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+                normed, h = rms_norm(h, n1.weight, n1.eps, True) if x is None else add_norm(x, n1.weight, n1.eps,
+                                                                                          True, h)
+                normed, h = add_norm(layer.mix_varlen(normed, rope, caches[i], metas[i]), n2.weight, n2.eps, True, h)
+                x = layer.mlp.forward_fused(normed)
+            final = self.model.norm
+            return add_norm(x, final.weight, final.eps, True, h)[0] if x is not None else final(h)
 
     def enable_fast_path(self) -> None:
         """Prepare the batched path: one GEMM for each GDN layer's four input projections, for each attention

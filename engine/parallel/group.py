@@ -12,14 +12,46 @@ Ownership: `init_tp` is called once per process before the model is loaded; the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from hybridpd.engine.parallel.channel import FollowerChannel, LeaderChannel, Listener, connect
+
+AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(x, weight, eps, zero_centered, residual) -> (normed, h), as engine.kernels.fused.rms_norm."""
+
+
+class BlockReduce:
+    """What a model and its row-parallel hooks share: inside `scope`, block outputs stay partial sums (the hooks
+    return them as they are) and the model's residual norms sum them over the ranks (`fused`: an
+    engine.parallel.fused_allreduce.FusedReduceNorm, None: NCCL in the hooks for every step)."""
+
+    def __init__(self) -> None:
+        self.fused: Any = None
+        self.active = False
+
+    @contextlib.contextmanager
+    def scope(self, rows: int, dtype: torch.dtype) -> Iterator[AddNorm]:
+        """The residual norm of one forward of `rows` rows: the fused kernel when it serves them, else rms_norm
+        (and the hooks all-reduce). Every rank chooses alike: rows and dtype are the same on all of them."""
+        from hybridpd.engine.kernels.fused import rms_norm
+
+        f = self.fused
+        if f is None or self.active or rows > f.max_rows or dtype != f.dtype:
+            yield rms_norm
+            return
+        f.begin()
+        self.active = True
+        try:
+            yield f
+        finally:
+            self.active = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +64,8 @@ class TPGroup:
     control: Any  # gloo ProcessGroup for objects
     channel: LeaderChannel | FollowerChannel | None = None
     """Rank 0's commands: its LeaderChannel on rank 0, a FollowerChannel on the others (None: no commands)."""
+    block_reduce: BlockReduce = field(default_factory=BlockReduce, compare=False)
+    """How block ends are summed over the ranks in a batched forward (engine.parallel.fused_allreduce)."""
 
     @property
     def is_leader(self) -> bool:
@@ -126,4 +160,4 @@ def open_channel(rank: int, world: int, control: Any, timeout_s: float) -> Leade
     return connect(box[0], rank, timeout_s)
 
 
-__all__ = ["TPGroup", "free_port", "init_tp", "open_channel", "rank_device"]
+__all__ = ["BlockReduce", "TPGroup", "free_port", "init_tp", "open_channel", "rank_device"]

@@ -40,6 +40,8 @@ def all_reduce_output(module: nn.Module, tp: TPGroup) -> None:
     """Sum the module's output over ranks after every forward (the row-parallel end of a block)."""
 
     def hook(_m: nn.Module, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        if tp.block_reduce.active:  # the model's next residual norm sums it (engine.parallel.fused_allreduce)
+            return out
         return tp.all_reduce(out)
 
     module.register_forward_hook(hook)

@@ -250,6 +250,7 @@ def shard_model(model: Any, tp: TPGroup, expert_parallel: bool = False) -> Any:
     else:
         raise ValueError(f"tensor parallelism does not support {type(model).__name__}")
     model.tp_rank, model.tp_size = tp.rank, tp.world
+    model.block_reduce = tp.block_reduce  # its batched forward sums block ends through it
     return model
 
 

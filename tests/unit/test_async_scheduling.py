@@ -291,3 +291,25 @@ def test_an_abort_between_steps_leaves_no_pages_behind(checkpoint_dir):  # type:
     while core.has_unfinished():
         core.step()
     assert core.pipeline.in_flight is None and all(h["in_use"] == 0 for h in core.pool_health())
+
+
+def test_async_scheduling_default_follows_the_device(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """Unset, asynchronous scheduling is on for CUDA only (the CPU is host and device at once); the flag's three
+    states survive a worker command line."""
+    import argparse
+
+    from hybridpd.deploy.engine_flags import add_engine_args, engine_argv, engine_config_from_args
+    from hybridpd.engine.config import SchedulerConfig
+
+    assert SchedulerConfig().async_scheduling is None
+    llm = LLM(model=checkpoint_dir("nemotron_attn_mid"), **SETTINGS)
+    try:
+        assert llm.engine.async_scheduling is False and llm.engine.pipeline is None
+    finally:
+        llm.shutdown()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        config = engine_config_from_args(parser.parse_args(argv))
+        assert config.scheduler.async_scheduling is want
+        assert engine_config_from_args(parser.parse_args(engine_argv(config)[2:])).scheduler.async_scheduling is want

@@ -59,7 +59,8 @@ def holds_poison(t: torch.Tensor, value: float) -> bool:
 
 class Poisoner:
     """Wraps `engine.step`: poisons before every step, then checks the null block/slot still hold the poison.
-    Spies on `runner.execute` to count how many fresh blocks and new running slots came from poisoned memory."""
+    Spies on `runner.launch` (what a synchronous `execute` and an asynchronous step both call) to count how many
+    fresh blocks and new running slots came from poisoned memory."""
 
     def __init__(self, engine, value: float) -> None:  # type: ignore[no-untyped-def]
         self.engine, self.value = engine, value
@@ -69,9 +70,9 @@ class Poisoner:
         self.new_slots = self.new_slots_poisoned = 0
         self.steps = 0
         self._started: set[str] = set()
-        self._step, self._execute = engine.step, engine.runner.execute
+        self._step, self._launch = engine.step, engine.runner.launch
         engine.step = self.step
-        engine.runner.execute = self.execute
+        engine.runner.launch = self.launch
 
     def poison(self) -> None:
         cache, runner = self.engine.cache, self.engine.runner
@@ -102,7 +103,7 @@ class Poisoner:
             assert holds_poison(t[0], self.value), f"step {self.steps}: the null state slot was written"
         return advanced
 
-    def execute(self, out, params):  # type: ignore[no-untyped-def]
+    def launch(self, out, params, feed=None):  # type: ignore[no-untyped-def]
         self.fresh_blocks += len(lead(out.group_fresh_blocks))
         self.fresh_blocks_poisoned += sum(b in self.blocks for b in lead(out.group_fresh_blocks))
         for s in out.seqs:
@@ -110,7 +111,7 @@ class Poisoner:
                 self._started.add(s.request_id)
                 self.new_slots += 1
                 self.new_slots_poisoned += lead(s.group_state_slots, PAD_SLOT_ID) in self.slots
-        return self._execute(out, params)
+        return self._launch(out, params, feed)
 
 
 def assert_matches(outputs, expected) -> None:  # type: ignore[no-untyped-def]

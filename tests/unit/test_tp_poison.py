@@ -42,6 +42,15 @@ def _null_untouched(runner: Any, rank: int, value: float) -> bool:
 
 
 class RankPoisoner(Poisoner):
+    def __init__(self, engine: Any, value: float) -> None:
+        """The spy on `launch` goes on rank 0's own runner: a synchronous step is the LeaderRunner's `execute`,
+        whose runner then calls its own `launch` (a spy on the LeaderRunner would see asynchronous steps only);
+        an asynchronous one is the LeaderRunner's `launch`, which calls the same runner's `launch`."""
+        super().__init__(engine, value)
+        leader, inner = engine.runner, engine.runner._runner
+        del leader.__dict__["launch"]  # Poisoner's spy, set on the LeaderRunner
+        self._launch, inner.launch = inner.launch, self.launch
+
     def poison(self) -> None:
         super().poison()  # picks the unowned blocks / slots (and poisons rank 0)
         on_ranks(self.engine, _poison, sorted(self.blocks), sorted(self.slots), self.value)
