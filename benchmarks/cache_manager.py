@@ -61,6 +61,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,13 @@ STATE_BYTES = GROUPS[1].page_bytes_all_layers
 POLICIES = ("ours", "lru", "fixed", "v1")
 
 
+def model_bytes(groups: list[CacheGroup]) -> tuple[int, int, int]:
+    """(block size, bytes of one block in every attention group, bytes of one state in every recurrent group)."""
+    attn = [g for g in groups if g.is_attention]
+    rec = sum(g.page_bytes_all_layers for g in groups if not g.is_attention)
+    return attn[0].spec.block_size, sum(g.page_bytes_all_layers for g in attn), rec  # type: ignore[union-attr]
+
+
 @dataclass
 class Item:
     """One request of a workload: its prompt, output length, and (closed loop) the request it waits for."""
@@ -114,6 +122,12 @@ class Workload:
     notes: str = ""
     measured_from: int = 0
     """Index of the first request the phase figures (`phase_ratio`) count (0: the whole workload)."""
+    measured: list[int] | None = None
+    """Indices of the requests the phase figures count, when they are not one tail (`measured_from`)."""
+    groups: list[CacheGroup] = field(default_factory=lambda: GROUPS)
+    """The model's cache groups (attention first; its block size is the hashing block)."""
+    max_num_seqs: int | None = None
+    """This workload's max_num_seqs (None: --max-num-seqs)."""
 
 
 # -- token streams -------------------------------------------------------------------------------------------------
@@ -272,8 +286,10 @@ class Theoretical:
     reachable: int = 0
     per_request: dict[str, tuple[int, int]] = field(default_factory=dict)
     """request id -> (theoretical hit tokens, first-reuse bound tokens)."""
+    bs: int = BS
 
     def admit(self, req: Request) -> None:
+        BS = self.bs
         cap = (req.num_prompt_tokens - 1) // BS
         hashes, n, best = req.block_hashes, 0, 0
         while n < min(cap, len(hashes)) and hashes[n] in self.computed:
@@ -285,6 +301,7 @@ class Theoretical:
         self.per_request[req.request_id] = (n * BS, best * BS)
 
     def computed_upto(self, req: Request) -> None:
+        BS = self.bs
         hashes = req.block_hashes[: req.num_computed_tokens // BS]
         parent = None
         for h in hashes:
@@ -299,17 +316,24 @@ class Theoretical:
                     self.ends.add(req.block_hashes[b - 1])
 
     def finished(self, req: Request) -> None:
-        b = req.num_computed_tokens // BS
+        b = req.num_computed_tokens // self.bs
         if b:
             self.ends.add(req.block_hashes[b - 1])
 
 
 def make_cache(
-    policy: str, budget: int, max_num_seqs: int, arena: bool = True, share: bool = False
+    policy: str,
+    budget: int,
+    max_num_seqs: int,
+    arena: bool = True,
+    share: bool = False,
+    groups: list[CacheGroup] = GROUPS,
 ) -> HybridCacheManager:
     """`arena`: the engine's plan (one arena: checkpoint slots overlay attention blocks, planner.py); False: the
     same byte budget with checkpoint ids outside it (before the arena); `share` (range-free only): speculative
     checkpoints limited to the budget share their reuse earns (cache_range_free.py)."""
+    GROUPS = groups  # noqa: N806
+    BS, BLOCK_BYTES, STATE_BYTES = model_bytes(groups)  # noqa: N806
     tree = CacheTree if policy == "ours" else LruTree
     if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
         slots = 1 + 3 * max_num_seqs
@@ -319,12 +343,12 @@ def make_cache(
         )
     cp, adm = fixed_interval(528) if policy == "fixed" else (CachePolicy(), Admission)
     if arena:
-        plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or 16, policy=cp)
+        plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or BS, policy=cp)
         return HybridCacheManager(GROUPS, plan.layout(), tree_cls=tree, admission_cls=adm)
     blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
     usable = budget - BLOCK_BYTES - STATE_BYTES
     slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    layout = PoolLayout(blocks, slots, cp.interval or 16, BS, usable, cp)
+    layout = PoolLayout(blocks, slots, cp.interval or BS, BS, usable, cp)
     if share and policy == "ours":
         return ShareCacheManager(GROUPS, layout)
     return HybridCacheManager(GROUPS, layout, tree_cls=tree, admission_cls=adm)
@@ -332,8 +356,9 @@ def make_cache(
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:
     budget = int(w.budget_gib * GiB)
-    cache = make_cache(policy, budget, args.max_num_seqs, args.arena, getattr(args, "speculative_share", False))
-    sched = Scheduler(SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), cache)
+    seqs = w.max_num_seqs or args.max_num_seqs
+    cache = make_cache(policy, budget, seqs, args.arena, getattr(args, "speculative_share", False), w.groups)
+    sched = Scheduler(SchedulerConfig(seqs, args.max_num_batched_tokens), cache)
     reqs = [
         Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
         for i, it in enumerate(w.items)
@@ -345,7 +370,7 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
             sched.add_request(reqs[i])
         else:
             waiters.setdefault(it.after, []).append(i)
-    theo, admitted = Theoretical(), set()
+    theo, admitted = Theoretical(bs=model_bytes(w.groups)[0]), set()
     digest = hashlib.sha256() if getattr(args, "digest", False) else None
     steps = scheduled = 0
     timed = cpu = 0.0
@@ -407,7 +432,11 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         "arena": cache.cache_stats().get("arena"),
     }
     out_["ratio"] = out_["hit_rate"] / out_["theoretical"] if out_["theoretical"] else 1.0  # type: ignore[operator]
-    if w.measured_from:
+    bound = out_["first_reuse_bound"]
+    out_["ratio_to_bound"] = out_["hit_rate"] / bound if bound else 1.0  # type: ignore[operator]
+    if w.measured is not None:
+        out_["phase"] = phase_figures([reqs[i] for i in w.measured], theo)
+    elif w.measured_from:
         out_["phase"] = phase_figures(reqs[w.measured_from :], theo)
     if digest is not None:
         out_["decision_digest"] = digest.hexdigest()
@@ -431,8 +460,9 @@ def phase_figures(reqs: list[Request], theo: Theoretical) -> dict[str, float]:
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
     """Attention blocks that max_num_seqs running requests can hold after a no-reuse run left the cache full of
     whatever its policy keeps: one long request grows until allocation fails, the others hold one block each."""
-    cache = make_cache(policy, budget, max_num_seqs, args.arena, getattr(args, "speculative_share", False))
+    cache = make_cache(policy, budget, max_num_seqs, args.arena, getattr(args, "speculative_share", False), junk.groups)
     sched = Scheduler(SchedulerConfig(max_num_seqs, args.max_num_batched_tokens), cache)
+    BS, BLOCK_BYTES, STATE_BYTES = model_bytes(junk.groups)  # noqa: N806
     for i, it in enumerate(junk.items):
         sched.add_request(Request(f"j{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens)))
     while sched.num_unfinished:
@@ -471,7 +501,8 @@ def time_hashing(token_lists: list[list[int]], repeats: int = 3) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=None, help="comma-separated (default: all of the chosen set)")
+    p.add_argument("--heldout", action="store_true", help="the held-out set (cache_heldout.py) instead")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     p.add_argument("--repeats", type=int, default=3)
@@ -493,6 +524,12 @@ def main() -> None:
         help="with --no-arena, policy ours: the speculative-checkpoint rule of cache_range_free.py (an experiment)",
     )
     args = p.parse_args()
+    workloads: dict[str, Callable[[random.Random, float], Workload]] = dict(WORKLOADS)
+    if args.heldout:
+        from benchmarks.cache_heldout import HELDOUT
+
+        workloads = HELDOUT
+    args.workloads = args.workloads or ",".join(workloads)
     if args.speculative_share and args.arena:
         p.error("--speculative-share needs --no-arena (the arena throttles checkpoints by its free ranges)")
     policies = args.policies.split(",")
@@ -503,10 +540,16 @@ def main() -> None:
         flush=True,
     )
     for name in args.workloads.split(","):
-        w = WORKLOADS[name](random.Random(args.seed), args.scale)
+        w = workloads[name](random.Random(args.seed), args.scale)
         if args.budget_gib is not None:
             w.budget_gib = args.budget_gib
-        results[name] = {"notes": w.notes, "requests": len(w.items), "budget_gib": w.budget_gib}
+        results[name] = {
+            "notes": w.notes,
+            "requests": len(w.items),
+            "budget_gib": w.budget_gib,
+            "model": [(g.kind, g.page_bytes_all_layers) for g in w.groups],
+            "max_num_seqs": w.max_num_seqs or args.max_num_seqs,
+        }
         for pol in policies:
             try:
                 runs = [run(w, pol, args) for _ in range(args.repeats)]
@@ -521,7 +564,8 @@ def main() -> None:
             results[name][pol] = r
             print(
                 f"{name:14s} {pol:6s} hit {r['hit_rate']:.4f} theo {r['theoretical']:.4f} "
-                f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} us/seq-step {r['us_per_seq_step']:.2f} "
+                f"ratio {r['ratio']:.4f} bound {r['first_reuse_bound']:.4f} /bound {r['ratio_to_bound']:.4f} "
+                f"us/seq-step {r['us_per_seq_step']:.2f} "
                 f"evict {r['evictions']} ckpts {r['checkpoints_admitted']}",
                 flush=True,
             )
@@ -532,7 +576,7 @@ def main() -> None:
                     f"ratio to bound {ph['ratio_to_bound']:.4f}",  # type: ignore[index]
                     flush=True,
                 )
-        if name == "no_reuse":
+        if name.startswith("no_reuse"):
             for pol in policies:
                 if "error" in results[name][pol]:  # type: ignore[operator]
                     continue

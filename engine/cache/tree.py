@@ -47,7 +47,10 @@ RANGE_CANDIDATES = 4
 MAX_RANGE_SUBTREE = 128
 """Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
 SERVED_TURNOVERS = 4
-"""How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids."""
+"""How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids..."""
+SERVED_TRIES = 3 * SERVED_TURNOVERS
+"""... and at most this many turnovers' worth of checkpoints tried (cached or refused): while every new checkpoint
+is refused none is cached, and a hit that no longer recurs must still grow old (a hot prefix that stopped)."""
 INF = float("inf")
 _ORDER = itemgetter(1)
 
@@ -62,7 +65,7 @@ class Node:
     recurrent group holds a checkpoint named by it. Page ids stay in the pools. Nodes that leave the tree are reused
     (`CacheTree._spare`): one object per block would make work for the garbage collector."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "demoted")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "last_try", "demoted")
 
     def __init__(self) -> None:
         self.hash = b""
@@ -79,6 +82,8 @@ class Node:
         """The lead state pool names a checkpoint `hash` (cached or in use)."""
         self.last_hit: int | None = None
         """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
+        self.last_try = 0
+        """`num_states_cached + num_checkpoints_skipped` then."""
         self.demoted = False
         """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
 
@@ -129,6 +134,7 @@ class CacheTree:
         """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_since_hit`)."""
         ids = overlay.num_ranges if overlay is not None else (self.state.capacity if self.state else 0)
         self.served_window = SERVED_TURNOVERS * ids
+        self.served_tries = SERVED_TRIES * ids
         self.num_checkpoints_skipped = 0
         self._failed_room: tuple[object, int] | None = None
         """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
@@ -252,10 +258,10 @@ class CacheTree:
             return True
         if checkpoint and lowest is not None:
             since = self._since_hit(lowest[1])
-            if since is not None and since <= self.served_window:  # it served a hit lately: it stays, the new,
-                if SERVED_TURNOVERS * since > self.served_window:  # speculative one is skipped; kept on an old
-                    self.clock = max(self.clock, lowest[2])  # hit, time moves on (old popularity ages out)
-                return None
+            if since is not None and self._tries_since_hit(lowest[1]) <= self.served_tries:  # it served a hit
+                if SERVED_TURNOVERS * since > self.served_window:  # lately: it stays, the new, speculative one is
+                    self.clock = max(self.clock, lowest[2])  # skipped; kept on an old hit, time moves on (old
+                return None  # popularity ages out)
         return lowest
 
     def _evict_victim(self, victim: tuple[int, int, float]) -> None:
@@ -274,6 +280,12 @@ class CacheTree:
         if node is None or node.last_hit is None or node.demoted:
             return None
         return self.num_states_cached - node.last_hit
+
+    def _tries_since_hit(self, slot: int) -> int:
+        """Checkpoints cached or refused since the one in `slot` was last restored (it has been: `_since_hit`). The
+        refused count too: while every new checkpoint is refused, a hit must still grow old."""
+        node = self.nodes[self.state.block_hash[slot]]  # type: ignore[union-attr, index]
+        return self.num_states_cached + self.num_checkpoints_skipped - node.last_try
 
     # -- ranges (arena) ----------------------------------------------------------------------------------------
     def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
@@ -480,6 +492,7 @@ class CacheTree:
         if h is not None and (kind == STATE or self.state is None):
             node = self.nodes[h]
             node.last_hit = self.num_states_cached  # a restore (or, attention-only, a block reuse)
+            node.last_try = self.num_states_cached + self.num_checkpoints_skipped
             node.demoted = False  # restored: a real reuse point after all
 
     def _node(self, h: bytes, tokens: int) -> Node:

@@ -1,0 +1,65 @@
+"""Held-out workloads (benchmarks/cache_heldout.py), scaled down: the policy keeps >= 0.95 of the first-reuse bound on
+shapes it was not tuned on (workload shifts, several tenants, a 64-token block, two recurrent groups), with eviction
+running throughout; a hot prefix that stops being used does not keep its checkpoints while every new one is
+refused (tree.py `_tries_since_hit`); and (a known failure, strict xfail) long chats among short unrelated prompts
+on a tight arena."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from benchmarks import cache_manager as cm
+from benchmarks.cache_heldout import HELDOUT
+
+
+def run(name: str, scale: float, budget_gib: float, max_num_seqs: int = 16) -> dict[str, object]:
+    w = HELDOUT[name](random.Random(0), scale)
+    w.budget_gib, w.max_num_seqs = budget_gib, max_num_seqs
+    return cm.run(w, "ours", argparse.Namespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, arena=True))
+
+
+def ratios(r: dict[str, object]) -> tuple[float, float]:
+    """(whole workload, measured phase) hit rate / first-reuse bound."""
+    phase = r.get("phase") or {"ratio_to_bound": r["ratio_to_bound"]}
+    return r["ratio_to_bound"], phase["ratio_to_bound"]  # type: ignore[index, return-value]
+
+
+@pytest.mark.parametrize(
+    ("name", "scale", "budget_gib"),
+    [
+        ("chat_shared_chat", 0.2, 3.0),
+        ("agentic_after_shots_2rec", 0.2, 3.0),
+        ("hot_prefix_rotation_b64", 0.2, 3.0),
+        ("tenants_2rec_b64", 0.3, 3.0),
+        ("flood_chat", 0.25, 3.0),
+    ],
+)
+def test_heldout_workloads_reach_their_first_reuse_bound(name: str, scale: float, budget_gib: float) -> None:
+    r = run(name, scale, budget_gib)
+    assert r["first_reuse_bound"] > 0.5  # type: ignore[operator]  # most of the prompts can be reused
+    assert sum(r["evictions"].values()) > 0, r["evictions"]  # type: ignore[attr-defined]  # the budget is contended
+    whole, phase = ratios(r)
+    assert whole >= 0.95 and phase >= 0.95, (whole, phase)
+
+
+def test_an_unused_hot_prefix_does_not_keep_its_checkpoints() -> None:
+    """Three periods, each with its own hot prefix, on a small arena. A checkpoint that served a hit lately is kept
+    and the new one refused; that protection aged only with checkpoints *cached*, so once every new checkpoint was
+    refused the first hot prefix's checkpoints were protected for good: 0.47 of the bound in the later periods
+    (0.96 with checkpoints outside the budget, `--no-arena`). Refused checkpoints now count too."""
+    r = run("hot_prefix_rotation", 0.2, 2.0)
+    assert r["arena"]["checkpoints_skipped"] > 0  # type: ignore[index]  # new checkpoints were refused
+    whole, phase = ratios(r)
+    assert phase >= 0.85, (whole, phase)
+
+
+@pytest.mark.xfail(strict=True, reason="the arena: long chats' blocks pin most checkpoint ranges (see ARCHITECTURE.md)")
+def test_long_chats_among_short_unrelated_prompts_on_a_tight_arena() -> None:
+    """flood_chat at 2 GiB: long chats, short unrelated prompts between their turns. Checkpoints outside the budget
+    (`--no-arena`) reach 0.99 of the bound here; the arena 0.17: the running chats reference blocks in most
+    ranges, so a new checkpoint can only replace another, and the chats' checkpoints age out between turns."""
+    whole, _ = ratios(run("flood_chat", 0.25, 2.0))
+    assert whole >= 0.95, whole
