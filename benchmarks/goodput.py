@@ -1,7 +1,8 @@
 """Goodput per GPU of PD versus colocated serving on the same GPUs, behind the same proxy (DistServe's experiment).
 
     python benchmarks/goodput.py --preset nemotron-h-8b --gpus 0,1 --workloads long --out-dir out/goodput
-    python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 1,2 --duration 3      # smoke run, tiny model
+    python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 2,4 --duration 1.5 --warmup-requests 0 \
+        --low-load 1 --low-load-max-tokens 4 --configs all --workloads all --arrivals all   # CPU, tiny model: ~4 min
 
 For each configuration (`CONFIGS`: N colocated replicas behind least-loaded routing; 1P1D; the adaptive policy
 when the proxy offers it: 1P1D whose proxy places each request by cost, PD, the decode worker alone (skip-P) or
@@ -40,9 +41,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridpd.deploy.local_cluster import Cluster, scrape_metric, start_cluster  # noqa: E402
+from hybridpd.engine.errors import HybridPDError  # noqa: E402
 from hybridpd.proxy.placement import PATHS  # noqa: E402
 
-from benchmarks.goodput_report import Outcome, config_goodput, plot, summarize_rate, table, write_json  # noqa: E402
+from benchmarks.goodput_report import Outcome, config_goodput, plot, report, summarize_rate, write_json  # noqa: E402
 from benchmarks.goodput_workloads import LONGEST, WORKLOADS, Req, Shape, arrival_times  # noqa: E402
 
 
@@ -456,19 +458,80 @@ def model_and_args(args: argparse.Namespace, tmp: str, shape: Shape) -> tuple[st
     return model, wargs + list(args.worker_arg or []), longest, vocab
 
 
+CPU_QUICK = (
+    "python benchmarks/goodput.py --device cpu --len-scale 0.01 --rates 2,4 --duration 1.5 --warmup-requests 0 "
+    "--low-load 1 --low-load-max-tokens 4 --configs all --workloads all --arrivals all --out-dir out/goodput_cpu"
+)
+"""Every configuration, workload and arrival process on the built-in tiny model: a complete table in minutes."""
+
+ARRIVALS = ("poisson", "bursty")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _names(ap: argparse.ArgumentParser, flag: str, raw: str, known: Any) -> list[str]:
+    """A comma-separated list of names, each one of `known` ("all": every one); an argparse error otherwise."""
+    names = list(known) if raw.strip() == "all" else [x.strip() for x in raw.split(",") if x.strip()]
+    bad = [x for x in names if x not in known]
+    if bad or not names:
+        ap.error(
+            f"{flag}: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'none given'} (known: "
+            f"{', '.join(known)}, or all)"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _rates(ap: argparse.ArgumentParser, raw: str) -> list[float]:
+    try:
+        rates = sorted({float(r) for r in raw.split(",") if r.strip()})  # "": low load only, no sweep
+    except ValueError:
+        ap.error(f"--rates: expected comma-separated numbers (requests per second), got {raw!r}")
+    if any(not 0 < r < float("inf") for r in rates):
+        ap.error(f"--rates: every rate must be a positive number of requests per second, got {raw!r}")
+    return rates
+
+
+def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Numeric flags in their ranges (argparse errors naming the flag)."""
+    for flag, ok in (
+        ("--duration", args.duration > 0),
+        ("--drain", args.drain >= 0),
+        ("--len-scale", args.len_scale > 0),
+        ("--deadline-s", args.deadline_s > 0),
+        ("--max-num-seqs", args.max_num_seqs >= 1),
+        ("--warmup-requests", args.warmup_requests >= 0),
+        ("--low-load", args.low_load >= 0),
+        ("--low-load-max-tokens", args.low_load_max_tokens >= 1),
+        ("--stop-below", 0 <= args.stop_below <= 1),
+        ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1),
+        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes is None or args.kv_cache_memory_bytes > 0),
+    ):
+        if not ok:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            ap.error(f"{flag} {value}: out of range (see --help)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="auto", help="auto: cuda when present, else cpu")
-    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    from hybridpd.deploy.cli import FAMILIES
+    from hybridpd.engine.models.checkpoint import PRESETS
+
+    from benchmarks.offline_throughput import SIZES
+
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Quick complete run on a CPU (tiny built-in model, a few minutes): {CPU_QUICK}",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the engine's rule (engine/device.py)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: --preset or --family/--size)")
-    ap.add_argument("--preset", default=None, help="full-size shape (engine.models.checkpoint.PRESETS), dummy weights")
-    ap.add_argument("--family", default="nemotron_h")
-    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="full-size shape, dummy weights")
+    ap.add_argument("--family", default="nemotron_h", choices=FAMILIES)
+    ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--gpus", default="0,1", help="CUDA devices the configurations share (in order)")
-    ap.add_argument("--configs", default="colocated,1p1d,adaptive", help=f"of {sorted(CONFIGS)}")
-    ap.add_argument("--workloads", default="long", help=f"of {sorted(WORKLOADS)}")
-    ap.add_argument("--arrivals", default="poisson", help="poisson,bursty")
-    ap.add_argument("--rates", default="1,2,3,4,6", help="requests/s to the whole cluster, ascending")
+    ap.add_argument("--configs", default="colocated,1p1d,adaptive", help=f"of {', '.join(CONFIGS)}, or all")
+    ap.add_argument("--workloads", default="long", help=f"of {', '.join(WORKLOADS)}, or all")
+    ap.add_argument("--arrivals", default="poisson", help=f"of {', '.join(ARRIVALS)}, or all")
+    ap.add_argument("--rates", default="1,2,3,4,6", help="requests/s to the whole cluster ('': low load only)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
     ap.add_argument("--drain", type=float, default=20.0, help="seconds to wait for requests after the last arrival")
     ap.add_argument("--stop-below", type=float, default=0.5, help="stop a sweep once loose attainment falls below")
@@ -486,23 +549,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="an extra worker flag (repeatable; --worker-arg=--enforce-eager)",
     )
-    ap.add_argument("--allow-reference-path", action="store_true")
+    ap.add_argument("--allow-reference-path", action="store_true", help="measure CUDA workers on the reference path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="goodput_out")
     args = ap.parse_args(argv)
-    args.rates = sorted(float(r) for r in args.rates.split(",") if r)  # "": low load only, no sweep
-    args.configs = [c for c in args.configs.split(",") if c]
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.arrivals = [a for a in args.arrivals.split(",") if a]
-    for name, known in (("configs", CONFIGS), ("workloads", WORKLOADS)):
-        bad = [x for x in getattr(args, name) if x not in known]
-        if bad:
-            ap.error(f"unknown {name}: {bad} (known: {sorted(known)})")
-    if args.device == "auto" or args.dtype == "auto":
-        from hybridpd.engine.device import resolve_device, resolve_dtype
+    args.rates = _rates(ap, args.rates)
+    args.configs = _names(ap, "--configs", args.configs, CONFIGS)
+    args.workloads = _names(ap, "--workloads", args.workloads, WORKLOADS)
+    args.arrivals = _names(ap, "--arrivals", args.arrivals, ARRIVALS)
+    _check_ranges(ap, args)
+    if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
+        ap.error(f"--device {args.device!r}: expected auto, cpu or cuda")
+    if args.model:  # a checkpoint directory, or a Hugging Face model id (its snapshot in the local cache)
+        from hybridpd.engine.model_source import resolve_model
 
-        args.device = resolve_device(args.device)
-        args.dtype = resolve_dtype(args.dtype, args.device)
+        try:
+            args.model = resolve_model(args.model)
+        except HybridPDError as e:
+            ap.error(f"--model: {e}")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            ap.error(f"--model {args.model!r}: not a checkpoint directory (no config.json)")
+    from hybridpd.engine.device import resolve_device
+
+    args.device = resolve_device(args.device)  # the dtype stays as given: each worker resolves auto (and reports it)
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if args.device.startswith("cuda"):
+        need = max(CONFIGS[c].num_gpus(len(gpus)) for c in args.configs)
+        if not gpus or need > len(gpus):
+            ap.error(f"--gpus {args.gpus!r}: the configurations need {need} GPUs, it names {len(gpus)}")
     return args
 
 
@@ -519,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     deadline = start + args.deadline_s
     on_cuda = args.device.startswith("cuda")
-    gpus = args.gpus.split(",")
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
     shape_scale = args.len_scale
     doc: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items()},
@@ -548,7 +622,12 @@ def main(argv: list[str] | None = None) -> int:
                 doc["skipped"].append({"config": name, "why": "deadline"})
                 continue
             print(f"== {name}: starting", flush=True)
-            run = launch(cfg, model, gpus, wargs, on_cuda, longest)
+            try:
+                run = launch(cfg, model, gpus, wargs, on_cuda, longest)
+            except HybridPDError as e:  # a worker that did not start says why (a model that does not fit, ...)
+                print(f"== {name}: NOT RUN: {e}", flush=True)
+                doc["skipped"].append({"config": name, "why": f"NOT RUN: {e}"})
+                continue
             try:
                 workers = check_path(run, args)
                 n_gpus = cfg.num_gpus(len(gpus))
@@ -585,12 +664,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     doc["plots"] = plot(doc["results"], args.out_dir)
     write_json(os.path.join(args.out_dir, "goodput.json"), doc)
+    dtypes = sorted({str(w["dtype"]) for r in doc["results"] for w in r["workers"]}) or [args.dtype]
     print(
-        f"\ndevice {doc['environment'].get('gpus') or 'cpu'}, {args.dtype}, elapsed {doc['elapsed_s']:.0f} s, "
-        f"JSON {os.path.join(args.out_dir, 'goodput.json')}"
+        f"\n{args.device} ({'/'.join(dtypes)}): JSON {os.path.join(args.out_dir, 'goodput.json')}, "
+        f"{len(doc['plots'])} PNG plots"
     )
-    print(table(doc["results"]))
-    return 0
+    print("\n".join(report(doc)))  # the bar checks, handoff phases, what was not run; the table last
+    return 0 if doc["results"] or not args.configs else 1
 
 
 if __name__ == "__main__":

@@ -319,6 +319,25 @@ def _literal(g: dict[str, float]) -> float:
     return g.get("per_gpu_highest_passing", g["per_gpu"])
 
 
+def report(doc: dict[str, Any], path: str = "") -> list[str]:
+    """A run's report, the table last: its device and versions, the rates not run, the bar checks, the low-load
+    handoff phases, the configurations not run and why."""
+    env = doc.get("environment", {})
+    lines = [
+        f"{path + ': ' if path else ''}{env.get('gpus') or 'cpu'}, {env.get('date_utc')}, commit "
+        f"{str(env.get('commit'))[:10]}, torch {env.get('torch')}, fla-core {env.get('fla-core')}, elapsed "
+        f"{doc.get('elapsed_s', 0):.0f} s"
+    ]
+    for r in doc["results"]:  # recomputed from the rows: runs written before "lower_bound" existed lack it
+        if r.get("rates"):
+            r["goodput"] = config_goodput(r["rates"], r["num_gpus"])
+        if r.get("skipped_rates"):
+            lines.append(f"  {r['config']}/{r['workload']}/{r['arrival']}: rates {r['skipped_rates']} not run")
+    lines += ["  " + line for line in bars(doc["results"]) + handoff_lines(doc["results"])]
+    lines += [f"  {skip['config']}: {skip['why']}" for skip in doc.get("skipped", [])]
+    return [*lines, table(doc["results"])]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m benchmarks.goodput_report RUN.json...`: the table and the bar checks of one or more runs."""
     import sys
@@ -327,23 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
-        env = doc.get("environment", {})
-        print(
-            f"\n{path}: {env.get('gpus') or 'cpu'}, {env.get('date_utc')}, commit {str(env.get('commit'))[:10]}, "
-            f"torch {env.get('torch')}, fla-core {env.get('fla-core')}, elapsed {doc.get('elapsed_s', 0):.0f} s"
-        )
-        for r in doc["results"]:  # recomputed from the rows: runs written before "lower_bound" existed lack it
-            if r.get("rates"):
-                r["goodput"] = config_goodput(r["rates"], r["num_gpus"])
-            if r.get("skipped_rates"):
-                print(f"  {r['config']}/{r['workload']}: rates {r['skipped_rates']} not run (deadline)")
-        for line in bars(doc["results"]):
-            print("  " + line)
-        for line in handoff_lines(doc["results"]):
-            print("  " + line)
-        for skip in doc.get("skipped", []):
-            print(f"  {skip['config']}: {skip['why']}")
-        print(table(doc["results"]))
+        print("\n" + "\n".join(report(doc, path)))
     return 0
 
 

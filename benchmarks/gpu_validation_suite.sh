@@ -5,8 +5,9 @@
 #   tp       the TP 2 shutdown (NCCL and CUDA graphs) and async tests, then step_pipeline.py at TP 1 and 2 (the TP 2 <= 0.6 x TP 1 bar)
 #   tests    the rest of tests/gpu (oracle, PD, poison, fast path, fused kernels, Qwen3.5-MoE)
 #   goodput  colocated x2 against the balanced pair on chat (gpu_balance_suite.sh)
-#   new      what the last CPU session built: the odd-shape kernels, PD with asynchronous scheduling, held-out
-#            model configurations on CUDA, mid-stream decode failover (fp32 must be identical), the TP 2 qwen case
+#   new      what the last sessions built and no GPU has run yet: the fused TP block end's engine test on Qwen3.5
+#            (fla-core compiles first), the tensor-parallel held-out shapes on CUDA (widths TP does not divide,
+#            one KV head / Mamba group / GDN key head under TP; the grouped-MoE 8-alignment guard), fp32 and bf16
 # Each lane's log lands in $OUT/<lane>.log; the Triton cache in $OUT/cache.tgz; the summaries print last.
 set -uo pipefail
 START=$(date +%s); OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,16 +28,12 @@ lane_tests() {
   echo "gpu tests: exit $? ($(( $(date +%s) - START )) s)"
 }
 lane_new() {
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 tests/gpu/test_fused_kernels_cuda.py \
-    tests/gpu/test_pd_cuda.py "tests/gpu/test_async_scheduling_cuda.py::test_cuda_async_matches_sync[2-qwen_attn_last]"
-  echo "gpu tests: exit $? ($(( $(date +%s) - START )) s)"
-  timeout 150 python3 -m benchmarks.model_zoo --device cuda --tp 1 2 --only nem_group5_hd24 nem_state12 nem_3nano_like \
-    nem_moe_latent nem_mamba_only qwen_group6_hd24 qwen_kdim12 qwen_tp_mix qwen_rope_yarn qmoe_kv1_hd32 mm_moe \
-    --out "$OUT/model_zoo_cuda_tp2.json"
-  echo "model_zoo: exit $? ($(( $(date +%s) - START )) s)"
-  timeout $(( $(left) - 10 )) python3 benchmarks/decode_failover.py --device cuda --dtype float32 \
-    --out "$OUT/decode_failover_cuda_fp32.json"
-  echo "decode_failover: exit $? ($(( $(date +%s) - START )) s)"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 tests/gpu/test_fused_allreduce_cuda.py \
+    tests/gpu/test_fast_path_cuda.py -k "fused or moe"
+  echo "fused block end and odd-width MoE tests: exit $? ($(( $(date +%s) - START )) s)"
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.model_zoo --device cuda --tp 1 2 --only tp_nem_odd tp_nem_kv1 \
+    tp_qwen_k1 tp_qmoe_top1 --out "$OUT/model_zoo_tp_cuda.json"
+  echo "model_zoo tp shapes: exit $? ($(( $(date +%s) - START )) s)"
 }
 lane_goodput() { OUT="$OUT/goodput" DEADLINE_S=$(( $(left) - 40 )) bash benchmarks/gpu_balance_suite.sh; }
 pids=(); i=0

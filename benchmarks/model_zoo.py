@@ -7,11 +7,13 @@ plus the byte-level tokenizer. Then, all fp32 on the CPU:
 
     TP 1 vs HF   hybridpd.engine.LLM (chunked prefill at 16 tokens a step, prefix caching, a repeated prompt that
                  hits the cache) against tests/oracle.py's hf_greedy: greedy tokens identical, logprobs within 1e-4
-    TP 2 vs TP 1 LLM(tensor_parallel_size=2) (gloo ranks) against TP 1: tokens identical, logprobs within 1e-4
+    TP n vs TP 1 LLM(tensor_parallel_size=n) (gloo ranks) against TP 1, for each n of --tp above 1 (default 2):
+                 tokens identical, logprobs within 1e-4; a TP size the shapes cannot take: "TP refused", not a failure
     refused      variants the engine must not serve: loading must raise ModelLoadError naming the field
 
     python -m benchmarks.model_zoo                       # every variant: a table, and the rows in model_zoo.json
     python -m benchmarks.model_zoo --only qwen_kv1 --tp 1   # a few variants, TP 1 only
+    python -m benchmarks.model_zoo --only tp_ --tp 1 2 3 4  # the tensor-parallel shapes at TP 2, 3 and 4
     python -m benchmarks.model_zoo --list
     python -m benchmarks.model_zoo --device cuda         # the engine's CUDA paths (fused kernels, fla-core)
     python -m benchmarks.model_zoo --fast-path --tp 1    # the batched path on the CPU (Triton interpreted)
@@ -223,6 +225,25 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "partial_rotary_factor": 0.25,
         },
     ),
+    # tensor-parallel shapes (run with --tp 1 2 4, or 3 where the heads allow): widths TP does not divide, one
+    # KV head / Mamba group / GDN key head under TP 4, an odd vocabulary untied
+    "tp_nem_odd_widths": _nem(intermediate_size=90, moe_intermediate_size=30, moe_shared_expert_intermediate_size=42),
+    "tp_nem_prime_widths": _nem(intermediate_size=37, moe_intermediate_size=13, moe_shared_expert_intermediate_size=21),
+    "tp_nem_kv1_g1": _nem(num_key_value_heads=1, n_groups=1, layers_block_type=[F, L, "moe", L, "mlp"]),
+    "tp_nem_attn_last": _nem(layers_block_type=[L, "moe", L, "mlp", F], vocab_size=263),
+    "tp_nem_top1_latent": _nem(moe_latent_size=24, mlp_bias=True, num_experts_per_tok=1),
+    "tp_nem_tp3": _nem(
+        num_attention_heads=6, num_key_value_heads=1, head_dim=8, mamba_num_heads=12, n_groups=1, intermediate_size=99
+    ),
+    "tp_qwen_k1_kv1": _qwen(num_key_value_heads=1, linear_num_key_heads=1, intermediate_size=45, layer_types=[F, L, L]),
+    "tp_qwen_v8_vocab": _qwen(linear_num_value_heads=8, linear_value_head_dim=4, vocab_size=262),
+    "tp_qwen_tp3": _qwen(
+        num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=3, linear_num_value_heads=6
+    ),
+    "tp_qmoe_top1_odd": _qmoe(
+        num_experts=6, num_experts_per_tok=1, moe_intermediate_size=17, shared_expert_intermediate_size=20
+    ),
+    "tp_qmoe_kv1_k1": _qmoe(num_key_value_heads=1, linear_num_key_heads=1, moe_intermediate_size=18),
     # -- Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B shapes in miniature)
     "qmoe_base": _qmoe(),
     "qmoe_8x1": _qmoe(num_experts=8, num_experts_per_tok=1),
@@ -456,8 +477,8 @@ def check_variant(
     lengths: tuple[int, ...] = LENGTHS,
     new: int = NEW_TOKENS,
 ) -> dict[str, Any]:
-    """One variant's row: TP 1 vs transformers and (2 in tp_sizes) TP 2 vs TP 1, on prompts of `lengths` plus the
-    last one again with 3 more tokens (a prefix-cache hit), `new` greedy tokens each."""
+    """One variant's row: TP 1 vs transformers and TP n vs TP 1 for every n > 1 in tp_sizes, on prompts of
+    `lengths` plus the last one again with 3 more tokens (a prefix-cache hit), `new` greedy tokens each."""
     from hybridpd.engine.errors import InvalidRequestError, ModelLoadError
 
     from tests.oracle import hf_greedy, hf_greedy_uncached
@@ -485,12 +506,12 @@ def check_variant(
         else:  # transformers' generate needs an attention layer: one uncached forward per token
             ref = [hf_greedy_uncached(path, p, new) for p in prompts]
         row["tp1_vs_hf"] = _compare(ref, tp1)
-        if 2 in tp_sizes:
+        for tp in (n for n in tp_sizes if n > 1):
             try:
-                row["tp2_vs_tp1"] = _compare(tp1, _engine_runs(path, 2, prompts, new))
+                row[f"tp{tp}_vs_tp1"] = _compare(tp1, _engine_runs(path, tp, prompts, new))
             except InvalidRequestError as e:
-                row["tp2_vs_tp1"] = {"ok": None, "refused": str(e)[:160]}
-    ok = [row[k]["ok"] for k in ("tp1_vs_hf", "tp2_vs_tp1") if k in row and row[k]["ok"] is not None]
+                row[f"tp{tp}_vs_tp1"] = {"ok": None, "refused": str(e)[:160]}
+    ok = [c["ok"] for k, c in row.items() if k.endswith(("_vs_hf", "_vs_tp1")) and c["ok"] is not None]
     row["result"] = "pass" if all(ok) else "FAIL"
     return row
 
@@ -524,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     rows = []
-    print("| variant | TP1 vs HF | TP2 vs TP1 | result |\n|---|---|---|---|", flush=True)
+    tps = [n for n in args.tp if n > 1]
+    head = "".join(f" TP{n} vs TP1 |" for n in tps)
+    print(f"| variant | TP1 vs HF |{head} result |\n|---|---|{'---|' * len(tps)}---|", flush=True)
     for name in names:
         t0 = time.time()
         try:
@@ -537,9 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             }
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
-        print(
-            f"| {name} | {_cell(row.get('tp1_vs_hf'))} | {_cell(row.get('tp2_vs_tp1'))} | {row['result']} |", flush=True
-        )
+        cells = "".join(f" {_cell(row.get(f'tp{n}_vs_tp1'))} |" for n in tps)
+        print(f"| {name} | {_cell(row.get('tp1_vs_hf'))} |{cells} {row['result']} |", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1, default=lambda x: x if math.isfinite(x) else str(x)) + "\n")

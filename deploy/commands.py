@@ -6,12 +6,12 @@ import argparse
 import json
 import os
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from hybridpd.deploy.engine_flags import engine_argv, engine_config_from_args
 from hybridpd.deploy.proxy_flags import add_proxy_limit_args, proxy_limits_from_args, serve_max_seqs
+from hybridpd.deploy.vllm_flags import human_readable_int_or_auto
 from hybridpd.engine.errors import HybridPDError
 
 
@@ -32,21 +32,17 @@ def _model_max_len(model: str, override: int | None) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    cfg = engine_config_from_args(args)
+    cfg.validate()  # bad engine flags: refused before torch, the model and the ports
+    check_max_decode_share(args.max_decode_share)
     from hybridpd.worker.auth import load_cluster_token, load_tls
     from hybridpd.worker.bootstrap import WorkerOptions, run_worker
 
-    cfg = engine_config_from_args(args)
     try:
         token = load_cluster_token(args.cluster_token_file)
         tls = load_tls(args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
     except ValueError as e:
-        print(f"hybridpd worker: {e}", file=sys.stderr)
-        return 2
-    try:
-        check_max_decode_share(args.max_decode_share)
-    except ConfigError as e:
-        print(f"hybridpd worker: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(e)) from None
     opts = WorkerOptions(role=args.role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                          advertise_host=args.advertise_host, lease_seconds=args.lease_seconds,
                          transfer_policy=args.transfer_policy, pull_timeout_s=args.pull_timeout,
@@ -127,7 +123,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         args.tokenizer = resolve_model(args.tokenizer)
     name = args.served_model_name
     model_name = name or (os.path.basename(os.path.normpath(args.model)) if args.model else "hybridpd")
-    max_len = _model_max_len(args.model, args.max_model_len) if args.model else (args.max_model_len or 4096)
+    if args.model:
+        max_len = _model_max_len(args.model, args.max_model_len)
+    else:  # auto (-1) or none: 4096; anything else as given (ProxyConfig refuses what is not >= 1)
+        max_len = 4096 if args.max_model_len in (None, -1) else args.max_model_len
     try:
         cfg = ProxyConfig(prefill_addrs=tuple(args.prefill or ()), decode_addrs=tuple(args.decode or ()),
                           model_name=model_name, tokenizer_path=args.tokenizer or args.model, model_path=args.model,
@@ -350,7 +349,8 @@ def add_serving_commands(sub: argparse._SubParsersAction, engine_args: Callable[
     p.add_argument("--model", default=None, help="checkpoint dir (tokenizer, max length)")
     p.add_argument("--served-model-name", "--model-name", dest="served_model_name", default=None,
                    help="model name clients send (default: the --model directory name, else 'hybridpd')")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: from --model's config, else 4096")
+    p.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
+                   help="longest prompt + output the proxy admits (32k, 32K; auto: --model's config, else 4096)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template (a file, or the template text) used instead of the model's")
     _generation_config_arg(p)

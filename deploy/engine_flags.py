@@ -22,11 +22,24 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from hybridpd.deploy.vllm_flags import PREFIX_CACHING_ALIAS, add_vllm_args, check_vllm_args
+from hybridpd.deploy.vllm_flags import (
+    PREFIX_CACHING_ALIAS,
+    add_vllm_args,
+    check_vllm_args,
+    human_readable_int,
+    human_readable_int_or_auto,
+)
 from hybridpd.engine.config import EngineConfig, config_sections, field_docs
 
 FLAG_NAMES = {("model", "path"): "model", ("cache", "enable_prefix_caching"): "prefix-caching"}
 """Flags not spelled like their field (`--model`, `--prefix-caching` / `--no-prefix-caching`)."""
+
+FLAG_PARSERS = {
+    ("model", "max_model_len"): human_readable_int_or_auto,
+    ("cache", "kv_cache_memory_bytes"): human_readable_int,
+    ("scheduler", "max_num_batched_tokens"): human_readable_int,
+}
+"""Flags whose values vLLM reads as human-readable integers (32k, 4G; --max-model-len also auto)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +104,8 @@ def add_engine_args(parser: argparse.ArgumentParser, flags: tuple[EngineFlag, ..
             parser.add_argument(flag.option, *alias, dest=flag.dest, action=argparse.BooleanOptionalAction,
                                 default=flag.default, help=text)
         else:
-            parser.add_argument(flag.option, dest=flag.dest, type=flag.kind, default=flag.default,
-                                choices=flag.choices, help=text)
+            parser.add_argument(flag.option, dest=flag.dest, default=flag.default, choices=flag.choices, help=text,
+                                type=FLAG_PARSERS.get((flag.section, flag.name), flag.kind))
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs for decode steps (sets HYBRIDPD_ENFORCE_EAGER=1 for this process and "
                              "the workers it starts)")

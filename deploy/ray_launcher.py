@@ -18,10 +18,31 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+from hybridpd.engine.errors import HybridPDError
+
 log = logging.getLogger("hybridpd.serve")
+
+
+class WorkerStartError(HybridPDError):
+    """A worker exited (or hung) before it was ready. `reason` is the worker's own: its last error line (a model
+    that does not fit, a missing package, a bad flag), so `serve` can print it instead of a traceback."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(f"{role} worker did not start: {reason}")
+        self.role, self.reason = role, reason
+
+
+def worker_error(role: str, code: int | None, stderr_tail: list[str]) -> WorkerStartError:
+    """The error of a worker that exited with `code` before its ready line: its own `error:` line when it printed
+    one (the CLI's one-line message), else the last lines it wrote."""
+    lines = [line.strip() for line in stderr_tail if line.strip()]
+    own = next((line for line in reversed(lines) if ": error: " in line), None)
+    detail = own.split(": error: ", 1)[1] if own else " | ".join(lines[-3:]) or "no output on stderr"
+    return WorkerStartError(role, f"{detail} (exit code {code})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,14 +51,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, num_workers: int) -> float:
-    """`--gpus-per-worker`, or when not given: one GPU per worker where the engine may use CUDA (`--device auto`
-    or cuda) and the Ray cluster has one for every worker, else none (Ray sets CUDA_VISIBLE_DEVICES to nothing for
-    an actor that reserves no GPU, so `auto` would then run on the CPU)."""
+def default_gpus_per_worker(asked: float | None, device: str, cluster_gpus: float, gpus_needed: int) -> float:
+    """`--gpus-per-worker`, or when not given: one GPU per rank where the engine may use CUDA (`--device auto` or
+    cuda) and the Ray cluster has one for each (`gpus_needed`: every worker's tensor-parallel ranks), none on a
+    cluster without GPUs. A cluster with some GPUs but fewer than that is a ConfigError: Ray would hide the GPUs
+    from actors that reserve none, and `auto` would quietly run every worker on the CPU."""
     if asked is not None:
         return asked
     wants_gpu = device == "auto" or device.startswith("cuda")
-    return 1.0 if wants_gpu and cluster_gpus >= num_workers else 0.0
+    if not wants_gpu or cluster_gpus <= 0:
+        return 0.0
+    if cluster_gpus >= gpus_needed:
+        return 1.0
+    from hybridpd.deploy.commands import ConfigError
+
+    raise ConfigError(
+        f"the workers need {gpus_needed} GPUs (one per worker and tensor-parallel rank) but the Ray cluster has "
+        f"{cluster_gpus:g}: share them (e.g. two workers on one GPU: --gpus-per-worker 0.5 --gpu-memory-utilization "
+        f"0.45), serve fewer workers (--colocated --num-decode 1), or run on the CPU (--device cpu)"
+    )
+
+
+def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
+    """WorkerStartError naming each reason once, with the roles it stopped (N workers of one model usually fail
+    alike), when any actor's worker did not start."""
+    roles: dict[str, list[str]] = {}
+    for role, info in infos:
+        if info.get("error"):
+            roles.setdefault(info["error"], []).append(role)
+    if roles:
+        raise WorkerStartError("; ".join(" and ".join(dict.fromkeys(r)) for r in roles.values()), "; ".join(roles))
+
+
+def served_max_model_len(asked: int, infos: list[tuple[str, dict[str, Any]]]) -> int:
+    """The proxy's max_model_len: `asked` (the checkpoint's, or --max-model-len), or less where a worker's cache
+    plan holds less (--max-model-len auto fitted it to its memory): the shortest, so every worker serves what the
+    proxy admits."""
+    lens = [int(i["kv_cache"]["max_model_len"]) for _, i in infos if (i.get("kv_cache") or {}).get("max_model_len")]
+    if lens and min(lens) < asked:
+        log.info("max_model_len %d: the workers' caches hold %d (auto-fit)", asked, min(lens))
+        return min(lens)
+    return asked
 
 
 class WorkerProcess:
@@ -72,15 +126,25 @@ class WorkerProcess:
         ports = ["--port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)]
         return [*self.base_argv, "--host", self.host, *ports]
 
+    @property
+    def role(self) -> str:
+        argv = self.base_argv
+        return argv[argv.index("--role") + 1] if "--role" in argv[:-1] else "worker"
+
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "hybridpd.deploy.cli", "worker", *self.argv],
-                                     stdout=subprocess.PIPE, stderr=None, text=True, env=self.env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env)
+        tail: deque[str] = deque(maxlen=20)  # the worker's last stderr lines: the error of one that fails to start
+        tee = threading.Thread(target=self._tee_stderr, args=(self.proc, tail), daemon=True)
+        tee.start()
         deadline = time.time() + self.ready_timeout_s
         assert self.proc.stdout is not None
         while time.time() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"worker exited before it was ready (exit code {self.proc.wait()})")
+                code = self.proc.wait()
+                tee.join(timeout=5)  # its last lines
+                raise worker_error(self.role, code, list(tail))
             try:
                 msg = json.loads(line)
             except json.JSONDecodeError:
@@ -91,7 +155,19 @@ class WorkerProcess:
                 self.metrics_port = int(msg.get("metrics_port") or self.metrics_port)
                 threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                 return
-        raise RuntimeError("worker did not become ready in time")
+        self.proc.kill()
+        raise WorkerStartError(self.role, f"not ready in {self.ready_timeout_s:g} s")
+
+    @staticmethod
+    def _tee_stderr(proc: subprocess.Popen, tail: deque[str]) -> None:
+        """Copy the worker's stderr to ours as it comes (its log), keeping the last lines."""
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail.append(line)
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # our stderr closed: keep draining the pipe
+                pass
 
     @staticmethod
     def _drain(proc: subprocess.Popen) -> None:
@@ -136,21 +212,33 @@ def _make_actor_class(ray: Any) -> Any:
         def __init__(self, argv: list[str], host: str) -> None:
             if host == "node":  # joined a multi-node cluster: bind on the node this actor landed on
                 host = ray.util.get_node_ip_address()
-            self.worker = WorkerProcess(argv, host=host)
             self.role = argv[argv.index("--role") + 1] if "--role" in argv else "worker"
+            self.error: str | None = None
+            """Why the worker never started (its own message): the driver reports it. Not raised here, where Ray
+            would restart the actor (max_restarts) and the driver see only that it went away."""
+            self.worker: WorkerProcess | None = None
+            try:
+                self.worker = WorkerProcess(argv, host=host)
+            except WorkerStartError as e:
+                self.error = e.reason
+            except Exception as e:  # noqa: BLE001 - any start failure goes to the driver as text
+                self.error = f"{type(e).__name__}: {e}"
 
         def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this: "(prefill worker pid=...)"
             return f"{self.role} worker"
 
         def info(self) -> dict[str, Any]:
+            if self.worker is None:
+                return {"error": self.error}
             return {**self.worker.info, "restarts": self.worker.restarts, "alive": self.worker.alive(),
                     "node_id": ray.get_runtime_context().get_node_id()}
 
         def pid(self) -> int:
-            return self.worker.proc.pid if self.worker.proc else -1
+            return self.worker.proc.pid if self.worker is not None and self.worker.proc else -1
 
         def stop(self) -> None:
-            self.worker.stop()
+            if self.worker is not None:
+                self.worker.stop()
 
     return WorkerActor
 
@@ -281,20 +369,23 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
         ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
     actors = []
     targets: Path | None = None
-    # one CPU per worker where there is one; on a smaller machine a share of it (a whole CPU each would leave the
-    # third worker of a 2-core box waiting forever for a CPU that does not exist)
-    total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
-    gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
-                                   float(ray.cluster_resources().get("GPU", 0.0)), len(roles))
-    register = _registration_argv(args, host, ray)
-    for role in roles:
-        tp = role_tp[role]  # a worker's ranks: one actor, so one node
-        argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
-        opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
-        actors.append((role, actor_cls.options(**opts).remote(argv, host)))
     try:
+        # one CPU per worker where there is one; on a smaller machine a share of it (a whole CPU each would leave the
+        # third worker of a 2-core box waiting forever for a CPU that does not exist)
+        total_cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        num_cpus = min(1.0, round(total_cpus / max(1, len(roles)), 2))
+        gpus = default_gpus_per_worker(args.gpus_per_worker, getattr(args, "device", "auto"),
+                                       float(ray.cluster_resources().get("GPU", 0.0)),
+                                       sum(role_tp[role] for role in roles))
+        register = _registration_argv(args, host, ray)
+        for role in roles:
+            tp = role_tp[role]  # a worker's ranks: one actor, so one node
+            argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
+            opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
+            actors.append((role, actor_cls.options(**opts).remote(argv, host)))
         infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
+        check_started(infos)
+        max_model_len = served_max_model_len(max_model_len, infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
         decode = tuple(i["address"] for r, i in infos if r == "decode")
         for role, info in infos:

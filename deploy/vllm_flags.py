@@ -10,6 +10,11 @@ before anything starts. None is silently ignored.
                --pipeline-parallel-size 1, --data-parallel-size 1       (replicas: --num-decode, --colocated)
                --enable-auto-tool-choice, --tool-call-parser qwen3_coder    tool calling is always on, in the XML
                                                                         format of both families' chat templates
+               --max-model-len 32k | 32K | auto | -1, --max-num-batched-tokens 8k, --kv-cache-memory-bytes 4G
+                                                                        vLLM's human-readable integers (k = 1000,
+                                                                        K = 1024, ...); auto / -1: the longest
+                                                                        max_model_len the cache holds (auto-fit)
+               --dtype half | float                                     float16 | float32
     refused    --no-enable-chunked-prefill, --kv-cache-dtype other than auto, --quantization,
                --pipeline-parallel-size or --data-parallel-size above 1, another --tool-call-parser,
                --reasoning-parser, --enable-lora, --speculative-config
@@ -33,6 +38,34 @@ _REFUSED = {
     "enable_lora": "LoRA adapters are not supported",
     "speculative_config": "speculative decoding is not implemented",
 }
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """An integer as vLLM's flags take it: plain, or a number with a decimal (k m g t: powers of 1000, decimals
+    allowed: 25.6k = 25600) or binary (K M G T: powers of 1024, whole numbers only) suffix."""
+    text = value.strip()
+    if text[-1:] in _DECIMAL or text[-1:] in _BINARY:
+        number, suffix = text[:-1], text[-1]
+        try:
+            if suffix in _BINARY:
+                return int(number) * _BINARY[suffix]
+            return int(float(number) * _DECIMAL[suffix])
+        except ValueError:
+            hint = f" (decimals only with k, m, g, t: {number}{suffix.lower()}?)" if suffix in _BINARY else ""
+            raise argparse.ArgumentTypeError(f"not an integer: {value!r}{hint}") from None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r} (e.g. 4096, 32k, 32K)") from None
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """`human_readable_int`, or auto / -1: -1 (vLLM's --max-model-len auto: the longest length the memory holds)."""
+    return -1 if value.strip().lower() in ("auto", "-1") else human_readable_int(value)
 
 
 class UnsupportedFlagError(HybridPDError):

@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import textwrap
 import typing
 from collections.abc import Mapping
@@ -21,7 +22,8 @@ from typing import Any, Literal
 from hybridpd.engine.errors import InvalidRequestError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
+"""`half` and `float` are vLLM's other names of float16 and float32."""
 ZeroMode = Literal["auto", "on", "off"]
 LoadFormat = Literal["auto", "dummy"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -39,12 +41,14 @@ class ModelConfig:
     """HF-format checkpoint directory (config.json, weights, tokenizer). LLM() and the hybridpd commands default to
     the built-in tiny model."""
     dtype: DtypeSetting = "auto"
-    """Weight and activation dtype. auto: bfloat16 on CUDA (float16 where the GPU lacks bf16), float32 on CPU."""
+    """Weight and activation dtype. auto (as vLLM): on CUDA the checkpoint's config.json dtype, bfloat16 for a
+    float32 one (float16 where the GPU lacks bf16); float32 on CPU. half = float16, float = float32."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. auto: cuda when a CUDA device is visible, else cpu."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens. None: the checkpoint's max_position_embeddings (4096 when its config.json
-    has none). Larger than max_position_embeddings is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM)."""
+    has none). Larger than max_position_embeddings is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM).
+    -1 (flag: auto): that length, or the longest one request of which the cache budget holds (vLLM's auto-fit)."""
     seed: int = 0
     """Random seed of the engine's sampler."""
     load_format: LoadFormat = "auto"
@@ -133,11 +137,13 @@ class EngineConfig:
 
     def validate(self) -> None:
         m, c, s = self.model, self.cache, self.scheduler
-        if m.dtype not in DTYPES and m.dtype != "auto":
-            raise InvalidRequestError(f"dtype must be auto or one of {DTYPES}, got {m.dtype!r}")
+        if m.dtype not in typing.get_args(DtypeSetting):
+            raise InvalidRequestError(f"dtype must be one of {typing.get_args(DtypeSetting)}, got {m.dtype!r}")
+        if m.max_model_len is not None and m.max_model_len < -1:
+            raise InvalidRequestError(f"max_model_len must be >= 1 (or -1: auto-fit), got {m.max_model_len}")
         if m.load_format not in typing.get_args(LoadFormat):
             raise InvalidRequestError(f"load_format must be auto|dummy, got {m.load_format!r}")
-        if not (m.device in ("auto", "cpu") or m.device.startswith("cuda")):
+        if not (m.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", m.device)):
             raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {m.device!r}")
         if c.block_size < 1:
             raise InvalidRequestError(f"block_size must be >= 1, got {c.block_size}")
@@ -168,14 +174,14 @@ def checkpoint_max_len(hf_config: Mapping[str, Any]) -> int | None:
 
 
 def resolve_max_model_len(requested: int | None, hf_config: Mapping[str, Any], model: str = "the model") -> int:
-    """The engine's max_model_len: `requested`, or (None / 0) the checkpoint's max_position_embeddings. Like vLLM, a
+    """The engine's max_model_len: `requested`, or (None / 0 / -1) the checkpoint's max_position_embeddings. As vLLM, a
     requested length past the checkpoint's (and past its model_max_length, when config.json has one) is refused
     with InvalidRequestError unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; a checkpoint naming neither accepts any."""
     limit = checkpoint_max_len(hf_config)
-    if not requested:
+    if not requested or requested == -1:  # -1: auto-fit, from this length down (the engine's planner)
         return limit or DEFAULT_MAX_MODEL_LEN
     if requested < 0:
-        raise InvalidRequestError(f"max_model_len must be >= 1, got {requested}")
+        raise InvalidRequestError(f"max_model_len must be >= 1 (or -1: auto-fit), got {requested}")
     override = hf_config.get("model_max_length")
     if limit is None or requested <= limit or (isinstance(override, int) and requested <= override):
         return requested

@@ -23,8 +23,17 @@ from hybridpd.engine.cache.planner import CapacityError, CapacityPlan, plan_capa
 from hybridpd.engine.cache.specs import group_layers
 from hybridpd.engine.config import EngineConfig, resolve_max_model_len
 from hybridpd.engine.detokenizer import IncrementalDetokenizer
-from hybridpd.engine.device import require_fast_path, resolve_device, resolve_dtype
+from hybridpd.engine.device import describe_auto, require_device, require_fast_path, resolve_device, resolve_dtype
 from hybridpd.engine.errors import InvalidRequestError
+from hybridpd.engine.memory_fit import (
+    GpuBudget,
+    activation_reserve,
+    fmt_bytes,
+    gpu_budget,
+    largest_fitting,
+    no_fit_error,
+    smallest_fitting,
+)
 from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
 from hybridpd.engine.parallel.group import TPGroup
 from hybridpd.engine.parallel.shard import check_shardable, shard_model
@@ -76,12 +85,13 @@ class EngineCore:
         from hybridpd.engine.models.registry import read_model_config
 
         config.validate()
-        config = resolve_auto(config)
+        hf_config = read_model_config(config.model.path)
+        config = resolve_auto(config, hf_config)
         self.config = config
         mc = config.model
+        require_device(mc.device)
         require_fast_path(mc.device, mc.allow_reference_path)
         self.device = torch.device(mc.device)
-        hf_config = read_model_config(mc.path)
         self.max_model_len = resolve_max_model_len(mc.max_model_len, hf_config, mc.path)
         world = config.parallel.tensor_parallel_size
         if tp is None and world > 1:  # a model that cannot be cut fails here, before any other rank starts
@@ -120,6 +130,7 @@ class EngineCore:
         self.has_recurrent = any(not g.is_attention for g in self.groups)
         self._memory_note = ""
         """On CUDA: the share, weights and activation reserve the cache budget was derived from (for errors)."""
+        self._gpu: GpuBudget | None = None
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
         if self.tp is not None and len(set(self.tp.gather_objects(self.plan.log_line()))) != 1:
@@ -135,7 +146,7 @@ class EngineCore:
         if self.tp is not None and self.async_scheduling:
             self.runner.token_group = self.tp  # every rank needs the samples its next (fed) step reads
         if self.followers is not None:
-            self.runner = LeaderRunner(self.runner, self.followers.tp)  # type: ignore[assignment]
+            self.runner = LeaderRunner(self.runner, self.followers.tp, self.followers.fail)  # type: ignore[assignment]
             self.followers.before_leave = self.runner.release_graphs  # NCCL: graphs die before the group
         self.eos_token_ids = tuple(self.model.eos_token_ids)
         self.vocab_size = int(self.model.vocab_size)
@@ -179,34 +190,49 @@ class EngineCore:
             budget = self.tp.agree_min(budget)
         # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
         # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
-        def plan(num_seqs: int) -> CapacityPlan | None:
+        def plan(num_seqs: int, max_model_len: int = 0, budget: int = budget) -> CapacityPlan | None:
             """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
+            max_model_len = max_model_len or self.max_model_len
             try:
-                p = plan_capacity(self.groups, budget, num_seqs, cc.num_checkpoint_slots, self.max_model_len,
+                p = plan_capacity(self.groups, budget, num_seqs, cc.num_checkpoint_slots, max_model_len,
                                   cc.resolved_checkpoint_interval(), policy=cc.cache_policy(),
                                   block_size=cc.block_size)
             except CapacityError:
                 return None
-            return None if p.attention_blocks and p.token_capacity < self.max_model_len else p
+            return None if p.attention_blocks and p.token_capacity < max_model_len else p
 
-        fitted = fit_running_seqs(plan, sc.max_num_seqs)
+        fitted = fit_running_seqs(plan, sc.max_num_seqs) if budget > 0 else None
+        if fitted is None and self.config.model.max_model_len == -1 and budget > 0:  # auto-fit (vLLM's -1 / auto)
+            longest = largest_fitting(lambda n: plan(1, n) is not None, self.max_model_len - 1)
+            if longest > 1:
+                log.info("auto-fit max_model_len: reduced from %d to %d, the longest request the cache budget (%s%s) "
+                         "holds", self.max_model_len, longest, fmt_bytes(budget), self._memory_note)
+                self.max_model_len = longest
+                fitted = fit_running_seqs(plan, sc.max_num_seqs)
         if fitted is None:
-            one = plan_capacity(self.groups, 1 << 50, 1, 0, self.max_model_len, cc.resolved_checkpoint_interval(),
-                                block_size=cc.block_size)
-            need = one.bytes_per_state * 2 + (-(-self.max_model_len // one.block_size) + 2) * one.bytes_per_block
-            raise InvalidRequestError(
-                f"the model does not fit: one request of max_model_len={self.max_model_len} tokens needs "
-                f"{need / 2**20:.1f} MiB of cache ({one.bytes_per_state / 2**20:.1f} MiB recurrent state, "
-                f"{one.bytes_per_token} B/token of attention KV), the cache budget is {budget / 2**20:.1f} MiB"
-                f"{self._memory_note}: raise gpu_memory_utilization / kv_cache_memory_bytes, lower max_model_len, "
-                f"or use more GPUs")
+
+            def holds(length: int, nbytes: int) -> bool:
+                return plan(1, length, nbytes) is not None
+
+            raise self._no_fit(budget, holds)
         if fitted.state_slots_running and fitted.state_slots_running < sc.max_num_seqs:
-            log.warning("max_num_seqs lowered from %d to %d: the cache budget (%.1f MiB%s) holds that many running "
+            log.warning("max_num_seqs lowered from %d to %d: the cache budget (%s%s) holds that many running "
                         "requests with room for one of max_model_len=%d", sc.max_num_seqs,
-                        fitted.state_slots_running, budget / 2**20, self._memory_note, self.max_model_len)
+                        fitted.state_slots_running, fmt_bytes(budget), self._memory_note, self.max_model_len)
             self.config = dataclasses.replace(
                 self.config, scheduler=dataclasses.replace(sc, max_num_seqs=fitted.state_slots_running))
         return fitted
+
+    def _no_fit(self, budget: int, fits: Callable[[int, int], bool]) -> InvalidRequestError:
+        """The error of a cache budget that holds no request of max_model_len, with the numbers. `fits(length,
+        budget)`: whether `budget` bytes hold one request of `length` tokens."""
+        cc = self.config.cache
+        one = plan_capacity(self.groups, 1 << 50, 1, 0, self.max_model_len, cc.resolved_checkpoint_interval(),
+                            block_size=cc.block_size)
+        need = smallest_fitting(lambda b: fits(self.max_model_len, b), 1 << 50)
+        largest = largest_fitting(lambda n: fits(n, budget), self.max_model_len - 1) if budget > 0 else 0
+        return no_fit_error(self.max_model_len, one.bytes_per_token, one.bytes_per_state, need, budget, largest,
+                            self._gpu)
 
     def _cuda_budget(self) -> int:
         """This instance may use gpu_memory_utilization * total (vLLM's meaning: other processes on the GPU are
@@ -216,28 +242,17 @@ class EngineCore:
         # process holds them on top of its share, and two workers sharing a GPU can run it out of memory
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        mine = torch.cuda.memory_reserved(self.device)
-        share = int(self.config.cache.gpu_memory_utilization * total)
-        if share > free + mine:
-            raise InvalidRequestError(
-                f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization} asks for {share / 2**30:.1f} GiB "
-                f"but only {(free + mine) / 2**30:.1f} GiB of the GPU is free: lower it")
-        weights = torch.cuda.memory_allocated(self.device)
-        tokens = self.config.scheduler.max_num_batched_tokens
         hidden = int(getattr(self.model, "hidden_size", 4096))
-        activation = 16 * tokens * hidden * 4 + self.vocab_estimate() * 4 * min(tokens, 1024)
-        budget = share - weights - activation - self._exchange_bytes
-        self._memory_note = (f"; of the {share / 2**30:.1f} GiB share of the GPU, weights take {weights / 2**30:.1f}"
-                             f" GiB and activations are reserved {activation / 2**30:.1f} GiB")
-        log.info("GPU memory: share %.1f GiB (gpu_memory_utilization %.2f of %.1f GiB), weights %.1f GiB, "
-                 "activation reserve %.1f GiB, cache budget %.1f GiB", share / 2**30,
-                 self.config.cache.gpu_memory_utilization, total / 2**30, weights / 2**30, activation / 2**30,
-                 budget / 2**30)
-        if budget <= 0:
-            raise InvalidRequestError(f"the model does not fit: no GPU memory left for the cache{self._memory_note}"
-                                      f": raise gpu_memory_utilization, lower max_num_batched_tokens, or use more "
-                                      f"GPUs")
-        return budget
+        gpu = gpu_budget(total, free, torch.cuda.memory_reserved(self.device),
+                         torch.cuda.memory_allocated(self.device), self.config.cache.gpu_memory_utilization,
+                         activation_reserve(self.config.scheduler.max_num_batched_tokens, hidden,
+                                            self.vocab_estimate()), exchange=self._exchange_bytes)
+        self._gpu, self._memory_note = gpu, gpu.note()
+        log.info("GPU memory: share %s (gpu_memory_utilization %.2f of %s), weights %s, activation reserve %s, "
+                 "all-reduce exchange %s, cache budget %s", fmt_bytes(gpu.share), gpu.utilization,
+                 fmt_bytes(gpu.total), fmt_bytes(gpu.weights), fmt_bytes(gpu.activation), fmt_bytes(gpu.exchange),
+                 fmt_bytes(gpu.cache))
+        return gpu.cache
 
     def vocab_estimate(self) -> int:
         return int(getattr(self.model, "vocab_size", 32000))
@@ -639,11 +654,16 @@ def fit_running_seqs(plan: Callable[[int], CapacityPlan | None], max_num_seqs: i
     return plan(lo) if lo >= 1 else None
 
 
-def resolve_auto(config: EngineConfig) -> EngineConfig:
-    """The config with `device` / `dtype` "auto" replaced by what this machine runs (engine/device.py)."""
+def resolve_auto(config: EngineConfig, hf_config: dict[str, Any] | None = None) -> EngineConfig:
+    """The config with `device` / `dtype` "auto" replaced by what this machine runs the checkpoint (its config.json:
+    `hf_config`) in (engine/device.py); what auto chose is logged."""
     mc = config.model
     device = resolve_device(mc.device)
-    model = dataclasses.replace(mc, device=device, dtype=resolve_dtype(mc.dtype, device))  # type: ignore[arg-type]
+    dtype = resolve_dtype(mc.dtype, device, hf_config)
+    said = describe_auto(mc.device, mc.dtype, device, dtype, hf_config)
+    if said:
+        log.info("%s", said)
+    model = dataclasses.replace(mc, device=device, dtype=dtype)  # type: ignore[arg-type]
     return dataclasses.replace(config, model=model)
 
 

@@ -82,8 +82,8 @@ async def serve_worker(config: EngineConfig, opts: WorkerOptions) -> None:
     from prometheus_client import start_http_server
 
     t_load = time.monotonic()
-    log.info("%s worker: loading weights from %s (%s on %s)", opts.role, config.model.path, config.model.dtype,
-             config.model.device)
+    log.info("%s worker: loading weights from %s (dtype %s, device %s)", opts.role, config.model.path,
+             config.model.dtype, config.model.device)
     core = EngineCore(config)
     log.info("%s worker: model loaded and KV cache allocated in %.1f s", opts.role, time.monotonic() - t_load)
     model_name = opts.model_name or os.path.basename(os.path.normpath(config.model.path))

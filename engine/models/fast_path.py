@@ -278,8 +278,13 @@ def stack_experts(moe: Any) -> None:
         setattr(moe, f"stacked_{name}", stacked)
 
 
-def grouped_moe_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+def grouped_moe_available(x: torch.Tensor, *stacked: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM can run the routed experts: bf16 on CUDA, and every operand's rows a multiple
+    of 16 bytes (8 values: x's width and both dims of each stacked expert weight), which it requires. An expert
+    width off 8 (a config's, or a tensor-parallel share of one) takes the masked path instead."""
+    dims = [x.shape[-1], *(d for w in stacked for d in w.shape[-2:])]
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and all(d % 8 == 0 for d in dims))
 
 
 def sort_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -242,7 +242,8 @@ class NemotronHMoE(nn.Module):
         weights, idx = self.gate(h)
         x = self.fc1_latent_proj(h) if self.latent else h
         if self.grouped:  # fast path: no host sync (CUDA graphs)
-            route = moe_routed if grouped_moe_available(x) else moe_routed_masked
+            grouped = grouped_moe_available(x, self.stacked_up_proj, self.stacked_down_proj)
+            route = moe_routed if grouped else moe_routed_masked
             out = route(self, x, weights, idx).to(h.dtype)
             out = self.fc2_latent_proj(out) if self.latent else out
             return out + self.shared_experts(h)

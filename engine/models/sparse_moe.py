@@ -67,7 +67,7 @@ class SparseMoeBlock(nn.Module):
         weights, idx = self.route(x)
         if self.stacked_gate_up is None:
             routed = self._routed_reference(x, weights, idx)
-        elif grouped_moe_available(x):
+        elif grouped_moe_available(x, self.stacked_gate_up, self.stacked_down):  # type: ignore[arg-type]
             routed = self.routed_grouped(x, weights, idx)
         else:
             routed = moe_routed_masked(self, x, weights, idx)  # every expert on every token: no host sync

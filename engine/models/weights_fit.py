@@ -47,5 +47,6 @@ def require_room(nbytes: int, free: int | None, what: str = "the model's weights
     if free is not None and nbytes > free:
         raise ModelLoadError(
             f"the model does not fit: {what} take {nbytes / 2**30:.1f} GiB, the device has {free / 2**30:.1f} GiB "
-            f"free: use a smaller dtype, a GPU with more memory, or more GPUs"
+            f"free: use a smaller dtype (--dtype bfloat16), spread the model over more GPUs (--tensor-parallel-size), "
+            f"or use a GPU with more memory"
         )

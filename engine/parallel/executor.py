@@ -16,9 +16,13 @@ shapes), so block ids and state slots mean the same pages everywhere. Sampling h
 has all logits; followers discard theirs).
 
 Faults: a follower that dies leaves rank 0 inside a collective that may never return (NCCL), so rank 0's watchdog
-ends the whole process (exit code 70): the worker is restarted whole and no request gets a wrong token. A command
-rank 0 cannot deliver ends it the same way (the channel's error handler). Followers exit when rank 0's process is
-gone (its end of the channel closes).
+ends the whole process (exit code 70): the worker is restarted whole and no request gets a wrong token. A follower
+frozen (stopped by a signal) for FROZEN_RANK_S is treated the same way. A command rank 0 cannot deliver ends it the
+same way (the channel's error handler), and so does a broadcast call that fails on rank 0 itself: the followers
+run the same call, so rank 0 stopping part-way leaves them inside a collective rank 0 will not join (its next
+collective would meet theirs: a hang, or sums of the wrong tensors). Rank 0 kills its followers before it exits (a
+frozen one could not notice that it is gone); followers exit when rank 0's process is gone (its end of the channel
+closes).
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ ON_ALL = "<on_all>"
 class LeaderRunner:
     """Rank 0's ModelRunner: the calls in BROADCAST_CALLS go to every rank, everything else is rank 0's runner."""
 
-    def __init__(self, runner: Any, tp: TPGroup) -> None:
+    def __init__(self, runner: Any, tp: TPGroup, on_error: Callable[[BaseException], None] = fail_worker) -> None:
+        """`on_error(exc)`: a broadcast call failed on rank 0 (the ranks are out of step); it ends the worker."""
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_encoder", StepEncoder())
+        object.__setattr__(self, "_on_error", on_error)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._runner, name)
@@ -71,13 +77,23 @@ class LeaderRunner:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self._tp.broadcast(self._encoder.encode(name, args, kwargs))
-        return getattr(self._runner, name)(*args, **kwargs)
+        return self._in_step(getattr(self._runner, name), *args, **kwargs)
+
+    def _in_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Rank 0's part of a call every rank runs: an exception here ends the worker (`on_error`), never only
+        the call (the followers may be waiting in a collective of it)."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            log.critical("tensor-parallel rank 0: a call every rank runs failed; the ranks are out of step")
+            self._on_error(exc)
+            raise
 
     def on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(runner, rank, *args)` on every rank (fn a module-level function: it is pickled by name); returns
         every rank's result in rank order."""
         self._tp.broadcast((ON_ALL, (fn, args), {}))
-        return self._tp.gather_objects(fn(self._runner, 0, *args))
+        return self._tp.gather_objects(self._in_step(fn, self._runner, 0, *args))
 
 
 class DiscardingSampler:
@@ -164,6 +180,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped by a signal (SIGSTOP, SIGTSTP: state T; not a debugger's trace stop)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:  # gone, or no /proc
+        return False
+
+
 def _exit_when_gone(pid: int) -> None:
     def watch() -> None:
         while _alive(pid):
@@ -172,6 +197,10 @@ def _exit_when_gone(pid: int) -> None:
 
     threading.Thread(target=watch, name="tp-leader-watch", daemon=True).start()
 
+
+FROZEN_RANK_S = 5.0
+"""How long a follower may stay stopped (SIGSTOP) before rank 0 ends the worker: rank 0 would wait in the
+collective it left unjoined for the group's whole timeout (minutes), and computes nothing meanwhile."""
 
 EXIT_CLOSE_TIMEOUT_S = 10.0
 """How long interpreter exit waits for an engine nobody shut down to stop its followers and leave the group."""
@@ -265,7 +294,17 @@ class Followers:
     def _unreachable(self, exc: BaseException) -> None:
         """A command could not reach a follower (the channel's error handler, any thread): ranks out of step."""
         if not self.closing:
-            fail_worker(exc)
+            self.fail(exc)
+
+    def fail(self, exc: BaseException | str) -> None:
+        """The ranks can no longer run in step: kill the followers (one frozen, or stuck in a collective, would never
+        notice that rank 0 is gone), then end this process with RANK_DIED_EXIT_CODE (the worker is restarted
+        whole). Any thread."""
+        log.critical("tensor-parallel worker failed (%s): it exits to be restarted whole", exc)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        os._exit(RANK_DIED_EXIT_CODE)
 
     def close(self) -> None:
         """Stop the followers (they leave their loop, then the group with rank 0, and exit), leave the group (a new
@@ -303,17 +342,16 @@ class Followers:
         leave_group(timeout_s=5.0)  # the killed followers never leave: gloo's exit is local, NCCL's is aborted
 
     def _watch(self) -> None:
+        stopped_since: dict[int, float] = {}
         while not self.closing:
+            now = time.monotonic()
             for r, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.closing:
-                    log.error(
-                        "tensor-parallel rank %d (pid %d) died (exit code %s): the worker exits so that it "
-                        "is restarted whole",
-                        r,
-                        p.pid,
-                        p.returncode,
-                    )
-                    os._exit(RANK_DIED_EXIT_CODE)
+                    self.fail(f"rank {r} (pid {p.pid}) died (exit code {p.returncode})")
+                if not _stopped(p.pid):
+                    stopped_since.pop(r, None)
+                elif now - stopped_since.setdefault(r, now) >= FROZEN_RANK_S and not self.closing:
+                    self.fail(f"rank {r} (pid {p.pid}) stopped (frozen) for {FROZEN_RANK_S:.0f} s")
             time.sleep(0.2)
 
 

@@ -10,7 +10,8 @@ What each rank holds (H heads, KV key/value heads, G Mamba groups, Kh GDN key he
                        x: [h*P, (h+1)*P) for its heads h;  B: H*P + [g*N, (g+1)*N);  C: H*P + G*N + [g*N, ...)
     Gated DeltaNet value heads split, key heads split or replicated; conv | q (Kh*dk) | k (Kh*dk) | v (Hv*dv) |
                    cut the same way per part; out_proj row-parallel
-    MLP / MoE      intermediate split (every expert and the shared expert); one all-reduce per MLP / MoE block;
+    MLP / MoE      intermediate split (every expert and the shared expert; shares as even as whole runs of 8
+                   channels allow, partition.width_share); one all-reduce per MLP / MoE block;
                    the router (and Qwen3.5-MoE's shared-expert gate) is replicated
     embedding      vocabulary rows split (engine.parallel.layers); LM head gathers the logits
 
@@ -41,7 +42,14 @@ from hybridpd.engine.parallel.layers import (
     take_cols,
     take_rows,
 )
-from hybridpd.engine.parallel.partition import blocks, gdn_conv_channels, group_share, mamba_conv_channels, split_range
+from hybridpd.engine.parallel.partition import (
+    blocks,
+    gdn_conv_channels,
+    group_share,
+    mamba_conv_channels,
+    split_range,
+    width_share,
+)
 from torch import nn
 
 
@@ -130,10 +138,12 @@ def shard_gdn(m: GatedDeltaNet, tp: TPGroup) -> None:
 
 
 def _split_mlp(up: list[nn.Linear], down: nn.Linear, tp: TPGroup, what: str = "intermediate_size") -> None:
-    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces); `what`:
-    the config field of the width (for the error when tp does not divide it)."""
-    _need(down.in_features, what, tp)
-    cols = index([split_range(down.in_features, tp.world, tp.rank)])
+    """Column-parallel `up` linears, `down` with its input columns cut (partial sums: the caller reduces). The
+    width need not divide by tp (a contiguous share each, partition.width_share: the partial sums add up the
+    same); `what`: the config field of the width (for the error when it is narrower than tp)."""
+    if down.in_features < tp.world:
+        raise ValueError(f"{what}={down.in_features} is narrower than tensor_parallel_size={tp.world}")
+    cols = index([width_share(down.in_features, tp.world, tp.rank)])
     for lin in up:
         take_rows(lin, cols)
     take_cols(down, cols, tp)

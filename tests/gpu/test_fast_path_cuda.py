@@ -77,12 +77,14 @@ def test_fast_path_bf16_as_precise_as_reference(name, checkpoint_dir):  # type: 
     assert_bf16_fast_as_precise(checkpoint_dir(name))
 
 
-def test_fast_path_moe_bf16_as_precise_as_reference(tmp_path):  # type: ignore[no-untyped-def]
-    """MoE through grouped GEMMs inside the decode graphs against the reference expert loop."""
+@pytest.mark.parametrize("widths", [{}, {"moe_intermediate_size": 17, "moe_shared_expert_intermediate_size": 45}])
+def test_fast_path_moe_bf16_as_precise_as_reference(widths, tmp_path):  # type: ignore[no-untyped-def]
+    """MoE through grouped GEMMs inside the decode graphs against the reference expert loop; with expert widths off
+    8 (the grouped GEMM needs 16-byte rows) the fast path takes the masked expert loop instead of failing."""
     from hybridpd.engine.models.checkpoint import write_random_checkpoint
 
     assert_bf16_fast_as_precise(write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0,
-                                                        hybrid_override_pattern="M*ME"))
+                                                        hybrid_override_pattern="M*ME", **widths))
 
 
 def test_split_groups_fast_path_with_graphs_matches_reference(checkpoint_dir):  # type: ignore[no-untyped-def]

@@ -42,7 +42,8 @@ def test_two_ranks_sum_add_and_norm(zero_centered: bool) -> None:
     x = [torch.randn(rows, hidden, generator=g).half() for _ in range(2)]
     x[1][:, ::5] = -0.0
     res, w = torch.randn(rows, hidden, generator=g).half(), torch.randn(hidden, generator=g).half()
-    slots = [b[site * 2 * max_rows * hidden :].view(-1)[: 2 * max_rows * hidden].view(2, max_rows, hidden) for b in bufs]
+    span = 2 * max_rows * hidden  # one block end's slots: [source rank, row, hidden]
+    slots = [b[site * span : (site + 1) * span].view(2, max_rows, hidden) for b in bufs]
     slots[0][1, :rows] = x[1] + 0.0  # rank 1's store into rank 0's slot 1 (-0.0 written as +0.0)
     got0 = _rank(0, bufs, hidden, max_rows, site)(x[0], w, 1e-5, zero_centered, res)
     assert (slots[0][1, :rows].view(torch.int16) == fa.EMPTY).all()  # rank 0 emptied what it read

@@ -146,12 +146,20 @@ def test_goodput_runs_end_to_end_on_cpu(tmp_path, capsys) -> None:  # type: igno
     assert by["1p1d"]["num_gpus"] == 2 and [w["role"] for w in by["1p1d"]["workers"]] == ["prefill", "decode"]
     phases = by["1p1d"]["low_load"]["handoff_ms"]  # where PD's low-load TTFT went
     assert phases["decode/total"] > 0 and phases["prefill/prefill"] > 0 and phases["decode/commit_rpc"] > 0
+    every = [f"{role}/{ph}" for role, names in goodput.HANDOFF_PHASES.items() for ph in names]
+    assert [k for k in every if not phases.get(k, 0) > 0] == []  # every handoff phase was measured
     assert phases["proxy/ttft"] >= phases["proxy/prefill_rpc"] > 0
     one = by["1p1d"]["low_load"]["per_request"]
     assert len(one) == 2 and all(r["prompt_tokens"] > 0 and r["handoff_ms"]["decode/total"] > 0 for r in one)
     assert doc["environment"]["torch"]
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("| long | poisson |")  # the table is printed last
+    assert any(line.startswith("  long/poisson 1p1d low-load handoff ms: ") for line in printed)  # phases before it
+    import importlib.util
+
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None  # the `bench` extra
+    assert [p.rsplit("/", 1)[-1] for p in doc["plots"]] == (["goodput_long_poisson.png"] if has_matplotlib else [])
+    assert all((out / p.rsplit("/", 1)[-1]).stat().st_size > 1000 for p in doc["plots"])
 
 
 def test_handoff_lines_compare_each_prompt_with_colocated() -> None:
@@ -234,3 +242,36 @@ def test_a_ratio_decided_by_a_non_monotonic_curve_is_not_robust() -> None:
         [{"rate": r, "attainment": {s.name: {"both": a} for s in SLOS}} for r, a in ((4, 1.0), (8, 0.5), (12, 0.4))], 2
     )["tight"]
     assert _ratio("x", pd, monotonic, 2.0).endswith("PASS")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--rates", "1,x"], "--rates: expected comma-separated numbers"),
+        (["--rates", "0,2"], "--rates: every rate must be a positive number"),
+        (["--arrivals", "poisson,uniform"], "--arrivals: unknown 'uniform' (known: poisson, bursty, or all)"),
+        (["--configs", "2p2d"], "--configs: unknown '2p2d'"),
+        (["--workloads", ","], "--workloads: none given"),
+        (["--duration", "0"], "--duration 0.0: out of range"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: out of range"),
+        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["--device", "tpu"], "--device 'tpu': expected auto, cpu or cuda"),
+        (["--model", "/nonexistent"], "--model '/nonexistent': not a checkpoint directory"),
+        (["--device", "cuda", "--gpus", "0", "--configs", "1p1d"], "the configurations need 2 GPUs, it names 1"),
+    ],
+)
+def test_bad_flags_are_refused_with_the_flag_named(capsys, argv: list[str], says: str) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.goodput import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_all_names_every_configuration_workload_and_arrival() -> None:
+    from benchmarks.goodput import ARRIVALS, CONFIGS, parse_args
+
+    args = parse_args(["--device", "cpu", "--configs", "all", "--workloads", "all", "--arrivals", "all", "--rates", ""])
+    assert (args.configs, args.workloads, args.arrivals) == (list(CONFIGS), list(WORKLOADS), list(ARRIVALS))
+    assert args.rates == [] and args.dtype == "auto"  # auto is the workers' to resolve (they report what they ran)
+    assert "balanced" in args.configs and "adaptive" in args.configs

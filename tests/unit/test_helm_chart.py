@@ -468,3 +468,18 @@ def test_helm_template_with_overrides() -> None:
     assert cluster == render_raycluster(values, release="r1")
     assert _worker_args(cluster, "prefill").max_decode_share == 0.5
     assert "--model /models/other" in worker_group(cluster, "decode")["template"]["spec"]["containers"][0]["args"][0]
+
+
+def test_workers_run_on_their_gpu_and_take_engine_args() -> None:
+    """By default a worker pod's engine runs on its GPU (`--device auto --dtype auto`, the CLI's defaults) with the
+    fast path required; `workers.engineArgs` reaches both roles' engines."""
+    values = load_values()
+    for role in ROLES:
+        args = _worker_args(render_raycluster(values), role)
+        assert (args.device, args.dtype, args.allow_reference_path) == ("auto", "auto", False)
+    values["workers"]["engineArgs"] = "--max-model-len 8192 --gpu-memory-utilization 0.85 --dtype float16"
+    cluster = render_raycluster(values)
+    assert schema_errors(cluster) == []
+    for role in ROLES:
+        args = _worker_args(cluster, role)
+        assert (args.role, args.max_model_len, args.gpu_memory_utilization, args.dtype) == (role, 8192, 0.85, "float16")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hybridpd.engine.parallel.partition import WIDTH_GRANULE, width_share
 from hybridpd.kvtransfer.tp_layout import (
     AttentionShape,
     GDNShape,
@@ -101,3 +102,21 @@ def test_handshake_refuses_a_different_layout() -> None:
     assert "cache tensors differ" in incompatibilities(a, m)[0]
     with pytest.raises(ValueError, match="page_shape"):
         plan_pieces(a[0], attention_tensors("g0", AttentionShape(2, 16, 2, 64, "bfloat16"), 2)[0], 0)
+
+
+@pytest.mark.parametrize(("total", "world"), [(45, 2), (62, 4), (32, 3), (8, 8), (96, 4), (48, 4), (1856, 8), (12, 4)])
+def test_mlp_widths_split_contiguously_even_when_tp_does_not_divide(total: int, world: int) -> None:
+    """An MLP or expert width TP does not divide: contiguous shares that cover it once; in whole runs of 8 channels
+    when the width is made of enough of them (bf16 grouped GEMMs need 16-byte strides), else sizes differing by at
+    most one; a width narrower than TP is refused (a rank would hold nothing)."""
+    shares = [width_share(total, world, r) for r in range(world)]
+    assert [i for s in shares for i in s] == list(range(total))
+    assert min(map(len, shares)) >= 1
+    if total % WIDTH_GRANULE == 0 and total >= WIDTH_GRANULE * world:
+        assert all(len(s) % WIDTH_GRANULE == 0 for s in shares)
+        assert max(map(len, shares)) - min(map(len, shares)) <= WIDTH_GRANULE
+    else:
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert [len(width_share(48, 4, r)) for r in range(4)] == [16, 16, 8, 8]
+    with pytest.raises(ValueError, match="fewer than one"):
+        width_share(world - 1, world, 0)

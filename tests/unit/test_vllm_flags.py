@@ -61,3 +61,51 @@ def test_revision_and_download_dir_reach_the_model_lookup(monkeypatch: pytest.Mo
                   "abc123", "--download-dir", str(tmp_path))
     assert cfg.model.path == real
     assert seen == [("org/model", "v2", str(tmp_path)), ("org/tok", "abc123", str(tmp_path))]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "worker", "proxy"])
+def test_lengths_and_sizes_read_as_vllm_reads_them(command: str) -> None:
+    parse = build_parser().parse_args
+    extra = ["--role", "decode"] if command == "worker" else []
+    for text, want in (("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("4096", 4096), ("auto", -1), ("-1", -1)):
+        assert parse([command, *extra, "--max-model-len", text]).max_model_len == want
+    if command != "proxy":
+        args = parse([command, *extra, "--kv-cache-memory-bytes", "4G", "--max-num-batched-tokens", "8k"])
+        assert (args.kv_cache_memory_bytes, args.max_num_batched_tokens) == (4 * 2**30, 8000)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"), [("2.5K", "decimals only with k, m, g, t: 2.5k?"), ("lots", "not an integer")]
+)
+def test_bad_lengths_name_the_flag(capsys: pytest.CaptureFixture[str], text: str, says: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--max-model-len", text])
+    err = capsys.readouterr().err
+    assert "argument --max-model-len" in err and says in err
+
+
+def test_vllm_dtype_names_half_and_float() -> None:
+    from hybridpd.engine.device import resolve_dtype
+
+    assert _config("--dtype", "half").model.dtype == "half" and resolve_dtype("half", "cpu") == "float16"
+    assert resolve_dtype("float", "cuda") == "float32"
+    _config("--dtype", "float").validate()
+
+
+def test_max_model_len_auto_fits_what_the_cache_holds(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's --max-model-len auto (-1): the checkpoint's length when it fits, else the longest one request of which
+    the cache budget holds, logged; the same budget with an explicit length that does not fit is an error."""
+    from hybridpd.engine import LLM
+    from hybridpd.engine.errors import InvalidRequestError
+
+    roomy = LLM(max_model_len=-1, kv_cache_memory_bytes=8 * 2**20)
+    assert roomy.engine.max_model_len == 4096  # the tiny checkpoint's max_position_embeddings fits
+    with caplog.at_level("INFO", logger="hybridpd.engine"):
+        small = LLM(max_model_len=-1, kv_cache_memory_bytes=100_000)
+    fitted = small.engine.max_model_len
+    assert 1 < fitted < 4096 and small.engine.plan.max_model_len == fitted
+    assert f"auto-fit max_model_len: reduced from 4096 to {fitted}" in caplog.text
+    with pytest.raises(InvalidRequestError, match=f"the largest max_model_len it holds is {fitted} tokens"):
+        LLM(max_model_len=fitted + 1, kv_cache_memory_bytes=100_000)
+    out = small.generate(prompt_token_ids=[[5] * (fitted - 3)])[0]  # a prompt near the fitted length runs
+    assert out.finish_reason == "length" and fitted - 3 + len(out.token_ids) == fitted  # stopped by max_model_len
