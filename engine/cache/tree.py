@@ -123,6 +123,9 @@ class CacheTree:
         unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
         self._heap: list[tuple[float, int, int]] = []
         """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
+        self._state_heap: list[tuple[float, int, int]] = []
+        """(priority, release order, slot): the checkpoints' entries again, so the lowest checkpoint under a block at
+        the top of `_heap` is found without a scan (the arena prices ranges against it)."""
         self._order = 0
         self.version = 0
         """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
@@ -150,6 +153,12 @@ class CacheTree:
         queued[kind][page] = (priority, order, base)
         heap = self._heap
         heapq.heappush(heap, (priority, order, page << 1 | kind))
+        if kind == STATE:
+            states = self._state_heap
+            heapq.heappush(states, (priority, order, page))
+            if len(states) > 4 * len(queued[STATE]) + 64:  # mostly stale: rebuild both
+                self._rebuild(lambda kind, page, entry: entry[0])
+                return
         if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
             self._rebuild(lambda kind, page, entry: entry[0])
 
@@ -167,6 +176,8 @@ class CacheTree:
                 heap.append((prio, entry[1], page << 1 | kind))
         heapq.heapify(heap)
         self._heap = heap
+        self._state_heap = [(prio, order, key >> 1) for prio, order, key in heap if key & 1 == STATE]
+        heapq.heapify(self._state_heap)
 
     def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
         """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
@@ -183,7 +194,16 @@ class CacheTree:
             return key & 1, key >> 1, prio
         if not queued[kind]:
             return None
-        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is of the other kind: scan this kind's entries
+        if kind == STATE:  # the top is a block: the checkpoints' own heap (same order: priority, release order)
+            states, live = self._state_heap, queued[STATE]
+            while states:
+                prio, order, slot = states[0]
+                entry = live.get(slot)
+                if entry is not None and entry[1] == order:
+                    return STATE, slot, prio
+                heapq.heappop(states)
+            return None
+        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is a checkpoint: scan the blocks' entries
         return kind, page, entry[0]
 
     def refresh(self) -> None:
@@ -193,9 +213,15 @@ class CacheTree:
         names = [p.block_hash if p is not None else [] for p in self.pool_of]
         value = {names[STATE][s]: self._value(STATE, names[STATE][s]) for s in self.queued[STATE]}
 
+        nodes, get_value, value_of = self.nodes, value.get, self._value
+        dead_end = BLOCK if self.state is not None else -1  # (attention-only: every block is valued by its walk)
+
         def priority(kind: int, page: int, entry: tuple[float, int, float]) -> float:
             h = names[kind][page]  # a leaf block with a queued checkpoint is valued as that checkpoint
-            return entry[2] + (value[h] if h in value else self._value(kind, h))
+            v = get_value(h)
+            if v is None:  # a dead-end block (no checkpoint at h) is worth 0: `_value` without the call
+                v = 0.0 if kind == dead_end and not nodes[h].ckpt else value_of(kind, h)
+            return entry[2] + v
 
         self._rebuild(priority)
 
@@ -468,7 +494,7 @@ class CacheTree:
         chain = self.chain
         b = chain.cached.get(h)  # type: ignore[union-attr]
         if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
-            self._push(BLOCK, b, h)  # a new leaf
+            self._push_leaf(b, parent)  # a new leaf
 
     # -- events from the pools and the managers ---------------------------------------------------------------
     def on_release(self, pool: BlockPool, page: int) -> None:
@@ -477,7 +503,7 @@ class CacheTree:
         if pool is self.chain:
             node = self.nodes[h]
             if not node.kids:  # (else not a leaf: queued when its last kid goes)
-                self._push(BLOCK, page, h)
+                self._push_leaf(page, node)
         elif pool is self.state:
             self._push(STATE, page, h)
         elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
@@ -504,13 +530,17 @@ class CacheTree:
 
     def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
         """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        node = self._node(h, tokens)
-        if node.parent is not None:
+        nodes = self.nodes
+        node = nodes.get(h)
+        if node is None:  # (`_node`, inlined: once per cached block)
+            node = nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
+        elif node.parent is not None:
             return  # linked already
         pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
         if pb is None:
             return  # a first block, or the parent is gone (this block heads an unreachable chain)
-        up = self.nodes[parent]  # type: ignore[index]
+        up = nodes[parent]  # type: ignore[index]
         node.parent = up
         kids = up.kids
         kids[h] = node
@@ -541,6 +571,15 @@ class CacheTree:
         b = chain.cached.get(h) if chain is not None else None
         if b is not None and chain.ref_cnt[b] == 0 and not self.nodes[h].kids:  # type: ignore[union-attr]
             self._push(BLOCK, b, h)
+
+    def _push_leaf(self, page: int, node: Node) -> None:
+        """`_push` of a leaf block; a dead end (no checkpoint at it, recurrent groups present) is worth 0 without
+        asking `_value`: most blocks, once per block released or left as a leaf."""
+        clock = self.clock
+        if self.state is not None and not node.ckpt:
+            self._queue(BLOCK, page, clock, clock)
+        else:
+            self._queue(BLOCK, page, clock, clock + self._value(BLOCK, node.hash))
 
     def _push(self, kind: int, page: int, h: bytes) -> None:
         clock = self.clock
