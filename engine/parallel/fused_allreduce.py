@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,9 +111,12 @@ class FusedReduceNorm:
     """One rank's exchange buffer ([sites, world, max_rows, hidden], mapped by every peer) and the kernel over it."""
 
     def __init__(self, group: Any, rank: int, world: int, device: torch.device, hidden: int, max_rows: int,
-                 sites: int, dtype: torch.dtype) -> None:
+                 sites: int, dtype: torch.dtype, agree: Callable[[int], int] | None = None) -> None:
+        """Allocate, map every peer's buffer, wait until all are empty. Collective over `group`. `agree` (the
+        control group's agree_min): called by every rank after each local part (allocation; mapping), so that a
+        part failing on one rank alone (its GPU out of memory, no peer access from it) fails every rank there,
+        before any of them enters the next collective (the rendezvous, the barrier) and waits for it alone."""
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
         if not 2 <= world <= MAX_WORLD:
             raise ValueError(f"fused all-reduce: world {world} outside 2..{MAX_WORLD}")
@@ -120,17 +124,27 @@ class FusedReduceNorm:
             rank, world, hidden, max_rows, sites, dtype)
         self.site_numel = world * max_rows * hidden
         numel = sites * self.site_numel
-        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-        self.buffer.view(torch.int16).fill_(EMPTY)
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        if handle is None:
-            raise RuntimeError("symmetric-memory rendezvous returned no handle")
-        self.peers = [handle.get_buffer(p, (numel,), dtype) for p in range(world)]
-        self.peers += [self.peers[0]] * (MAX_WORLD - world)
+        _on_every_rank(agree, "allocate", lambda: self._allocate(numel, device))
+        _on_every_rank(agree, "map", lambda: self._map(group, numel))
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every buffer is empty before anyone writes into it
         self.nbytes = numel * self.buffer.element_size()
         self.site = 0
+
+    def _allocate(self, numel: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.buffer = symm_mem.empty(numel, dtype=self.dtype, device=device)
+        self.buffer.view(torch.int16).fill_(EMPTY)
+
+    def _map(self, group: Any, numel: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        if handle is None:
+            raise RuntimeError("symmetric-memory rendezvous returned no handle")
+        self.peers = [handle.get_buffer(p, (numel,), self.dtype) for p in range(self.world)]
+        self.peers += [self.peers[0]] * (MAX_WORLD - self.world)
 
     def begin(self) -> None:
         self.site = 0
@@ -153,6 +167,19 @@ class FusedReduceNorm:
         return out, h
 
 
+def _on_every_rank(agree: Callable[[int], int] | None, what: str, part: Callable[[], None]) -> None:
+    """Run one rank's local part of the set-up, then (with `agree`) learn whether every rank's succeeded: raise on
+    every rank unless all did. A rank whose part failed still joins the agreement before it raises."""
+    try:
+        part()
+    except Exception:
+        if agree is not None:
+            agree(0)
+        raise
+    if agree is not None and agree(1) == 0:
+        raise RuntimeError(f"another rank could not {what} its exchange buffer")
+
+
 def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_rows: int) -> int:
     """Give `tp.block_reduce` a fused kernel when this worker can use one; returns the bytes it took (0: none, the
     reason logged). Called on every rank at the same point, after the model is cut."""
@@ -163,7 +190,7 @@ def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_row
         return 0
     fused: FusedReduceNorm | None = None
     try:
-        fused = FusedReduceNorm(tp.group, tp.rank, tp.world, device, hidden, max_rows, sites, dtype)
+        fused = FusedReduceNorm(tp.group, tp.rank, tp.world, device, hidden, max_rows, sites, dtype, tp.agree_min)
     except Exception as e:  # no peer access between the GPUs, an old torch: NCCL serves every block end
         log.warning("tensor parallel: fused all-reduce + norm unavailable (%s); NCCL for every block end", e)
     if tp.agree_min(int(fused is not None)) == 0:  # all ranks fuse or none does
