@@ -83,6 +83,28 @@ def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
         raise WorkerStartError("; ".join(" and ".join(dict.fromkeys(r)) for r in roles.values()), "; ".join(roles))
 
 
+START_TIMEOUT_S = 600.0
+"""How long `serve` waits for its workers to load their model and report ready (as vLLM's engine start-up wait;
+a model past it: a WorkerStartError saying so)."""
+
+
+def gather_infos(ray: Any, actors: list[tuple[str, Any]], timeout_s: float = START_TIMEOUT_S
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """Each actor's worker info, waiting at most `timeout_s` in all; WorkerStartError naming the role of an actor
+    that died (its process killed: host memory, a node lost) or is still not ready by then."""
+    deadline = time.monotonic() + timeout_s
+    infos = []
+    for role, actor in actors:
+        try:
+            infos.append((role, ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.0))))
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerStartError(role, f"not ready in {timeout_s:g} s (still loading its model?)") from None
+        except ray.exceptions.RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise WorkerStartError(role, f"its Ray actor died ({first})") from None
+    return infos
+
+
 def served_max_model_len(asked: int, infos: list[tuple[str, dict[str, Any]]]) -> int:
     """The proxy's max_model_len: `asked` (the checkpoint's, or --max-model-len), or less where a worker's cache
     plan holds less (--max-model-len auto fitted it to its memory): the shortest, so every worker serves what the
@@ -383,7 +405,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
             argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
             opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
             actors.append((role, actor_cls.options(**opts).remote(argv, host)))
-        infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
+        infos = gather_infos(ray, actors)
         check_started(infos)
         max_model_len = served_max_model_len(max_model_len, infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")
