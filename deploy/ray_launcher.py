@@ -325,9 +325,11 @@ def with_tensor_parallel(worker_argv: list[str], tp: int) -> list[str]:
 
 def role_argv(args: Any, role: str, worker_argv: list[str], tp: int, register: list[str]) -> list[str]:
     """The `hybridpd worker` command line of one worker of `role` (prefill, decode or colocated): the engine flags at
-    the role's TP size, prefill's own flags (--max-decode-share) and the proxy to register with."""
+    the role's TP size, prefill's own flags (--max-decode-share), --enforce-eager (not a config field: on the
+    command line, which reaches a worker on any node) and the proxy to register with."""
     own = ["--max-decode-share", repr(float(args.max_decode_share))] if role == "prefill" else []
-    return ["--role", role, *with_tensor_parallel(worker_argv, tp), *own, *register]
+    eager = ["--enforce-eager"] if getattr(args, "enforce_eager", False) else []
+    return ["--role", role, *with_tensor_parallel(worker_argv, tp), *eager, *own, *register]
 
 
 def _placement(args: Any, role: str) -> dict[str, Any]:
