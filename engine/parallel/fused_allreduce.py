@@ -139,6 +139,7 @@ class FusedReduceNorm:
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm's call with x the rank's partial sum: (RMSNorm(sum(x) + residual), sum(x) + residual)."""
         assert residual is not None and x.shape == residual.shape and x.shape[-1] == self.hidden
+        assert residual.is_contiguous() and x.dtype == residual.dtype == self.dtype
         if self.site >= self.sites:
             raise RuntimeError(f"fused all-reduce: more than {self.sites} block ends in one forward")
         x = x.contiguous()
