@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import subprocess
@@ -126,7 +127,7 @@ class WorkerProcess:
     were taken meanwhile, the worker comes back on new ones rather than not at all."""
 
     def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 restart: bool = True, ready_timeout_s: float = 300.0) -> None:
+                 restart: bool = True, ready_timeout_s: float = 600.0) -> None:
         self.host = host
         self.base_argv = list(argv)
         self.grpc_port = 0
@@ -159,11 +160,17 @@ class WorkerProcess:
         tail: deque[str] = deque(maxlen=20)  # the worker's last stderr lines: the error of one that fails to start
         tee = threading.Thread(target=self._tee_stderr, args=(self.proc, tail), daemon=True)
         tee.start()
-        deadline = time.time() + self.ready_timeout_s
-        assert self.proc.stdout is not None
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        lines: queue.Queue[str | None] = queue.Queue()
+        waiting = threading.Event()  # set while the ready line is awaited; after it, stdout is only drained
+        waiting.set()
+        threading.Thread(target=self._read_stdout, args=(self.proc, lines, waiting), daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)  # never a blocking read past the deadline (a silent, stuck worker)
+            except queue.Empty:
+                break
+            if line is None:
                 code = self.proc.wait()
                 tee.join(timeout=5)  # its last lines
                 raise worker_error(self.role, code, list(tail))
@@ -171,14 +178,26 @@ class WorkerProcess:
                 msg = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if msg.get("event") == "ready":
+            if isinstance(msg, dict) and msg.get("event") == "ready":
+                waiting.clear()
                 self.info = msg
                 self.grpc_port = int(msg.get("grpc_port") or self.grpc_port)
                 self.metrics_port = int(msg.get("metrics_port") or self.metrics_port)
-                threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                 return
+        waiting.clear()
         self.proc.kill()
+        self.proc.wait()
         raise WorkerStartError(self.role, f"not ready in {self.ready_timeout_s:g} s")
+
+    @staticmethod
+    def _read_stdout(proc: subprocess.Popen, lines: queue.Queue[str | None], waiting: threading.Event) -> None:
+        """The worker's stdout lines into `lines` while its ready line is awaited, then drained (a full pipe would
+        block the worker); None at its end."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if waiting.is_set():
+                lines.put(line)
+        lines.put(None)
 
     @staticmethod
     def _tee_stderr(proc: subprocess.Popen, tail: deque[str]) -> None:
@@ -190,12 +209,6 @@ class WorkerProcess:
                 sys.stderr.write(line)
             except (OSError, ValueError):  # our stderr closed: keep draining the pipe
                 pass
-
-    @staticmethod
-    def _drain(proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for _ in proc.stdout:
-            pass
 
     def _supervise(self) -> None:
         while not self._stopping:

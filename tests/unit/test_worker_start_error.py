@@ -72,3 +72,19 @@ def test_an_actor_that_dies_or_never_answers_is_a_one_line_error() -> None:
         gather_infos(fake_ray(ray.exceptions.GetTimeoutError("x")), actors, 5.0)
     with pytest.raises(WorkerStartError, match=r"^decode worker did not start: its Ray actor died"):
         gather_infos(fake_ray(ray.exceptions.RayActorError()), actors, 5.0)
+
+
+def test_a_worker_that_hangs_silently_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker that writes nothing (stuck loading, or in a collective) is given up after ready_timeout_s: the wait
+    must not sit in a blocking read of its stdout past the deadline."""
+    import sys
+    import time
+
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nexec sleep 30\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))  # the worker command: python -m hybridpd.deploy.cli worker ...
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"^decode worker did not start: not ready in 0.5 s"):
+        WorkerProcess(["--role", "decode"], restart=False, ready_timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
