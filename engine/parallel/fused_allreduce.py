@@ -20,8 +20,12 @@ the same h (two ranks: the same bits as NCCL's sum and the separate norm kernel)
 
 Used by the models' batched forward when every rank runs this path (CUDA, world >= 2, bf16/fp16, at most
 `max_rows` rows: decode steps and CUDA graphs); prefill-sized steps, fp32 (whose tests must be exact) and CPU keep
-NCCL/gloo and the separate norm. `HYBRIDPD_TP_FUSED_ALLREDUCE=0` turns it off. A rank that dies leaves its peers
-spinning in this kernel as NCCL would leave them waiting: the worker's launcher restarts the worker whole.
+NCCL/gloo and the separate norm. `HYBRIDPD_TP_FUSED_ALLREDUCE=0` turns it off. The buffer is capped
+(`HYBRIDPD_TP_FUSED_MAX_MIB`, 128): a wide model at a large TP size fuses fewer rows. A rank that dies or is
+stopped leaves its peers spinning here; rank 0's watch ends the worker (exit 70) and its launcher restarts it whole.
+The spin has no time limit of its own: a rank alive but stuck elsewhere leaves its peers here for good (NCCL's
+watchdog would abort after the group's timeout); the worker's stall watchdog then reports it not ready, and the
+proxy moves its requests to other workers.
 Ownership: built once per rank by the engine after the model is cut (a collective: every rank at the same point)
 and kept in the group's `BlockReduce` (engine.parallel.group), which the model (a scope per forward) and the
 row-parallel hooks (no all-reduce inside a scope) share.
@@ -181,13 +185,33 @@ def _on_every_rank(agree: Callable[[int], int] | None, what: str, part: Callable
         raise RuntimeError(f"another rank could not {what} its exchange buffer")
 
 
+DEFAULT_MAX_EXCHANGE_MIB = 128
+"""Most GPU memory the exchange buffer may take from the cache (`HYBRIDPD_TP_FUSED_MAX_MIB`): it grows with block
+ends x TP size x rows x hidden, so a wide model at TP 8 fuses fewer rows (larger steps keep NCCL)."""
+
+
+def _max_exchange_bytes() -> int:
+    return int(os.environ.get("HYBRIDPD_TP_FUSED_MAX_MIB", DEFAULT_MAX_EXCHANGE_MIB)) << 20
+
+
+def rows_that_fit(max_rows: int, sites: int, world: int, hidden: int, dtype: torch.dtype) -> int:
+    """The most rows a fused step may have: `max_rows`, or fewer when the buffer would exceed its cap."""
+    per_row = sites * world * hidden * torch.empty(0, dtype=dtype).element_size()
+    return min(max_rows, _max_exchange_bytes() // per_row)
+
+
 def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_rows: int) -> int:
     """Give `tp.block_reduce` a fused kernel when this worker can use one; returns the bytes it took (0: none, the
     reason logged). Called on every rank at the same point, after the model is cut."""
     sites = int(getattr(model, "block_ends", 0))
     hidden = int(getattr(model, "hidden_size", 0))
     if (os.environ.get("HYBRIDPD_TP_FUSED_ALLREDUCE", "1") == "0" or device.type != "cuda" or tp.world < 2
-            or dtype not in (torch.bfloat16, torch.float16) or not sites or not hidden or max_rows < 1):
+            or dtype not in (torch.bfloat16, torch.float16) or not sites or not hidden):
+        return 0
+    max_rows = rows_that_fit(max_rows, sites, tp.world, hidden, dtype)
+    if max_rows < 1:
+        log.info("tensor parallel: the fused all-reduce's exchange buffer would exceed %d MiB for one row; NCCL for "
+                 "every block end", _max_exchange_bytes() >> 20)
         return 0
     fused: FusedReduceNorm | None = None
     try:
@@ -203,4 +227,4 @@ def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_row
     return fused.nbytes
 
 
-__all__ = ["FusedReduceNorm", "build"]
+__all__ = ["DEFAULT_MAX_EXCHANGE_MIB", "FusedReduceNorm", "build", "rows_that_fit"]

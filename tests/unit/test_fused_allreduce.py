@@ -86,3 +86,13 @@ def test_three_ranks_same_bits_on_every_rank() -> None:
         assert torch.equal(h.view(torch.int16), want[1].view(torch.int16))
         assert torch.equal(out[0].view(torch.int16), want[0][0].view(torch.int16))
         assert torch.isnan(out[1]).all()  # the NaN reaches the whole row's norm, as with NCCL
+
+
+def test_the_exchange_buffer_is_capped() -> None:
+    """Rows shrink so that block ends x TP x rows x hidden stays under the cap: the 8B preset at TP 2 keeps batch
+    64 fused; a 56B-class model at TP 8 gets fewer rows rather than gigabytes taken from the cache."""
+    cap = fa.DEFAULT_MAX_EXCHANGE_MIB << 20
+    assert fa.rows_that_fit(64, 53, 2, 4096, torch.bfloat16) == 64
+    assert fa.rows_that_fit(256, 53, 2, 4096, torch.bfloat16) == cap // (53 * 2 * 4096 * 2) == 154
+    rows = fa.rows_that_fit(256, 118, 8, 8192, torch.bfloat16)
+    assert 0 < rows < 16 and rows * 118 * 8 * 8192 * 2 <= cap
