@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridpd.deploy.local_cluster import Cluster, scrape_metric, start_cluster  # noqa: E402
+from hybridpd.deploy.vllm_flags import human_readable_int  # noqa: E402
 from hybridpd.engine.errors import HybridPDError  # noqa: E402
 from hybridpd.proxy.placement import PATHS  # noqa: E402
 
@@ -465,7 +466,7 @@ CPU_QUICK = (
 """Every configuration, workload and arrival process on the built-in tiny model: a complete table in minutes."""
 
 ARRIVALS = ("poisson", "bursty")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 
 
 def _names(ap: argparse.ArgumentParser, flag: str, raw: str, known: Any) -> list[str]:
@@ -542,7 +543,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--len-scale", type=float, default=1.0, help="multiplies every token length (CPU: ~0.01)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    ap.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None, help="e.g. 4G, 512M")
     ap.add_argument(
         "--worker-arg",
         action="append",

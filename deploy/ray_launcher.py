@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import subprocess
@@ -83,6 +84,28 @@ def check_started(infos: list[tuple[str, dict[str, Any]]]) -> None:
         raise WorkerStartError("; ".join(" and ".join(dict.fromkeys(r)) for r in roles.values()), "; ".join(roles))
 
 
+START_TIMEOUT_S = 600.0
+"""How long `serve` waits for its workers to load their model and report ready (as vLLM's engine start-up wait;
+a model past it: a WorkerStartError saying so)."""
+
+
+def gather_infos(ray: Any, actors: list[tuple[str, Any]], timeout_s: float = START_TIMEOUT_S
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """Each actor's worker info, waiting at most `timeout_s` in all; WorkerStartError naming the role of an actor
+    that died (its process killed: host memory, a node lost) or is still not ready by then."""
+    deadline = time.monotonic() + timeout_s
+    infos = []
+    for role, actor in actors:
+        try:
+            infos.append((role, ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.0))))
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerStartError(role, f"not ready in {timeout_s:g} s (still loading its model?)") from None
+        except ray.exceptions.RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise WorkerStartError(role, f"its Ray actor died ({first})") from None
+    return infos
+
+
 def served_max_model_len(asked: int, infos: list[tuple[str, dict[str, Any]]]) -> int:
     """The proxy's max_model_len: `asked` (the checkpoint's, or --max-model-len), or less where a worker's cache
     plan holds less (--max-model-len auto fitted it to its memory): the shortest, so every worker serves what the
@@ -104,7 +127,7 @@ class WorkerProcess:
     were taken meanwhile, the worker comes back on new ones rather than not at all."""
 
     def __init__(self, argv: list[str], host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 restart: bool = True, ready_timeout_s: float = 300.0) -> None:
+                 restart: bool = True, ready_timeout_s: float = 600.0) -> None:
         self.host = host
         self.base_argv = list(argv)
         self.grpc_port = 0
@@ -137,11 +160,17 @@ class WorkerProcess:
         tail: deque[str] = deque(maxlen=20)  # the worker's last stderr lines: the error of one that fails to start
         tee = threading.Thread(target=self._tee_stderr, args=(self.proc, tail), daemon=True)
         tee.start()
-        deadline = time.time() + self.ready_timeout_s
-        assert self.proc.stdout is not None
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        lines: queue.Queue[str | None] = queue.Queue()
+        waiting = threading.Event()  # set while the ready line is awaited; after it, stdout is only drained
+        waiting.set()
+        threading.Thread(target=self._read_stdout, args=(self.proc, lines, waiting), daemon=True).start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)  # never a blocking read past the deadline (a silent, stuck worker)
+            except queue.Empty:
+                break
+            if line is None:
                 code = self.proc.wait()
                 tee.join(timeout=5)  # its last lines
                 raise worker_error(self.role, code, list(tail))
@@ -149,14 +178,26 @@ class WorkerProcess:
                 msg = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if msg.get("event") == "ready":
+            if isinstance(msg, dict) and msg.get("event") == "ready":
+                waiting.clear()
                 self.info = msg
                 self.grpc_port = int(msg.get("grpc_port") or self.grpc_port)
                 self.metrics_port = int(msg.get("metrics_port") or self.metrics_port)
-                threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
                 return
+        waiting.clear()
         self.proc.kill()
+        self.proc.wait()
         raise WorkerStartError(self.role, f"not ready in {self.ready_timeout_s:g} s")
+
+    @staticmethod
+    def _read_stdout(proc: subprocess.Popen, lines: queue.Queue[str | None], waiting: threading.Event) -> None:
+        """The worker's stdout lines into `lines` while its ready line is awaited, then drained (a full pipe would
+        block the worker); None at its end."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if waiting.is_set():
+                lines.put(line)
+        lines.put(None)
 
     @staticmethod
     def _tee_stderr(proc: subprocess.Popen, tail: deque[str]) -> None:
@@ -168,12 +209,6 @@ class WorkerProcess:
                 sys.stderr.write(line)
             except (OSError, ValueError):  # our stderr closed: keep draining the pipe
                 pass
-
-    @staticmethod
-    def _drain(proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for _ in proc.stdout:
-            pass
 
     def _supervise(self) -> None:
         while not self._stopping:
@@ -303,9 +338,11 @@ def with_tensor_parallel(worker_argv: list[str], tp: int) -> list[str]:
 
 def role_argv(args: Any, role: str, worker_argv: list[str], tp: int, register: list[str]) -> list[str]:
     """The `hybridpd worker` command line of one worker of `role` (prefill, decode or colocated): the engine flags at
-    the role's TP size, prefill's own flags (--max-decode-share) and the proxy to register with."""
+    the role's TP size, prefill's own flags (--max-decode-share), --enforce-eager (not a config field: on the
+    command line, which reaches a worker on any node) and the proxy to register with."""
     own = ["--max-decode-share", repr(float(args.max_decode_share))] if role == "prefill" else []
-    return ["--role", role, *with_tensor_parallel(worker_argv, tp), *own, *register]
+    eager = ["--enforce-eager"] if getattr(args, "enforce_eager", False) else []
+    return ["--role", role, *with_tensor_parallel(worker_argv, tp), *eager, *own, *register]
 
 
 def _placement(args: Any, role: str) -> dict[str, Any]:
@@ -383,7 +420,7 @@ def serve(args: Any, worker_argv: list[str], model_path: str, max_model_len: int
             argv = role_argv(args, "colocated" if args.colocated else role, worker_argv, tp, register)
             opts = {"num_cpus": num_cpus, "num_gpus": max(gpus, tp) if gpus else 0.0, **_placement(args, role)}
             actors.append((role, actor_cls.options(**opts).remote(argv, host)))
-        infos = [(role, ray.get(a.info.remote(), timeout=600)) for role, a in actors]
+        infos = gather_infos(ray, actors)
         check_started(infos)
         max_model_len = served_max_model_len(max_model_len, infos)
         prefill = tuple(i["address"] for r, i in infos if r == "prefill")

@@ -23,6 +23,7 @@ before anything starts. None is silently ignored.
 from __future__ import annotations
 
 import argparse
+import re
 
 from hybridpd.engine.errors import HybridPDError
 
@@ -44,19 +45,24 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+_SUFFIXED = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+"""vLLM's grammar of a suffixed integer: digits, a decimal part, one suffix (no sign, exponent, inf or nan)."""
+
+
 def human_readable_int(value: str) -> int:
     """An integer as vLLM's flags take it: plain, or a number with a decimal (k m g t: powers of 1000, decimals
     allowed: 25.6k = 25600) or binary (K M G T: powers of 1024, whole numbers only) suffix."""
     text = value.strip()
-    if text[-1:] in _DECIMAL or text[-1:] in _BINARY:
-        number, suffix = text[:-1], text[-1]
-        try:
-            if suffix in _BINARY:
-                return int(number) * _BINARY[suffix]
+    suffixed = _SUFFIXED.fullmatch(text)
+    if suffixed:
+        number, suffix = suffixed.groups()
+        if suffix in _DECIMAL:
             return int(float(number) * _DECIMAL[suffix])
-        except ValueError:
-            hint = f" (decimals only with k, m, g, t: {number}{suffix.lower()}?)" if suffix in _BINARY else ""
-            raise argparse.ArgumentTypeError(f"not an integer: {value!r}{hint}") from None
+        if "." not in number:
+            return int(number) * _BINARY[suffix]
+        raise argparse.ArgumentTypeError(
+            f"not an integer: {value!r} (decimals only with k, m, g, t: {number}{suffix.lower()}?)"
+        )
     try:
         return int(text)
     except ValueError:

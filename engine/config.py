@@ -153,6 +153,9 @@ class EngineConfig:
                                       f"({c.block_size}), or 0 (off)")
         if c.zero_fresh_blocks not in typing.get_args(ZeroMode):
             raise InvalidRequestError(f"zero_fresh_blocks must be auto|on|off, got {c.zero_fresh_blocks!r}")
+        if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes < 1:
+            raise InvalidRequestError(f"kv_cache_memory_bytes must be >= 1 (bytes; e.g. 4G), or unset for the "
+                                      f"default budget, got {c.kv_cache_memory_bytes}")
         if not (0.0 < c.gpu_memory_utilization <= 1.0):
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_seqs < 1 or s.max_num_batched_tokens < 1:

@@ -32,6 +32,7 @@ from hybridpd.engine.memory_fit import (
     gpu_budget,
     largest_fitting,
     no_fit_error,
+    require_cache_room,
     smallest_fitting,
 )
 from hybridpd.engine.parallel.executor import LeaderRunner, start_tensor_parallel
@@ -186,6 +187,11 @@ class EngineCore:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self._cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_CACHE_BYTES
+        elif self.device.type == "cuda":  # an explicit size: refused with the numbers when the GPU lacks it
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            require_cache_room(budget, total, free, torch.cuda.memory_reserved(self.device),
+                               torch.cuda.memory_allocated(self.device))
         if self.tp is not None:  # one plan for every rank: the budget all of them can hold
             budget = self.tp.agree_min(budget)
         # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's

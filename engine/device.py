@@ -3,7 +3,8 @@
 device auto -> "cuda" when torch sees a CUDA device, else "cpu"
 dtype  auto -> on CUDA, vLLM's rule: the checkpoint's own dtype (config.json's `dtype` / `torch_dtype`) when the
                GPU supports it; a float32 (or unnamed) checkpoint runs in the GPU's preferred dtype, bfloat16
-               (float16 on a GPU without bf16, which also runs a bfloat16 checkpoint in float16, with a warning).
+               (float16 on a GPU without native bf16, before compute capability 8.0, which also runs a bfloat16
+               checkpoint in float16, with a warning; an explicit --dtype bfloat16 is refused there, as vLLM).
                On the CPU: float32 (unlike vLLM, which would use bfloat16 there: the CPU runs the reference path,
                whose float32 output is token-identical to transformers').
 """
@@ -51,16 +52,31 @@ def checkpoint_dtype(hf_config: Mapping[str, Any] | None) -> str | None:
     return None
 
 
+def native_bf16() -> bool:
+    """Whether this CUDA device computes in bfloat16 (compute capability 8.0 on, as vLLM asks): torch's default
+    answer also counts the emulation of older GPUs (T4, V100), which is slow and not what the kernels support."""
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
 def cuda_dtypes() -> tuple[str, ...]:
     """The dtypes this CUDA device runs, preferred first (vLLM's order: bf16 from Ampere on)."""
-    return ("bfloat16", "float16", "float32") if torch.cuda.is_bf16_supported() else ("float16", "float32")
+    return ("bfloat16", "float16", "float32") if native_bf16() else ("float16", "float32")
 
 
 def resolve_dtype(dtype: str, device: str, hf_config: Mapping[str, Any] | None = None) -> str:
     """`dtype`, or for "auto" what an engine on `device` runs the checkpoint of `hf_config` (its config.json) in:
     see the module's docstring."""
     if dtype != "auto":
-        return DTYPE_NAMES.get(dtype, dtype)  # vLLM's half / float
+        named = DTYPE_NAMES.get(dtype, dtype)  # vLLM's half / float
+        if named == "bfloat16" and resolve_device(device).startswith("cuda") and torch.cuda.is_available():
+            if not native_bf16():
+                from hybridpd.engine.errors import InvalidRequestError
+
+                raise InvalidRequestError(
+                    "--dtype bfloat16 needs a GPU of compute capability 8.0 or more (Ampere on); this one runs "
+                    "float16: use --dtype half (or auto)"
+                )
+        return named
     if not resolve_device(device).startswith("cuda"):
         return "float32"
     supported = cuda_dtypes()

@@ -65,6 +65,20 @@ def gpu_budget(
     return GpuBudget(total, share, weights, activation, utilization, exchange)
 
 
+def require_cache_room(nbytes: int, total: int, free: int, reserved: int, allocated: int) -> None:
+    """InvalidRequestError when an explicit cache size (--kv-cache-memory-bytes, which replaces the
+    gpu_memory_utilization share) is more than the GPU has free: `free` by the driver plus what this process's
+    allocator holds unused (`reserved` - `allocated`)."""
+    room = free + max(reserved - allocated, 0)
+    if nbytes > room:
+        raise InvalidRequestError(
+            f"kv_cache_memory_bytes={fmt_bytes(nbytes)} is more than the GPU can hold: {fmt_bytes(room)} of the "
+            f"GPU's {fmt_bytes(total)} is free after the weights ({fmt_bytes(allocated)}; other processes hold the "
+            f"rest). Lower --kv-cache-memory-bytes, or leave it unset to size the cache from "
+            f"--gpu-memory-utilization"
+        )
+
+
 def activation_reserve(max_num_batched_tokens: int, hidden_size: int, vocab_size: int) -> int:
     """Bytes kept for the activations of the largest step (hidden states and the logits of up to 1,024 rows)."""
     return 16 * max_num_batched_tokens * hidden_size * 4 + vocab_size * 4 * min(max_num_batched_tokens, 1024)

@@ -202,6 +202,9 @@ FROZEN_RANK_S = 5.0
 """How long a follower may stay stopped (SIGSTOP) before rank 0 ends the worker: rank 0 would wait in the
 collective it left unjoined for the group's whole timeout (minutes), and computes nothing meanwhile."""
 
+WATCH_POLL_S = 0.2
+"""How often rank 0 looks at its followers' processes."""
+
 EXIT_CLOSE_TIMEOUT_S = 10.0
 """How long interpreter exit waits for an engine nobody shut down to stop its followers and leave the group."""
 
@@ -342,17 +345,24 @@ class Followers:
         leave_group(timeout_s=5.0)  # the killed followers never leave: gloo's exit is local, NCCL's is aborted
 
     def _watch(self) -> None:
-        stopped_since: dict[int, float] = {}
+        """Every WATCH_POLL_S: a follower that exited, or one seen stopped (state T, nothing else: a GC pause, a
+        compile or a slow host is R, S or D) at every poll for FROZEN_RANK_S, ends the worker. Counted in polls as
+        well as in time: rank 0 stopped itself (the whole worker stopped and continued) sees the clock jump
+        between two polls, and a follower seen stopped on both sides of the jump was not stopped alone."""
+        stopped: dict[int, tuple[float, int]] = {}  # rank -> (first seen stopped, polls seen stopped in a row)
         while not self.closing:
             now = time.monotonic()
             for r, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.closing:
                     self.fail(f"rank {r} (pid {p.pid}) died (exit code {p.returncode})")
                 if not _stopped(p.pid):
-                    stopped_since.pop(r, None)
-                elif now - stopped_since.setdefault(r, now) >= FROZEN_RANK_S and not self.closing:
+                    stopped.pop(r, None)
+                    continue
+                since, polls = stopped.get(r, (now, 0))
+                stopped[r] = (since, polls + 1)
+                if now - since >= FROZEN_RANK_S and polls * WATCH_POLL_S >= FROZEN_RANK_S - 1e-9 and not self.closing:
                     self.fail(f"rank {r} (pid {p.pid}) stopped (frozen) for {FROZEN_RANK_S:.0f} s")
-            time.sleep(0.2)
+            time.sleep(WATCH_POLL_S)
 
 
 def start_tensor_parallel(config: Any) -> Followers | None:

@@ -20,8 +20,12 @@ the same h (two ranks: the same bits as NCCL's sum and the separate norm kernel)
 
 Used by the models' batched forward when every rank runs this path (CUDA, world >= 2, bf16/fp16, at most
 `max_rows` rows: decode steps and CUDA graphs); prefill-sized steps, fp32 (whose tests must be exact) and CPU keep
-NCCL/gloo and the separate norm. `HYBRIDPD_TP_FUSED_ALLREDUCE=0` turns it off. A rank that dies leaves its peers
-spinning in this kernel as NCCL would leave them waiting: the worker's launcher restarts the worker whole.
+NCCL/gloo and the separate norm. `HYBRIDPD_TP_FUSED_ALLREDUCE=0` turns it off. The buffer is capped
+(`HYBRIDPD_TP_FUSED_MAX_MIB`, 128): a wide model at a large TP size fuses fewer rows. A rank that dies or is
+stopped leaves its peers spinning here; rank 0's watch ends the worker (exit 70) and its launcher restarts it whole.
+The spin has no time limit of its own: a rank alive but stuck elsewhere leaves its peers here for good (NCCL's
+watchdog would abort after the group's timeout); the worker's stall watchdog then reports it not ready, and the
+proxy moves its requests to other workers.
 Ownership: built once per rank by the engine after the model is cut (a collective: every rank at the same point)
 and kept in the group's `BlockReduce` (engine.parallel.group), which the model (a scope per forward) and the
 row-parallel hooks (no all-reduce inside a scope) share.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,9 +115,12 @@ class FusedReduceNorm:
     """One rank's exchange buffer ([sites, world, max_rows, hidden], mapped by every peer) and the kernel over it."""
 
     def __init__(self, group: Any, rank: int, world: int, device: torch.device, hidden: int, max_rows: int,
-                 sites: int, dtype: torch.dtype) -> None:
+                 sites: int, dtype: torch.dtype, agree: Callable[[int], int] | None = None) -> None:
+        """Allocate, map every peer's buffer, wait until all are empty. Collective over `group`. `agree` (the
+        control group's agree_min): called by every rank after each local part (allocation; mapping), so that a
+        part failing on one rank alone (its GPU out of memory, no peer access from it) fails every rank there,
+        before any of them enters the next collective (the rendezvous, the barrier) and waits for it alone."""
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
         if not 2 <= world <= MAX_WORLD:
             raise ValueError(f"fused all-reduce: world {world} outside 2..{MAX_WORLD}")
@@ -120,17 +128,27 @@ class FusedReduceNorm:
             rank, world, hidden, max_rows, sites, dtype)
         self.site_numel = world * max_rows * hidden
         numel = sites * self.site_numel
-        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-        self.buffer.view(torch.int16).fill_(EMPTY)
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        if handle is None:
-            raise RuntimeError("symmetric-memory rendezvous returned no handle")
-        self.peers = [handle.get_buffer(p, (numel,), dtype) for p in range(world)]
-        self.peers += [self.peers[0]] * (MAX_WORLD - world)
+        _on_every_rank(agree, "allocate", lambda: self._allocate(numel, device))
+        _on_every_rank(agree, "map", lambda: self._map(group, numel))
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every buffer is empty before anyone writes into it
         self.nbytes = numel * self.buffer.element_size()
         self.site = 0
+
+    def _allocate(self, numel: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.buffer = symm_mem.empty(numel, dtype=self.dtype, device=device)
+        self.buffer.view(torch.int16).fill_(EMPTY)
+
+    def _map(self, group: Any, numel: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        if handle is None:
+            raise RuntimeError("symmetric-memory rendezvous returned no handle")
+        self.peers = [handle.get_buffer(p, (numel,), self.dtype) for p in range(self.world)]
+        self.peers += [self.peers[0]] * (MAX_WORLD - self.world)
 
     def begin(self) -> None:
         self.site = 0
@@ -139,6 +157,7 @@ class FusedReduceNorm:
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """rms_norm's call with x the rank's partial sum: (RMSNorm(sum(x) + residual), sum(x) + residual)."""
         assert residual is not None and x.shape == residual.shape and x.shape[-1] == self.hidden
+        assert residual.is_contiguous() and x.dtype == residual.dtype == self.dtype
         if self.site >= self.sites:
             raise RuntimeError(f"fused all-reduce: more than {self.sites} block ends in one forward")
         x = x.contiguous()
@@ -153,17 +172,50 @@ class FusedReduceNorm:
         return out, h
 
 
+def _on_every_rank(agree: Callable[[int], int] | None, what: str, part: Callable[[], None]) -> None:
+    """Run one rank's local part of the set-up, then (with `agree`) learn whether every rank's succeeded: raise on
+    every rank unless all did. A rank whose part failed still joins the agreement before it raises."""
+    try:
+        part()
+    except Exception:
+        if agree is not None:
+            agree(0)
+        raise
+    if agree is not None and agree(1) == 0:
+        raise RuntimeError(f"another rank could not {what} its exchange buffer")
+
+
+DEFAULT_MAX_EXCHANGE_MIB = 128
+"""Most GPU memory the exchange buffer may take from the cache (`HYBRIDPD_TP_FUSED_MAX_MIB`): it grows with block
+ends x TP size x rows x hidden, so a wide model at TP 8 fuses fewer rows (larger steps keep NCCL)."""
+
+
+def _max_exchange_bytes() -> int:
+    return int(os.environ.get("HYBRIDPD_TP_FUSED_MAX_MIB", DEFAULT_MAX_EXCHANGE_MIB)) << 20
+
+
+def rows_that_fit(max_rows: int, sites: int, world: int, hidden: int, dtype: torch.dtype) -> int:
+    """The most rows a fused step may have: `max_rows`, or fewer when the buffer would exceed its cap."""
+    per_row = sites * world * hidden * torch.empty(0, dtype=dtype).element_size()
+    return min(max_rows, _max_exchange_bytes() // per_row)
+
+
 def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_rows: int) -> int:
     """Give `tp.block_reduce` a fused kernel when this worker can use one; returns the bytes it took (0: none, the
     reason logged). Called on every rank at the same point, after the model is cut."""
     sites = int(getattr(model, "block_ends", 0))
     hidden = int(getattr(model, "hidden_size", 0))
     if (os.environ.get("HYBRIDPD_TP_FUSED_ALLREDUCE", "1") == "0" or device.type != "cuda" or tp.world < 2
-            or dtype not in (torch.bfloat16, torch.float16) or not sites or not hidden or max_rows < 1):
+            or dtype not in (torch.bfloat16, torch.float16) or not sites or not hidden):
+        return 0
+    max_rows = rows_that_fit(max_rows, sites, tp.world, hidden, dtype)
+    if max_rows < 1:
+        log.info("tensor parallel: the fused all-reduce's exchange buffer would exceed %d MiB for one row; NCCL for "
+                 "every block end", _max_exchange_bytes() >> 20)
         return 0
     fused: FusedReduceNorm | None = None
     try:
-        fused = FusedReduceNorm(tp.group, tp.rank, tp.world, device, hidden, max_rows, sites, dtype)
+        fused = FusedReduceNorm(tp.group, tp.rank, tp.world, device, hidden, max_rows, sites, dtype, tp.agree_min)
     except Exception as e:  # no peer access between the GPUs, an old torch: NCCL serves every block end
         log.warning("tensor parallel: fused all-reduce + norm unavailable (%s); NCCL for every block end", e)
     if tp.agree_min(int(fused is not None)) == 0:  # all ranks fuse or none does
@@ -175,4 +227,4 @@ def build(tp: Any, model: Any, device: torch.device, dtype: torch.dtype, max_row
     return fused.nbytes
 
 
-__all__ = ["FusedReduceNorm", "build"]
+__all__ = ["DEFAULT_MAX_EXCHANGE_MIB", "FusedReduceNorm", "build", "rows_that_fit"]

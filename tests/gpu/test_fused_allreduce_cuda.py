@@ -123,3 +123,46 @@ def test_tp2_engine_fused_equals_nccl(name, checkpoint_dir, monkeypatch):  # typ
     for a, b in zip(with_fused, with_nccl, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+
+
+def _one_rank_cannot_allocate(rank: int, world: int, init: str, out: str) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from hybridpd.engine.parallel import fused_allreduce as fa
+    from hybridpd.engine.parallel.group import TPGroup
+
+    dev = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=60)  # a rank left alone in a collective fails the test in a minute
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    tp = TPGroup(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+    if rank == 1:  # this GPU alone out of memory for the exchange buffer
+        def refuse(self: Any, numel: int, device: torch.device) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (rank 1 only)")
+
+        fa.FusedReduceNorm._allocate = refuse  # type: ignore[method-assign]
+    model = type("M", (), {"block_ends": 3, "hidden_size": 256})()
+    t0 = time.monotonic()
+    got = fa.build(tp, model, dev, torch.bfloat16, 16)
+    s = torch.ones(4, device=dev)
+    dist.all_reduce(s)  # the group still works: every rank left build at the same collective
+    ok = got == 0 and tp.block_reduce.fused is None and bool((s == world).all()) and time.monotonic() - t0 < 30
+    with open(f"{out}.{rank}", "w") as fh:
+        fh.write("ok" if ok else f"build {got}, fused {tp.block_reduce.fused}, sum {s.tolist()}")
+    dist.destroy_process_group()
+
+
+def test_one_rank_failing_its_buffer_falls_back_on_every_rank(tmp_path):  # type: ignore[no-untyped-def]
+    """One rank cannot allocate its exchange buffer: both keep NCCL at once (no rank waits alone in the
+    rendezvous)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from hybridpd.engine.parallel.group import free_port
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    out = str(tmp_path / "result")
+    mp.spawn(_one_rank_cannot_allocate, args=(2, f"tcp://127.0.0.1:{free_port()}", out), nprocs=2, join=True)
+    for rank in range(2):
+        assert open(f"{out}.{rank}").read() == "ok", f"rank {rank}"

@@ -110,3 +110,24 @@ def test_on_a_gpu_a_share_that_is_not_free_is_refused(monkeypatch: pytest.Monkey
         InvalidRequestError, match=r"asks for 72.0 GiB of the GPU's 80.0 GiB, but only 40.0 GiB is free"
     ):
         engine._plan({})
+
+
+def test_on_a_gpu_a_kv_cache_memory_bytes_past_the_free_memory_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tiny_engine
+) -> None:  # type: ignore[no-untyped-def]
+    """--kv-cache-memory-bytes (vLLM's: the cache size, gpu_memory_utilization ignored) larger than the GPU's free
+    memory: a start-up error with the numbers, not a CUDA out-of-memory traceback when the cache is allocated."""
+    import dataclasses
+
+    engine = _on_a_gpu(monkeypatch, tiny_engine, total=80 * GiB, free=30 * GiB, weights=16 * GiB, utilization=0.9)
+    for asked, ok in ((29 * GiB, True), (100 * GiB, False)):
+        cache = dataclasses.replace(engine.config.cache, kv_cache_memory_bytes=asked)
+        monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, cache=cache))
+        if ok:
+            assert engine._plan({}).kv_cache_memory_bytes <= asked
+            continue
+        with pytest.raises(InvalidRequestError) as e:
+            engine._plan({})
+        says = ("kv_cache_memory_bytes=100.0 GiB", "30.0 GiB of the GPU's 80.0 GiB is free", "--kv-cache-memory-bytes")
+        for part in says:
+            assert part in str(e.value), str(e.value)

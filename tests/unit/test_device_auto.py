@@ -19,10 +19,10 @@ def test_auto_is_cpu_float32_without_cuda(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_auto_is_cuda_bfloat16_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     cfg = resolve_auto(EngineConfig.from_settings("/m"))
     assert (cfg.model.device, cfg.model.dtype) == ("cuda", "bfloat16")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     assert dev.resolve_dtype("auto", "cuda:1") == "float16"
     assert dev.resolve_dtype("float32", "cuda") == "float32" and dev.resolve_device("cpu") == "cpu"  # explicit wins
 
@@ -44,10 +44,22 @@ def test_dtype_auto_follows_the_checkpoint_on_cuda_as_vllm(
     monkeypatch: pytest.MonkeyPatch, checkpoint: dict, bf16: bool, want: str
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
     assert dev.resolve_dtype("auto", "cuda", checkpoint) == want
     assert resolve_auto(EngineConfig.from_settings("/m"), checkpoint).model.dtype == want
     assert dev.resolve_dtype("auto", "cpu", checkpoint) == "float32"  # the CPU runs float32 whatever the checkpoint
+
+
+def test_a_gpu_with_only_emulated_bf16_runs_float16_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Ampere (T4, V100) torch.cuda.is_bf16_supported() is True by emulation: auto must still pick float16
+    (vLLM: bf16 from compute capability 8.0), and an explicit bfloat16 is refused naming --dtype half, as vLLM."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert dev.resolve_dtype("auto", "cuda") == "float16"
+    assert dev.resolve_dtype("auto", "cuda", {"torch_dtype": "bfloat16"}) == "float16"
+    with pytest.raises(InvalidRequestError, match=r"bfloat16 needs a GPU of compute capability 8\.0.*--dtype half"):
+        dev.resolve_dtype("bfloat16", "cuda")
+    assert dev.resolve_dtype("bfloat16", "cpu") == "bfloat16"  # the CPU runs bf16
 
 
 def test_auto_says_what_it_chose(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

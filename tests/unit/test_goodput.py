@@ -275,3 +275,11 @@ def test_all_names_every_configuration_workload_and_arrival() -> None:
     assert (args.configs, args.workloads, args.arrivals) == (list(CONFIGS), list(WORKLOADS), list(ARRIVALS))
     assert args.rates == [] and args.dtype == "auto"  # auto is the workers' to resolve (they report what they ran)
     assert "balanced" in args.configs and "adaptive" in args.configs
+
+
+def test_sizes_and_dtypes_in_vllms_spellings_as_the_workers_take_them() -> None:
+    """--kv-cache-memory-bytes 4G and --dtype half, as `hybridpd worker` (and vLLM) read them."""
+    from benchmarks.goodput import parse_args
+
+    args = parse_args(["--device", "cpu", "--kv-cache-memory-bytes", "4G", "--dtype", "half"])
+    assert (args.kv_cache_memory_bytes, args.dtype) == (4 * 2**30, "half")

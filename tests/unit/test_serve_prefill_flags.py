@@ -88,3 +88,18 @@ def test_role_argv_keeps_tp_and_registration() -> None:
         "--register-with",
         "u",
     ]
+
+
+def test_enforce_eager_reaches_every_worker_on_its_command_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`serve --enforce-eager`: every worker's command line carries it (an environment variable of the driver does
+    not reach the actors of a Ray cluster serve joins with --address)."""
+    code, got = _serve(monkeypatch, tmp_path, "--enforce-eager")
+    assert code == 0
+    args, engine_argv = got[0][0], got[0][1]
+    for role in ("prefill", "decode", "colocated"):
+        argv = role_argv(args, role, engine_argv, 1, [])
+        assert cli.build_parser().parse_args(["worker", *argv]).enforce_eager, argv
+    code, got = _serve(monkeypatch, tmp_path)
+    assert "--enforce-eager" not in role_argv(got[0][0], "decode", got[0][1], 1, [])

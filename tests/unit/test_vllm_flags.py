@@ -109,3 +109,23 @@ def test_max_model_len_auto_fits_what_the_cache_holds(caplog: pytest.LogCaptureF
         LLM(max_model_len=fitted + 1, kv_cache_memory_bytes=100_000)
     out = small.generate(prompt_token_ids=[[5] * (fitted - 3)])[0]  # a prompt near the fitted length runs
     assert out.finish_reason == "length" and fitted - 3 + len(out.token_ids) == fitted  # stopped by max_model_len
+
+
+@pytest.mark.parametrize("text", ["infk", "1e400k", "-2k", "1e3k", "nanK"])
+def test_lengths_outside_vllms_grammar_are_refused_cleanly(capsys: pytest.CaptureFixture[str], text: str) -> None:
+    """A digit string (with a decimal part only before k/m/g/t) and a suffix, as vLLM's regex: no OverflowError
+    traceback for an infinite number, no negative or exponent spelling vLLM refuses."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", f"--max-model-len={text}"])
+    err = capsys.readouterr().err
+    assert "argument --max-model-len" in err and "not an integer" in err
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "-5"])
+def test_kv_cache_memory_bytes_below_one_is_refused_before_start(size: str) -> None:
+    """0 or a negative cache budget is a flag error (before Ray, workers or the model), not a 'model does not fit'
+    error from every worker after the weights are loaded."""
+    from hybridpd.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory_bytes must be >= 1"):
+        _config(f"--kv-cache-memory-bytes={size}").validate()

@@ -47,3 +47,44 @@ def test_the_proxy_admits_what_every_auto_fitted_worker_holds() -> None:
     assert served_max_model_len(4096, infos) == 3000
     assert served_max_model_len(2048, infos) == 2048  # asked for less: as asked
     assert served_max_model_len(4096, [("decode", {})]) == 4096
+
+
+def test_an_actor_that_dies_or_never_answers_is_a_one_line_error() -> None:
+    """`serve` waits for every actor's worker: an actor killed (out of host memory: RayActorError) or still not ready
+    after the wait (GetTimeoutError) ends serve with a WorkerStartError naming the role, not a Ray traceback."""
+    import ray.exceptions
+    from hybridpd.deploy.ray_launcher import gather_infos
+
+    def fake_ray(failure: BaseException | None) -> SimpleNamespace:
+        def get(ref: dict, timeout: float) -> dict:
+            if failure is not None and ref.get("fail"):
+                raise failure
+            return ref
+
+        return SimpleNamespace(get=get, exceptions=ray.exceptions)
+
+    def actor(info: dict) -> SimpleNamespace:
+        return SimpleNamespace(info=SimpleNamespace(remote=lambda: info))
+
+    actors = [("prefill", actor({"address": "a"})), ("decode", actor({"fail": True}))]
+    assert gather_infos(fake_ray(None), actors, 5.0) == [("prefill", {"address": "a"}), ("decode", {"fail": True})]
+    with pytest.raises(WorkerStartError, match=r"^decode worker did not start: not ready in 5 s"):
+        gather_infos(fake_ray(ray.exceptions.GetTimeoutError("x")), actors, 5.0)
+    with pytest.raises(WorkerStartError, match=r"^decode worker did not start: its Ray actor died"):
+        gather_infos(fake_ray(ray.exceptions.RayActorError()), actors, 5.0)
+
+
+def test_a_worker_that_hangs_silently_times_out(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker that writes nothing (stuck loading, or in a collective) is given up after ready_timeout_s: the wait
+    must not sit in a blocking read of its stdout past the deadline."""
+    import sys
+    import time
+
+    hang = tmp_path / "hang.sh"
+    hang.write_text("#!/bin/sh\nexec sleep 30\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hang))  # the worker command: python -m hybridpd.deploy.cli worker ...
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"^decode worker did not start: not ready in 0.5 s"):
+        WorkerProcess(["--role", "decode"], restart=False, ready_timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
