@@ -629,6 +629,8 @@ class CacheTree:
             for page, (prio, order, _) in q.items()
         }
         assert live <= set(self._heap), "every queued item has its heap entry"
+        states = {(prio, order, slot << 1 | STATE) for prio, order, slot in self._state_heap}
+        assert {e for e in live if e[2] & 1 == STATE} <= states, "every queued checkpoint has its checkpoint-heap entry"
         for kind, p in enumerate(self.pool_of):
             if p is None:
                 continue

@@ -41,7 +41,27 @@ def test_clock_rises_to_each_evicted_priority() -> None:
     s.cache.check_integrity()
 
 
-@pytest.mark.parametrize("corruption", ["parent link", "queued non-leaf", "stray node"])
+def test_lowest_checkpoint_under_a_block_is_the_lowest_queued_one() -> None:
+    """With a (dead-end) block at the top of the heap, `_lowest(STATE)` answers from the checkpoints' own heap: the
+    same item a scan of every queued checkpoint finds (priority, then release order), also after re-queues."""
+    s = make()
+    tree = s.cache.tree
+    for i in range(6):
+        serve(s, f"r{i}", list(range(100 * i, 100 * i + 13 + 4 * i)))
+    queued = tree.queued[STATE_ITEM]
+    assert len(queued) >= 3
+    for slot in list(queued)[:2]:  # re-queued at their priorities: stale entries in both heaps
+        tree._queue(STATE_ITEM, slot, queued[slot][2], queued[slot][0])
+    leaf = next(iter(tree.queued[BLOCK_ITEM]))
+    tree._queue(BLOCK_ITEM, leaf, tree.clock, tree.clock - 1.0)  # a leaf block below every checkpoint
+    top = tree._lowest()
+    assert top is not None and top[0] == BLOCK_ITEM  # the path under test
+    slot, entry = min(queued.items(), key=lambda kv: kv[1][:2])
+    assert tree._lowest(STATE_ITEM) == (STATE_ITEM, slot, entry[0])
+    s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("corruption", ["parent link", "queued non-leaf", "stray node", "checkpoint heap"])
 def test_check_integrity_catches_a_corrupted_tree(corruption: str) -> None:
     s = make()
     a, _ = serve(s, "a", P + [1])
@@ -51,6 +71,9 @@ def test_check_integrity_catches_a_corrupted_tree(corruption: str) -> None:
         del n0.kids[n1.hash]
     elif corruption == "queued non-leaf":
         tree._push(BLOCK_ITEM, chain.lookup(n0.hash), n0.hash)  # type: ignore[arg-type]
+    elif corruption == "checkpoint heap":
+        assert tree.queued[STATE_ITEM]
+        tree._state_heap.clear()
     else:
         tree._node(b"x" * 16, 4)
     with pytest.raises(AssertionError):
