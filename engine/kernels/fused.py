@@ -54,14 +54,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, h_ptr, w_ptr, out_ptr, D, H, stride_x0, str
         res = tl.load(res_ptr + i * D + d, mask=m, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(h_ptr + i * D + d, x, mask=m)
+    y = rms_norm_row(x, w_ptr, d, m, D, eps, ZERO_CENTERED)
+    tl.store(out_ptr + i * stride_o0 + j * stride_o1 + d, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def rms_norm_row(x, w_ptr, d, m, D, eps, ZERO_CENTERED: tl.constexpr):
+    """One row's RMSNorm in fp32 (lanes d, valid where m): w * x / rms(x), or (1 + w) * x / rms(x)."""
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / D + eps)
     w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
-        y = (xf * rstd) * (1.0 + w)
+        return (xf * rstd) * (1.0 + w)
     else:
-        y = w * (xf * rstd)
-    tl.store(out_ptr + i * stride_o0 + j * stride_o1 + d, y.to(out_ptr.dtype.element_ty), mask=m)
+        return w * (xf * rstd)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,

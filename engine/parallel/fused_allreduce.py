@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from hybridpd.engine.kernels.fused import rms_norm_row
 
 log = logging.getLogger("hybridpd.tp")
 
@@ -101,13 +102,7 @@ def _reduce_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, b0, b1, b2, b
     res = tl.load(res_ptr + i * D + d, mask=m, other=0.0)
     h = (s.to(tl.float32) + res.to(tl.float32)).to(dt)
     tl.store(h_ptr + i * D + d, h, mask=m)
-    hf = h.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(hf * hf, 0) / D + eps)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        y = (hf * rstd) * (1.0 + w)
-    else:
-        y = w * (hf * rstd)
+    y = rms_norm_row(h, w_ptr, d, m, D, eps, ZERO_CENTERED)  # rms_norm's own arithmetic: the same bits
     tl.store(out_ptr + i * D + d, y.to(dt), mask=m)
 
 
@@ -196,7 +191,7 @@ def _max_exchange_bytes() -> int:
 
 def rows_that_fit(max_rows: int, sites: int, world: int, hidden: int, dtype: torch.dtype) -> int:
     """The most rows a fused step may have: `max_rows`, or fewer when the buffer would exceed its cap."""
-    per_row = sites * world * hidden * torch.empty(0, dtype=dtype).element_size()
+    per_row = sites * world * hidden * dtype.itemsize
     return min(max_rows, _max_exchange_bytes() // per_row)
 
 

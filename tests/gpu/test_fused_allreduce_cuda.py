@@ -86,16 +86,20 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_fused_block_end_matches_nccl_and_norm(tmp_path):  # type: ignore[no-untyped-def]
+def _on_two_gpus(worker: Any, tmp_path: Any) -> list[str]:
+    """Run worker(rank, 2, init, out) on two GPUs in two processes; each rank's report ("ok" or what failed)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from hybridpd.engine.parallel.group import free_port
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     out = str(tmp_path / "result")
-    mp.spawn(_worker, args=(2, f"tcp://127.0.0.1:{free_port()}", out), nprocs=2, join=True)
-    for rank in range(2):
-        assert open(f"{out}.{rank}").read() == "ok", f"rank {rank}"
+    mp.spawn(worker, args=(2, f"tcp://127.0.0.1:{free_port()}", out), nprocs=2, join=True)
+    return [open(f"{out}.{rank}").read() for rank in range(2)]
+
+
+def test_fused_block_end_matches_nccl_and_norm(tmp_path):  # type: ignore[no-untyped-def]
+    assert _on_two_gpus(_worker, tmp_path) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("name", ["nemotron_attn_mid", "qwen_attn_last"])
@@ -157,12 +161,4 @@ def _one_rank_cannot_allocate(rank: int, world: int, init: str, out: str) -> Non
 def test_one_rank_failing_its_buffer_falls_back_on_every_rank(tmp_path):  # type: ignore[no-untyped-def]
     """One rank cannot allocate its exchange buffer: both keep NCCL at once (no rank waits alone in the
     rendezvous)."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from hybridpd.engine.parallel.group import free_port
-
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = str(tmp_path / "result")
-    mp.spawn(_one_rank_cannot_allocate, args=(2, f"tcp://127.0.0.1:{free_port()}", out), nprocs=2, join=True)
-    for rank in range(2):
-        assert open(f"{out}.{rank}").read() == "ok", f"rank {rank}"
+    assert _on_two_gpus(_one_rank_cannot_allocate, tmp_path) == ["ok", "ok"]
