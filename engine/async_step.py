@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hybridpd.engine.cache.managers import PendingCheckpoint
+    from hybridpd.engine.cache.coordinator import PendingCheckpoint
     from hybridpd.engine.core import EngineCore
     from hybridpd.engine.request import Request
     from hybridpd.engine.runner import LaunchedStep
@@ -64,7 +64,7 @@ class _Launched:
     """Requests that ended while this step was in flight: their pages are freed once it is done."""
     late: list[tuple[Request, int]] = field(default_factory=list)
     """(request, block boundary) of rows whose rolling checkpoint is planned after this step (invariant 4)."""
-    held: list[list[PendingCheckpoint]] | None = None
+    held: list[PendingCheckpoint] | None = None
     """Checkpoints of the step before this one, copied after it: published with the step after this one."""
     publishes: frozenset[str] = frozenset()
     """Requests whose late checkpoints (the previous step's `held`) are published once this step is done: one that
@@ -117,7 +117,7 @@ class StepPipeline:
                 self.in_flight = self._launch(out, tuple(cur.sample_index[s.request_id] for s in out.seqs))
                 self.in_flight.late = rows_late
                 if cur.held is not None:
-                    self.in_flight.publishes = frozenset(p.req_id for group in cur.held for p in group)
+                    self.in_flight.publishes = frozenset(p.req_id for p in cur.held)
                 self.num_ahead += 1
             sampled, top = cur.step.resolve()
         except Exception:
@@ -161,16 +161,15 @@ class StepPipeline:
         sample_index = {rid: i for i, rid in enumerate(s.request_id for s in out.seqs if s.sample)}
         return _Launched(out, step, {rid: requests[rid] for rid in rids}, sample_index)
 
-    def _save_late(self, cur: _Launched, copies: dict[int, list[tuple[int, int]]], marks: list[int],
+    def _save_late(self, cur: _Launched, saves: tuple[tuple[int, tuple[int, ...]], ...], marks: int,
                    ahead: bool) -> None:
         """Copy the running states of `cur`'s rows that reached a block boundary into their rolling checkpoints,
         after `cur` and before anything after it. With a step launched ahead the copy may still be queued when
         `cur` is read, so the checkpoints are published with the step after `cur` (`held`); else the copy is waited
         for and they are published with `cur`, as the synchronous engine does."""
         core = self.core
-        for gid, pairs in copies.items():
-            core.runner.copy_states(tuple(pairs), gid)
-        self.num_late_checkpoints += len(next(iter(copies.values())))
+        core.runner.save_states(saves)
+        self.num_late_checkpoints += len(saves)
         if ahead:
             cur.held = core.cache.hold_pending(marks)
         else:

@@ -605,12 +605,12 @@ class EngineCore:
         """Each pool's counts (group_id, kind, total, free, cached, in_use) and whether its integrity check passes
         now (workers report it through their Stats RPC). Step thread only."""
         out = []
+        try:
+            self.cache.check_integrity()
+            ok = True
+        except AssertionError:
+            ok = False
         for s in self.cache.pool_stats():
-            try:
-                self.cache.pools[int(s["group_id"])].check_integrity()  # type: ignore[call-overload]
-                ok = True
-            except AssertionError:
-                ok = False
             out.append({**s, "integrity_ok": ok})
         return out
 
@@ -631,15 +631,13 @@ class EngineCore:
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""
         info = self.plan.as_dict()
-        for g in self.groups:
-            pool, label = self.cache.pools[g.group_id], self.cache.labels[g.group_id]
-            s = pool.stats()
-            info[f"{label}_bytes_in_use"] = s["in_use"] * pool.page_bytes
-            info[f"{label}_bytes_cached"] = s["cached"] * pool.page_bytes
-        overlay = self.cache.overlay
-        if overlay is not None and self.plan.arena is not None:  # one arena: checkpoints held, as memory
-            info["checkpoint_bytes_held"] = len(overlay.held) * self.plan.arena.slot_stride
-            info["checkpoint_ranges_free"] = overlay.num_free_ranges
+        stats = self.cache.cache_stats()
+        for label in self.cache.labels.values():
+            s = stats[label]
+            info[f"{label}_bytes_in_use"] = s["bytes_in_use"]  # type: ignore[index]
+            info[f"{label}_bytes_cached"] = s["bytes_cached"]  # type: ignore[index]
+        if self.plan.arena is not None:  # one arena: the pages cached checkpoints take, as memory
+            info["checkpoint_bytes_held"] = int(stats["checkpoint_pages"]) * self.plan.arena.page_bytes  # type: ignore[call-overload]
         return info
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 
 from tests.oracle import hf_greedy, random_prompts, reference_set
 
