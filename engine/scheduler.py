@@ -317,6 +317,7 @@ class Scheduler:
             budget -= num_new
 
         self._stalled_at = self.version if not seqs and not preempted else -1
+        self._plan_checkpoints(seqs)
         return self._output(tuple(seqs), tuple(preempted))
 
     def _output(self, seqs: tuple[ScheduledSeq, ...], preempted: tuple[str, ...]) -> SchedulerOutput:
@@ -376,29 +377,42 @@ class Scheduler:
         return self.cache.find_prefix_hit(req, max_tokens=scored, count=False) if scored else PrefixHit()
 
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
-        cache = self.cache
+        """The request's chunk, its checkpoints not planned yet (`_plan_checkpoints`, once every request of the step
+        holds its blocks: a checkpoint's pages never take what a block of this step needs)."""
         start = req.num_computed_tokens
         end = start + num_new
-        rid = req.request_id
-        blocks, slots = cache.seq_tables(rid)
-        # no checkpoint of state computed on an unconfirmed transfer: it would be published when written
-        ckpts = self._no_checkpoints if self.unconfirmed and rid in self.unconfirmed else cache.checkpoint_plan(
-            req, start, end)
+        blocks, slots = self.cache.seq_tables(req.request_id)
         outputs = req.output_token_ids
         past_prompt = start - len(req.prompt_token_ids)
         # a decode row's one token read directly (`token_slice` builds a list first): once per request per step
         tokens = (outputs[past_prompt],) if num_new == 1 and past_prompt >= 0 else tuple(req.token_slice(start, end))
         # Positional (fields in declaration order): keywords cost about 2.5x as much, once per request per step.
         return ScheduledSeq(
-            rid,  # request_id
+            req.request_id,  # request_id
             start,  # num_computed_tokens
             tokens,  # token_ids
             req.compute_target is None and past_prompt + num_new == len(outputs),  # sample: end == num_tokens
             blocks,  # group_block_ids
             slots,  # group_state_slots
-            ckpts,  # group_checkpoints
+            self._no_checkpoints,  # group_checkpoints
             None if req.prompt_logprobs is None else _prompt_scores(req, start, end),
         )
+
+    def _plan_checkpoints(self, seqs: list[ScheduledSeq]) -> None:
+        """Each sequence's checkpoints (none for state computed on an unconfirmed transfer: it would be published
+        when written); a chunk may end early, at a checkpoint that found no staging slot."""
+        cache, unconfirmed, requests = self.cache, self.unconfirmed, self.requests
+        for s in seqs:
+            if unconfirmed and s.request_id in unconfirmed:
+                continue
+            req = requests[s.request_id]
+            start = s.num_computed_tokens
+            end = start + len(s.token_ids)
+            s.group_checkpoints, cut = cache.checkpoint_plan(req, start, end)
+            if cut < end:
+                s.token_ids, s.sample = s.token_ids[: cut - start], False
+                if s.prompt_scores is not None:
+                    s.prompt_scores = _prompt_scores(req, start, cut)
 
     def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:
         """The head of the queue cannot get its caches and nothing runs: only requests waiting behind it that hold

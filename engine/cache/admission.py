@@ -51,6 +51,8 @@ class Admission:
         """Block hashes of every prefix computed (or admitted) so far, in insertion order (`note`)."""
         self.every_chunk = policy.interval > 0
         """Checkpoints may fall mid-block (interval boundaries): the coordinator plans every chunk."""
+        self.last_branch: int | None = None
+        """The branch point `targets` found last (None: this admission knows no branch points)."""
 
     @property
     def align(self) -> int:
@@ -66,7 +68,7 @@ class Admission:
         seen, n = self.seen, 0
         while n < limit and hashes[n] in seen:  # the longest prefix seen before: where this prompt branches off
             n += 1
-        branch = n * bs
+        self.last_branch = branch = n * bs
         if branch > hit_tokens:
             out.add(branch)
         if limit * bs > hit_tokens:
@@ -106,3 +108,4 @@ class Admission:
         seen.update(dict.fromkeys(hashes))  # a hash seen before keeps its place (update never moves a key)
         while len(seen) > self.policy.seen_capacity:
             del seen[next(iter(seen))]
+

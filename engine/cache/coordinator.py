@@ -88,6 +88,8 @@ class PendingCheckpoint:
     block_hash: bytes
     rolling: bool = False
     """A request-end checkpoint written while decoding: it replaces the request's previous one when published."""
+    branch: bool = False
+    """At the request's branch point (admission.py)."""
 
 
 @dataclass
@@ -125,6 +127,8 @@ class HybridCacheManager:
         self.tree = tree_cls(self.pages, self.events, (tuple(self.attention_groups), tuple(self.recurrent_groups)),
                              self.k, bs, self.policy.alpha)
         self.tree.max_checkpoints = layout.max_checkpoints
+        self._branch: dict[str, int] = {}
+        """request -> its branch point (`Admission.last_branch`): a checkpoint there is a branch point for good."""
         self.req_blocks: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}
         self.running_slot: dict[str, int] = {}
@@ -322,6 +326,8 @@ class HybridCacheManager:
             return  # the admission keeps nothing per request
         targets, own = plan
         if self.has_states:
+            if self.admission.last_branch is not None:
+                self._branch[req.request_id] = self.admission.last_branch
             if targets:
                 self._targets[req.request_id] = targets
             self.superseded[req.request_id] = [req.block_hashes[b // self.block_size - 1] for b in own]
@@ -334,37 +340,57 @@ class HybridCacheManager:
             self._noted[req.request_id] = len(req.block_hashes)
 
     # -- checkpoints of a step -----------------------------------------------------------------------------------
-    def checkpoint_plan(self, req: Request, start: int, end: int) -> Inside:
+    def checkpoint_plan(self, req: Request, start: int, end: int) -> tuple[Inside, int]:
         """Reserve the checkpoints the chunk (start, end] saves. Returns what the kernels write this step: ((recurrent
-        group id, ((num_tokens, staging slot), ...)), ...), the boundaries inside the chunk, the same in every group;
-        each checkpoint's save (its slot, the running one at the chunk's end, to its pages) runs after the step."""
+        group id, ((num_tokens, staging slot), ...)), ...), the boundaries inside the chunk, the same in every group,
+        and where the chunk ends: at a boundary inside it when no staging slot is free (the checkpoint is then the
+        running state at the chunk's end; the rest of the chunk runs next step). Each checkpoint's save (its slot to
+        its pages) runs after the step."""
         if self.checkpoint_kind(req, end) is None:
-            return self._no_checkpoints  # most decode steps
+            return self._no_checkpoints, end  # most decode steps
         self.update_hashes(req)
-        due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
+        rid = req.request_id
+        due, rolling = self.admission.due(self._targets.get(rid), start, end, req.num_prompt_tokens)
         todo = [(b, False) for b in due] + ([(rolling, True)] if rolling is not None else [])
         inside: list[tuple[int, int]] = []
         hashes, bs = req.block_hashes, self.block_size
-        for b, is_rolling in todo:
+        for i, (b, is_rolling) in enumerate(todo):
             if b // bs > len(hashes):
                 break
             h = hashes[b // bs - 1]
             if self._is_planned(h):
                 continue
-            slot = self.running_slot[req.request_id] if b == end else self._staging_slot()
-            if slot is None:
-                continue
+            slot = self.running_slot[rid] if b == end else self._staging_slot()
+            if slot is None:  # the chunk ends here instead; the boundaries past it wait for the next chunks
+                self._targets.setdefault(rid, [])[:0] = [x for x, r in todo[i + 1 :] if not r]
+                end, slot = b, self.running_slot[rid]
             if not self.tree.make_room(self.k, checkpoint=True):
                 if b < end:
                     self.slots.give_back(slot)
                 break
-            pages = tuple(self.pages.take(self.k))
-            self.pending.append(PendingCheckpoint(req.request_id, b, pages, h, is_rolling))
+            pages = self._take_checkpoint_pages()
+            self.pending.append(PendingCheckpoint(rid, b, pages, h, is_rolling, b == self._branch.get(rid)))
             self.saves.append((slot, pages))
             if b < end:
                 self.staging.append(slot)
                 inside.append((b, slot))
-        return tuple((gid, tuple(inside)) for gid in self.recurrent_groups) if inside else self._no_checkpoints
+            if b == end:
+                break
+        return (tuple((gid, tuple(inside)) for gid in self.recurrent_groups) if inside else self._no_checkpoints), end
+
+    def _take_checkpoint_pages(self) -> tuple[int, ...]:
+        """k pages for a checkpoint (room was made); counted as reserved until named or given back."""
+        self.tree.num_reserved += 1
+        return tuple(self.pages.take(self.k))
+
+    def _settle(self, pages: tuple[int, ...], h: bytes, tokens: int, branch: bool = False) -> bool:
+        """A reserved checkpoint was written (`h` set) or not (empty `h`): name it, else give its pages back."""
+        self.tree.num_reserved -= 1
+        if h and self.tree.name_checkpoint(h, tokens, pages, branch):
+            self.num_admitted += 1
+            return True
+        self.pages.give_back(pages)
+        return False
 
     def _staging_slot(self) -> int | None:
         """A free slot for a checkpoint inside a chunk, unless new requests may still need it for running."""
@@ -436,12 +462,8 @@ class HybridCacheManager:
                 if rid in noted and len(req.block_hashes) > noted[rid]:
                     self._note(req)  # decoded blocks too: a later prompt may branch off an answer
         for p in self.pending:
-            if self.tree.name_checkpoint(p.block_hash, p.num_tokens, p.pages):
-                self.num_admitted += 1
-                if p.rolling:
-                    self._replace_rolling(p.req_id, p.block_hash)
-            else:
-                self.pages.give_back(p.pages)
+            if self._settle(p.pages, p.block_hash, p.num_tokens, p.branch) and p.rolling:
+                self._replace_rolling(p.req_id, p.block_hash)
         self.pending = []
         self._end_step()
 
@@ -455,7 +477,7 @@ class HybridCacheManager:
     def on_step_failed(self) -> None:
         """The step's forward raised: nothing it wrote is published (its requests are ended by the caller)."""
         for p in self.pending:
-            self.pages.give_back(p.pages)
+            self._settle(p.pages, b"", 0)
         self.pending, self.saves = [], []
         self._end_step()
 
@@ -485,7 +507,8 @@ class HybridCacheManager:
             self.tree.evict_checkpoint(node)
 
     def _forget(self, rid: str) -> None:
-        for memo in (self._tables, self._covers, self._targets, self._noted, self.rolling, self.superseded):
+        for memo in (self._tables, self._covers, self._targets, self._noted, self.rolling, self.superseded,
+                     self._branch):
             memo.pop(rid, None)
 
     def free(self, req: Request) -> None:
@@ -521,6 +544,8 @@ class HybridCacheManager:
         rid = req.request_id
         holder = f"quarantine:{rid}:{len(self.quarantined)}"
         self.quarantined.append(holder)  # `checkpoint`'s pages stay taken: nobody gives them back
+        if checkpoint is not None:
+            self.tree.num_reserved -= 1  # (not a checkpoint any more: pages lost to a READ that may still land)
         self._forget(rid)
         if rid in self.req_blocks:
             self.req_blocks[holder] = self.req_blocks.pop(rid)
@@ -584,17 +609,14 @@ class HybridCacheManager:
         h = req.block_hashes[num_tokens // self.block_size - 1]
         if self._is_planned(h) or not self.tree.make_room(self.k, checkpoint=True):
             return None
-        return ReservedCheckpoint(num_tokens, tuple(self.pages.take(self.k)), h)
+        return ReservedCheckpoint(num_tokens, self._take_checkpoint_pages(), h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
         """The pulled checkpoint arrived: cache it."""
-        if self.tree.name_checkpoint(ckpt.block_hash, ckpt.num_tokens, ckpt.pages):
-            self.num_admitted += 1
-        else:
-            self.pages.give_back(ckpt.pages)
+        self._settle(ckpt.pages, ckpt.block_hash, ckpt.num_tokens)
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        self.pages.give_back(ckpt.pages)
+        self._settle(ckpt.pages, b"", 0)
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def seq_tables(self, req_id: str) -> Tables:

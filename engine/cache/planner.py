@@ -100,8 +100,10 @@ def plan_capacity(
             f"KV cache budget of {budget_bytes} bytes is too small: {arena.num_slots} state slots take "
             f"{arena.pages_offset} bytes and attention needs at least 2 blocks of {arena.page_bytes} bytes (raise "
             f"the budget or lower max_num_seqs)")
-    if not attn and arena.pages_offset > budget_bytes:
-        raise CapacityError(f"KV cache budget of {budget_bytes} bytes cannot hold {arena.num_slots} state slots")
+    if not attn and pages < 2:
+        raise CapacityError(
+            f"KV cache budget of {budget_bytes} bytes cannot hold {arena.num_slots} state slots and a checkpoint "
+            f"page of {arena.page_bytes} bytes (raise the budget or lower max_num_seqs)")
     fits = (pages - 1) // k if k and pages else 0
     cap = fits if num_checkpoint_slots is None else min(fits, num_checkpoint_slots)
     bpb = arena.page_bytes if attn else 0

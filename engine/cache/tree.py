@@ -48,7 +48,8 @@ class Node:
     Nodes that leave the tree are reused (`CacheTree._spare`): one object per block would make work for the garbage
     collector."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "page", "ckpt", "ckpt_refs", "demoted", "queued", "base")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "page", "ckpt", "ckpt_refs", "demoted", "branched",
+                 "queued", "base")
 
     def __init__(self) -> None:
         self.hash = b""
@@ -69,6 +70,9 @@ class Node:
         """Holders of the checkpoint: a restore until its copy ran, an export until its lease ended."""
         self.demoted = False
         """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
+        self.branched = False
+        """Prompts have branched here: two cached blocks hung below it at once, or a request's branch point
+        (admission.py) put its checkpoint here. A branch point is never demoted, even once its branches are gone."""
         self.queued = [0, 0]
         """Kind -> the order of its live heap entry (0: not queued). Queued: an unreferenced leaf block (no kids),
         an unreferenced checkpoint."""
@@ -103,6 +107,10 @@ class CacheTree:
         self.num_queued = 0
         self.clock = 0.0
         self.num_checkpoints = 0
+        """Cached checkpoints (named)."""
+        self.num_reserved = 0
+        """Checkpoints whose pages are taken but not named yet (a step writing them, a transfer bringing one): the
+        cap counts them too."""
         self.max_checkpoints: int | None = None
         self.num_evictions = [0, 0]
         self._since_refresh = 0
@@ -156,7 +164,7 @@ class CacheTree:
         `max_checkpoints`); False when it cannot (what went stays gone: it was cache)."""
         free = self.pages.free
         if checkpoint and self.max_checkpoints is not None:
-            while self.num_checkpoints >= self.max_checkpoints:
+            while self.num_checkpoints + self.num_reserved >= self.max_checkpoints:
                 victim = self._lowest_checkpoint()
                 if victim is None:
                     return False
@@ -245,7 +253,7 @@ class CacheTree:
         node = self.nodes.get(h)
         if node is None:
             node = self.nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.demoted = h, tokens, False
+            node.hash, node.tokens, node.demoted, node.branched = h, tokens, False, False
         return node
 
     def name_block(self, h: bytes, parent: bytes | None, tokens: int, page: int) -> bool:
@@ -262,6 +270,7 @@ class CacheTree:
             node.parent = up
             up.kids[h] = node
             up.kid = node if len(up.kids) == 1 else None
+            up.branched = up.branched or up.kid is None
             self._dequeue(BLOCK, up)  # no longer a leaf
         return True
 
@@ -286,13 +295,14 @@ class CacheTree:
         if not self.has_states:
             node.demoted = False
 
-    def name_checkpoint(self, h: bytes, tokens: int, pages: tuple[int, ...]) -> bool:
+    def name_checkpoint(self, h: bytes, tokens: int, pages: tuple[int, ...], branch: bool = False) -> bool:
         """A written checkpoint (the state after `tokens`, at block `h`) is cached in `pages` (unreferenced now).
         False when one is cached at `h` already."""
         node = self.node(h, tokens)
         if node.ckpt is not None:
             return False
         node.ckpt, node.ckpt_refs = pages, 0
+        node.branched = node.branched or branch
         self.ckpt_node[pages[0]] = node
         self.num_checkpoints += 1
         self.pages.num_checkpoint_pages += len(pages)
@@ -322,9 +332,10 @@ class CacheTree:
 
     def demote(self, h: bytes) -> None:
         """The checkpoint `h` lies on a path a deeper checkpoint of the same request now ends, with no branch at
-        `h`: it keeps only its recency (Marconi: states off branch points are rarely reused). A restore undoes it."""
+        `h`: it keeps only its recency (Marconi: states off branch points are rarely reused). A restore undoes it;
+        a branch point (`Node.branched`) is never demoted."""
         node = self.nodes.get(h)
-        if node is None or node.ckpt is None or len(node.kids) > 1:
+        if node is None or node.ckpt is None or node.branched or len(node.kids) > 1:
             return
         node.demoted = True
         if node.queued[STATE]:
