@@ -24,9 +24,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def cache_shape(cache: HybridCacheManager) -> CacheShape:
     return CacheShape(
         block_size=cache.block_size,
-        attention_groups=tuple(m.group.group_id for m in cache.blocks),
-        recurrent_groups=tuple(m.group.group_id for m in cache.states),
-        align=cache.states[0].align if cache.states else cache.block_size,
+        attention_groups=tuple(cache.attention_groups),
+        recurrent_groups=tuple(cache.recurrent_groups),
+        align=cache.align if cache.recurrent_groups else cache.block_size,
     )
 
 
@@ -83,7 +83,8 @@ def test_events_replay_to_the_snapshot_and_predict_the_hit(name, checkpoint_dir)
         assert index.groups == cache.cached_hashes(), i
         cache.check_integrity()
     assert predicted_hits > 0  # the workload reuses prefixes: hits happened and were predicted
-    assert removed == set(cache.pools), f"only groups {removed} evicted: the replay did not cover removed events"
+    assert removed == {g.group_id for g in cache.groups}, (
+        f"only groups {removed} evicted: the replay did not cover removed events")
 
 
 def test_salted_prompts_hash_apart(checkpoint_dir):  # type: ignore[no-untyped-def]
