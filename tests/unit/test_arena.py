@@ -276,7 +276,7 @@ class ArenaHarness:
         rng = self.rng = random.Random(seed)
         prefixes = [[rng.randrange(50) for _ in range(rng.randrange(8, 25))] for _ in range(3)]
         self.specs = []
-        for i in range(n_reqs):  # (arrival step, prompt: a shared prefix's head and a tail, max_tokens, salt, abort)
+        for _ in range(n_reqs):  # (arrival step, prompt: a shared prefix's head and a tail, max_tokens, salt, abort)
             prompt = rng.choice(prefixes)[: rng.randrange(4, 25)] + [rng.randrange(50) for _ in
                                                                      range(rng.randrange(0, 6))]
             self.specs.append((rng.randrange(0, 2 * n_reqs), prompt, rng.randrange(1, 9),
