@@ -33,6 +33,7 @@ def test_stats_report_the_live_memory_split() -> None:
     assert mem["checkpoint_bytes_held"] == ckpt_pages * arena.page_bytes > 0
     # the attention group's cached pages are cached blocks (the prompt stays cached) and those checkpoint pages
     blocks = attn.cached - ckpt_pages
-    assert blocks > 0 and mem["attention_bytes_cached"] == blocks * core.groups[0].page_bytes_all_layers
+    (group,) = [g for g in core.groups if g.is_attention]
+    assert blocks > 0 and mem["attention_bytes_cached"] == blocks * group.page_bytes_all_layers
     assert attn.in_use == rec.in_use == 0 and attn.free + attn.cached == attn.total
     assert all(p.integrity_ok for p in after.pools)
