@@ -106,6 +106,8 @@ class ModelRunner:
         self.num_zeroed_blocks = 0
         self.num_saved_checkpoints = 0
         """Checkpoints saved (row copies after a step or a late one)."""
+        self.num_graph_checkpoints = 0
+        """Of those, saved after a decode graph's replay."""
 
     @property
     def fast_path(self) -> bool:
@@ -312,6 +314,7 @@ class ModelRunner:
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and not any(map(_PROMPT_SCORES, out.seqs)) and self.graphs.can_run(out.seqs):
             logits, lse = self.graphs.run(out.seqs, fed)
+            self.num_graph_checkpoints += len(out.state_saves)  # (saved by `_launch` after the replay)
             if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
                 return None
             if len(rids) < len(out.seqs):

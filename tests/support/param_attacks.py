@@ -1,7 +1,7 @@
 """Transfer params as a holder of the cluster token could alter them before handing them to a decode worker.
 
-with_pages_of(tp, other)   tp carrying other's block ids, state slots and checkpoint pages (another prompt's KV under tp's lease)
-                           when tp's prompt is no longer than other's
+with_pages_of(tp, other)   tp carrying other's block ids, state slots and checkpoint pages (another prompt's KV
+                           under tp's lease) when tp's prompt is no longer than other's
 ALTERATIONS                name -> in-place change of one field of a TransferParams (every field, and the mac)
 """
 

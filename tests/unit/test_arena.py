@@ -136,7 +136,7 @@ def test_a_checkpoint_takes_any_k_free_pages() -> None:
     x = req("x", list(range(300, 310)))  # its prompt-end checkpoint is at 8
     assert cache.allocate(x, 10)
     assert cache.req_blocks["x"] == [4, 5, 1] and cache.running_slot["x"] == 1  # the last given back first
-    assert lead(cache.checkpoint_plan(x, 0, 8)) == ()  # the boundary ends the chunk: no staging slot
+    assert lead(cache.checkpoint_plan(x, 0, 8)[0]) == ()  # the boundary ends the chunk: no staging slot
     (save,) = cache.take_saves()
     assert save == (1, (2, 6, 7))  # from the running slot to any 3 free pages
     step_done(cache, x, 8)
@@ -216,7 +216,7 @@ def test_a_checkpoint_inside_a_chunk_is_written_to_a_staging_slot() -> None:
     a = req("a", list(range(21)))  # interval 4: checkpoints every 4 tokens, and the prompt end at 20
     assert cache.allocate(a, 20)
     assert cache.running_slot["a"] == 1
-    inside = lead(cache.checkpoint_plan(a, 0, 20))
+    inside = lead(cache.checkpoint_plan(a, 0, 20)[0])
     assert inside == ((4, 2), (8, 3))  # two staging slots: 12 and 16 are not saved this step
     saves = cache.take_saves()
     assert [s for s, _ in saves] == [2, 3, 1]  # the staging slots, then the running slot at the chunk's end (20)
@@ -234,12 +234,12 @@ def test_staging_never_takes_a_slot_a_new_request_needs_for_running() -> None:
     a = req("a", list(range(21)))
     assert cache.allocate(a, 20)
     # 3 slots free (2, 3, 4), one of them kept for the second running request: 2 may stage
-    assert lead(cache.checkpoint_plan(a, 0, 20)) == ((4, 2), (8, 3))
+    assert lead(cache.checkpoint_plan(a, 0, 20)[0]) == ((4, 2), (8, 3))
     b = req("b", list(range(100, 109)))
     assert cache.allocate(b, 8) and cache.running_slot["b"] == 4
     step_done(cache, a, 20)
     cache.take_saves()
-    assert lead(cache.checkpoint_plan(b, 0, 8)) == ((4, 2),)  # both running: every free slot may stage
+    assert lead(cache.checkpoint_plan(b, 0, 8)[0]) == ((4, 2),)  # both running: every free slot may stage
     cache.check_integrity()
 
 
@@ -326,7 +326,8 @@ class ArenaHarness:
             toks, salt = tuple(r.all_token_ids), r.cache_salt
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             blocks, slot = lead(s.group_block_ids), lead(s.group_state_slots, PAD_SLOT_ID)
-            assert slot not in (NULL_BLOCK_ID, PAD_SLOT_ID) and len(blocks) == cdiv(end, BS)
+            # (a chunk cut short at a checkpoint keeps the blocks allocated for all of it)
+            assert slot not in (NULL_BLOCK_ID, PAD_SLOT_ID) and len(blocks) >= cdiv(end, BS)
             for i, p in enumerate(blocks[: cdiv(start, BS)]):  # attention reads the blocks before the chunk
                 assert sh.rows.get(sh.page_row(p)) == ("kv", salt, toks[: min(start, (i + 1) * BS)]), (r, i, p)
             if start > 0:  # the recurrent layers read the running state

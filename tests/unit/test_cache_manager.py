@@ -307,21 +307,22 @@ def test_no_checkpoint_when_the_pages_are_full() -> None:
 
 def test_staging_slots_are_left_to_new_requests_that_need_a_running_slot() -> None:
     """A checkpoint inside a chunk takes a staging slot only while the free slots exceed what requests still to
-    be admitted may need for running: two new requests in one step both get running slots, and the one planned
-    last gets no staging slot (its mid-chunk checkpoints are skipped); the slots are free again after the step."""
+    be admitted may need for running. Checkpoints are planned once every request of the step holds its blocks and
+    running slot: a and b run in slots 1 and 2; a stages its checkpoints at 8 and 16 in slots 3 and 4; b finds no
+    free slot, so its chunk ends at its first boundary (8), saved from its running slot, and resumes next step."""
     s = make(num_pages=64)
     add(s, "a", A)
     add(s, "b", list(range(200, 220)))
     out = s.schedule()
     drained(s)
     (sa, sb) = out.seqs
-    # a is planned with one slot running and one request still to come: free {2, 3, 4} > 1, so staging slots 2, 3;
-    # b then takes slot 4 for running, and no free slot is left to stage its checkpoints at 8 and 16
-    assert (lead(sa.group_state_slots), lead(sa.group_checkpoints)) == (1, ((8, 2), (16, 3)))
-    assert (lead(sb.group_state_slots), lead(sb.group_checkpoints)) == (4, ())
-    assert out.state_saves == ((2, (6, 7, 8)), (3, (9, 10, 11)))
+    assert (lead(sa.group_state_slots), lead(sa.group_checkpoints), len(sa.token_ids)) == (1, ((8, 3), (16, 4)), 20)
+    assert (lead(sb.group_state_slots), lead(sb.group_checkpoints), len(sb.token_ids)) == (2, (), 8)
+    assert sa.sample and not sb.sample  # b's chunk was cut: it samples once its prompt is done
+    assert out.state_saves == ((3, (11, 12, 13)), (4, (14, 15, 16)), (2, (17, 18, 19)))
     step_done(s, out)
-    assert not s.cache.slots.held[2] and not s.cache.slots.held[3]  # staging slots are free after the step
+    assert not s.cache.slots.held[3] and not s.cache.slots.held[4]  # staging slots are free after the step
+    assert s.requests["b"].num_computed_tokens == 8
     run(s)
     assert sorted(s.cache.slots.free) == [1, 2, 3, 4]
 
@@ -361,7 +362,7 @@ def test_recurrent_hits_zero_when_checkpoints_are_never_written() -> None:
 
 def test_recurrent_hits_zero_when_runner_drops_checkpoint_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     s = make()
-    monkeypatch.setattr(s.cache, "checkpoint_plan", lambda req, start, end: s.cache._no_checkpoints)
+    monkeypatch.setattr(s.cache, "checkpoint_plan", lambda req, start, end: (s.cache._no_checkpoints, end))
     serve(s, "a", A)
     again, (out,) = serve(s, "b", A)
     assert again.num_cached_tokens == 0 and out.state_restores == ()

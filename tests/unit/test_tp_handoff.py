@@ -1,9 +1,9 @@
 """P/D handoffs between engines of different TP sizes (P TP 1 -> D TP 2, P TP 2 -> D TP 1), through the engine's
 export/import API with the planned pieces (engine.parallel.handoff: each D rank's head slice of every page rebuilt
-from the P ranks' slices, a stand-in for per-rank NIXL READs): tokens equal the colocated TP 1 engine's, with and
-without D's own prefix hit (no checkpoint travels between TP sizes). Models: NemotronH with 2 KV heads (split at TP 2) and one
-Mamba B/C group (replicated at TP 2: conv state moved by channel ranges of x, B and C), Qwen3.5 (GDN), and a
-model with no attention layer (recurrent states alone)."""
+from the P ranks' slices, a stand-in for per-rank NIXL READs): tokens equal the colocated TP 1 engine's, with
+and without D's own prefix hit (no checkpoint travels between TP sizes). Models: NemotronH with 2 KV heads (split
+at TP 2) and one Mamba B/C group (replicated at TP 2: conv state moved by channel ranges of x, B and C), Qwen3.5
+(GDN), and a model with no attention layer (recurrent states alone)."""
 
 from __future__ import annotations
 
