@@ -1,24 +1,21 @@
 """One arena backs every cache: where each group's pages live in it, described without tensors.
 
 The runner allocates one byte buffer per device (engine/arena.py); every cache tensor the kernels index is a strided
-view of it, described here by an `ArenaPart`. Two regions:
+view of it (`ArenaPart`). Two regions:
 
     byte 0                                  R = num_slots * slot_stride
     | slot 0 (null) | slot 1 | ... | slot n |  page 0 (null) | page 1 | page 2 | ...        | page P-1 |
       running and staging state slots          attention blocks and checkpoints, one page at a time
 
-- A *page* (`page_bytes`) is block j of every attention group, back to back. It holds an attention block or one
-  k-th of a checkpoint: a checkpoint is the state of every recurrent group (`state_bytes`) cut into k =
-  ceil(state_bytes / page_bytes) page-sized pieces, stored in any k free pages (no ranges, no contiguity).
-- A *slot* is one state of every recurrent group, conv then ssm per group, in k page-sized rows (slot_stride =
-  k * page_bytes). Kernels read and write slots only: a request's running state, and (staging) a checkpoint that
-  falls inside a prefill chunk. Saving a checkpoint copies k slot rows to its pages after the step; restoring copies
-  them back before it: one row copy over the arena seen as [rows, page_bytes] (slot s = rows s*k .. s*k+k-1, page j
-  = row num_slots*k + j).
+- A *page* (`page_bytes`) is block j of every attention group, back to back: an attention block, or one of the k =
+  ceil(state_bytes / page_bytes) pieces of a checkpoint (the state of every recurrent group), in any k free pages.
+- A *slot* is one state of every recurrent group in k page-sized rows (slot_stride = k * page_bytes). Kernels read
+  and write slots only: a request's running state, and (staging) a checkpoint inside a prefill chunk. A save copies
+  a slot's k rows to its checkpoint's pages after the step, a restore copies them back before it: one row copy over
+  the arena seen as [rows, page_bytes] (slot s = rows s*k .. s*k+k-1, page j = row num_slots*k + j).
 - A model without attention: a page is one state (k = 1); pages hold checkpoints only.
 
-Alignment: each part starts at a multiple of 16 bytes and pages are padded to 16 (so no gap lies between two
-attention parts a transfer would skip). Tensor-free: dtypes are strings; the runner maps them.
+Parts start at multiples of 16 bytes and pages are padded to 16 (no gap between attention parts a transfer skips).
 """
 
 from __future__ import annotations

@@ -37,38 +37,29 @@ Copy = tuple[int, tuple[int, ...]]
 class PoolLayout:
     """From the planner (`CapacityPlan.layout`): the arena's ids, tensor-free."""
 
-    num_pages: int
-    """Pages, the null page 0 included."""
-    num_slots: int
-    """State slots, the null slot 0 included (running requests and STAGING_SLOTS staging; 0: no recurrent group)."""
+    num_pages: int  # the null page 0 included
+    num_slots: int  # the null slot 0, running slots and STAGING_SLOTS staging ones (0: no recurrent group)
     checkpoint_interval: int
     block_size: int
     pages_per_state: int = 1
-    policy: CachePolicy | None = None
-    """None: CachePolicy(interval=checkpoint_interval)."""
+    policy: CachePolicy | None = None  # None: CachePolicy(interval=checkpoint_interval)
     max_checkpoints: int | None = None
 
 
 @dataclass
 class PrefixHit:
     num_tokens: int = 0
-    blocks: tuple[int, ...] = ()
-    """The cached pages serving `num_tokens` (attention groups)."""
-    checkpoint: Node | None = None
-    """The checkpoint restored at `num_tokens` (recurrent groups)."""
-    group_hits: dict[str, int] = field(default_factory=dict)
-    """What each group alone could serve (for per-group counters), by group label."""
+    blocks: tuple[int, ...] = ()  # the cached pages serving `num_tokens` (attention groups)
+    checkpoint: Node | None = None  # the checkpoint restored at `num_tokens` (recurrent groups)
+    group_hits: dict[str, int] = field(default_factory=dict)  # label -> what its group alone could serve
 
 
 @dataclass
 class TransferAllocation:
     local_hit_tokens: int
-    first_block_index: int
-    """Index (in the request's block tables) of the first block the transfer fills."""
-    block_ids: dict[int, list[int]]
-    """Attention group id -> destination blocks, in order, for block indices first_block_index ..."""
-    state_slots: dict[int, int]
-    """Recurrent group id -> the request's running slot (the transfer writes it)."""
+    first_block_index: int  # in the request's block tables: the first block the transfer fills
+    block_ids: dict[int, list[int]]  # attention group id -> destination blocks from first_block_index on
+    state_slots: dict[int, int]  # recurrent group id -> the request's running slot (the transfer writes it)
 
 
 @dataclass(frozen=True)
@@ -86,10 +77,8 @@ class PendingCheckpoint:
     num_tokens: int
     pages: tuple[int, ...]
     block_hash: bytes
-    rolling: bool = False
-    """A request-end checkpoint written while decoding: it replaces the request's previous one when published."""
-    branch: bool = False
-    """At the request's branch point (admission.py)."""
+    rolling: bool = False  # a request end written while decoding: it replaces the request's previous one
+    branch: bool = False  # at the request's branch point (admission.py)
 
 
 @dataclass
@@ -118,11 +107,11 @@ class HybridCacheManager:
         self.labels = {g.group_id: g.kind if kinds.count(g.kind) == 1 else f"{g.kind}:{g.group_id}" for g in groups}
         self.attention_groups = [g.group_id for g in groups if g.is_attention]
         self.recurrent_groups = [g.group_id for g in groups if not g.is_attention]
-        self.events = CacheEventLog()
-        """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
+        self.has_blocks, self.has_states = bool(self.attention_groups), bool(self.recurrent_groups)
+        self.events = CacheEventLog()  # drained by the worker's cache-event stream (events.py)
         self.pages = PagePool(layout.num_pages)
-        self.slots = SlotPool(layout.num_slots if self.recurrent_groups else 0)
-        self.k = layout.pages_per_state if self.recurrent_groups else 0
+        self.slots = SlotPool(layout.num_slots if self.has_states else 0)
+        self.k = layout.pages_per_state if self.has_states else 0
         self.max_running = max(1, layout.num_slots - 1 - STAGING_SLOTS)
         self.tree = tree_cls(self.pages, self.events, (tuple(self.attention_groups), tuple(self.recurrent_groups)),
                              self.k, bs, self.policy.alpha)
@@ -132,44 +121,27 @@ class HybridCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}
         self.running_slot: dict[str, int] = {}
-        self.num_in_use = 0
-        """Pages that requests reference as attention blocks."""
-        self.fresh: list[int] = []
-        """Pages allocated since the last drain (not prefix hits): zeroed before first use."""
-        self.restores: list[Copy] = []
-        self.saves: list[Copy] = []
-        self.pending: list[PendingCheckpoint] = []
-        """Checkpoints the step in flight writes: published by `on_step_done`."""
-        self.step_pins: list[Node] = []
-        """Checkpoints restored by the step in flight (referenced until it ran)."""
-        self.staging: list[int] = []
-        """Staging slots the step in flight writes (freed after it)."""
+        self.num_in_use = 0  # pages that requests reference as attention blocks
+        self.fresh: list[int] = []  # pages allocated since the last drain (not prefix hits): zeroed before use
+        self.restores: list[Copy] = []  # before the next forward
+        self.saves: list[Copy] = []  # after it
+        self.pending: list[PendingCheckpoint] = []  # written by the step in flight, published by `on_step_done`
+        self.step_pins: list[Node] = []  # checkpoints it restores (referenced until it ran)
+        self.staging: list[int] = []  # staging slots it writes (freed after it)
         self.rolling: dict[str, bytes] = {}
         """request -> hash of its published request-end checkpoint (dropped when a later one replaces it)."""
         self.superseded: dict[str, list[bytes]] = {}
         """request -> checkpoints on its own path (the one it restored, its prompt end) that its first request-end
         checkpoint supersedes (demoted in the tree unless they are branch points)."""
         self.num_admitted = 0
-        self._tables: dict[str, Tables] = {}
-        """request -> `seq_tables` as last built: dropped when its pages change."""
-        self._covers: dict[str, int] = {}
-        """request -> tokens its blocks cover after its last allocation (`allocate`'s fast path)."""
-        self._targets: dict[str, list[int]] = {}
-        """request -> checkpoint boundaries still to save (`Admission.admit`), ascending."""
-        self._noted: dict[str, int] = {}
-        """request -> how many of its block hashes the admission has seen."""
+        self._tables: dict[str, Tables] = {}  # request -> `seq_tables` as last built (dropped when its pages change)
+        self._covers: dict[str, int] = {}  # request -> tokens its blocks cover (`allocate`'s fast path)
+        self._targets: dict[str, list[int]] = {}  # request -> checkpoint boundaries still to save, ascending
+        self._noted: dict[str, int] = {}  # request -> how many of its block hashes the admission has seen
         self._no_checkpoints = tuple((gid, ()) for gid in self.recurrent_groups)
         self.quarantined: list[str] = []
         self.counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
         self.external_counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
-
-    @property
-    def has_blocks(self) -> bool:
-        return bool(self.attention_groups)
-
-    @property
-    def has_states(self) -> bool:
-        return bool(self.recurrent_groups)
 
     # -- hashing and hit search ----------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
@@ -228,16 +200,13 @@ class HybridCacheManager:
             c.hits += hit.group_hits.get(label, 0)
 
     # -- allocation ----------------------------------------------------------------------------------------------
-    def _holds(self, rid: str) -> bool:
-        return rid in self.req_blocks or rid in self.running_slot
-
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
         Returns False (holding nothing new) when the pages cannot cover it even after evicting cache."""
         rid = req.request_id
         if 0 < num_tokens <= self._covers.get(rid, 0):
             return True  # covered already (most decode steps)
-        new = not self._holds(rid)
+        new = rid not in self.req_blocks and rid not in self.running_slot
         hit = hit if hit is not None and new else PrefixHit()
         held = self.req_blocks.get(rid)
         need = -(-num_tokens // self.block_size) - (len(held) if held is not None else len(hit.blocks))
@@ -280,8 +249,7 @@ class HybridCacheManager:
             self.restores.append((slot, hit.checkpoint.ckpt))  # type: ignore[arg-type]
         return True
 
-    def _unstart(self, rid: str, hit: PrefixHit) -> None:
-        """Undo `_start` (no room for the request's new blocks)."""
+    def _unstart(self, rid: str, hit: PrefixHit) -> None:  # (no room for the request's new blocks)
         if hit.checkpoint is not None and rid in self.running_slot:
             self.restores.pop()
             self.step_pins.pop()
@@ -419,13 +387,11 @@ class HybridCacheManager:
         return None if end % self.block_size else "rolling"
 
     def pending_marks(self) -> int:
-        """How many checkpoints are pending (to publish at the next `on_step_done`)."""
         return len(self.pending)
 
     def hold_pending(self, mark: int) -> list[PendingCheckpoint]:
-        """Take the checkpoints planned since `pending_marks()` gave `mark` out of the next `on_step_done` (their
-        copy runs after the step in flight: they are published after the step after it); `release_held` puts them
-        back."""
+        """Keep the checkpoints planned since `pending_marks()` gave `mark` out of the next `on_step_done` (copied
+        after the step in flight, they are published after the step after it); `release_held` puts them back."""
         held, self.pending = self.pending[mark:], self.pending[:mark]
         return held
 
@@ -433,13 +399,11 @@ class HybridCacheManager:
         self.pending.extend(held)
 
     def take_restores(self) -> tuple[Copy, ...]:
-        """(running slot, checkpoint pages) copies to run before the step's forward (drained)."""
-        out, self.restores = tuple(self.restores), []
+        out, self.restores = tuple(self.restores), []  # run before the step's forward
         return out
 
     def take_saves(self) -> tuple[Copy, ...]:
-        """(slot, checkpoint pages) copies to run after the step's forward (drained)."""
-        out, self.saves = tuple(self.saves), []
+        out, self.saves = tuple(self.saves), []  # run after it
         return out
 
     def take_fresh_blocks(self) -> tuple[int, ...]:
@@ -505,6 +469,7 @@ class HybridCacheManager:
         node = self.tree.nodes.get(prev) if prev is not None else None
         if node is not None and node.ckpt is not None and not node.ckpt_refs:
             self.tree.evict_checkpoint(node)
+            self.tree.revalue(self.tree.nodes[h])  # its anchor was the one just dropped: worth more now
 
     def _forget(self, rid: str) -> None:
         for memo in (self._tables, self._covers, self._targets, self._noted, self.rolling, self.superseded,
@@ -532,8 +497,8 @@ class HybridCacheManager:
         self.tree.unpin_checkpoint(self._checkpoint_node(pages))
 
     def _checkpoint_node(self, pages: tuple[int, ...]) -> Node:
-        node = self.tree.checkpoint_at(pages[0])
-        assert node is not None and node.ckpt == tuple(pages), pages
+        node = self.tree.ckpt_node[pages[0]]
+        assert node.ckpt == tuple(pages), pages
         return node
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
@@ -654,42 +619,34 @@ class HybridCacheManager:
 
     # -- observability -------------------------------------------------------------------------------------------
     def pool_stats(self) -> list[dict[str, object]]:
-        """Per group, O(1): attention groups count pages (free, in use by requests, cached: blocks and
-        checkpoints), recurrent groups count slots (free, in use) and cached checkpoints."""
-        pages, slots = self.pages, self.slots
-        out: list[dict[str, object]] = []
+        """Per group, O(1): attention groups count pages (free, in use by requests, cached: blocks and checkpoints),
+        recurrent groups count slots (free, in use) and cached checkpoints."""
+        pages, slots, out = self.pages, self.slots, []
         for g in self.groups:
-            if g.is_attention:
-                free, use = len(pages.free), self.num_in_use
-                s = {"total": pages.capacity, "free": free, "in_use": use, "cached": pages.capacity - free - use}
-            else:
-                use = slots.capacity - len(slots.free)
-                s = {"total": slots.capacity, "free": len(slots.free), "in_use": use,
-                     "cached": self.tree.num_checkpoints}
-            out.append({"group_id": g.group_id, "kind": g.kind, **s})
+            total, free, use = (pages.capacity, len(pages.free), self.num_in_use) if g.is_attention else (
+                slots.capacity, len(slots.free), slots.capacity - len(slots.free))
+            cached = total - free - use if g.is_attention else self.tree.num_checkpoints
+            out.append({"group_id": g.group_id, "kind": g.kind, "total": total, "free": free, "in_use": use,
+                        "cached": cached})
         return out
 
     def usage(self) -> dict[str, float]:
-        """The share of each group's ids that requests hold (vLLM's `kv_cache_usage`): cached content is evictable,
-        so it counts as free, and an idle engine reads 0. For metrics only; no decision reads it."""
+        """The share of each group's ids that requests hold (vLLM's `kv_cache_usage`; cached content counts as free,
+        an idle engine reads 0). For metrics only; no decision reads it."""
         return {self.labels[s["group_id"]]: s["in_use"] / max(1, s["total"]) for s in self.pool_stats()}  # type: ignore[index, operator]
 
     def cache_stats(self) -> dict[str, object]:
         """Admissions, evictions and bytes held per group (by label: running vs cached)."""
-        out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval}}
-        tree = self.tree
-        blocks_cached = self.pages.capacity - len(self.pages.free) - self.num_in_use - self.pages.num_checkpoint_pages
+        tree, pages = self.tree, self.pages
+        cached_blocks = pages.capacity - len(pages.free) - self.num_in_use - pages.num_checkpoint_pages
+        out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval},
+                                  "checkpoints_admitted": self.num_admitted, "checkpoints_cached": tree.num_checkpoints,
+                                  "checkpoint_pages": pages.num_checkpoint_pages}
         for g, s in zip(self.groups, self.pool_stats(), strict=True):
-            page = g.page_bytes_all_layers
-            cached = blocks_cached if g.is_attention else tree.num_checkpoints
-            out[self.labels[g.group_id]] = {
-                "bytes_in_use": s["in_use"] * page,  # type: ignore[operator]
-                "bytes_cached": cached * page,
-                "evictions": tree.num_evictions[0 if g.is_attention else 1],
-            }
-        out["checkpoints_admitted"] = self.num_admitted
-        out["checkpoints_cached"] = tree.num_checkpoints
-        out["checkpoint_pages"] = self.pages.num_checkpoint_pages
+            cached = cached_blocks if g.is_attention else tree.num_checkpoints
+            out[self.labels[g.group_id]] = {"bytes_in_use": s["in_use"] * g.page_bytes_all_layers,  # type: ignore[operator]
+                                            "bytes_cached": cached * g.page_bytes_all_layers,
+                                            "evictions": tree.num_evictions[not g.is_attention]}
         return out
 
     def check_integrity(self) -> None:

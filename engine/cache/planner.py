@@ -95,38 +95,21 @@ def plan_capacity(
         raise CapacityError("a model without attention layers needs a block size for its checkpoints")
     arena = plan_arena(groups, budget_bytes, max_num_seqs)
     pages, k = arena.num_pages, arena.pages_per_state
-    if attn and pages < 2:
-        raise CapacityError(
-            f"KV cache budget of {budget_bytes} bytes is too small: {arena.num_slots} state slots take "
-            f"{arena.pages_offset} bytes and attention needs at least 2 blocks of {arena.page_bytes} bytes (raise "
-            f"the budget or lower max_num_seqs)")
-    if not attn and pages < 2:
-        raise CapacityError(
-            f"KV cache budget of {budget_bytes} bytes cannot hold {arena.num_slots} state slots and a checkpoint "
-            f"page of {arena.page_bytes} bytes (raise the budget or lower max_num_seqs)")
+    if pages < 2:
+        what = f"attention needs at least 2 blocks of {arena.page_bytes} bytes" if attn else "no checkpoint page fits"
+        raise CapacityError(f"KV cache budget of {budget_bytes} bytes is too small: {arena.num_slots} state slots take "
+                            f"{arena.pages_offset} bytes and {what} (raise the budget or lower max_num_seqs)")
     fits = (pages - 1) // k if k and pages else 0
     cap = fits if num_checkpoint_slots is None else min(fits, num_checkpoint_slots)
     bpb = arena.page_bytes if attn else 0
     token_capacity = (pages - 1) * block_size if attn else 0
     per_seq = -(-max_model_len // block_size) * block_size
     return CapacityPlan(
-        kv_cache_memory_bytes=budget_bytes,
-        block_size=block_size,
-        attention_blocks=pages if attn else 0,
-        token_capacity=token_capacity,
-        bytes_per_token=bpb // block_size,
-        bytes_per_block=bpb,
-        state_slots_running=max_num_seqs if per_state else 0,
-        state_slots_checkpoint=cap,
-        bytes_per_state=per_state,
-        state_bytes=arena.pages_offset,
-        attention_bytes=pages * bpb,
+        kv_cache_memory_bytes=budget_bytes, block_size=block_size, attention_blocks=pages if attn else 0,
+        token_capacity=token_capacity, bytes_per_token=bpb // block_size, bytes_per_block=bpb,
+        state_slots_running=max_num_seqs if per_state else 0, state_slots_checkpoint=cap, bytes_per_state=per_state,
+        state_bytes=arena.pages_offset, attention_bytes=pages * bpb,
         max_concurrency=min(max_num_seqs, token_capacity // per_seq) if attn else max_num_seqs,
-        max_model_len=max_model_len,
-        checkpoint_interval=checkpoint_interval,
-        physical_bytes=arena.total_bytes,
-        blocks_per_checkpoint=k,
-        max_checkpoints=num_checkpoint_slots,
-        policy=policy,
-        arena=arena,
+        max_model_len=max_model_len, checkpoint_interval=checkpoint_interval, physical_bytes=arena.total_bytes,
+        blocks_per_checkpoint=k, max_checkpoints=num_checkpoint_slots, policy=policy, arena=arena,
     )

@@ -58,26 +58,19 @@ class Node:
         self.parent: Node | None = None
         """The node of the block before, while both name a page (None: the first block, or the block before was not
         cached when this one was): `parent` and `kids` link cached blocks only, so a cached chain has no hole."""
-        self.kids: dict[bytes, Node] = {}
-        """Linked nodes whose parent this is; a block with kids is not evictable (not queued)."""
-        self.kid: Node | None = None
-        """The one node in `kids` when there is exactly one, else None."""
-        self.page = 0
-        """The attention page holding this block (0: none). Referenced by `PagePool.ref` requests."""
-        self.ckpt: tuple[int, ...] | None = None
-        """The pages of the checkpoint after this block (the state of every recurrent group), or None."""
-        self.ckpt_refs = 0
-        """Holders of the checkpoint: a restore until its copy ran, an export until its lease ended."""
-        self.demoted = False
-        """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
+        self.kids: dict[bytes, Node] = {}  # a block with kids is not evictable (not queued)
+        self.kid: Node | None = None  # the one node in `kids` when there is exactly one, else None
+        self.page = 0  # the attention page holding this block (0: none)
+        self.ckpt: tuple[int, ...] | None = None  # the pages of the checkpoint after this block, or None
+        self.ckpt_refs = 0  # its holders: a restore until its copy ran, an export until its lease ended
+        self.demoted = False  # a deeper checkpoint of the same request supersedes it off a branch point: valued 0
         self.branched = False
         """Prompts have branched here: two cached blocks hung below it at once, or a request's branch point
         (admission.py) put its checkpoint here. A branch point is never demoted, even once its branches are gone."""
         self.queued = [0, 0]
-        """Kind -> the order of its live heap entry (0: not queued). Queued: an unreferenced leaf block (no kids),
-        an unreferenced checkpoint."""
-        self.base = [0.0, 0.0]
-        """Kind -> the clock when it was queued (its recency; `refresh` re-values on top of it)."""
+        """Kind -> the order of its live heap entry (0: not queued): an unreferenced leaf block (no kids), an
+        unreferenced checkpoint."""
+        self.base = [0.0, 0.0]  # kind -> the clock when it was queued (its recency; `refresh` re-values on top)
 
 
 class CacheTree:
@@ -92,22 +85,18 @@ class CacheTree:
         self.has_states = bool(groups[1])
         self.k = pages_per_state
         self.block_size = block_size
-        self.unit = (1, max(pages_per_state, 1))
-        """Kind -> pages of one item."""
+        self.unit = (1, max(pages_per_state, 1))  # kind -> pages of one item
         self._scale = alpha * self.unit[STATE if self.has_states else BLOCK] / flops_saved(REFERENCE_TOKENS)
         self.nodes: dict[bytes, Node] = {}
-        self.page_node: list[Node | None] = [None] * pages.num_pages
-        """Page -> the node whose block it holds (None: free, a checkpoint's, or an unnamed block)."""
-        self.ckpt_node: dict[int, Node] = {}
-        """A cached checkpoint's first page -> its node."""
+        self.page_node: list[Node | None] = [None] * pages.num_pages  # page -> the node naming its block
+        self.ckpt_node: dict[int, Node] = {}  # a cached checkpoint's first page -> its node
         self._heap: list[tuple[float, int, int, Node]] = []
         """(priority, order, kind, node): one lazy min-heap; entries whose order is not `node.queued[kind]` are
         stale."""
         self._order = 0
         self.num_queued = 0
         self.clock = 0.0
-        self.num_checkpoints = 0
-        """Cached checkpoints (named)."""
+        self.num_checkpoints = 0  # cached (named)
         self.num_reserved = 0
         """Checkpoints whose pages are taken but not named yet (a step writing them, a transfer bringing one): the
         cap counts them too."""
@@ -312,9 +301,6 @@ class CacheTree:
             self._push_block(node)  # no dead end now
         return True
 
-    def checkpoint_at(self, page: int) -> Node | None:
-        return self.ckpt_node.get(page)
-
     def pin_checkpoint(self, node: Node) -> None:
         if not node.ckpt_refs:
             self._dequeue(STATE, node)
@@ -329,6 +315,13 @@ class CacheTree:
             self.evict_checkpoint(node)  # its chain is gone: no hit can reach it
         else:
             self._push(STATE, node)
+
+    def revalue(self, node: Node) -> None:
+        """Queue `node`'s items again at their value now (the tree around them changed)."""
+        if node.queued[STATE]:
+            self._queue(STATE, node, node.base[STATE], node.base[STATE] + self._value(STATE, node))
+        if node.queued[BLOCK]:
+            self._queue(BLOCK, node, node.base[BLOCK], node.base[BLOCK] + self._value(BLOCK, node))
 
     def demote(self, h: bytes) -> None:
         """The checkpoint `h` lies on a path a deeper checkpoint of the same request now ends, with no branch at

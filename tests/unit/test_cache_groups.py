@@ -623,7 +623,7 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
     assert d.core.abort("r") is d_req
     held = in_use(d.cache)
     assert held[0] == held[1] == len(imp.dst_blocks[0]) and held[2] == held[3] == 1  # its pages, its running slot
-    assert d.cache.quarantined and not d.cache._holds("r")
+    assert d.cache.quarantined and "r" not in d.cache.req_blocks and "r" not in d.cache.running_slot
     reserved = set(imp.checkpoint.pages) if imp.checkpoint is not None else set()
     assert all(d.cache.pages.ref[b] == 1 for b in reserved)  # a reserved checkpoint's pages stay taken too
     d.sched.add_request(Request("r", prompt, SamplingParams(max_tokens=2)))  # the same id computes afresh

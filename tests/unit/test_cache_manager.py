@@ -237,7 +237,7 @@ def test_checkpoints_planned_within_chunks_and_published_after_the_step() -> Non
     h8 = req.block_hashes[1]
     assert ckpt_pages(s, h8) is None  # not written yet: not visible to hits
     assert s.cache.slots.held[2] and not {4, 5, 6} & free_pages(s.cache)  # reserved until the step ran
-    assert s.cache.pages.ref[4] == 1 and s.cache.tree.checkpoint_at(4) is None
+    assert s.cache.pages.ref[4] == 1 and s.cache.tree.ckpt_node.get(4) is None
     step_done(s, out)
     node = s.cache.tree.nodes[h8]
     assert node.ckpt == (4, 5, 6) and node.queued[STATE] and not node.ckpt_refs  # published, evictable
@@ -271,7 +271,7 @@ def test_restored_checkpoint_protected_until_the_copy_ran() -> None:
     out = s.schedule()
     assert out.state_restores == ((1, (9, 10, 11)),)
     assert n16.ckpt_refs == 1 and not n16.queued[STATE]  # not evictable until the copy ran
-    assert n16.ckpt == (9, 10, 11) and s.cache.tree.checkpoint_at(9) is n16  # still named
+    assert n16.ckpt == (9, 10, 11) and s.cache.tree.ckpt_node.get(9) is n16  # still named
     step_done(s, out)
     # released after the step: queued again, after the checkpoint at 8 (re-queued last: ties go by release order)
     assert not n16.ckpt_refs and n16.queued[STATE] > n8.queued[STATE] > 0

@@ -287,7 +287,7 @@ class Harness:
         for slot, pages in out.state_saves:
             assert slot in running or slot in staged
             assert len(pages) == self.k and all(ref[p] == 1 and tree.page_node[p] is None for p in pages)
-            assert tree.checkpoint_at(pages[0]) is None  # not published before the step ran
+            assert tree.ckpt_node.get(pages[0]) is None  # not published before the step ran
             saved.extend(pages)
         assert len(set(saved)) == len(saved) and not set(saved) & {b for bs in cache.req_blocks.values() for b in bs}
         assert not set(saved) & fresh
@@ -352,7 +352,7 @@ class Harness:
     def check_published(self, out: SchedulerOutput) -> None:
         """A saved checkpoint, once published, is named at the block its state ends on."""
         for _, pages in out.state_saves:
-            node = self.cache.tree.checkpoint_at(pages[0])
+            node = self.cache.tree.ckpt_node.get(pages[0])
             if node is not None:
                 kind, _, prefix, _ = self.shadow.page[pages[0]]  # type: ignore[misc]
                 assert kind == "state" and node.tokens == len(prefix) and node.ckpt == pages  # type: ignore[arg-type]

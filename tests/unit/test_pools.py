@@ -176,7 +176,7 @@ def test_checkpoints_and_blocks_share_the_pages() -> None:
     computed(cache, a, 8)
     assert cache.tree.num_checkpoints == 1 and pool.num_checkpoint_pages == 3
     assert [pool.ref[p] for p in (4, 5, 6)] == [1, 1, 1] and cache.num_in_use == 3
-    assert cache.tree.checkpoint_at(4).ckpt == (4, 5, 6)  # type: ignore[union-attr]
+    assert cache.tree.ckpt_node.get(4).ckpt == (4, 5, 6)  # type: ignore[union-attr]
     stats = {s["kind"]: s for s in cache.pool_stats()}
     assert stats["attention"] == {"group_id": 0, "kind": "attention", "total": 7, "free": 1, "in_use": 3,
                                   "cached": 3}
