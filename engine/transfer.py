@@ -125,8 +125,9 @@ def export_prefilled(core: EngineCore, req: Request) -> Export:
     if found is not None:
         ckpt = Checkpoint(found[0], found[1])
         cache.pin_checkpoint(found[1])
-    blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in cache.group_block_ids(req.request_id).items()}
-    states = cache.group_state_slots(req.request_id)
+    tables, slots = cache.seq_tables(req.request_id)
+    blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in tables}
+    states = dict(slots)
     pinned = dict(cache.req_pages(req.request_id))
     for gid in cache.attention_groups if ckpt is not None else ():
         pinned[gid] = pinned[gid] + ckpt.pages  # type: ignore[union-attr]

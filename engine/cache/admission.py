@@ -11,12 +11,9 @@ Marconi's admission (MLSys 2025), the engine's one policy:
     prompt  |---- shared with an earlier request ----|--- new ---|          decode
             0                                        ^ branch    ^ prompt end   ^ ^ ^ rolling end
 
-The vLLM-style baseline (a checkpoint every n tokens, nothing else) is benchmarks/cache_policies.py's
-`IntervalAdmission`, a subclass.
-
-Ownership: the coordinator calls `admit` once when a request is admitted, `due` for each chunk it schedules and
-`note` for every hash the engine computes; this class keeps only hashes (a bounded, insertion-ordered set).
-Tensor-free.
+The vLLM-style baseline (a checkpoint every n tokens) is `IntervalAdmission` in benchmarks/cache_policies.py.
+Ownership: the coordinator calls `admit` once per request, `due` for each chunk it schedules and `note` for every
+hash computed; this class keeps only hashes (a bounded, insertion-ordered set). Tensor-free.
 """
 
 from __future__ import annotations

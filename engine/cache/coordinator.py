@@ -153,8 +153,7 @@ class HybridCacheManager:
             )
 
     def find_prefix_hit(self, req: Request, max_tokens: int | None = None, count: bool = True) -> PrefixHit:
-        """Longest prefix every group holds, capped at N-1 (or max_tokens). Counters: every group's queries grow by
-        the request's tokens, its hits by what it alone could serve within the groups before it."""
+        """Longest prefix every group holds, capped at N-1 (or max_tokens); counted (`count_hit`) when `count`."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
         if not self.enable_prefix_caching:
@@ -194,15 +193,15 @@ class HybridCacheManager:
             b -= step
         return 0, None
 
-    def count_hit(self, req: Request, hit: PrefixHit) -> None:
+    def count_hit(self, req: Request, hit: PrefixHit) -> None:  # queries: the request's tokens; hits: its group's
         for label, c in self.counters.items():
             c.queries += req.num_tokens
             c.hits += hit.group_hits.get(label, 0)
 
     # -- allocation ----------------------------------------------------------------------------------------------
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
-        Returns False (holding nothing new) when the pages cannot cover it even after evicting cache."""
+        """Make the request's caches cover `num_tokens` tokens (a new request takes `hit`); False (holding nothing
+        new) when the pages cannot, even after evicting cache."""
         rid = req.request_id
         if 0 < num_tokens <= self._covers.get(rid, 0):
             return True  # covered already (most decode steps)
@@ -491,15 +490,10 @@ class HybridCacheManager:
 
     def pin_checkpoint(self, pages: tuple[int, ...]) -> None:
         """Reference a cached checkpoint (an export holds it for a consumer) until `unpin_checkpoint`."""
-        self.tree.pin_checkpoint(self._checkpoint_node(pages))
+        self.tree.pin_checkpoint(self.tree.ckpt_node[pages[0]])
 
     def unpin_checkpoint(self, pages: tuple[int, ...]) -> None:
-        self.tree.unpin_checkpoint(self._checkpoint_node(pages))
-
-    def _checkpoint_node(self, pages: tuple[int, ...]) -> Node:
-        node = self.tree.ckpt_node[pages[0]]
-        assert node.ckpt == tuple(pages), pages
-        return node
+        self.tree.unpin_checkpoint(self.tree.ckpt_node[pages[0]])
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
     def quarantine(self, req: Request, checkpoint: ReservedCheckpoint | None = None) -> str:
@@ -595,14 +589,6 @@ class HybridCacheManager:
                 tuple([(gid, slot) for gid in self.recurrent_groups]),
             )
         return tables
-
-    def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
-        """Attention group id -> the request's block table in that group."""
-        return dict(self.seq_tables(req_id)[0])
-
-    def group_state_slots(self, req_id: str) -> dict[int, int]:
-        """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        return dict(self.seq_tables(req_id)[1])
 
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""

@@ -1,13 +1,7 @@
-"""The two id spaces of the arena (arena.py): pages and state slots. Each knows which ids are free, nothing more.
-
-    pages   1 .. P-1   an attention block (referenced by the requests that hold it, cached when the tree names it)
-                       or one k-th of a cached checkpoint (held by its tree node); page 0 is the null block
-    slots   1 .. n-1   a running request's state, or a staging slot a checkpoint inside a chunk is written to first
-
-Ownership: the cache manager (coordinator.py) allocates and frees; the tree (tree.py) evicts cached pages. A page's
-reference count is the number of requests holding it as an attention block; a page of a checkpoint has count 1 (its
-node holds it). Single-threaded (the step loop). Tensor-free.
-"""
+"""The two id spaces of the arena (arena.py), each knowing which ids are free and nothing more:
+pages 1 .. P-1 (an attention block, referenced by the requests that hold it; or one k-th of a checkpoint, count 1)
+and state slots 1 .. n-1 (a running request's state, or a staging slot). Id 0 is null. The cache manager
+(coordinator.py) takes and gives back; the tree (tree.py) evicts. Single-threaded (the step loop). Tensor-free."""
 
 from __future__ import annotations
 
@@ -26,8 +20,7 @@ class PagePool:
         self.num_pages = num_pages
         self.ref = [0] * num_pages
         self.ref[0] = 1  # the null page: pinned forever
-        self.free: list[int] = list(range(num_pages - 1, 0, -1))
-        """Free pages, the last one handed out next (a fresh pool hands out 1, 2, 3, ...)."""
+        self.free: list[int] = list(range(num_pages - 1, 0, -1))  # the last one is handed out next: 1, 2, 3, ...
         self.num_checkpoint_pages = 0
 
     @property

@@ -14,11 +14,9 @@
         (GreedyDual)
 
 Evicting a block takes the unreferenced checkpoint at it (its chain is gone); evicting a checkpoint re-queues its
-block (a dead end now). Pages are one pool (pools.py): a block takes one, a checkpoint k, so blocks and checkpoints
-trade memory page by page as the workload asks.
-
-Ownership: the cache manager (coordinator.py) calls `make_room` before every allocation and tells the tree what was
-named, released and taken again. Single-threaded (the step loop). Tensor-free.
+block (a dead end now). A block takes one page of the pool (pools.py), a checkpoint k: they trade memory page by
+page as the workload asks. The cache manager (coordinator.py) calls `make_room` before every allocation and tells
+the tree what was named, released and taken again. Single-threaded (the step loop). Tensor-free.
 """
 
 from __future__ import annotations
@@ -141,11 +139,7 @@ class CacheTree:
     def refresh(self) -> None:
         """Re-value every queued item against the tree as it is now (keeping its recency)."""
         self._since_refresh = 0
-
-        def priority(kind: int, node: Node) -> float:
-            return node.base[kind] + self._value(kind, node)
-
-        self._rebuild(priority)
+        self._rebuild(lambda kind, node: node.base[kind] + self._value(kind, node))
 
     # -- making room ---------------------------------------------------------------------------------------------
     def make_room(self, n: int, checkpoint: bool = False) -> bool:
@@ -318,10 +312,8 @@ class CacheTree:
 
     def revalue(self, node: Node) -> None:
         """Queue `node`'s items again at their value now (the tree around them changed)."""
-        if node.queued[STATE]:
-            self._queue(STATE, node, node.base[STATE], node.base[STATE] + self._value(STATE, node))
-        if node.queued[BLOCK]:
-            self._queue(BLOCK, node, node.base[BLOCK], node.base[BLOCK] + self._value(BLOCK, node))
+        for kind in (k for k in (BLOCK, STATE) if node.queued[k]):
+            self._queue(kind, node, node.base[kind], node.base[kind] + self._value(kind, node))
 
     def demote(self, h: bytes) -> None:
         """The checkpoint `h` lies on a path a deeper checkpoint of the same request now ends, with no branch at
