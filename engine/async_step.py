@@ -24,8 +24,9 @@ processed, plus rows of requests that turn out to end at step N. The invariants 
     boundary is named by a hash of N's token, unknown when N+1 is planned. It is planned one step late, exactly as
     `schedule()` would have planned it (same call, same hash, same dedupe), once N is read and before anything is
     launched after N+1: its running state, which holds the boundary's state until the next step runs, is copied
-    into the checkpoint slot, stream-ordered after N+1. The checkpoint is published only once that copy is done:
-    with the step after N+1 when one was launched ahead (`held`), else right after waiting for the copy. An ended
+    into the checkpoint's pages (`ModelRunner.save_states`), stream-ordered after N+1. The checkpoint is published
+    only once that copy is done: with the step after N+1 when one was launched ahead (`held`), else right after
+    waiting for the copy. An ended
     request's frees come after the publication, as in the synchronous engine.
 So every kept row computes what the synchronous step would, from the same token, state and pages, and the
 prefix cache publishes the same blocks and checkpoints. Rows never read each other, but an overrun row is one more

@@ -194,8 +194,8 @@ class EngineCore:
                                torch.cuda.memory_allocated(self.device))
         if self.tp is not None:  # one plan for every rank: the budget all of them can hold
             budget = self.tp.agree_min(budget)
-        # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
-        # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
+        # one arena (engine/arena.py): blocks and checkpoints share its pages, so the plan's physical bytes are the
+        # budget; num_checkpoint_slots only caps the cached checkpoints (None: as many as fit)
         def plan(num_seqs: int, max_model_len: int = 0, budget: int = budget) -> CapacityPlan | None:
             """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
             max_model_len = max_model_len or self.max_model_len

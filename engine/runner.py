@@ -1,8 +1,9 @@
 """The model runner: owns the model, every cache tensor and the sampler. The only place tensors are built.
 
-Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks (both per
-cache group), build the step's batch (one view per attention/recurrent group pairing when a kind has several
-groups: engine.models.batch.GroupViews), run the model, compute logits only for rows that sample, sample.
+Per step: restore checkpoints (pages -> running slots, one row copy over the arena), zero fresh attention blocks,
+build the step's batch (one view per attention/recurrent group pairing when a kind has several
+groups: engine.models.batch.GroupViews), run the model, save checkpoints (slots -> pages, one row copy), compute
+logits only for rows that sample, sample.
 
 The path is chosen once, at construction: the batched path (`CausalLM.forward_varlen` on a
 engine.models.varlen.VarlenBatch, decode steps replayed as CUDA graphs) on CUDA with fla-core installed, else the

@@ -74,8 +74,8 @@ class ScheduledSeq:
     group_state_slots: tuple[tuple[int, int], ...] = ()
     """(recurrent group id, running slot) for every recurrent group."""
     group_checkpoints: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    """(recurrent group id, ((num_tokens, checkpoint slot), ...)) for every recurrent group (the same boundaries,
-    each group's own slots)."""
+    """(recurrent group id, ((num_tokens, staging slot), ...)) for every recurrent group: checkpoints inside the chunk,
+    written by the kernels into a staging slot (the same in every group) and saved to their pages after the step."""
     prompt_scores: tuple[int, tuple[int, ...]] | None = None
     """(k, targets) when the request asks for prompt logprobs and this chunk computes prompt positions before the
     last: the runner scores rows num_computed_tokens .. + len(targets) - 1, row j against prompt token targets[j]

@@ -24,7 +24,7 @@ attention group (page j is block j of every attention group), between two single
 are laid out alike; across tensor-parallel ranks the pieces would not line up with the heads a rank holds).
 
 Ownership: an Export's pages stay allocated (the prefilled request's blocks, its running slots, plus the pinned
-checkpoint slots) until `release_export`. An Import's destination pages belong to the request, which the scheduler
+checkpoint's pages) until `release_export`. An Import's destination pages belong to the request, which the scheduler
 holds in WAITING_FOR_TRANSFER from `begin_import` until `complete_import` (they become its running caches),
 `abort_import`, or the engine ending it (`EngineCore.finish`: abort, deadline, error), which asks
 `EngineCore.transfer_canceller` whether a READ may still land and frees or quarantines the pages accordingly.
@@ -140,7 +140,7 @@ def checkpoints_travel(core: EngineCore) -> bool:
     return core.tp is None and core.plan.arena is not None and core.plan.arena.pages_are_blocks
 
 
-def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, dict[int, int]] | None:
+def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, tuple[int, ...]] | None:
     """The checkpoint an export offers: the deepest one within the first `n` tokens, except that the request's own
     prompt-end checkpoints (saved by this request past its hit; under "reuse" admission at the last block
     boundaries of what it computed) give way to a shallower one: they name this prompt alone, while the shallower

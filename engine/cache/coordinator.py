@@ -327,14 +327,12 @@ class HybridCacheManager:
             h = hashes[b // bs - 1]
             if self._is_planned(h):
                 continue
+            if not self.tree.make_room(self.k, checkpoint=True):
+                break  # best effort: no room now (before any staging slot is taken or the chunk cut)
             slot = self.running_slot[rid] if b == end else self._staging_slot()
             if slot is None:  # the chunk ends here instead; the boundaries past it wait for the next chunks
                 self._targets.setdefault(rid, [])[:0] = [x for x, r in todo[i + 1 :] if not r]
                 end, slot = b, self.running_slot[rid]
-            if not self.tree.make_room(self.k, checkpoint=True):
-                if b < end:
-                    self.slots.give_back(slot)
-                break
             pages = self._take_checkpoint_pages()
             self.pending.append(PendingCheckpoint(rid, b, pages, h, is_rolling, b == self._branch.get(rid)))
             self.saves.append((slot, pages))

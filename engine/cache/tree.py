@@ -191,6 +191,7 @@ class CacheTree:
         self._report(False, BLOCK, node.hash)
         self._unlink(node)
         if node.ckpt is not None and not node.ckpt_refs:
+            self.num_evictions[STATE] += 1
             self.evict_checkpoint(node)
         elif node.ckpt is None:
             self._drop(node)
