@@ -5,8 +5,9 @@ mirrors of them (numpy, no per-step tensor construction) and copies each with on
 bucket. Padded rows carry PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and
 no state, read no block and no slot, and their logits are ignored. Steps with a prefill chunk or more sequences
 than the largest bucket run eagerly (a decode row's checkpoint is saved from its running slot after the replay).
-Ownership: the runner's step thread; the graphs share one memory pool. A model with several cache groups of a kind has one set of block-table, slot-mapping
-and state-slot buffers per view (engine.models.batch.GroupViews), each padded the same way.
+Ownership: the runner's step thread; the graphs share one memory pool. A model with several cache groups of a
+kind has one set of block-table, slot-mapping and state-slot buffers per view (engine.models.batch.GroupViews),
+each padded the same way.
 
     per step: fill the pinned mirrors -> 7 H2D copies into the static buffers (+ 3 per further view) -> graph
               replay -> logits[:n] and their logsumexp (the sampler's normaliser, computed in the graph)
