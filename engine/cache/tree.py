@@ -101,7 +101,7 @@ class CacheTree:
         self.max_checkpoints: int | None = None
         self.num_evictions = [0, 0]
         self._since_refresh = 0
-        self._spare: list[Node] = []
+        self._spare = [Node() for _ in range(pages.num_pages)]  # (made up front: not on the step loop)
 
     # -- the heap ------------------------------------------------------------------------------------------------
     def _queue(self, kind: int, node: Node, base: float, priority: float) -> None:
@@ -183,12 +183,16 @@ class CacheTree:
     # -- eviction ----------------------------------------------------------------------------------------------
     def evict_block(self, node: Node) -> None:
         """The unreferenced block goes, with the unreferenced checkpoint at it (its chain is gone)."""
-        page = node.page
-        self._dequeue(BLOCK, node)
+        page, queued = node.page, node.queued  # (`_dequeue`, `give_back`, `_report`, inlined: once per block)
+        if queued[BLOCK]:
+            queued[BLOCK] = 0
+            self.num_queued -= 1
         node.page = 0
         self.page_node[page] = None
-        self.pages.give_back((page,))
-        self._report(False, BLOCK, node.hash)
+        self.pages.ref[page] = 0
+        self.pages.free.append(page)
+        for gid in self.groups[BLOCK]:
+            self.events.append(False, gid, node.hash)
         self._unlink(node)
         if node.ckpt is not None and not node.ckpt_refs:
             self.num_evictions[STATE] += 1
@@ -243,12 +247,16 @@ class CacheTree:
     def name_block(self, h: bytes, parent: bytes | None, tokens: int, page: int) -> bool:
         """A request's filled block `page` holds `h` (after `parent`, None for the first block). False when `h` is
         cached already (in another page)."""
-        node = self.node(h, tokens)
-        if node.page:
+        node = self.nodes.get(h)  # (`node`, `_report`, inlined: once per block)
+        if node is None:
+            node = self.nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.demoted, node.branched = h, tokens, False, False
+        elif node.page:
             return False
         node.page = page
         self.page_node[page] = node
-        self._report(True, BLOCK, h)
+        for gid in self.groups[BLOCK]:
+            self.events.append(True, gid, h)
         up = self.nodes.get(parent) if parent is not None else None
         if up is not None and up.page:
             node.parent = up
@@ -259,8 +267,7 @@ class CacheTree:
         return True
 
     def rename_block(self, node: Node, page: int) -> None:
-        """A request recomputed cached `node`'s block into `page`: its live copy takes the name; the old page (no
-        one references it) is free."""
+        """A request recomputed `node`'s unreferenced block into `page`: the live copy takes the name."""
         old = node.page
         self._dequeue(BLOCK, node)
         self.page_node[old] = None
@@ -292,8 +299,7 @@ class CacheTree:
         self.pages.num_checkpoint_pages += len(pages)
         self._report(True, STATE, h)
         self._push(STATE, node)
-        if node.page and not self.pages.ref[node.page] and not node.kids:
-            self._push_block(node)  # no dead end now
+        self._requeue_block(node)  # no dead end now
         return True
 
     def pin_checkpoint(self, node: Node) -> None:
@@ -304,12 +310,8 @@ class CacheTree:
 
     def unpin_checkpoint(self, node: Node) -> None:
         node.ckpt_refs -= 1
-        if node.ckpt_refs:
-            return
-        if self.has_blocks and not node.page:
-            self.evict_checkpoint(node)  # its chain is gone: no hit can reach it
-        else:
-            self._push(STATE, node)
+        if not node.ckpt_refs:  # unheld: queued, or (its chain gone: no hit can reach it) dropped
+            self.evict_checkpoint(node) if self.has_blocks and not node.page else self._push(STATE, node)
 
     def revalue(self, node: Node) -> None:
         """Queue `node`'s items again at their value now (the tree around them changed)."""
