@@ -75,7 +75,6 @@ class DecodeGraphs:
         self.ctx_len = torch.zeros(n, dtype=i32, device=device)
         self.rows = torch.arange(n, dtype=i64, device=device)
         self.has_init = torch.zeros(n, dtype=i32, device=device)
-        self.none = torch.zeros(0, dtype=i64, device=device)
         pin = device.type == "cuda"
         names = ("ids", "positions", "ctx_len", "has_init")
         self.host = {k: torch.zeros(n, dtype=i32 if k in ("ctx_len", "has_init") else i64, pin_memory=pin)
@@ -162,8 +161,7 @@ class DecodeGraphs:
         out = []
         for k, v in enumerate(self.inputs):
             att = v if k == 0 or self.views.attention[k] else self.inputs[0]  # unread by the view's layers
-            dec = RecurrentDecodeRows(rows=self.rows[:b], slots=v.slots[:b], has_init=self.has_init[:b],
-                                      copy_src=self.none, copy_dst=self.none)
+            dec = RecurrentDecodeRows(rows=self.rows[:b], slots=v.slots[:b], has_init=self.has_init[:b])
             has_rec = self.conv_width and (k == 0 or self.views.recurrent[k])
             out.append(VarlenMetadata(
                 input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=att.slot_mapping[:b],
