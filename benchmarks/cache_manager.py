@@ -21,15 +21,12 @@ suffixes, superseded turns, decode tails), so eviction runs throughout; the GiB 
   prefix_shift   workload shift: current's shape (1,500 requests), then the same with 30 new prefixes
                  (both: `phase` figures count the second part only, ratio to its first-reuse bound)
 
-Policies (all on the same one-arena control plane unless noted: the engine's plan, where a checkpoint slot is the
-memory of k attention blocks; `--no-arena` runs them on the byte budget with checkpoint ids outside it, as before):
+Policies (all on the engine's plan: one arena whose pages hold attention blocks and checkpoints, k pages each):
   ours           reuse admission (branch points, prompt ends, rolling request ends) + value eviction
   lru            the same admission + LRU eviction (release order across both pools, no block/state consistency)
   fixed          vLLM-style: a checkpoint every 528 tokens (vLLM's hybrid block size for such a model) of every
                  request, prefill and decode, LRU eviction. vLLM itself is not installed: this is its policy,
                  re-implemented here, not vLLM's code or timings.
-  v1             hybridpd before this change: separate pools, 2 x max_num_seqs checkpoint slots reserved at
-                 start-up, a checkpoint every 256 tokens, each pool LRU
 
 Reported per workload and policy:
 - hit rate = first-admission hits / prompt tokens; theoretical = the same with an infinite cache at 16-token
@@ -46,7 +43,7 @@ Reported per workload and policy:
     python benchmarks/cache_manager.py --out docs/results/cache_manager.json
     python benchmarks/cache_manager.py --scale 0.2 --repeats 1 --workloads current   # a quick look
     python benchmarks/cache_manager.py --policies ours --repeats 1 --workloads current --scale 0.3 --budget-gib 4 \
-        --max-num-seqs 32 --max-num-batched-tokens 4096 [--no-arena [--speculative-share]]   # a small arena
+        --max-num-seqs 32 --max-num-batched-tokens 4096   # a small arena
     python benchmarks/cache_manager.py --policies ours --repeats 1 --digest   # + `decision_digest` per workload:
         # sha256 over every step's scheduler output; equal digests = identical decisions (compare two commits)
 """
@@ -68,7 +65,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy  # noqa: E402
-from hybridpd.engine.cache.coordinator import HybridCacheManager, PoolLayout  # noqa: E402
+from hybridpd.engine.cache.coordinator import HybridCacheManager  # noqa: E402
 from hybridpd.engine.cache.hashing import append_block_hashes  # noqa: E402
 from hybridpd.engine.cache.planner import plan_capacity  # noqa: E402
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec  # noqa: E402
@@ -78,8 +75,7 @@ from hybridpd.engine.request import Request  # noqa: E402
 from hybridpd.engine.sampling_params import SamplingParams  # noqa: E402
 from hybridpd.engine.scheduler import Scheduler  # noqa: E402
 
-from benchmarks.cache_policies import IntervalAdmission, LruTree, fixed_interval  # noqa: E402
-from benchmarks.cache_range_free import ShareCacheManager  # noqa: E402
+from benchmarks.cache_policies import LruTree, fixed_interval  # noqa: E402
 
 VOCAB = 150_000
 BS = 16
@@ -94,7 +90,7 @@ GROUPS = [
 ]
 BLOCK_BYTES = GROUPS[0].page_bytes_all_layers
 STATE_BYTES = GROUPS[1].page_bytes_all_layers
-POLICIES = ("ours", "lru", "fixed", "v1")
+POLICIES = ("ours", "lru", "fixed")
 
 
 def model_bytes(groups: list[CacheGroup]) -> tuple[int, int, int]:
@@ -321,43 +317,19 @@ class Theoretical:
             self.ends.add(req.block_hashes[b - 1])
 
 
-def make_cache(
-    policy: str,
-    budget: int,
-    max_num_seqs: int,
-    arena: bool = True,
-    share: bool = False,
-    groups: list[CacheGroup] = GROUPS,
-) -> HybridCacheManager:
-    """`arena`: the engine's plan (one arena: checkpoint slots overlay attention blocks, planner.py); False: the
-    same byte budget with checkpoint ids outside it (before the arena); `share` (range-free only): speculative
-    checkpoints limited to the budget share their reuse earns (cache_range_free.py)."""
-    GROUPS = groups  # noqa: N806
-    BS, BLOCK_BYTES, STATE_BYTES = model_bytes(groups)  # noqa: N806
+def make_cache(policy: str, budget: int, max_num_seqs: int, groups: list[CacheGroup] = GROUPS) -> HybridCacheManager:
+    """The engine's plan (one arena: blocks and checkpoints share its pages, planner.py) under `policy`."""
+    BS = model_bytes(groups)[0]  # noqa: N806
     tree = CacheTree if policy == "ours" else LruTree
-    if policy == "v1":  # separate pools: 2 x max_num_seqs checkpoint slots reserved, attention gets the rest
-        slots = 1 + 3 * max_num_seqs
-        blocks = (budget - slots * STATE_BYTES) // BLOCK_BYTES
-        return HybridCacheManager(
-            GROUPS, PoolLayout(blocks, slots, 256, BS), tree_cls=tree, admission_cls=IntervalAdmission
-        )
     cp, adm = fixed_interval(528) if policy == "fixed" else (CachePolicy(), Admission)
-    if arena:
-        plan = plan_capacity(GROUPS, budget, max_num_seqs, None, 1 << 16, cp.interval or BS, policy=cp)
-        return HybridCacheManager(GROUPS, plan.layout(), tree_cls=tree, admission_cls=adm)
-    blocks = (budget - (1 + max_num_seqs) * STATE_BYTES) // BLOCK_BYTES
-    usable = budget - BLOCK_BYTES - STATE_BYTES
-    slots = 1 + max_num_seqs + usable // STATE_BYTES  # ids are free: the budget decides how many hold a state
-    layout = PoolLayout(blocks, slots, cp.interval or BS, BS, usable, cp)
-    if share and policy == "ours":
-        return ShareCacheManager(GROUPS, layout)
-    return HybridCacheManager(GROUPS, layout, tree_cls=tree, admission_cls=adm)
+    plan = plan_capacity(groups, budget, max_num_seqs, None, 1 << 16, cp.interval or BS, policy=cp)
+    return HybridCacheManager(groups, plan.layout(), tree_cls=tree, admission_cls=adm)
 
 
 def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]:
     budget = int(w.budget_gib * GiB)
     seqs = w.max_num_seqs or args.max_num_seqs
-    cache = make_cache(policy, budget, seqs, args.arena, getattr(args, "speculative_share", False), w.groups)
+    cache = make_cache(policy, budget, seqs, w.groups)
     sched = Scheduler(SchedulerConfig(seqs, args.max_num_batched_tokens), cache)
     reqs = [
         Request(f"r{i}", list(it.prompt), SamplingParams(max_tokens=it.max_tokens), arrival_index=i)
@@ -427,9 +399,9 @@ def run(w: Workload, policy: str, args: argparse.Namespace) -> dict[str, object]
         "theoretical": theo.hits / prompt_tokens,
         "first_reuse_bound": theo.reachable / prompt_tokens,
         "preemptions": sched.num_preemptions,
-        "evictions": {p.name: p.num_evictions for p in cache.pools.values()},
-        "checkpoints_admitted": cache.recurrent.num_admitted if cache.recurrent else 0,
-        "arena": cache.cache_stats().get("arena"),
+        "evictions": {f"group{g.group_id}:{g.kind}": cache.tree.num_evictions[not g.is_attention]
+                      for g in cache.groups},
+        "checkpoints_admitted": cache.num_admitted,
     }
     out_["ratio"] = out_["hit_rate"] / out_["theoretical"] if out_["theoretical"] else 1.0  # type: ignore[operator]
     bound = out_["first_reuse_bound"]
@@ -460,7 +432,7 @@ def phase_figures(reqs: list[Request], theo: Theoretical) -> dict[str, float]:
 def capacity(policy: str, budget: int, max_num_seqs: int, junk: Workload, args: argparse.Namespace) -> dict[str, float]:
     """Attention blocks that max_num_seqs running requests can hold after a no-reuse run left the cache full of
     whatever its policy keeps: one long request grows until allocation fails, the others hold one block each."""
-    cache = make_cache(policy, budget, max_num_seqs, args.arena, getattr(args, "speculative_share", False), junk.groups)
+    cache = make_cache(policy, budget, max_num_seqs, junk.groups)
     sched = Scheduler(SchedulerConfig(max_num_seqs, args.max_num_batched_tokens), cache)
     BS, BLOCK_BYTES, STATE_BYTES = model_bytes(junk.groups)  # noqa: N806
     for i, it in enumerate(junk.items):
@@ -512,17 +484,6 @@ def main() -> None:
     p.add_argument("--budget-gib", type=float, default=None, help="every workload's budget (default: its own)")
     p.add_argument("--out", default="cache_manager.json")
     p.add_argument("--digest", action="store_true", help="sha256 over every step's scheduler output (untimed)")
-    p.add_argument(
-        "--no-arena",
-        dest="arena",
-        action="store_false",
-        help="checkpoint ids outside the budget (the control plane before one arena backed both pools)",
-    )
-    p.add_argument(
-        "--speculative-share",
-        action="store_true",
-        help="with --no-arena, policy ours: the speculative-checkpoint rule of cache_range_free.py (an experiment)",
-    )
     args = p.parse_args()
     workloads: dict[str, Callable[[random.Random, float], Workload]] = dict(WORKLOADS)
     if args.heldout:
@@ -530,8 +491,6 @@ def main() -> None:
 
         workloads = HELDOUT
     args.workloads = args.workloads or ",".join(workloads)
-    if args.speculative_share and args.arena:
-        p.error("--speculative-share needs --no-arena (the arena throttles checkpoints by its free ranges)")
     policies = args.policies.split(",")
     results: dict[str, dict[str, object]] = {}
     print(
@@ -553,7 +512,7 @@ def main() -> None:
         for pol in policies:
             try:
                 runs = [run(w, pol, args) for _ in range(args.repeats)]
-            except ValueError as e:  # v1 reserves its checkpoint slots up front: it may not fit the budget at all
+            except ValueError as e:  # a budget too small for the running states
                 results[name][pol] = {"policy": pol, "error": str(e)}
                 print(f"{name:14s} {pol:6s} cannot start: {e}", flush=True)
                 continue

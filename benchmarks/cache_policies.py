@@ -12,42 +12,35 @@
 from __future__ import annotations
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy
-from hybridpd.engine.cache.tree import STATE, CacheTree
+from hybridpd.engine.cache.tree import BLOCK, CacheTree, Node
 
 
 class LruTree(CacheTree):
-    """vLLM's free-queue order: every unreferenced cached page (block or checkpoint) in release order, with no leaf
-    rule, no cascade between a block and its checkpoint, and no protection of checkpoints that served hits. The
-    tree's nodes stay unlinked, so every block is a leaf; priorities are the clock (values 0), so ties go by
-    release order."""
+    """vLLM's free-queue order: every unreferenced cached item (block or checkpoint) in release order, with no leaf
+    rule and no cascade between a block and its checkpoint. Blocks stay unlinked, so every block is a leaf;
+    priorities are the clock (values 0), so ties go by release order."""
 
-    def _value(self, kind: int, h: bytes | None) -> float:
+    def _value(self, kind: int, node: Node) -> float:
         return 0.0
 
-    def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
-        self._node(h, tokens)
+    def name_block(self, h: bytes, parent: bytes | None, tokens: int, page: int) -> bool:
+        return super().name_block(h, None, tokens, page)
 
-    def _requeue_block(self, h: bytes) -> None:
+    def _requeue_block(self, node: Node) -> None:
         pass
 
     def demote(self, h: bytes) -> None:
         pass
 
-    def _since_hit(self, slot: int) -> int | None:
-        return None
-
-    def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
-        pool = self.pool_of[kind]
-        assert pool is not None
-        h = pool.block_hash[page]
-        assert h is not None
-        self._discard(kind, page)
-        pool.evict(page, count)
-        self._drop_riders(kind, h, count)
-        if all(p is None or p.lookup(h) is None for p in self.pool_of):
-            del self.nodes[h]
-        elif kind == STATE:
-            self.nodes[h].ckpt = False
+    def evict_block(self, node: Node) -> None:
+        page = node.page
+        self._dequeue(BLOCK, node)
+        node.page = 0
+        self.page_node[page] = None
+        self.pages.give_back((page,))
+        self._report(False, BLOCK, node.hash)
+        if node.ckpt is None:
+            self._drop(node)
 
 
 class IntervalAdmission(Admission):

@@ -151,8 +151,9 @@ class Consumer:
             log.info("request %s: no cache room to receive %d tokens; computing locally", req.request_id, n_ext)
             schedule_local(core, req)
             return "local"
-        spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, src_blocks=imp.src_blocks,
-                        dst_blocks=imp.dst_blocks, src_state_slots=imp.src_state_slots,
+        src_blocks, dst_blocks = imp.read_blocks()
+        spec = PullSpec(request_id=req.request_id, src_epoch=tp.epoch, src_blocks=src_blocks,
+                        dst_blocks=dst_blocks, src_state_slots=imp.src_state_slots,
                         dst_state_slots=imp.dst_state_slots, lease_token=tp.lease_token, notify_done=False)
         handle: PullHandle | TPPullHandle
         try:
@@ -165,7 +166,7 @@ class Consumer:
             log.warning("request %s: pull refused (%s)", req.request_id, e)
             self._undo(core, req, reusable=True)
             return self._fallback(core, req, str(e))
-        read = {**imp.src_blocks, **imp.src_state_slots}
+        read = {**src_blocks, **imp.src_state_slots}
         self.pending[req.request_id] = PendingPull(req, handle, tp, digest, read, posted_at=time.perf_counter())
         return "pulling"
 
@@ -257,9 +258,8 @@ def overlap_from_env() -> bool:
 
 def source_of(tp: pb.TransferParams) -> ImportSource:
     """The engine's view of transfer params (group ids are the model's: identical on both sides)."""
-    states = {int(g.group_id): (int(g.state_slot), int(g.checkpoint_slot)) for g in tp.states}
     checkpoint = None
-    if tp.checkpoint_num_tokens and states and all(c for _, c in states.values()):
-        checkpoint = Checkpoint(int(tp.checkpoint_num_tokens), {gid: c for gid, (_, c) in states.items()})
+    if tp.checkpoint_num_tokens and tp.checkpoint_pages:
+        checkpoint = Checkpoint(int(tp.checkpoint_num_tokens), tuple(int(p) for p in tp.checkpoint_pages))
     return ImportSource(int(tp.num_computed_tokens), {g.group_id: list(g.block_ids) for g in tp.groups},
-                        {gid: s for gid, (s, _) in states.items()}, checkpoint)
+                        {int(g.group_id): int(g.state_slot) for g in tp.states}, checkpoint)

@@ -38,14 +38,14 @@ def params_problem(core: EngineCore, req: Request, tp: pb.TransferParams) -> str
     states = [int(s.group_id) for s in tp.states]
     if sorted(states) != recurrent:
         return f"params name recurrent groups {states}, the model has {recurrent}"
-    slots = [(int(s.state_slot), int(s.checkpoint_slot)) for s in tp.states]
-    if any(s < 0 or c < 0 or (c and c == s) for s, c in slots):
-        return "a recurrent group's state and checkpoint slots are not two distinct slots"
-    named_checkpoint = [c != 0 for _, c in slots]
-    if slots and (
-        any(named_checkpoint) != all(named_checkpoint) or any(named_checkpoint) != (tp.checkpoint_num_tokens > 0)
-    ):
-        return "a checkpoint named in some groups only, or without its token count"
+    if any(int(s.state_slot) < 0 for s in tp.states):
+        return "a recurrent group's state slot is negative"
+    pages = [int(p) for p in tp.checkpoint_pages]
+    if bool(pages) != (tp.checkpoint_num_tokens > 0) or (pages and not recurrent):
+        return "a checkpoint named without its pages or its token count, or for a model without recurrent layers"
+    blocks = {int(b) for g in tp.groups for b in g.block_ids}
+    if pages and (not _distinct(pages) or min(pages) <= 0 or blocks & set(pages)):
+        return "checkpoint pages that are not distinct pages apart from the blocks"
     if not 0 <= tp.checkpoint_num_tokens <= n:
         return f"checkpoint at {tp.checkpoint_num_tokens} tokens, past the {n} transferred"
     return None

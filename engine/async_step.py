@@ -24,8 +24,9 @@ processed, plus rows of requests that turn out to end at step N. The invariants 
     boundary is named by a hash of N's token, unknown when N+1 is planned. It is planned one step late, exactly as
     `schedule()` would have planned it (same call, same hash, same dedupe), once N is read and before anything is
     launched after N+1: its running state, which holds the boundary's state until the next step runs, is copied
-    into the checkpoint slot, stream-ordered after N+1. The checkpoint is published only once that copy is done:
-    with the step after N+1 when one was launched ahead (`held`), else right after waiting for the copy. An ended
+    into the checkpoint's pages (`ModelRunner.save_states`), stream-ordered after N+1. The checkpoint is published
+    only once that copy is done: with the step after N+1 when one was launched ahead (`held`), else right after
+    waiting for the copy. An ended
     request's frees come after the publication, as in the synchronous engine.
 So every kept row computes what the synchronous step would, from the same token, state and pages, and the
 prefix cache publishes the same blocks and checkpoints. Rows never read each other, but an overrun row is one more
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hybridpd.engine.cache.managers import PendingCheckpoint
+    from hybridpd.engine.cache.coordinator import PendingCheckpoint
     from hybridpd.engine.core import EngineCore
     from hybridpd.engine.request import Request
     from hybridpd.engine.runner import LaunchedStep
@@ -64,7 +65,7 @@ class _Launched:
     """Requests that ended while this step was in flight: their pages are freed once it is done."""
     late: list[tuple[Request, int]] = field(default_factory=list)
     """(request, block boundary) of rows whose rolling checkpoint is planned after this step (invariant 4)."""
-    held: list[list[PendingCheckpoint]] | None = None
+    held: list[PendingCheckpoint] | None = None
     """Checkpoints of the step before this one, copied after it: published with the step after this one."""
     publishes: frozenset[str] = frozenset()
     """Requests whose late checkpoints (the previous step's `held`) are published once this step is done: one that
@@ -117,7 +118,7 @@ class StepPipeline:
                 self.in_flight = self._launch(out, tuple(cur.sample_index[s.request_id] for s in out.seqs))
                 self.in_flight.late = rows_late
                 if cur.held is not None:
-                    self.in_flight.publishes = frozenset(p.req_id for group in cur.held for p in group)
+                    self.in_flight.publishes = frozenset(p.req_id for p in cur.held)
                 self.num_ahead += 1
             sampled, top = cur.step.resolve()
         except Exception:
@@ -161,16 +162,15 @@ class StepPipeline:
         sample_index = {rid: i for i, rid in enumerate(s.request_id for s in out.seqs if s.sample)}
         return _Launched(out, step, {rid: requests[rid] for rid in rids}, sample_index)
 
-    def _save_late(self, cur: _Launched, copies: dict[int, list[tuple[int, int]]], marks: list[int],
+    def _save_late(self, cur: _Launched, saves: tuple[tuple[int, tuple[int, ...]], ...], marks: int,
                    ahead: bool) -> None:
         """Copy the running states of `cur`'s rows that reached a block boundary into their rolling checkpoints,
         after `cur` and before anything after it. With a step launched ahead the copy may still be queued when
         `cur` is read, so the checkpoints are published with the step after `cur` (`held`); else the copy is waited
         for and they are published with `cur`, as the synchronous engine does."""
         core = self.core
-        for gid, pairs in copies.items():
-            core.runner.copy_states(tuple(pairs), gid)
-        self.num_late_checkpoints += len(next(iter(copies.values())))
+        core.runner.save_states(saves)
+        self.num_late_checkpoints += len(saves)
         if ahead:
             cur.held = core.cache.hold_pending(marks)
         else:

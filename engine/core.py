@@ -194,8 +194,8 @@ class EngineCore:
                                torch.cuda.memory_allocated(self.device))
         if self.tp is not None:  # one plan for every rank: the budget all of them can hold
             budget = self.tp.agree_min(budget)
-        # one arena backs both pools (engine/arena.py): checkpoints overlay attention blocks, so the plan's
-        # physical bytes are the budget; num_checkpoint_slots only caps the checkpoint ids (None: as many as fit)
+        # one arena (engine/arena.py): blocks and checkpoints share its pages, so the plan's physical bytes are the
+        # budget; num_checkpoint_slots only caps the cached checkpoints (None: as many as fit)
         def plan(num_seqs: int, max_model_len: int = 0, budget: int = budget) -> CapacityPlan | None:
             """The plan for `num_seqs` running requests, None when it cannot hold one max_model_len request."""
             max_model_len = max_model_len or self.max_model_len
@@ -605,12 +605,12 @@ class EngineCore:
         """Each pool's counts (group_id, kind, total, free, cached, in_use) and whether its integrity check passes
         now (workers report it through their Stats RPC). Step thread only."""
         out = []
+        try:
+            self.cache.check_integrity()
+            ok = True
+        except AssertionError:
+            ok = False
         for s in self.cache.pool_stats():
-            try:
-                self.cache.pools[int(s["group_id"])].check_integrity()  # type: ignore[call-overload]
-                ok = True
-            except AssertionError:
-                ok = False
             out.append({**s, "integrity_ok": ok})
         return out
 
@@ -631,15 +631,13 @@ class EngineCore:
     def kv_cache_info(self) -> dict[str, int]:
         """The plan, and the split as it is now: bytes held per kind, running vs cached."""
         info = self.plan.as_dict()
-        for g in self.groups:
-            pool, label = self.cache.pools[g.group_id], self.cache.labels[g.group_id]
-            s = pool.stats()
-            info[f"{label}_bytes_in_use"] = s["in_use"] * pool.page_bytes
-            info[f"{label}_bytes_cached"] = s["cached"] * pool.page_bytes
-        overlay = self.cache.overlay
-        if overlay is not None and self.plan.arena is not None:  # one arena: checkpoints held, as memory
-            info["checkpoint_bytes_held"] = len(overlay.held) * self.plan.arena.slot_stride
-            info["checkpoint_ranges_free"] = overlay.num_free_ranges
+        stats = self.cache.cache_stats()
+        for label in self.cache.labels.values():
+            s = stats[label]
+            info[f"{label}_bytes_in_use"] = s["bytes_in_use"]  # type: ignore[index]
+            info[f"{label}_bytes_cached"] = s["bytes_cached"]  # type: ignore[index]
+        if self.plan.arena is not None:  # one arena: the pages cached checkpoints take, as memory
+            info["checkpoint_bytes_held"] = int(stats["checkpoint_pages"]) * self.plan.arena.page_bytes  # type: ignore[call-overload]
         return info
 
 

@@ -1,8 +1,9 @@
 """The model runner: owns the model, every cache tensor and the sampler. The only place tensors are built.
 
-Per step: run the scheduler's recurrent-state copies (checkpoint restores), zero fresh attention blocks (both per
-cache group), build the step's batch (one view per attention/recurrent group pairing when a kind has several
-groups: engine.models.batch.GroupViews), run the model, compute logits only for rows that sample, sample.
+Per step: restore checkpoints (pages -> running slots, one row copy over the arena), zero fresh attention blocks,
+build the step's batch (one view per attention/recurrent group pairing when a kind has several
+groups: engine.models.batch.GroupViews), run the model, save checkpoints (slots -> pages, one row copy), compute
+logits only for rows that sample, sample.
 
 The path is chosen once, at construction: the batched path (`CausalLM.forward_varlen` on a
 engine.models.varlen.VarlenBatch, decode steps replayed as CUDA graphs) on CUDA with fla-core installed, else the
@@ -66,8 +67,10 @@ class ModelRunner:
         self.caches: list[LayerCache] = [None] * num_layers
         self.attention_tensors: list[torch.Tensor] = []  # one per attention group: [blocks, layers, 2, bs, ...]
         self.state_tensors: list[torch.Tensor] = []  # two per recurrent group: conv, ssm [slots, layers, ...]
-        self.group_tensors: dict[int, tuple[torch.Tensor, ...]] = allocate_caches(groups, plan, device)
-        """Every group's tensors: strided views of one arena (engine/arena.py)."""
+        self.rows, self.group_tensors = allocate_caches(groups, plan, device)
+        """The arena as rows of one page (checkpoint saves and restores), and every group's tensors: strided views of
+        it (engine/arena.py)."""
+        self.arena = plan.arena
         for g in groups:
             self._allocate(g, plan)
             if isinstance(g.spec, RecurrentStateSpec):
@@ -102,8 +105,10 @@ class ModelRunner:
         ranks (engine.parallel.group.TPGroup.broadcast_tokens), whose next fed step reads them; None otherwise."""
         self.zero_fresh_blocks = zero_fresh_blocks
         self.num_zeroed_blocks = 0
+        self.num_saved_checkpoints = 0
+        """Checkpoints saved (row copies after a step or a late one)."""
         self.num_graph_checkpoints = 0
-        """Checkpoints saved after decode graph replays (`_graph_checkpoints`)."""
+        """Of those, saved after a decode graph's replay."""
 
     @property
     def fast_path(self) -> bool:
@@ -128,14 +133,25 @@ class ModelRunner:
             self.caches[layer] = StateCache(conv[:, i], ssm[:, i])
 
     # -- per step ------------------------------------------------------------------------------------------------
-    def copy_states(self, copies: tuple[tuple[int, int], ...], group_id: int) -> None:
-        """(src, dst) slot copies (checkpoint restores) in one recurrent group's tensors."""
+    def _copy_checkpoints(self, copies: tuple[tuple[int, tuple[int, ...]], ...], save: bool) -> None:
+        """(slot, checkpoint pages) copies: slot rows -> pages (`save`), else pages -> slot rows (a restore). One
+        row copy over the arena for all of them."""
         if not copies:
             return
-        src = to_device([c[0] for c in copies], torch.int64, self.device)  # pinned: no wait for a running step
-        dst = to_device([c[1] for c in copies], torch.int64, self.device)
-        for t in self.group_tensors[group_id]:
-            t.index_copy_(0, dst, t.index_select(0, src))
+        arena = self.arena
+        k, first = arena.pages_per_state, arena.first_page_row
+        slot_rows = [r for slot, _ in copies for r in range(slot * k, slot * k + k)]
+        page_rows = [first + p for _, pages in copies for p in pages]
+        src, dst = (slot_rows, page_rows) if save else (page_rows, slot_rows)
+        src_t = to_device(src, torch.int64, self.device)  # pinned: no wait for a running step
+        dst_t = to_device(dst, torch.int64, self.device)
+        self.rows.index_copy_(0, dst_t, self.rows.index_select(0, src_t))
+
+    def save_states(self, copies: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
+        """Checkpoints saved now (stream-ordered after the step launched last): slot -> its pages."""
+        with self._on_device():
+            self._copy_checkpoints(copies, True)
+        self.num_saved_checkpoints += len(copies)
 
     def synchronize(self) -> None:
         """Wait until this rank's device has run everything launched so far."""
@@ -245,8 +261,7 @@ class ModelRunner:
 
     def _launch(self, out: SchedulerOutput, params: Mapping[str, SamplingParams | None],
                 feed: tuple[int, ...] | None) -> LaunchedStep:
-        for gid, copies in out.group_state_copies:
-            self.copy_states(copies, gid)
+        self._copy_checkpoints(out.state_restores, False)
         for gid, fresh in out.group_fresh_blocks:
             self.zero_blocks(fresh, gid)
         if out.is_empty:
@@ -259,6 +274,8 @@ class ModelRunner:
         self.last_tokens = None
         self._scored = {}
         got = self._forward(out, fed)
+        self._copy_checkpoints(out.state_saves, True)  # before anything later can write the slots
+        self.num_saved_checkpoints += len(out.state_saves)
         scored, self._scored = self._scored, {}
         if got is None:
             return LaunchedStep(None, scored)
@@ -298,7 +315,7 @@ class ModelRunner:
         rids = [o.request_id for o in out.seqs if o.sample]
         if self.graphs is not None and not any(map(_PROMPT_SCORES, out.seqs)) and self.graphs.can_run(out.seqs):
             logits, lse = self.graphs.run(out.seqs, fed)
-            self._graph_checkpoints(out.seqs)
+            self.num_graph_checkpoints += len(out.state_saves)  # (saved by `_launch` after the replay)
             if not rids:  # one-token steps that sample nothing (a prefill worker's last prompt token, say)
                 return None
             if len(rids) < len(out.seqs):
@@ -317,22 +334,6 @@ class ModelRunner:
         if not rids:
             return None
         return self.model.compute_logits(hidden[metas[0].sample_rows]), None, rids
-
-    def _graph_checkpoints(self, seqs) -> None:  # type: ignore[no-untyped-def]
-        """After a decode graph's replay: its rows' checkpoints (the state after the row's token, copied from the
-        running slot into the checkpoint slot in every layer of the group), which the eager path copies inside each
-        mixer. A step that saves a checkpoint (a prompt's end on a decode worker, an interval, a branch point) stays
-        in the graph instead of running eager (several times slower)."""
-        views = self.views
-        for k in range(views.count):
-            if not views.recurrent[k]:
-                continue
-            pairs = tuple((slot, dst) for s, slot in zip(seqs, views.state_slots(seqs, k), strict=True)
-                          for _, dst in views.checkpoints(s, k))
-            if pairs:
-                self.copy_states(pairs, seqs[0].group_state_slots[k][0])
-                self.num_graph_checkpoints += len(pairs)
-
 
 _PROMPT_SCORES = attrgetter("prompt_scores")
 

@@ -1,5 +1,5 @@
 """Continuous-batching scheduler: FCFS, a token budget per step, chunked prefill mixed with decodes, preemption
-by recompute. Tensor-free; never branches on layer type (that lives in engine.cache managers).
+by recompute. Tensor-free; never branches on layer type (that lives in engine.cache).
 
 One step:
     1. running requests in arrival order each get up to (target - computed) tokens of the remaining budget;
@@ -23,8 +23,8 @@ scheduled like any other, but sits in `unconfirmed` too, and nothing it computes
 `running`, caches kept, not scheduled) until the answer; a refusal `restart`s it from token 0 wherever it is.
 
 The runner reads, per sequence, one block table per attention group and one state slot and checkpoint list per
-recurrent group (`group_block_ids`, `group_state_slots`, `group_checkpoints`; per step `group_state_copies` and
-`group_fresh_blocks`): tuples of (group id, value) in group order, the same shape for every group.
+recurrent group (`group_block_ids`, `group_state_slots`, `group_checkpoints`; per step `group_fresh_blocks`, and the
+arena's `state_restores` and `state_saves`): tuples of (group id, value) in group order, the same shape for every group.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class ScheduledSeq:
     group_state_slots: tuple[tuple[int, int], ...] = ()
     """(recurrent group id, running slot) for every recurrent group."""
     group_checkpoints: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    """(recurrent group id, ((num_tokens, checkpoint slot), ...)) for every recurrent group (the same boundaries,
-    each group's own slots)."""
+    """(recurrent group id, ((num_tokens, staging slot), ...)) for every recurrent group: checkpoints inside the chunk,
+    written by the kernels into a staging slot (the same in every group) and saved to their pages after the step."""
     prompt_scores: tuple[int, tuple[int, ...]] | None = None
     """(k, targets) when the request asks for prompt logprobs and this chunk computes prompt positions before the
     last: the runner scores rows num_computed_tokens .. + len(targets) - 1, row j against prompt token targets[j]
@@ -97,9 +97,12 @@ _TOKEN_IDS = attrgetter("token_ids")
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[str, ...]
-    group_state_copies: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
-    """(recurrent group id, ((src slot, dst slot), ...)) for every recurrent group: state copies to run before the
-    forward (checkpoint restores)."""
+    state_restores: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """((running slot, checkpoint pages), ...): checkpoints restored before the forward (every recurrent group's
+    state: one row copy per page, engine/cache/arena.py)."""
+    state_saves: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """((slot, checkpoint pages), ...): checkpoints saved after the forward (the running slot at a chunk's end, or
+    the staging slot a `group_checkpoints` entry had the kernels write)."""
     group_fresh_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
     """(attention group id, blocks allocated this step) for every attention group: to zero before first use."""
 
@@ -126,7 +129,7 @@ class Scheduler:
         """request id -> the import it runs on before the producer confirmed it: scheduled, never published."""
         self.parked: dict[str, Request] = {}
         """Unconfirmed requests that reached their end (Request.held_finish): out of `running`, caches kept."""
-        self._no_checkpoints = tuple((m.group.group_id, ()) for m in cache.states)
+        self._no_checkpoints = tuple((gid, ()) for gid in cache.recurrent_groups)
         self.num_preemptions = 0
         self.version = 0
         """Bumped by every change of the queues or of what requests hold (`stalled`)."""
@@ -314,14 +317,14 @@ class Scheduler:
             budget -= num_new
 
         self._stalled_at = self.version if not seqs and not preempted else -1
-        copies = self.cache.take_group_state_copies()
-        fresh = self.cache.take_group_fresh_blocks()
-        return SchedulerOutput(
-            seqs=tuple(seqs),
-            preempted=tuple(preempted),
-            group_state_copies=tuple((gid, tuple(c)) for gid, c in copies.items()),
-            group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
-        )
+        self._plan_checkpoints(seqs)
+        return self._output(tuple(seqs), tuple(preempted))
+
+    def _output(self, seqs: tuple[ScheduledSeq, ...], preempted: tuple[str, ...]) -> SchedulerOutput:
+        cache = self.cache
+        fresh = cache.take_fresh_blocks()
+        return SchedulerOutput(seqs, preempted, cache.take_restores(), cache.take_saves(),
+                               tuple((gid, fresh) for gid in cache.attention_groups))
 
     def schedule_ahead(
         self, rows: list[tuple[Request, int]]
@@ -352,26 +355,16 @@ class Scheduler:
             seqs.append(
                 ScheduledSeq(req.request_id, computed, (PLACEHOLDER_TOKEN,), True, blocks, slots, self._no_checkpoints)
             )
-        fresh = cache.take_group_fresh_blocks()
-        out = SchedulerOutput(
-            seqs=tuple(seqs),
-            preempted=(),
-            group_state_copies=tuple((gid, tuple(c)) for gid, c in cache.take_group_state_copies().items()),
-            group_fresh_blocks=tuple((gid, tuple(b)) for gid, b in fresh.items()),
-        )
-        return out, late
+        return self._output(tuple(seqs), ()), late
 
-    def plan_late_checkpoints(self, late: list[tuple[Request, int]]) -> dict[int, list[tuple[int, int]]]:
+    def plan_late_checkpoints(self, late: list[tuple[Request, int]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """The rolling checkpoints of rows that reached a block boundary in a step scheduled ahead (`late` from
         `schedule_ahead`), planned now that the boundary's token is known, exactly as `schedule()` would have
-        planned them with that step: {recurrent group id: [(running slot, checkpoint slot)]}, the copies that save
-        them (the running state holds the boundary's state until the next step runs)."""
-        copies: dict[int, list[tuple[int, int]]] = {}
+        planned them with that step: ((running slot, checkpoint pages), ...), the copies that save them (the running
+        state holds the boundary's state until the next step runs)."""
         for req, boundary in late:
-            running = dict(self.cache.seq_tables(req.request_id)[1])
-            for gid, planned in self.cache.checkpoint_plan(req, boundary - 1, boundary):
-                copies.setdefault(gid, []).extend((running[gid], slot) for _, slot in planned)
-        return copies
+            self.cache.checkpoint_plan(req, boundary - 1, boundary)
+        return self.cache.take_saves()
 
     def _prefix_hit(self, req: Request) -> PrefixHit:
         """The request's prefix-cache hit, not counted. One still scoring its prompt (prompt logprobs) reads no
@@ -384,29 +377,42 @@ class Scheduler:
         return self.cache.find_prefix_hit(req, max_tokens=scored, count=False) if scored else PrefixHit()
 
     def _schedule_seq(self, req: Request, num_new: int) -> ScheduledSeq:
-        cache = self.cache
+        """The request's chunk, its checkpoints not planned yet (`_plan_checkpoints`, once every request of the step
+        holds its blocks: a checkpoint's pages never take what a block of this step needs)."""
         start = req.num_computed_tokens
         end = start + num_new
-        rid = req.request_id
-        blocks, slots = cache.seq_tables(rid)
-        # no checkpoint of state computed on an unconfirmed transfer: it would be published when written
-        ckpts = self._no_checkpoints if self.unconfirmed and rid in self.unconfirmed else cache.checkpoint_plan(
-            req, start, end)
+        blocks, slots = self.cache.seq_tables(req.request_id)
         outputs = req.output_token_ids
         past_prompt = start - len(req.prompt_token_ids)
         # a decode row's one token read directly (`token_slice` builds a list first): once per request per step
         tokens = (outputs[past_prompt],) if num_new == 1 and past_prompt >= 0 else tuple(req.token_slice(start, end))
         # Positional (fields in declaration order): keywords cost about 2.5x as much, once per request per step.
         return ScheduledSeq(
-            rid,  # request_id
+            req.request_id,  # request_id
             start,  # num_computed_tokens
             tokens,  # token_ids
             req.compute_target is None and past_prompt + num_new == len(outputs),  # sample: end == num_tokens
             blocks,  # group_block_ids
             slots,  # group_state_slots
-            ckpts,  # group_checkpoints
+            self._no_checkpoints,  # group_checkpoints
             None if req.prompt_logprobs is None else _prompt_scores(req, start, end),
         )
+
+    def _plan_checkpoints(self, seqs: list[ScheduledSeq]) -> None:
+        """Each sequence's checkpoints (none for state computed on an unconfirmed transfer: it would be published
+        when written); a chunk may end early, at a checkpoint that found no staging slot."""
+        cache, unconfirmed, requests = self.cache, self.unconfirmed, self.requests
+        for s in seqs:
+            if unconfirmed and s.request_id in unconfirmed:
+                continue
+            req = requests[s.request_id]
+            start = s.num_computed_tokens
+            end = start + len(s.token_ids)
+            s.group_checkpoints, cut = cache.checkpoint_plan(req, start, end)
+            if cut < end:
+                s.token_ids, s.sample = s.token_ids[: cut - start], False
+                if s.prompt_scores is not None:
+                    s.prompt_scores = _prompt_scores(req, start, cut)
 
     def _recompute_a_holder(self, head: Request, preempted: list[str]) -> bool:
         """The head of the queue cannot get its caches and nothing runs: only requests waiting behind it that hold

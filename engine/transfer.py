@@ -17,11 +17,14 @@ themselves. All functions run on the engine's step thread.
                                                    or abort_import(core, req, imp, reusable) + schedule_local/fail
                                                    or core.abort / a deadline (Import.deadline) / a failed step
 
-Every id is per cache group: an attention group's blocks, a recurrent group's running slot and checkpoint slot
-(several groups of each kind are allowed; they travel as TransferParams.groups / .states).
+Every id is per cache group: an attention group's blocks, a recurrent group's running slot (several groups of each
+kind are allowed; they travel as TransferParams.groups / .states). A checkpoint is k pages of the arena (every
+recurrent group's state cut in page-sized pieces, engine/cache/arena.py): it travels as extra blocks of every
+attention group (page j is block j of every attention group), between two single-rank engines only (their pages
+are laid out alike; across tensor-parallel ranks the pieces would not line up with the heads a rank holds).
 
 Ownership: an Export's pages stay allocated (the prefilled request's blocks, its running slots, plus the pinned
-checkpoint slots) until `release_export`. An Import's destination pages belong to the request, which the scheduler
+checkpoint's pages) until `release_export`. An Import's destination pages belong to the request, which the scheduler
 holds in WAITING_FOR_TRANSFER from `begin_import` until `complete_import` (they become its running caches),
 `abort_import`, or the engine ending it (`EngineCore.finish`: abort, deadline, error), which asks
 `EngineCore.transfer_canceller` whether a READ may still land and frees or quarantines the pages accordingly.
@@ -45,11 +48,10 @@ FALLBACKS = ("recompute", "fail")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A cached state checkpoint: the state after `num_tokens` tokens, one slot per recurrent group."""
+    """A cached state checkpoint: the state after `num_tokens` tokens (of every recurrent group), in k pages."""
 
     num_tokens: int
-    slots: Mapping[int, int]
-    """Recurrent group id -> slot."""
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class ImportSource:
     state_slots: Mapping[int, int]
     """Recurrent group id -> the producer's slot holding the state after `num_tokens`."""
     checkpoint: Checkpoint | None = None
-    """The producer's last checkpoint within the prompt, if it offers one (its slots, per recurrent group)."""
+    """The producer's last checkpoint within the prompt, if it offers one (its pages)."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +95,24 @@ class Import:
     src_blocks: Mapping[int, tuple[int, ...]]
     dst_blocks: Mapping[int, tuple[int, ...]]
     src_state_slots: Mapping[int, tuple[int, ...]]
-    """Recurrent group id -> (running state slot, checkpoint slot if one is pulled) on the producer."""
+    """Recurrent group id -> (running state slot,) on the producer."""
     dst_state_slots: Mapping[int, tuple[int, ...]]
     checkpoint: ReservedCheckpoint | None
-    """Our slots reserved for the producer's checkpoint, published on completion."""
+    """Our pages reserved for the producer's checkpoint, published on completion."""
     deadline: float | None = None
     """Engine clock (monotonic) time after which the engine gives up on it (`EngineCore.expire_imports`)."""
     fallback: str = "recompute"
     """What the engine does when it gives up: "recompute" here from token 0, or "fail" the request."""
+    src_checkpoint_pages: tuple[int, ...] = ()
+    """The producer's pages of the checkpoint pulled into `checkpoint.pages` (read as blocks: `read_blocks`)."""
+
+    def read_blocks(self) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+        """(source, destination) block ids per attention group: the request's blocks, then the checkpoint's pages
+        (block j of every attention group is page j of the arena)."""
+        theirs = self.src_checkpoint_pages
+        ours = self.checkpoint.pages if self.checkpoint is not None and theirs else ()
+        return ({g: (*ids, *theirs) for g, ids in self.src_blocks.items()},
+                {g: (*ids, *ours) for g, ids in self.dst_blocks.items()})
 
 
 # -- producer ------------------------------------------------------------------------------------------------------
@@ -108,20 +120,27 @@ def export_prefilled(core: EngineCore, req: Request) -> Export:
     """Pin a request that finished as "prefilled" (its blocks and running slots are still allocated) together with
     the checkpoint `offered_checkpoint` picks, and describe them."""
     cache, n = core.cache, req.num_computed_tokens
-    found = offered_checkpoint(core, req, n)
+    found = offered_checkpoint(core, req, n) if checkpoints_travel(core) else None
     ckpt = None
     if found is not None:
         ckpt = Checkpoint(found[0], found[1])
         cache.pin_checkpoint(found[1])
-    blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in cache.group_block_ids(req.request_id).items()}
-    states = cache.group_state_slots(req.request_id)
+    tables, slots = cache.seq_tables(req.request_id)
+    blocks = {gid: ids[: -(-n // cache.block_size)] for gid, ids in tables}
+    states = dict(slots)
     pinned = dict(cache.req_pages(req.request_id))
-    for gid, slot in ckpt.slots.items() if ckpt is not None else ():
-        pinned[gid] = pinned[gid] + (slot,)
+    for gid in cache.attention_groups if ckpt is not None else ():
+        pinned[gid] = pinned[gid] + ckpt.pages  # type: ignore[union-attr]
     return Export(req.request_id, n, blocks, states, ckpt, pinned)
 
 
-def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, dict[int, int]] | None:
+def checkpoints_travel(core: EngineCore) -> bool:
+    """Whether this engine offers and takes checkpoints in a handoff: a single rank whose pages are exactly its
+    attention blocks (so reading block j of every attention group reads all of page j)."""
+    return core.tp is None and core.plan.arena is not None and core.plan.arena.pages_are_blocks
+
+
+def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, tuple[int, ...]] | None:
     """The checkpoint an export offers: the deepest one within the first `n` tokens, except that the request's own
     prompt-end checkpoints (saved by this request past its hit; under "reuse" admission at the last block
     boundaries of what it computed) give way to a shallower one: they name this prompt alone, while the shallower
@@ -143,18 +162,18 @@ def release_export(core: EngineCore, req: Request, exp: Export) -> None:
     """Unpin an export (its lease ended: committed, released or expired)."""
     core.scheduler.release(req)
     if exp.checkpoint is not None:
-        core.cache.unpin_checkpoint(exp.checkpoint.slots)
+        core.cache.unpin_checkpoint(exp.checkpoint.pages)
 
 
 def export_pages_needed(core: EngineCore, num_tokens: int) -> dict[int, int]:
     """Attention blocks (per attention group) an export of `num_tokens` tokens pins (admission control counts
     these)."""
-    return {m.group.group_id: -(-num_tokens // core.cache.block_size) for m in core.cache.blocks}
+    return {gid: -(-num_tokens // core.cache.block_size) for gid in core.cache.attention_groups}
 
 
 def recurrent_group_ids(core: EngineCore) -> list[int]:
     """The recurrent groups' ids (what a transfer's state slots are keyed by)."""
-    return [m.group.group_id for m in core.cache.states]
+    return list(core.cache.recurrent_groups)
 
 
 def pool_totals(core: EngineCore) -> dict[int, tuple[str, int]]:
@@ -261,16 +280,14 @@ def begin_import(
         src_states[gid] = (int(src.state_slots[gid]),)
     for gid, slot in alloc.state_slots.items():
         dst_states[gid] = (slot,)
-    ckpt = None
+    ckpt, theirs = None, ()
     offer = src.checkpoint
-    if offer is not None and 0 < offer.num_tokens <= src.num_tokens and set(alloc.state_slots) <= set(offer.slots):
+    if (offer is not None and 0 < offer.num_tokens <= src.num_tokens and len(offer.pages) == cache.k
+            and checkpoints_travel(core)):
         # pulled whenever we do not cache it yet (reserve_checkpoint: None if cached), even within our own block
         # hit: that hit needs no checkpoint, but a prompt that branches there later restores from one
         ckpt = cache.reserve_checkpoint(req, offer.num_tokens)
-        if ckpt is not None:
-            for gid in alloc.state_slots:
-                src_states[gid] += (int(offer.slots[gid]),)
-                dst_states[gid] += (ckpt.slots[gid],)
+        theirs = tuple(int(p) for p in offer.pages) if ckpt is not None else ()
     imp = Import(
         req.request_id,
         src.num_tokens,
@@ -282,6 +299,7 @@ def begin_import(
         ckpt,
         deadline,
         fallback,
+        theirs,
     )
     core.scheduler.add_importing(req, imp)
     return imp

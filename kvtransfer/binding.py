@@ -59,7 +59,7 @@ def verify_membership(cluster_token: str, nonce: bytes, worker_id: str, epoch: s
 
 MAC_KEY_BYTES = 32
 MAC_BYTES = 32
-_MAC_SEED = b"hybridpd/transfer-params/v2"
+_MAC_SEED = b"hybridpd/transfer-params/v3"
 
 
 def new_mac_key() -> bytes:
@@ -84,7 +84,8 @@ def _canonical_params(request_id: str, tp: Any) -> bytes:
     parts.append(struct.pack("<qqdq", tp.num_computed_tokens, tp.num_prompt_tokens, tp.lease_expiry_unix,
                              tp.checkpoint_num_tokens))
     parts += [_str(tp.lease_token), _str(tp.prompt_digest), struct.pack("<q", len(tp.states))]
-    parts += [struct.pack("<qqq", s.group_id, s.state_slot, s.checkpoint_slot) for s in tp.states]
+    parts += [struct.pack("<qq", s.group_id, s.state_slot) for s in tp.states]
+    parts.append(_ints(list(tp.checkpoint_pages)))
     return b"".join(parts)
 
 

@@ -31,24 +31,29 @@ DEFAULT_LEASE_S = 30.0
 @dataclass(frozen=True)
 class Offer:
     """The pages a lease's transfer params name, by group. Attention groups: block ids in sequence order (D reads a
-    suffix: the blocks past its own prefix hit). Recurrent groups: (running state slot, checkpoint slot if one is
-    offered); D reads the running state, then the checkpoint or not."""
+    suffix: the blocks past its own prefix hit), then, if D takes the offered checkpoint, its pages (read as blocks
+    of every attention group). Recurrent groups: (running state slot,); D reads it."""
 
     blocks: Mapping[int, tuple[int, ...]]
     states: Mapping[int, tuple[int, ...]]
+    checkpoint: tuple[int, ...] = ()
 
     def allows(self, pages_read: Mapping[int, Sequence[int]]) -> bool:
         """Whether `pages_read` (P's ids D read, by group) are exactly such pages: nothing outside the offer, every
         recurrent group's running state read."""
         if not set(pages_read) <= set(self.blocks) | set(self.states):
             return False
+        ckpt = self.checkpoint
+        took = [ckpt and tuple(pages_read.get(g, ()))[-len(ckpt):] == ckpt for g in self.blocks]
+        if len(set(took)) > 1:
+            return False  # the checkpoint read in some attention groups only
         for gid, offered in self.blocks.items():
             read = tuple(pages_read.get(gid, ()))
+            read = read[: len(read) - len(ckpt)] if took and took[0] else read
             if read != offered[len(offered) - len(read):]:
                 return False
-        for gid, (running, *checkpoint) in self.states.items():
-            read = tuple(pages_read.get(gid, ()))
-            if not read or read[0] != running or read[1:] not in ((), tuple(checkpoint)):
+        for gid, (running, *_) in self.states.items():
+            if tuple(pages_read.get(gid, ())) != (running,):
                 return False
         return True
 

@@ -55,7 +55,8 @@ class PullState(str, Enum):
 class PullSpec:
     """What to pull for one request. Maps are {group id: ids}; P's ids (`src_*`, from TransferParams) pair up
     position by position with D's freshly allocated ids (`dst_*`). Attention groups go in `*_blocks`, recurrent
-    groups in `*_state_slots` (the running state, plus a checkpoint slot when D wants to cache it)."""
+    groups in `*_state_slots` (the running state). A checkpoint D caches travels as extra blocks of every attention
+    group (engine.transfer.Import.read_blocks)."""
 
     request_id: str
     src_epoch: str

@@ -124,7 +124,7 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
         """Step thread. Reserve the pages this prefill will pin; None if admitted, else why not. Attention blocks
         only: they are what grows with the prompt and what unpulled leases exhausted (12 abandoned prefills pinned
         1,500 of 1,569 blocks); a lease's state slots are bounded by max_num_seqs (one running slot per request,
-        plus at most one checkpoint)."""
+        plus at most one checkpoint's pages)."""
         need = export_pages_needed(core, num_tokens)
         busy: dict[int, int] = {}
         for lease in (self.leases.get(rid) for rid in self.held):
@@ -299,11 +299,11 @@ class PrefillServicer(WorkerRpcs, pb_grpc.PrefillServiceServicer):
 def transfer_params(exp: Export) -> pb.TransferParams:
     """The export's pages as TransferParams: every attention group's blocks, every recurrent group's slots."""
     ckpt = exp.checkpoint
-    states = [pb.GroupStates(group_id=gid, state_slot=slot, checkpoint_slot=ckpt.slots[gid] if ckpt else 0)
-              for gid, slot in exp.state_slots.items()]
+    states = [pb.GroupStates(group_id=gid, state_slot=slot) for gid, slot in exp.state_slots.items()]
     return pb.TransferParams(
         groups=[pb.GroupBlocks(group_id=gid, block_ids=ids) for gid, ids in exp.blocks.items()], states=states,
         checkpoint_num_tokens=ckpt.num_tokens if ckpt else 0, num_computed_tokens=exp.num_tokens,
+        checkpoint_pages=ckpt.pages if ckpt else (),
     )
 
 
@@ -326,9 +326,9 @@ def first_chunk(core: EngineCore, req: Request) -> pb.GenerateChunk:
 
 def offer_of(exp: Export) -> Offer:
     """The pages `transfer_params(exp)` names, as the lease checks them at Commit."""
-    ckpt = exp.checkpoint
-    states = {gid: (slot, ckpt.slots[gid]) if ckpt else (slot,) for gid, slot in exp.state_slots.items()}
-    return Offer({gid: tuple(ids) for gid, ids in exp.blocks.items()}, states)
+    pages = exp.checkpoint.pages if exp.checkpoint is not None else ()
+    states = {gid: (slot,) for gid, slot in exp.state_slots.items()}
+    return Offer({gid: tuple(ids) for gid, ids in exp.blocks.items()}, states, tuple(pages))
 
 
 def _set_result(fut: asyncio.Future, value: object) -> None:

@@ -79,17 +79,15 @@ class GroupBlocks(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupStates(_message.Message):
-    __slots__ = ("group_id", "state_slot", "checkpoint_slot")
+    __slots__ = ("group_id", "state_slot")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_SLOT_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     state_slot: int
-    checkpoint_slot: int
-    def __init__(self, group_id: _Optional[int] = ..., state_slot: _Optional[int] = ..., checkpoint_slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[int] = ..., state_slot: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states", "mac")
+    __slots__ = ("worker_id", "epoch", "prefill_address", "groups", "num_computed_tokens", "num_prompt_tokens", "lease_expiry_unix", "checkpoint_num_tokens", "lease_token", "prompt_digest", "states", "mac", "checkpoint_pages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +100,7 @@ class TransferParams(_message.Message):
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: str
     prefill_address: str
@@ -114,7 +113,8 @@ class TransferParams(_message.Message):
     prompt_digest: bytes
     states: _containers.RepeatedCompositeFieldContainer[GroupStates]
     mac: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    checkpoint_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., prefill_address: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lease_expiry_unix: _Optional[float] = ..., checkpoint_num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ..., states: _Optional[_Iterable[_Union[GroupStates, _Mapping]]] = ..., mac: _Optional[bytes] = ..., checkpoint_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -25,9 +25,9 @@ _QUEUE_LIMIT = 256
 def _shape(cache) -> pb.CacheShape:  # type: ignore[no-untyped-def]
     return pb.CacheShape(
         block_size=cache.block_size,
-        attention_groups=[m.group.group_id for m in cache.blocks],
-        recurrent_groups=[m.group.group_id for m in cache.states],
-        checkpoint_align=cache.states[0].align if cache.states else cache.block_size,
+        attention_groups=list(cache.attention_groups),
+        recurrent_groups=list(cache.recurrent_groups),
+        checkpoint_align=cache.align if cache.recurrent_groups else cache.block_size,
     )
 
 

@@ -1,4 +1,2 @@
-"""Tensor-free cache control plane: specs, block pools, hashing, per-group managers, coordinator,
-the cache tree (admission.py decides what is cached, tree.py what is evicted), planner.
-
-Nothing in this package imports torch (a test enforces it)."""
+"""Tensor-free cache control plane (a test enforces it): specs, the arena's layout and id pools, hashing, admission
+(what is cached), the tree (what is evicted), the manager (coordinator.py) and the capacity planner."""

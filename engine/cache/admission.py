@@ -11,12 +11,9 @@ Marconi's admission (MLSys 2025), the engine's one policy:
     prompt  |---- shared with an earlier request ----|--- new ---|          decode
             0                                        ^ branch    ^ prompt end   ^ ^ ^ rolling end
 
-The vLLM-style baseline (a checkpoint every n tokens, nothing else) is benchmarks/cache_policies.py's
-`IntervalAdmission`, a subclass.
-
-Ownership: the coordinator calls `admit` once when a request is admitted, `due` for each chunk it schedules and
-`note` for every hash the engine computes; this class keeps only hashes (a bounded, insertion-ordered set).
-Tensor-free.
+The vLLM-style baseline (a checkpoint every n tokens) is `IntervalAdmission` in benchmarks/cache_policies.py.
+Ownership: the coordinator calls `admit` once per request, `due` for each chunk it schedules and `note` for every
+hash computed; this class keeps only hashes (a bounded, insertion-ordered set). Tensor-free.
 """
 
 from __future__ import annotations
@@ -51,6 +48,8 @@ class Admission:
         """Block hashes of every prefix computed (or admitted) so far, in insertion order (`note`)."""
         self.every_chunk = policy.interval > 0
         """Checkpoints may fall mid-block (interval boundaries): the coordinator plans every chunk."""
+        self.last_branch: int | None = None
+        """The branch point `targets` found last (None: this admission knows no branch points)."""
 
     @property
     def align(self) -> int:
@@ -66,7 +65,7 @@ class Admission:
         seen, n = self.seen, 0
         while n < limit and hashes[n] in seen:  # the longest prefix seen before: where this prompt branches off
             n += 1
-        branch = n * bs
+        self.last_branch = branch = n * bs
         if branch > hit_tokens:
             out.add(branch)
         if limit * bs > hit_tokens:
@@ -106,3 +105,4 @@ class Admission:
         seen.update(dict.fromkeys(hashes))  # a hash seen before keeps its place (update never moves a key)
         while len(seen) > self.policy.seen_capacity:
             del seen[next(iter(seen))]
+

@@ -1,25 +1,21 @@
-"""One arena backs every cache pool: where each group's pages live in it, described without tensors.
+"""One arena backs every cache: where each group's pages live in it, described without tensors.
 
-The runner allocates one byte buffer per device (engine/arena.py) and every cache tensor the kernels index is a
-strided view of it, described here by an `ArenaPart`. State slot `s` is one page of `slot_stride = k * block_bytes`
-bytes (the state of every recurrent group, conv then ssm per group, rounded up to k whole attention blocks);
-attention block `j` is one page of `block_bytes` (block j of every attention group, back to back):
+The runner allocates one byte buffer per device (engine/arena.py); every cache tensor the kernels index is a strided
+view of it (`ArenaPart`). Two regions:
 
-    byte 0                                  R = F * slot_stride
-    | slot 0 (null) | slot 1 | ... | slot S |  block 0 (null) ... block k-1 | block k ... block 2k-1 | ...
-                     running slots (reserved)  \\_______ slot F (pinned) ___/ \\___ slot F + 1 ____/   ...
-    F = 1 + S (S = max_num_seqs): slot s starts at s * slot_stride for every s, so checkpoint slot F + c
-    (c = 1 .. C) is the same memory as attention blocks [c * k, (c + 1) * k).
+    byte 0                                  R = num_slots * slot_stride
+    | slot 0 (null) | slot 1 | ... | slot n |  page 0 (null) | page 1 | page 2 | ...        | page P-1 |
+      running and staging state slots          attention blocks and checkpoints, one page at a time
 
-Slot F would cover the null block 0, so it is pinned (never handed out) and blocks 1 .. k-1 are plain attention
-blocks; with the null block on that side no slot ever touches it (a uniform slot stride makes this the only
-placement where the last running slot and block 0 do not overlap). C = A // k - 1 (A attention blocks), capped by
-`num_checkpoint_slots`. The control plane (overlay.py) never lets a held checkpoint slot and a held or cached
-attention block share memory.
+- A *page* (`page_bytes`) is block j of every attention group, back to back: an attention block, or one of the k =
+  ceil(state_bytes / page_bytes) pieces of a checkpoint (the state of every recurrent group), in any k free pages.
+- A *slot* is one state of every recurrent group in k page-sized rows (slot_stride = k * page_bytes). Kernels read
+  and write slots only: a request's running state, and (staging) a checkpoint inside a prefill chunk. A save copies
+  a slot's k rows to its checkpoint's pages after the step, a restore copies them back before it: one row copy over
+  the arena seen as [rows, page_bytes] (slot s = rows s*k .. s*k+k-1, page j = row num_slots*k + j).
+- A model without attention: a page is one state (k = 1); pages hold checkpoints only.
 
-Alignment: each group's part of a page starts at a multiple of 16 bytes (the page strides are whatever the
-natural pages give: one attention group keeps its contiguous [blocks, layers, 2, bs, heads, dim] tensor).
-Tensor-free: dtypes are strings; the runner maps them.
+Parts start at multiples of 16 bytes and pages are padded to 16 (no gap between attention parts a transfer skips).
 """
 
 from __future__ import annotations
@@ -30,6 +26,8 @@ from dataclasses import dataclass
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec, dtype_bytes
 
 PART_ALIGN = 16
+STAGING_SLOTS = 2
+"""State slots beyond max_num_seqs: a checkpoint inside a prefill chunk is written into a free slot first."""
 
 
 @dataclass(frozen=True)
@@ -53,45 +51,45 @@ class ArenaPart:
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    block_bytes: int
-    """One attention block id across every attention group (parts aligned), the unit of the attention region."""
+    page_bytes: int
+    """One page: block j of every attention group (a model without attention: one state)."""
     state_bytes: int
-    """One state slot id across every recurrent group (parts aligned)."""
-    blocks_per_slot: int
-    """k = ceil(state_bytes / block_bytes): the attention blocks one checkpoint slot covers."""
-    attention_blocks: int
-    running_slots: int
-    """S: slots 1 .. S are reserved for running requests (never overlay anything)."""
-    checkpoint_slots: int
-    """C: checkpoint ids F + 1 .. F + C (F = 1 + S), each covering k attention blocks."""
+    """One state of every recurrent group (0: no recurrent group)."""
+    pages_per_state: int
+    """k: the pages one checkpoint takes (0: no recurrent group)."""
+    num_slots: int
+    """State slots: null, running, staging (0: no recurrent group)."""
+    num_pages: int
+    """P: pages, the null page 0 included."""
     parts: tuple[ArenaPart, ...]
 
     @property
-    def first_overlay_slot(self) -> int:
-        """F: the pinned slot over blocks [0, k); checkpoint c is slot F + c."""
-        return 1 + self.running_slots
-
-    @property
-    def state_slots(self) -> int:
-        """Ids of every state pool: null, running, the pinned F, checkpoints."""
-        return self.first_overlay_slot + 1 + self.checkpoint_slots if self.state_bytes else 0
-
-    @property
     def slot_stride(self) -> int:
-        return self.blocks_per_slot * self.block_bytes
+        return self.pages_per_state * self.page_bytes
 
     @property
-    def attention_offset(self) -> int:
-        """R: where block 0 starts."""
-        return self.first_overlay_slot * self.slot_stride if self.state_bytes else 0
+    def pages_offset(self) -> int:
+        """R: where page 0 starts."""
+        return self.num_slots * self.slot_stride
+
+    @property
+    def first_page_row(self) -> int:
+        """Row (of page_bytes) of page 0."""
+        return self.num_slots * self.pages_per_state
 
     @property
     def total_bytes(self) -> int:
-        """The arena's size: the attention region's end (or the last slot's, when fewer than k blocks fit)."""
-        end = self.attention_offset + self.attention_blocks * self.block_bytes
-        if self.state_bytes:
-            end = max(end, (self.state_slots - 1) * self.slot_stride + self.state_bytes)
-        return end
+        return self.pages_offset + self.num_pages * self.page_bytes
+
+    @property
+    def pages_are_blocks(self) -> bool:
+        """Whether block j of every attention group, together, is all of page j (no gap between the parts)."""
+        kv = [p for p in self.parts if p.name == "kv"]
+        return bool(kv) and sum(p.page_bytes for p in kv) == self.page_bytes
+
+    def slot_rows(self, slot: int) -> range:
+        k = self.pages_per_state
+        return range(slot * k, slot * k + k)
 
 
 def _align(n: int) -> int:
@@ -99,7 +97,7 @@ def _align(n: int) -> int:
 
 
 def _page_parts(groups: list[CacheGroup]) -> tuple[list[tuple[CacheGroup, str, str, tuple[int, ...], int]], int]:
-    """[(group, name, dtype, shape, offset within the page)], page bytes (parts aligned, the last not padded)."""
+    """[(group, name, dtype, shape, offset within the page)], page bytes (aligned)."""
     out: list[tuple[CacheGroup, str, str, tuple[int, ...], int]] = []
     pos = 0
     for g in groups:
@@ -114,33 +112,25 @@ def _page_parts(groups: list[CacheGroup]) -> tuple[list[tuple[CacheGroup, str, s
             pos = _align(pos)
             out.append((g, name, dtype, shape, pos))
             pos += math.prod(shape) * dtype_bytes(dtype)
-    return out, pos
+    return out, _align(pos)
 
 
-def plan_arena(
-    groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int, max_checkpoint_slots: int | None
-) -> ArenaLayout:
-    """The largest arena within `budget_bytes`: S = max_num_seqs running slots reserved, the rest attention blocks,
-    checkpoint ids over them. Raises ValueError for a layout without attention (nothing to overlay)."""
-    attn = [g for g in groups if g.is_attention]
-    rec = [g for g in groups if not g.is_attention]
-    if not attn:
-        raise ValueError("the arena needs an attention group (a states-only model keeps separate state slots)")
-    a_parts, block_bytes = _page_parts(attn)
-    s_parts, state_bytes = _page_parts(rec)
-    k = -(-state_bytes // block_bytes) if rec else 0
-    reserved = (1 + max_num_seqs) * k * block_bytes
-    blocks = max(0, (budget_bytes - reserved) // block_bytes)
-    ckpt = max(0, blocks // k - 1) if rec else 0
-    if max_checkpoint_slots is not None:
-        ckpt = min(ckpt, max_checkpoint_slots)
-    layout = ArenaLayout(block_bytes, state_bytes, k, blocks, max_num_seqs if rec else 0, ckpt, ())
+def plan_arena(groups: list[CacheGroup], budget_bytes: int, max_num_seqs: int) -> ArenaLayout:
+    """The largest arena within `budget_bytes`: 1 + max_num_seqs + STAGING_SLOTS state slots, pages for the rest."""
+    a_parts, block_bytes = _page_parts([g for g in groups if g.is_attention])
+    s_parts, state_bytes = _page_parts([g for g in groups if not g.is_attention])
+    page_bytes = block_bytes or state_bytes
+    k = -(-state_bytes // page_bytes) if state_bytes else 0
+    num_slots = 1 + max_num_seqs + STAGING_SLOTS if state_bytes else 0
+    reserved = num_slots * k * page_bytes
+    pages = max(0, (budget_bytes - reserved) // page_bytes) if page_bytes else 0
+    layout = ArenaLayout(page_bytes, state_bytes, k, num_slots, pages, ())
     parts = [
-        ArenaPart(g.group_id, name, dtype, layout.attention_offset + off, block_bytes, blocks, shape)
+        ArenaPart(g.group_id, name, dtype, layout.pages_offset + off, page_bytes, pages, shape)
         for g, name, dtype, shape, off in a_parts
     ]
     parts += [
-        ArenaPart(g.group_id, name, dtype, off, layout.slot_stride, layout.state_slots, shape)
+        ArenaPart(g.group_id, name, dtype, off, layout.slot_stride, num_slots, shape)
         for g, name, dtype, shape, off in s_parts
     ]
     for p in parts:
@@ -150,4 +140,4 @@ def plan_arena(
                 f"arena part g{p.group_id}.{p.name}: offset {p.offset} / stride {p.page_stride} B are "
                 f"not multiples of its {elem}-byte dtype"
             )
-    return ArenaLayout(block_bytes, state_bytes, k, blocks, layout.running_slots, ckpt, tuple(parts))
+    return ArenaLayout(page_bytes, state_bytes, k, num_slots, pages, tuple(parts))

@@ -1,84 +1,90 @@
-"""The hybrid cache manager: one manager per group (managers.py), reconciled into one answer per request.
+"""The hybrid cache manager: what the scheduler and the transfer adapters ask of the prefix cache.
 
-Groups: any number of attention and recurrent groups, each with its own pool and ids; the runner gets one block
-table per attention group and one slot per recurrent group. Hit search: each group answers the longest prefix it
-serves within a bound, the bound shrinks to the shortest answer until every group agrees, capped at N-1.
-Memory: `CacheTree` (tree.py) evicts, `Admission` (admission.py) picks checkpoints, and with an `arena` checkpoint
-slots share memory with attention blocks (overlay.py).
+Every attention group shares one block table per request and every recurrent group one running slot (the arena
+puts block j of every attention group in page j and one state of every recurrent group in a slot, arena.py), so
+the manager keeps one list of pages and one slot per request and hands each group the same ids. Hit search: the
+longest run of cached blocks, then (recurrent layers) the deepest cached checkpoint within it, capped at N-1.
+Memory: `CacheTree` (tree.py) evicts, `Admission` (admission.py) picks checkpoints. A checkpoint is saved by a
+row copy after the step (the running slot at a chunk's end, a staging slot the kernels wrote inside it) and
+restored by one before the step: the runner runs `take_saves` / `take_restores`.
 
 Ownership: the scheduler calls this; the PD adapters call the transfer methods, on the step thread. Tensor-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridpd.engine.cache.admission import Admission, CachePolicy
-from hybridpd.engine.cache.arena import ArenaLayout
-from hybridpd.engine.cache.block_pool import BlockPool
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.cache.events import CacheEventLog
 from hybridpd.engine.cache.hashing import append_block_hashes, extra_keys
-from hybridpd.engine.cache.managers import AttentionManager, GroupManager, PendingCheckpoint, RecurrentManager
-from hybridpd.engine.cache.overlay import ArenaAttentionPool, ArenaStatePool, Overlay
+from hybridpd.engine.cache.pools import PagePool, SlotPool
 from hybridpd.engine.cache.specs import PAD_SLOT_ID, CacheGroup
-from hybridpd.engine.cache.tree import CacheTree
+from hybridpd.engine.cache.tree import CacheTree, Node
 from hybridpd.engine.request import Request
 
 Tables = tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[tuple[int, int], ...]]
 """((attention group id, block table), ...), ((recurrent group id, running slot), ...): what a step reads."""
+Inside = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+"""((recurrent group id, ((num_tokens, staging slot), ...)), ...): checkpoints the kernels write inside a chunk."""
+Copy = tuple[int, tuple[int, ...]]
+"""(slot, the pages of a checkpoint): a save copies the slot to the pages, a restore the pages to the slot."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """From the planner (`CapacityPlan.layout`): the arena's ids, tensor-free."""
+
+    num_pages: int  # the null page 0 included
+    num_slots: int  # the null slot 0, running slots and STAGING_SLOTS staging ones (0: no recurrent group)
+    checkpoint_interval: int
+    block_size: int
+    pages_per_state: int = 1
+    policy: CachePolicy | None = None  # None: CachePolicy(interval=checkpoint_interval)
+    max_checkpoints: int | None = None
 
 
 @dataclass
 class PrefixHit:
     num_tokens: int = 0
-    pages: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    """Group id -> its cached pages serving the `num_tokens` every group agreed on (attention: blocks in order;
-    recurrent: the checkpoint slot, none when num_tokens is 0)."""
-    group_hits: dict[str, int] = field(default_factory=dict)
-    """What each group alone could serve (for per-group counters), by group label."""
+    blocks: tuple[int, ...] = ()  # the cached pages serving `num_tokens` (attention groups)
+    checkpoint: Node | None = None  # the checkpoint restored at `num_tokens` (recurrent groups)
+    group_hits: dict[str, int] = field(default_factory=dict)  # label -> what its group alone could serve
 
 
 @dataclass
 class TransferAllocation:
     local_hit_tokens: int
-    first_block_index: int
-    """Index (in the request's block tables) of the first block the transfer fills."""
-    block_ids: dict[int, list[int]]
-    """Attention group id -> destination blocks, in order, for block indices first_block_index ..."""
-    state_slots: dict[int, int]
-    """Recurrent group id -> the request's running slot (the transfer writes it)."""
+    first_block_index: int  # in the request's block tables: the first block the transfer fills
+    block_ids: dict[int, list[int]]  # attention group id -> destination blocks from first_block_index on
+    state_slots: dict[int, int]  # recurrent group id -> the request's running slot (the transfer writes it)
 
 
 @dataclass(frozen=True)
 class ReservedCheckpoint:
-    """State slots (one per recurrent group) reserved for a checkpoint that a transfer brings."""
+    """Pages reserved for a checkpoint that a transfer brings (its k pages, the state of every recurrent group)."""
 
     num_tokens: int
-    slots: dict[int, int]
+    pages: tuple[int, ...]
     block_hash: bytes
+
+
+@dataclass
+class PendingCheckpoint:
+    req_id: str
+    num_tokens: int
+    pages: tuple[int, ...]
+    block_hash: bytes
+    rolling: bool = False  # a request end written while decoding: it replaces the request's previous one
+    branch: bool = False  # at the request's branch point (admission.py)
 
 
 @dataclass
 class GroupCounters:
     queries: int = 0
     hits: int = 0
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """From the planner: blocks per attention pool, slots per state pool (every group of a kind gets that many)."""
-
-    attention_blocks: int
-    state_slots: int
-    checkpoint_interval: int
-    block_size: int
-    budget_bytes: int | None = None
-    """Bytes that held pages (in use + cached, all pools) may take together. None: the pools' sizes only."""
-    policy: CachePolicy | None = None
-    """None: CachePolicy(interval=checkpoint_interval)."""
-    arena: ArenaLayout | None = None
-    """One arena backs both kinds (checkpoint slots overlay attention blocks)."""
 
 
 class HybridCacheManager:
@@ -92,96 +98,50 @@ class HybridCacheManager:
     ) -> None:
         """`tree_cls`, `admission_cls`: the engine's policy (benchmarks/cache_policies.py swaps in its baselines)."""
         self.groups = groups
-        self.block_size = layout.block_size
+        self.block_size = bs = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = layout.policy if layout.policy is not None else CachePolicy(layout.checkpoint_interval)
-        self.admission = admission_cls(self.policy, layout.block_size)
+        self.admission = admission_cls(self.policy, bs)
+        self.align = self.admission.align
         kinds = [g.kind for g in groups]  # a group's name in counters: its kind, or kind:id when kinds repeat
         self.labels = {g.group_id: g.kind if kinds.count(g.kind) == 1 else f"{g.kind}:{g.group_id}" for g in groups}
-        self.blocks: list[AttentionManager] = []
-        """Attention groups' managers; the first is the chain (its blocks are the tree's nodes)."""
-        self.states: list[RecurrentManager] = []
-        """Recurrent groups' managers; the first leads the checkpoints, the others ride along."""
-        self.pools: dict[int, BlockPool] = {}
-        self.events = CacheEventLog()
-        """Stored / removed per group by block hash (events.py), drained by the worker's cache-event stream."""
-        self._build_managers(groups, layout)
-        self.managers: list[GroupManager] = [*self.blocks, *self.states]
-        self._block_gids = [(m, m.group.group_id) for m in self.blocks]
-        self._state_gids = [(m, m.group.group_id) for m in self.states]
-        self._gids: list[tuple[GroupManager, int]] = [*self._block_gids, *self._state_gids]
-        self._one_state = [(m.pool, 1) for m in self.states]
-        self._no_checkpoints = tuple((gid, ()) for _, gid in self._state_gids)
-        """`checkpoint_plan` of a chunk with no boundary: every recurrent group, no checkpoint."""
-        self._alloc_order = self._gids if layout.arena is None else [*self._state_gids, *self._block_gids]
-        """Arena: states first, so a running slot that falls back to a checkpoint range (quarantined slots, or
-        imports beyond max_num_seqs) takes its range before attention takes the blocks around it."""
-        self.overlay, self.tree = self._build_tree(layout, tree_cls)
-        self._tables: dict[str, Tables] = {}
-        """request -> `seq_tables` as last built: dropped when its pages change (`allocate`, `free`, `quarantine`)."""
-        self._covers: dict[str, int] = {}
-        """request -> tokens its pages cover in every group after its last allocation (`allocate`'s fast path)."""
-        self._targets: dict[str, list[int]] = {}
-        """request -> checkpoint boundaries still to save (`Admission.admit`), ascending."""
-        self._noted: dict[str, int] = {}
-        """request -> how many of its block hashes the admission has seen."""
+        self.attention_groups = [g.group_id for g in groups if g.is_attention]
+        self.recurrent_groups = [g.group_id for g in groups if not g.is_attention]
+        self.has_blocks, self.has_states = bool(self.attention_groups), bool(self.recurrent_groups)
+        self.events = CacheEventLog()  # drained by the worker's cache-event stream (events.py)
+        self.pages = PagePool(layout.num_pages)
+        self.slots = SlotPool(layout.num_slots if self.has_states else 0)
+        self.k = layout.pages_per_state if self.has_states else 0
+        self.max_running = max(1, layout.num_slots - 1 - STAGING_SLOTS)
+        self.tree = tree_cls(self.pages, self.events, (tuple(self.attention_groups), tuple(self.recurrent_groups)),
+                             self.k, bs, self.policy.alpha)
+        self.tree.max_checkpoints = layout.max_checkpoints
+        self._branch: dict[str, int] = {}
+        """request -> its branch point (`Admission.last_branch`): a checkpoint there is a branch point for good."""
+        self.req_blocks: dict[str, list[int]] = {}
+        self.num_hashed: dict[str, int] = {}
+        self.running_slot: dict[str, int] = {}
+        self.num_in_use = 0  # pages that requests reference as attention blocks
+        self.fresh: list[int] = []  # pages allocated since the last drain (not prefix hits): zeroed before use
+        self.restores: list[Copy] = []  # before the next forward
+        self.saves: list[Copy] = []  # after it
+        self.pending: list[PendingCheckpoint] = []  # written by the step in flight, published by `on_step_done`
+        self.step_pins: list[Node] = []  # checkpoints it restores (referenced until it ran)
+        self.staging: list[int] = []  # staging slots it writes (freed after it)
+        self.rolling: dict[str, bytes] = {}
+        """request -> hash of its published request-end checkpoint (dropped when a later one replaces it)."""
+        self.superseded: dict[str, list[bytes]] = {}
+        """request -> checkpoints on its own path (the one it restored, its prompt end) that its first request-end
+        checkpoint supersedes (demoted in the tree unless they are branch points)."""
+        self.num_admitted = 0
+        self._tables: dict[str, Tables] = {}  # request -> `seq_tables` as last built (dropped when its pages change)
+        self._covers: dict[str, int] = {}  # request -> tokens its blocks cover (`allocate`'s fast path)
+        self._targets: dict[str, list[int]] = {}  # request -> checkpoint boundaries still to save, ascending
+        self._noted: dict[str, int] = {}  # request -> how many of its block hashes the admission has seen
+        self._no_checkpoints = tuple((gid, ()) for gid in self.recurrent_groups)
         self.quarantined: list[str] = []
-        """Holders of pages a transfer could not cancel (see `quarantine`)."""
         self.counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
         self.external_counters = {self.labels[g.group_id]: GroupCounters() for g in groups}
-
-    def _build_tree(self, layout: PoolLayout, tree_cls: type[CacheTree]) -> tuple[Overlay | None, CacheTree]:
-        """The arena's overlay (when the layout has one) and the cache tree over every pool, the leaders told."""
-        overlay = None
-        if layout.arena is not None and self.states:
-            overlay = Overlay(layout.arena, [m.pool for m in self.blocks], [m.pool for m in self.states])  # type: ignore[misc]
-        budget = layout.budget_bytes
-        if budget is None:
-            budget = sum(p.capacity * p.page_bytes for p in self.pools.values())
-        tree = tree_cls(
-            [m.pool for m in self.blocks],
-            [m.pool for m in self.states],
-            budget,
-            self.policy.alpha,
-            layout.block_size,
-            overlay,
-        )
-        for leader in [*self.blocks[:1], *self.states[:1]]:
-            leader.tree = tree
-        return overlay, tree
-
-    def _build_managers(self, groups: list[CacheGroup], layout: PoolLayout) -> None:
-        """One pool and one manager per group (arena pools when the layout has an arena), leaders first."""
-        arena = layout.arena
-        for g in groups:
-            pool: BlockPool
-            size = g.page_bytes_all_layers
-            if g.is_attention:
-                name = f"group{g.group_id}:attention"
-                arena_pool = arena is not None and arena.state_bytes
-                pool = (ArenaAttentionPool if arena_pool else BlockPool)(layout.attention_blocks, name, size)
-                lead = self.blocks[0].pool if self.blocks else None
-                self.blocks.append(AttentionManager(g, pool, layout.block_size, leader=lead))
-            else:
-                name = f"group{g.group_id}:{g.kind}"
-                if arena is not None:
-                    pool = ArenaStatePool(layout.state_slots, arena.running_slots, name, size)
-                else:
-                    pool = BlockPool(layout.state_slots, name, size)
-                lead = self.states[0].pool if self.states else None
-                self.states.append(RecurrentManager(g, pool, layout.block_size, self.admission.align, leader=lead))
-            pool.events, pool.event_group = self.events, g.group_id
-            self.pools[g.group_id] = pool
-
-    @property
-    def attention(self) -> AttentionManager | None:
-        """The chain (first attention group), or None for a model without attention."""
-        return self.blocks[0] if self.blocks else None
-
-    @property
-    def recurrent(self) -> RecurrentManager | None:
-        """The lead recurrent group, or None for a model without recurrent layers."""
-        return self.states[0] if self.states else None
 
     # -- hashing and hit search ----------------------------------------------------------------------------------
     def update_hashes(self, req: Request) -> None:
@@ -193,80 +153,135 @@ class HybridCacheManager:
             )
 
     def find_prefix_hit(self, req: Request, max_tokens: int | None = None, count: bool = True) -> PrefixHit:
-        """Longest prefix every group holds, capped at N-1 (or max_tokens). Counters: every group's queries grow by
-        the request's tokens, its hits by what it alone could serve within the groups before it."""
+        """Longest prefix every group holds, capped at N-1 (or max_tokens); counted (`count_hit`) when `count`."""
         if max_tokens is None:
             max_tokens = max(0, min(req.num_tokens, req.target_tokens) - 1)
         if not self.enable_prefix_caching:
             return PrefixHit()
         self.update_hashes(req)
-        hashes = req.block_hashes
-        n = max_tokens if self.managers else 0
-        if self.blocks:
-            n = min(n, len(hashes) * self.block_size) // self.block_size * self.block_size
-        hit = self._agreed_hit(self.managers, hashes, n)
+        hit = self._hit(req.block_hashes, max_tokens, self.has_states)
         if count:
             self.count_hit(req, hit)
         return hit
 
-    def _agreed_hit(self, managers: list[GroupManager], hashes: list[bytes], n: int) -> PrefixHit:
-        """The longest prefix of at most n tokens that every one of `managers` serves, with its pages;
-        `group_hits`: each group's own first answer."""
-        hit, agreed = PrefixHit(), n
-        for m in managers:
-            n = m.find_hit_tokens(hashes, n)
-            hit.group_hits[self.labels[m.group.group_id]] = n
-        while n != agreed:  # each pass can only shrink n; it stops once every group serves n
-            agreed = n
-            for m in managers:
-                n = m.find_hit_tokens(hashes, n)
-        hit.num_tokens = n
-        hit.pages = {m.group.group_id: m.hit_pages(hashes, n) for m in managers}
+    def _hit(self, hashes: list[bytes], max_tokens: int, with_state: bool) -> PrefixHit:
+        """The attention run within max_tokens, then (`with_state`) the deepest checkpoint within it."""
+        bs, nodes = self.block_size, self.tree.nodes
+        limit = min(max_tokens, len(hashes) * bs) // bs
+        blocks: list[int] = []
+        if self.has_blocks:
+            for h in hashes[:limit]:
+                node = nodes.get(h)
+                if node is None or not node.page:
+                    break
+                blocks.append(node.page)
+        n = len(blocks) * bs if self.has_blocks else limit * bs
+        hit = PrefixHit(group_hits={self.labels[g]: n for g in self.attention_groups})
+        if with_state:
+            n, hit.checkpoint = self._deepest_checkpoint(hashes, n)
+            hit.group_hits.update({self.labels[g]: n for g in self.recurrent_groups})
+        hit.num_tokens, hit.blocks = n, tuple(blocks[: n // bs])
         return hit
 
-    def count_hit(self, req: Request, hit: PrefixHit) -> None:
+    def _deepest_checkpoint(self, hashes: list[bytes], max_tokens: int) -> tuple[int, Node | None]:
+        bs, step, nodes = self.block_size, self.align, self.tree.nodes
+        b = min(max_tokens, len(hashes) * bs) // step * step
+        while b > 0:
+            node = nodes.get(hashes[b // bs - 1])
+            if node is not None and node.ckpt is not None:
+                return b, node
+            b -= step
+        return 0, None
+
+    def count_hit(self, req: Request, hit: PrefixHit) -> None:  # queries: the request's tokens; hits: its group's
         for label, c in self.counters.items():
             c.queries += req.num_tokens
             c.hits += hit.group_hits.get(label, 0)
 
     # -- allocation ----------------------------------------------------------------------------------------------
     def allocate(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Make the request's caches cover `num_tokens` tokens. New requests take `hit` (blocks + checkpoint).
-        Returns False (holding nothing new) when the pools / the budget cannot cover it even after evicting cache."""
+        """Make the request's caches cover `num_tokens` tokens (a new request takes `hit`); False (holding nothing
+        new) when the pages cannot, even after evicting cache."""
         rid = req.request_id
         if 0 < num_tokens <= self._covers.get(rid, 0):
-            return True  # every group holds the request and covers num_tokens already (most decode steps)
-        if num_tokens > 0 and self.managers and not self._grows(rid, num_tokens):
+            return True  # covered already (most decode steps)
+        new = rid not in self.req_blocks and rid not in self.running_slot
+        hit = hit if hit is not None and new else PrefixHit()
+        held = self.req_blocks.get(rid)
+        need = -(-num_tokens // self.block_size) - (len(held) if held is not None else len(hit.blocks))
+        need = need if self.has_blocks and need > 0 else 0
+        if not new and not need:
+            self._covers[rid] = len(held) * self.block_size if held is not None else 1 << 62
             return True
         self._tables.pop(rid, None)
-        pages = hit.pages if hit is not None else {}
-        new = not any(m.holds(rid) for m in self.managers)
-        if (new or num_tokens > 0 or self._grows(rid, num_tokens)) and not self._make_room(rid, num_tokens, pages):
+        if new and not self._start(rid, hit):
             return False
-        for m, gid in self._alloc_order:
-            m.allocate(rid, num_tokens, pages.get(gid, ()))
+        if need and not self.tree.make_room(need):
+            if new:
+                self._unstart(rid, hit)
+            return False
+        if need:
+            pages = self.pages.take(need)
+            self.num_in_use += need
+            self.req_blocks[rid].extend(pages)
+            self.fresh.extend(pages)
         if new:
-            self._admit(req, hit.num_tokens if hit is not None else 0)
-        if self.managers:
-            self._covers[rid] = min([len(m.req_blocks[rid]) * self.block_size for m in self.blocks], default=1 << 62)
+            self._admit(req, hit.num_tokens)
+        self._covers[rid] = len(self.req_blocks[rid]) * self.block_size if self.has_blocks else 1 << 62
         return True
 
-    def _grows(self, rid: str, num_tokens: int) -> bool:
-        """Some group needs new pages to cover num_tokens (most decode steps: none)."""
-        for m in self.managers:
-            if m.new_pages_needed(rid, num_tokens):
-                return True
-        return False
+    def _start(self, rid: str, hit: PrefixHit) -> bool:
+        """A new request: its running slot, its hit's blocks referenced and its checkpoint restored."""
+        slot = None
+        if self.has_states:
+            slot = self.slots.take()
+            if slot is None:
+                return False
+            self.running_slot[rid] = slot
+        if self.has_blocks:
+            self._touch(hit.blocks)
+            self.req_blocks[rid] = list(hit.blocks)
+            self.num_hashed[rid] = len(hit.blocks)
+        if hit.checkpoint is not None and slot is not None:
+            self.tree.pin_checkpoint(hit.checkpoint)
+            self.step_pins.append(hit.checkpoint)
+            self.restores.append((slot, hit.checkpoint.ckpt))  # type: ignore[arg-type]
+        return True
 
-    def _make_room(self, rid: str, num_tokens: int, pages: dict[int, tuple[int, ...]]) -> bool:
-        """Pin the hit's `pages` (so eviction cannot take them), then evict until the new pages fit; undo the pins
-        on failure."""
-        pinned = [(m, gid) for m, gid in self._gids if m.pin_hit(rid, pages.get(gid, ()))]
-        if self.tree.make_room([(m.pool, m.new_pages_needed(rid, num_tokens)) for m in self.managers]):
-            return True
-        for m, gid in pinned:
-            m.unpin_hit(rid, pages.get(gid, ()))
-        return False
+    def _unstart(self, rid: str, hit: PrefixHit) -> None:  # (no room for the request's new blocks)
+        if hit.checkpoint is not None and rid in self.running_slot:
+            self.restores.pop()
+            self.step_pins.pop()
+            self.tree.unpin_checkpoint(hit.checkpoint)
+        self._free_pages(rid)
+
+    def _touch(self, pages: Sequence[int]) -> None:
+        ref, page_node = self.pages.ref, self.tree.page_node
+        for p in pages:
+            if not ref[p]:
+                self.num_in_use += 1
+                self.tree.acquired(page_node[p])  # type: ignore[arg-type]
+            ref[p] += 1
+
+    def _free_pages(self, rid: str) -> None:
+        """Drop the request's references (tail first: the least shareable blocks are evicted first) and slot."""
+        blocks = self.req_blocks.pop(rid, None)
+        self.num_hashed.pop(rid, None)
+        if blocks:
+            ref, page_node, free, tree = self.pages.ref, self.tree.page_node, self.pages.free, self.tree
+            for p in reversed(blocks):
+                n = ref[p] = ref[p] - 1
+                if n:
+                    continue
+                self.num_in_use -= 1
+                node = page_node[p]
+                if node is None:
+                    free.append(p)
+                else:
+                    tree.released(node)
+        slot = self.running_slot.pop(rid, None)
+        if slot is not None:
+            self.slots.give_back(slot)
 
     def _admit(self, req: Request, hit_tokens: int) -> None:
         """A request got its first caches: decide its checkpoint boundaries, then remember its prompt's blocks."""
@@ -277,10 +292,12 @@ class HybridCacheManager:
         if plan is None:
             return  # the admission keeps nothing per request
         targets, own = plan
-        if self.states:
+        if self.has_states:
+            if self.admission.last_branch is not None:
+                self._branch[req.request_id] = self.admission.last_branch
             if targets:
                 self._targets[req.request_id] = targets
-            self.states[0].superseded[req.request_id] = [req.block_hashes[b // self.block_size - 1] for b in own]
+            self.superseded[req.request_id] = [req.block_hashes[b // self.block_size - 1] for b in own]
         self._note(req)
 
     def _note(self, req: Request) -> None:
@@ -290,16 +307,66 @@ class HybridCacheManager:
             self._noted[req.request_id] = len(req.block_hashes)
 
     # -- checkpoints of a step -----------------------------------------------------------------------------------
-    def checkpoint_plan(
-        self, req: Request, start: int, end: int
-    ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-        """Checkpoint slots for the chunk (start, end], written by the runner this step: ((recurrent group id,
-        ((num_tokens, slot), ...)), ...), the same boundaries in every group."""
+    def checkpoint_plan(self, req: Request, start: int, end: int) -> tuple[Inside, int]:
+        """Reserve the checkpoints the chunk (start, end] saves. Returns what the kernels write this step: ((recurrent
+        group id, ((num_tokens, staging slot), ...)), ...), the boundaries inside the chunk, the same in every group,
+        and where the chunk ends: at a boundary inside it when no staging slot is free (the checkpoint is then the
+        running state at the chunk's end; the rest of the chunk runs next step). Each checkpoint's save (its slot to
+        its pages) runs after the step."""
         if self.checkpoint_kind(req, end) is None:
-            return self._no_checkpoints  # most decode steps
+            return self._no_checkpoints, end  # most decode steps
         self.update_hashes(req)
-        due, rolling = self.admission.due(self._targets.get(req.request_id), start, end, req.num_prompt_tokens)
-        return tuple([(gid, tuple(c)) for gid, c in self._reserve(req, due, rolling).items()])
+        rid = req.request_id
+        due, rolling = self.admission.due(self._targets.get(rid), start, end, req.num_prompt_tokens)
+        todo = [(b, False) for b in due] + ([(rolling, True)] if rolling is not None else [])
+        inside: list[tuple[int, int]] = []
+        hashes, bs = req.block_hashes, self.block_size
+        for i, (b, is_rolling) in enumerate(todo):
+            if b // bs > len(hashes):
+                break
+            h = hashes[b // bs - 1]
+            if self._is_planned(h):
+                continue
+            if not self.tree.make_room(self.k, checkpoint=True):
+                break  # best effort: no room now (before any staging slot is taken or the chunk cut)
+            slot = self.running_slot[rid] if b == end else self._staging_slot()
+            if slot is None:  # the chunk ends here instead; the boundaries past it wait for the next chunks
+                self._targets.setdefault(rid, [])[:0] = [x for x, r in todo[i + 1 :] if not r]
+                end, slot = b, self.running_slot[rid]
+            pages = self._take_checkpoint_pages()
+            self.pending.append(PendingCheckpoint(rid, b, pages, h, is_rolling, b == self._branch.get(rid)))
+            self.saves.append((slot, pages))
+            if b < end:
+                self.staging.append(slot)
+                inside.append((b, slot))
+            if b == end:
+                break
+        return (tuple((gid, tuple(inside)) for gid in self.recurrent_groups) if inside else self._no_checkpoints), end
+
+    def _take_checkpoint_pages(self) -> tuple[int, ...]:
+        """k pages for a checkpoint (room was made); counted as reserved until named or given back."""
+        self.tree.num_reserved += 1
+        return tuple(self.pages.take(self.k))
+
+    def _settle(self, pages: tuple[int, ...], h: bytes, tokens: int, branch: bool = False) -> bool:
+        """A reserved checkpoint was written (`h` set) or not (empty `h`): name it, else give its pages back."""
+        self.tree.num_reserved -= 1
+        if h and self.tree.name_checkpoint(h, tokens, pages, branch):
+            self.num_admitted += 1
+            return True
+        self.pages.give_back(pages)
+        return False
+
+    def _staging_slot(self) -> int | None:
+        """A free slot for a checkpoint inside a chunk, unless new requests may still need it for running."""
+        if len(self.slots.free) <= max(0, self.max_running - len(self.running_slot)):
+            return None
+        return self.slots.take()
+
+    def _is_planned(self, h: bytes) -> bool:
+        """Cached already, or to be written by a step in flight."""
+        node = self.tree.nodes.get(h)
+        return (node is not None and node.ckpt is not None) or any(p.block_hash == h for p in self.pending)
 
     def checkpoint_kind(self, req: Request, end: int, start: int | None = None) -> str | None:
         """What `checkpoint_plan` of a chunk (start, end] could save (read-only): None, "rolling" (only the
@@ -307,7 +374,7 @@ class HybridCacheManager:
         before its input token is known (asynchronous scheduling) cannot plan one: the boundary's hash needs that
         token; a rolling one is planned one step late instead (engine/async_step.py). `start` None: any chunk
         ending at `end` (with a fixed interval, one that may hold a block boundary)."""
-        if not self.states or not self.enable_prefix_caching:
+        if not self.has_states or not self.enable_prefix_caching:
             return None
         targets = self._targets.get(req.request_id)
         if targets and targets[0] <= end:
@@ -316,150 +383,164 @@ class HybridCacheManager:
             return "planned" if start is None or start // self.block_size < end // self.block_size else None
         return None if end % self.block_size else "rolling"
 
-    def pending_marks(self) -> list[int]:
-        """How many checkpoints each recurrent group has pending (to publish at the next `on_step_done`)."""
-        return [len(m.pending) for m in self.states]
+    def pending_marks(self) -> int:
+        return len(self.pending)
 
-    def hold_pending(self, marks: list[int]) -> list[list[PendingCheckpoint]]:
-        """Take the checkpoints planned since `pending_marks()` gave `marks` out of the next `on_step_done` (their
-        copy runs after the step in flight: they are published after the step after it); `release_held` puts them
-        back."""
-        held = [m.pending[k:] for m, k in zip(self.states, marks, strict=True)]
-        for m, k in zip(self.states, marks, strict=True):
-            del m.pending[k:]
+    def hold_pending(self, mark: int) -> list[PendingCheckpoint]:
+        """Keep the checkpoints planned since `pending_marks()` gave `mark` out of the next `on_step_done` (copied
+        after the step in flight, they are published after the step after it); `release_held` puts them back."""
+        held, self.pending = self.pending[mark:], self.pending[:mark]
         return held
 
-    def release_held(self, held: list[list[PendingCheckpoint]]) -> None:
-        for m, h in zip(self.states, held, strict=True):
-            m.pending.extend(h)
+    def release_held(self, held: list[PendingCheckpoint]) -> None:
+        self.pending.extend(held)
 
-    def _reserve(self, req: Request, boundaries: list[int], rolling: int | None) -> dict[int, list[tuple[int, int]]]:
-        """A slot in every recurrent group for each boundary (and the rolling request-end one) not cached or
-        pending yet; best effort: a boundary is skipped when no room can be made."""
-        todo = [(b, False) for b in boundaries] + ([(rolling, True)] if rolling is not None else [])
-        out: dict[int, list[tuple[int, int]]] = {gid: [] for _, gid in self._state_gids}
-        hashes = req.block_hashes
-        for b, is_rolling in todo:
-            if b // self.block_size > len(hashes):
-                break
-            h = hashes[b // self.block_size - 1]
-            if self.states[0].is_planned(h):
-                continue
-            if not self._state_room():
-                break
-            for m, gid in self._state_gids:
-                out[gid].append((b, m.reserve(req.request_id, b, h, is_rolling)))
+    def take_restores(self) -> tuple[Copy, ...]:
+        out, self.restores = tuple(self.restores), []  # run before the step's forward
         return out
 
-    def _state_room(self) -> bool:
-        """One free checkpoint slot in every recurrent group (evicting cache)."""
-        return self.tree.make_room(self._one_state, checkpoint=True)
+    def take_saves(self) -> tuple[Copy, ...]:
+        out, self.saves = tuple(self.saves), []  # run after it
+        return out
 
-    def take_group_state_copies(self) -> dict[int, list[tuple[int, int]]]:
-        """{recurrent group id: [(checkpoint slot, running slot)]} restores to run before the forward (drained)."""
-        return {gid: m.take_copies() for m, gid in self._state_gids}
-
-    def take_group_fresh_blocks(self) -> dict[int, list[int]]:
-        return {gid: m.take_fresh_blocks() for m, gid in self._block_gids}
+    def take_fresh_blocks(self) -> tuple[int, ...]:
+        out, self.fresh = tuple(self.fresh), []
+        return out
 
     # -- after a step --------------------------------------------------------------------------------------------
     def on_step_done(self, computed: list[Request]) -> None:
-        """Hash the blocks that filled this step (the chain first: riders name only what it holds) and publish the
-        checkpoints it wrote (the lead group first, likewise)."""
-        if self.enable_prefix_caching and self.blocks:
-            held, bs, noted = self.blocks[0].req_blocks, self.block_size, self._noted
+        """Name the blocks that filled this step, then publish the checkpoints it wrote."""
+        if self.enable_prefix_caching and self.has_blocks:
+            bs, noted = self.block_size, self._noted
             for req in computed:
                 rid = req.request_id
-                if rid not in held:
+                if rid not in self.req_blocks:
                     continue
-                hashes = req.block_hashes
-                if req.num_tokens // bs > len(hashes):
+                if req.num_tokens // bs > len(req.block_hashes):
                     self.update_hashes(req)
-                computed_blocks = req.num_computed_tokens // bs
-                for m in self.blocks:
-                    if computed_blocks > m.num_hashed[rid]:  # else no block filled (most decode steps)
-                        m.cache_full_blocks(rid, hashes, req.num_computed_tokens)
-                if rid in noted and len(hashes) > noted[rid]:
+                if req.num_computed_tokens // bs > self.num_hashed[rid]:  # else no block filled (most decode steps)
+                    self._name_blocks(rid, req.block_hashes, req.num_computed_tokens)
+                if rid in noted and len(req.block_hashes) > noted[rid]:
                     self._note(req)  # decoded blocks too: a later prompt may branch off an answer
-        for rm in self.states:
-            rm.release_step_refs()
+        for p in self.pending:
+            if self._settle(p.pages, p.block_hash, p.num_tokens, p.branch) and p.rolling:
+                self._replace_rolling(p.req_id, p.block_hash)
+        self.pending = []
+        self._end_step()
+
+    def _end_step(self) -> None:
+        for node in self.step_pins:
+            self.tree.unpin_checkpoint(node)
+        for slot in self.staging:
+            self.slots.give_back(slot)
+        self.step_pins, self.staging = [], []
 
     def on_step_failed(self) -> None:
         """The step's forward raised: nothing it wrote is published (its requests are ended by the caller)."""
-        for m in self.states:
-            m.drop_step_refs()
+        for p in self.pending:
+            self._settle(p.pages, b"", 0)
+        self.pending, self.saves = [], []
+        self._end_step()
+
+    def _name_blocks(self, rid: str, hashes: list[bytes], num_computed: int) -> None:
+        """Name the request's blocks that filled since the last call; a block cached elsewhere already gives its
+        name to our live copy when nobody references the old one."""
+        blocks, tree, bs = self.req_blocks[rid], self.tree, self.block_size
+        n_full = min(num_computed // bs, len(hashes), len(blocks))
+        page_node, ref = tree.page_node, self.pages.ref
+        for i in range(self.num_hashed[rid], n_full):
+            page = blocks[i]
+            if page_node[page] is not None or tree.name_block(hashes[i], hashes[i - 1] if i else None, (i + 1) * bs,
+                                                              page):
+                continue
+            node = tree.nodes[hashes[i]]
+            if not ref[node.page]:
+                tree.rename_block(node, page)
+        self.num_hashed[rid] = n_full
+
+    def _replace_rolling(self, req_id: str, h: bytes) -> None:
+        prev = self.rolling.get(req_id)
+        self.rolling[req_id] = h
+        for old in self.superseded.pop(req_id, ()):
+            self.tree.demote(old)
+        node = self.tree.nodes.get(prev) if prev is not None else None
+        if node is not None and node.ckpt is not None and not node.ckpt_refs:
+            self.tree.evict_checkpoint(node)
+            self.tree.revalue(self.tree.nodes[h])  # its anchor was the one just dropped: worth more now
 
     def _forget(self, rid: str) -> None:
-        for memo in (self._tables, self._covers, self._targets, self._noted):
+        for memo in (self._tables, self._covers, self._targets, self._noted, self.rolling, self.superseded,
+                     self._branch):
             memo.pop(rid, None)
 
     def free(self, req: Request) -> None:
         self._forget(req.request_id)
-        for m in self.managers:
-            m.free(req.request_id)
+        self._free_pages(req.request_id)
 
     # -- disaggregation (producer side) ---------------------------------------------------------------------------
-    def find_checkpoint(self, req: Request, max_tokens: int) -> tuple[int, dict[int, int]] | None:
-        """The deepest checkpoint <= max_tokens that every recurrent group holds: (tokens, {group id: slot})."""
-        if not self.states or not self.enable_prefix_caching:
+    def find_checkpoint(self, req: Request, max_tokens: int) -> tuple[int, tuple[int, ...]] | None:
+        """The deepest cached checkpoint <= max_tokens: (tokens, its pages)."""
+        if not self.has_states or not self.enable_prefix_caching:
             return None
         self.update_hashes(req)
-        hit = self._agreed_hit(self.states, req.block_hashes, max_tokens)  # type: ignore[arg-type]
-        return (hit.num_tokens, {g: p[0] for g, p in hit.pages.items()}) if hit.num_tokens > 0 else None
+        n, node = self._deepest_checkpoint(req.block_hashes, max_tokens)
+        return (n, node.ckpt) if node is not None else None  # type: ignore[return-value]
 
-    def pin_checkpoint(self, slots: dict[int, int]) -> None:
+    def pin_checkpoint(self, pages: tuple[int, ...]) -> None:
         """Reference a cached checkpoint (an export holds it for a consumer) until `unpin_checkpoint`."""
-        for m, gid in self._state_gids:
-            m.pool.touch([slots[gid]])
+        self.tree.pin_checkpoint(self.tree.ckpt_node[pages[0]])
 
-    def unpin_checkpoint(self, slots: Mapping[int, int]) -> None:
-        for m, gid in self._state_gids:
-            m.pool.free([slots[gid]])
+    def unpin_checkpoint(self, pages: tuple[int, ...]) -> None:
+        self.tree.unpin_checkpoint(self.tree.ckpt_node[pages[0]])
 
     # -- disaggregation (consumer side) ---------------------------------------------------------------------------
     def quarantine(self, req: Request, checkpoint: ReservedCheckpoint | None = None) -> str:
         """A READ may still write the request's pages (and `checkpoint`'s): keep them in use forever under a holder
-        of their own (never handed out again, never hashed), so the request id holds nothing and may compute
+        of their own (never handed out again, never named), so the request id holds nothing and may compute
         afresh. Returns the holder."""
-        holder = f"quarantine:{req.request_id}:{len(self.quarantined)}"
-        self.quarantined.append(holder)  # `checkpoint`'s slots stay held: nobody frees them
-        self._forget(req.request_id)
-        for m in self.managers:
-            m.disown(req.request_id, holder)
+        rid = req.request_id
+        holder = f"quarantine:{rid}:{len(self.quarantined)}"
+        self.quarantined.append(holder)  # `checkpoint`'s pages stay taken: nobody gives them back
+        if checkpoint is not None:
+            self.tree.num_reserved -= 1  # (not a checkpoint any more: pages lost to a READ that may still land)
+        self._forget(rid)
+        if rid in self.req_blocks:
+            self.req_blocks[holder] = self.req_blocks.pop(rid)
+            self.num_hashed.pop(rid, None)
+        if rid in self.running_slot:
+            self.running_slot[holder] = self.running_slot.pop(rid)
         return holder
 
     def allocate_for_transfer(self, req: Request, num_external_tokens: int) -> TransferAllocation | None:
         """Hold caches for a request whose first `num_external_tokens` tokens arrive from a producer: the local
         attention hit is kept (no checkpoint copy: the running states come from the producer); the rest is
-        allocated and *not* zeroed (the transfer overwrites it). None when the pools cannot hold it."""
+        allocated and *not* zeroed (the transfer overwrites it). None when the pages cannot hold it."""
         hit = self.find_transfer_hit(req, num_external_tokens)
         if not self.allocate(req, num_external_tokens, hit):
             return None
         self.count_hit(req, hit)
         first = hit.num_tokens // self.block_size
-        pulled: dict[int, list[int]] = {}
-        for am, gid in self._block_gids:
-            ids = pulled[gid] = am.req_blocks[req.request_id][first:]
-            keep = set(ids)
-            am.fresh_blocks = [b for b in am.fresh_blocks if b not in keep]
+        pulled = self.req_blocks.get(req.request_id, [])[first:]
+        keep = set(pulled)
+        self.fresh = [b for b in self.fresh if b not in keep]
+        slot = self.running_slot.get(req.request_id, PAD_SLOT_ID)
         return TransferAllocation(
             local_hit_tokens=hit.num_tokens,
             first_block_index=first,
-            block_ids=pulled,
-            state_slots={gid: m.running_slot[req.request_id] for m, gid in self._state_gids},
+            block_ids={gid: list(pulled) for gid in self.attention_groups},
+            state_slots={gid: slot for gid in self.recurrent_groups},
         )
 
     def find_transfer_hit(self, req: Request, max_tokens: int) -> PrefixHit:
-        """A consumer's own prefix for a transfer: the longest run of blocks every attention group holds, within
-        `max_tokens` (D's checkpoints never bound it). `group_hits`: each attention group's own run, each
-        recurrent group's deepest checkpoint within the agreed run (for the per-group metrics)."""
-        if not self.enable_prefix_caching or not self.blocks:
+        """A consumer's own prefix for a transfer: the longest run of cached blocks within `max_tokens` (our
+        checkpoints never bound it). `group_hits`: the run, and for the recurrent groups the deepest checkpoint
+        within it (for the per-group metrics)."""
+        if not self.enable_prefix_caching or not self.has_blocks:
             return PrefixHit()
         self.update_hashes(req)
-        hashes, bs = req.block_hashes, self.block_size
-        hit = self._agreed_hit(self.blocks, hashes, min(max_tokens, len(hashes) * bs) // bs * bs)  # type: ignore[arg-type]
-        for sm, gid in self._state_gids:
-            hit.group_hits[self.labels[gid]] = sm.find_hit_tokens(hashes, hit.num_tokens)
+        hit = self._hit(req.block_hashes, max_tokens, False)
+        n, _ = self._deepest_checkpoint(req.block_hashes, hit.num_tokens) if self.has_states else (0, None)
+        hit.group_hits.update({self.labels[g]: n for g in self.recurrent_groups})
         return hit
 
     def count_external(self, req: Request, num_external_tokens: int) -> None:
@@ -468,96 +549,104 @@ class HybridCacheManager:
             c.hits += num_external_tokens
 
     def publish_transferred(self, req: Request, num_tokens: int) -> None:
-        """After a completed pull: hash and cache the now-valid full blocks so later requests hit them."""
-        if self.enable_prefix_caching and self.blocks:
+        """After a completed pull: name the now-valid full blocks so later requests hit them."""
+        if self.enable_prefix_caching and self.has_blocks and req.request_id in self.req_blocks:
             self.update_hashes(req)
-            for m in self.blocks:
-                m.cache_full_blocks(req.request_id, req.block_hashes, num_tokens)
+            self._name_blocks(req.request_id, req.block_hashes, num_tokens)
 
     def reserve_checkpoint(self, req: Request, num_tokens: int) -> ReservedCheckpoint | None:
-        """Reserve a slot in every recurrent group for the checkpoint after `num_tokens` tokens (pulled from the
-        producer; `publish_checkpoint` once it arrived, or `drop_checkpoint`). None if checkpoints are off, the
-        boundary is not aligned, it is cached already, or no slot is free."""
-        if not self.states or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % self.states[0].align:
+        """Reserve pages for the checkpoint after `num_tokens` tokens (pulled from the producer;
+        `publish_checkpoint` once it arrived, or `drop_checkpoint`). None if checkpoints are off, the boundary is not
+        aligned, it is cached already, or no room can be made."""
+        if not self.has_states or not self.enable_prefix_caching or num_tokens <= 0 or num_tokens % self.align:
             return None
         self.update_hashes(req)
         if num_tokens // self.block_size > len(req.block_hashes):
             return None
         h = req.block_hashes[num_tokens // self.block_size - 1]
-        if h in self.states[0].pool.cached or not self._state_room():
+        if self._is_planned(h) or not self.tree.make_room(self.k, checkpoint=True):
             return None
-        slots = {gid: m.pool.allocate_checkpoint(1)[0] for m, gid in self._state_gids}
-        return ReservedCheckpoint(num_tokens, slots, h)
+        return ReservedCheckpoint(num_tokens, self._take_checkpoint_pages(), h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        """The pulled checkpoint arrived: cache it (the lead group first) and release the reservation."""
-        for m, gid in self._state_gids:
-            m.publish(ckpt.slots[gid], ckpt.block_hash, ckpt.num_tokens)
-        self.drop_checkpoint(ckpt)
+        """The pulled checkpoint arrived: cache it."""
+        self._settle(ckpt.pages, ckpt.block_hash, ckpt.num_tokens)
 
     def drop_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
-        self.unpin_checkpoint(ckpt.slots)
+        self._settle(ckpt.pages, b"", 0)
 
     # -- views for the runner ------------------------------------------------------------------------------------
     def seq_tables(self, req_id: str) -> Tables:
         """The request's block tables and running slots, built again only after its pages changed."""
         tables = self._tables.get(req_id)
         if tables is None:
+            blocks = tuple(self.req_blocks.get(req_id, ()))
+            slot = self.running_slot.get(req_id, PAD_SLOT_ID)
             tables = self._tables[req_id] = (
-                tuple([(gid, m.req_pages(req_id)) for m, gid in self._block_gids]),
-                tuple([(gid, m.running_slot.get(req_id, PAD_SLOT_ID)) for m, gid in self._state_gids]),
+                tuple([(gid, blocks) for gid in self.attention_groups]),
+                tuple([(gid, slot) for gid in self.recurrent_groups]),
             )
         return tables
 
-    def group_block_ids(self, req_id: str) -> dict[int, tuple[int, ...]]:
-        """Attention group id -> the request's block table in that group."""
-        return dict(self.seq_tables(req_id)[0])
-
-    def group_state_slots(self, req_id: str) -> dict[int, int]:
-        """Recurrent group id -> the request's running slot in that group (PAD_SLOT_ID if none)."""
-        return dict(self.seq_tables(req_id)[1])
-
     def req_pages(self, req_id: str) -> dict[int, tuple[int, ...]]:
         """Group id -> every page the request holds (what a transfer moves)."""
-        return {gid: m.req_pages(req_id) for m, gid in self._gids}
+        blocks, slots = self.seq_tables(req_id)
+        return {**dict(blocks), **{gid: (s,) for gid, s in slots if s != PAD_SLOT_ID}}
 
     def cached_hashes(self) -> dict[int, set[bytes]]:
         """Group id -> the hashes a hit search finds now: what replaying every event of `events` gives (the
         cache-event stream's resync snapshot)."""
-        return {gid: set(p.cached) for gid, p in self.pools.items()}
+        nodes = self.tree.nodes.values()
+        blocks = {n.hash for n in nodes if n.page}
+        states = {n.hash for n in nodes if n.ckpt is not None}
+        return {**{g: set(blocks) for g in self.attention_groups}, **{g: set(states) for g in self.recurrent_groups}}
 
     # -- observability -------------------------------------------------------------------------------------------
-    def usage(self) -> dict[str, float]:
-        return {self.labels[gid]: p.usage() for gid, p in self.pools.items()}
-
     def pool_stats(self) -> list[dict[str, object]]:
-        return [{"group_id": g.group_id, "kind": g.kind, **self.pools[g.group_id].stats()} for g in self.groups]
+        """Per group, O(1): attention groups count pages (free, in use by requests, cached: blocks and checkpoints),
+        recurrent groups count slots (free, in use) and cached checkpoints."""
+        pages, slots, out = self.pages, self.slots, []
+        for g in self.groups:
+            total, free, use = (pages.capacity, len(pages.free), self.num_in_use) if g.is_attention else (
+                slots.capacity, len(slots.free), slots.capacity - len(slots.free))
+            cached = total - free - use if g.is_attention else self.tree.num_checkpoints
+            out.append({"group_id": g.group_id, "kind": g.kind, "total": total, "free": free, "in_use": use,
+                        "cached": cached})
+        return out
+
+    def usage(self) -> dict[str, float]:
+        """The share of each group's ids that requests hold (vLLM's `kv_cache_usage`; cached content counts as free,
+        an idle engine reads 0). For metrics only; no decision reads it."""
+        return {self.labels[s["group_id"]]: s["in_use"] / max(1, s["total"]) for s in self.pool_stats()}  # type: ignore[index, operator]
 
     def cache_stats(self) -> dict[str, object]:
-        """Admissions, evictions and bytes held per group (by label: running vs cached), and the budget."""
-        out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval}}
-        for gid, pool in self.pools.items():
-            s = pool.stats()
-            out[self.labels[gid]] = {
-                "bytes_in_use": s["in_use"] * pool.page_bytes,
-                "bytes_cached": s["cached"] * pool.page_bytes,
-                "evictions": pool.num_evictions,
-            }
-        if self.states:
-            out["checkpoints_admitted"] = self.states[0].num_admitted
-        out["budget_bytes"] = self.tree.budget_bytes
-        out["held_bytes"] = self.tree.held_bytes()
-        if self.overlay is not None:
-            out["arena"] = {
-                "checkpoint_ranges": self.overlay.num_ranges,
-                "ranges_held": len(self.overlay.held),
-                "free_ranges": self.overlay.num_free_ranges,
-                "range_evictions": self.overlay.num_range_evictions,
-                "checkpoints_skipped": self.tree.num_checkpoints_skipped,
-            }
+        """Admissions, evictions and bytes held per group (by label: running vs cached)."""
+        tree, pages = self.tree, self.pages
+        cached_blocks = pages.capacity - len(pages.free) - self.num_in_use - pages.num_checkpoint_pages
+        out: dict[str, object] = {"policy": {"admission": self.admission.name, "interval": self.policy.interval},
+                                  "checkpoints_admitted": self.num_admitted, "checkpoints_cached": tree.num_checkpoints,
+                                  "checkpoint_pages": pages.num_checkpoint_pages}
+        for g, s in zip(self.groups, self.pool_stats(), strict=True):
+            cached = cached_blocks if g.is_attention else tree.num_checkpoints
+            out[self.labels[g.group_id]] = {"bytes_in_use": s["in_use"] * g.page_bytes_all_layers,  # type: ignore[operator]
+                                            "bytes_cached": cached * g.page_bytes_all_layers,
+                                            "evictions": tree.num_evictions[not g.is_attention]}
         return out
 
     def check_integrity(self) -> None:
-        for pool in self.pools.values():
-            pool.check_integrity()
+        """The tree's invariants; a page's references are the requests listing it (an attention block), or 1 for a
+        checkpoint's page (cached, pending, or reserved for a transfer or kept by a quarantine: no list names those);
+        the held slots are the running and staging ones."""
         self.tree.check_integrity()
+        counts = [0] * self.pages.num_pages
+        for blocks in self.req_blocks.values():
+            for p in blocks:
+                counts[p] += 1
+        assert self.num_in_use == sum(1 for c in counts if c), "pages in use"
+        ref = self.pages.ref
+        for p in range(1, self.pages.num_pages):
+            assert ref[p] == counts[p] or (not counts[p] and ref[p] == 1), (p, ref[p], counts[p])
+        ckpt = [q for node in self.tree.nodes.values() for q in node.ckpt or ()]
+        assert len(ckpt) == self.pages.num_checkpoint_pages and not any(counts[q] for q in ckpt)
+        held = set(self.running_slot.values()) | set(self.staging)
+        assert held == {s for s in range(1, self.slots.num_slots) if self.slots.held[s]}, "slots"

@@ -19,12 +19,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CacheEvent:
-    stored: bool
-    """True: the entry became findable; False: it was removed (evicted, freed, quarantined)."""
-    group: int
-    """Cache group index, in the coordinator's group order (the same on every worker of one model)."""
-    block_hash: bytes
-    """Attention: the block's chained hash. Recurrent: the hash of the block the checkpoint ends on."""
+    stored: bool  # True: the entry became findable; False: it was removed (evicted, freed, quarantined)
+    group: int  # cache group id (the same on every worker of one model)
+    block_hash: bytes  # attention: the block's chained hash; recurrent: that of the block the checkpoint ends on
 
 
 class CacheEventLog:
@@ -33,8 +30,7 @@ class CacheEventLog:
     The lock only orders a drain against the append that finds the log full and empties it."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
-        self._events: deque[tuple[int, bool, int, bytes]] = deque()
-        """(sequence number, stored, group, block hash): built into `CacheEvent`s when drained."""
+        self._events: deque[tuple[int, bool, int, bytes]] = deque()  # (seq, stored, group, hash): drained as events
         self._capacity = capacity
         self._lock = threading.Lock()
         self.seq = 0

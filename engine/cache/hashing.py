@@ -2,9 +2,8 @@
 
     hash(block i) = sha256(SEED | hash(block i-1) | token ids of block i | extra keys)[:16]
 
-Extra keys hold the per-request `cache_salt` (requests with different salts never share blocks). The seed is a
-fixed constant, so separate processes and machines compute equal hashes for equal token prefixes — a decode worker
-can recognise blocks a prefill worker computed. Only *full* blocks are hashed.
+Extra keys hold the request's `cache_salt`. The seed is fixed, so every process and machine computes equal hashes
+for equal full blocks (a decode worker recognises what a prefill worker computed).
 """
 
 from __future__ import annotations

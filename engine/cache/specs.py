@@ -1,9 +1,6 @@
-"""Cache specs: what one layer needs cached, described without tensors.
-
-Layers with equal specs form a *group*; a group shares one pool and one block table (attention) or one state
-slot per request (recurrent). Dtypes are strings ("float32", "bfloat16", "float16") so the control plane stays
-tensor-free; the runner maps them to torch dtypes when it allocates.
-"""
+"""Cache specs: what one layer needs cached, described without tensors. Layers with equal specs form a *group*
+(its part of every arena page or state slot: arena.py). Dtypes are strings ("float32", "bfloat16", "float16") so the
+control plane stays tensor-free; the runner maps them to torch dtypes when it allocates."""
 
 from __future__ import annotations
 
@@ -11,11 +8,9 @@ import math
 from dataclasses import dataclass
 
 PAD_SLOT_ID = -1
-"""Index used for padded rows in every kernel index tensor (slot mapping, state indices). Kernels skip it;
-block/slot 0 (the null block) is never read or written on behalf of a padded row."""
-
+"""Index of padded rows in every kernel index tensor (slot mapping, state indices): kernels skip it."""
 NULL_BLOCK_ID = 0
-"""Block 0 of every pool is the null block: never handed out, never holds data anyone reads."""
+"""Page 0 and slot 0 are null: never handed out, never hold data anyone reads."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -29,10 +24,7 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
-    """Paged K/V for one attention layer. One page = one block = K and V of `block_size` tokens.
-
-    Tensor layout per layer: [num_blocks, 2, block_size, num_kv_heads, head_dim] (block-major, so a run of
-    consecutive block ids is one contiguous byte range: one NIXL descriptor, one zeroing segment)."""
+    """Paged K/V for one attention layer: a block is K and V of `block_size` tokens, [2, block_size, heads, dim]."""
 
     block_size: int
     num_kv_heads: int
@@ -52,10 +44,7 @@ class FullAttentionSpec:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """Fixed-size recurrent state of one Mamba-2 or Gated-DeltaNet layer: a conv state and an SSM state.
-
-    Tensor layout per layer: conv [num_slots, *conv_shape], ssm [num_slots, *ssm_shape]. A request holds one
-    running slot; checkpoints (state after k * checkpoint_interval tokens) live in other slots of the same pool."""
+    """Fixed-size recurrent state of one Mamba-2 or Gated-DeltaNet layer: a conv state and an SSM state."""
 
     kind: str  # "mamba2" | "gated_deltanet"
     conv_shape: tuple[int, ...]
@@ -65,9 +54,8 @@ class RecurrentStateSpec:
 
     @property
     def page_bytes(self) -> int:
-        return math.prod(self.conv_shape) * dtype_bytes(self.conv_dtype) + math.prod(self.ssm_shape) * dtype_bytes(
-            self.ssm_dtype
-        )
+        conv, ssm = math.prod(self.conv_shape), math.prod(self.ssm_shape)
+        return conv * dtype_bytes(self.conv_dtype) + ssm * dtype_bytes(self.ssm_dtype)
 
 
 CacheSpec = FullAttentionSpec | RecurrentStateSpec
@@ -75,7 +63,7 @@ CacheSpec = FullAttentionSpec | RecurrentStateSpec
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """Layers sharing one spec (and so one pool / one block table)."""
+    """Layers sharing one spec."""
 
     group_id: int
     spec: CacheSpec
@@ -91,7 +79,7 @@ class CacheGroup:
 
     @property
     def page_bytes_all_layers(self) -> int:
-        """Bytes one block (attention) or one state slot (recurrent) costs across all layers of the group."""
+        """Bytes of one block (attention) or one state (recurrent) over all layers of the group."""
         return self.spec.page_bytes * len(self.layer_ids)
 
 

@@ -1,58 +1,39 @@
-"""What the prefix cache keeps, and what it lets go: admission and eviction in one picture.
+"""What the prefix cache keeps, and what it lets go: one tree of cached blocks and checkpoints, one eviction heap.
 
     admission.py picks where a request saves a state ([s@h]: a checkpoint, the state after block h):
         r:  h0  h1  h2  h3 | h4' h5' | decode ...       branch point: the end of the longest prefix seen
             \\___ hit ___/  ^ branch  ^ prompt end       before; prompt end; while decoding, a rolling
                                                         request end at each block boundary (replacing the last)
-    the tree: a Node per cached block hash (page ids stay in the pools)
+    the tree: a Node per block hash, holding its attention page and its checkpoint's k pages (either may be absent)
         root -- h0 -- h1 -- h2 -- h3 -- h4' -- h5'
                       |           \\-- h4 -- h5
                     [s@h1]      [s@h3]    [s@h5]  [s@h5']
     one heap: leaf blocks nobody references (h5, h5') + checkpoints nobody references ([s@h1], [s@h3], ...)
-        priority = clock when released + compute saved per byte (0: a dead-end block, a superseded checkpoint);
-        evict the lowest; clock := its priority, so old popularity ages out (GreedyDual)
-    the arena (overlay.py): a checkpoint needs a free range of k blocks; with none, `make_room` evicts the lowest
-        checkpoint, or the unreferenced range whose blocks (with the subtrees below them and the checkpoints they
-        name) lose less per byte; a checkpoint that served a hit lately stays and the new one is skipped
+        priority = clock when released + compute saved per page (0: a dead-end block, a superseded checkpoint);
+        evict the lowest until the pages asked for are free; clock := its priority, so old popularity ages out
+        (GreedyDual)
 
-Evicting a block takes the unreferenced checkpoint named by it (its chain is gone); evicting a checkpoint re-queues
-its block (a dead end now). Every other group's page h (a rider) leaves with its leader's page h, so one queued item
-stands for the pages of every group at one hash. Invariants are stated at the fields (`check_integrity`).
-
-Ownership: the coordinator calls `make_room` before every allocation; the pools call `on_release` / `on_acquire`;
-the managers tell it what was cached. Single-threaded (the step loop). Tensor-free.
+Evicting a block takes the unreferenced checkpoint at it (its chain is gone); evicting a checkpoint re-queues its
+block (a dead end now). A block takes one page of the pool (pools.py), a checkpoint k: they trade memory page by
+page as the workload asks. The cache manager (coordinator.py) calls `make_room` before every allocation and tells
+the tree what was named, released and taken again. Single-threaded (the step loop). Tensor-free.
 """
 
 from __future__ import annotations
 
 import heapq
-from operator import itemgetter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from hybridpd.engine.cache.block_pool import BlockPool
-
-if TYPE_CHECKING:
-    from hybridpd.engine.cache.overlay import Overlay
+from hybridpd.engine.cache.events import CacheEventLog
+from hybridpd.engine.cache.pools import PagePool
 
 BLOCK, STATE = 0, 1
-"""The two kinds of evictable items (a heap entry's key is page << 1 | kind)."""
 ATTENTION_QUADRATIC_TOKENS = 8192
 """Context length at which a token's attention FLOPs equal its linear FLOPs, roughly (shapes flops_saved only)."""
 REFERENCE_TOKENS = 4096
-"""A state restoring this many tokens alone is valued 1.0 per its bytes (the value scale)."""
+"""A state restoring this many tokens alone is valued 1.0 per its pages (the value scale)."""
 MAX_ANCHOR_WALK = 64
 """Ancestors an anchor search visits before it counts the whole prefix as this entry's (see `_anchor`)."""
-RANGE_CANDIDATES = 4
-"""Ranges a checkpoint's room prices, the longest unused first (pricing walks blocks and subtrees)."""
-MAX_RANGE_SUBTREE = 128
-"""Nodes a range's price walks below one block before it calls the block priceless (a hot shared prefix)."""
-SERVED_TURNOVERS = 4
-"""How long a hit protects a checkpoint against new ones: this many turnovers of the checkpoint ids..."""
-SERVED_TRIES = 3 * SERVED_TURNOVERS
-"""... and at most this many turnovers' worth of checkpoints tried (cached or refused): while every new checkpoint
-is refused none is cached, and a hit that no longer recurs must still grow old (a hot prefix that stopped)."""
-INF = float("inf")
-_ORDER = itemgetter(1)
 
 
 def flops_saved(tokens: int) -> float:
@@ -61,422 +42,184 @@ def flops_saved(tokens: int) -> float:
 
 
 class Node:
-    """One cached block hash: it exists exactly while the chain (first attention group) caches the hash or the lead
-    recurrent group holds a checkpoint named by it. Page ids stay in the pools. Nodes that leave the tree are reused
-    (`CacheTree._spare`): one object per block would make work for the garbage collector."""
+    """One block hash. It exists exactly while it names a cached attention page (`page`) or a checkpoint (`ckpt`).
+    Nodes that leave the tree are reused (`CacheTree._spare`): one object per block would make work for the garbage
+    collector."""
 
-    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "ckpt", "last_hit", "last_try", "demoted")
+    __slots__ = ("hash", "tokens", "parent", "kids", "kid", "page", "ckpt", "ckpt_refs", "demoted", "branched",
+                 "queued", "base")
 
     def __init__(self) -> None:
         self.hash = b""
         self.tokens = 0
         """Prefix length (tokens) at the end of this block."""
         self.parent: Node | None = None
-        """The chain-cached node of the block before (None: the first block, or its parent was evicted): `parent`
-        and `kids` link chain-cached nodes only, so a cached chain never has a hole."""
-        self.kids: dict[bytes, Node] = {}
-        """Chain-cached nodes whose parent this is; a block with kids is not evictable (not queued)."""
-        self.kid: Node | None = None
-        """The one node in `kids` when there is exactly one, else None."""
-        self.ckpt = False
-        """The lead state pool names a checkpoint `hash` (cached or in use)."""
-        self.last_hit: int | None = None
-        """`num_states_cached` when a request last took this node's checkpoint (or, attention-only, its block)."""
-        self.last_try = 0
-        """`num_states_cached + num_checkpoints_skipped` then."""
-        self.demoted = False
-        """A deeper checkpoint of the same request supersedes this one on an unbranched path: valued 0."""
+        """The node of the block before, while both name a page (None: the first block, or the block before was not
+        cached when this one was): `parent` and `kids` link cached blocks only, so a cached chain has no hole."""
+        self.kids: dict[bytes, Node] = {}  # a block with kids is not evictable (not queued)
+        self.kid: Node | None = None  # the one node in `kids` when there is exactly one, else None
+        self.page = 0  # the attention page holding this block (0: none)
+        self.ckpt: tuple[int, ...] | None = None  # the pages of the checkpoint after this block, or None
+        self.ckpt_refs = 0  # its holders: a restore until its copy ran, an export until its lease ended
+        self.demoted = False  # a deeper checkpoint of the same request supersedes it off a branch point: valued 0
+        self.branched = False
+        """Prompts have branched here: two cached blocks hung below it at once, or a request's branch point
+        (admission.py) put its checkpoint here. A branch point is never demoted, even once its branches are gone."""
+        self.queued = [0, 0]
+        """Kind -> the order of its live heap entry (0: not queued): an unreferenced leaf block (no kids), an
+        unreferenced checkpoint."""
+        self.base = [0.0, 0.0]  # kind -> the clock when it was queued (its recency; `refresh` re-values on top)
 
 
 class CacheTree:
-    def __init__(
-        self,
-        attention: list[BlockPool],
-        state: list[BlockPool],
-        budget_bytes: int,
-        alpha: float = 1.0,
-        block_size: int = 16,
-        overlay: Overlay | None = None,
-    ) -> None:
-        """`attention` / `state`: every group's pool of that kind, the leader (chain / lead state) first; the others
-        ride along (a rider names h only while its leader does). `overlay`: the arena's, if there is one."""
-        self.chain: BlockPool | None = attention[0] if attention else None
-        self.state: BlockPool | None = state[0] if state else None
-        self.pool_of = (self.chain, self.state)
-        """Kind (BLOCK, STATE) -> the leader pool whose pages are queued."""
-        self.kind_of = {id(p): k for k, p in enumerate(self.pool_of) if p is not None}
-        self.pools = [*attention, *state]
-        self.riders = [attention[1:], state[1:]]
-        self.leader_of = {id(p): g[0] for g in (attention, state) for p in g}
-        self._state_ids = {id(p) for p in state}
-        self.budget_bytes = budget_bytes
-        """Held pages (in use + cached, every pool) x page bytes never exceed this."""
+    def __init__(self, pages: PagePool, events: CacheEventLog, groups: tuple[tuple[int, ...], tuple[int, ...]],
+                 pages_per_state: int, block_size: int, alpha: float = 1.0) -> None:
+        """`groups`: the attention and the recurrent group ids (events are reported for each); `pages_per_state`:
+        k, the pages of one checkpoint."""
+        self.pages = pages
+        self.events = events
+        self.groups = groups
+        self.has_blocks = bool(groups[0])
+        self.has_states = bool(groups[1])
+        self.k = pages_per_state
         self.block_size = block_size
-        self.overlay = overlay
-        self.unit_bytes = [sum(p.page_bytes for p in g) for g in (attention, state)]
-        """Kind -> bytes of one item (the leader's page and its riders' pages at one hash; arena: what it covers)."""
-        if overlay is not None and state and attention:
-            self.unit_bytes[STATE] = overlay.k * self.unit_bytes[BLOCK]
-        self._scale = alpha * max(self.unit_bytes[STATE if state else BLOCK], 1) / flops_saved(REFERENCE_TOKENS)
-        self.queued: tuple[dict[int, tuple[float, int, float]], ...] = ({}, {})
-        """Kind -> {page: (priority, release order, clock when queued)}: the live entries of `_heap`; exactly the
-        unreferenced leader pages that are checkpoints or leaf blocks (no kids)."""
-        self._heap: list[tuple[float, int, int]] = []
-        """(priority, release order, page << 1 | kind): one lazy min-heap; entries not in `queued` are stale."""
-        self._state_heap: list[tuple[float, int, int]] = []
-        """(priority, release order, slot): the checkpoints' entries again, so the lowest checkpoint under a block at
-        the top of `_heap` is found without a scan (the arena prices ranges against it)."""
-        self._order = 0
-        self.version = 0
-        """Counts changes to the queue (with the pools' versions: the failed-room memo's "nothing changed")."""
+        self.unit = (1, max(pages_per_state, 1))  # kind -> pages of one item
+        self._scale = alpha * self.unit[STATE if self.has_states else BLOCK] / flops_saved(REFERENCE_TOKENS)
         self.nodes: dict[bytes, Node] = {}
-        self._spare = [Node() for _ in range(sum(p.capacity for p in self.pool_of if p is not None))]
-        """Nodes that left the tree (unlinked, no kids), reused by `_node`."""
+        self.page_node: list[Node | None] = [None] * pages.num_pages  # page -> the node naming its block
+        self.ckpt_node: dict[int, Node] = {}  # a cached checkpoint's first page -> its node
+        self._heap: list[tuple[float, int, int, Node]] = []
+        """(priority, order, kind, node): one lazy min-heap; entries whose order is not `node.queued[kind]` are
+        stale."""
+        self._order = 0
+        self.num_queued = 0
         self.clock = 0.0
-        self.num_states_cached = 0
-        """Checkpoints cached so far: the clock that ages a checkpoint's hits (`_since_hit`)."""
-        ids = overlay.num_ranges if overlay is not None else (self.state.capacity if self.state else 0)
-        self.served_window = SERVED_TURNOVERS * ids
-        self.served_tries = SERVED_TRIES * ids
-        self.num_checkpoints_skipped = 0
-        self._failed_room: tuple[object, int] | None = None
-        """Arena: (needs, `_version()`) of the last checkpoint room that failed: it fails again until a change."""
+        self.num_checkpoints = 0  # cached (named)
+        self.num_reserved = 0
+        """Checkpoints whose pages are taken but not named yet (a step writing them, a transfer bringing one): the
+        cap counts them too."""
+        self.max_checkpoints: int | None = None
+        self.num_evictions = [0, 0]
         self._since_refresh = 0
-        for p in self.pools:
-            p.listener = self
+        self._spare = [Node() for _ in range(pages.num_pages)]  # (made up front: not on the step loop)
 
     # -- the heap ------------------------------------------------------------------------------------------------
-    def _queue(self, kind: int, page: int, base: float, priority: float) -> None:
-        self.version += 1
+    def _queue(self, kind: int, node: Node, base: float, priority: float) -> None:
+        if not node.queued[kind]:
+            self.num_queued += 1
         self._order = order = self._order + 1
-        queued = self.queued
-        queued[kind][page] = (priority, order, base)
+        node.queued[kind], node.base[kind] = order, base
         heap = self._heap
-        heapq.heappush(heap, (priority, order, page << 1 | kind))
-        if kind == STATE:
-            states = self._state_heap
-            heapq.heappush(states, (priority, order, page))
-            if len(states) > 4 * len(queued[STATE]) + 64:  # mostly stale: rebuild both
-                self._rebuild(lambda kind, page, entry: entry[0])
-                return
-        if len(heap) > 4 * (len(queued[0]) + len(queued[1])) + 64:  # mostly stale: rebuild
-            self._rebuild(lambda kind, page, entry: entry[0])
+        heapq.heappush(heap, (priority, order, kind, node))
+        if len(heap) > 4 * self.num_queued + 64:  # mostly stale: rebuild
+            self._rebuild()
 
-    def _discard(self, kind: int, page: int) -> None:
-        self.version += 1
-        self.queued[kind].pop(page, None)
+    def _dequeue(self, kind: int, node: Node) -> None:
+        if node.queued[kind]:
+            node.queued[kind] = 0
+            self.num_queued -= 1
 
-    def _rebuild(self, priority_of: object) -> None:
-        """The heap again from the live entries, each at `priority_of(kind, page, entry)`, release order kept."""
-        heap = []
-        for kind, q in enumerate(self.queued):
-            for page, entry in q.items():
-                prio = priority_of(kind, page, entry)  # type: ignore[operator]
-                q[page] = (prio, entry[1], entry[2])
-                heap.append((prio, entry[1], page << 1 | kind))
+    def _rebuild(self, priority_of: Callable[[int, Node], float] | None = None) -> None:
+        """The heap again from the live entries (each at `priority_of(kind, node)` when given), orders kept."""
+        heap = [e for e in self._heap if e[3].queued[e[2]] == e[1]]
+        if priority_of is not None:
+            heap = [(priority_of(kind, node), order, kind, node) for _, order, kind, node in heap]
         heapq.heapify(heap)
         self._heap = heap
-        self._state_heap = [(prio, order, key >> 1) for prio, order, key in heap if key & 1 == STATE]
-        heapq.heapify(self._state_heap)
 
-    def _lowest(self, kind: int | None = None) -> tuple[int, int, float] | None:
-        """(kind, page, priority) of the lowest queued item (of `kind` only, when given)."""
-        heap, queued = self._heap, self.queued
+    def _lowest(self) -> tuple[int, Node, float] | None:
+        heap = self._heap
         while heap:
-            prio, order, key = heap[0]
-            entry = queued[key & 1].get(key >> 1)
-            if entry is not None and entry[1] == order:
-                break
+            prio, order, kind, node = heap[0]
+            if node.queued[kind] == order:
+                return kind, node, prio
             heapq.heappop(heap)
-        else:
-            return None
-        if kind is None or key & 1 == kind:
-            return key & 1, key >> 1, prio
-        if not queued[kind]:
-            return None
-        if kind == STATE:  # the top is a block: the checkpoints' own heap (same order: priority, release order)
-            states, live = self._state_heap, queued[STATE]
-            while states:
-                prio, order, slot = states[0]
-                entry = live.get(slot)
-                if entry is not None and entry[1] == order:
-                    return STATE, slot, prio
-                heapq.heappop(states)
-            return None
-        page, entry = min(queued[kind].items(), key=_ORDER)  # the top is a checkpoint: scan the blocks' entries
-        return kind, page, entry[0]
+        return None
 
     def refresh(self) -> None:
-        """Recompute every queued item's value against the tree as it is now (keeping its recency)."""
+        """Re-value every queued item against the tree as it is now (keeping its recency)."""
         self._since_refresh = 0
-        self.version += 1
-        names = [p.block_hash if p is not None else [] for p in self.pool_of]
-        value = {names[STATE][s]: self._value(STATE, names[STATE][s]) for s in self.queued[STATE]}
+        self._rebuild(lambda kind, node: node.base[kind] + self._value(kind, node))
 
-        nodes, get_value, value_of = self.nodes, value.get, self._value
-        dead_end = BLOCK if self.state is not None else -1  # (attention-only: every block is valued by its walk)
-
-        def priority(kind: int, page: int, entry: tuple[float, int, float]) -> float:
-            h = names[kind][page]  # a leaf block with a queued checkpoint is valued as that checkpoint
-            v = get_value(h)
-            if v is None:  # a dead-end block (no checkpoint at h) is worth 0: `_value` without the call
-                v = 0.0 if kind == dead_end and not nodes[h].ckpt else value_of(kind, h)
-            return entry[2] + v
-
-        self._rebuild(priority)
-
-    # -- budget ------------------------------------------------------------------------------------------------
-    def held_bytes(self) -> int:
-        """Bytes of the pages that hold something (in use or cached), every pool."""
-        return sum(p.held_bytes() for p in self.pools)
-
-    def make_room(self, needs: list[tuple[BlockPool, int]], checkpoint: bool = False) -> bool:
-        """Evict the lowest items until every pool has its `n` free ids and the budget room for them; False when it
-        cannot (what went stays gone: it was cache). `checkpoint`: state ids for checkpoints (not running slots)."""
-        if self.overlay is not None:
-            return self._make_room_arena(needs, checkpoint)
-        if not any(n for _, n in needs):
-            return True
-        room = self.budget_bytes - sum(n * p.page_bytes for p, n in needs)
-        while True:
-            short = {self.kind_of[id(self.leader_of[id(p)])] for p, n in needs if p.num_plain < n}
-            if not short and self.held_bytes() <= room:
-                return True
-            victim = self._lowest(short.pop() if len(short) == 1 else None)
-            if victim is None:
-                return False
-            self._evict_victim(victim)
-
-    def _make_room_arena(self, needs: list[tuple[BlockPool, int]], checkpoint: bool) -> bool:
-        """State ids first (freeing ranges: `_arena_victim`), then the attention blocks besides the ranges taken."""
-        asked = tuple((id(p), n) for p, n in needs) if checkpoint else ()
-        if checkpoint and self._failed_room == (asked, self._version()):
-            self.num_checkpoints_skipped += 1  # nothing changed since the same room failed: it fails again
-            return False
-        states = [(p, n) for p, n in needs if n and id(p) in self._state_ids]
-        while not all(p.available(checkpoint) >= n for p, n in states):
-            victim = self._arena_victim(checkpoint)
-            if victim is None:
-                if checkpoint:
-                    self.num_checkpoints_skipped += 1
-                    self._failed_room = (asked, self._version())
-                return False
-            if victim is not True:
-                self._evict_victim(victim)  # type: ignore[arg-type]
-        taken = self.overlay.k * max((p.overlay_needed(n, checkpoint) for p, n in states), default=0)  # type: ignore
-        for p, n in needs:
-            while n and id(p) not in self._state_ids and p.num_plain - taken < n:
-                victim = self._lowest()
+    # -- making room ---------------------------------------------------------------------------------------------
+    def make_room(self, n: int, checkpoint: bool = False) -> bool:
+        """Evict the lowest items until `n` pages are free (and, for a `checkpoint`, one more checkpoint is under
+        `max_checkpoints`); False when it cannot (what went stays gone: it was cache)."""
+        free = self.pages.free
+        if checkpoint and self.max_checkpoints is not None:
+            while self.num_checkpoints + self.num_reserved >= self.max_checkpoints:
+                victim = self._lowest_checkpoint()
                 if victim is None:
                     return False
-                self._evict_victim(victim)
+                self._evict_victim(STATE, victim[0], victim[1])
+        while len(free) < n:
+            victim = self._lowest()
+            if victim is None:
+                return False
+            self._evict_victim(victim[0], victim[1], victim[2])
         return True
 
-    def _arena_victim(self, checkpoint: bool) -> tuple[int, int, float] | bool | None:
-        """What frees a range: the lowest checkpoint, or (True) a range evicted here; None: nothing may go."""
-        victim = self._lowest()
-        if victim is not None and victim[0] == STATE:
-            return victim
-        lowest = self._lowest(STATE) if self.state is not None else None
-        c = self._pick_range(lowest[2] if lowest is not None else None, not checkpoint)
-        if c is not None:
-            self._evict_range(c)
-            return True
-        if checkpoint and lowest is not None:
-            since = self._since_hit(lowest[1])
-            if since is not None and self._tries_since_hit(lowest[1]) <= self.served_tries:  # it served a hit
-                if SERVED_TURNOVERS * since > self.served_window:  # lately: it stays, the new, speculative one is
-                    self.clock = max(self.clock, lowest[2])  # skipped; kept on an old hit, time moves on (old
-                return None  # popularity ages out)
-        return lowest
+    def _lowest_checkpoint(self) -> tuple[Node, float] | None:
+        """The lowest queued checkpoint (a scan: only with a cap on checkpoints)."""
+        best = None
+        for prio, order, kind, node in self._heap:
+            if kind == STATE and node.queued[STATE] == order and (best is None or (prio, order) < best[:2]):
+                best = (prio, order, node)
+        return (best[2], best[0]) if best is not None else None
 
-    def _evict_victim(self, victim: tuple[int, int, float]) -> None:
-        """Evict `_lowest`'s answer; once per queue turnover, re-value the queue (`refresh`)."""
-        self.evict(*victim)
+    def _evict_victim(self, kind: int, node: Node, prio: float) -> None:
+        """Evict a queued item; the clock rises to its priority; once per queue turnover, re-value (`refresh`)."""
+        if prio > self.clock:
+            self.clock = prio
+        self.num_evictions[kind] += 1
+        if kind == BLOCK:
+            self.evict_block(node)
+        else:
+            self.evict_checkpoint(node)
         self._since_refresh += 1
-        if self._since_refresh > 1024 and self._since_refresh > 4 * (len(self.queued[0]) + len(self.queued[1])):
+        if self._since_refresh > 1024 and self._since_refresh > 4 * self.num_queued:
             self.refresh()
 
-    def _version(self) -> int:
-        return sum(p.version for p in self.pools) + self.version
-
-    def _since_hit(self, slot: int) -> int | None:
-        """Checkpoints cached since the one in `slot` was last restored (None: never, or superseded since)."""
-        node = self.nodes.get(self.state.block_hash[slot])  # type: ignore[union-attr, arg-type]
-        if node is None or node.last_hit is None or node.demoted:
-            return None
-        return self.num_states_cached - node.last_hit
-
-    def _tries_since_hit(self, slot: int) -> int:
-        """Checkpoints cached or refused since the one in `slot` was last restored (it has been: `_since_hit`). The
-        refused count too: while every new checkpoint is refused, a hit must still grow old."""
-        node = self.nodes[self.state.block_hash[slot]]  # type: ignore[union-attr, index]
-        return self.num_states_cached + self.num_checkpoints_skipped - node.last_try
-
-    # -- ranges (arena) ----------------------------------------------------------------------------------------
-    def _pick_range(self, below: float | None, priceless_ok: bool) -> int | None:
-        """Among the RANGE_CANDIDATES longest unused ranges with no referenced block, the one whose eviction loses
-        least per byte (ties: longest unused, most free blocks). None when none is cheaper than `below` (the lowest
-        checkpoint's priority: that one goes instead), or only priceless ones are left and not `priceless_ok`."""
-        ov = self.overlay
-        assert ov is not None
-        bound = INF if below is None else max(0.0, below - self.clock)
-        age, nplain = ov.age, ov.nplain
-        best, best_key = None, (INF, 0, 0)
-        # no free range is left here, so the unreferenced ones each hold a cached block: ages are distinct clocks
-        for c in sorted(ov.unreferenced, key=age.__getitem__)[:RANGE_CANDIDATES]:
-            cost = self._range_cost(c, bound)
-            key = (cost, age[c], -nplain[c])
-            if cost <= bound and (best is None or key < best_key):
-                best, best_key, bound = c, key, cost
-        if best is not None and best_key[0] == INF and not priceless_ok:
-            return None
-        return best
-
-    def _range_cost(self, c: int, bound: float) -> float:
-        """Credit per byte that evicting range c loses: every cached block in it, with its subtree when it has
-        kids (a block below an evicted one is unreachable), and the checkpoints they name; stops past `bound`."""
-        chain, ov = self.chain, self.overlay
-        assert chain is not None and ov is not None
-        blocks = ov.blocks_of(c)
-        total = ov.k * self.unit_bytes[BLOCK]
-        limit, credit = bound * total, 0.0
-        names, cached, nodes = chain.block_hash, chain.cached, self.nodes
-        for h in names[blocks.start : blocks.stop]:
-            if h is None:
-                continue
-            node = nodes[h]
-            if node.kids and node.parent is not None and cached[node.parent.hash] in blocks:
-                continue  # its parent, in the range too, covers it
-            credit += self._subtree_credit(node, limit - credit)
-            if credit > limit:
-                break
-        return credit / total
-
-    def _subtree_credit(self, top: Node, limit: float) -> float:
-        """Remaining worth (priority - clock) x bytes of `top`'s subtree: its queued blocks and the checkpoints
-        they name; INF when one is referenced or past MAX_RANGE_SUBTREE nodes; stops once above `limit`."""
-        cached, clock = self.chain.cached, self.clock  # type: ignore[union-attr]
-        states = self.state.cached if self.state is not None else {}
-        block_q, state_q = self.queued
-        block_bytes, state_bytes = self.unit_bytes
-        credit, stack, seen = 0.0, [top], 0
-        pop, push = stack.pop, stack.extend
-        while stack:
-            node = pop()
-            seen += 1
-            kid = node.kid
-            while kid is not None and not node.ckpt:  # a plain stretch: no credit, nothing queued
-                if seen >= MAX_RANGE_SUBTREE:
-                    return INF
-                node, kid = kid, kid.kid  # (its one kid: the stack would pop it next)
-                seen += 1
-            if seen > MAX_RANGE_SUBTREE:
-                return INF
-            h, kids = node.hash, node.kids
-            if kids:
-                push(kids.values())
-                if not node.ckpt:
-                    continue  # not queued (it has kids) and no checkpoint: no credit
-            entry = block_q.get(cached[h])
-            one = (entry[0] - clock) * block_bytes if entry is not None and entry[0] > clock else 0.0
-            slot = states.get(h)
-            if slot is not None:
-                entry = state_q.get(slot)
-                if entry is None:
-                    return INF  # a referenced checkpoint: the range is priceless
-                if entry[0] > clock:
-                    one += (entry[0] - clock) * state_bytes
-            credit += one
-            if credit > limit:
-                return credit
-        return credit
-
-    def _evict_range(self, c: int) -> None:
-        """Evict every cached block of range c (none is referenced) in every attention pool."""
-        assert self.overlay is not None
-        self.overlay.num_range_evictions += 1
-        for pool in [self.chain, *self.riders[BLOCK]]:
-            for b in self.overlay.blocks_of(c):
-                h = pool.block_hash[b]
-                if h is None or pool.ref_cnt[b]:
-                    continue
-                if pool is not self.chain:
-                    pool.evict(b)  # a rider's page alone: its group only serves shorter hits
-                else:
-                    self._evict_subtree(self.nodes[h])
-
-    def _evict_subtree(self, top: Node) -> None:
-        """Evict the chain's block `top` and every unreferenced cached block below it, deepest first; a referenced
-        one stays, cut off as the head of an unreachable chain."""
-        order, stack = [], [top]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.kids.values())
-        chain = self.chain
-        assert chain is not None
-        for node in reversed(order):
-            page = chain.cached.get(node.hash)
-            if page is None:
-                continue
-            if chain.ref_cnt[page] == 0:
-                self.evict(BLOCK, page)
-            else:
-                self._unlink(node)
-
     # -- eviction ----------------------------------------------------------------------------------------------
-    def evict(self, kind: int, page: int, prio: float | None = None, count: bool = True) -> None:
-        """Drop an unreferenced cached page (count=False: a deliberate drop, e.g. a superseded checkpoint); the
-        clock rises to `prio`, the evicted item's priority."""
-        if prio is not None and prio > self.clock:
-            self.clock = prio
-        if kind == BLOCK:
-            self._evict_block(page, count)
+    def evict_block(self, node: Node) -> None:
+        """The unreferenced block goes, with the unreferenced checkpoint at it (its chain is gone)."""
+        page, queued = node.page, node.queued  # (`_dequeue`, `give_back`, `_report`, inlined: once per block)
+        if queued[BLOCK]:
+            queued[BLOCK] = 0
+            self.num_queued -= 1
+        node.page = 0
+        self.page_node[page] = None
+        self.pages.ref[page] = 0
+        self.pages.free.append(page)
+        for gid in self.groups[BLOCK]:
+            self.events.append(False, gid, node.hash)
+        self._unlink(node)
+        if node.ckpt is not None and not node.ckpt_refs:
+            self.num_evictions[STATE] += 1
+            self.evict_checkpoint(node)
+        elif node.ckpt is None:
+            self._drop(node)
+
+    def evict_checkpoint(self, node: Node) -> None:
+        """The unreferenced checkpoint goes; the block it ended on may be a dead end now."""
+        assert node.ckpt is not None and not node.ckpt_refs
+        self._dequeue(STATE, node)
+        self.pages.give_back(node.ckpt)
+        self.pages.num_checkpoint_pages -= len(node.ckpt)
+        del self.ckpt_node[node.ckpt[0]]
+        node.ckpt = None
+        self.num_checkpoints -= 1
+        self._report(False, STATE, node.hash)
+        if node.page:
+            self._requeue_block(node)
         else:
-            self._evict_state(page, count)
+            self._drop(node)
 
-    def _evict_block(self, page: int, count: bool) -> None:
-        """The chain's page goes, with the unreferenced checkpoint named by it (its chain is gone)."""
-        chain = self.chain
-        h = chain.block_hash[page]  # type: ignore[union-attr]
-        self.queued[BLOCK].pop(page, None)
-        chain.evict(page, count)  # type: ignore[union-attr]
-        if self.riders[BLOCK]:
-            self._drop_riders(BLOCK, h, count)  # type: ignore[arg-type]
-        node = self.nodes[h]  # type: ignore[index]
-        if node.parent is not None:
-            self._unlink(node)
-        state = self.state
-        slot = state.cached.get(h) if state is not None else None  # type: ignore[arg-type]
-        if slot is None:
-            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
-        elif state.ref_cnt[slot] == 0:  # type: ignore[union-attr]
-            self._evict_state(slot, True)  # takes the node
-        # else: a referenced checkpoint keeps the node
-
-    def _evict_state(self, slot: int, count: bool) -> None:
-        """The lead state pool's checkpoint goes; the block it ended on may now be a dead end."""
-        state = self.state
-        h = state.block_hash[slot]  # type: ignore[union-attr]
-        self.queued[STATE].pop(slot, None)
-        state.evict(slot, count)  # type: ignore[union-attr]
-        if self.riders[STATE]:
-            self._drop_riders(STATE, h, count)  # type: ignore[arg-type]
-        chain = self.chain
-        if chain is None or h not in chain.cached:
-            self._spare.append(self.nodes.pop(h))  # type: ignore[arg-type]
-        else:
-            self.nodes[h].ckpt = False  # type: ignore[index]
-            self._requeue_block(h)  # type: ignore[arg-type]
-
-    def _drop_riders(self, kind: int, h: bytes, count: bool) -> None:
-        """The leader's page h is gone: every rider's page h goes too (in use or not: it just loses its name)."""
-        for rider in self.riders[kind]:
-            page = rider.lookup(h)
-            if page is None:
-                continue
-            rider.evict(page, count and rider.ref_cnt[page] == 0)
+    def _drop(self, node: Node) -> None:
+        del self.nodes[node.hash]
+        node.parent = node.kid = None
+        node.kids.clear()
+        self._spare.append(node)
 
     def _unlink(self, node: Node) -> None:
         parent = node.parent
@@ -485,124 +228,143 @@ class CacheTree:
         node.parent = None
         kids = parent.kids
         del kids[node.hash]
-        if kids:
-            if len(kids) == 1:
-                (parent.kid,) = kids.values()
-            return
-        parent.kid = None
-        h = parent.hash
-        chain = self.chain
-        b = chain.cached.get(h)  # type: ignore[union-attr]
-        if b is not None and chain.ref_cnt[b] == 0:  # type: ignore[union-attr]
-            self._push_leaf(b, parent)  # a new leaf
+        parent.kid = next(iter(kids.values())) if len(kids) == 1 else None
+        if not kids and parent.page and not self.pages.ref[parent.page]:
+            self._push_block(parent)  # a new leaf
 
-    # -- events from the pools and the managers ---------------------------------------------------------------
-    def on_release(self, pool: BlockPool, page: int) -> None:
-        h = pool.block_hash[page]
-        assert h is not None
-        if pool is self.chain:
-            node = self.nodes[h]
-            if not node.kids:  # (else not a leaf: queued when its last kid goes)
-                self._push_leaf(page, node)
-        elif pool is self.state:
-            self._push(STATE, page, h)
-        elif self.leader_of[id(pool)].lookup(h) is None:  # a rider: leaves with its leader's page, or now if the
-            pool.evict(page, count=False)  # leader lost h
+    def _report(self, stored: bool, kind: int, h: bytes) -> None:
+        for gid in self.groups[kind]:
+            self.events.append(stored, gid, h)
 
-    def on_acquire(self, pool: BlockPool, page: int) -> None:
-        kind = self.kind_of.get(id(pool))
-        if kind is None:
-            return  # a rider: never queued
-        self._discard(kind, page)
-        h = pool.block_hash[page]
-        if h is not None and (kind == STATE or self.state is None):
-            node = self.nodes[h]
-            node.last_hit = self.num_states_cached  # a restore (or, attention-only, a block reuse)
-            node.last_try = self.num_states_cached + self.num_checkpoints_skipped
-            node.demoted = False  # restored: a real reuse point after all
-
-    def _node(self, h: bytes, tokens: int) -> Node:
+    # -- what the cache manager tells it ------------------------------------------------------------------------
+    def node(self, h: bytes, tokens: int) -> Node:
         node = self.nodes.get(h)
         if node is None:
             node = self.nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
+            node.hash, node.tokens, node.demoted, node.branched = h, tokens, False, False
         return node
 
-    def on_block_cached(self, h: bytes, parent: bytes | None, tokens: int) -> None:
-        """The chain named a block `h` (its chain parent is `parent`, None for the first block)."""
-        nodes = self.nodes
-        node = nodes.get(h)
-        if node is None:  # (`_node`, inlined: once per cached block)
-            node = nodes[h] = self._spare.pop() if self._spare else Node()
-            node.hash, node.tokens, node.ckpt, node.last_hit, node.demoted = h, tokens, False, None, False
-        elif node.parent is not None:
-            return  # linked already
-        pb = self.chain.cached.get(parent) if parent is not None else None  # type: ignore[union-attr]
-        if pb is None:
-            return  # a first block, or the parent is gone (this block heads an unreachable chain)
-        up = nodes[parent]  # type: ignore[index]
-        node.parent = up
-        kids = up.kids
-        kids[h] = node
-        up.kid = node if len(kids) == 1 else None
-        self.queued[BLOCK].pop(pb, None)  # no longer a leaf
+    def name_block(self, h: bytes, parent: bytes | None, tokens: int, page: int) -> bool:
+        """A request's filled block `page` holds `h` (after `parent`, None for the first block). False when `h` is
+        cached already (in another page)."""
+        node = self.nodes.get(h)  # (`node`, `_report`, inlined: once per block)
+        if node is None:
+            node = self.nodes[h] = self._spare.pop() if self._spare else Node()
+            node.hash, node.tokens, node.demoted, node.branched = h, tokens, False, False
+        elif node.page:
+            return False
+        node.page = page
+        self.page_node[page] = node
+        for gid in self.groups[BLOCK]:
+            self.events.append(True, gid, h)
+        up = self.nodes.get(parent) if parent is not None else None
+        if up is not None and up.page:
+            node.parent = up
+            up.kids[h] = node
+            up.kid = node if len(up.kids) == 1 else None
+            up.branched = up.branched or up.kid is None
+            self._dequeue(BLOCK, up)  # no longer a leaf
+        return True
 
-    def on_state_cached(self, h: bytes, tokens: int) -> None:
-        """A checkpoint (state after `tokens` tokens) was named `h`: the block it ends on is no dead end now."""
-        self._node(h, tokens).ckpt = True
-        self.num_states_cached += 1
-        self._requeue_block(h)
+    def rename_block(self, node: Node, page: int) -> None:
+        """A request recomputed `node`'s unreferenced block into `page`: the live copy takes the name."""
+        old = node.page
+        self._dequeue(BLOCK, node)
+        self.page_node[old] = None
+        self.pages.give_back((old,))
+        node.page = page
+        self.page_node[page] = node
+
+    def released(self, node: Node) -> None:
+        """A cached block lost its last reference."""
+        if not node.kids:
+            self._push_block(node)
+
+    def acquired(self, node: Node) -> None:
+        """A cached block is referenced again (a hit)."""
+        self._dequeue(BLOCK, node)
+        if not self.has_states:
+            node.demoted = False
+
+    def name_checkpoint(self, h: bytes, tokens: int, pages: tuple[int, ...], branch: bool = False) -> bool:
+        """A written checkpoint (the state after `tokens`, at block `h`) is cached in `pages` (unreferenced now).
+        False when one is cached at `h` already."""
+        node = self.node(h, tokens)
+        if node.ckpt is not None:
+            return False
+        node.ckpt, node.ckpt_refs = pages, 0
+        node.branched = node.branched or branch
+        self.ckpt_node[pages[0]] = node
+        self.num_checkpoints += 1
+        self.pages.num_checkpoint_pages += len(pages)
+        self._report(True, STATE, h)
+        self._push(STATE, node)
+        self._requeue_block(node)  # no dead end now
+        return True
+
+    def pin_checkpoint(self, node: Node) -> None:
+        if not node.ckpt_refs:
+            self._dequeue(STATE, node)
+            node.demoted = False  # restored (or exported): a real reuse point after all
+        node.ckpt_refs += 1
+
+    def unpin_checkpoint(self, node: Node) -> None:
+        node.ckpt_refs -= 1
+        if not node.ckpt_refs:  # unheld: queued, or (its chain gone: no hit can reach it) dropped
+            self.evict_checkpoint(node) if self.has_blocks and not node.page else self._push(STATE, node)
+
+    def revalue(self, node: Node) -> None:
+        """Queue `node`'s items again at their value now (the tree around them changed)."""
+        for kind in (k for k in (BLOCK, STATE) if node.queued[k]):
+            self._queue(kind, node, node.base[kind], node.base[kind] + self._value(kind, node))
 
     def demote(self, h: bytes) -> None:
         """The checkpoint `h` lies on a path a deeper checkpoint of the same request now ends, with no branch at
-        `h`: it keeps only its recency (Marconi: states off branch points are rarely reused). A restore undoes it."""
+        `h`: it keeps only its recency (Marconi: states off branch points are rarely reused). A restore undoes it;
+        a branch point (`Node.branched`) is never demoted."""
         node = self.nodes.get(h)
-        slot = self.state.lookup(h) if self.state is not None else None
-        if node is None or slot is None or len(node.kids) > 1:
+        if node is None or node.ckpt is None or node.branched or len(node.kids) > 1:
             return
         node.demoted = True
-        entry = self.queued[STATE].get(slot)
-        if entry is not None:
-            self._queue(STATE, slot, entry[2], entry[2])
-        self._requeue_block(h)
+        if node.queued[STATE]:
+            base = node.base[STATE]
+            self._queue(STATE, node, base, base)
+        self._requeue_block(node)
 
-    def _requeue_block(self, h: bytes) -> None:
-        chain = self.chain
-        b = chain.cached.get(h) if chain is not None else None
-        if b is not None and chain.ref_cnt[b] == 0 and not self.nodes[h].kids:  # type: ignore[union-attr]
-            self._push(BLOCK, b, h)
+    def _requeue_block(self, node: Node) -> None:
+        if node.page and not self.pages.ref[node.page] and not node.kids:
+            self._push_block(node)
 
-    def _push_leaf(self, page: int, node: Node) -> None:
-        """`_push` of a leaf block; a dead end (no checkpoint at it, recurrent groups present) is worth 0 without
-        asking `_value`: most blocks, once per block released or left as a leaf."""
+    def _push_block(self, node: Node) -> None:
+        """Queue a leaf block; a dead end (no checkpoint at it, recurrent groups present) is worth 0 without asking
+        `_value`: most blocks, once per block released or left as a leaf."""
         clock = self.clock
-        if self.state is not None and not node.ckpt:
-            self._queue(BLOCK, page, clock, clock)
+        if self.has_states and node.ckpt is None:
+            self._queue(BLOCK, node, clock, clock)
         else:
-            self._queue(BLOCK, page, clock, clock + self._value(BLOCK, node.hash))
+            self._queue(BLOCK, node, clock, clock + self._value(BLOCK, node))
 
-    def _push(self, kind: int, page: int, h: bytes) -> None:
+    def _push(self, kind: int, node: Node) -> None:
         clock = self.clock
-        self._queue(kind, page, clock, clock + self._value(kind, h))
+        self._queue(kind, node, clock, clock + self._value(kind, node))
 
     # -- value -------------------------------------------------------------------------------------------------
-    def _value(self, kind: int, h: bytes | None) -> float:
-        """Compute saved per byte by keeping item `h` of `kind` (0 for a dead-end block or a demoted checkpoint):
-        the FLOPs between the nearest anchor and this boundary, over the state plus the blocks in between."""
-        node = self.nodes.get(h) if h is not None else None
-        if node is None or node.demoted:
+    def _value(self, kind: int, node: Node) -> float:
+        """Compute saved per page by keeping `node`'s item of `kind` (0 for a dead-end block or a demoted
+        checkpoint): the FLOPs between the nearest anchor and this boundary, over its pages and the blocks between."""
+        if node.demoted:
             return 0.0
-        if kind == BLOCK and self.state is not None:
-            if not node.ckpt:
+        if kind == BLOCK and self.has_states:
+            if node.ckpt is None:
                 return 0.0  # dead end: no hit can stop here
             kind = STATE  # a leaf block with a checkpoint is valued as that checkpoint
         tokens, anchor = node.tokens, self._anchor(node)
         if tokens <= anchor:
             return 0.0
-        nbytes = self.unit_bytes[kind]
-        if self.chain is not None:
-            nbytes += (tokens - anchor) // self.block_size * self.unit_bytes[BLOCK]
-        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / max(nbytes, 1)
+        pages = self.unit[kind]
+        if self.has_blocks:
+            pages += (tokens - anchor) // self.block_size
+        return self._scale * (flops_saved(tokens) - flops_saved(anchor)) / pages
 
     def _anchor(self, node: Node) -> int:
         """Tokens at the nearest ancestor that is a cached checkpoint or a branch point (0: the root, or none within
@@ -611,47 +373,44 @@ class CacheTree:
         for _ in range(MAX_ANCHOR_WALK):
             if p is None:
                 return 0
-            if p.kid is None or p.ckpt:  # (p has a kid, the node below: no `kid` means several)
+            if p.kid is None or p.ckpt is not None:  # (p has a kid, the node below: no `kid` means several)
                 return p.tokens
             p = p.parent
         return 0
 
     # -- integrity ---------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """The invariants of the module docstring."""
-        assert self.held_bytes() <= self.budget_bytes, (self.held_bytes(), self.budget_bytes)
-        for r in self.pools:
-            leader = self.leader_of[id(r)]
-            assert r is leader or all(leader.lookup(h) is not None for h in r.cached), (r.name, "rider names more")
-        live = {
-            (prio, order, page << 1 | kind)
-            for kind, q in enumerate(self.queued)
-            for page, (prio, order, _) in q.items()
-        }
-        assert live <= set(self._heap), "every queued item has its heap entry"
-        states = {(prio, order, slot << 1 | STATE) for prio, order, slot in self._state_heap}
-        assert {e for e in live if e[2] & 1 == STATE} <= states, "every queued checkpoint has its checkpoint-heap entry"
-        for kind, p in enumerate(self.pool_of):
-            if p is None:
-                continue
-            queued = self.queued[kind]
-            assert all(p.ref_cnt[b] == 0 and p.block_hash[b] is not None for b in queued), p.name
-            for b in range(1, p.num_blocks):
-                h = p.block_hash[b]
-                if h is not None and not p.ref_cnt[b]:
-                    leaf = kind == STATE or not self.nodes[h].kids
-                    assert (b in queued) == leaf, (p.name, b, leaf)
-        names = {h for p in self.pool_of if p is not None for h in p.cached}
-        assert names == self.nodes.keys(), "a node for every cached hash, and only those"
+        """The invariants stated at the fields."""
+        ref, pool = self.pages.ref, self.pages
+        owned = [0] * pool.num_pages
+        queued = 0
         for h, node in self.nodes.items():
-            assert node.hash == h
+            assert node.hash == h and (node.page or node.ckpt is not None), "a node names a page or a checkpoint"
+            if node.page:
+                assert self.page_node[node.page] is node
+                owned[node.page] += 1
+                leaf = not ref[node.page] and not node.kids
+                assert bool(node.queued[BLOCK]) == leaf, (h, "a block is queued exactly while an unreferenced leaf")
+            else:
+                assert not node.queued[BLOCK] and not node.kids
+            if node.ckpt is not None:
+                for p in node.ckpt:
+                    owned[p] += 1
+                    assert ref[p] == 1
+                assert bool(node.queued[STATE]) == (not node.ckpt_refs), (h, "a checkpoint is queued while unheld")
+            else:
+                assert not node.queued[STATE] and not node.ckpt_refs
+            queued += bool(node.queued[BLOCK]) + bool(node.queued[STATE])
             if node.parent is not None:
-                assert node.parent.kids.get(h) is node and self.chain.lookup(h) is not None  # type: ignore[union-attr]
-                assert self.chain.lookup(node.parent.hash) is not None  # type: ignore[union-attr]
+                assert node.parent.kids.get(h) is node and node.parent.page and node.page
             assert all(k.parent is node for k in node.kids.values())
             assert node.kid is (next(iter(node.kids.values())) if len(node.kids) == 1 else None), "the one kid"
-            assert node.ckpt == (self.state is not None and h in self.state.cached), "ckpt"
-        for n in self._spare:
-            assert n.parent is None and not n.kids and n.kid is None and self.nodes.get(n.hash) is not n, "spare"
-        if self.overlay is not None:
-            self.overlay.check_integrity()
+        assert queued == self.num_queued
+        live = {(order, kind) for _, order, kind, node in self._heap if node.queued[kind] == order}
+        assert len(live) == queued, "every queued item has its heap entry"
+        assert max(owned) <= 1, "a page belongs to one node at most"
+        free = set(pool.free)
+        assert len(free) == len(pool.free) and 0 not in free
+        for p in range(1, pool.num_pages):
+            assert (p in free) == (ref[p] == 0 and not owned[p]), (p, "free: nobody references or names it")
+        assert self.num_checkpoints == sum(n.ckpt is not None for n in self.nodes.values())

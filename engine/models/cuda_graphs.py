@@ -3,10 +3,11 @@
 A graph replays forward + logits for `bucket` rows reading static input buffers; each step fills pinned host
 mirrors of them (numpy, no per-step tensor construction) and copies each with one H2D copy, padded to the
 bucket. Padded rows carry PAD_SLOT_ID (slot mapping and state slot) and context length 0: they write no K/V and
-no state, read no block and no slot, and their logits are ignored. Steps with a prefill chunk, a decode
-checkpoint or more sequences than the largest bucket run eagerly. Ownership: the runner's step thread; the
-graphs share one memory pool. A model with several cache groups of a kind has one set of block-table, slot-mapping
-and state-slot buffers per view (engine.models.batch.GroupViews), each padded the same way.
+no state, read no block and no slot, and their logits are ignored. Steps with a prefill chunk or more sequences
+than the largest bucket run eagerly (a decode row's checkpoint is saved from its running slot after the replay).
+Ownership: the runner's step thread; the graphs share one memory pool. A model with several cache groups of a
+kind has one set of block-table, slot-mapping and state-slot buffers per view (engine.models.batch.GroupViews),
+each padded the same way.
 
     per step: fill the pinned mirrors -> 7 H2D copies into the static buffers (+ 3 per further view) -> graph
               replay -> logits[:n] and their logsumexp (the sampler's normaliser, computed in the graph)
@@ -74,7 +75,6 @@ class DecodeGraphs:
         self.ctx_len = torch.zeros(n, dtype=i32, device=device)
         self.rows = torch.arange(n, dtype=i64, device=device)
         self.has_init = torch.zeros(n, dtype=i32, device=device)
-        self.none = torch.zeros(0, dtype=i64, device=device)
         pin = device.type == "cuda"
         names = ("ids", "positions", "ctx_len", "has_init")
         self.host = {k: torch.zeros(n, dtype=i32 if k in ("ctx_len", "has_init") else i64, pin_memory=pin)
@@ -161,8 +161,7 @@ class DecodeGraphs:
         out = []
         for k, v in enumerate(self.inputs):
             att = v if k == 0 or self.views.attention[k] else self.inputs[0]  # unread by the view's layers
-            dec = RecurrentDecodeRows(rows=self.rows[:b], slots=v.slots[:b], has_init=self.has_init[:b],
-                                      copy_src=self.none, copy_dst=self.none)
+            dec = RecurrentDecodeRows(rows=self.rows[:b], slots=v.slots[:b], has_init=self.has_init[:b])
             has_rec = self.conv_width and (k == 0 or self.views.recurrent[k])
             out.append(VarlenMetadata(
                 input_ids=self.ids[:b], positions=self.positions[:b], slot_mapping=att.slot_mapping[:b],

@@ -118,12 +118,6 @@ def _per_sequence(r, init: torch.Tensor, segment) -> tuple[torch.Tensor, torch.T
     return torch.cat(outs), torch.stack(finals)
 
 
-def copy_checkpoints(cache: StateCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    if dst.numel() > 0:
-        cache.conv[dst] = cache.conv[src]
-        cache.ssm[dst] = cache.ssm[src]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Mamba-2
 
@@ -146,7 +140,6 @@ def mamba2_mixer(mixer: Any, xbc: torch.Tensor, dt: torch.Tensor, cache: StateCa
         xc = conv_step(xbc, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
         mamba_decode(xc if fused_act else mixer.act(xc), dt, mixer.dt_bias, mixer.A_log, mixer.D, cache.ssm,
                      d.slots, d.has_init, d.rows, y, cfg.n_groups, cfg.time_step_min)
-        copy_checkpoints(cache, d.copy_src, d.copy_dst)
     if pre is not None:
         xc = conv_prefill(xbc, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)
         xa = xc if fused_act else mixer.act(xc)
@@ -223,7 +216,6 @@ def gdn_mixer(mixer: Any, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
         xc = conv_step(qkv, cache.conv, weight, mixer.conv1d.bias, d.slots, d.has_init, d.rows, act=fused_act)
         gdn_decode(xc if fused_act else mixer.act(xc), a, b, mixer.A_log, mixer.dt_bias, cache.ssm, d.slots,
                    d.has_init, d.rows, core, cfg.num_k_heads)
-        copy_checkpoints(cache, d.copy_src, d.copy_dst)
     pre = meta.rec_prefill
     if pre is not None:
         xc = conv_prefill(qkv, cache.conv, weight, mixer.conv1d.bias, pre, act=fused_act)

@@ -256,9 +256,6 @@ class GatedDeltaNet(nn.Module):
         out = torch.einsum("bhkv,bhk->bhv", state, q)
         cache.conv[d.slots] = conv_new.to(cache.conv.dtype)
         cache.ssm[d.slots] = state.to(cache.ssm.dtype)
-        if d.copy_src.numel() > 0:
-            cache.conv[d.copy_dst] = cache.conv[d.copy_src]
-            cache.ssm[d.copy_dst] = cache.ssm[d.copy_src]
         return out
 
 

@@ -237,9 +237,6 @@ class Mamba2Mixer(nn.Module):
         y = torch.einsum("bhpn,bhn->bhp", h, C) + self.D.float()[:, None] * x
         cache.conv[d.slots] = conv_new.to(cache.conv.dtype)
         cache.ssm[d.slots] = h.to(cache.ssm.dtype)
-        if d.copy_src.numel() > 0:
-            cache.conv[d.copy_dst] = cache.conv[d.copy_src]
-            cache.ssm[d.copy_dst] = cache.ssm[d.copy_src]
         return y
 
 

@@ -64,8 +64,6 @@ class RecurrentDecode:
     slots: torch.Tensor  # int64 [B]
     state_rows: torch.Tensor  # int64 [R] rows of the batch that have an initial state (only these are read)
     state_slots: torch.Tensor  # int64 [R] their slots
-    copy_src: torch.Tensor  # int64 [K] checkpoint copies after the step: slot -> dest
-    copy_dst: torch.Tensor  # int64 [K]
 
 
 @dataclass
@@ -122,7 +120,9 @@ class StepMetadata:
                         )
                     dests.setdefault(rel, []).append(dest)
                 if s.num_new_tokens == 1:
-                    dec_rec.append((s.query_start, s.state_slot, s.has_initial_state, list(s.checkpoints)))
+                    if s.checkpoints:  # its only boundary is its end: the step's `state_saves` copy it
+                        raise ValueError("a one-token row names a checkpoint inside its chunk")
+                    dec_rec.append((s.query_start, s.state_slot, s.has_initial_state))
                 else:
                     cuts = sorted(dests)
                     rec_seqs.append(
@@ -166,22 +166,19 @@ def _build_attn_decode(items: list[tuple[int, torch.Tensor, int]], bs: int, devi
     )
 
 
-def _build_rec_decode(items: list[tuple[int, int, bool, list[tuple[int, int]]]], device: torch.device):
+def _build_rec_decode(items: list[tuple[int, int, bool]], device: torch.device):
     if not items:
         return None
-    rows = [i for i, (_, _, has, _) in enumerate(items) if has]
-    copies = [(slot, dest) for _, slot, _, ckpts in items for _, dest in ckpts]
+    rows = [i for i, (_, _, has) in enumerate(items) if has]
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
 
     return RecurrentDecode(
-        tokens=t([tok for tok, _, _, _ in items]),
-        slots=t([slot for _, slot, _, _ in items]),
+        tokens=t([tok for tok, _, _ in items]),
+        slots=t([slot for _, slot, _ in items]),
         state_rows=t(rows),
         state_slots=t([items[r][1] for r in rows]),
-        copy_src=t([s for s, _ in copies]),
-        copy_dst=t([d for _, d in copies]),
     )
 
 

@@ -60,8 +60,6 @@ class RecurrentDecodeRows:
     rows: torch.Tensor  # int64 [D] flat token index
     slots: torch.Tensor  # int64 [D] state slot, PAD_SLOT_ID for padded rows
     has_init: torch.Tensor  # int32 [D] 1: read the slot first; 0: start from zeros
-    copy_src: torch.Tensor  # int64 [K] checkpoint copies after the step (slot -> dest)
-    copy_dst: torch.Tensor
 
 
 @dataclass
@@ -224,19 +222,16 @@ def _pack_recurrent(p: _Packer, st: _Step, state_slots: list[int], checkpoints):
     dec = np.nonzero(real & (n_new == 1))[0]
     pre = np.nonzero(real & (n_new > 1))[0]
     dec_h = pre_h = None
+    if any(checkpoints(seqs[i]) for i in dec):  # a one-token row's only boundary is its end: `state_saves`
+        raise ValueError("a one-token row names a checkpoint inside its chunk")
     if len(dec) or n_pad:
-        copies = [(int(slots[i]), d) for i in dec for _, d in checkpoints(seqs[i])]
-        src = np.array([c[0] for c in copies], np.int64)
-        dst = np.array([c[1] for c in copies], np.int64)
         hs = [p.add(np.concatenate((q_start[dec], total + np.arange(n_pad)))),
               p.add(np.concatenate((slots[dec], np.full(n_pad, PAD_SLOT_ID)))),
-              p.add(np.concatenate((computed[dec] > 0, np.zeros(n_pad, bool))).astype(np.int64)),
-              p.add(src), p.add(dst)]
+              p.add(np.concatenate((computed[dec] > 0, np.zeros(n_pad, bool))).astype(np.int64))]
 
         def dec_h(views):  # type: ignore[no-untyped-def]
             r = [views[h] for h in hs]
-            return RecurrentDecodeRows(rows=r[0], slots=r[1], has_init=r[2].to(torch.int32), copy_src=r[3],
-                                       copy_dst=r[4])
+            return RecurrentDecodeRows(rows=r[0], slots=r[1], has_init=r[2].to(torch.int32))
     if len(pre):
         pre_h = _pack_prefill(p, [checkpoints(seqs[i]) for i in pre], pre, n_new, computed, q_start, slots,
                               st.conv_width)

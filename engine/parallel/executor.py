@@ -46,7 +46,7 @@ from hybridpd.engine.parallel.group import TPGroup, free_port, init_tp, rank_dev
 
 log = logging.getLogger("hybridpd.tp")
 
-BROADCAST_CALLS = frozenset({"execute", "launch", "copy_states", "zero_blocks", "zero_block_tail"})
+BROADCAST_CALLS = frozenset({"execute", "launch", "save_states", "zero_blocks", "zero_block_tail"})
 """Runner methods that change the caches or run the model: every rank must run them, in the same order."""
 
 ON_ALL = "<on_all>"

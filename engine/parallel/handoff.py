@@ -105,7 +105,7 @@ def copy_import(src_core: Any, dst_core: Any, imp: Any) -> None:
     if bad:
         raise ValueError("peer refused: " + "; ".join(bad))
     d_world = dst_core.tp.world if dst_core.tp is not None else 1
-    for src_map, dst_map in ((imp.src_blocks, imp.dst_blocks), (imp.src_state_slots, imp.dst_state_slots)):
+    for src_map, dst_map in (imp.read_blocks(), (imp.src_state_slots, imp.dst_state_slots)):
         for gid, src_ids in src_map.items():
             if not src_ids:
                 continue

@@ -1,7 +1,7 @@
 """Transfer params as a holder of the cluster token could alter them before handing them to a decode worker.
 
-with_pages_of(tp, other)   tp carrying other's block ids and state slots (another prompt's KV under tp's lease)
-                           when tp's prompt is no longer than other's
+with_pages_of(tp, other)   tp carrying other's block ids, state slots and checkpoint pages (another prompt's KV
+                           under tp's lease) when tp's prompt is no longer than other's
 ALTERATIONS                name -> in-place change of one field of a TransferParams (every field, and the mac)
 """
 
@@ -22,10 +22,11 @@ def with_pages_of(tp: pb.TransferParams, other: pb.TransferParams) -> pb.Transfe
         ids = list(o.block_ids[:n]) + list(g.block_ids[len(o.block_ids) : n])
         del g.block_ids[:]
         g.block_ids.extend(ids)
-    keep_checkpoint = tp.checkpoint_num_tokens > 0  # params without one stay so: D refuses a half-named one
     for s, o in zip(out.states, other.states, strict=True):
         s.state_slot = o.state_slot
-        s.checkpoint_slot = o.checkpoint_slot if keep_checkpoint else s.checkpoint_slot
+    if tp.checkpoint_pages and other.checkpoint_pages:  # params without one stay so: D refuses a half-named one
+        del out.checkpoint_pages[:]
+        out.checkpoint_pages.extend(other.checkpoint_pages)
     return out
 
 
@@ -55,6 +56,13 @@ def _state(attr: str) -> Callable[[pb.TransferParams], None]:
     return alter
 
 
+def _checkpoint_page(tp: pb.TransferParams) -> None:
+    if tp.checkpoint_pages:
+        tp.checkpoint_pages[0] += 1
+    else:
+        tp.checkpoint_pages.append(max(b for g in tp.groups for b in g.block_ids) + 1)
+
+
 def _flip_mac(tp: pb.TransferParams) -> None:
     tp.mac = bytes([tp.mac[0] ^ 1]) + tp.mac[1:]
 
@@ -67,7 +75,7 @@ ALTERATIONS: dict[str, Callable[[pb.TransferParams], None]] = {
     "block_ids (one more)": lambda tp: tp.groups[0].block_ids.append(max(tp.groups[0].block_ids) + 1),
     "block_ids (other group id)": lambda tp: setattr(tp.groups[0], "group_id", tp.groups[0].group_id + 7),
     "states.state_slot": _state("state_slot"),
-    "states.checkpoint_slot": _state("checkpoint_slot"),
+    "checkpoint_pages": _checkpoint_page,
     "checkpoint_num_tokens": _bump("checkpoint_num_tokens", -16),
     "num_computed_tokens": _bump("num_computed_tokens", -1),
     "num_prompt_tokens": _bump("num_prompt_tokens"),

@@ -202,10 +202,10 @@ def test_pages_of_a_step_in_flight_stay_held(checkpoint_dir):  # type: ignore[no
             core.abort("r1")  # between steps, as a worker's call does
             aborted = 1
         for s in f.out.seqs:
-            for gid, blocks in s.group_block_ids:
-                assert all(core.cache.pools[gid].ref_cnt[b] > 0 for b in blocks)
-            for gid, slot in s.group_state_slots:
-                assert core.cache.pools[gid].ref_cnt[slot] > 0
+            for _, blocks in s.group_block_ids:
+                assert all(core.cache.pages.ref[b] > 0 for b in blocks)
+            for _, slot in s.group_state_slots:
+                assert core.cache.slots.held[slot]
             checked += s.request_id not in core.scheduler.requests
     assert aborted and checked > 0  # rows of ended requests were in flight, and their pages held
     assert all(h["in_use"] == 0 for h in core.pool_health())

@@ -1,9 +1,9 @@
 """A workload shift: multi-turn chats after a shared-prefix phase, in the same cache.
 
-The chats' restored states are superseded by each turn's own request-end checkpoint; the few-shot phase's
-checkpoints stop being restored. Neither may keep outranking the chats' new checkpoints (a hit protects a checkpoint
-only while it is recent and not superseded, tree.py `_since_hit`): the chats reach their first-reuse bound, as they
-do alone. Before that rule they reached 0.82 of it here (0.914 at the benchmark's full scale).
+The chats' restored states are superseded by each turn's own request-end checkpoint (demoted, tree.py `demote`); the
+few-shot phase's checkpoints stop being restored. Neither may keep outranking the chats' new checkpoints (GreedyDual:
+an item's priority is the clock when it was released plus its value, so old popularity ages out): the chats reach
+their first-reuse bound, as they do alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from benchmarks import cache_manager as cm
 def test_chats_after_a_shared_prefix_phase_hit_their_bound() -> None:
     w = cm.chat_after_shared(random.Random(0), 0.1)
     w.budget_gib = 3.0  # eviction throughout at this scale
-    args = argparse.Namespace(max_num_seqs=16, max_num_batched_tokens=4096, arena=True)
+    args = argparse.Namespace(max_num_seqs=16, max_num_batched_tokens=4096)
     r = cm.run(w, "ours", args)
     phase = r["phase"]
     assert isinstance(phase, dict)
@@ -27,11 +27,11 @@ def test_chats_after_a_shared_prefix_phase_hit_their_bound() -> None:
 
 
 def test_ageing_does_not_run_away_on_a_small_arena() -> None:
-    """The clock rises on a skipped checkpoint only when the kept one's hit is old (tree.py `_arena_victim`): raising it
-    on every skip priced the hot prefixes' ranges at nothing on a small arena (0.45 of the theoretical here, 0.86
-    before any ageing; 0.83 now)."""
+    """The clock rises only to the priority of what is evicted (tree.py `_evict_victim`), so ageing cannot run away
+    on a small arena: the hot prefixes keep their blocks and checkpoints (an ageing that ran away priced them at
+    nothing: 0.45 of the theoretical here with the old arena)."""
     w = cm.current(random.Random(0), 0.3)
     w.budget_gib = 4.0
-    args = argparse.Namespace(max_num_seqs=32, max_num_batched_tokens=4096, arena=True)
+    args = argparse.Namespace(max_num_seqs=32, max_num_batched_tokens=4096)
     r = cm.run(w, "ours", args)
     assert r["ratio"] >= 0.8, r["ratio"]  # type: ignore[operator]

@@ -13,14 +13,16 @@ from hybridpd.worker.cache_events import CacheEventHub
 
 
 class _Cache:
-    """What the hub reads of a HybridCacheManager: events, cached_hashes(), block size and groups."""
+    """What the hub reads of a HybridCacheManager: events, cached_hashes(), block size, group ids and the checkpoint
+    alignment."""
 
     def __init__(self, capacity: int) -> None:
         self.events = CacheEventLog(capacity)
         self.held: dict[int, set[bytes]] = {0: set(), 1: set()}
         self.block_size = 16
-        self.blocks = [SimpleNamespace(group=SimpleNamespace(group_id=0))]
-        self.states = [SimpleNamespace(group=SimpleNamespace(group_id=1), align=16)]
+        self.attention_groups = [0]
+        self.recurrent_groups = [1]
+        self.align = 16
 
     def store(self, group: int, h: bytes) -> None:
         self.held[group].add(h)

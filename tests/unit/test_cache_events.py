@@ -24,9 +24,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def cache_shape(cache: HybridCacheManager) -> CacheShape:
     return CacheShape(
         block_size=cache.block_size,
-        attention_groups=tuple(m.group.group_id for m in cache.blocks),
-        recurrent_groups=tuple(m.group.group_id for m in cache.states),
-        align=cache.states[0].align if cache.states else cache.block_size,
+        attention_groups=tuple(cache.attention_groups),
+        recurrent_groups=tuple(cache.recurrent_groups),
+        align=cache.align if cache.recurrent_groups else cache.block_size,
     )
 
 
@@ -83,7 +83,8 @@ def test_events_replay_to_the_snapshot_and_predict_the_hit(name, checkpoint_dir)
         assert index.groups == cache.cached_hashes(), i
         cache.check_integrity()
     assert predicted_hits > 0  # the workload reuses prefixes: hits happened and were predicted
-    assert removed == set(cache.pools), f"only groups {removed} evicted: the replay did not cover removed events"
+    assert removed == {g.group_id for g in cache.groups}, (
+        f"only groups {removed} evicted: the replay did not cover removed events")
 
 
 def test_salted_prompts_hash_apart(checkpoint_dir):  # type: ignore[no-untyped-def]
@@ -130,3 +131,46 @@ def test_usable_hit_needs_a_checkpoint_in_every_recurrent_group() -> None:
     assert b.usable_hit(hashes, 200) == 96  # what the router just sent b counts until events arrive
     b.apply(0, [(False, 1, hashes[5])])  # a real event replaces the expectation
     assert b.usable_hit(hashes, 200) == 64
+
+
+def test_every_group_of_a_kind_hears_the_same_events() -> None:
+    """One block table for every attention group, one checkpoint for every recurrent group: each attention group gets
+    the same stored / removed events (block hashes), each recurrent group the same (checkpoint hashes), in order."""
+    from hybridpd.engine.cache.coordinator import PoolLayout
+    from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+    from hybridpd.engine.config import SchedulerConfig
+    from hybridpd.engine.request import Request
+    from hybridpd.engine.scheduler import Scheduler
+
+    attn = FullAttentionSpec(block_size=4, num_kv_heads=1, head_dim=2, dtype="float32")
+    mamba = RecurrentStateSpec("mamba2", (4, 3), "float32", (2, 4), "float32")
+    groups = [CacheGroup(0, attn, (0,)), CacheGroup(1, mamba, (1,)), CacheGroup(2, attn, (2,)),
+              CacheGroup(3, mamba, (3,))]
+    cache = HybridCacheManager(groups, PoolLayout(14, 5, 0, 4, 2))  # 13 pages: little room, evictions
+    sched = Scheduler(SchedulerConfig(2, 64), cache)
+    index = WorkerCacheIndex(cache_shape(cache))
+    index.load_snapshot("e", cache.events.seq, cache.cached_hashes())
+    rng = random.Random(1)
+    base = [rng.randrange(100) for _ in range(16)]
+    per_group: dict[int, list[tuple[bool, bytes]]] = {0: [], 1: [], 2: [], 3: []}
+    for i in range(10):
+        sched.add_request(Request(f"r{i}", base[: rng.randrange(5, 17)] + [200 + i] * rng.randrange(0, 6),
+                                  SamplingParams(max_tokens=3)))
+        while sched.num_unfinished:
+            out = sched.schedule()
+            for r in sched.update_from_output(out, {q.request_id: (7, 0.0) for q in out.seqs if q.sample}):
+                if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+                    sched.finish(r, "length")
+        _, events, lost = cache.events.drain_from()
+        assert not lost
+        for e in events:
+            per_group[e.group].append((e.stored, e.block_hash))
+        index.apply(index.seq, [(e.stored, e.group, e.block_hash) for e in events])
+        assert index.groups == cache.cached_hashes()
+        cache.check_integrity()
+    assert per_group[0] == per_group[2] and per_group[1] == per_group[3]
+    for kind in (0, 1):  # both kinds were stored and removed
+        assert {stored for stored, _ in per_group[kind]} == {True, False}, kind
+    snap = cache.cached_hashes()
+    assert snap[0] == snap[2] == {h for h, n in cache.tree.nodes.items() if n.page}
+    assert snap[1] == snap[3] == {h for h, n in cache.tree.nodes.items() if n.ckpt is not None}

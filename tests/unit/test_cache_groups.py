@@ -1,6 +1,8 @@
 """Several cache groups of each kind: 2 attention groups with different KV shapes and 2 recurrent groups
-(Mamba-2 and Gated-DeltaNet states of different shapes), each with its own pool and ids, through the real
-Scheduler + HybridCacheManager + engine/transfer.py, with no model.
+(Mamba-2 and Gated-DeltaNet states of different shapes) on the page arena (engine/cache/arena.py: page j holds block j
+of every attention group, a slot one state of every recurrent group, a checkpoint k pages), so every attention group
+gets the same block table and every recurrent group the same slot, through the real Scheduler + HybridCacheManager +
+engine/transfer.py, with no model.
 
 A producer side (P) and a consumer side (D) each run a scheduler over their own pools; P prefills requests to N-1,
 exports them (`export_prefilled`, pinned), D imports them (`begin_import`: the request waits in the scheduler as
@@ -10,12 +12,15 @@ aborted through the engine's one finish path (`EngineCore.abort`, which asks the
 deadline (`EngineCore.expire_imports`). Other requests run colocated on D. Pools are tiny, so prefix hits,
 eviction and preemption happen all the time.
 
-A shadow device records, per group and page, what a step wrote there (cache salt, token prefix); every read (a block
-a chunk attends to, a state a chunk continues from, a restored checkpoint) is checked against what the request needs,
-in every group, with its own ids. Aborted or quarantined pages are filled with garbage, so reusing them fails the
-check. After every step on both sides: check_integrity() of every pool and of the budget (which also checks that a
-rider group names a page only while its leader does), ref counts == holders, and the scheduler never schedules an
-importing request. At the end: nothing in use but quarantined pages, nothing left in the schedulers.
+A shadow device records, per page and slot, what a step wrote there (cache salt, token prefix; a checkpoint's page
+holds one k-th of a state): restores before the forward, the forward, saves after it, and a pull's copies (a
+checkpoint travels as pages read like blocks). Every read (a block a chunk attends to, a state a chunk continues
+from, a restored checkpoint) is checked against what the request needs, in every group, through that group's ids;
+every group of a kind must get the same ids. Aborted or quarantined pages are filled with garbage, so reusing them
+fails the check. After every step on both sides: check_integrity(), ref counts == holders (requests, quarantine
+holders; a checkpoint's page is held by its node, a pending save or a transfer's reservation), exported checkpoints
+pinned, and the scheduler never schedules an importing request. At the end: nothing in use but quarantined pages,
+nothing left in the schedulers.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from dataclasses import dataclass, field
 
 import pytest
 from hybridpd.engine.cache.admission import Admission, CachePolicy
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.cache.coordinator import HybridCacheManager
-from hybridpd.engine.cache.managers import cdiv
-from hybridpd.engine.cache.planner import plan_capacity
+from hybridpd.engine.cache.planner import CapacityPlan, plan_capacity
 from hybridpd.engine.cache.specs import (
     NULL_BLOCK_ID,
     PAD_SLOT_ID,
@@ -59,7 +64,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.cache_policies import IntervalAdmission, LruTree
-from tests.support.pool_views import own_refs, page_bytes
+from tests.support.pool_views import cached_blocks, checkpoint_pages, page_bytes
 
 BS = 4
 ATTN_A = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
@@ -75,6 +80,10 @@ LAYOUTS: dict[str, dict[int, CacheSpec]] = {
 PREFIXES = [list(range(1000, 1024)), list(range(2000, 2013)), [5] * 20]
 GARBAGE = ("garbage", ())
 MAX_MODEL_LEN = 40
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def next_token(req: Request) -> int:
@@ -97,10 +106,12 @@ class FakeRunner:
         self.zeroed_tails.append((block_id, start))
 
 
-def control_plane_core(cache: HybridCacheManager, scheduler: Scheduler) -> EngineCore:
-    """An EngineCore without a model: the finish path, aborts, imports and deadlines are all control plane."""
+def control_plane_core(cache: HybridCacheManager, scheduler: Scheduler, plan: CapacityPlan) -> EngineCore:
+    """An EngineCore without a model: the finish path, aborts, imports and deadlines are all control plane. One rank
+    (`tp` None) with the plan's arena: checkpoints travel in a handoff where its pages are exactly the blocks."""
     core = object.__new__(EngineCore)
     core.cache, core.scheduler, core.runner = cache, scheduler, FakeRunner()  # type: ignore[assignment]
+    core.tp, core.plan = None, plan  # type: ignore[assignment]
     core.finish_listeners, core.transfer_canceller = [], None
     core.structured = StructuredOutputs(None, 0, (), lambda _: None)  # no constrained requests here
     core.now = 0.0  # type: ignore[attr-defined]
@@ -110,15 +121,17 @@ def control_plane_core(cache: HybridCacheManager, scheduler: Scheduler) -> Engin
 
 @dataclass
 class Side:
-    """One worker's control plane and the shadow of its device memory: (group id, page) -> (salt, prefix)."""
+    """One worker's control plane and the shadow of its device memory: page -> ("kv", salt, prefix) or ("state",
+    salt, prefix, i) (piece i of a checkpoint), slot -> ("slot", salt, prefix)."""
 
     name: str
     core: EngineCore
-    shadow: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = field(default_factory=dict)
+    page: dict[int, tuple[object, ...]] = field(default_factory=dict)
+    slot: dict[int, tuple[object, ...]] = field(default_factory=dict)
     leased: set[str] = field(default_factory=set)
     """Prefilled requests holding their caches under an export (P)."""
-    quarantined_slots: set[tuple[int, int]] = field(default_factory=set)
-    """(group, slot) of checkpoint reservations quarantined with a stuck READ (D)."""
+    quarantined_ckpt: set[int] = field(default_factory=set)
+    """Pages of checkpoint reservations quarantined with a stuck READ (D)."""
 
     @property
     def cache(self) -> HybridCacheManager:
@@ -128,7 +141,7 @@ class Side:
     def sched(self) -> Scheduler:
         return self.core.scheduler
 
-    def step(self, pins: Counter[tuple[int, int]]) -> list[Request]:
+    def step(self, pins: Counter[tuple[int, ...]]) -> list[Request]:
         importing = set(self.sched.importing)
         out = self.sched.schedule()
         assert not importing & {s.request_id for s in out.seqs}, "an importing request was scheduled"
@@ -149,69 +162,83 @@ class Side:
 
     # -- the device, simulated -----------------------------------------------------------------------------------
     def simulate(self, out: SchedulerOutput) -> None:
-        sh = self.shadow
-        for gid, copies in out.group_state_copies:  # restores run before the forward
-            for src, dst in copies:
-                sh[(gid, dst)] = sh[(gid, src)]
+        want = {}
+        for s in out.seqs:
+            req = self.sched.requests[s.request_id]
+            for _, slot in s.group_state_slots:
+                want[slot] = (req.cache_salt, tuple(req.all_token_ids[: s.num_computed_tokens]))
+        for slot, pages in out.state_restores:  # restores run before the forward: every group's state at once
+            salt, prefix = want[slot]
+            got = [self.page.get(p) for p in pages]
+            assert got == [("state", salt, prefix, i) for i in range(len(pages))], (self.name, slot, got)
+            self.slot[slot] = ("slot", salt, prefix)
         for s in out.seqs:
             req = self.sched.requests[s.request_id]
             toks, salt = tuple(req.all_token_ids), req.cache_salt
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            for gid, blocks in s.group_block_ids:
+            for gid, blocks in s.group_block_ids:  # every group reads through its own ids (before any writes)
                 for i, b in enumerate(blocks[: cdiv(start, BS)]):  # what attention reads
-                    want = (salt, toks[: min(start, (i + 1) * BS)])
-                    assert sh.get((gid, b)) == want, (self.name, s.request_id, gid, i, b)
-                for i in range(start // BS, cdiv(end, BS)):
-                    sh[(gid, blocks[i])] = (salt, toks[: min(end, (i + 1) * BS)])
-            ckpts = dict(s.group_checkpoints)
+                    want_kv = ("kv", salt, toks[: min(start, (i + 1) * BS)])
+                    assert self.page.get(b) == want_kv, (self.name, s.request_id, gid, i, b, self.page.get(b))
             for gid, slot in s.group_state_slots:
                 if start > 0:  # the state the recurrent layers continue from
-                    assert sh.get((gid, slot)) == (salt, toks[:start]), (self.name, s.request_id, gid)
-                for b, cslot in ckpts[gid]:
-                    sh[(gid, cslot)] = (salt, toks[:b])
-                sh[(gid, slot)] = (salt, toks[:end])
+                    assert self.slot.get(slot) == ("slot", salt, toks[:start]), (self.name, s.request_id, gid)
+            for _, blocks in s.group_block_ids:  # ... and writes
+                for i in range(start // BS, cdiv(end, BS)):
+                    self.page[blocks[i]] = ("kv", salt, toks[: min(end, (i + 1) * BS)])
+            ckpts = dict(s.group_checkpoints)
+            for gid, slot in s.group_state_slots:
+                for b, staging in ckpts[gid]:
+                    self.slot[staging] = ("slot", salt, toks[:b])
+                self.slot[slot] = ("slot", salt, toks[:end])
+        for slot, pages in out.state_saves:  # after the forward: a slot's state to k pages
+            _, salt, prefix = self.slot[slot]
+            for i, p in enumerate(pages):
+                self.page[p] = ("state", salt, prefix, i)
 
     # -- checks ----------------------------------------------------------------------------------------------------
     def check_schedule(self, out: SchedulerOutput) -> None:
         cache = self.cache
+        assert [g for g, _ in out.group_fresh_blocks] == cache.attention_groups
+        assert len({ids for _, ids in out.group_fresh_blocks}) <= 1, "groups got different fresh pages"
         for s in out.seqs:
-            assert [g for g, _ in s.group_block_ids] == [m.group.group_id for m in cache.blocks]
-            assert [g for g, _ in s.group_state_slots] == [m.group.group_id for m in cache.states]
+            assert [g for g, _ in s.group_block_ids] == cache.attention_groups
+            assert [g for g, _ in s.group_state_slots] == cache.recurrent_groups
+            assert len({ids for _, ids in s.group_block_ids}) <= 1, "attention groups got different block tables"
+            assert len({slot for _, slot in s.group_state_slots}) <= 1, "recurrent groups got different slots"
+            assert len({c for _, c in s.group_checkpoints}) <= 1, "recurrent groups got different checkpoints"
             for _, blocks in s.group_block_ids:
-                assert len(blocks) == cdiv(s.num_computed_tokens + s.num_new_tokens, BS)
+                assert len(blocks) >= cdiv(s.num_computed_tokens + s.num_new_tokens, BS)  # (cut chunks keep theirs)
+                assert list(blocks) == cache.req_blocks[s.request_id]
             for _, slot in s.group_state_slots:
-                assert slot not in (NULL_BLOCK_ID, PAD_SLOT_ID)
-            bounds = {tuple(b for b, _ in c) for _, c in s.group_checkpoints}
-            assert len(bounds) <= 1, "recurrent groups checkpoint different boundaries"
+                assert slot not in (NULL_BLOCK_ID, PAD_SLOT_ID) and slot == cache.running_slot[s.request_id]
+        for slot, pages in (*out.state_restores, *out.state_saves):
+            assert len(pages) == cache.k and slot
 
-    def check(self, pins: Counter[tuple[int, int]]) -> None:
-        """Integrity, and ref count == holders (requests, quarantine holders, exported checkpoints) per page."""
+    def check(self, pins: Counter[tuple[int, ...]]) -> None:
+        """Integrity, and ref count == holders per page (requests and quarantine holders listing it; a checkpoint's
+        page, an import's reservation or a quarantined one: 1), exported checkpoints pinned, slots held == running."""
         cache = self.cache
         cache.check_integrity()
-        for m in cache.blocks:
-            held = Counter(b for blocks in m.req_blocks.values() for b in blocks)
-            for b in range(1, m.pool.num_blocks):
-                assert m.pool.ref_cnt[b] == held[b] + own_refs(m.pool, b), (self.name, m.group.group_id, b)
-                if held[b] > 1:
-                    assert m.pool.block_hash[b] is not None
-        reserved = Counter((gid, slot) for imp in self.sched.importing.values() if imp.checkpoint
-                           for gid, slot in imp.checkpoint.slots.items())
-        for rm in cache.states:
-            gid = rm.group.group_id
-            assert rm.pending == [] and rm.step_refs == []
-            running = list(rm.running_slot.values())
-            assert len(set(running)) == len(running)
-            for b in range(1, rm.pool.num_blocks):
-                want = running.count(b) + pins[(gid, b)] + reserved[(gid, b)] + ((gid, b) in self.quarantined_slots)
-                want += own_refs(rm.pool, b)  # the arena's pinned slot
-                assert rm.pool.ref_cnt[b] == want, (self.name, gid, b, rm.pool.ref_cnt[b], want)
-                if b in running:
-                    assert rm.pool.block_hash[b] is None
+        held = Counter(b for blocks in cache.req_blocks.values() for b in blocks)
+        reserved = {p for imp in self.sched.importing.values() if imp.checkpoint for p in imp.checkpoint.pages}
+        ckpt = checkpoint_pages(cache)
+        alone = ckpt | reserved | self.quarantined_ckpt  # held once, by no request
+        assert not ckpt & reserved and not ckpt & self.quarantined_ckpt
+        for b in range(1, cache.pages.num_pages):
+            assert cache.pages.ref[b] == (1 if b in alone else held[b]), (self.name, b, cache.pages.ref[b], held[b])
+            if held[b] > 1:
+                assert cache.tree.page_node[b] is not None
+            assert not (held[b] and b in alone)
+        assert cache.pending == [] and cache.step_pins == [] and cache.staging == []
+        for node in cache.tree.nodes.values():
+            want = pins[node.ckpt] if node.ckpt is not None else 0
+            assert node.ckpt_refs == want, (self.name, node.ckpt, node.ckpt_refs, want)
+        running = list(cache.running_slot.values())
+        assert len(set(running)) == len(running)
+        assert {s for s in range(1, cache.slots.num_slots) if cache.slots.held[s]} == set(running)
         holders = set(self.sched.requests) | set(cache.quarantined) | self.leased
-        for am in cache.blocks:
-            assert set(am.req_blocks) <= holders
-        for rm in cache.states:
-            assert set(rm.running_slot) <= holders
+        assert set(cache.req_blocks) <= holders and set(cache.running_slot) <= holders
 
 
 @dataclass(frozen=True)
@@ -257,8 +284,8 @@ class Trace:
     spare_bytes: int
     reqs: tuple[ReqSpec, ...]
 
-    def cache_policy(self) -> CachePolicy | None:
-        return {"legacy": None, "reuse-value": CachePolicy(), "reuse-lru": CachePolicy(),
+    def cache_policy(self) -> CachePolicy:
+        return {"legacy": CachePolicy(8), "reuse-value": CachePolicy(), "reuse-lru": CachePolicy(),
                 "interval-value": CachePolicy(8)}[self.policy]
 
 
@@ -275,19 +302,22 @@ traces = st.builds(
 
 def make_side(name: str, trace: Trace) -> Side:
     groups = group_layers(LAYOUTS[trace.layout])
-    per_block = page_bytes([g for g in groups if g.is_attention])
-    per_state = page_bytes([g for g in groups if not g.is_attention])
-    if per_block and per_state:  # one arena: a state slot past the reserved ones is the memory of k whole blocks
-        per_state = cdiv(per_state, per_block) * per_block
+    attn = [g for g in groups if g.is_attention]
+    page = page_bytes(attn) if attn else page_bytes(groups)
+    k = cdiv(page_bytes([g for g in groups if not g.is_attention]), page)
     need = cdiv(MAX_MODEL_LEN, BS)
-    # every request fits alone, next to one quarantined import (a stuck READ keeps its pages for good)
-    budget = (2 * need + 1) * per_block + (1 + trace.max_num_seqs + 4 + 4) * per_state + trace.spare_bytes
-    plan = plan_capacity(groups, budget, trace.max_num_seqs, 4, MAX_MODEL_LEN, 8, policy=trace.cache_policy())
+    # every request fits alone, next to one quarantined import (a stuck READ keeps its pages for good), with room
+    # for a few checkpoints
+    slots = 1 + trace.max_num_seqs + STAGING_SLOTS
+    budget = (slots * k + 1 + 2 * need + 1 + 4 * k) * page + trace.spare_bytes
+    plan = plan_capacity(groups, budget, trace.max_num_seqs, 4, MAX_MODEL_LEN, 8, policy=trace.cache_policy(),
+                         block_size=BS)
+    assert plan.arena is not None and plan.arena.num_slots == slots and plan.arena.pages_per_state == k
     lru, interval = trace.policy in ("legacy", "reuse-lru"), trace.policy in ("legacy", "interval-value")
     cache = HybridCacheManager(groups, plan.layout(), tree_cls=LruTree if lru else CacheTree,
                                admission_cls=IntervalAdmission if interval else Admission)
-    return Side(name, control_plane_core(cache, Scheduler(SchedulerConfig(trace.max_num_seqs, trace.token_budget),
-                                                          cache)))
+    sched = Scheduler(SchedulerConfig(trace.max_num_seqs, trace.token_budget), cache)
+    return Side(name, control_plane_core(cache, sched, plan))
 
 
 @dataclass
@@ -307,7 +337,8 @@ class PDHarness:
         self.p, self.d = make_side("P", trace), make_side("D", trace)
         self.exports: dict[str, tuple[Request, Export]] = {}
         self.pulls: dict[str, Pull] = {}
-        self.quarantined_pages: set[tuple[int, int]] = set()
+        self.quarantined_pages: set[int] = set()
+        self.quarantined_slots: set[int] = set()
         self.rng = random.Random(seed)
         self.step_no = 0
         self.imported = 0
@@ -331,21 +362,32 @@ class PDHarness:
 
     def _garbage(self, pull: Pull, stuck: bool) -> None:
         """An aborted pull may have written part of the pages (or will, if stuck): never to be read again."""
-        for maps in (pull.imp.dst_blocks, pull.imp.dst_state_slots):
-            for gid, ids in maps.items():
-                for b in ids:
-                    self.d.shadow[(gid, b)] = GARBAGE
-                    if stuck:
-                        self.quarantined_pages.add((gid, b))
-        if stuck and pull.imp.checkpoint is not None:
-            self.d.quarantined_slots.update(pull.imp.checkpoint.slots.items())
+        imp = pull.imp
+        pages = {b for ids in imp.read_blocks()[1].values() for b in ids}
+        if imp.checkpoint is not None:
+            pages |= set(imp.checkpoint.pages)
+        slots = {b for ids in imp.dst_state_slots.values() for b in ids}
+        for b in pages:
+            self.d.page[b] = GARBAGE
+        for b in slots:
+            self.d.slot[b] = GARBAGE
+        if stuck:
+            self.quarantined_pages |= pages
+            self.quarantined_slots |= slots
+            if imp.checkpoint is not None:
+                self.d.quarantined_ckpt |= set(imp.checkpoint.pages)
 
     def _copy(self, pull: Pull) -> None:
-        for src_map, dst_map in ((pull.imp.src_blocks, pull.imp.dst_blocks),
-                                 (pull.imp.src_state_slots, pull.imp.dst_state_slots)):
-            for gid, src in src_map.items():
-                for s, t in zip(src, dst_map[gid], strict=True):
-                    self.d.shadow[(gid, t)] = self.p.shadow[(gid, s)]
+        """The READs: each attention group's blocks (and the checkpoint's pages, read like blocks), every recurrent
+        group's running state. Every group of a kind names the same pages."""
+        src, dst = pull.imp.read_blocks()
+        assert len({tuple(ids) for ids in src.values()}) <= 1 and len({tuple(ids) for ids in dst.values()}) <= 1
+        for gid, ids in src.items():
+            for a, b in zip(ids, dst[gid], strict=True):
+                self.d.page[b] = self.p.page[a]
+        for gid, ids in pull.imp.src_state_slots.items():
+            for a, b in zip(ids, pull.imp.dst_state_slots[gid], strict=True):
+                self.d.slot[b] = self.p.slot[a]
 
     def _end_export(self, rid: str) -> None:
         held = self.exports.pop(rid, None)
@@ -353,9 +395,9 @@ class PDHarness:
             release_export(self.p.core, *held)
             self.p.leased.discard(rid)
 
-    def pins(self) -> Counter[tuple[int, int]]:
-        return Counter((gid, slot) for _, exp in self.exports.values() if exp.checkpoint
-                       for gid, slot in exp.checkpoint.slots.items())
+    def pins(self) -> Counter[tuple[int, ...]]:
+        """Exported checkpoints (their pages) -> how many exports pin them."""
+        return Counter(exp.checkpoint.pages for _, exp in self.exports.values() if exp.checkpoint)
 
     # -- driving -------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -399,6 +441,10 @@ class PDHarness:
         assert d_req.status is RequestStatus.WAITING_FOR_TRANSFER and self.d.sched.importing[d_req.request_id] is imp
         for gid, ids in imp.src_blocks.items():  # D reads only what it lacks, in every attention group
             assert ids == exp.blocks[gid][imp.local_hit_tokens // BS:]
+        if imp.checkpoint is not None:  # a checkpoint travels as k pages, read like blocks
+            assert exp.checkpoint is not None and imp.src_checkpoint_pages == exp.checkpoint.pages
+            assert imp.checkpoint.num_tokens == exp.checkpoint.num_tokens
+            assert len(imp.checkpoint.pages) == self.d.cache.k
         self.pulls[d_req.request_id] = Pull(d_req, exp, p_req, imp, spec, self.step_no + spec.delay)
 
     def _progress_pulls(self) -> None:
@@ -428,22 +474,29 @@ class PDHarness:
 
     def check_end(self) -> None:
         for side in (self.p, self.d):
-            sched = side.sched
+            sched, cache = side.sched, side.cache
             assert not sched.requests and not sched.running and not sched.waiting and not sched.importing
-            held = {(g, b) for g, m in ((m.group.group_id, m) for m in side.cache.managers)
-                    for holder in side.cache.quarantined
-                    for b in m.req_pages(holder)}
-            for gid, pool in side.cache.pools.items():
-                pool.check_integrity()
-                in_use = {b for b in range(1, pool.num_blocks) if pool.ref_cnt[b] > own_refs(pool, b)}
-                quarantined = {b for g, b in held | side.quarantined_slots if g == gid}
-                assert in_use == quarantined, (side.name, gid, in_use, quarantined)
-            for m in side.cache.blocks:
-                assert set(m.req_blocks) == set(side.cache.quarantined) and not m.fresh_blocks
-            for rm in side.cache.states:
-                assert set(rm.running_slot) <= set(side.cache.quarantined) and not rm.copies
-            assert side.cache._targets == {} and side.cache._noted == {}
-        assert (self.d.cache.quarantined != []) == bool(self.quarantined_pages or self.d.quarantined_slots)
+            assert set(cache.req_blocks) == set(cache.quarantined) or not cache.has_blocks
+            assert set(cache.running_slot) <= set(cache.quarantined)
+            cache.check_integrity()
+            ckpt = checkpoint_pages(cache)
+            in_use = {b for b in range(1, cache.pages.num_pages) if cache.pages.ref[b] and b not in ckpt}
+            quarantined = {b for blocks in cache.req_blocks.values() for b in blocks} | side.quarantined_ckpt
+            assert in_use == quarantined, (side.name, in_use, quarantined)
+            held = {s for s in range(1, cache.slots.num_slots) if cache.slots.held[s]}
+            assert held == set(cache.running_slot.values()), (side.name, held)
+            free = set(cache.pages.free)  # a quarantined hit block may be cached (named) too
+            assert not free & (in_use | ckpt | cached_blocks(cache)) and not ckpt & (in_use | cached_blocks(cache))
+            assert len(free | in_use | ckpt | cached_blocks(cache)) == cache.pages.capacity
+            assert not cache.fresh and not cache.restores and not cache.saves and not cache.pending
+            assert cache._targets == {} and cache._noted == {}
+        stuck = self.quarantined_pages or self.quarantined_slots
+        assert (self.d.cache.quarantined != []) == bool(stuck)
+        if self.d.cache.quarantined:  # what a stuck READ may write is held for good
+            d = self.d.cache
+            held_pages = {b for blocks in d.req_blocks.values() for b in blocks} | self.d.quarantined_ckpt
+            assert self.quarantined_pages <= held_pages
+            assert self.quarantined_slots <= set(d.running_slot.values())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -452,11 +505,16 @@ def test_pd_random_traces_with_several_groups_keep_every_invariant(trace: Trace,
     PDHarness(trace, seed).run()
 
 
+def in_use(cache: HybridCacheManager) -> dict[int, int]:
+    """Group id -> ids requests hold (attention groups: pages, recurrent groups: slots), from `pool_stats`."""
+    return {int(st_["group_id"]): int(st_["in_use"]) for st_ in cache.pool_stats()}  # type: ignore[call-overload]
+
+
 @pytest.mark.parametrize("layout", ["2+2", "2+1", "1+2", "0+2"])
 @pytest.mark.parametrize("policy", ["legacy", "reuse-value", "reuse-lru"])
 def test_shared_prefix_hits_every_group_and_imports_complete(layout: str, policy: str) -> None:
-    """Eight requests sharing a 16-token prefix, half PD: later ones hit the prefix on D (in every group, with each
-    group's own ids) and every import completes; the tiny budget forces evictions."""
+    """Eight requests sharing a 16-token prefix, half PD: later ones hit the prefix on D (in every group, through
+    the same ids) and every import completes; the tiny budget forces evictions."""
     reqs = tuple(ReqSpec(0, 16, (i, i + 1, i + 2), 3, None, arrival=i, pd=i % 2 == 0, outcome="commit", delay=i % 3)
                  for i in range(8))
     h = PDHarness(Trace(layout, policy, 2, 16, 4000, reqs))
@@ -464,23 +522,39 @@ def test_shared_prefix_hits_every_group_and_imports_complete(layout: str, policy
     assert h.imported == 4
     d = h.d.cache
     assert all(c.hits > 0 for c in d.counters.values()), d.counters
-    if policy != "legacy":
-        assert d.tree is not None
 
 
-def test_group_ids_differ_between_groups_and_hits_agree() -> None:
-    """The second attention group and the second recurrent group hold different ids than the first ones once one
-    group's page was evicted alone is impossible (riders leave with their leader); a hit is the same length in
-    every group and names, in every group, pages holding that prefix."""
-    reqs = tuple(ReqSpec(0, 20, (i,), 2, None, arrival=2 * i, pd=False, outcome="commit", delay=0)
+def test_every_group_of_a_kind_gets_the_same_ids_and_the_same_events() -> None:
+    """Groups of one kind share one block table (attention) or one slot (recurrent) per request: a hit is the same
+    length in every group, and the cache-event stream reports the same stored / removed hashes for every group of a
+    kind (a block's page, a checkpoint's pages, are one entry for all of them)."""
+    reqs = tuple(ReqSpec(0, 20, (i,), 2, None, arrival=2 * i, pd=i % 2 == 1, outcome="commit", delay=0)
                  for i in range(6))
     h = PDHarness(Trace("2+2", "reuse-value", 1, 24, 0, reqs))
+    events: dict[str, list[tuple[int, bool, bytes]]] = {"P": [], "D": []}
+    steps = h.d.step
+
+    def step_and_drain(pins: Counter[tuple[int, ...]]) -> list[Request]:
+        done = steps(pins)
+        for side in (h.p, h.d):
+            events[side.name] += [(e.group, e.stored, e.block_hash) for e in side.cache.events.drain_from()[1]]
+        return done
+
+    h.d.step = step_and_drain  # type: ignore[method-assign]
     h.run()
     d = h.d.cache
+    assert d.attention_groups == [0, 1] and d.recurrent_groups == [2, 3]
     labels = set(d.counters)
     assert labels == {"attention:0", "attention:1", "mamba2", "gated_deltanet"}
     hits = {label: c.hits for label, c in d.counters.items()}
     assert len(set(hits.values())) == 1 and hits["mamba2"] > 0, hits  # every group served the same prefix
+    for name, evs in events.items():
+        by_group = {g: [(stored, hsh) for gg, stored, hsh in evs if gg == g] for g in range(4)}
+        assert by_group[0] == by_group[1] and by_group[2] == by_group[3], name
+        assert by_group[0] and by_group[2], name  # blocks and checkpoints were stored
+    for side in (h.p, h.d):
+        snap = side.cache.cached_hashes()
+        assert snap[0] == snap[1] and snap[2] == snap[3]
 
 
 def test_waiting_for_transfer_is_never_scheduled_and_frees_everything_on_abort_and_deadline() -> None:
@@ -489,7 +563,7 @@ def test_waiting_for_transfer_is_never_scheduled_and_frees_everything_on_abort_a
     trace = Trace("2+2", "reuse-value", 2, 16, 40000, ())  # room for every export held at once
     p, d = make_side("P", trace), make_side("D", trace)
     prompt = list(range(1000, 1019))
-    pins: Counter[tuple[int, int]] = Counter()
+    pins: Counter[tuple[int, ...]] = Counter()
     exports = []
     for i in range(3):
         p.sched.add_request(Request(f"r{i}", prompt if i else prompt[:12], SamplingParams(max_tokens=2),
@@ -498,9 +572,11 @@ def test_waiting_for_transfer_is_never_scheduled_and_frees_everything_on_abort_a
         for req in p.step(pins):
             exp = export_prefilled(p.core, req)
             exports.append((req, exp))
-            pins.update(exp.checkpoint.slots.items() if exp.checkpoint else ())
+            if exp.checkpoint:
+                pins[exp.checkpoint.pages] += 1
         p.check(pins)
     assert exports[1][1].checkpoint is not None  # the 2nd prompt's checkpoint (from the 1st) is exported too
+    assert len(exports[1][1].checkpoint.pages) == p.cache.k
     d.core.transfer_canceller = lambda rid: True
     imps = []
     for req, exp in exports:
@@ -508,14 +584,14 @@ def test_waiting_for_transfer_is_never_scheduled_and_frees_everything_on_abort_a
         imp = begin_import(d.core, d_req, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint),
                            deadline=5.0)
         assert imp is not None and set(imp.dst_blocks) == {0, 1} and set(imp.dst_state_slots) == {2, 3}
-        assert all(len(ids) == len(imp.dst_state_slots[2]) for ids in imp.dst_state_slots.values())
+        assert imp.dst_blocks[0] == imp.dst_blocks[1] and imp.dst_state_slots[2] == imp.dst_state_slots[3]
         imps.append((d_req, imp))
-    in_use = {gid: pool.stats()["in_use"] for gid, pool in d.cache.pools.items()}
-    assert all(in_use.values()) and not d.core.has_unfinished()
+    assert all(in_use(d.cache).values()) and not d.core.has_unfinished()
+    assert any(imp.checkpoint is not None for _, imp in imps)  # a checkpoint's pages were reserved
     for _ in range(3):
         assert d.sched.schedule().is_empty  # waiting for transfer: never scheduled
     (r0, i0), (r1, i1), (r2, i2) = imps
-    d.shadow.update({(gid, b): ("x", ()) for gid, ids in i0.dst_blocks.items() for b in ids})
+    d.page.update({b: ("x", ()) for b in i0.dst_blocks[0]})
     complete_import(d.core, r0)
     assert r0.status is RequestStatus.WAITING and r0.num_computed_tokens == 11 and d.core.has_unfinished()
     assert d.core.abort("r1") is r1 and r1.finish_reason == "abort" and "r1" not in d.sched.importing
@@ -528,7 +604,9 @@ def test_waiting_for_transfer_is_never_scheduled_and_frees_everything_on_abort_a
         release_export(p.core, req, exp)
     for side in (p, d):
         side.cache.check_integrity()
-        assert all(pool.stats()["in_use"] == 0 for pool in side.cache.pools.values())
+        assert not any(in_use(side.cache).values())
+        assert side.cache.pages.num_checkpoint_pages == len(checkpoint_pages(side.cache))
+        assert all(not n.ckpt_refs for n in side.cache.tree.nodes.values())  # every pin and reservation ended
 
 
 def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() -> None:
@@ -543,18 +621,22 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
     assert imp is not None
     d.core.transfer_canceller = lambda rid: False  # the READ could not be cancelled
     assert d.core.abort("r") is d_req
-    held = {gid: pool.stats()["in_use"] for gid, pool in d.cache.pools.items()}
-    assert held[0] == len(imp.dst_blocks[0]) and held[1] == len(imp.dst_blocks[1])
-    assert held[2] == len(imp.dst_state_slots[2]) and held[3] == len(imp.dst_state_slots[3])
-    assert d.cache.quarantined and not any(m.holds("r") for m in d.cache.managers)
+    held = in_use(d.cache)
+    assert held[0] == held[1] == len(imp.dst_blocks[0]) and held[2] == held[3] == 1  # its pages, its running slot
+    assert d.cache.quarantined and "r" not in d.cache.req_blocks and "r" not in d.cache.running_slot
+    reserved = set(imp.checkpoint.pages) if imp.checkpoint is not None else set()
+    assert all(d.cache.pages.ref[b] == 1 for b in reserved)  # a reserved checkpoint's pages stay taken too
     d.sched.add_request(Request("r", prompt, SamplingParams(max_tokens=2)))  # the same id computes afresh
     while d.sched.requests:
         out = d.sched.schedule()
         for s in out.seqs:
             for gid, blocks in s.group_block_ids:
                 assert not set(blocks) & set(imp.dst_blocks[gid]), "a quarantined block was handed out"
+                assert not set(blocks) & reserved, "a quarantined checkpoint page was handed out"
             for gid, slot in s.group_state_slots:
                 assert slot not in imp.dst_state_slots[gid]
+        for _, pages in (*out.state_saves, *out.state_restores):
+            assert not set(pages) & (reserved | set(imp.dst_blocks[0]))
         sampled = {s.request_id: (1, 0.0) for s in out.seqs if s.sample}
         for r in d.sched.update_from_output(out, sampled):
             if r.output_token_ids and len(r.output_token_ids) >= 2:
@@ -565,18 +647,19 @@ def test_a_stuck_read_quarantines_every_group_and_the_request_computes_afresh() 
 
 
 def test_transfer_params_carry_every_group() -> None:
-    """TransferParams round trip: per attention group blocks, per recurrent group state + checkpoint slots
-    (`states`, field 14)."""
+    """TransferParams round trip: per attention group blocks, per recurrent group running state slot (`states`),
+    and the checkpoint as its pages (read like blocks)."""
     from hybridpd.decode.consumer import source_of
     from hybridpd.engine.transfer import Checkpoint
     from hybridpd.prefill.service import transfer_params
     from hybridpd.proto import hybridpd_pb2 as pb
 
-    exp = Export("r", 11, {0: (3, 4, 5), 1: (7, 8, 9)}, {2: 6, 3: 2}, Checkpoint(8, {2: 4, 3: 5}), {})
+    exp = Export("r", 11, {0: (3, 4, 5), 1: (3, 4, 5)}, {2: 6, 3: 6}, Checkpoint(8, (9, 12, 10)),
+                 {0: (3, 4, 5, 9, 12, 10), 1: (3, 4, 5, 9, 12, 10), 2: (6,), 3: (6,)})
     tp = pb.TransferParams.FromString(transfer_params(exp).SerializeToString())
-    assert tp.checkpoint_num_tokens == 8 and tp.num_computed_tokens == 11
+    assert tp.checkpoint_num_tokens == 8 and tp.num_computed_tokens == 11 and list(tp.checkpoint_pages) == [9, 12, 10]
     src = source_of(tp)
-    assert src == ImportSource(11, {0: [3, 4, 5], 1: [7, 8, 9]}, {2: 6, 3: 2}, Checkpoint(8, {2: 4, 3: 5}))
+    assert src == ImportSource(11, {0: [3, 4, 5], 1: [3, 4, 5]}, {2: 6, 3: 6}, Checkpoint(8, (9, 12, 10)))
 
 
 def test_a_failed_step_leaves_imports_waiting_and_a_fail_deadline_ends_them_with_an_error() -> None:
@@ -598,6 +681,6 @@ def test_a_failed_step_leaves_imports_waiting_and_a_fail_deadline_ends_them_with
     d.core.now = 3.0  # type: ignore[attr-defined]
     assert d.core.expire_imports() == [d_req]
     assert ended == ["other:error", "r:error"] and d_req.stop_reason == "transfer deadline passed"
-    assert not d.sched.requests and all(pool.stats()["in_use"] == 0 for pool in d.cache.pools.values())
+    assert not d.sched.requests and not any(in_use(d.cache).values())
     d.cache.check_integrity()
     release_export(p.core, req, exp)

@@ -48,5 +48,5 @@ def test_reuse_admission_hits_and_matches_the_oracle(name, checkpoint_dir):  # t
     computed = len(turn1) + NEW_TOKENS - 1  # the last sampled token is never computed
     check(turn1 + reply + user2, computed // 16 * 16)
     info = llm.kv_cache_info()
-    assert info["shared_budget"] == 1 and info["mamba2_bytes_cached" if "nemotron" in name else
+    assert info["checkpoint_bytes_held"] > 0 and info["mamba2_bytes_cached" if "nemotron" in name else
                                              "gated_deltanet_bytes_cached"] > 0

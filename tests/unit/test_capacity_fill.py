@@ -2,12 +2,13 @@
 
 For a NemotronH and a Qwen3.5 checkpoint (the latter with two attention layers) and an explicit budget:
 1. the reported token capacity equals the analytic maximum, computed here from the layer specs alone (one arena:
-   only the null and running slots are reserved, each rounded up to k whole blocks; checkpoints overlay blocks):
+   only the null, running and staging state slots are reserved, k whole pages each; a cached checkpoint takes k
+   pages while it is cached, none is reserved):
        k              = ceil(bytes_per_state / bytes_per_block)
-       reserved       = (1 (null) + max_num_seqs) * k * bytes_per_block
+       reserved       = (1 (null) + max_num_seqs + STAGING_SLOTS) * k * bytes_per_block
        token_capacity = ((budget - reserved) // bytes_per_block - 1) * block_size
-   and the runner's cache tensors are views of one arena of that many blocks of those sizes plus the reserved
-   slots, with 1 + max_num_seqs + 1 (pinned) + checkpoint state-slot ids; the arena is the budget;
+   and the runner's cache tensors are views of one arena of that many pages of those sizes plus the reserved
+   slots; the arena is the budget;
 2. a batch whose blocks sum to exactly the capacity (4 requests x 3 blocks = 12) is admitted at once, fills the
    attention pool to its last block and completes with no preemption;
 3. the same batch with one more block's worth of tokens (one prompt 16 tokens longer: 13 blocks) PREEMPTS: all four
@@ -21,6 +22,7 @@ import math
 
 import pytest
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.cache.specs import FullAttentionSpec, RecurrentStateSpec
 
 from tests.oracle import random_prompts
@@ -55,18 +57,17 @@ def make_llm(path: str, budget: int) -> LLM:
 
 
 def run(llm: LLM, prompts: list[list[int]]):  # type: ignore[no-untyped-def]
-    """Generate; returns (outputs, requests running after the first step, fewest free attention blocks seen)."""
-    engine, attention = llm.engine, llm.engine.cache.attention
-    assert attention is not None
-    pool = attention.pool
-    seen = {"first": -1, "min_free": pool.num_free}
+    """Generate; returns (outputs, requests running after the first step, fewest free pages seen)."""
+    engine = llm.engine
+    pool = engine.cache.pages
+    seen = {"first": -1, "min_free": len(pool.free)}
     step = engine.step
 
     def spy():  # type: ignore[no-untyped-def]
         advanced = step()
         if seen["first"] < 0:
             seen["first"] = len(engine.scheduler.running)
-        seen["min_free"] = min(seen["min_free"], pool.num_free)
+        seen["min_free"] = min(seen["min_free"], len(pool.free))
         return advanced
 
     engine.step = spy  # type: ignore[method-assign]
@@ -82,9 +83,8 @@ def test_capacity_is_exact_and_fillable(name, checkpoint_dir):  # type: ignore[n
     probe = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128)
     per_block, per_state = analytic_sizes(probe.engine.groups)
     k = -(-per_state // per_block)
-    reserved = (1 + MAX_SEQS) * k * per_block
-    ckpt = min(CKPT_SLOTS, (BLOCKS + 1) // k - 1)
-    slots = 1 + MAX_SEQS + 1 + ckpt
+    slots = 1 + MAX_SEQS + STAGING_SLOTS
+    reserved = slots * k * per_block
     # Room for BLOCKS + 1 blocks (null included) plus almost one more: the planner must round down.
     budget = reserved + (BLOCKS + 1) * per_block + per_block - 1
 
@@ -103,7 +103,10 @@ def test_capacity_is_exact_and_fillable(name, checkpoint_dir):  # type: ignore[n
     assert len(storages) == 1, "one arena backs every cache tensor"
     allocated = runner.attention_tensors[0].untyped_storage().nbytes()
     assert info["physical_bytes"] == reserved + (BLOCKS + 1) * per_block <= allocated < info["physical_bytes"] + 16
-    assert info["checkpoint_bytes_max"] == ckpt * k * per_block
+    # at most CKPT_SLOTS cached checkpoints, of k pages each out of the BLOCKS usable ones; none is cached yet
+    assert info["state_slots_checkpoint"] == min(CKPT_SLOTS, BLOCKS // k) and info["max_checkpoints"] == CKPT_SLOTS
+    assert info["checkpoint_bytes_held"] == 0
+    assert llm.engine.cache.tree.max_checkpoints == CKPT_SLOTS
     assert info["physical_bytes"] <= budget < info["physical_bytes"] + per_block
 
     # Exactly full: 4 x (32-token prompt + 16 computed generated tokens) = 4 x 3 blocks = the capacity.

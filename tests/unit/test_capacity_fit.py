@@ -31,20 +31,29 @@ def test_small_budget_lowers_max_num_seqs_and_still_serves_max_model_len() -> No
 
 
 def test_a_model_that_cannot_fit_fails_with_the_numbers() -> None:
+    # one running request reserves 4 state slots (null, running, 2 staging) of 6 pages: 96 KiB; 128 KiB leaves 8
+    # pages (7 usable blocks)
     with pytest.raises(InvalidRequestError) as e:
-        LLM(kv_cache_memory_bytes=64 * 1024, max_model_len=4096)
+        LLM(kv_cache_memory_bytes=128 * 1024, max_model_len=4096)
     msg = str(e.value)
     assert re.search(
         r"does not fit: one request of max_model_len=4096 tokens needs [0-9.]+ MiB of cache \([0-9.]+ KiB of "
-        r"recurrent state \+ \d+ B/token of attention KV\), the cache budget is 64.0 KiB: max concurrency at "
+        r"recurrent state \+ \d+ B/token of attention KV\), the cache budget is 128.0 KiB: max concurrency at "
         r"max_model_len=4096 is 0 and the largest max_model_len it holds is (\d+) tokens\. To serve it: raise "
         r"--kv-cache-memory-bytes",
         msg,
     ), msg
     largest = int(re.search(r"it holds is (\d+) tokens", msg).group(1))  # type: ignore[union-attr]
-    assert LLM(kv_cache_memory_bytes=64 * 1024, max_model_len=largest).engine.plan.max_concurrency >= 1  # it does
+    assert largest == 7 * 16
+    assert LLM(kv_cache_memory_bytes=128 * 1024, max_model_len=largest).engine.plan.max_concurrency >= 1  # it does
     with pytest.raises(InvalidRequestError, match=f"max_model_len={largest + 1} tokens"):
-        LLM(kv_cache_memory_bytes=64 * 1024, max_model_len=largest + 1)  # and no more
+        LLM(kv_cache_memory_bytes=128 * 1024, max_model_len=largest + 1)  # and no more
+
+
+def test_a_budget_below_the_state_slots_of_one_request_holds_no_request() -> None:
+    with pytest.raises(InvalidRequestError, match="the cache budget is 64.0 KiB: max concurrency at max_model_len=4096 "
+                       "is 0 and it holds no request at all"):
+        LLM(kv_cache_memory_bytes=64 * 1024, max_model_len=4096)  # less than the 96 KiB of 4 state slots
 
 
 def test_search_helpers() -> None:

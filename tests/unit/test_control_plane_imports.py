@@ -26,7 +26,7 @@ print(json.dumps(heavy))
 
 
 def test_control_plane_modules_are_listed() -> None:
-    for name in ("block_pool", "coordinator", "hashing", "managers", "planner", "specs"):
+    for name in ("arena", "pools", "tree", "coordinator", "hashing", "planner", "specs"):
         assert f"hybridpd.engine.cache.{name}" in CONTROL_PLANE
 
 

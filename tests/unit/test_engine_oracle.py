@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 
 from tests.oracle import hf_greedy, random_prompts, reference_set
 
@@ -50,8 +51,8 @@ def test_preemption_keeps_outputs_identical(name, checkpoint_dir, reference):  #
     probe = LLM(model=checkpoint_dir(name), kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
     info = probe.kv_cache_info()
     per_block = info["bytes_per_token"] * info["block_size"]
-    # one arena: only the null and running slots are reserved, each rounded up to k whole blocks
-    state = (1 + 8) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
+    # one arena: only the null, running and staging slots are reserved, k whole pages each
+    state = (1 + 8 + STAGING_SLOTS) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
     # room for 48 blocks = 768 tokens: far less than the batch needs (~1,000 prompt + 256 generated tokens)
     budget = state + 48 * per_block
     llm = LLM(model=checkpoint_dir(name), max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False,

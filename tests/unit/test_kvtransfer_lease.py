@@ -152,21 +152,30 @@ def test_commit_refuses_forged_params_and_pages_outside_the_offer_and_ends_the_l
     from hybridpd.kvtransfer.lease import CommitRefused, Offer
 
     t, _, _ = table()
-    offer = Offer(blocks={0: (4, 5, 6)}, states={1: (2, 9)})
+    # attention groups 0 and 4 (blocks 4 5 6, checkpoint pages 8 9), recurrent group 1 (running slot 2)
+    offer = Offer(blocks={0: (4, 5, 6), 4: (4, 5, 6)}, states={1: (2,)}, checkpoint=(8, 9))
     for rid, kwargs, reason in (
-        ("r1", {"params_authentic": False, "pages_read": {0: (5, 6), 1: (2,)}}, "params_forged"),
-        ("r2", {"pages_read": {0: (4, 6), 1: (2,)}}, "pages_mismatch"),  # a block of another position
-        ("r3", {"pages_read": {0: (5, 6), 1: (9,)}}, "pages_mismatch"),  # the checkpoint, not the running state
-        ("r4", {"pages_read": {0: (5, 6), 1: (2,), 3: (1,)}}, "pages_mismatch"),  # a group not offered
-        ("r5", {"pages_read": {0: (6,)}}, "pages_mismatch"),  # a recurrent group's state not read
+        ("r1", {"params_authentic": False, "pages_read": {0: (5, 6), 4: (5, 6), 1: (2,)}}, "params_forged"),
+        ("r2", {"pages_read": {0: (4, 6), 4: (4, 6), 1: (2,)}}, "pages_mismatch"),  # a block of another position
+        ("r3", {"pages_read": {0: (5, 6), 4: (5, 6), 1: (3,)}}, "pages_mismatch"),  # not the running state
+        ("r4", {"pages_read": {0: (5, 6), 4: (5, 6), 1: (2,), 3: (1,)}}, "pages_mismatch"),  # a group not offered
+        ("r5", {"pages_read": {0: (6,), 4: (6,)}}, "pages_mismatch"),  # a recurrent group's state not read
         ("r6", {}, "pages_mismatch"),  # nothing said about what was read
+        ("r7", {"pages_read": {0: (6, 8, 9), 4: (6,), 1: (2,)}}, "pages_mismatch"),  # the checkpoint in one group
+        ("r8", {"pages_read": {0: (6, 9), 4: (6, 9), 1: (2,)}}, "pages_mismatch"),  # part of the checkpoint
+        ("r9", {"pages_read": {0: (8, 9), 4: (8, 9, 1), 1: (2,)}}, "pages_mismatch"),  # a page past it
     ):
-        t.grant(rid, {0: [4, 5, 6], 1: [2, 9]}, token="tok", offer=offer)
+        t.grant(rid, {0: [4, 5, 6, 8, 9], 4: [4, 5, 6, 8, 9], 1: [2]}, token="tok", offer=offer)
         with pytest.raises(CommitRefused) as e:
             t.commit(rid, "e1", "tok", b"", **kwargs)  # type: ignore[arg-type]
         assert e.value.reason == reason and rid not in t, rid
-    for read in ({0: (4, 5, 6), 1: (2, 9)}, {0: (6,), 1: (2,)}, {1: (2, 9)}):  # suffixes past D's own hit
-        t.grant("ok", {0: [4, 5, 6], 1: [2, 9]}, token="tok", offer=offer)
+    for read in (  # suffixes past D's own hit, with the checkpoint's pages or without
+        {0: (4, 5, 6, 8, 9), 4: (4, 5, 6, 8, 9), 1: (2,)},
+        {0: (6,), 4: (6,), 1: (2,)},
+        {0: (8, 9), 4: (8, 9), 1: (2,)},
+        {1: (2,)},
+    ):
+        t.grant("ok", {0: [4, 5, 6, 8, 9], 4: [4, 5, 6, 8, 9], 1: [2]}, token="tok", offer=offer)
         assert t.commit("ok", "e1", "tok", b"", pages_read=read).request_id == "ok"
     t.check_integrity()
 
@@ -180,7 +189,7 @@ def test_params_mac_covers_every_field_and_the_request_id() -> None:
                            num_prompt_tokens=41, lease_expiry_unix=1.5e9,
                            checkpoint_num_tokens=32, lease_token="tok", prompt_digest=b"d" * 32,
                            groups=[pb.GroupBlocks(group_id=1, block_ids=[4, 5, 6])],
-                           states=[pb.GroupStates(group_id=0, state_slot=3, checkpoint_slot=7)])
+                           states=[pb.GroupStates(group_id=0, state_slot=3)], checkpoint_pages=[7, 8])
     tp.mac = params_mac(key, "r1", tp)
     assert verify_params_mac(key, "r1", tp)
     assert not verify_params_mac(key, "r2", tp) and not verify_params_mac(new_mac_key(), "r1", tp)
@@ -191,9 +200,11 @@ def test_params_mac_covers_every_field_and_the_request_id() -> None:
         if name == "groups":
             altered.groups[0].block_ids[0] = 9
         elif name == "states":
-            altered.states[0].checkpoint_slot = 8
+            altered.states[0].state_slot = 8
+        elif name == "checkpoint_pages":
+            altered.checkpoint_pages[1] = 9
         else:
             value = getattr(tp, name)
             setattr(altered, name, value + (b"x" if isinstance(value, bytes) else "x" if isinstance(value, str) else 1))
         assert not verify_params_mac(key, "r1", altered), name
-    assert len(fields) == 11  # a new TransferParams field must be added to the MAC (kvtransfer.binding)
+    assert len(fields) == 12  # a new TransferParams field must be added to the MAC (kvtransfer.binding)

@@ -4,11 +4,12 @@ Before EVERY engine step, every cache row that holds nothing the engine promises
 (or 1e30, which overflows to inf/NaN as soon as it is multiplied):
 
 - block 0 (the null block) of every attention layer and slot 0 (the null slot) of every recurrent layer;
-- every free attention block and every free state slot (conv and SSM) that carries no prefix-cache hash.
+- every free page of the arena (what an allocation may hand out) and every free state slot (conv and SSM; staging
+  slots included).
 
-Free blocks/slots *with* a hash are cached prefix content (attention blocks, recurrent checkpoints): a later hit
-reads them, so the engine must keep them and this test leaves them alone. With prefix caching off no block ever
-gets a hash, so there every free block and slot is poisoned.
+Cached pages are prefix content (attention blocks, the pages of recurrent checkpoints): a later hit reads them, so
+the engine must keep them and this test leaves them alone. With prefix caching off nothing is ever cached, so there
+every free page and slot is poisoned.
 
 What this proves (fp32, greedy, identical tokens and logprobs within 1e-4 of transformers):
 - the null block / null slot are never read (nor written: they still hold the poison after every step);
@@ -32,7 +33,7 @@ from hybridpd.engine import LLM, SamplingParams
 from hybridpd.engine.cache.specs import PAD_SLOT_ID
 
 from tests.oracle import reference_set
-from tests.support.pool_views import free_pages, slot_blocks
+from tests.support.pool_views import free_pages
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,22 +77,14 @@ class Poisoner:
 
     def poison(self) -> None:
         cache, runner = self.engine.cache, self.engine.runner
-        self.blocks = self._unowned(cache.attention.pool)
-        self.slots = self._unowned(cache.recurrent.pool)
-        arena = self.engine.plan.arena  # a checkpoint slot's memory is attention blocks': free only if they are
-        if arena is not None:
-            self.slots = {s for s in self.slots if set(slot_blocks(arena, s)) <= self.blocks}
+        self.blocks = {0} | free_pages(cache)  # the null page and every free page (cached ones hold prefix content)
+        self.slots = {0, *cache.slots.free}  # the null slot and every free slot (staging ones included)
         blocks = torch.tensor(sorted(self.blocks), dtype=torch.int64)
         slots = torch.tensor(sorted(self.slots), dtype=torch.int64)
         for kv in runner.attention_tensors:
             kv[blocks] = self.value
         for t in runner.state_tensors:
             t[slots] = self.value
-
-    @staticmethod
-    def _unowned(pool) -> set[int]:  # type: ignore[no-untyped-def]
-        """The null page plus every free page without a hash (cached pages hold prefix content: kept)."""
-        return {0} | free_pages(pool)
 
     def step(self):  # type: ignore[no-untyped-def]
         self.poison()

@@ -1,7 +1,7 @@
 """The runner reads every cache group: a tiny model's attention layers split into two attention groups
-and its recurrent layers into two recurrent groups (tests/support/split_groups.py; the second group of each kind
-keeps its pages at other indices), so each layer must read its own group's block table, state slot and
-checkpoints (engine.models.batch.GroupViews).
+and its recurrent layers into two recurrent groups (tests/support/split_groups.py). Every group of a kind gets the
+same ids (one block table, one slot per request: checked on every step), each its own view of the arena's pages and
+slots, so each layer must read its own group's view (engine.models.batch.GroupViews).
 
 On the reference path and on the fast path (Triton under TRITON_INTERPRET=1; the chunked scans run the reference
 per sequence on CPU): greedy tokens and logprobs equal to the unsplit engine's and to transformers' fp32 run, with
@@ -69,6 +69,8 @@ def _run(path: str, split: bool, fast: bool) -> list:  # type: ignore[type-arg]
     outs = llm.generate(prompt_token_ids=FIRST, sampling_params=GREEDY)
     outs += llm.generate(prompt_token_ids=SECOND, sampling_params=GREEDY)
     assert outs[1].num_cached_tokens == 32, "the second request was meant to restore the first one's checkpoint"
+    if split:
+        assert llm.split_steps_checked[0] > 0  # every step's ids were the same in every group of a kind
     llm.engine.cache.check_integrity()
     return outs
 
@@ -98,6 +100,9 @@ def test_split_engine_has_two_groups_of_each_kind(model_path) -> None:  # type: 
     s = step.seqs[0]
     assert [g for g, _ in s.group_block_ids] == [0, 1] and [g for g, _ in s.group_state_slots] == [2, 3]
     assert [g for g, _ in step.group_fresh_blocks] == [0, 1]
+    assert s.group_block_ids[0][1] == s.group_block_ids[1][1] and s.group_state_slots[0][1] == s.group_state_slots[1][1]
+    kv = [p for p in llm.engine.plan.arena.parts if p.name == "kv"]  # block j of both groups: one page, two parts
+    assert len(kv) == 2 and kv[0].page_stride == kv[1].page_stride and kv[0].offset != kv[1].offset
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -171,8 +176,8 @@ def test_graph_padded_rows_leave_every_groups_states_untouched(model_path) -> No
             if gid in written_kv:  # [blocks, layers, 2, block_size, ...]: the (block, offset) rows that changed
                 changed = (t != old).movedim(3, 1).flatten(2).any(-1)
                 assert {tuple(i) for i in torch.nonzero(changed).tolist()} == written_kv[gid], gid
-            else:  # [slots, layers, ...]: the running slots that changed (never 0, never another group's); slots
-                # past them are checkpoint ids (in an arena they may share memory with attention blocks)
+            else:  # [slots, layers, ...]: the running slots that changed (never 0, never another group's); the
+                # slots past them are staging slots
                 changed = (t != old).flatten(1).any(-1)[: 1 + running]
                 assert set(torch.nonzero(changed).flatten().tolist()) == read_slots[gid], gid
     # the same step eagerly (no padding) and on the reference path: same logits, same caches written

@@ -38,7 +38,7 @@ def test_prefill_rounds_decode_rows_and_padding():  # type: ignore[no-untyped-de
     assert m.ctx_len.tolist() == [14, 7, 3, 0, 0] and m.max_q_len == 10
     d = m.rec_decode
     assert d.rows.tolist() == [10, 14, 15] and d.slots.tolist() == [2, PAD_SLOT_ID, PAD_SLOT_ID]
-    assert d.has_init.tolist() == [1, 0, 0] and d.copy_dst.numel() == 0
+    assert d.has_init.tolist() == [1, 0, 0]
     p = m.rec_prefill
     assert p.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13]
     assert p.init_index.tolist() == [0] and p.init_slot.tolist() == [1]  # only seq a reads its slot

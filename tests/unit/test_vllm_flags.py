@@ -100,13 +100,14 @@ def test_max_model_len_auto_fits_what_the_cache_holds(caplog: pytest.LogCaptureF
 
     roomy = LLM(max_model_len=-1, kv_cache_memory_bytes=8 * 2**20)
     assert roomy.engine.max_model_len == 4096  # the tiny checkpoint's max_position_embeddings fits
+    # 4 state slots (null, 1 running, 2 staging) of k = 6 pages take 98,304 B; the rest is 12 pages of 16 tokens
     with caplog.at_level("INFO", logger="hybridpd.engine"):
-        small = LLM(max_model_len=-1, kv_cache_memory_bytes=100_000)
+        small = LLM(max_model_len=-1, kv_cache_memory_bytes=150_000)
     fitted = small.engine.max_model_len
     assert 1 < fitted < 4096 and small.engine.plan.max_model_len == fitted
     assert f"auto-fit max_model_len: reduced from 4096 to {fitted}" in caplog.text
     with pytest.raises(InvalidRequestError, match=f"the largest max_model_len it holds is {fitted} tokens"):
-        LLM(max_model_len=fitted + 1, kv_cache_memory_bytes=100_000)
+        LLM(max_model_len=fitted + 1, kv_cache_memory_bytes=150_000)
     out = small.generate(prompt_token_ids=[[5] * (fitted - 3)])[0]  # a prompt near the fitted length runs
     assert out.finish_reason == "length" and fitted - 3 + len(out.token_ids) == fitted  # stopped by max_model_len
 

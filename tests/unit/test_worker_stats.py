@@ -23,9 +23,17 @@ def test_stats_report_the_live_memory_split() -> None:
     after = stats_response(core, "decode", "w0", "e0", 0, extra_waiting=2)
     assert after.num_waiting == 2 and after.num_running == 0
     mem = dict(after.memory_bytes)
-    cached_blocks = sum(p.cached for p in after.pools if p.kind == "attention")
-    page = core.cache.pools[core.groups[0].group_id].page_bytes
-    assert cached_blocks > 0 and mem["attention_bytes_cached"] == cached_blocks * page  # the prompt stays cached
-    if core.plan.arena is not None:  # request end and prompt end saved checkpoints: their memory is held
-        assert mem["checkpoint_bytes_held"] > 0
+    arena, cache = core.plan.arena, core.cache
+    assert arena is not None  # the planner always builds one
+    (attn,) = [p for p in after.pools if p.kind == "attention"]
+    (rec,) = [p for p in after.pools if p.kind != "attention"]
+    ckpt_pages = cache.pages.num_checkpoint_pages
+    # request end and prompt end saved checkpoints: k pages each, and their memory is held
+    assert rec.cached == cache.tree.num_checkpoints > 0 and ckpt_pages == rec.cached * arena.pages_per_state
+    assert mem["checkpoint_bytes_held"] == ckpt_pages * arena.page_bytes > 0
+    # the attention group's cached pages are cached blocks (the prompt stays cached) and those checkpoint pages
+    blocks = attn.cached - ckpt_pages
+    (group,) = [g for g in core.groups if g.is_attention]
+    assert blocks > 0 and mem["attention_bytes_cached"] == blocks * group.page_bytes_all_layers
+    assert attn.in_use == rec.in_use == 0 and attn.free + attn.cached == attn.total
     assert all(p.integrity_ok for p in after.pools)

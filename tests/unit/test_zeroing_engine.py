@@ -22,6 +22,7 @@ import random
 import pytest
 import torch
 from hybridpd.engine import LLM, SamplingParams
+from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.models import nemotron_h, qwen3_5
 from hybridpd.engine.models.reference import StepMetadata
 
@@ -111,10 +112,10 @@ def reference(checkpoint_dir):  # type: ignore[no-untyped-def]
 
 def poison_free_blocks_every_step(engine) -> None:  # type: ignore[no-untyped-def]
     """Before every step: NaN into every free attention block without a hash (cached blocks are prefix content)."""
-    step, pool = engine.step, engine.cache.attention.pool
+    step, cache = engine.step, engine.cache
 
     def poisoned_step():  # type: ignore[no-untyped-def]
-        ids = sorted(free_pages(pool))
+        ids = sorted(free_pages(cache))
         for kv in engine.runner.attention_tensors:
             kv[torch.tensor(ids, dtype=torch.int64)] = float("nan")
         return step()
@@ -216,7 +217,7 @@ def test_prefix_hits_are_not_zeroed(name, checkpoint_dir, reference, whole_block
     assert hits == [((len(p) - 1) // 16) * 16 for p in prompts]  # prompt-end checkpoints
     assert len(hit_blocks) == sum(hits) // BLOCK
     assert hit_blocks.isdisjoint(b for c in zeroed for b in c), "a prefix-hit block was zeroed"
-    assert llm.engine.cache.attention.pool.num_evictions == 0  # so no hit block was reallocated (and zeroed)
+    assert llm.engine.cache.tree.num_evictions[0] == 0  # so no hit block was reallocated (and zeroed)
     fresh = sum(cdiv(len(p) + NEW_TOKENS - 1, BLOCK) - h // BLOCK for p, h in zip(prompts, hits, strict=True))
     assert runner.num_zeroed_blocks - before == sum(len(c) for c in zeroed) == fresh
 
@@ -236,19 +237,19 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
     path = checkpoint_dir("nemotron_attn_mid")
     info = LLM(model=path, kv_cache_memory_bytes=64 * 2**20, max_model_len=128).kv_cache_info()
     max_seqs, budget = 3, 32
-    # one arena: only the null and running slots are reserved, each rounded up to k whole blocks
-    state = (1 + max_seqs) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
+    # one arena: only the null, running and staging slots are reserved, k whole pages each
+    state = (1 + max_seqs + STAGING_SLOTS) * info["blocks_per_checkpoint"] * info["bytes_per_block"]
     llm = LLM(model=path, kv_cache_memory_bytes=state + 9 * info["bytes_per_block"], max_num_seqs=max_seqs,
               max_num_batched_tokens=budget, checkpoint_interval=32, max_model_len=64, zero_fresh_blocks="off")
     engine = llm.engine
     cache, runner = engine.cache, engine.runner
-    assert cache.attention.pool.capacity == 8 and not runner.zero_fresh_blocks
+    assert cache.pages.capacity == 8 and not runner.zero_fresh_blocks
     bound = budget // BLOCK + max_seqs  # a chunk of n new tokens needs at most n // 16 + 1 new blocks
     rng = random.Random(0)
     seen = [0, 0]  # total fresh ids, largest per step
 
     def fake_execute(out, params):  # type: ignore[no-untyped-def]
-        assert not cache.attention.fresh_blocks, "fresh block ids were not drained by the schedule"
+        assert not cache.fresh, "fresh block ids were not drained by the schedule"
         assert len(lead(out.group_fresh_blocks)) <= bound
         seen[0] += len(lead(out.group_fresh_blocks))
         seen[1] = max(seen[1], len(lead(out.group_fresh_blocks)))
@@ -267,7 +268,7 @@ def test_fresh_ids_drained_every_step_with_zeroing_off(checkpoint_dir):  # type:
             engine.abort(rng.choice(engine.scheduler.running).request_id)
         engine.step()
     assert engine.stats.num_steps == STEPS and runner.num_zeroed_blocks == 0
-    assert not cache.attention.fresh_blocks
+    assert not cache.fresh
     assert seen[0] > STEPS // 10 and seen[1] > 1, "too little allocation churn to mean anything"
     assert engine.scheduler.num_preemptions > 0 and cache.counters["attention"].hits > 0
     cache.check_integrity()
@@ -285,4 +286,4 @@ def test_auto_is_off_without_recurrent_layers(tmp_path):  # type: ignore[no-unty
     llm = LLM(model=path, kv_cache_memory_bytes=2**20, max_model_len=128, max_num_batched_tokens=16)
     assert not llm.engine.has_recurrent and not llm.engine.runner.zero_fresh_blocks
     llm.generate(prompt_token_ids=random_prompts([20, 50], vocab=256), sampling_params=GREEDY)
-    assert llm.engine.runner.num_zeroed_blocks == 0 and not llm.engine.cache.attention.fresh_blocks
+    assert llm.engine.runner.num_zeroed_blocks == 0 and not llm.engine.cache.fresh
