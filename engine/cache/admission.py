@@ -61,8 +61,7 @@ class Admission:
         `prompt_end`: how far this request computes its prompt (N, or a compute target set below it)."""
         bs, interval = self.block_size, self.policy.interval
         limit = min(prompt_end // bs, len(hashes))
-        out = set()
-        seen, n = self.seen, 0
+        out, seen, n = set(), self.seen, 0
         while n < limit and hashes[n] in seen:  # the longest prefix seen before: where this prompt branches off
             n += 1
         self.last_branch = branch = n * bs

@@ -639,14 +639,16 @@ class HybridCacheManager:
         the held slots are the running and staging ones."""
         self.tree.check_integrity()
         counts = [0] * self.pages.num_pages
-        for blocks in self.req_blocks.values():
-            for p in blocks:
-                counts[p] += 1
+        for p in (q for blocks in self.req_blocks.values() for q in blocks):
+            counts[p] += 1
         assert self.num_in_use == sum(1 for c in counts if c), "pages in use"
-        ref = self.pages.ref
-        for p in range(1, self.pages.num_pages):
-            assert ref[p] == counts[p] or (not counts[p] and ref[p] == 1), (p, ref[p], counts[p])
+        ref, named = self.pages.ref, self.tree.page_node
+        for p in range(1, self.pages.num_pages):  # (a page referenced by no holder: a checkpoint's, never a block)
+            assert ref[p] == counts[p] or (not counts[p] and ref[p] == 1 and named[p] is None), (p, ref[p], counts[p])
         ckpt = [q for node in self.tree.nodes.values() for q in node.ckpt or ()]
         assert len(ckpt) == self.pages.num_checkpoint_pages and not any(counts[q] for q in ckpt)
-        held = set(self.running_slot.values()) | set(self.staging)
-        assert held == {s for s in range(1, self.slots.num_slots) if self.slots.held[s]}, "slots"
+        pend = [q for c in self.pending for q in c.pages]  # reserved, on no block nor cached checkpoint
+        assert len(set(pend + ckpt)) == len(pend) + len(ckpt) and all(ref[q] == 1 and named[q] is None for q in pend)
+        assert self.tree.num_reserved >= len(self.pending), "a pending checkpoint is reserved"
+        held = [*self.running_slot.values(), *self.staging]  # each held slot: one holder
+        assert sorted(held) == [s for s in range(1, self.slots.num_slots) if self.slots.held[s]], "slots"

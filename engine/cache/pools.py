@@ -34,9 +34,8 @@ class PagePool:
             raise PoolExhaustedError(f"asked for {n} pages, {len(free)} free")
         out = free[len(free) - n :][::-1]
         del free[len(free) - n :]
-        ref = self.ref
         for p in out:
-            ref[p] = 1
+            self.ref[p] = 1
         return out
 
     def give_back(self, pages: Iterable[int]) -> None:

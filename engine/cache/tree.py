@@ -409,6 +409,10 @@ class CacheTree:
         live = {(order, kind) for _, order, kind, node in self._heap if node.queued[kind] == order}
         assert len(live) == queued, "every queued item has its heap entry"
         assert max(owned) <= 1, "a page belongs to one node at most"
+        assert all(n is None or n.page == p for p, n in enumerate(self.page_node)), "page -> node naming it"
+        assert self.ckpt_node == {n.ckpt[0]: n for n in self.nodes.values() if n.ckpt}, "first page -> checkpoint"
+        cap = self.max_checkpoints if self.max_checkpoints is not None else self.num_checkpoints + self.num_reserved
+        assert 0 <= self.num_reserved <= cap - self.num_checkpoints, "checkpoints reserved, and under the cap"
         free = set(pool.free)
         assert len(free) == len(pool.free) and 0 not in free
         for p in range(1, pool.num_pages):

@@ -1,0 +1,113 @@
+"""Review of the cache control plane (engine/cache): invariants `check_integrity` did not state, each broken on
+purpose here (a state no correct run reaches) and caught. HybridCacheManager driven directly (no model), an
+attention group (block size 4) and a Mamba-2 group; reuse admission."""
+
+from __future__ import annotations
+
+import pytest
+from hybridpd.engine.cache.arena import STAGING_SLOTS
+from hybridpd.engine.cache.coordinator import HybridCacheManager, PendingCheckpoint, PoolLayout
+from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
+from hybridpd.engine.cache.tree import BLOCK
+from hybridpd.engine.request import Request
+from hybridpd.engine.sampling_params import SamplingParams
+
+from tests.support.pool_views import page_bytes
+
+BS = 4
+ATTN = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_dim=2, dtype="float32")
+MAMBA = RecurrentStateSpec("mamba2", (4, 3), "float32", (2, 4), "float32")
+GROUPS = [CacheGroup(0, ATTN, (0,)), CacheGroup(1, MAMBA, (1, 2))]
+K = -(-page_bytes([GROUPS[1]]) // page_bytes([GROUPS[0]]))
+
+
+def make(num_pages: int = 40, max_checkpoints: int | None = None) -> HybridCacheManager:
+    layout = PoolLayout(num_pages, 1 + 2 + STAGING_SLOTS, 0, BS, K, max_checkpoints=max_checkpoints)
+    return HybridCacheManager(GROUPS, layout)
+
+
+def req(rid: str, base: int, n: int = 12) -> Request:
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=4))
+
+
+def cached_block(cache: HybridCacheManager) -> tuple[HybridCacheManager, int]:
+    """A request computed 12 tokens (3 blocks named) and ended: its blocks are cached, unreferenced."""
+    r = req("a", 100)
+    assert cache.allocate(r, 12)
+    r.num_computed_tokens = 12
+    cache.on_step_done([r])
+    cache.free(r)
+    cache.check_integrity()
+    page = next(n.page for n in cache.tree.nodes.values() if n.page and not n.kids)
+    return cache, page
+
+
+def test_a_slot_held_twice_is_caught() -> None:
+    """A staging slot that is also a request's running slot (two writers of one state) passed: slots were compared
+    as sets."""
+    cache = make()
+    assert cache.allocate(req("a", 100), 4)
+    cache.check_integrity()
+    cache.staging.append(cache.running_slot["a"])
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_a_named_block_referenced_by_nobody_listed_is_caught() -> None:
+    """A cached block with a reference no request holds (never evictable again: a leak) passed: a page referenced
+    once with no holder was taken for a checkpoint's page."""
+    cache, page = cached_block(make())
+    cache.tree._dequeue(BLOCK, cache.tree.page_node[page])  # (as a leaked reference leaves it: not a leaf)
+    cache.pages.ref[page] = 1
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_a_stale_page_to_node_entry_is_caught() -> None:
+    """`page_node[p]` naming a node that holds another page (freeing p would release that node) passed."""
+    cache, page = cached_block(make())
+    free = cache.pages.free[-1]
+    cache.tree.page_node[free] = cache.tree.page_node[page]
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_a_stale_checkpoint_index_entry_is_caught() -> None:
+    """`ckpt_node` (an export's pin and unpin find a checkpoint by its first page) pointing at a free page passed."""
+    cache = make()
+    r = req("a", 100)
+    ckpt = cache.reserve_checkpoint(r, 4)
+    assert ckpt is not None
+    cache.publish_checkpoint(ckpt)
+    cache.check_integrity()
+    node = cache.tree.ckpt_node[ckpt.pages[0]]
+    cache.tree.ckpt_node[cache.pages.free[-1]] = node
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_a_pending_checkpoint_on_a_cached_ones_pages_is_caught() -> None:
+    """A checkpoint to be written into pages a cached checkpoint holds (publishing it overwrites that one) passed:
+    their pages are referenced once either way."""
+    cache = make()
+    r = req("a", 100)
+    ckpt = cache.reserve_checkpoint(r, 4)
+    assert ckpt is not None
+    cache.publish_checkpoint(ckpt)
+    cache.tree.num_reserved += 1
+    cache.pending.append(PendingCheckpoint("b", 8, ckpt.pages, r.block_hashes[1]))
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("reserved", [-1, 2])
+def test_reserved_checkpoint_accounting_is_checked(reserved: int) -> None:
+    """`tree.num_reserved` below zero, or the cached plus the reserved checkpoints over `max_checkpoints`, passed."""
+    cache = make(max_checkpoints=2)
+    ckpt = cache.reserve_checkpoint(req("a", 100), 4)
+    assert ckpt is not None
+    cache.publish_checkpoint(ckpt)
+    cache.check_integrity()
+    cache.tree.num_reserved = reserved
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
