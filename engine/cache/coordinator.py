@@ -470,7 +470,7 @@ class HybridCacheManager:
 
     def _forget(self, rid: str) -> None:
         for memo in (self._tables, self._covers, self._targets, self._noted, self.rolling, self.superseded,
-                     self._branch):
+                     self._branch, self.num_hashed):
             memo.pop(rid, None)
 
     def free(self, req: Request) -> None:
@@ -506,7 +506,6 @@ class HybridCacheManager:
         self._forget(rid)
         if rid in self.req_blocks:
             self.req_blocks[holder] = self.req_blocks.pop(rid)
-            self.num_hashed.pop(rid, None)
         if rid in self.running_slot:
             self.running_slot[holder] = self.running_slot.pop(rid)
         return holder
@@ -566,7 +565,9 @@ class HybridCacheManager:
         h = req.block_hashes[num_tokens // self.block_size - 1]
         if self._is_planned(h) or not self.tree.make_room(self.k, checkpoint=True):
             return None
-        return ReservedCheckpoint(num_tokens, self._take_checkpoint_pages(), h)
+        pages = self._take_checkpoint_pages()  # (one may be listed fresh, freed since: a READ fills it, not zeroed)
+        self.fresh = [b for b in self.fresh if b not in pages]
+        return ReservedCheckpoint(num_tokens, pages, h)
 
     def publish_checkpoint(self, ckpt: ReservedCheckpoint) -> None:
         """The pulled checkpoint arrived: cache it."""

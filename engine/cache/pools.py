@@ -40,10 +40,9 @@ class PagePool:
 
     def give_back(self, pages: Iterable[int]) -> None:
         """Pages nobody holds or names any more."""
-        ref = self.ref
         for p in pages:
-            assert ref[p] <= 1 and p, p
-            ref[p] = 0
+            assert self.ref[p] <= 1 and p, p
+            self.ref[p] = 0
             self.free.append(p)
 
 

@@ -9,8 +9,10 @@ from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PendingCheckpoint, PoolLayout
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
 from hybridpd.engine.cache.tree import BLOCK
+from hybridpd.engine.config import SchedulerConfig
 from hybridpd.engine.request import Request
 from hybridpd.engine.sampling_params import SamplingParams
+from hybridpd.engine.scheduler import Scheduler
 
 from tests.support.pool_views import page_bytes
 
@@ -111,3 +113,32 @@ def test_reserved_checkpoint_accounting_is_checked(reserved: int) -> None:
     cache.tree.num_reserved = reserved
     with pytest.raises(AssertionError):
         cache.check_integrity()
+
+
+def test_a_transfers_checkpoint_pages_are_not_zeroed_as_a_freed_requests_fresh_blocks() -> None:
+    """A step launched ahead that cannot cover every row is not launched (`schedule_ahead` returns None) but the
+    pages it added stay with their requests, listed as fresh (to be zeroed before the next step). A request that
+    ends frees such a page; a transfer then reserves it for the checkpoint it pulls (a decode worker: asynchronous
+    scheduling and pulled checkpoints). The next step's fresh blocks must not list it: zeroing that page wipes the
+    pulled checkpoint (a page is block j of every attention group, or one k-th of a checkpoint)."""
+    cache = make(num_pages=1 + 4 + 1)  # A and B hold 2 blocks each, one page free
+    sched = Scheduler(SchedulerConfig(2, 64), cache)
+    a, b = req("a", 100, 7), req("b", 200, 7)
+    for r in (a, b):
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, {s.request_id: (1, 0.0) for s in out.seqs})  # both at 8 tokens, 2 blocks each
+    assert len(cache.pages.free) == 1
+    assert sched.schedule_ahead([(a, 8), (b, 8)]) is None  # A got the last page (fresh), B could not
+    sched.finish(a, "stop")  # A ends before the step that would have written its new page
+    d = req("d", 100, 8)  # a consumer's transfer: A's prefix, its checkpoint after 4 tokens pulled
+    ckpt = cache.reserve_checkpoint(d, 4)
+    assert ckpt is not None
+    out = sched.schedule()
+    zeroed = set(lead(out.group_fresh_blocks))
+    assert not zeroed & set(ckpt.pages), (zeroed, ckpt.pages)
+    cache.check_integrity()
+
+
+def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
+    return pairs[0][1] if pairs else empty
