@@ -331,7 +331,8 @@ class HybridCacheManager:
                 break  # best effort: no room now (before any staging slot is taken or the chunk cut)
             slot = self.running_slot[rid] if b == end else self._staging_slot()
             if slot is None:  # the chunk ends here instead; the boundaries past it wait for the next chunks
-                self._targets.setdefault(rid, [])[:0] = [x for x, r in todo[i + 1 :] if not r]
+                if rid in self._targets:  # (an admission keeping no targets derives them from each chunk)
+                    self._targets[rid][:0] = [x for x, r in todo[i + 1 :] if not r]
                 end, slot = b, self.running_slot[rid]
             pages = self._take_checkpoint_pages()
             self.pending.append(PendingCheckpoint(rid, b, pages, h, is_rolling, b == self._branch.get(rid)))
@@ -636,8 +637,7 @@ class HybridCacheManager:
 
     def check_integrity(self) -> None:
         """The tree's invariants; a page's references are the requests listing it (an attention block), or 1 for a
-        checkpoint's page (cached, pending, or reserved for a transfer or kept by a quarantine: no list names those);
-        the held slots are the running and staging ones."""
+        checkpoint's page (cached, pending, reserved for a transfer, quarantined); each held slot: one holder."""
         self.tree.check_integrity()
         counts = [0] * self.pages.num_pages
         for p in (q for blocks in self.req_blocks.values() for q in blocks):

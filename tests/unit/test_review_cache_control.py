@@ -5,6 +5,7 @@ attention group (block size 4) and a Mamba-2 group; reuse admission."""
 from __future__ import annotations
 
 import pytest
+from hybridpd.engine.cache.admission import CachePolicy
 from hybridpd.engine.cache.arena import STAGING_SLOTS
 from hybridpd.engine.cache.coordinator import HybridCacheManager, PendingCheckpoint, PoolLayout
 from hybridpd.engine.cache.specs import CacheGroup, FullAttentionSpec, RecurrentStateSpec
@@ -14,6 +15,7 @@ from hybridpd.engine.request import Request
 from hybridpd.engine.sampling_params import SamplingParams
 from hybridpd.engine.scheduler import Scheduler
 
+from benchmarks.cache_policies import IntervalAdmission, LruTree
 from tests.support.pool_views import page_bytes
 
 BS = 4
@@ -142,3 +144,26 @@ def test_a_transfers_checkpoint_pages_are_not_zeroed_as_a_freed_requests_fresh_b
 
 def lead(pairs, empty=()):  # type: ignore[no-untyped-def]
     return pairs[0][1] if pairs else empty
+
+
+def test_a_cut_chunk_leaves_no_stale_targets_under_interval_admission() -> None:
+    """The vLLM-style baseline (benchmarks/cache_policies.py: IntervalAdmission, LruTree) derives its boundaries
+    from each chunk and keeps no targets. A chunk cut at a checkpoint that found no staging slot used to queue the
+    boundaries past the cut as targets anyway; nothing ever took them off, so `checkpoint_kind` answered "planned"
+    for every later step of the request (asynchronous scheduling never ran ahead for it again). The boundaries past
+    the cut are still saved by the next chunk."""
+    layout = PoolLayout(60, 1 + 1 + STAGING_SLOTS, 8, BS, K, policy=CachePolicy(8))
+    cache = HybridCacheManager(GROUPS, layout, tree_cls=LruTree, admission_cls=IntervalAdmission)
+    sched = Scheduler(SchedulerConfig(1, 64), cache)
+    a = req("a", 100, 40)
+    sched.add_request(a)
+    out = sched.schedule()  # (0, 40]: 8 and 16 in the two staging slots, cut at 24 (saved from the running slot)
+    (s,) = out.seqs
+    assert s.num_new_tokens == 24 and not s.sample and len(out.state_saves) == 3
+    sched.update_from_output(out, {})
+    out = sched.schedule()  # (24, 40]: 32 inside, 40 at its end
+    assert out.seqs[0].num_new_tokens == 16 and len(out.state_saves) == 2
+    sched.update_from_output(out, {"a": (1, 0.0)})
+    assert cache.checkpoint_kind(a, 41, 40) is None  # (40, 41] holds no boundary
+    assert cache.tree.num_checkpoints == 5
+    cache.check_integrity()
