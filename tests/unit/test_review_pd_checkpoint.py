@@ -83,3 +83,121 @@ def test_pulled_checkpoint_is_p_s_and_restores_like_colocated(checkpoint_dir, na
     for core in (p, d):
         core.cache.check_integrity()
         assert all(s["in_use"] == 0 for s in core.cache.pool_stats()), core.cache.pool_stats()
+
+
+PATHS = ["abort_reusable", "abort_quarantined", "core_abort_quarantined", "core_abort", "expired",
+         "expired_quarantined", "unconfirmed_refused", "unconfirmed_aborted", "unconfirmed_expired",
+         "unconfirmed_confirmed", "completed"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_reserved_checkpoint_pages_on_every_ending(checkpoint_dir, path):  # type: ignore[no-untyped-def]
+    """The k pages reserved for a pulled checkpoint go back to the free list when the import ends unpublished and
+    the READ can no longer land, stay out of it (and out of the tree) when it may still land, and are cached only
+    after a confirmed pull."""
+    from hybridpd.engine.transfer import abort_import, confirm_import, refuse_unconfirmed, run_unconfirmed
+
+    model = checkpoint_dir("nemotron_attn_mid")
+    p, d = _core(model), _core(model)
+    rng = random.Random(4)
+    prompt = [rng.randrange(256) for _ in range(88)]
+    free_before = sorted(d.cache.pages.free)
+    preq, exp, dreq, imp = _handoff(p, d, "a", prompt)
+    ckpt = imp.checkpoint
+    assert ckpt is not None
+    copy_import(p, d, imp)
+    if path.endswith("quarantined"):
+        d.transfer_canceller = lambda rid: False
+    quarantined = False
+    if path == "abort_reusable":
+        assert abort_import(d, dreq, imp, reusable=True)
+    elif path == "abort_quarantined":
+        assert not abort_import(d, dreq, imp, reusable=False)
+        quarantined = True
+    elif path in ("core_abort", "core_abort_quarantined"):
+        d.abort("a")
+        quarantined = path == "core_abort_quarantined"
+    elif path in ("expired", "expired_quarantined"):
+        d.scheduler.importing["a"] = __import__("dataclasses").replace(imp, deadline=0.0, fallback="fail")
+        assert d.expire_imports() == [dreq]
+        quarantined = path == "expired_quarantined"
+    elif path.startswith("unconfirmed"):
+        run_unconfirmed(d, dreq)
+        d.step()
+        if path == "unconfirmed_refused":
+            refuse_unconfirmed(d, dreq, "fail", "refused")
+        elif path == "unconfirmed_aborted":
+            d.abort("a")
+        elif path == "unconfirmed_expired":
+            d.scheduler.unconfirmed["a"] = __import__("dataclasses").replace(imp, deadline=0.0, fallback="fail")
+            assert d.expire_imports() == [dreq]
+        else:
+            confirm_import(d, dreq)
+    else:
+        complete_import(d, dreq, imp)
+    _run(d)
+    release_export(p, preq, exp)
+    d.cache.check_integrity()
+    free = set(d.cache.pages.free)
+    cached = {q for node in d.cache.tree.nodes.values() for q in node.ckpt or ()}
+    if quarantined:
+        assert not set(ckpt.pages) & free and not set(ckpt.pages) & cached
+    elif path in ("unconfirmed_confirmed", "completed"):
+        assert set(ckpt.pages) <= cached
+    else:
+        assert not set(ckpt.pages) & cached
+        assert d.cache.tree.num_reserved == 0
+        # nothing pinned any more: every page is free or a cached item (evictable)
+        d.cache.tree.make_room(len(free_before), checkpoint=False)
+        assert sorted(d.cache.pages.free) == free_before
+
+
+class _LaggingDevice:
+    """A device that runs a step's checkpoint copies (restores and saves) only when the host waits for it: when a
+    step that sampled resolves its tokens, or on `runner.synchronize()`; as CUDA does, where a step that samples
+    nothing (a prompt chunk, a compute-target step) is never waited for and its copies may still be queued."""
+
+    def __init__(self, core: EngineCore) -> None:
+        runner = core.runner
+        self.queue: list = []  # type: ignore[type-arg]
+        copy, launch, sync = runner._copy_checkpoints, runner.launch, runner.synchronize
+
+        def queued(copies, save):  # type: ignore[no-untyped-def]
+            if copies:
+                self.queue.append((copies, save))
+
+        def flush() -> None:
+            while self.queue:
+                copy(*self.queue.pop(0))
+            sync()
+
+        def launched(*args, **kwargs):  # type: ignore[no-untyped-def]
+            step = launch(*args, **kwargs)
+            if step.rows is not None:
+                resolve = step.resolve
+                step.resolve = lambda: (flush(), resolve())[1]
+            return step
+
+        runner._copy_checkpoints, runner.launch, runner.synchronize = queued, launched, flush
+
+
+def test_pages_go_to_a_pull_only_once_the_device_ran_what_was_queued(checkpoint_dir):  # type: ignore[no-untyped-def]
+    """A NIXL READ writes D's pages off the device's stream, as soon as `begin_import` returns them. A step that
+    sampled nothing was never waited for: its checkpoint saves (pages named in the cache at once) and restores
+    (their checkpoint unpinned at once) may still be queued, so pages `begin_import` takes by eviction, checkpoint
+    pages included, could be written by the READ before, or after, the queued copy reads or writes them (a restore
+    of pulled bytes; a pulled checkpoint overwritten by a local save). begin_import must leave nothing of that
+    queued."""
+    model = checkpoint_dir("nemotron_attn_mid")
+    p, d = _core(model), _core(model)
+    dev = _LaggingDevice(d)
+    rng = random.Random(5)
+    local = [rng.randrange(256) for _ in range(88)]
+    req = d.add_request("local", local, GREEDY, compute_target=len(local) - 1)  # samples nothing
+    _run(d)
+    assert req.finish_reason == "prefilled" and dev.queue  # its checkpoint saves are still queued
+    d.scheduler.release(req)
+    prompt = [rng.randrange(256) for _ in range(88)]
+    preq, exp, dreq, imp = _handoff(p, d, "a", prompt)
+    assert not dev.queue
+    release_export(p, preq, exp)
