@@ -113,7 +113,7 @@ class ModelRunner:
         """A step launched since the last one that sampled samples nothing: nobody waited for the device to run it
         (`LaunchedStep.resolve` waits for a sampling step, and so for everything queued before it), so its copies
         and writes may still be queued. Whoever hands pages to a writer outside the stream (a NIXL READ) must
-        `synchronize` first (engine.transfer.begin_import)."""
+        wait for every rank first, then clear it (engine.transfer.settle_device)."""
 
     @property
     def fast_path(self) -> bool:
@@ -162,7 +162,6 @@ class ModelRunner:
         """Wait until this rank's device has run everything launched so far."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.unwaited = False
 
     def release_graphs(self) -> None:
         """Destroy the decode CUDA graphs: the engine stops (and, under tensor parallelism, is about to leave its

@@ -318,9 +318,9 @@ def settle_device(core: EngineCore) -> None:
         from hybridpd.engine.runner import synchronize_rank
 
         on_all(synchronize_rank)
-        runner.unwaited = False
     else:
         runner.synchronize()
+    runner.unwaited = False
 
 
 def complete_import(core: EngineCore, req: Request, imp: Import | None = None) -> None:

@@ -61,11 +61,11 @@ def test_pulled_checkpoint_is_p_s_and_restores_like_colocated(checkpoint_dir, na
     for gid in imp.dst_blocks:
         assert src[gid][-k:] == exp.checkpoint.pages and dst[gid][-k:] == imp.checkpoint.pages
     copy_import(p, d, imp)  # the in-process reference of the pull: every page read_blocks names
+    complete_import(d, dreq, imp)  # zeroes the last block's tail: the request's block, never a checkpoint page
     rows_p, rows_d = p.runner.rows, d.runner.rows
     first_p, first_d = p.runner.arena.first_page_row, d.runner.arena.first_page_row
     for sp, dp in zip(exp.checkpoint.pages, imp.checkpoint.pages, strict=True):
         assert torch.equal(rows_p[first_p + sp], rows_d[first_d + dp])  # all of every page, not some groups' part
-    complete_import(d, dreq, imp)
     release_export(p, preq, exp)
     _run(d)
 
@@ -201,3 +201,25 @@ def test_pages_go_to_a_pull_only_once_the_device_ran_what_was_queued(checkpoint_
     preq, exp, dreq, imp = _handoff(p, d, "a", prompt)
     assert not dev.queue
     release_export(p, preq, exp)
+
+
+def test_unwaited_marks_steps_nobody_waits_for_and_every_rank_settles(checkpoint_dir):  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from hybridpd.engine.runner import synchronize_rank
+    from hybridpd.engine.transfer import settle_device
+
+    d = _core(checkpoint_dir("nemotron_attn_mid"))
+    rng = random.Random(6)
+    d.add_request("x", [rng.randrange(256) for _ in range(40)], GREEDY, compute_target=39)
+    d.step()
+    assert d.runner.unwaited  # a compute-target step samples nothing
+    d.add_request("y", [rng.randrange(256) for _ in range(40)], GREEDY)
+    _run(d)
+    assert not d.runner.unwaited  # the last step sampled: its resolve waited for everything before it
+    calls: list = []  # type: ignore[type-arg]
+    leader = SimpleNamespace(unwaited=True, on_all=lambda fn, *a: calls.append(fn), synchronize=lambda: calls.append(0))
+    settle_device(SimpleNamespace(runner=leader))  # type: ignore[arg-type]
+    assert calls == [synchronize_rank] and not leader.unwaited  # every rank waits, not rank 0 alone
+    settle_device(SimpleNamespace(runner=leader))  # type: ignore[arg-type]
+    assert calls == [synchronize_rank]
