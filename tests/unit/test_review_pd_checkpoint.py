@@ -223,3 +223,37 @@ def test_unwaited_marks_steps_nobody_waits_for_and_every_rank_settles(checkpoint
     assert calls == [synchronize_rank] and not leader.unwaited  # every rank waits, not rank 0 alone
     settle_device(SimpleNamespace(runner=leader))  # type: ignore[arg-type]
     assert calls == [synchronize_rank]
+
+
+@pytest.mark.parametrize("pattern", ["MMMM", "*-*-"])
+def test_no_checkpoint_travels_for_a_model_without_attention_or_recurrent_layers(tmp_path, pattern):  # type: ignore[no-untyped-def]
+    """States only: no page is a block, so no checkpoint can be read as blocks; attention only: nothing to restore.
+    A checkpoint named in the source anyway is neither reserved nor read, and the handoff still matches colocated."""
+    from hybridpd.engine.models.checkpoint import write_random_checkpoint
+    from hybridpd.engine.transfer import Checkpoint, add_first_token, checkpoints_travel
+
+    model = str(write_random_checkpoint(str(tmp_path), "nemotron_h", seed=0, hybrid_override_pattern=pattern))
+    p, d, colo = _core(model), _core(model), _core(model)
+    assert not checkpoints_travel(p) if pattern == "MMMM" else checkpoints_travel(p)
+    rng = random.Random(7)
+    prompt = [rng.randrange(256) for _ in range(88)]
+    preq = p.add_request("a", prompt, GREEDY, prefill_only=True)
+    _run(p)
+    exp = export_prefilled(p, preq)
+    assert exp.checkpoint is None
+    forged = Checkpoint(64, tuple(range(1, 1 + max(1, d.cache.k))))
+    dreq = d.new_request("a", prompt, GREEDY)
+    imp = begin_import(d, dreq, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, forged))
+    assert imp is not None and imp.checkpoint is None and imp.src_checkpoint_pages == ()
+    assert imp.read_blocks() == (dict(imp.src_blocks), dict(imp.dst_blocks))
+    add_first_token(d, dreq, preq.output_token_ids[0], preq.output_logprobs[0])
+    copy_import(p, d, imp)
+    complete_import(d, dreq, imp)
+    release_export(p, preq, exp)
+    _run(d)
+    want = colo.add_request("a", prompt, GREEDY)
+    _run(colo)
+    assert dreq.output_token_ids == want.output_token_ids
+    for core in (p, d):
+        core.cache.check_integrity()
+        assert all(s["in_use"] == 0 for s in core.cache.pool_stats()), core.cache.pool_stats()
