@@ -109,6 +109,11 @@ class ModelRunner:
         """Checkpoints saved (row copies after a step or a late one)."""
         self.num_graph_checkpoints = 0
         """Of those, saved after a decode graph's replay."""
+        self.unwaited = False
+        """A step launched since the last one that sampled samples nothing: nobody waited for the device to run it
+        (`LaunchedStep.resolve` waits for a sampling step, and so for everything queued before it), so its copies
+        and writes may still be queued. Whoever hands pages to a writer outside the stream (a NIXL READ) must
+        wait for every rank first, then clear it (engine.transfer.settle_device)."""
 
     @property
     def fast_path(self) -> bool:
@@ -265,6 +270,7 @@ class ModelRunner:
         for gid, fresh in out.group_fresh_blocks:
             self.zero_blocks(fresh, gid)
         if out.is_empty:
+            self.unwaited = True
             return LaunchedStep(None)
         fed = None
         if feed is not None:
@@ -277,6 +283,7 @@ class ModelRunner:
         self._copy_checkpoints(out.state_saves, True)  # before anything later can write the slots
         self.num_saved_checkpoints += len(out.state_saves)
         scored, self._scored = self._scored, {}
+        self.unwaited = got is None  # a sampling step's resolve waits for all before it
         if got is None:
             return LaunchedStep(None, scored)
         logits, lse, rids = got
@@ -336,6 +343,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[metas[0].sample_rows]), None, rids
 
 _PROMPT_SCORES = attrgetter("prompt_scores")
+
+
+def synchronize_rank(runner: ModelRunner, rank: int) -> None:
+    """`ModelRunner.synchronize` on one tensor-parallel rank (LeaderRunner.on_all: every rank, rank 0 waits)."""
+    runner.synchronize()
+
 
 Logits = tuple[torch.Tensor, torch.Tensor | None, list[str]]
 """The sampled rows' logits, their logsumexp when the forward computed it, and the rows' request ids."""

@@ -288,6 +288,7 @@ def begin_import(
         # hit: that hit needs no checkpoint, but a prompt that branches there later restores from one
         ckpt = cache.reserve_checkpoint(req, offer.num_tokens)
         theirs = tuple(int(p) for p in offer.pages) if ckpt is not None else ()
+    settle_device(core)
     imp = Import(
         req.request_id,
         src.num_tokens,
@@ -303,6 +304,23 @@ def begin_import(
     )
     core.scheduler.add_importing(req, imp)
     return imp
+
+
+def settle_device(core: EngineCore) -> None:
+    """Wait until every rank's device ran what was launched, when a step nobody waited for may still be queued
+    (`ModelRunner.unwaited`): pages about to be written by a READ outside the stream may have been taken (evicted)
+    from a checkpoint that step restores or saves, or blocks its forward writes."""
+    runner = core.runner
+    if not getattr(runner, "unwaited", False):  # (a stand-in runner without a device)
+        return
+    on_all = getattr(runner, "on_all", None)  # tensor parallel (engine.parallel.executor.LeaderRunner)
+    if on_all is not None:
+        from hybridpd.engine.runner import synchronize_rank
+
+        on_all(synchronize_rank)
+    else:
+        runner.synchronize()
+    runner.unwaited = False
 
 
 def complete_import(core: EngineCore, req: Request, imp: Import | None = None) -> None:
