@@ -40,7 +40,7 @@ def _run(core: EngineCore) -> None:
 
 
 def _copy(p: EngineCore, d: EngineCore, imp: Import) -> None:
-    for src_map, dst_map in ((imp.src_blocks, imp.dst_blocks), (imp.src_state_slots, imp.dst_state_slots)):
+    for src_map, dst_map in (imp.read_blocks(), (imp.src_state_slots, imp.dst_state_slots)):  # (checkpoint pages too)
         for gid, src in src_map.items():
             s, t = torch.tensor(src), torch.tensor(dst_map[gid])
             for ps, ds in zip(p.runner.group_tensors[gid], d.runner.group_tensors[gid], strict=True):

@@ -55,7 +55,8 @@ class PD:
         imp = begin_import(self.d, dreq, ImportSource(exp.num_tokens, exp.blocks, exp.state_slots, exp.checkpoint))
         assert imp is not None
         self.imports.append(imp)
-        for src_map, dst_map in ((imp.src_blocks, imp.dst_blocks), (imp.src_state_slots, imp.dst_state_slots)):
+        # (read_blocks: the blocks and the pulled checkpoint's pages, as a READ moves them)
+        for src_map, dst_map in (imp.read_blocks(), (imp.src_state_slots, imp.dst_state_slots)):
             for gid, src in src_map.items():
                 s, t = torch.tensor(src, dtype=torch.long), torch.tensor(dst_map[gid], dtype=torch.long)
                 for ps, ds in zip(self.p.runner.group_tensors[gid], self.d.runner.group_tensors[gid], strict=True):
