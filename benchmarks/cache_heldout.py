@@ -186,7 +186,7 @@ def variant(
     return build
 
 
-SMALL = {  # budgets (32 sequences) near the least at which some layout tried reached >= 0.95 (chosen under the range arena)
+SMALL = {  # budgets (32 sequences) near the least at which some layout tried reached >= 0.95
     "chat_shared_chat": 9.0,
     "agentic_after_shots": 7.0,
     "flood_chat": 6.0,
