@@ -105,10 +105,8 @@ class ModelRunner:
         ranks (engine.parallel.group.TPGroup.broadcast_tokens), whose next fed step reads them; None otherwise."""
         self.zero_fresh_blocks = zero_fresh_blocks
         self.num_zeroed_blocks = 0
-        self.num_saved_checkpoints = 0
-        """Checkpoints saved (row copies after a step or a late one)."""
         self.num_graph_checkpoints = 0
-        """Of those, saved after a decode graph's replay."""
+        """Checkpoints saved after a decode graph's replay."""
         self.unwaited = False
         """A step launched since the last one that sampled samples nothing: nobody waited for the device to run it
         (`LaunchedStep.resolve` waits for a sampling step, and so for everything queued before it), so its copies
@@ -144,8 +142,8 @@ class ModelRunner:
         if not copies:
             return
         arena = self.arena
-        k, first = arena.pages_per_state, arena.first_page_row
-        slot_rows = [r for slot, _ in copies for r in range(slot * k, slot * k + k)]
+        first = arena.first_page_row
+        slot_rows = [r for slot, _ in copies for r in arena.slot_rows(slot)]
         page_rows = [first + p for _, pages in copies for p in pages]
         src, dst = (slot_rows, page_rows) if save else (page_rows, slot_rows)
         src_t = to_device(src, torch.int64, self.device)  # pinned: no wait for a running step
@@ -156,7 +154,6 @@ class ModelRunner:
         """Checkpoints saved now (stream-ordered after the step launched last): slot -> its pages."""
         with self._on_device():
             self._copy_checkpoints(copies, True)
-        self.num_saved_checkpoints += len(copies)
 
     def synchronize(self) -> None:
         """Wait until this rank's device has run everything launched so far."""
@@ -281,7 +278,6 @@ class ModelRunner:
         self._scored = {}
         got = self._forward(out, fed)
         self._copy_checkpoints(out.state_saves, True)  # before anything later can write the slots
-        self.num_saved_checkpoints += len(out.state_saves)
         scored, self._scored = self._scored, {}
         self.unwaited = got is None  # a sampling step's resolve waits for all before it
         if got is None:

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 from hybridpd.engine import SamplingParams
-from hybridpd.engine.config import CacheConfig, EngineConfig, ModelConfig
 from hybridpd.engine.core import EngineCore
 from hybridpd.engine.parallel.handoff import copy_import
 from hybridpd.engine.transfer import (
@@ -21,19 +20,11 @@ from hybridpd.engine.transfer import (
     schedule_local,
 )
 
+from tests.unit.test_pd_prefix_reuse import _core, _run  # (the same P/D engines)
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BS = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def _core(model: str) -> EngineCore:
-    return EngineCore(EngineConfig(model=ModelConfig(path=model), cache=CacheConfig(
-        block_size=BS, kv_cache_memory_bytes=8 * 2**20)))
-
-
-def _run(core: EngineCore) -> None:
-    while core.has_unfinished():
-        core.step()
 
 
 def _handoff(p: EngineCore, d: EngineCore, rid: str, prompt: list[int]):  # type: ignore[no-untyped-def]
