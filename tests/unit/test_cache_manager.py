@@ -327,6 +327,23 @@ def test_staging_slots_are_left_to_new_requests_that_need_a_running_slot() -> No
     assert sorted(s.cache.slots.free) == [1, 2, 3, 4]
 
 
+def test_a_checkpoint_without_room_does_not_cut_the_chunk() -> None:
+    """As above, but the cap on cached checkpoints is taken by a's two: b's boundary finds no room, so it is
+    skipped, and b's chunk runs whole (cut without a checkpoint, it would only have cost a step)."""
+    s = make(num_pages=64)
+    s.cache.tree.max_checkpoints = 2
+    add(s, "a", A)
+    add(s, "b", list(range(200, 220)))
+    out = s.schedule()
+    (sa, sb) = out.seqs
+    assert lead(sa.group_checkpoints) == ((8, 3), (16, 4))
+    assert (lead(sb.group_checkpoints), len(sb.token_ids), sb.sample) == ((), 20, True)
+    assert [slot for slot, _ in out.state_saves] == [3, 4]  # a's only
+    step_done(s, out)
+    run(s)
+    s.cache.check_integrity()
+
+
 # -- fresh blocks ------------------------------------------------------------------------------------------------
 def test_fresh_blocks_drained_every_step_and_exclude_hits() -> None:
     s = make(budget=6)
