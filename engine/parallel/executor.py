@@ -165,7 +165,14 @@ def follower_main(config: Any, rank: int, init_method: str, leader_pid: int) -> 
     core = EngineCore(config, tp=tp)
     follow(core.runner, tp, leader_pid)
     core.runner.release_graphs()
-    leave_group()
+    left = leave_group()
+    # The work is done and the group left: end here rather than in the interpreter's teardown, where torch's C++
+    # statics (process-group and store objects, their threads) are destroyed in no fixed order and can abort
+    # ("terminate called without an active exception", SIGABRT) after a clean stop.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if left else LEFT_UNCLEANLY_EXIT_CODE)
 
 
 def _alive(pid: int) -> bool:
@@ -207,6 +214,9 @@ WATCH_POLL_S = 0.2
 
 EXIT_CLOSE_TIMEOUT_S = 10.0
 """How long interpreter exit waits for an engine nobody shut down to stop its followers and leave the group."""
+
+LEFT_UNCLEANLY_EXIT_CODE = 1
+"""A follower's exit code when the group could not be left cleanly at the stop (0 when it could)."""
 
 LEAVE_TIMEOUT_S = 30.0
 """How long a rank waits for the others to leave the group with it (NCCL's communicator teardown waits for every
