@@ -73,3 +73,45 @@ def abandon_streams(port: int, source_ip: str, body: bytes, count: int, out: Any
     every connection; put (statuses, time.perf_counter() at the drop) on `out`."""
     statuses = asyncio.run(_abandon(port, source_ip, body, count))
     out.put((statuses, time.perf_counter()))
+
+
+async def _slow_client(port: int, source_ip: str, head: bytes, drip: bytes, interval_s: float,
+                       give_up_s: float) -> tuple[float, bytes]:
+    """Send `head`, then `drip` one byte every `interval_s`; (seconds from connected until the server closed, what
+    it sent). Timed from the connection, not from the call: 300 clients connecting at once on a loaded box may wait
+    for their handshake, and the server's deadlines start at its accept."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source_ip, 0))
+    t0 = time.perf_counter()
+    got = b""
+    try:
+        writer.write(head)
+        for i in range(int(give_up_s / interval_s)):
+            try:
+                chunk = await asyncio.wait_for(reader.read(4096), interval_s)
+            except asyncio.TimeoutError:
+                writer.write(drip[i % len(drip):i % len(drip) + 1])
+                continue
+            got += chunk
+            if not chunk:
+                return time.perf_counter() - t0, got
+    except (ConnectionError, OSError):
+        return time.perf_counter() - t0, got
+    finally:
+        writer.transport.abort()
+    return float("inf"), got
+
+
+def slowloris(port: int, heads: int, bodies: int, out: Any) -> None:
+    """`heads` clients dripping header bytes (from 127.0.0.2) and `bodies` dripping a body byte by byte (from
+    127.0.0.3), one byte every 0.2 s, each giving up after 6 s; put each one's (seconds from connected until the
+    server closed, what it sent) on `out`, the header clients first."""
+
+    async def attack() -> list[tuple[float, bytes]]:
+        slow_heads = [_slow_client(port, "127.0.0.2", b"POST /v1/completions HTTP/1.1\r\n", b"X-Pad: aaaaaaaa\r\n",
+                                   0.2, 6.0) for _ in range(heads)]
+        slow_bodies = [_slow_client(port, "127.0.0.3", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+                                    b'"prompt": [1, 2, 3]     ', 0.2, 6.0) for _ in range(bodies)]
+        return list(await asyncio.gather(*slow_heads, *slow_bodies))
+
+    out.put(asyncio.run(attack()))

@@ -23,7 +23,7 @@ import pytest
 from hybridpd.proxy.config import HttpLimits
 
 from tests.support.attack import AttackReport, Limits, Observer, flood
-from tests.support.flood_client import abandon_streams
+from tests.support.flood_client import abandon_streams, slowloris
 from tests.support.live_stack import LiveStack
 from tests.support.proxy_process import ProxyProcess
 
@@ -137,49 +137,19 @@ def test_abandoned_streams_are_cancelled_within_a_second() -> None:
     check(r)
 
 
-async def _slow_client(port: int, source_ip: str, head: bytes, drip: bytes, interval_s: float,
-                       give_up_s: float) -> tuple[float, bytes]:
-    """Send `head`, then `drip` one byte every `interval_s`; (seconds from connected until the server closed, what
-    it sent). Timed from the connection, not from the call: 300 clients connecting at once on a loaded box may wait
-    for their handshake, and the server's deadlines start at its accept."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source_ip, 0))
-    t0 = time.perf_counter()
-    got = b""
-    try:
-        writer.write(head)
-        for i in range(int(give_up_s / interval_s)):
-            try:
-                chunk = await asyncio.wait_for(reader.read(4096), interval_s)
-            except asyncio.TimeoutError:
-                writer.write(drip[i % len(drip):i % len(drip) + 1])
-                continue
-            got += chunk
-            if not chunk:
-                return time.perf_counter() - t0, got
-    except (ConnectionError, OSError):
-        return time.perf_counter() - t0, got
-    finally:
-        writer.transport.abort()
-    return float("inf"), got
-
-
 def test_slowloris_headers_and_bodies_are_dropped(anon: ProxyProcess) -> None:
     port = int(anon.url.rsplit(":", 1)[1])
     before = {r: anon.metric("hybridpd_admission_rejected_total", reason=r) for r in ("header_timeout",
                                                                                        "body_timeout")}
 
-    async def attack() -> list[tuple[float, bytes]]:
-        heads = [_slow_client(port, "127.0.0.2", b"POST /v1/completions HTTP/1.1\r\n", b"X-Pad: aaaaaaaa\r\n",
-                              0.2, 6.0) for _ in range(250)]
-        bodies = [_slow_client(port, "127.0.0.3", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                               b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
-                               b'"prompt": [1, 2, 3]     ', 0.2, 6.0) for _ in range(50)]
-        return list(await asyncio.gather(*heads, *bodies))
-
-    with Observer(anon, ANON_LIMITS, pid=anon.pid, legit_delay_s=0.3) as obs:  # the attack starts at once
-        t = in_thread(attack)
-        t.join(30)
-    results = t.box["result"]  # type: ignore[attr-defined]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    attacker = ctx.Process(target=slowloris, args=(port, 250, 50, out))  # its CPU is not the observer's
+    # the legitimate requests start early and go on until every slow client is dropped: they overlap the attack
+    with Observer(anon, ANON_LIMITS, pid=anon.pid, legit_delay_s=0.3) as obs:
+        attacker.start()
+        results = out.get(timeout=60)
+        attacker.join(10)
     head_s = [d for d, _ in results[:250]]
     body = results[250:]
     r = obs.report("slowloris (250 slow headers, 50 slow bodies; deadlines 1 s)", attacks_tried=300,
