@@ -142,8 +142,9 @@ class Consumer:
         if time_left <= 0:
             return self._refuse(core, req, "lease_expired", f"lease ended {-time_left:.1f} s before a pull could")
         pull_timeout = min(self.timeout_s, time_left)
+        whole_pages = not isinstance(peer, TPPeer) or peer.whole_pages
         try:
-            imp = begin_import(core, req, source_of(tp),
+            imp = begin_import(core, req, source_of(tp, checkpoint=whole_pages),
                                deadline=core.clock() + pull_timeout + self.commit_grace_s, fallback=self.policy)
         except ValueError as e:  # the params do not name the pages this request needs: nothing was kept
             return self._refuse(core, req, "bad_params", str(e))
@@ -256,10 +257,12 @@ def overlap_from_env() -> bool:
     return os.environ.get("HYBRIDPD_COMMIT_OVERLAP", "1").strip() != "0"
 
 
-def source_of(tp: pb.TransferParams) -> ImportSource:
-    """The engine's view of transfer params (group ids are the model's: identical on both sides)."""
-    checkpoint = None
-    if tp.checkpoint_num_tokens and tp.checkpoint_pages:
-        checkpoint = Checkpoint(int(tp.checkpoint_num_tokens), tuple(int(p) for p in tp.checkpoint_pages))
+def source_of(tp: pb.TransferParams, checkpoint: bool = True) -> ImportSource:
+    """The engine's view of transfer params (group ids are the model's: identical on both sides). `checkpoint`:
+    whether P's checkpoint offer is kept: its pages land whole in ours only when both workers are single-rank or
+    slice every tensor alike (TPPeer.whole_pages); otherwise it is dropped and D pulls blocks and states alone."""
+    offer = None
+    if checkpoint and tp.checkpoint_num_tokens and tp.checkpoint_pages:
+        offer = Checkpoint(int(tp.checkpoint_num_tokens), tuple(int(p) for p in tp.checkpoint_pages))
     return ImportSource(int(tp.num_computed_tokens), {g.group_id: list(g.block_ids) for g in tp.groups},
-                        {int(g.group_id): int(g.state_slot) for g in tp.states}, checkpoint)
+                        {int(g.group_id): int(g.state_slot) for g in tp.states}, offer)

@@ -206,6 +206,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
         from hybridpd.kvtransfer.errors import CompatibilityError
         from hybridpd.kvtransfer.tp_handshake import TPLayout, problems
         from hybridpd.kvtransfer.tp_pull import TPPeer
+        from hybridpd.kvtransfer.tp_slices import same_slicing
 
         mine = self.ctx.tp_layout
         peer_tp = TPLayout.decode(md.tp_layout) if md.tp_layout else None
@@ -222,7 +223,7 @@ class DecodeServicer(WorkerRpcs, pb_grpc.DecodeServiceServicer):
                 f"prefill worker {md.worker_id} (tp {peer_tp.tp_size}) cannot hand off to this "
                 f"decode worker (tp {mine.tp_size}): " + "; ".join(bad)
             )
-        return TPPeer(md.worker_id, md.epoch, md.tp_layout)
+        return TPPeer(md.worker_id, md.epoch, md.tp_layout, whole_pages=same_slicing(mine.flat(), peer_tp.flat()))
 
     # -- commit: step thread -> event loop -> step thread -----------------------------------------------------------
     def _start_commit(self, p: PendingPull) -> None:

@@ -134,7 +134,8 @@ class EngineCore:
         self._gpu: GpuBudget | None = None
         self.plan = self._plan(specs)
         log.info(self.plan.log_line())
-        if self.tp is not None and len(set(self.tp.gather_objects(self.plan.log_line()))) != 1:
+        agreed = (self.plan.log_line(), self.plan.arena is not None and self.plan.arena.pages_are_blocks)
+        if self.tp is not None and len(set(self.tp.gather_objects(agreed))) != 1:
             raise RuntimeError("tensor-parallel ranks planned different caches; block ids would not agree")
         sc = self.config.scheduler  # max_num_seqs may have been lowered to what the memory holds
         self.cache = HybridCacheManager(self.groups, self.plan.layout(), cc.enable_prefix_caching)

@@ -135,9 +135,11 @@ def export_prefilled(core: EngineCore, req: Request) -> Export:
 
 
 def checkpoints_travel(core: EngineCore) -> bool:
-    """Whether this engine offers and takes checkpoints in a handoff: a single rank whose pages are exactly its
-    attention blocks (so reading block j of every attention group reads all of page j)."""
-    return core.tp is None and core.plan.arena is not None and core.plan.arena.pages_are_blocks
+    """Whether this engine offers and takes checkpoints in a handoff: its pages are exactly its attention blocks
+    (so reading block j of every attention group reads all of page j; every rank agrees, EngineCore._start). Across
+    workers a checkpoint's pages line up only where both slice alike (equal TP sizes): the consumer's worker drops
+    the offer otherwise (decode/consumer.py: source_of)."""
+    return core.plan.arena is not None and core.plan.arena.pages_are_blocks
 
 
 def offered_checkpoint(core: EngineCore, req: Request, n: int) -> tuple[int, tuple[int, ...]] | None:

@@ -305,6 +305,8 @@ class TPPeer:
     epoch: str
     layout_blob: bytes
     loaded: bool = False
+    whole_pages: bool = False
+    """Both workers slice every tensor alike (tp_slices.same_slicing): a checkpoint P offers can travel."""
 
     @property
     def key(self) -> tuple[str, str]:

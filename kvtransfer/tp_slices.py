@@ -84,6 +84,15 @@ def incompatibilities(mine: list[ShardedTensor], peer: list[ShardedTensor]) -> l
     return out
 
 
+def same_slicing(mine: list[ShardedTensor], peer: list[ShardedTensor]) -> bool:
+    """Whether two workers cut every cache tensor alike (equal TP sizes, each rank holding the same indices): a page
+    then moves whole, rank r to rank r, and a checkpoint's pages with it (they cut the state at page bounds)."""
+    return len(mine) == len(peer) and all(
+        (a.name, a.page_shape, a.axis, a.dtype, a.held) == (b.name, b.page_shape, b.axis, b.dtype, b.held)
+        for a, b in zip(mine, peer, strict=True)
+    )
+
+
 def plan_pieces(src: ShardedTensor, dst: ShardedTensor, dst_rank: int) -> list[Piece]:
     """The pieces that rebuild D rank `dst_rank`'s page of this tensor from the P ranks' pages (sorted by P rank,
     then destination offset). Raises ValueError if the two describe different tensors."""
@@ -151,4 +160,4 @@ def plan_peer(src: list[ShardedTensor], dst: list[ShardedTensor], dst_rank: int)
     return out
 
 
-__all__ = ["Piece", "ShardedTensor", "incompatibilities", "plan_peer", "plan_pieces"]
+__all__ = ["Piece", "ShardedTensor", "incompatibilities", "plan_peer", "plan_pieces", "same_slicing"]

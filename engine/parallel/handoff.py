@@ -22,7 +22,7 @@ from hybridpd.kvtransfer.tp_layout import (
     gdn_tensors,
     mamba2_tensors,
 )
-from hybridpd.kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces
+from hybridpd.kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces, same_slicing
 
 
 def cache_tensors(core: Any) -> dict[int, list[ShardedTensor]]:
@@ -104,6 +104,8 @@ def copy_import(src_core: Any, dst_core: Any, imp: Any) -> None:
     bad = incompatibilities(flat_dst, flat_src)
     if bad:
         raise ValueError("peer refused: " + "; ".join(bad))
+    if imp.src_checkpoint_pages and not same_slicing(flat_dst, flat_src):
+        raise ValueError("a checkpoint's pages move whole only between engines that slice every tensor alike")
     d_world = dst_core.tp.world if dst_core.tp is not None else 1
     for src_map, dst_map in (imp.read_blocks(), (imp.src_state_slots, imp.dst_state_slots)):
         for gid, src_ids in src_map.items():
