@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MetadataError
-from .tp_slices import ShardedTensor, incompatibilities
+from .tp_slices import ShardedTensor, in_group_order, incompatibilities
 
 MAGIC = b"HPDKVTP\x00"
 
@@ -63,7 +63,7 @@ class TPLayout:
         return out
 
     def flat(self) -> list[ShardedTensor]:
-        return [t for g in sorted(self.tensors) for t in self.tensors[g]]
+        return in_group_order(self.tensors)
 
 
 def problems(mine: TPLayout, peer: TPLayout) -> list[str]:

@@ -84,6 +84,11 @@ def incompatibilities(mine: list[ShardedTensor], peer: list[ShardedTensor]) -> l
     return out
 
 
+def in_group_order(tensors: dict[int, list[ShardedTensor]]) -> list[ShardedTensor]:
+    """Every cache group's tensors, group by group in id order: how two workers' tensors are paired."""
+    return [t for g in sorted(tensors) for t in tensors[g]]
+
+
 def same_slicing(mine: list[ShardedTensor], peer: list[ShardedTensor]) -> bool:
     """Whether two workers cut every cache tensor alike (equal TP sizes, each rank holding the same indices): a page
     then moves whole, rank r to rank r, and a checkpoint's pages with it (they cut the state at page bounds)."""
@@ -160,4 +165,4 @@ def plan_peer(src: list[ShardedTensor], dst: list[ShardedTensor], dst_rank: int)
     return out
 
 
-__all__ = ["Piece", "ShardedTensor", "incompatibilities", "plan_peer", "plan_pieces", "same_slicing"]
+__all__ = ["Piece", "ShardedTensor", "in_group_order", "incompatibilities", "plan_peer", "plan_pieces", "same_slicing"]

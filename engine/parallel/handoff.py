@@ -22,7 +22,13 @@ from hybridpd.kvtransfer.tp_layout import (
     gdn_tensors,
     mamba2_tensors,
 )
-from hybridpd.kvtransfer.tp_slices import ShardedTensor, incompatibilities, plan_pieces, same_slicing
+from hybridpd.kvtransfer.tp_slices import (
+    ShardedTensor,
+    in_group_order,
+    incompatibilities,
+    plan_pieces,
+    same_slicing,
+)
 
 
 def cache_tensors(core: Any) -> dict[int, list[ShardedTensor]]:
@@ -99,8 +105,7 @@ def copy_import(src_core: Any, dst_core: Any, imp: Any) -> None:
     (engine.transfer.Import; any two TP sizes the model's heads allow). Raises ValueError if the two engines'
     layouts cannot trade pages (the handshake's refusal)."""
     src_t, dst_t = cache_tensors(src_core), cache_tensors(dst_core)
-    flat_src = [t for g in sorted(src_t) for t in src_t[g]]
-    flat_dst = [t for g in sorted(dst_t) for t in dst_t[g]]
+    flat_src, flat_dst = in_group_order(src_t), in_group_order(dst_t)
     bad = incompatibilities(flat_dst, flat_src)
     if bad:
         raise ValueError("peer refused: " + "; ".join(bad))
